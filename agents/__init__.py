@@ -1,0 +1,1 @@
+"""Example agents shipped with orchestrator (installed as ``orchestrator.agents``)."""

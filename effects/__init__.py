@@ -1,0 +1,1 @@
+"""The fenced side-effect boundary (installed as ``orchestrator.effects``)."""

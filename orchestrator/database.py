@@ -1,0 +1,125 @@
+"""Connections to PostgreSQL: DSN resolution, pool set-up, and clear errors when it is down."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from orchestrator.embedded import EmbeddedPostgres
+from orchestrator.errors import DatabaseUnavailable
+from orchestrator.settings import Settings
+
+Pool = asyncpg.Pool
+Connection = asyncpg.Connection
+
+
+def resolve_dsn(settings: Settings) -> str:
+    """The DSN in use: ``ORCHESTRATOR_DATABASE_URL``, or the embedded server (started if needed)."""
+    if settings.database_url:
+        return settings.database_url
+    return EmbeddedPostgres(settings.home).ensure_running().dsn()
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN without its password, safe to print in errors and logs."""
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return "<unparseable DSN>"
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+async def _init_connection(connection: asyncpg.Connection) -> None:
+    # jsonb in and out as Python values; compact separators keep stored payloads small.
+    await connection.set_type_codec(
+        "jsonb",
+        encoder=lambda value: json.dumps(value, separators=(",", ":")),
+        decoder=json.loads,
+        schema="pg_catalog",
+    )
+
+
+def server_settings(settings: Settings, application_name: str) -> dict[str, str]:
+    """Per-connection settings: a bounded statement, a bounded idle transaction, and a name.
+
+    ``application_name`` carries the worker id, so ``pg_stat_activity`` shows which worker holds
+    which connection during an incident.
+    """
+    statement_ms = int(settings.statement_timeout_seconds * 1000)
+    return {
+        "application_name": application_name[:63],
+        "statement_timeout": str(statement_ms),
+        "idle_in_transaction_session_timeout": str(max(statement_ms * 2, 1000)),
+    }
+
+
+_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    socket.gaierror,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.InvalidCatalogNameError,
+    asyncpg.InvalidAuthorizationSpecificationError,
+    asyncpg.InvalidPasswordError,
+)
+
+
+def unavailable(dsn: str, error: BaseException) -> DatabaseUnavailable:
+    reason = str(error).strip() or type(error).__name__
+    return DatabaseUnavailable(
+        f"cannot reach PostgreSQL at {redact_dsn(dsn)}: {reason}. Check that the server runs "
+        "and ORCHESTRATOR_DATABASE_URL is right (unset it to use the embedded server)."
+    )
+
+
+async def create_pool(
+    settings: Settings,
+    *,
+    application_name: str = "orchestrator",
+    min_size: int = 1,
+    max_size: int = 10,
+    dsn: str | None = None,
+    **pool_options: Any,
+) -> asyncpg.Pool:
+    """Open a pool, or raise ``DatabaseUnavailable`` naming the (redacted) DSN."""
+    dsn = dsn or resolve_dsn(settings)
+    try:
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=settings.connect_timeout_seconds,
+            server_settings=server_settings(settings, application_name),
+            init=_init_connection,
+            **pool_options,
+        )
+    except _UNAVAILABLE_ERRORS as error:
+        raise unavailable(dsn, error) from None
+    assert pool is not None
+    return pool
+
+
+async def connect(
+    settings: Settings, *, application_name: str = "orchestrator", dsn: str | None = None
+) -> asyncpg.Connection:
+    """One dedicated connection (for LISTEN, advisory locks, migrations)."""
+    dsn = dsn or resolve_dsn(settings)
+    try:
+        connection = await asyncpg.connect(
+            dsn,
+            timeout=settings.connect_timeout_seconds,
+            server_settings=server_settings(settings, application_name),
+        )
+    except _UNAVAILABLE_ERRORS as error:
+        raise unavailable(dsn, error) from None
+    await _init_connection(connection)
+    return connection

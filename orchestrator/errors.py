@@ -1,0 +1,47 @@
+"""Errors a user can act on.
+
+Every error raised to the command line is an ``OrchestratorError`` whose message says what was
+wrong and what to do; the CLI prints it on one line and exits 1. Anything else is a bug.
+"""
+
+from __future__ import annotations
+
+
+class OrchestratorError(Exception):
+    """Base class: a problem the user can fix, with a message that says how."""
+
+
+class InvalidInput(OrchestratorError):
+    """A run's input, id, agent name or option is malformed or too large."""
+
+
+class RunNotFound(OrchestratorError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(
+            f"no run with id {run_id!r}; `orchestrator runs list` shows the runs that exist"
+        )
+        self.run_id = run_id
+
+
+class InvalidTransition(OrchestratorError):
+    """The run exists but is in a state that does not allow the requested change."""
+
+
+class IdempotencyConflict(OrchestratorError):
+    """A submit reused an idempotency key with a different agent or input."""
+
+
+class RunAlreadyExists(OrchestratorError):
+    """A submit named an explicit run id that is already taken."""
+
+
+class DatabaseUnavailable(OrchestratorError):
+    """PostgreSQL could not be reached or answered too slowly."""
+
+
+class SchemaTooNew(OrchestratorError):
+    """The database was migrated by a newer orchestrator than this one."""
+
+
+class EmbeddedPostgresError(OrchestratorError):
+    """The embedded PostgreSQL server could not be prepared or started."""

@@ -1,0 +1,44 @@
+"""Run ids: time-ordered, URL- and shell-safe, validated at every entry point."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from orchestrator.errors import InvalidInput
+
+_CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]{0,127}$")
+AGENT_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+
+
+def new_run_id() -> str:
+    """``r_`` + a ULID (48-bit millisecond time, 80 random bits) in lower-case Crockford base32.
+
+    Time-ordered ids keep the primary-key index append-mostly and sort runs by submission.
+    """
+    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    chars = []
+    for _ in range(26):
+        chars.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return "r_" + "".join(reversed(chars))
+
+
+def validate_run_id(run_id: str) -> str:
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        raise InvalidInput(
+            f"malformed run id {run_id!r}: a run id is 1-128 characters, starts with a letter and "
+            "holds only letters, digits and _ . : - (for example r_01jd3k5q8m2x7c9v4b6n0p1r2s)"
+        )
+    return run_id
+
+
+def validate_agent_name(agent: str) -> str:
+    if not AGENT_NAME_PATTERN.fullmatch(agent):
+        raise InvalidInput(
+            f"malformed agent name {agent!r}: an agent name is 1-64 characters, starts with a "
+            "letter and holds only letters, digits and _ . -"
+        )
+    return agent

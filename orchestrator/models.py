@@ -1,0 +1,161 @@
+"""Domain objects the store returns: runs, leases, events."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+JSON = Any
+"""A JSON value as the json module reads it."""
+
+
+class RunState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    WAITING = "waiting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    DEAD = "dead"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset(
+    {RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunState.DEAD}
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run as stored. Nothing in a worker's memory is authoritative; this row is."""
+
+    run_id: str
+    agent: str
+    state: RunState
+    input: JSON
+    fence: int
+    lease_owner: str | None
+    lease_until: datetime | None
+    attempt: int
+    max_attempts: int
+    available_at: datetime
+    step: str | None
+    checkpoint: JSON
+    checkpoint_version: int
+    result: JSON
+    error: JSON
+    idempotency_key: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Run:
+        values = {name: record[name] for name in cls.__dataclass_fields__}
+        values["state"] = RunState(values["state"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Proof of ownership a worker carries: run id, owner and the fence it was granted.
+
+    Every renewal, commit and effect request presents all three; the database accepts them only
+    while they are still the current owner and fence of an unexpired, running run.
+    """
+
+    run_id: str
+    worker_id: str
+    fence: int
+
+
+@dataclass(frozen=True)
+class ClaimedRun:
+    """What a claim hands a worker: the lease plus what it needs to resume the run."""
+
+    lease: Lease
+    agent: str
+    input: JSON
+    lease_until: datetime
+    attempt: int
+    max_attempts: int
+    step: str | None
+    checkpoint: JSON
+    checkpoint_version: int
+    claimed_at: datetime
+    previous_owner: str | None
+    previous_lease_until: datetime | None
+
+    @property
+    def run_id(self) -> str:
+        return self.lease.run_id
+
+    @property
+    def fence(self) -> int:
+        return self.lease.fence
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], worker_id: str) -> ClaimedRun:
+        return cls(
+            lease=Lease(record["run_id"], worker_id, record["fence"]),
+            agent=record["agent"],
+            input=record["input"],
+            lease_until=record["lease_until"],
+            attempt=record["attempt"],
+            max_attempts=record["max_attempts"],
+            step=record["step"],
+            checkpoint=record["checkpoint"],
+            checkpoint_version=record["checkpoint_version"],
+            claimed_at=record["claimed_at"],
+            previous_owner=record["previous_owner"],
+            previous_lease_until=record["previous_lease_until"],
+        )
+
+
+@dataclass(frozen=True)
+class ClaimBatch:
+    """The outcome of one claim statement."""
+
+    claimed: list[ClaimedRun]
+    dead_lettered: list[str]
+    """Runs whose lease expired on their last allowed attempt: dead-lettered, not claimed."""
+
+
+@dataclass(frozen=True)
+class Renewal:
+    run_id: str
+    lease_until: datetime
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    checkpoint_version: int
+    lease_until: datetime
+
+
+@dataclass(frozen=True)
+class Submission:
+    run: Run
+    created: bool
+    """False when an idempotency key matched an existing run, which is returned instead."""
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    event_id: int
+    run_id: str
+    at: datetime
+    kind: str
+    fence: int | None
+    worker_id: str | None
+    details: JSON
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> RunEvent:
+        return cls(**{name: record[name] for name in cls.__dataclass_fields__})

@@ -1,0 +1,383 @@
+"""The run store: leases and fencing tokens on PostgreSQL.
+
+This is the only module that knows query names. Every method is one statement, or one
+transaction, whose WHERE clause carries the ownership conditions; a method that finds its
+conditions no longer hold changes nothing and says so (``None`` or ``False``), and the caller
+treats that as lost ownership.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from orchestrator.backoff import Backoff
+from orchestrator.errors import (
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidTransition,
+    RunAlreadyExists,
+    RunNotFound,
+)
+from orchestrator.ids import new_run_id, validate_agent_name, validate_run_id
+from orchestrator.models import (
+    JSON,
+    ClaimBatch,
+    ClaimedRun,
+    CommitResult,
+    Lease,
+    Run,
+    RunEvent,
+    RunState,
+    Submission,
+)
+from orchestrator.queries import query
+from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES
+
+MAX_LIST_LIMIT = 10_000
+MAX_ATTEMPTS_LIMIT = 1_000
+
+InTransaction = Callable[[asyncpg.Connection, CommitResult], Awaitable[None]]
+"""Extra writes a commit performs inside its transaction, after ownership was proven."""
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """An event a step commit appends to the run's timeline, in the same transaction."""
+
+    kind: str
+    details: Mapping[str, JSON]
+
+
+@dataclass(frozen=True)
+class FailOutcome:
+    state: RunState
+    """``waiting`` (a retry is scheduled) or ``dead`` (attempts exhausted)."""
+    retry_at: datetime | None
+    attempt: int
+
+
+def encode_input(value: JSON, *, max_bytes: int) -> JSON:
+    """Validate a run's input: a JSON object no larger than ``max_bytes`` once encoded."""
+    if not isinstance(value, dict):
+        raise InvalidInput(
+            f"input must be a JSON object (for example {{\"topic\": \"...\"}}), "
+            f"not a {type(value).__name__}"
+        )
+    try:
+        size = len(json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+    except (TypeError, ValueError) as error:
+        raise InvalidInput(f"input is not JSON-serialisable: {error}") from None
+    if size > max_bytes:
+        raise InvalidInput(
+            f"input is {size:,} bytes, over the {max_bytes:,}-byte limit; store large documents "
+            "elsewhere and pass a reference, or raise ORCHESTRATOR_MAX_INPUT_BYTES"
+        )
+    return value
+
+
+def _events_json(events: Sequence[StepEvent]) -> list[dict[str, JSON]]:
+    return [{"kind": event.kind, "details": dict(event.details)} for event in events]
+
+
+class RunStore:
+    """Typed operations on runs; see ``sql/queries.sql`` for the statements and their rules."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.pool = pool
+        self.max_input_bytes = max_input_bytes
+        self.backoff = backoff or Backoff()
+
+    # -- submitting and reading ---------------------------------------------------------------
+    async def submit(
+        self,
+        agent: str,
+        input: JSON,
+        *,
+        run_id: str | None = None,
+        idempotency_key: str | None = None,
+        max_attempts: int = 5,
+    ) -> Submission:
+        """Queue a run. The same idempotency key returns the run it first created."""
+        validate_agent_name(agent)
+        encode_input(input, max_bytes=self.max_input_bytes)
+        if run_id is not None:
+            validate_run_id(run_id)
+        if not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
+            raise InvalidInput(f"max attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}")
+        if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
+            raise InvalidInput("an idempotency key must be 1-200 characters")
+        record = await self.pool.fetchrow(
+            query("submit_run"),
+            run_id or new_run_id(),
+            agent,
+            input,
+            max_attempts,
+            idempotency_key,
+        )
+        if record is not None:
+            return Submission(Run.from_record(record), created=True)
+        if idempotency_key is not None:
+            existing = await self.pool.fetchrow(query("get_run_by_idempotency_key"), idempotency_key)
+            if existing is not None:
+                run = Run.from_record(existing)
+                if run.agent != agent or run.input != input:
+                    raise IdempotencyConflict(
+                        f"idempotency key {idempotency_key!r} was already used for run "
+                        f"{run.run_id} with a different agent or input; use a new key for a new run"
+                    )
+                return Submission(run, created=False)
+        raise RunAlreadyExists(
+            f"run id {run_id!r} is already taken; omit --run-id to get a fresh one"
+        )
+
+    async def get(self, run_id: str) -> Run:
+        validate_run_id(run_id)
+        record = await self.pool.fetchrow(query("get_run"), run_id)
+        if record is None:
+            raise RunNotFound(run_id)
+        return Run.from_record(record)
+
+    async def list_runs(
+        self, *, state: RunState | None = None, agent: str | None = None, limit: int = 100
+    ) -> list[Run]:
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise InvalidInput(f"limit must be between 1 and {MAX_LIST_LIMIT}")
+        records = await self.pool.fetch(
+            query("list_runs"), state.value if state else None, agent, limit
+        )
+        return [Run.from_record(record) for record in records]
+
+    async def events(self, run_id: str) -> list[RunEvent]:
+        validate_run_id(run_id)
+        records = await self.pool.fetch(query("run_events"), run_id)
+        return [RunEvent.from_record(record) for record in records]
+
+    # -- leases -------------------------------------------------------------------------------
+    async def claim(
+        self,
+        worker_id: str,
+        agents: Sequence[str],
+        *,
+        limit: int = 1,
+        lease_seconds: float = 45.0,
+    ) -> ClaimBatch:
+        """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement."""
+        records = await self.pool.fetch(
+            query("claim_due"), worker_id, list(agents), limit, lease_seconds
+        )
+        return self._claim_batch(records, worker_id)
+
+    async def claim_run(
+        self, worker_id: str, run_id: str, *, lease_seconds: float = 45.0
+    ) -> ClaimedRun | None:
+        """Claim one specific run if it is due or its lease expired; ``None`` otherwise."""
+        validate_run_id(run_id)
+        records = await self.pool.fetch(query("claim_run"), worker_id, run_id, lease_seconds)
+        batch = self._claim_batch(records, worker_id)
+        return batch.claimed[0] if batch.claimed else None
+
+    @staticmethod
+    def _claim_batch(records: Sequence[Mapping[str, Any]], worker_id: str) -> ClaimBatch:
+        claimed = [
+            ClaimedRun.from_record(record, worker_id)
+            for record in records
+            if record["outcome"] == "claimed"
+        ]
+        dead = [record["run_id"] for record in records if record["outcome"] == "dead_lettered"]
+        return ClaimBatch(claimed=claimed, dead_lettered=dead)
+
+    async def renew(self, lease: Lease, *, lease_seconds: float = 45.0) -> datetime | None:
+        """Extend one lease; ``None`` means ownership is lost or cannot be proven."""
+        record = await self.pool.fetchrow(
+            query("renew_lease"), lease.run_id, lease.worker_id, lease.fence, lease_seconds
+        )
+        return None if record is None else record["lease_until"]
+
+    async def renew_many(
+        self, worker_id: str, leases: Sequence[Lease], *, lease_seconds: float | Sequence[float]
+    ) -> dict[str, datetime]:
+        """Extend many leases of one worker in one statement; returns the ones that held."""
+        if any(lease.worker_id != worker_id for lease in leases):
+            raise ValueError("renew_many renews the leases of one worker at a time")
+        seconds = (
+            [float(lease_seconds)] * len(leases)
+            if isinstance(lease_seconds, int | float)
+            else [float(value) for value in lease_seconds]
+        )
+        records = await self.pool.fetch(
+            query("renew_leases"),
+            [lease.run_id for lease in leases],
+            [lease.fence for lease in leases],
+            seconds,
+            worker_id,
+        )
+        return {record["run_id"]: record["lease_until"] for record in records}
+
+    async def release(self, lease: Lease, *, reason: str = "shutdown") -> bool:
+        """Hand a run back without raising its fence (graceful shutdown)."""
+        record = await self.pool.fetchrow(
+            query("release_lease"), lease.run_id, lease.worker_id, lease.fence, reason
+        )
+        return record is not None
+
+    # -- progress -----------------------------------------------------------------------------
+    async def commit_step(
+        self,
+        lease: Lease,
+        *,
+        expected_version: int,
+        next_step: str,
+        checkpoint: JSON,
+        events: Sequence[StepEvent] = (),
+        in_transaction: InTransaction | None = None,
+    ) -> CommitResult | None:
+        """Commit a step's checkpoint and events, fenced; ``None`` means nothing was committed.
+
+        ``in_transaction`` runs inside the same transaction after ownership was proven, for
+        writes that must commit with the checkpoint or not at all (effect records).
+        """
+        all_events = [
+            StepEvent("checkpoint", {"version": expected_version + 1, "step": next_step}),
+            *events,
+        ]
+        async with self.pool.acquire() as connection, connection.transaction():
+            record = await connection.fetchrow(
+                query("commit_step"),
+                lease.run_id,
+                lease.worker_id,
+                lease.fence,
+                expected_version,
+                next_step,
+                checkpoint,
+                _events_json(all_events),
+            )
+            if record is None:
+                return None
+            result = CommitResult(record["checkpoint_version"], record["lease_until"])
+            if in_transaction is not None:
+                await in_transaction(connection, result)
+            return result
+
+    async def finish(
+        self,
+        lease: Lease,
+        *,
+        expected_version: int,
+        result: JSON = None,
+        checkpoint: JSON = None,
+    ) -> bool:
+        """Mark the run succeeded with ``result``, fenced like a commit."""
+        return await self._finish(
+            lease, RunState.SUCCEEDED, expected_version, result, None, checkpoint,
+            StepEvent("succeeded", {"version": expected_version + 1}),
+        )
+
+    async def fail(
+        self,
+        lease: Lease,
+        *,
+        expected_version: int,
+        error: Mapping[str, JSON],
+        checkpoint: JSON = None,
+    ) -> bool:
+        """Mark the run failed for good (the step decided; no retry), fenced like a commit."""
+        return await self._finish(
+            lease, RunState.FAILED, expected_version, None, dict(error), checkpoint,
+            StepEvent("failed", {"version": expected_version + 1, "error": dict(error)}),
+        )
+
+    async def _finish(
+        self,
+        lease: Lease,
+        state: RunState,
+        expected_version: int,
+        result: JSON,
+        error: JSON,
+        checkpoint: JSON,
+        event: StepEvent,
+    ) -> bool:
+        record = await self.pool.fetchrow(
+            query("finish_run"),
+            lease.run_id,
+            lease.worker_id,
+            lease.fence,
+            expected_version,
+            state.value,
+            result,
+            error,
+            checkpoint,
+            _events_json([event]),
+        )
+        return record is not None
+
+    async def fail_attempt(self, lease: Lease, *, error: Mapping[str, JSON]) -> FailOutcome | None:
+        """Record a failed attempt: retry after backoff, or dead-letter after the last attempt."""
+        record = await self.pool.fetchrow(
+            query("fail_attempt"),
+            lease.run_id,
+            lease.worker_id,
+            lease.fence,
+            dict(error),
+            self.backoff.base_seconds,
+            self.backoff.max_seconds,
+        )
+        if record is None:
+            return None
+        state = RunState(record["state"])
+        return FailOutcome(
+            state=state,
+            retry_at=record["available_at"] if state is RunState.WAITING else None,
+            attempt=record["attempt"],
+        )
+
+    async def record_event(
+        self,
+        run_id: str,
+        kind: str,
+        *,
+        fence: int | None = None,
+        worker_id: str | None = None,
+        details: Mapping[str, JSON] | None = None,
+    ) -> int:
+        """Append an event; changes no state, so even a worker that lost its lease may."""
+        event_id = await self.pool.fetchval(
+            query("record_event"), run_id, kind, fence, worker_id, dict(details or {})
+        )
+        return int(event_id)
+
+    # -- operator actions ---------------------------------------------------------------------
+    async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
+        """Cancel an unfinished run and raise its fence, so its owner can no longer act."""
+        validate_run_id(run_id)
+        record = await self.pool.fetchrow(query("cancel_run"), run_id, reason)
+        if record is None:
+            run = await self.get(run_id)
+            raise InvalidTransition(
+                f"run {run_id} is already {run.state.value}; only queued, waiting or running "
+                "runs can be cancelled"
+            )
+        return await self.get(run_id)
+
+    async def retry(self, run_id: str) -> Run:
+        """Requeue a dead-lettered run with a fresh set of attempts."""
+        validate_run_id(run_id)
+        record = await self.pool.fetchrow(query("requeue_dead"), run_id)
+        if record is None:
+            run = await self.get(run_id)
+            raise InvalidTransition(
+                f"run {run_id} is {run.state.value}, not dead; only dead-lettered runs can be "
+                "retried (submit a new run to repeat a finished one)"
+            )
+        return await self.get(run_id)

@@ -1,0 +1,325 @@
+-- Named queries used by orchestrator.store. Each block: a "-- name --" header, comment lines that
+-- say what it does, then one statement. Lease checks use clock_timestamp(), the database clock at
+-- the moment of the check: never a worker's clock, and never the transaction's start time.
+
+-- submit_run --
+-- Insert a queued run and its "submitted" event, and wake claimers, in one statement. Returns no
+-- row when the run id or the idempotency key is already taken.
+WITH inserted AS (
+    INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key)
+    VALUES ($1, $2, $3, $4, $5)
+    ON CONFLICT DO NOTHING
+    RETURNING *
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'submitted', fence,
+           jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
+                              'idempotency_key', idempotency_key)
+    FROM inserted
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM inserted
+)
+SELECT inserted.*, (SELECT count(*) FROM woken) AS notified FROM inserted
+
+-- get_run --
+-- One run by id.
+SELECT * FROM runs WHERE run_id = $1
+
+-- get_run_by_idempotency_key --
+-- The run a submit idempotency key already created.
+SELECT * FROM runs WHERE idempotency_key = $1
+
+-- claim_due --
+-- Claim up to $3 runs of the agents $2 for worker $1, each with a lease of $4 seconds: runs that
+-- are due (queued, or waiting and past available_at) and running runs whose lease has expired by
+-- the database clock. Each claim raises the fence by exactly one and counts an attempt. An expired
+-- run that already used its last attempt is dead-lettered instead (a poison run must not crash
+-- workers forever). SKIP LOCKED lets concurrent claimers pass each other; after taking a row lock
+-- PostgreSQL re-checks the WHERE clause on the newest row version, so a run another worker has just
+-- claimed is skipped, never claimed twice.
+WITH expired AS (
+    SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
+           attempt >= max_attempts AS exhausted
+    FROM runs
+    WHERE state = 'running' AND agent = ANY($2::text[]) AND lease_until < clock_timestamp()
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+), due AS (
+    SELECT run_id, NULL::text AS previous_owner, NULL::timestamptz AS previous_lease_until,
+           false AS exhausted
+    FROM runs
+    WHERE state IN ('queued', 'waiting') AND agent = ANY($2::text[])
+      AND available_at <= clock_timestamp()
+    ORDER BY available_at
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS candidates LIMIT $3
+), claimed AS (
+    UPDATE runs AS r
+    SET state = 'running', lease_owner = $1,
+        lease_until = clock_timestamp() + make_interval(secs => $4),
+        fence = r.fence + 1, attempt = r.attempt + 1, updated_at = clock_timestamp()
+    FROM picked AS p
+    WHERE r.run_id = p.run_id AND NOT p.exhausted
+    RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
+              r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
+              p.previous_lease_until, clock_timestamp() AS claimed_at
+), dead AS (
+    UPDATE runs AS r
+    SET state = 'dead', lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
+        finished_at = clock_timestamp(),
+        error = jsonb_build_object(
+            'type', 'LeaseExpired',
+            'message', format('the lease of %s expired during attempt %s of %s',
+                              p.previous_owner, r.attempt, r.max_attempts))
+    FROM picked AS p
+    WHERE r.run_id = p.run_id AND p.exhausted
+    RETURNING r.run_id, r.fence, r.attempt, p.previous_owner, p.previous_lease_until
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'claimed', fence, $1,
+           jsonb_build_object('lease_until', lease_until, 'attempt', attempt,
+                              'checkpoint_version', checkpoint_version,
+                              'previous_owner', previous_owner,
+                              'previous_lease_until', previous_lease_until)
+    FROM claimed
+    UNION ALL
+    SELECT run_id, 'dead_lettered', fence, $1,
+           jsonb_build_object('reason', 'lease expired on the last attempt', 'attempt', attempt,
+                              'previous_owner', previous_owner,
+                              'previous_lease_until', previous_lease_until)
+    FROM dead
+)
+SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
+       checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at
+FROM claimed
+UNION ALL
+SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
+       previous_owner, previous_lease_until, NULL
+FROM dead
+
+-- claim_run --
+-- Claim one specific run $2 for worker $1 with a lease of $3 seconds, under the same rules and
+-- with the same result shape as claim_due.
+WITH picked AS (
+    SELECT run_id,
+           CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
+           CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
+           state = 'running' AND attempt >= max_attempts AS exhausted
+    FROM runs
+    WHERE run_id = $2
+      AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
+           OR (state = 'running' AND lease_until < clock_timestamp()))
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE runs AS r
+    SET state = 'running', lease_owner = $1,
+        lease_until = clock_timestamp() + make_interval(secs => $3),
+        fence = r.fence + 1, attempt = r.attempt + 1, updated_at = clock_timestamp()
+    FROM picked AS p
+    WHERE r.run_id = p.run_id AND NOT p.exhausted
+    RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
+              r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
+              p.previous_lease_until, clock_timestamp() AS claimed_at
+), dead AS (
+    UPDATE runs AS r
+    SET state = 'dead', lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
+        finished_at = clock_timestamp(),
+        error = jsonb_build_object(
+            'type', 'LeaseExpired',
+            'message', format('the lease of %s expired during attempt %s of %s',
+                              p.previous_owner, r.attempt, r.max_attempts))
+    FROM picked AS p
+    WHERE r.run_id = p.run_id AND p.exhausted
+    RETURNING r.run_id, r.fence, r.attempt, p.previous_owner, p.previous_lease_until
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'claimed', fence, $1,
+           jsonb_build_object('lease_until', lease_until, 'attempt', attempt,
+                              'checkpoint_version', checkpoint_version,
+                              'previous_owner', previous_owner,
+                              'previous_lease_until', previous_lease_until)
+    FROM claimed
+    UNION ALL
+    SELECT run_id, 'dead_lettered', fence, $1,
+           jsonb_build_object('reason', 'lease expired on the last attempt', 'attempt', attempt,
+                              'previous_owner', previous_owner,
+                              'previous_lease_until', previous_lease_until)
+    FROM dead
+)
+SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
+       checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at
+FROM claimed
+UNION ALL
+SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
+       previous_owner, previous_lease_until, NULL
+FROM dead
+
+-- renew_lease --
+-- Extend one lease by $4 seconds, only for the same owner ($2) and fence ($3) of a running run
+-- whose lease has not yet expired: a renewal must never revive an owner that was replaced.
+UPDATE runs
+SET lease_until = clock_timestamp() + make_interval(secs => $4), updated_at = clock_timestamp()
+WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+  AND lease_until > clock_timestamp()
+RETURNING run_id, lease_until
+
+-- renew_leases --
+-- Extend many leases of owner $4 in one statement: $1 run ids, $2 their fences, $3 their lease
+-- seconds. Each run's own owner, fence, state and expiry conditions are checked; the rows returned
+-- are the leases that held.
+UPDATE runs AS r
+SET lease_until = clock_timestamp() + make_interval(secs => l.lease_seconds),
+    updated_at = clock_timestamp()
+FROM unnest($1::text[], $2::bigint[], $3::float8[]) AS l(run_id, fence, lease_seconds)
+WHERE r.run_id = l.run_id AND r.lease_owner = $4 AND r.fence = l.fence AND r.state = 'running'
+  AND r.lease_until > clock_timestamp()
+RETURNING r.run_id, r.lease_until
+
+-- commit_step --
+-- Commit a step: next step $5, checkpoint $6, checkpoint version + 1, and the events $7 (a JSON
+-- array of {kind, details}), only while worker $2 still owns run $1 with fence $3, the lease is
+-- unexpired and the stored checkpoint version is still $4. No row returned: nothing committed.
+-- The attempt counter restarts at 1: attempts count claims since the last committed progress.
+WITH committed AS (
+    UPDATE runs
+    SET step = $5, checkpoint = $6, checkpoint_version = checkpoint_version + 1, attempt = 1,
+        updated_at = clock_timestamp()
+    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+      AND lease_until > clock_timestamp() AND checkpoint_version = $4
+    RETURNING run_id, fence, checkpoint_version, lease_until
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT c.run_id, e.kind, c.fence, $2, e.details
+    FROM committed AS c, jsonb_to_recordset($7::jsonb) AS e(kind text, details jsonb)
+)
+SELECT checkpoint_version, lease_until FROM committed
+
+-- finish_run --
+-- Finish run $1 as $5 ('succeeded' or 'failed') with result $6, error $7 and final checkpoint $8,
+-- under the same ownership and version conditions as commit_step, and log the events $9.
+WITH finished AS (
+    UPDATE runs
+    SET state = $5, result = $6, error = $7, checkpoint = $8,
+        checkpoint_version = checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
+        updated_at = clock_timestamp(), finished_at = clock_timestamp()
+    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+      AND lease_until > clock_timestamp() AND checkpoint_version = $4
+    RETURNING run_id, fence, checkpoint_version
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT f.run_id, e.kind, f.fence, $2, e.details
+    FROM finished AS f, jsonb_to_recordset($9::jsonb) AS e(kind text, details jsonb)
+)
+SELECT checkpoint_version FROM finished
+
+-- fail_attempt --
+-- Record a failed attempt of run $1 by owner $2 with fence $3: error $4. While attempts remain
+-- the run waits (exponential backoff from $5 seconds, capped at $6, with full jitter so runs that
+-- failed together do not retry together) and then becomes claimable again; after the last
+-- attempt it is dead-lettered. Only the current, unexpired owner may do this.
+WITH failed AS (
+    UPDATE runs
+    SET state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'waiting' END,
+        available_at = clock_timestamp() + make_interval(
+            secs => least($6::float8, $5::float8 * power(2, greatest(attempt - 1, 0)))
+                    * (0.1 + 0.9 * random())),
+        error = $4, lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
+        finished_at = CASE WHEN attempt >= max_attempts THEN clock_timestamp() END
+    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+      AND lease_until > clock_timestamp()
+    RETURNING run_id, fence, state, attempt, max_attempts, available_at, agent
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, CASE WHEN state = 'dead' THEN 'dead_lettered' ELSE 'retry_scheduled' END,
+           fence, $2,
+           jsonb_build_object('error', $4::jsonb, 'attempt', attempt,
+                              'max_attempts', max_attempts, 'retry_at',
+                              CASE WHEN state = 'waiting' THEN available_at END)
+    FROM failed
+)
+SELECT state, available_at, attempt FROM failed
+
+-- release_lease --
+-- Give a run back on graceful shutdown: queued again at once, fence unchanged, and the attempt
+-- not counted (the run did not fail; its worker is leaving). Only the current, unexpired owner.
+WITH released AS (
+    UPDATE runs
+    SET state = 'queued', lease_owner = NULL, lease_until = NULL,
+        attempt = greatest(attempt - 1, 0), available_at = clock_timestamp(),
+        updated_at = clock_timestamp()
+    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+      AND lease_until > clock_timestamp()
+    RETURNING run_id, fence, agent
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'released', fence, $2, jsonb_build_object('reason', $4::text) FROM released
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM released
+)
+SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM released
+
+-- cancel_run --
+-- Cancel a run that has not finished: state cancelled, fence + 1 (so the owner's renewals,
+-- commits and effect requests with the old fence are all rejected), lease cleared, the owner
+-- told through NOTIFY. Returns no row when the run is already finished or does not exist.
+WITH target AS (
+    SELECT run_id, state AS previous_state, lease_owner AS previous_owner
+    FROM runs
+    WHERE run_id = $1 AND state IN ('queued', 'running', 'waiting')
+    FOR UPDATE
+), cancelled AS (
+    UPDATE runs AS r
+    SET state = 'cancelled', fence = r.fence + 1, lease_owner = NULL, lease_until = NULL,
+        updated_at = clock_timestamp(), finished_at = clock_timestamp()
+    FROM target AS t
+    WHERE r.run_id = t.run_id
+    RETURNING r.run_id, r.fence, t.previous_state, t.previous_owner
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'cancelled', fence,
+           jsonb_build_object('previous_state', previous_state, 'previous_owner', previous_owner,
+                              'reason', $2::text)
+    FROM cancelled
+), told AS (
+    SELECT pg_notify('orchestrator_cancel', run_id) FROM cancelled
+)
+SELECT run_id, fence, previous_state, previous_owner, (SELECT count(*) FROM told) AS notified
+FROM cancelled
+
+-- requeue_dead --
+-- Put a dead-lettered run back in the queue with a fresh set of attempts.
+WITH requeued AS (
+    UPDATE runs
+    SET state = 'queued', attempt = 0, available_at = clock_timestamp(), finished_at = NULL,
+        updated_at = clock_timestamp()
+    WHERE run_id = $1 AND state = 'dead'
+    RETURNING run_id, fence, agent, error
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'requeued', fence, jsonb_build_object('previous_error', error) FROM requeued
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM requeued
+)
+SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM requeued
+
+-- record_event --
+-- Append one event. Safe for any worker, even one that lost its lease: it changes no run state.
+INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+VALUES ($1, $2, $3, $4, $5)
+RETURNING event_id
+
+-- list_runs --
+-- Runs, newest first, optionally filtered by state and agent.
+SELECT * FROM runs
+WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR agent = $2)
+ORDER BY created_at DESC, run_id DESC
+LIMIT $3
+
+-- run_events --
+-- The timeline of one run, oldest first.
+SELECT event_id, run_id, at, kind, fence, worker_id, details
+FROM run_events
+WHERE run_id = $1
+ORDER BY event_id
