@@ -159,6 +159,11 @@ class RunStore:
         )
         return [Run.from_record(record) for record in records]
 
+    async def database_now(self) -> datetime:
+        """The database clock, which judges every lease (worker clocks may be hours off)."""
+        now: datetime = await self.pool.fetchval(query("database_now"))
+        return now
+
     async def events(self, run_id: str) -> list[RunEvent]:
         validate_run_id(run_id)
         records = await self.pool.fetch(query("run_events"), run_id)

@@ -197,11 +197,12 @@ WITH committed AS (
 SELECT checkpoint_version, lease_until FROM committed
 
 -- finish_run --
--- Finish run $1 as $5 ('succeeded' or 'failed') with result $6, error $7 and final checkpoint $8,
--- under the same ownership and version conditions as commit_step, and log the events $9.
+-- Finish run $1 as $5 ('succeeded' or 'failed') with result $6, error $7 and final checkpoint $8
+-- (NULL keeps the last one), under the same ownership and version conditions as commit_step, and
+-- log the events $9.
 WITH finished AS (
     UPDATE runs
-    SET state = $5, result = $6, error = $7, checkpoint = $8,
+    SET state = $5, result = $6, error = $7, checkpoint = coalesce($8, checkpoint),
         checkpoint_version = checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
         updated_at = clock_timestamp(), finished_at = clock_timestamp()
     WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
@@ -323,3 +324,7 @@ SELECT event_id, run_id, at, kind, fence, worker_id, details
 FROM run_events
 WHERE run_id = $1
 ORDER BY event_id
+
+-- database_now --
+-- The database clock: the only clock lease expiry is judged by.
+SELECT clock_timestamp()

@@ -1,0 +1,55 @@
+"""Open a ready-to-use store: connect, check the schema version, migrate where that is safe."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from orchestrator.database import connect, create_pool, resolve_dsn
+from orchestrator.errors import OrchestratorError
+from orchestrator.migrations import check_schema, latest_version, migrate
+from orchestrator.settings import Settings
+from orchestrator.store import RunStore
+
+
+class SchemaBehind(OrchestratorError):
+    """The database has not been migrated to this release's schema."""
+
+
+async def ensure_schema(settings: Settings, dsn: str, *, auto_migrate: bool) -> int:
+    """Check (and, if allowed, bring up to date) the schema; return its version.
+
+    The embedded default is migrated automatically so that the very first command works on a
+    fresh machine. A database named by ORCHESTRATOR_DATABASE_URL is migrated only by
+    ``orchestrator db migrate`` or ``serve``: changing a shared production schema should be a
+    deliberate act, not a side effect of ``runs list``.
+    """
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-schema")
+    try:
+        version = await check_schema(connection)
+        if version < latest_version():
+            if not auto_migrate:
+                raise SchemaBehind(
+                    f"the database schema is at version {version}, this orchestrator needs "
+                    f"{latest_version()}: run `orchestrator db migrate`"
+                )
+            await migrate(connection)
+            version = latest_version()
+        return version
+    finally:
+        await connection.close()
+
+
+@asynccontextmanager
+async def open_store(
+    settings: Settings, *, application_name: str = "orchestrator-cli", max_size: int = 4
+) -> AsyncIterator[RunStore]:
+    dsn = resolve_dsn(settings)
+    await ensure_schema(settings, dsn, auto_migrate=settings.database_url is None)
+    pool = await create_pool(
+        settings, dsn=dsn, application_name=application_name, min_size=1, max_size=max_size
+    )
+    try:
+        yield RunStore(pool, max_input_bytes=settings.max_input_bytes)
+    finally:
+        await pool.close()

@@ -1,0 +1,307 @@
+"""The ``orchestrator`` command line.
+
+Exit codes: 0 ok, 1 a user error (one line on stderr saying what was wrong and what to do),
+2 usage (click's own), 130 interrupted. Data goes to stdout, messages and logs to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import click
+from rich.console import Console
+
+from orchestrator.bootstrap import open_store
+from orchestrator.database import connect, redact_dsn, resolve_dsn
+from orchestrator.embedded import EmbeddedPostgres
+from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.migrations import latest_version, migrate
+from orchestrator.models import RunState
+from orchestrator.presentation import dump_json, print_run, runs_table
+from orchestrator.settings import Settings
+
+T = TypeVar("T")
+
+stdout = Console(highlight=False, soft_wrap=False)
+stderr = Console(stderr=True, highlight=False)
+
+
+def _settings(ctx: click.Context) -> Settings:
+    settings = ctx.find_object(Settings)
+    assert settings is not None
+    return settings
+
+
+def run_async(function: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine, turning user errors into one line on stderr and exit code 1."""
+    try:
+        return anyio.run(function)
+    except OrchestratorError as error:
+        stderr.print(f"[red]error:[/red] {error}", markup=True, highlight=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        stderr.print("interrupted")
+        sys.exit(130)
+
+
+def read_input(raw: str) -> Any:
+    """``--input`` as inline JSON, ``@path`` for a file, or ``@-`` for standard input."""
+    source = "--input"
+    if raw.startswith("@"):
+        path = raw[1:]
+        source = "standard input" if path == "-" else path
+        try:
+            raw = sys.stdin.read() if path == "-" else Path(path).read_text("utf-8")
+        except OSError as error:
+            raise InvalidInput(f"cannot read input file {path!r}: {error.strerror}") from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise InvalidInput(
+            f"{source} is not valid JSON ({error.msg} at line {error.lineno} column "
+            f"{error.colno}); pass an object such as '{{\"topic\": \"leases\"}}' or @file.json"
+        ) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--database-url",
+    envvar="ORCHESTRATOR_DATABASE_URL",
+    help="PostgreSQL DSN. Unset: the embedded server under --home.",
+)
+@click.option(
+    "--home",
+    envvar="ORCHESTRATOR_HOME",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for the embedded server's data (default ./.orchestrator).",
+)
+@click.pass_context
+def main(ctx: click.Context, database_url: str | None, home: Path | None) -> None:
+    """Long-running AI agent runs with run leases and fencing tokens on PostgreSQL."""
+    try:
+        settings = Settings.from_env()
+    except OrchestratorError as error:
+        raise click.UsageError(str(error)) from None
+    ctx.obj = settings.with_overrides(database_url=database_url or None, home=home)
+
+
+# -- db ---------------------------------------------------------------------------------------
+@main.group()
+def db() -> None:
+    """Database: migrate, show the DSN in use, stop the embedded server."""
+
+
+@db.command("migrate")
+@click.pass_context
+def db_migrate(ctx: click.Context) -> None:
+    """Apply pending schema migrations (safe to run from several processes at once)."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        dsn = resolve_dsn(settings)
+        stderr.print(f"migrating {redact_dsn(dsn)}")
+        connection = await connect(settings, dsn=dsn, application_name="orchestrator-migrate")
+        try:
+            applied = await migrate(connection)
+        finally:
+            await connection.close()
+        for migration in applied:
+            stderr.print(f"  applied {migration.version:04d}_{migration.name}")
+        stdout.print(f"schema at version {latest_version()}" + ("" if applied else " (no change)"))
+
+    run_async(body)
+
+
+@db.command("url")
+@click.option("--show-password", is_flag=True, help="Print the password instead of ***.")
+@click.pass_context
+def db_url(ctx: click.Context, show_password: bool) -> None:
+    """Print the DSN in use (starting the embedded server if it is the default)."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        dsn = resolve_dsn(settings)
+        stdout.print(dsn if show_password else redact_dsn(dsn), markup=False)
+
+    run_async(body)
+
+
+@db.command("stop")
+@click.pass_context
+def db_stop(ctx: click.Context) -> None:
+    """Stop the embedded PostgreSQL server (no effect with ORCHESTRATOR_DATABASE_URL set)."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        if settings.database_url:
+            raise InvalidInput("ORCHESTRATOR_DATABASE_URL is set: there is no embedded server")
+        stopped = EmbeddedPostgres(settings.home).stop()
+        stderr.print("embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL not running")
+
+    run_async(body)
+
+
+# -- submit -----------------------------------------------------------------------------------
+@main.command()
+@click.argument("agent")
+@click.option("--input", "input_", default="{}", show_default=True,
+              help="JSON object, @file.json, or @- for standard input.")
+@click.option("--run-id", help="Use this run id instead of a generated one.")
+@click.option("--idempotency-key", help="Submitting the same key again returns the same run.")
+@click.option("--max-attempts", type=click.IntRange(1, 1000), default=5, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
+@click.pass_context
+def submit(
+    ctx: click.Context,
+    agent: str,
+    input_: str,
+    run_id: str | None,
+    idempotency_key: str | None,
+    max_attempts: int,
+    as_json: bool,
+) -> None:
+    """Queue a run of AGENT and print its run id."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        payload = read_input(input_)
+        async with open_store(settings) as store:
+            submission = await store.submit(
+                agent,
+                payload,
+                run_id=run_id,
+                idempotency_key=idempotency_key,
+                max_attempts=max_attempts,
+            )
+        if not submission.created:
+            stderr.print(f"idempotency key matched run {submission.run.run_id}; nothing new queued")
+        if as_json:
+            stdout.print_json(dump_json({"created": submission.created, "run": submission.run}))
+        else:
+            stdout.print(submission.run.run_id, markup=False)
+
+    run_async(body)
+
+
+# -- runs -------------------------------------------------------------------------------------
+@main.group()
+def runs() -> None:
+    """List, inspect, cancel and retry runs."""
+
+
+@runs.command("list")
+@click.option("--state", type=click.Choice([state.value for state in RunState]))
+@click.option("--agent", help="Only runs of this agent.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print runs as a JSON array.")
+@click.pass_context
+def runs_list(
+    ctx: click.Context, state: str | None, agent: str | None, limit: int, as_json: bool
+) -> None:
+    """List runs, newest first."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            found = await store.list_runs(
+                state=RunState(state) if state else None, agent=agent, limit=limit
+            )
+        if as_json:
+            stdout.print_json(dump_json(found))
+        elif found:
+            stdout.print(runs_table(found))
+        else:
+            stderr.print("no runs match")
+
+    run_async(body)
+
+
+@runs.command("show")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the run and its timeline as JSON.")
+@click.pass_context
+def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
+    """Show a run: state, fence, owner, lease expiry, checkpoint and timeline."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            run = await store.get(run_id)
+            events = await store.events(run_id)
+            now = await store.database_now()
+        if as_json:
+            stdout.print_json(dump_json({"run": run, "events": events, "database_now": now}))
+        else:
+            print_run(stdout, run, events, now)
+
+    run_async(body)
+
+
+@runs.command("cancel")
+@click.argument("run_id")
+@click.option("--reason", help="Recorded in the run's timeline.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def runs_cancel(ctx: click.Context, run_id: str, reason: str | None, as_json: bool) -> None:
+    """Cancel a run and raise its fence, so its current owner can no longer act."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            run = await store.cancel(run_id, reason=reason)
+        if as_json:
+            stdout.print_json(dump_json(run))
+        else:
+            stdout.print(f"cancelled {run.run_id} (fence now {run.fence})", markup=False)
+
+    run_async(body)
+
+
+@runs.command("retry")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def runs_retry(ctx: click.Context, run_id: str, as_json: bool) -> None:
+    """Requeue a dead-lettered run with a fresh set of attempts."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            run = await store.retry(run_id)
+        if as_json:
+            stdout.print_json(dump_json(run))
+        else:
+            stdout.print(f"requeued {run.run_id}", markup=False)
+
+    run_async(body)
+
+
+# -- demo -------------------------------------------------------------------------------------
+@main.command()
+@click.option("--lease-seconds", type=click.FloatRange(0.5, 60), default=2.0, show_default=True)
+@click.pass_context
+def demo(ctx: click.Context, lease_seconds: float) -> None:
+    """Show the lease protocol stopping a stale worker, on the configured database."""
+    from orchestrator.demo import run_demo
+
+    settings = _settings(ctx)
+    # Leave nothing running: stop the embedded server afterwards if the demo started it.
+    embedded = None if settings.database_url else EmbeddedPostgres(settings.home)
+    started_here = embedded is not None and embedded.running() is None
+    try:
+        ok = run_async(
+            lambda: run_demo(settings, lease_seconds=lease_seconds, console=stderr, out=stdout)
+        )
+    finally:
+        if embedded is not None and started_here:
+            embedded.stop()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

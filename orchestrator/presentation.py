@@ -1,0 +1,113 @@
+"""How runs and timelines look on a terminal (rich tables) and in ``--json`` output."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.models import Run, RunEvent
+
+
+def jsonable(value: Any) -> Any:
+    """Dataclasses, enums and datetimes as plain JSON values (datetimes in ISO 8601)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: jsonable(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(item) for item in value]
+    return value
+
+
+def dump_json(value: Any) -> str:
+    return json.dumps(jsonable(value), indent=2, sort_keys=False)
+
+
+def _time(value: datetime | None) -> str:
+    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+def _relative(moment: datetime | None, now: datetime) -> str:
+    if moment is None:
+        return ""
+    seconds = (moment - now).total_seconds()
+    return f"in {seconds:.1f}s" if seconds >= 0 else f"{-seconds:.1f}s ago"
+
+
+def _compact(value: Any, limit: int = 120) -> str:
+    if value is None:
+        return ""
+    text = json.dumps(jsonable(value), separators=(",", ":"), sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def runs_table(runs: Sequence[Run]) -> Table:
+    table = Table(show_edge=False, header_style="bold")
+    for column in ("run id", "agent", "state", "fence", "attempt", "step", "owner", "created"):
+        table.add_column(column)
+    for run in runs:
+        table.add_row(
+            run.run_id,
+            run.agent,
+            run.state.value,
+            str(run.fence),
+            f"{run.attempt}/{run.max_attempts}",
+            run.step or "",
+            run.lease_owner or "",
+            _time(run.created_at),
+        )
+    return table
+
+
+def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datetime) -> None:
+    """State, fence, owner, lease expiry (judged by the database clock), checkpoint, timeline."""
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    lease = ""
+    if run.lease_until is not None:
+        lease = f"{_time(run.lease_until)} ({_relative(run.lease_until, now)}, database clock)"
+    rows = [
+        ("run id", run.run_id),
+        ("agent", run.agent),
+        ("state", run.state.value),
+        ("fence", str(run.fence)),
+        ("owner", run.lease_owner or ""),
+        ("lease until", lease),
+        ("attempt", f"{run.attempt} of {run.max_attempts}"),
+        ("next step", run.step or ""),
+        ("checkpoint", f"version {run.checkpoint_version}: {_compact(run.checkpoint)}"),
+        ("input", _compact(run.input)),
+        ("result", _compact(run.result)),
+        ("error", _compact(run.error)),
+        ("idempotency key", run.idempotency_key or ""),
+        ("created", _time(run.created_at)),
+        ("finished", _time(run.finished_at)),
+    ]
+    for label, value in rows:
+        if value:
+            facts.add_row(label, value)
+    console.print(facts)
+    timeline = Table(title="timeline", show_edge=False, header_style="bold", title_justify="left")
+    for column in ("at", "event", "fence", "worker", "details"):
+        timeline.add_column(column)
+    for event in events:
+        timeline.add_row(
+            _time(event.at),
+            event.kind,
+            "" if event.fence is None else str(event.fence),
+            event.worker_id or "",
+            _compact(event.details),
+        )
+    console.print(timeline)

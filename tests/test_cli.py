@@ -1,0 +1,144 @@
+"""The command line as a user runs it: real processes, real database, exit codes and output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from orchestrator.store import RunStore
+
+
+def cli(database_url: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+async def table_counts(pool: asyncpg.Pool) -> tuple[int, int]:
+    runs = await pool.fetchval("SELECT count(*) FROM runs")
+    events = await pool.fetchval("SELECT count(*) FROM run_events")
+    return int(runs), int(events)
+
+
+async def test_submit_show_list_cancel(database_url: str, store: RunStore) -> None:
+    submitted = cli(database_url, "submit", "summarise", "--input", '{"doc": "a"}')
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = submitted.stdout.strip()
+    assert run_id.startswith("r_")
+
+    shown = cli(database_url, "runs", "show", run_id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    detail = json.loads(shown.stdout)
+    assert detail["run"]["state"] == "queued"
+    assert [e["kind"] for e in detail["events"]] == ["submitted"]
+
+    listed = cli(database_url, "runs", "list", "--json", "--agent", "summarise")
+    assert [r["run_id"] for r in json.loads(listed.stdout)] == [run_id]
+    table = cli(database_url, "runs", "list")
+    assert run_id in table.stdout and "queued" in table.stdout
+
+    human = cli(database_url, "runs", "show", run_id)
+    assert "fence" in human.stdout and "submitted" in human.stdout
+
+    cancelled = cli(database_url, "runs", "cancel", run_id, "--reason", "test")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert (await store.get(run_id)).state.value == "cancelled"
+
+
+async def test_submit_from_file_and_stdin_with_idempotency(
+    database_url: str, tmp_path: Path, store: RunStore
+) -> None:
+    payload = tmp_path / "input.json"
+    payload.write_text('{"doc": "from file"}')
+    first = cli(database_url, "submit", "summarise", "--input", f"@{payload}",
+                "--idempotency-key", "k-1", "--json")
+    second = cli(database_url, "submit", "summarise", "--input", "@-", "--idempotency-key", "k-1",
+                 "--json", stdin='{"doc": "from file"}')
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert a["created"] is True and b["created"] is False
+    assert a["run"]["run_id"] == b["run"]["run_id"]
+    assert "matched run" in second.stderr
+    assert len(await store.list_runs()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["submit", "summarise", "--input", "{not json"], "not valid JSON"),
+        (["submit", "summarise", "--input", "[1, 2]"], "must be a JSON object"),
+        (["submit", "summarise", "--input", "@/nonexistent/input.json"], "cannot read input file"),
+        (["submit", "bad agent", "--input", "{}"], "malformed agent name"),
+        (["submit", "summarise", "--run-id", "no spaces allowed"], "malformed run id"),
+        (["runs", "show", "r_unknown"], "no run with id"),
+        (["runs", "show", "bad id!"], "malformed run id"),
+        (["runs", "cancel", "r_unknown"], "no run with id"),
+        (["runs", "retry", "r_unknown"], "no run with id"),
+    ],
+)
+async def test_bad_input_exits_1_with_a_reason_and_changes_nothing(
+    database_url: str, pool: asyncpg.Pool, args: list[str], message: str
+) -> None:
+    before = await table_counts(pool)
+    result = cli(database_url, *args)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stdout == ""
+    assert await table_counts(pool) == before
+
+
+async def test_oversized_input_is_refused(database_url: str, pool: asyncpg.Pool) -> None:
+    big = json.dumps({"blob": "x" * (1024 * 1024)})
+    result = cli(database_url, "submit", "summarise", "--input", "@-", stdin=big)
+    assert result.returncode == 1
+    assert "over the 1,048,576-byte limit" in result.stderr
+    assert await table_counts(pool) == (0, 0)
+
+
+async def test_invalid_transitions_exit_1(database_url: str, store: RunStore) -> None:
+    run = (await store.submit("summarise", {})).run
+    retry = cli(database_url, "runs", "retry", run.run_id)
+    assert retry.returncode == 1 and "not dead" in retry.stderr
+    await store.cancel(run.run_id)
+    again = cli(database_url, "runs", "cancel", run.run_id)
+    assert again.returncode == 1 and "already cancelled" in again.stderr
+
+
+def test_usage_errors_exit_2() -> None:
+    for args in (["submit"], ["runs", "list", "--state", "bogus"], ["nonsense"]):
+        result = cli("postgresql://unused@127.0.0.1:1/x", *args)
+        assert result.returncode == 2, (args, result.stderr)
+
+
+def test_database_unreachable_names_the_dsn_without_password() -> None:
+    result = cli("postgresql://app:hunter2@127.0.0.1:1/orchestrator", "runs", "list")
+    assert result.returncode == 1
+    assert "hunter2" not in result.stderr
+    assert "cannot reach PostgreSQL at postgresql://app:***@127.0.0.1:1/orchestrator" in result.stderr
+
+
+async def test_db_url_and_migrate(database_url: str) -> None:
+    url = cli(database_url, "db", "url")
+    assert url.stdout.strip() == database_url
+    migrated = cli(database_url, "db", "migrate")
+    assert migrated.returncode == 0 and "no change" in migrated.stdout
+
+
+def test_every_list_command_has_json() -> None:
+    result: Any = cli("postgresql://unused@127.0.0.1:1/x", "runs", "list", "--help")
+    assert "--json" in result.stdout

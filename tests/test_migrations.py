@@ -1,0 +1,101 @@
+"""Migrations: an empty database reaches the latest schema; concurrent migrators do not race."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.bootstrap import SchemaBehind, ensure_schema
+from orchestrator.database import connect
+from orchestrator.errors import DatabaseUnavailable, SchemaTooNew
+from orchestrator.migrations import available_migrations, check_schema, latest_version, migrate
+from orchestrator.settings import Settings
+from orchestrator.testing import DatabaseFactory, with_database
+
+
+@pytest.fixture
+async def empty_database(database_factory: DatabaseFactory) -> str:
+    admin = await connect(database_factory.settings)
+    name = f"orchestrator_empty_{id(admin)}"
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    return with_database(database_factory.server_dsn, name)
+
+
+async def test_migrating_an_empty_database_reaches_the_latest_schema(empty_database: str) -> None:
+    connection = await connect(Settings(database_url=empty_database))
+    try:
+        applied = await migrate(connection)
+        assert [m.version for m in applied] == list(range(1, latest_version() + 1))
+        assert await migrate(connection) == []
+        assert await check_schema(connection) == latest_version()
+        tables = {
+            r["tablename"]
+            for r in await connection.fetch("SELECT tablename FROM pg_tables WHERE schemaname='public'")
+        }
+        assert {"runs", "run_events", "orchestrator_schema_migrations"} <= tables
+        indexes = {
+            r["indexname"]: r["indexdef"]
+            for r in await connection.fetch("SELECT indexname, indexdef FROM pg_indexes WHERE tablename='runs'")
+        }
+        # Renewals must stay HOT: no index may cover lease_until or updated_at.
+        for name, definition in indexes.items():
+            assert "lease_until" not in definition, name
+            assert "updated_at" not in definition, name
+        assert "WHERE (state = 'running'::text)" in indexes["runs_running"]
+        options = await connection.fetchval("SELECT reloptions FROM pg_class WHERE relname='runs'")
+        assert "fillfactor=70" in options
+    finally:
+        await connection.close()
+
+
+async def test_concurrent_migrators_apply_each_migration_once(empty_database: str) -> None:
+    settings = Settings(database_url=empty_database)
+    connections = [await connect(settings) for _ in range(4)]
+    try:
+        results = await asyncio.gather(*(migrate(c) for c in connections))
+        assert sorted(len(applied) for applied in results) == [0, 0, 0, latest_version()]
+        count = await connections[0].fetchval("SELECT count(*) FROM orchestrator_schema_migrations")
+        assert count == latest_version()
+    finally:
+        for connection in connections:
+            await connection.close()
+
+
+async def test_a_schema_newer_than_the_code_is_refused(database_url: str) -> None:
+    settings = Settings(database_url=database_url)
+    connection = await connect(settings)
+    try:
+        await connection.execute(
+            "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, 'future')",
+            latest_version() + 1,
+        )
+        with pytest.raises(SchemaTooNew, match="newer release"):
+            await check_schema(connection)
+        with pytest.raises(SchemaTooNew):
+            await migrate(connection)
+    finally:
+        await connection.close()
+
+
+async def test_an_external_database_is_not_migrated_implicitly(empty_database: str) -> None:
+    settings = Settings(database_url=empty_database)
+    with pytest.raises(SchemaBehind, match="orchestrator db migrate"):
+        await ensure_schema(settings, empty_database, auto_migrate=False)
+    assert await ensure_schema(settings, empty_database, auto_migrate=True) == latest_version()
+
+
+def test_migration_files_are_numbered_without_gaps() -> None:
+    versions = [m.version for m in available_migrations()]
+    assert versions == list(range(1, len(versions) + 1))
+
+
+async def test_failed_connection_names_the_dsn_without_password() -> None:
+    settings = Settings(connect_timeout_seconds=2)
+    dsn = "postgresql://app:s3cret@127.0.0.1:1/orchestrator"
+    with pytest.raises(DatabaseUnavailable) as caught:
+        await connect(settings, dsn=dsn)
+    message = str(caught.value)
+    assert "s3cret" not in message
+    assert "postgresql://app:***@127.0.0.1:1/orchestrator" in message

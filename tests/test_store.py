@@ -1,0 +1,345 @@
+"""The lease protocol on a real PostgreSQL: claims, renewals, fenced commits, retries, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import pytest
+
+from orchestrator.errors import (
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidTransition,
+    RunAlreadyExists,
+    RunNotFound,
+)
+from orchestrator.models import ClaimedRun, Lease, RunState
+from orchestrator.store import RunStore, StepEvent
+
+SHORT = 0.3  # seconds: a lease that a test can outwait
+
+
+async def snapshot(pool: asyncpg.Pool, run_id: str) -> tuple[dict[str, Any], int]:
+    """The whole run row and the number of its events: what 'changes nothing' compares."""
+    row = await pool.fetchrow("SELECT * FROM runs WHERE run_id = $1", run_id)
+    count = await pool.fetchval("SELECT count(*) FROM run_events WHERE run_id = $1", run_id)
+    assert row is not None
+    return dict(row), int(count)
+
+
+async def claim_one(store: RunStore, worker: str, lease_seconds: float = 30.0) -> ClaimedRun:
+    batch = await store.claim(worker, ["agent"], limit=1, lease_seconds=lease_seconds)
+    assert len(batch.claimed) == 1, batch
+    return batch.claimed[0]
+
+
+async def test_claim_raises_fence_and_counts_attempt(store: RunStore) -> None:
+    run = (await store.submit("agent", {"n": 1})).run
+    assert (run.state, run.fence, run.attempt) == (RunState.QUEUED, 0, 0)
+    claimed = await claim_one(store, "w1")
+    assert (claimed.run_id, claimed.fence, claimed.attempt) == (run.run_id, 1, 1)
+    stored = await store.get(run.run_id)
+    assert (stored.state, stored.lease_owner, stored.fence) == (RunState.RUNNING, "w1", 1)
+    # A valid lease is not claimable by anyone, the owner included.
+    assert (await store.claim("w2", ["agent"], limit=5)).claimed == []
+    assert await store.claim_run("w2", run.run_id) is None
+
+
+async def test_claim_only_serves_the_named_agents(store: RunStore) -> None:
+    await store.submit("other", {})
+    assert (await store.claim("w1", ["agent"], limit=5)).claimed == []
+    assert len((await store.claim("w1", ["agent", "other"], limit=5)).claimed) == 1
+
+
+async def test_claim_batch_takes_up_to_the_limit(store: RunStore) -> None:
+    for n in range(7):
+        await store.submit("agent", {"n": n})
+    first = await store.claim("w1", ["agent"], limit=5)
+    second = await store.claim("w2", ["agent"], limit=5)
+    assert len(first.claimed) == 5
+    assert len(second.claimed) == 2
+    assert not {c.run_id for c in first.claimed} & {c.run_id for c in second.claimed}
+
+
+async def test_renew_with_the_old_fence_after_a_reclaim_fails(store: RunStore) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A", lease_seconds=SHORT)
+    await asyncio.sleep(SHORT + 0.1)
+    b = await claim_one(store, "B")
+    assert b.fence == a.fence + 1
+    assert b.previous_owner == "A"
+    assert await store.renew(a.lease) is None
+    # Even the same worker id with the old fence is refused: the fence, not the name, proves it.
+    assert await store.renew(Lease(a.run_id, "B", a.fence)) is None
+    assert await store.renew(b.lease) is not None
+
+
+async def test_renew_after_expiry_fails_even_if_nobody_reclaimed(store: RunStore) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A", lease_seconds=SHORT)
+    assert await store.renew(a.lease, lease_seconds=SHORT) is not None
+    await asyncio.sleep(SHORT + 0.1)
+    assert await store.renew(a.lease) is None
+    run = await store.get(a.run_id)
+    assert run.lease_owner == "A"  # not yet reclaimed, but the lease cannot be revived
+
+
+async def test_renew_of_a_cancelled_run_fails(store: RunStore) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A")
+    cancelled = await store.cancel(a.run_id, reason="operator")
+    assert cancelled.state is RunState.CANCELLED
+    assert cancelled.fence == a.fence + 1
+    assert await store.renew(a.lease) is None
+    assert await store.commit_step(
+        a.lease, expected_version=0, next_step="x", checkpoint={}
+    ) is None
+
+
+async def test_renew_extends_by_the_database_clock(store: RunStore) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A", lease_seconds=5)
+    renewed = await store.renew(a.lease, lease_seconds=60)
+    now = await store.database_now()
+    assert renewed is not None
+    assert 55 < (renewed - now).total_seconds() <= 60
+
+
+async def test_batched_renewal_reports_which_leases_held(store: RunStore) -> None:
+    for n in range(4):
+        await store.submit("agent", {"n": n})
+    claims = (await store.claim("A", ["agent"], limit=4, lease_seconds=30)).claimed
+    await store.cancel(claims[1].run_id)
+    stale = Lease(claims[2].run_id, "A", claims[2].fence - 1)
+    held = await store.renew_many(
+        "A", [claims[0].lease, claims[1].lease, stale, claims[3].lease], lease_seconds=30
+    )
+    assert set(held) == {claims[0].run_id, claims[3].run_id}
+    with pytest.raises(ValueError, match="one worker"):
+        await store.renew_many("A", [Lease(claims[0].run_id, "B", 1)], lease_seconds=30)
+
+
+async def test_commit_with_stale_fence_or_version_commits_nothing(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A", lease_seconds=SHORT)
+    committed = await store.commit_step(
+        a.lease, expected_version=0, next_step="two", checkpoint={"k": 1}
+    )
+    assert committed is not None and committed.checkpoint_version == 1
+    await asyncio.sleep(SHORT + 0.1)
+    b = await claim_one(store, "B")
+    before = await snapshot(pool, a.run_id)
+
+    calls: list[str] = []
+
+    async def extra_write(connection: asyncpg.Connection, result: object) -> None:
+        calls.append("ran")
+
+    # Stale fence (A was replaced), right version.
+    assert await store.commit_step(
+        a.lease, expected_version=1, next_step="three", checkpoint={"k": "A"},
+        events=[StepEvent("note", {})], in_transaction=extra_write,
+    ) is None
+    # Current fence, stale version.
+    assert await store.commit_step(
+        b.lease, expected_version=0, next_step="three", checkpoint={"k": "B0"},
+        in_transaction=extra_write,
+    ) is None
+    assert not await store.finish(a.lease, expected_version=1, result={})
+    assert not await store.fail(a.lease, expected_version=1, error={"type": "X"})
+    assert await store.fail_attempt(a.lease, error={"type": "X"}) is None
+    assert not await store.release(a.lease)
+    assert calls == []
+    assert await snapshot(pool, a.run_id) == before
+
+    ok = await store.commit_step(
+        b.lease, expected_version=1, next_step="three", checkpoint={"k": "B"},
+        events=[StepEvent("note", {"by": "B"})], in_transaction=extra_write,
+    )
+    assert ok is not None and ok.checkpoint_version == 2
+    assert calls == ["ran"]
+    kinds = [(e.kind, e.fence) for e in await store.events(a.run_id)]
+    assert kinds[-2:] == [("checkpoint", 2), ("note", 2)]
+
+
+async def test_commit_after_lease_expiry_commits_nothing(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A", lease_seconds=SHORT)
+    await asyncio.sleep(SHORT + 0.1)
+    before = await snapshot(pool, a.run_id)
+    assert await store.commit_step(a.lease, expected_version=0, next_step="x", checkpoint={}) is None
+    assert await snapshot(pool, a.run_id) == before
+
+
+async def test_extra_writes_roll_back_with_the_commit(store: RunStore, pool: asyncpg.Pool) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A")
+    before = await snapshot(pool, a.run_id)
+
+    async def failing_write(connection: asyncpg.Connection, result: object) -> None:
+        raise RuntimeError("effect record rejected")
+
+    with pytest.raises(RuntimeError):
+        await store.commit_step(
+            a.lease, expected_version=0, next_step="x", checkpoint={}, in_transaction=failing_write
+        )
+    assert await snapshot(pool, a.run_id) == before
+
+
+async def test_finish_keeps_the_last_checkpoint_and_clears_the_lease(store: RunStore) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A")
+    await store.commit_step(a.lease, expected_version=0, next_step="two", checkpoint={"k": 1})
+    assert await store.finish(a.lease, expected_version=1, result={"answer": 42})
+    run = await store.get(a.run_id)
+    assert run.state is RunState.SUCCEEDED
+    assert (run.result, run.checkpoint, run.lease_owner, run.lease_until) == (
+        {"answer": 42}, {"k": 1}, None, None
+    )
+    assert run.finished_at is not None
+    with pytest.raises(InvalidTransition, match="already succeeded"):
+        await store.cancel(a.run_id)
+
+
+async def test_failed_attempts_back_off_then_dead_letter(store: RunStore) -> None:
+    run = (await store.submit("agent", {}, max_attempts=2)).run
+    a = await claim_one(store, "A")
+    outcome = await store.fail_attempt(a.lease, error={"type": "Boom", "message": "first"})
+    assert outcome is not None and outcome.state is RunState.WAITING
+    now = await store.database_now()
+    assert outcome.retry_at is not None
+    delay = (outcome.retry_at - now).total_seconds()
+    assert 0 < delay <= store.backoff.ceiling(1)
+    # Not claimable until the backoff passes (judged by the database clock).
+    assert (await store.claim("B", ["agent"])).claimed == []
+    await asyncio.sleep(delay + 0.05)
+    b = await claim_one(store, "B")
+    assert b.attempt == 2
+    outcome = await store.fail_attempt(b.lease, error={"type": "Boom", "message": "second"})
+    assert outcome is not None and outcome.state is RunState.DEAD
+    dead = await store.get(run.run_id)
+    assert dead.state is RunState.DEAD
+    assert dead.error == {"type": "Boom", "message": "second"}
+    kinds = [e.kind for e in await store.events(run.run_id)]
+    assert kinds == ["submitted", "claimed", "retry_scheduled", "claimed", "dead_lettered"]
+
+
+async def test_expired_lease_counts_as_an_attempt_and_poison_runs_dead_letter(
+    store: RunStore,
+) -> None:
+    run = (await store.submit("agent", {}, max_attempts=2)).run
+    first = await claim_one(store, "crashing-1", lease_seconds=SHORT)
+    await asyncio.sleep(SHORT + 0.1)
+    second = await claim_one(store, "crashing-2", lease_seconds=SHORT)
+    assert (first.attempt, second.attempt) == (1, 2)
+    await asyncio.sleep(SHORT + 0.1)
+    batch = await store.claim("w3", ["agent"], limit=5)
+    assert batch.claimed == []
+    assert batch.dead_lettered == [run.run_id]
+    dead = await store.get(run.run_id)
+    assert dead.state is RunState.DEAD
+    assert dead.error is not None and dead.error["type"] == "LeaseExpired"
+
+
+async def test_committed_progress_restarts_the_attempt_count(store: RunStore) -> None:
+    await store.submit("agent", {}, max_attempts=2)
+    a = await claim_one(store, "A", lease_seconds=SHORT)
+    await asyncio.sleep(SHORT + 0.1)
+    b = await claim_one(store, "B", lease_seconds=SHORT)
+    assert b.attempt == 2
+    assert await store.commit_step(b.lease, expected_version=0, next_step="s", checkpoint={})
+    await asyncio.sleep(SHORT + 0.1)
+    c = await claim_one(store, "C")
+    assert c.attempt == 2  # 1 (B's claim, reset by its commit) + this claim
+    assert c.fence == a.fence + 2
+
+
+async def test_retry_requeues_a_dead_run_with_fresh_attempts(store: RunStore) -> None:
+    run = (await store.submit("agent", {}, max_attempts=1)).run
+    a = await claim_one(store, "A")
+    await store.fail_attempt(a.lease, error={"type": "Boom"})
+    requeued = await store.retry(run.run_id)
+    assert (requeued.state, requeued.attempt) == (RunState.QUEUED, 0)
+    b = await claim_one(store, "B")
+    assert b.fence == a.fence + 1
+    with pytest.raises(InvalidTransition, match="not dead"):
+        await store.retry(run.run_id)
+
+
+async def test_release_keeps_the_fence_and_does_not_count_an_attempt(store: RunStore) -> None:
+    await store.submit("agent", {})
+    a = await claim_one(store, "A")
+    assert await store.release(a.lease, reason="shutdown")
+    run = await store.get(a.run_id)
+    assert (run.state, run.fence, run.attempt, run.lease_owner) == (RunState.QUEUED, 1, 0, None)
+    b = await claim_one(store, "B")
+    assert (b.fence, b.attempt) == (2, 1)
+    assert not await store.release(a.lease)
+
+
+async def test_cancel_queued_and_waiting_runs(store: RunStore) -> None:
+    queued = (await store.submit("agent", {})).run
+    cancelled = await store.cancel(queued.run_id, reason="not needed")
+    assert (cancelled.state, cancelled.fence) == (RunState.CANCELLED, 1)
+    assert (await store.claim("A", ["agent"])).claimed == []
+    events = await store.events(queued.run_id)
+    assert events[-1].kind == "cancelled"
+    assert events[-1].details["reason"] == "not needed"
+
+
+async def test_submit_idempotency(store: RunStore) -> None:
+    first = await store.submit("agent", {"x": 1}, idempotency_key="order-17")
+    again = await store.submit("agent", {"x": 1}, idempotency_key="order-17")
+    assert first.created and not again.created
+    assert again.run.run_id == first.run.run_id
+    with pytest.raises(IdempotencyConflict, match="order-17"):
+        await store.submit("agent", {"x": 2}, idempotency_key="order-17")
+    assert len(await store.list_runs()) == 1
+
+
+async def test_submit_rejects_bad_input_and_changes_nothing(store: RunStore) -> None:
+    small = RunStore(store.pool, max_input_bytes=100)
+    bad: list[tuple[str, Any, dict[str, Any]]] = [
+        ("agent", [1, 2], {}),
+        ("agent", "text", {}),
+        ("agent", {"blob": "x" * 200}, {}),
+        ("bad agent!", {}, {}),
+        ("agent", {}, {"run_id": "has space"}),
+        ("agent", {}, {"run_id": "9starts-with-digit"}),
+        ("agent", {}, {"max_attempts": 0}),
+        ("agent", {"nan": float("nan")}, {}),
+    ]
+    for agent, payload, options in bad:
+        with pytest.raises(InvalidInput):
+            await small.submit(agent, payload, **options)
+    assert await store.list_runs() == []
+
+
+async def test_explicit_run_id_must_be_unique(store: RunStore) -> None:
+    await store.submit("agent", {}, run_id="r_fixed")
+    with pytest.raises(RunAlreadyExists):
+        await store.submit("agent", {}, run_id="r_fixed")
+
+
+async def test_unknown_and_malformed_run_ids(store: RunStore) -> None:
+    with pytest.raises(RunNotFound):
+        await store.get("r_missing")
+    with pytest.raises(RunNotFound):
+        await store.cancel("r_missing")
+    with pytest.raises(InvalidInput, match="malformed run id"):
+        await store.get("r_1; drop table runs")
+
+
+async def test_list_filters_by_state_and_agent(store: RunStore) -> None:
+    for agent in ("a", "a", "b"):
+        await store.submit(agent, {})
+    await store.claim("w", ["b"])
+    assert {r.agent for r in await store.list_runs(agent="a")} == {"a"}
+    assert [r.agent for r in await store.list_runs(state=RunState.RUNNING)] == ["b"]
+    assert len(await store.list_runs(limit=2)) == 2
