@@ -64,7 +64,7 @@ def read_input(raw: str) -> Any:
     except json.JSONDecodeError as error:
         raise InvalidInput(
             f"{source} is not valid JSON ({error.msg} at line {error.lineno} column "
-            f"{error.colno}); pass an object such as '{{\"topic\": \"leases\"}}' or @file.json"
+            f'{error.colno}); pass an object such as \'{{"topic": "leases"}}\' or @file.json'
         ) from None
 
 
@@ -141,7 +141,9 @@ def db_stop(ctx: click.Context) -> None:
         if settings.database_url:
             raise InvalidInput("ORCHESTRATOR_DATABASE_URL is set: there is no embedded server")
         stopped = EmbeddedPostgres(settings.home).stop()
-        stderr.print("embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL not running")
+        stderr.print(
+            "embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL not running"
+        )
 
     run_async(body)
 
@@ -149,8 +151,13 @@ def db_stop(ctx: click.Context) -> None:
 # -- submit -----------------------------------------------------------------------------------
 @main.command()
 @click.argument("agent")
-@click.option("--input", "input_", default="{}", show_default=True,
-              help="JSON object, @file.json, or @- for standard input.")
+@click.option(
+    "--input",
+    "input_",
+    default="{}",
+    show_default=True,
+    help="JSON object, @file.json, or @- for standard input.",
+)
 @click.option("--run-id", help="Use this run id instead of a generated one.")
 @click.option("--idempotency-key", help="Submitting the same key again returns the same run.")
 @click.option("--max-attempts", type=click.IntRange(1, 1000), default=5, show_default=True)

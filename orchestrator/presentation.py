@@ -18,7 +18,9 @@ from orchestrator.models import Run, RunEvent
 def jsonable(value: Any) -> Any:
     """Dataclasses, enums and datetimes as plain JSON values (datetimes in ISO 8601)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {field.name: jsonable(getattr(value, field.name)) for field in dataclasses.fields(value)}
+        return {
+            field.name: jsonable(getattr(value, field.name)) for field in dataclasses.fields(value)
+        }
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, datetime):

@@ -12,9 +12,9 @@ import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 from orchestrator.backoff import Backoff
 from orchestrator.errors import (
@@ -31,6 +31,7 @@ from orchestrator.models import (
     ClaimedRun,
     CommitResult,
     Lease,
+    Row,
     Run,
     RunEvent,
     RunState,
@@ -42,7 +43,7 @@ from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES
 MAX_LIST_LIMIT = 10_000
 MAX_ATTEMPTS_LIMIT = 1_000
 
-InTransaction = Callable[[asyncpg.Connection, CommitResult], Awaitable[None]]
+InTransaction = Callable[[PoolConnectionProxy[asyncpg.Record], CommitResult], Awaitable[None]]
 """Extra writes a commit performs inside its transaction, after ownership was proven."""
 
 
@@ -66,7 +67,7 @@ def encode_input(value: JSON, *, max_bytes: int) -> JSON:
     """Validate a run's input: a JSON object no larger than ``max_bytes`` once encoded."""
     if not isinstance(value, dict):
         raise InvalidInput(
-            f"input must be a JSON object (for example {{\"topic\": \"...\"}}), "
+            f'input must be a JSON object (for example {{"topic": "..."}}), '
             f"not a {type(value).__name__}"
         )
     try:
@@ -129,7 +130,9 @@ class RunStore:
         if record is not None:
             return Submission(Run.from_record(record), created=True)
         if idempotency_key is not None:
-            existing = await self.pool.fetchrow(query("get_run_by_idempotency_key"), idempotency_key)
+            existing = await self.pool.fetchrow(
+                query("get_run_by_idempotency_key"), idempotency_key
+            )
             if existing is not None:
                 run = Run.from_record(existing)
                 if run.agent != agent or run.input != input:
@@ -194,7 +197,7 @@ class RunStore:
         return batch.claimed[0] if batch.claimed else None
 
     @staticmethod
-    def _claim_batch(records: Sequence[Mapping[str, Any]], worker_id: str) -> ClaimBatch:
+    def _claim_batch(records: Sequence[Row], worker_id: str) -> ClaimBatch:
         claimed = [
             ClaimedRun.from_record(record, worker_id)
             for record in records
@@ -285,7 +288,12 @@ class RunStore:
     ) -> bool:
         """Mark the run succeeded with ``result``, fenced like a commit."""
         return await self._finish(
-            lease, RunState.SUCCEEDED, expected_version, result, None, checkpoint,
+            lease,
+            RunState.SUCCEEDED,
+            expected_version,
+            result,
+            None,
+            checkpoint,
             StepEvent("succeeded", {"version": expected_version + 1}),
         )
 
@@ -299,7 +307,12 @@ class RunStore:
     ) -> bool:
         """Mark the run failed for good (the step decided; no retry), fenced like a commit."""
         return await self._finish(
-            lease, RunState.FAILED, expected_version, None, dict(error), checkpoint,
+            lease,
+            RunState.FAILED,
+            expected_version,
+            None,
+            dict(error),
+            checkpoint,
             StepEvent("failed", {"version": expected_version + 1, "error": dict(error)}),
         )
 

@@ -66,9 +66,7 @@ class DatabaseFactory:
             await admin.execute(f'CREATE DATABASE "{self.template}"')
         finally:
             await admin.close()
-        migrator = await connect(
-            self.settings, dsn=with_database(self.server_dsn, self.template)
-        )
+        migrator = await connect(self.settings, dsn=with_database(self.server_dsn, self.template))
         try:
             await migrate(migrator)
         finally:

@@ -15,7 +15,9 @@ import pytest
 from orchestrator.store import RunStore
 
 
-def cli(database_url: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    database_url: str, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url, "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", *args],
@@ -64,10 +66,27 @@ async def test_submit_from_file_and_stdin_with_idempotency(
 ) -> None:
     payload = tmp_path / "input.json"
     payload.write_text('{"doc": "from file"}')
-    first = cli(database_url, "submit", "summarise", "--input", f"@{payload}",
-                "--idempotency-key", "k-1", "--json")
-    second = cli(database_url, "submit", "summarise", "--input", "@-", "--idempotency-key", "k-1",
-                 "--json", stdin='{"doc": "from file"}')
+    first = cli(
+        database_url,
+        "submit",
+        "summarise",
+        "--input",
+        f"@{payload}",
+        "--idempotency-key",
+        "k-1",
+        "--json",
+    )
+    second = cli(
+        database_url,
+        "submit",
+        "summarise",
+        "--input",
+        "@-",
+        "--idempotency-key",
+        "k-1",
+        "--json",
+        stdin='{"doc": "from file"}',
+    )
     assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
     a, b = json.loads(first.stdout), json.loads(second.stdout)
     assert a["created"] is True and b["created"] is False
@@ -129,7 +148,9 @@ def test_database_unreachable_names_the_dsn_without_password() -> None:
     result = cli("postgresql://app:hunter2@127.0.0.1:1/orchestrator", "runs", "list")
     assert result.returncode == 1
     assert "hunter2" not in result.stderr
-    assert "cannot reach PostgreSQL at postgresql://app:***@127.0.0.1:1/orchestrator" in result.stderr
+    assert (
+        "cannot reach PostgreSQL at postgresql://app:***@127.0.0.1:1/orchestrator" in result.stderr
+    )
 
 
 async def test_db_url_and_migrate(database_url: str) -> None:

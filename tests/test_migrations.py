@@ -32,12 +32,16 @@ async def test_migrating_an_empty_database_reaches_the_latest_schema(empty_datab
         assert await check_schema(connection) == latest_version()
         tables = {
             r["tablename"]
-            for r in await connection.fetch("SELECT tablename FROM pg_tables WHERE schemaname='public'")
+            for r in await connection.fetch(
+                "SELECT tablename FROM pg_tables WHERE schemaname='public'"
+            )
         }
         assert {"runs", "run_events", "orchestrator_schema_migrations"} <= tables
         indexes = {
             r["indexname"]: r["indexdef"]
-            for r in await connection.fetch("SELECT indexname, indexdef FROM pg_indexes WHERE tablename='runs'")
+            for r in await connection.fetch(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename='runs'"
+            )
         }
         # Renewals must stay HOT: no index may cover lease_until or updated_at.
         for name, definition in indexes.items():

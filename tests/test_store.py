@@ -93,9 +93,9 @@ async def test_renew_of_a_cancelled_run_fails(store: RunStore) -> None:
     assert cancelled.state is RunState.CANCELLED
     assert cancelled.fence == a.fence + 1
     assert await store.renew(a.lease) is None
-    assert await store.commit_step(
-        a.lease, expected_version=0, next_step="x", checkpoint={}
-    ) is None
+    assert (
+        await store.commit_step(a.lease, expected_version=0, next_step="x", checkpoint={}) is None
+    )
 
 
 async def test_renew_extends_by_the_database_clock(store: RunStore) -> None:
@@ -140,15 +140,28 @@ async def test_commit_with_stale_fence_or_version_commits_nothing(
         calls.append("ran")
 
     # Stale fence (A was replaced), right version.
-    assert await store.commit_step(
-        a.lease, expected_version=1, next_step="three", checkpoint={"k": "A"},
-        events=[StepEvent("note", {})], in_transaction=extra_write,
-    ) is None
+    assert (
+        await store.commit_step(
+            a.lease,
+            expected_version=1,
+            next_step="three",
+            checkpoint={"k": "A"},
+            events=[StepEvent("note", {})],
+            in_transaction=extra_write,
+        )
+        is None
+    )
     # Current fence, stale version.
-    assert await store.commit_step(
-        b.lease, expected_version=0, next_step="three", checkpoint={"k": "B0"},
-        in_transaction=extra_write,
-    ) is None
+    assert (
+        await store.commit_step(
+            b.lease,
+            expected_version=0,
+            next_step="three",
+            checkpoint={"k": "B0"},
+            in_transaction=extra_write,
+        )
+        is None
+    )
     assert not await store.finish(a.lease, expected_version=1, result={})
     assert not await store.fail(a.lease, expected_version=1, error={"type": "X"})
     assert await store.fail_attempt(a.lease, error={"type": "X"}) is None
@@ -157,8 +170,12 @@ async def test_commit_with_stale_fence_or_version_commits_nothing(
     assert await snapshot(pool, a.run_id) == before
 
     ok = await store.commit_step(
-        b.lease, expected_version=1, next_step="three", checkpoint={"k": "B"},
-        events=[StepEvent("note", {"by": "B"})], in_transaction=extra_write,
+        b.lease,
+        expected_version=1,
+        next_step="three",
+        checkpoint={"k": "B"},
+        events=[StepEvent("note", {"by": "B"})],
+        in_transaction=extra_write,
     )
     assert ok is not None and ok.checkpoint_version == 2
     assert calls == ["ran"]
@@ -173,7 +190,9 @@ async def test_commit_after_lease_expiry_commits_nothing(
     a = await claim_one(store, "A", lease_seconds=SHORT)
     await asyncio.sleep(SHORT + 0.1)
     before = await snapshot(pool, a.run_id)
-    assert await store.commit_step(a.lease, expected_version=0, next_step="x", checkpoint={}) is None
+    assert (
+        await store.commit_step(a.lease, expected_version=0, next_step="x", checkpoint={}) is None
+    )
     assert await snapshot(pool, a.run_id) == before
 
 
@@ -200,7 +219,10 @@ async def test_finish_keeps_the_last_checkpoint_and_clears_the_lease(store: RunS
     run = await store.get(a.run_id)
     assert run.state is RunState.SUCCEEDED
     assert (run.result, run.checkpoint, run.lease_owner, run.lease_until) == (
-        {"answer": 42}, {"k": 1}, None, None
+        {"answer": 42},
+        {"k": 1},
+        None,
+        None,
     )
     assert run.finished_at is not None
     with pytest.raises(InvalidTransition, match="already succeeded"):
