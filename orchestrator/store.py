@@ -12,9 +12,9 @@ import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
-from asyncpg.pool import PoolConnectionProxy
 
 from orchestrator.backoff import Backoff
 from orchestrator.errors import (
@@ -43,7 +43,12 @@ from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES
 MAX_LIST_LIMIT = 10_000
 MAX_ATTEMPTS_LIMIT = 1_000
 
-InTransaction = Callable[[PoolConnectionProxy[asyncpg.Record], CommitResult], Awaitable[None]]
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+InTransaction: TypeAlias = (
+    "Callable[[PoolConnectionProxy[asyncpg.Record], CommitResult], Awaitable[None]]"
+)
 """Extra writes a commit performs inside its transaction, after ownership was proven."""
 
 
