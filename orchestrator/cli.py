@@ -7,6 +7,8 @@ Exit codes: 0 ok, 1 a user error (one line on stderr saying what was wrong and w
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -27,7 +29,8 @@ from orchestrator.settings import Settings
 
 T = TypeVar("T")
 
-stdout = Console(highlight=False, soft_wrap=False)
+# Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
+stdout = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
 stderr = Console(stderr=True, highlight=False)
 
 
@@ -286,6 +289,106 @@ def runs_retry(ctx: click.Context, run_id: str, as_json: bool) -> None:
             stdout.print(f"requeued {run.run_id}", markup=False)
 
     run_async(body)
+
+
+# -- serve ------------------------------------------------------------------------------------
+def _split_modules(values: tuple[str, ...]) -> list[str]:
+    return [part for value in values for part in value.replace(",", " ").split() if part]
+
+
+@main.command()
+@click.option(
+    "--agents",
+    "agent_modules",
+    multiple=True,
+    envvar="ORCHESTRATOR_AGENTS",
+    help="Module(s) defining Agent objects, e.g. orchestrator.agents.sleepy (repeatable; "
+    "ORCHESTRATOR_AGENTS takes a space- or comma-separated list).",
+)
+@click.option("--worker-id", help="Default: host:pid:random.")
+@click.option("--concurrency", type=click.IntRange(1, 100_000), default=10, show_default=True)
+@click.option("--lease-seconds", type=click.FloatRange(0.5), default=45.0, show_default=True)
+@click.option(
+    "--heartbeat-seconds", type=click.FloatRange(0.1), help="Default: a third of the lease."
+)
+@click.option("--poll-seconds", type=click.FloatRange(0.05), default=2.0, show_default=True)
+@click.option("--claim-batch", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--grace-seconds", type=click.FloatRange(0), default=30.0, show_default=True)
+@click.option("--status-seconds", type=click.FloatRange(0.5), default=10.0, show_default=True)
+@click.option(
+    "--takeover/--no-takeover",
+    default=True,
+    show_default=True,
+    help="Claim runs of workers whose database session is gone before their lease ends.",
+)
+@click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
+@click.pass_context
+def serve(
+    ctx: click.Context,
+    agent_modules: tuple[str, ...],
+    worker_id: str | None,
+    concurrency: int,
+    lease_seconds: float,
+    heartbeat_seconds: float | None,
+    poll_seconds: float,
+    claim_batch: int,
+    grace_seconds: float,
+    status_seconds: float,
+    takeover: bool,
+    log_json: bool | None,
+) -> None:
+    """Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once)."""
+    from orchestrator.steps import AgentRegistry
+    from orchestrator.supervisor import Supervisor, WorkerConfig, default_worker_id
+    from orchestrator.telemetry import configure_logging, install_sdk_from_env, shutdown_sdk
+
+    settings = _settings(ctx)
+    configure_logging(json_logs=log_json)
+    modules = _split_modules(agent_modules)
+    if not modules:
+        raise click.UsageError(
+            "no agents to serve: pass --agents MODULE (e.g. --agents orchestrator.agents.sleepy)"
+        )
+
+    async def body() -> None:
+        registry = AgentRegistry.from_modules(modules)
+        config = WorkerConfig(
+            agents=registry,
+            worker_id=worker_id or default_worker_id(),
+            concurrency=concurrency,
+            lease_seconds=lease_seconds,
+            heartbeat_seconds=heartbeat_seconds or lease_seconds / 3,
+            poll_seconds=poll_seconds,
+            claim_batch=claim_batch,
+            grace_seconds=grace_seconds,
+            status_seconds=status_seconds,
+            dead_session_takeover=takeover,
+        )
+        try:
+            supervisor = Supervisor(settings, config)
+        except ValueError as error:
+            raise InvalidInput(str(error)) from None
+        install_sdk_from_env()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_watch_signals, supervisor)
+                await supervisor.run()
+                group.cancel_scope.cancel()
+        finally:
+            shutdown_sdk()
+
+    run_async(body)
+
+
+async def _watch_signals(supervisor: Any) -> None:
+    """First SIGTERM/SIGINT: drain gracefully. Second: exit at once."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for received in signals:
+            if supervisor.draining:
+                stderr.print(f"second {signal.Signals(received).name}: exiting now")
+                os._exit(130)
+            stderr.print(f"{signal.Signals(received).name}: draining (send again to exit at once)")
+            supervisor.request_stop()
 
 
 # -- demo -------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ treats that as lost ownership.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, TypeAlias
@@ -46,9 +47,12 @@ MAX_ATTEMPTS_LIMIT = 1_000
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
-InTransaction: TypeAlias = (
-    "Callable[[PoolConnectionProxy[asyncpg.Record], CommitResult], Awaitable[None]]"
-)
+Executor: TypeAlias = "asyncpg.Pool | asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"
+"""Where a statement runs: the store's pool by default, or a caller's connection that carries
+its own deadline (the runtime aborts a connection that overruns, rather than wait on it)."""
+
+TransactionConnection: TypeAlias = "asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"
+InTransaction: TypeAlias = "Callable[[TransactionConnection, CommitResult], Awaitable[None]]"
 """Extra writes a commit performs inside its transaction, after ownership was proven."""
 
 
@@ -104,6 +108,15 @@ class RunStore:
         self.pool = pool
         self.max_input_bytes = max_input_bytes
         self.backoff = backoff or Backoff()
+
+    @asynccontextmanager
+    async def _transaction(self, db: Executor | None) -> AsyncIterator[TransactionConnection]:
+        if db is None or isinstance(db, asyncpg.Pool):
+            async with (db or self.pool).acquire() as connection, connection.transaction():
+                yield connection
+        else:
+            async with db.transaction():
+                yield db
 
     # -- submitting and reading ---------------------------------------------------------------
     async def submit(
@@ -167,9 +180,9 @@ class RunStore:
         )
         return [Run.from_record(record) for record in records]
 
-    async def database_now(self) -> datetime:
+    async def database_now(self, *, db: Executor | None = None) -> datetime:
         """The database clock, which judges every lease (worker clocks may be hours off)."""
-        now: datetime = await self.pool.fetchval(query("database_now"))
+        now: datetime = await (db or self.pool).fetchval(query("database_now"))
         return now
 
     async def events(self, run_id: str) -> list[RunEvent]:
@@ -185,19 +198,27 @@ class RunStore:
         *,
         limit: int = 1,
         lease_seconds: float = 45.0,
+        db: Executor | None = None,
     ) -> ClaimBatch:
         """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement."""
-        records = await self.pool.fetch(
+        records = await (db or self.pool).fetch(
             query("claim_due"), worker_id, list(agents), limit, lease_seconds
         )
         return self._claim_batch(records, worker_id)
 
     async def claim_run(
-        self, worker_id: str, run_id: str, *, lease_seconds: float = 45.0
+        self,
+        worker_id: str,
+        run_id: str,
+        *,
+        lease_seconds: float = 45.0,
+        db: Executor | None = None,
     ) -> ClaimedRun | None:
         """Claim one specific run if it is due or its lease expired; ``None`` otherwise."""
         validate_run_id(run_id)
-        records = await self.pool.fetch(query("claim_run"), worker_id, run_id, lease_seconds)
+        records = await (db or self.pool).fetch(
+            query("claim_run"), worker_id, run_id, lease_seconds
+        )
         batch = self._claim_batch(records, worker_id)
         return batch.claimed[0] if batch.claimed else None
 
@@ -211,15 +232,22 @@ class RunStore:
         dead = [record["run_id"] for record in records if record["outcome"] == "dead_lettered"]
         return ClaimBatch(claimed=claimed, dead_lettered=dead)
 
-    async def renew(self, lease: Lease, *, lease_seconds: float = 45.0) -> datetime | None:
+    async def renew(
+        self, lease: Lease, *, lease_seconds: float = 45.0, db: Executor | None = None
+    ) -> datetime | None:
         """Extend one lease; ``None`` means ownership is lost or cannot be proven."""
-        record = await self.pool.fetchrow(
+        record = await (db or self.pool).fetchrow(
             query("renew_lease"), lease.run_id, lease.worker_id, lease.fence, lease_seconds
         )
         return None if record is None else record["lease_until"]
 
     async def renew_many(
-        self, worker_id: str, leases: Sequence[Lease], *, lease_seconds: float | Sequence[float]
+        self,
+        worker_id: str,
+        leases: Sequence[Lease],
+        *,
+        lease_seconds: float | Sequence[float],
+        db: Executor | None = None,
     ) -> dict[str, datetime]:
         """Extend many leases of one worker in one statement; returns the ones that held."""
         if any(lease.worker_id != worker_id for lease in leases):
@@ -229,7 +257,7 @@ class RunStore:
             if isinstance(lease_seconds, int | float)
             else [float(value) for value in lease_seconds]
         )
-        records = await self.pool.fetch(
+        records = await (db or self.pool).fetch(
             query("renew_leases"),
             [lease.run_id for lease in leases],
             [lease.fence for lease in leases],
@@ -238,9 +266,11 @@ class RunStore:
         )
         return {record["run_id"]: record["lease_until"] for record in records}
 
-    async def release(self, lease: Lease, *, reason: str = "shutdown") -> bool:
+    async def release(
+        self, lease: Lease, *, reason: str = "shutdown", db: Executor | None = None
+    ) -> bool:
         """Hand a run back without raising its fence (graceful shutdown)."""
-        record = await self.pool.fetchrow(
+        record = await (db or self.pool).fetchrow(
             query("release_lease"), lease.run_id, lease.worker_id, lease.fence, reason
         )
         return record is not None
@@ -255,6 +285,7 @@ class RunStore:
         checkpoint: JSON,
         events: Sequence[StepEvent] = (),
         in_transaction: InTransaction | None = None,
+        db: Executor | None = None,
     ) -> CommitResult | None:
         """Commit a step's checkpoint and events, fenced; ``None`` means nothing was committed.
 
@@ -265,7 +296,7 @@ class RunStore:
             StepEvent("checkpoint", {"version": expected_version + 1, "step": next_step}),
             *events,
         ]
-        async with self.pool.acquire() as connection, connection.transaction():
+        async with self._transaction(db) as connection:
             record = await connection.fetchrow(
                 query("commit_step"),
                 lease.run_id,
@@ -290,9 +321,11 @@ class RunStore:
         expected_version: int,
         result: JSON = None,
         checkpoint: JSON = None,
+        db: Executor | None = None,
     ) -> bool:
         """Mark the run succeeded with ``result``, fenced like a commit."""
         return await self._finish(
+            db,
             lease,
             RunState.SUCCEEDED,
             expected_version,
@@ -309,9 +342,11 @@ class RunStore:
         expected_version: int,
         error: Mapping[str, JSON],
         checkpoint: JSON = None,
+        db: Executor | None = None,
     ) -> bool:
         """Mark the run failed for good (the step decided; no retry), fenced like a commit."""
         return await self._finish(
+            db,
             lease,
             RunState.FAILED,
             expected_version,
@@ -323,6 +358,7 @@ class RunStore:
 
     async def _finish(
         self,
+        db: Executor | None,
         lease: Lease,
         state: RunState,
         expected_version: int,
@@ -331,7 +367,7 @@ class RunStore:
         checkpoint: JSON,
         event: StepEvent,
     ) -> bool:
-        record = await self.pool.fetchrow(
+        record = await (db or self.pool).fetchrow(
             query("finish_run"),
             lease.run_id,
             lease.worker_id,
@@ -345,9 +381,11 @@ class RunStore:
         )
         return record is not None
 
-    async def fail_attempt(self, lease: Lease, *, error: Mapping[str, JSON]) -> FailOutcome | None:
+    async def fail_attempt(
+        self, lease: Lease, *, error: Mapping[str, JSON], db: Executor | None = None
+    ) -> FailOutcome | None:
         """Record a failed attempt: retry after backoff, or dead-letter after the last attempt."""
-        record = await self.pool.fetchrow(
+        record = await (db or self.pool).fetchrow(
             query("fail_attempt"),
             lease.run_id,
             lease.worker_id,
@@ -373,9 +411,10 @@ class RunStore:
         fence: int | None = None,
         worker_id: str | None = None,
         details: Mapping[str, JSON] | None = None,
+        db: Executor | None = None,
     ) -> int:
         """Append an event; changes no state, so even a worker that lost its lease may."""
-        event_id = await self.pool.fetchval(
+        event_id = await (db or self.pool).fetchval(
             query("record_event"), run_id, kind, fence, worker_id, dict(details or {})
         )
         return int(event_id)
@@ -404,3 +443,47 @@ class RunStore:
                 "retried (submit a new run to repeat a finished one)"
             )
         return await self.get(run_id)
+
+
+LIVENESS_LOCK_NAMESPACE = 0x6F72  # "or": the first key of every worker's liveness lock
+
+
+@dataclass(frozen=True)
+class ExpiredLease:
+    run_id: str
+    fence: int
+    previous_owner: str
+
+
+class WorkerRegistry:
+    """Worker liveness for dead-session takeover (see sql/migrations/0002_workers.sql)."""
+
+    async def register(
+        self,
+        connection: asyncpg.Connection,
+        *,
+        worker_id: str,
+        host: str,
+        pid: int,
+        agents: Sequence[str],
+    ) -> int:
+        """Take a liveness lock on ``connection`` and record the worker; returns its key.
+
+        The lock is taken before the row is written, so a registered worker is never judged
+        dead for want of a lock it has not yet taken. ``connection`` must stay open, and do
+        nothing else, for as long as the worker lives.
+        """
+        key = int(await connection.fetchval(query("next_session_key")))
+        locked = await connection.fetchval(query("hold_session_lock"), LIVENESS_LOCK_NAMESPACE, key)
+        if not locked:
+            raise RuntimeError(f"liveness lock {key} is held by another session")
+        await connection.execute(query("register_worker"), worker_id, key, host, pid, list(agents))
+        return key
+
+    async def unregister(self, db: Executor, worker_id: str) -> None:
+        await db.execute(query("unregister_worker"), worker_id)
+
+    async def expire_dead_owners(self, db: Executor) -> list[ExpiredLease]:
+        """End the leases of workers whose session is gone, so their runs are claimable now."""
+        records = await db.fetch(query("expire_dead_owners"), LIVENESS_LOCK_NAMESPACE)
+        return [ExpiredLease(r["run_id"], r["fence"], r["lease_owner"]) for r in records]

@@ -328,3 +328,58 @@ ORDER BY event_id
 -- database_now --
 -- The database clock: the only clock lease expiry is judged by.
 SELECT clock_timestamp()
+
+-- next_session_key --
+-- A fresh advisory-lock key for a worker's liveness session.
+SELECT nextval('worker_session_keys')::integer
+
+-- hold_session_lock --
+-- Take the liveness lock (namespace $1, key $2) for the life of this session.
+SELECT pg_try_advisory_lock($1, $2)
+
+-- register_worker --
+-- Record a live worker: id $1, liveness key $2, host $3, pid $4, agents $5.
+INSERT INTO workers (worker_id, session_key, host, pid, agents)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (worker_id) DO UPDATE
+SET session_key = EXCLUDED.session_key, host = EXCLUDED.host, pid = EXCLUDED.pid,
+    agents = EXCLUDED.agents, started_at = clock_timestamp()
+
+-- unregister_worker --
+-- Forget a worker that is shutting down cleanly.
+DELETE FROM workers WHERE worker_id = $1
+
+-- expire_dead_owners --
+-- Dead-session takeover: end at once the leases of workers whose liveness lock (namespace $1) is
+-- no longer held by any session, i.e. whose process is gone, and forget those workers. The fence
+-- is not raised here; the next claim raises it. This is safe even if the judgement were wrong,
+-- because every commit and effect is fenced: a worker that is somehow still alive can no longer
+-- renew (its lease has expired) and its commits are refused once another worker claims.
+WITH live_locks AS (
+    SELECT objid::bigint AS session_key
+    FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND classid::bigint = $1::bigint
+      AND objsubid = 2
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+), dead AS (
+    DELETE FROM workers AS w
+    WHERE NOT EXISTS (SELECT 1 FROM live_locks AS l WHERE l.session_key = w.session_key)
+      AND w.started_at < clock_timestamp() - interval '1 second'
+    RETURNING w.worker_id
+), expired AS (
+    UPDATE runs AS r
+    SET lease_until = clock_timestamp(), updated_at = clock_timestamp()
+    FROM dead AS d
+    WHERE r.lease_owner = d.worker_id AND r.state = 'running'
+      AND r.lease_until > clock_timestamp()
+    RETURNING r.run_id, r.fence, r.agent, r.lease_owner
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'owner_session_gone', fence, lease_owner,
+           jsonb_build_object('reason', 'the owner''s database session ended (process gone)')
+    FROM expired
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM expired
+)
+SELECT run_id, fence, lease_owner, (SELECT count(*) FROM woken) AS notified FROM expired
+

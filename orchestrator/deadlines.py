@@ -1,0 +1,97 @@
+"""Database calls with deadlines, for the runtime.
+
+Every database await in the runtime is bounded. When a bound is hit the connection is aborted
+(``terminate()``: the socket is closed at once), never closed politely: a polite close on a
+black-holed network waits for an answer that will not come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, TypeVar
+
+import anyio
+import asyncpg
+
+from orchestrator.database import connect
+from orchestrator.settings import Settings
+
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+T = TypeVar("T")
+
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+)
+"""What a lost, slow or restarting database raises; the runtime survives all of them."""
+
+
+class DedicatedConnection:
+    """One long-lived connection (heartbeat, reaper), reconnected on demand."""
+
+    def __init__(self, settings: Settings, dsn: str, application_name: str) -> None:
+        self._settings = settings
+        self._dsn = dsn
+        self._application_name = application_name
+        self._connection: asyncpg.Connection | None = None
+        self._lock = anyio.Lock()
+
+    async def call(
+        self, function: Callable[[asyncpg.Connection], Awaitable[T]], *, within: float
+    ) -> T:
+        """Run ``function`` on the connection within ``within`` seconds, or abort it.
+
+        Callers take turns (one statement at a time on a connection); the wait for a turn
+        counts against the deadline, but only the caller holding the connection aborts it.
+        """
+        with anyio.fail_after(within):
+            async with self._lock:
+                try:
+                    if self._connection is None or self._connection.is_closed():
+                        self._connection = await connect(
+                            self._settings, dsn=self._dsn, application_name=self._application_name
+                        )
+                    return await function(self._connection)
+                except BaseException:
+                    self.abort()
+                    raise
+
+    def abort(self) -> None:
+        if self._connection is not None:
+            self._connection.terminate()
+            self._connection = None
+
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        with anyio.move_on_after(2, shield=True) as scope:
+            await connection.close()
+        if scope.cancelled_caught:
+            connection.terminate()
+
+
+@asynccontextmanager
+async def pooled(
+    pool: asyncpg.Pool, *, within: float
+) -> AsyncIterator[PoolConnectionProxy[asyncpg.Record]]:
+    """A pool connection for at most ``within`` seconds; aborted on overrun, error or cancel."""
+    with anyio.fail_after(within):
+        connection = await pool.acquire()
+    try:
+        with anyio.fail_after(within):
+            yield connection
+    except BaseException:
+        connection.terminate()
+        raise
+    finally:
+        # Releasing a terminated connection returns at once; a healthy one resets quickly.
+        with anyio.move_on_after(2, shield=True) as scope:
+            await pool.release(connection)
+        if scope.cancelled_caught:
+            connection.terminate()

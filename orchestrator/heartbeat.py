@@ -1,0 +1,185 @@
+"""Heartbeats: keep each claimed run's lease alive, and know when ownership can't be proven.
+
+One ``LeaseKeeper`` per worker renews every tracked lease in one batched statement per interval
+(each run's own owner, fence, state and expiry conditions are still checked). Each run's scope
+has a ``watch`` task that cancels the scope as soon as its handle is lost, or when the local
+deadline passes without a confirmed renewal: monotonic time when the last *confirmed* renewal
+was *sent*, plus the lease, minus a safety margin. The database sets ``lease_until`` no earlier
+than it receives that renewal, so the local deadline always falls before the database's.
+A renewal that returns no row, fails, times out or never answers confirms nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import anyio
+import structlog
+
+from orchestrator.deadlines import DATABASE_ERRORS, DedicatedConnection
+from orchestrator.models import ClaimedRun, Lease
+from orchestrator.store import RunStore
+from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, tracer
+
+log = structlog.get_logger("orchestrator.heartbeat")
+
+
+def safety_margin(lease_seconds: float) -> float:
+    """Slack for clock-rate differences and scheduling delay: 10% of the lease, at least 0.2 s."""
+    return max(0.2, lease_seconds * 0.1)
+
+
+@dataclass(eq=False)
+class LeaseHandle:
+    """A worker's local view of one lease. The database, not this object, is the authority."""
+
+    lease: Lease
+    lease_seconds: float
+    lease_until: datetime
+    confirmed_sent_at: float
+    lost_reason: str | None = None
+    finishing: bool = False
+    """A terminal statement (finish, fail, release) is in flight: it settles ownership itself."""
+    changed: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def deadline(self) -> float:
+        return self.confirmed_sent_at + self.lease_seconds - safety_margin(self.lease_seconds)
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_reason is not None
+
+    def confirm(self, sent_at: float, lease_until: datetime, lease_seconds: float) -> None:
+        if self.lost or sent_at <= self.confirmed_sent_at:
+            return
+        self.confirmed_sent_at = sent_at
+        self.lease_seconds = lease_seconds
+        self.lease_until = lease_until
+        self._notify()
+
+    def lose(self, reason: str) -> None:
+        if self.lost_reason is None:
+            self.lost_reason = reason
+            self._notify()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+async def watch(handle: LeaseHandle, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` when ownership is lost or can no longer be proven in time."""
+    while not handle.lost:
+        remaining = handle.deadline - anyio.current_time()
+        if remaining <= 0:
+            handle.lose("no confirmed renewal before the local deadline")
+            break
+        changed = handle.changed
+        with anyio.move_on_after(remaining):
+            await changed.wait()
+    scope.cancel()
+
+
+class LeaseKeeper:
+    """Renews all tracked leases of one worker, batched, on a dedicated connection."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        worker_id: str,
+        connection: DedicatedConnection,
+        *,
+        heartbeat_seconds: float,
+        metrics: Metrics,
+    ) -> None:
+        self.store = store
+        self.worker_id = worker_id
+        self.connection = connection
+        self.heartbeat_seconds = heartbeat_seconds
+        self.metrics = metrics
+        self.handles: dict[str, LeaseHandle] = {}
+        self.failures = 0
+
+    def track(self, claimed: ClaimedRun, *, sent_at: float, lease_seconds: float) -> LeaseHandle:
+        handle = LeaseHandle(
+            lease=claimed.lease,
+            lease_seconds=lease_seconds,
+            lease_until=claimed.lease_until,
+            confirmed_sent_at=sent_at,
+        )
+        self.handles[claimed.run_id] = handle
+        return handle
+
+    def untrack(self, handle: LeaseHandle) -> None:
+        if self.handles.get(handle.lease.run_id) is handle:
+            del self.handles[handle.lease.run_id]
+
+    async def run(self) -> None:
+        """Renew every heartbeat interval, forever (cancelled with the worker)."""
+        while True:
+            await anyio.sleep(self.heartbeat_seconds)
+            await self.renew_all()
+
+    async def renew_all(self) -> None:
+        handles = [h for h in self.handles.values() if not h.lost and not h.finishing]
+        if not handles:
+            return
+        sent_at = anyio.current_time()
+        try:
+            held = await self.connection.call(
+                lambda db: self.store.renew_many(
+                    self.worker_id,
+                    [h.lease for h in handles],
+                    lease_seconds=[h.lease_seconds for h in handles],
+                    db=db,
+                ),
+                within=self.heartbeat_seconds,
+            )
+        except DATABASE_ERRORS as error:
+            self.failures += 1
+            self.metrics.renewal_failures.add(1, {WORKER_ID: self.worker_id})
+            with tracer().start_as_current_span(
+                "renew_failed", attributes={WORKER_ID: self.worker_id, "leases": len(handles)}
+            ):
+                log.warning(
+                    "renewal failed",
+                    leases=len(handles),
+                    error=str(error) or type(error).__name__,
+                    **{WORKER_ID: self.worker_id},
+                )
+            return
+        for handle in handles:
+            lease_until = held.get(handle.lease.run_id)
+            if lease_until is not None:
+                handle.confirm(sent_at, lease_until, handle.lease_seconds)
+            elif not handle.finishing:
+                handle.lose(
+                    "renewal refused: the run was reclaimed, cancelled or its lease expired"
+                )
+                log.warning(
+                    "renewal refused",
+                    **{
+                        RUN_ID: handle.lease.run_id,
+                        RUN_FENCE: handle.lease.fence,
+                        WORKER_ID: self.worker_id,
+                    },
+                )
+
+    async def renew_now(self, handle: LeaseHandle, lease_seconds: float) -> bool:
+        """Renew one lease at once, e.g. with a step's own, longer lease before it starts."""
+        sent_at = anyio.current_time()
+        try:
+            lease_until = await self.connection.call(
+                lambda db: self.store.renew(handle.lease, lease_seconds=lease_seconds, db=db),
+                within=max(0.1, min(self.heartbeat_seconds, handle.deadline - sent_at)),
+            )
+        except DATABASE_ERRORS:
+            self.metrics.renewal_failures.add(1, {WORKER_ID: self.worker_id})
+            return False
+        if lease_until is None:
+            handle.lose("renewal refused: the run was reclaimed, cancelled or its lease expired")
+            return False
+        handle.confirm(sent_at, lease_until, lease_seconds)
+        return True

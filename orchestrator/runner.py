@@ -1,0 +1,328 @@
+"""One claimed run's scope: a heartbeat watch paired with the step task.
+
+The scope holds two tasks. ``watch`` cancels the scope the moment ownership is lost or can no
+longer be proven; the step task then stops wherever it is awaiting (a model or tool call in
+flight is cancelled) and nothing more is committed. Every commit is fenced in the database as
+well, so even a step that ignored cancellation could not commit after losing its lease.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+from opentelemetry.trace import Status, StatusCode
+
+from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.heartbeat import LeaseHandle, LeaseKeeper, watch
+from orchestrator.models import JSON, ClaimedRun, RunState
+from orchestrator.steps import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
+    AgentRegistry,
+    Fail,
+    Finish,
+    Next,
+    Outcome,
+    StepContext,
+    validate_json,
+)
+from orchestrator.store import RunStore
+from orchestrator.telemetry import (
+    CHECKPOINT_VERSION,
+    DISPOSITION,
+    LEASE_UNTIL,
+    RUN_FENCE,
+    RUN_ID,
+    WORKER_ID,
+    Metrics,
+    tracer,
+)
+
+T = TypeVar("T")
+
+LOST = "lost"
+RELEASED = "released"
+
+
+def describe_error(error: BaseException) -> dict[str, JSON]:
+    """Type, message and a short traceback: enough to debug, small enough for a row."""
+    summary = traceback.format_exception(type(error), error, error.__traceback__, limit=8)
+    return {
+        "type": type(error).__name__,
+        "message": str(error)[:2000],
+        "traceback": "".join(summary)[-4000:],
+    }
+
+
+@dataclass
+class RunnerConfig:
+    worker_id: str
+    lease_seconds: float
+    statement_seconds: float
+    cleanup_seconds: float = 5.0
+    max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
+
+
+class RunScope:
+    """Executes one claimed run until it finishes, fails, is released, or ownership is lost."""
+
+    def __init__(
+        self,
+        claimed: ClaimedRun,
+        handle: LeaseHandle,
+        *,
+        store: RunStore,
+        keeper: LeaseKeeper,
+        registry: AgentRegistry,
+        config: RunnerConfig,
+        metrics: Metrics,
+        draining: Callable[[], bool],
+    ) -> None:
+        self.claimed = claimed
+        self.handle = handle
+        self.store = store
+        self.keeper = keeper
+        self.registry = registry
+        self.config = config
+        self.metrics = metrics
+        self.draining = draining
+        self.cancel_scope = anyio.CancelScope()
+        self.shutdown_requested = False
+        self.ids: dict[str, str | int] = {
+            RUN_ID: claimed.run_id,
+            RUN_FENCE: claimed.fence,
+            WORKER_ID: config.worker_id,
+        }
+        self.log = structlog.get_logger("orchestrator.run").bind(**self.ids, agent=claimed.agent)
+
+    def stop_now(self) -> None:
+        """Shutdown grace is over: cancel the step and give the lease back."""
+        self.shutdown_requested = True
+        self.cancel_scope.cancel()
+
+    async def execute(self) -> str:
+        disposition = LOST
+        attributes: dict[str, str | int] = {
+            **self.ids,
+            LEASE_UNTIL: self.claimed.lease_until.isoformat(),
+        }
+        with tracer().start_as_current_span(
+            f"run {self.claimed.agent}", attributes=attributes
+        ) as span:
+            try:
+                with self.cancel_scope:
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(watch, self.handle, group.cancel_scope)
+                        disposition = await self._steps()
+                        group.cancel_scope.cancel()
+            finally:
+                self.keeper.untrack(self.handle)
+                if self.shutdown_requested and not self.handle.lost and disposition == LOST:
+                    disposition = await self._cleanup(self._release)
+                elif self.handle.lost:
+                    disposition = LOST
+                    await self._cleanup(self._record_lost)
+            span.set_attribute(DISPOSITION, disposition)
+            if disposition == LOST:
+                span.set_status(Status(StatusCode.ERROR, self.handle.lost_reason or "lost"))
+        self.metrics.runs_finished.add(1, {DISPOSITION: disposition})
+        return disposition
+
+    # -- steps --------------------------------------------------------------------------------
+    async def _db(self, function: Callable[[Any], Awaitable[T]]) -> T:
+        async with pooled(self.store.pool, within=self.config.statement_seconds) as connection:
+            return await function(connection)
+
+    async def _steps(self) -> str:
+        claimed = self.claimed
+        agent = self.registry.get(claimed.agent)
+        step_name = claimed.step
+        checkpoint = claimed.checkpoint
+        version = claimed.checkpoint_version
+        lease = claimed.lease
+        while True:
+            if self.draining():
+                self.handle.finishing = True
+                released = await self._guarded(
+                    lambda db: self.store.release(lease, reason="worker shutting down", db=db),
+                    "release",
+                )
+                return RELEASED if released else LOST
+            try:
+                step_class = agent.step(step_name)
+            except Exception as error:
+                return await self._fail_attempt(error)
+            wanted = step_class.lease_seconds or self.config.lease_seconds
+            if wanted != self.handle.lease_seconds and not await self.keeper.renew_now(
+                self.handle, wanted
+            ):
+                self.handle.lose("could not extend the lease for the step's own duration")
+                return LOST
+            context = StepContext(
+                run_id=lease.run_id,
+                agent=agent.name,
+                step=step_class.step_name(),
+                fence=lease.fence,
+                attempt=claimed.attempt,
+                max_attempts=claimed.max_attempts,
+                worker_id=lease.worker_id,
+                input=claimed.input,
+                checkpoint=checkpoint,
+                checkpoint_version=version,
+                lease_until=self.handle.lease_until,
+                log=self.log.bind(step=step_class.step_name()),
+            )
+            started = anyio.current_time()
+            with tracer().start_as_current_span(
+                f"step {agent.name}.{context.step}",
+                attributes={**self.ids, CHECKPOINT_VERSION: version, "step.name": context.step},
+            ) as span:
+                try:
+                    outcome = await step_class().run(context)
+                    self._validate(outcome, agent_steps=agent.steps)
+                except Exception as error:
+                    span.record_exception(error)
+                    span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                    self.metrics.steps.add(1, {"outcome": "error"})
+                    return await self._fail_attempt(error)
+                self.metrics.steps.add(1, {"outcome": type(outcome).__name__.lower()})
+                if isinstance(outcome, Next):
+                    committed = await self._commit_next(outcome, version)
+                    self.metrics.step_seconds.record(anyio.current_time() - started)
+                    if committed is None:
+                        return self._lost("commit refused: not the owner any more")
+                    span.set_attribute(CHECKPOINT_VERSION, committed)
+                    version, checkpoint, step_name = (
+                        committed,
+                        outcome.checkpoint,
+                        outcome.step_name,
+                    )
+                    continue
+                final = await self._finish(outcome, version)
+                self.metrics.step_seconds.record(anyio.current_time() - started)
+                return final
+
+    async def _commit_next(self, outcome: Next, version: int) -> int | None:
+        """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
+        committed = await self._guarded(
+            lambda db: self.store.commit_step(
+                self.claimed.lease,
+                expected_version=version,
+                next_step=outcome.step_name,
+                checkpoint=outcome.checkpoint,
+                db=db,
+            ),
+            "commit",
+        )
+        return None if committed is None else committed.checkpoint_version
+
+    async def _finish(self, outcome: Finish | Fail, version: int) -> str:
+        self.handle.finishing = True
+        lease = self.claimed.lease
+        if isinstance(outcome, Finish):
+            final = RunState.SUCCEEDED.value
+            done = await self._guarded(
+                lambda db: self.store.finish(
+                    lease,
+                    expected_version=version,
+                    result=outcome.result,
+                    checkpoint=outcome.checkpoint,
+                    db=db,
+                ),
+                "finish",
+            )
+        else:
+            final = RunState.FAILED.value
+            failure: dict[str, JSON] = {"type": "Fail", "message": outcome.message}
+            if outcome.details is not None:
+                failure["details"] = outcome.details
+            done = await self._guarded(
+                lambda db: self.store.fail(lease, expected_version=version, error=failure, db=db),
+                "fail",
+            )
+        if not done:
+            return self._lost(f"{final} refused: not the owner any more")
+        self.log.info("run finished", disposition=final)
+        return final
+
+    def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> None:
+        if not isinstance(outcome, Next | Finish | Fail):
+            raise TypeError(
+                f"a step must return Next, Finish or Fail, not {type(outcome).__name__}"
+            )
+        limit = self.config.max_checkpoint_bytes
+        if isinstance(outcome, Next):
+            if outcome.step_name not in agent_steps:
+                raise LookupError(
+                    f"Next names step {outcome.step_name!r}, which agent "
+                    f"{self.claimed.agent} does not have"
+                )
+            validate_json(outcome.checkpoint, what="checkpoint", max_bytes=limit)
+        elif isinstance(outcome, Finish):
+            validate_json(outcome.result, what="result", max_bytes=limit)
+            validate_json(outcome.checkpoint, what="checkpoint", max_bytes=limit)
+        else:
+            validate_json(outcome.details, what="failure details", max_bytes=limit)
+
+    async def _fail_attempt(self, error: BaseException) -> str:
+        self.handle.finishing = True
+        described = describe_error(error)
+        self.log.warning("step raised", error=described["message"], error_type=described["type"])
+        outcome = await self._guarded(
+            lambda db: self.store.fail_attempt(self.claimed.lease, error=described, db=db),
+            "fail_attempt",
+        )
+        if outcome is None:
+            return self._lost("failure record refused: not the owner any more")
+        return outcome.state.value if outcome.state is RunState.DEAD else "retry_scheduled"
+
+    async def _guarded(self, function: Callable[[Any], Awaitable[T]], what: str) -> T | None:
+        """A fenced write. A database error means its outcome is unknown: ownership is unproven."""
+        try:
+            return await self._db(function)
+        except DATABASE_ERRORS as error:
+            self._lost(f"{what} outcome unknown ({type(error).__name__}: {error})")
+            return None
+
+    def _lost(self, reason: str) -> str:
+        self.handle.lose(reason)
+        return LOST
+
+    # -- cleanup (shielded, bounded) ----------------------------------------------------------
+    async def _cleanup(self, action: Callable[[], Awaitable[str]]) -> str:
+        with anyio.move_on_after(self.config.cleanup_seconds, shield=True):
+            try:
+                return await action()
+            except DATABASE_ERRORS as error:
+                self.log.warning("cleanup write failed", error=str(error))
+        return LOST
+
+    async def _release(self) -> str:
+        released = await self._db(
+            lambda db: self.store.release(self.claimed.lease, reason="worker shutting down", db=db)
+        )
+        self.log.info("lease released at shutdown", released=released)
+        return RELEASED if released else LOST
+
+    async def _record_lost(self) -> str:
+        reason = self.handle.lost_reason or "unknown"
+        self.metrics.lost_leases.add(1, {WORKER_ID: self.config.worker_id})
+        with tracer().start_as_current_span(
+            "lease_lost", attributes={**self.ids, "reason": reason}
+        ):
+            self.log.warning("lease lost", reason=reason)
+            await self._db(
+                lambda db: self.store.record_event(
+                    self.claimed.run_id,
+                    "lease_lost",
+                    fence=self.claimed.fence,
+                    worker_id=self.config.worker_id,
+                    details={"reason": reason},
+                    db=db,
+                )
+            )
+        return LOST

@@ -1,0 +1,209 @@
+"""The API agent authors write against: steps, their context, their outcomes, agents.
+
+A step is a small class whose async ``run(ctx)`` reads the run's input and last checkpoint,
+does one bounded piece of work (a model call, a tool call), and returns what happens next:
+
+    class Outline(Step):
+        async def run(self, ctx: StepContext) -> Outcome:
+            outline = await summarise(ctx.input["doc"])
+            return Next(Review, checkpoint={"outline": outline})
+
+The framework commits the returned checkpoint in one fenced transaction, only while this worker
+still owns the run; if it no longer does, nothing is committed and the step's result is dropped.
+A step may therefore run more than once (a crash before its commit), but its committed effects
+never repeat. Raise an exception for a failure worth retrying; return ``Fail`` for one that is not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar
+
+import structlog
+
+from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.ids import validate_agent_name
+from orchestrator.models import JSON
+
+DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
+_STEP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a step may read. Everything here came from the database at claim time."""
+
+    run_id: str
+    agent: str
+    step: str
+    fence: int
+    attempt: int
+    max_attempts: int
+    worker_id: str
+    input: JSON
+    checkpoint: JSON
+    checkpoint_version: int
+    lease_until: datetime
+    log: Any = field(repr=False, compare=False)
+    """A structlog logger bound with run.id, run.fence, worker.id and the step name."""
+
+
+class Step:
+    """Subclass and implement ``run``. One instance runs one step execution."""
+
+    name: ClassVar[str] = ""
+    """The step's name in checkpoints and timelines; defaults to the class name."""
+    lease_seconds: ClassVar[float | None] = None
+    """A lease for this step other than the worker's default (e.g. a long tool call)."""
+
+    @classmethod
+    def step_name(cls) -> str:
+        return cls.name or cls.__name__
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        raise NotImplementedError(f"{type(self).__name__}.run is not implemented")
+
+
+@dataclass(frozen=True)
+class Next:
+    """Continue with ``step`` after committing ``checkpoint``."""
+
+    step: type[Step] | str
+    checkpoint: JSON
+
+    @property
+    def step_name(self) -> str:
+        return self.step if isinstance(self.step, str) else self.step.step_name()
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run succeeded with ``result``; ``checkpoint`` (optional) is kept as the last one."""
+
+    result: JSON = None
+    checkpoint: JSON = None
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The run failed for good: no retry. ``details`` is stored with the error."""
+
+    message: str
+    details: JSON = None
+
+
+Outcome = Next | Finish | Fail
+
+
+class UnknownStep(OrchestratorError):
+    """A checkpoint names a step the agent does not have (code and data out of step)."""
+
+
+class UnknownAgent(OrchestratorError):
+    """No loaded module defines an agent of that name."""
+
+
+def validate_json(value: JSON, *, what: str, max_bytes: int) -> None:
+    """A checkpoint or result must be JSON and reasonably small: it lives in a database row."""
+    try:
+        size = len(json.dumps(value, separators=(",", ":"), allow_nan=False).encode())
+    except (TypeError, ValueError) as error:
+        raise InvalidInput(f"{what} is not JSON-serialisable: {error}") from None
+    if size > max_bytes:
+        raise InvalidInput(f"{what} is {size:,} bytes, over the {max_bytes:,}-byte limit")
+
+
+class Agent:
+    """A named set of steps with a first step."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        first: type[Step],
+        steps: Iterable[type[Step]] = (),
+        description: str = "",
+    ) -> None:
+        self.name = validate_agent_name(name)
+        self.first = first
+        self.description = description
+        self.steps: dict[str, type[Step]] = {}
+        for step in (first, *steps):
+            step_name = step.step_name()
+            if not _STEP_NAME.fullmatch(step_name):
+                raise InvalidInput(f"agent {name}: malformed step name {step_name!r}")
+            known = self.steps.get(step_name)
+            if known is not None and known is not step:
+                raise InvalidInput(f"agent {name}: two steps are named {step_name!r}")
+            if step.lease_seconds is not None and step.lease_seconds <= 0:
+                raise InvalidInput(f"agent {name}: step {step_name} has a non-positive lease")
+            self.steps[step_name] = step
+
+    def step(self, name: str | None) -> type[Step]:
+        if name is None:
+            return self.first
+        try:
+            return self.steps[name]
+        except KeyError:
+            raise UnknownStep(
+                f"agent {self.name} has no step {name!r} (it has {', '.join(self.steps)}); "
+                "was a step renamed while runs were checkpointed at it?"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r}, steps={list(self.steps)})"
+
+
+class AgentRegistry:
+    """The agents a worker serves, by name."""
+
+    def __init__(self, agents: Iterable[Agent] = ()) -> None:
+        self._agents: dict[str, Agent] = {}
+        for agent in agents:
+            self.add(agent)
+
+    def add(self, agent: Agent) -> None:
+        existing = self._agents.get(agent.name)
+        if existing is not None and existing is not agent:
+            raise InvalidInput(f"two different agents are named {agent.name!r}")
+        self._agents[agent.name] = agent
+
+    def get(self, name: str) -> Agent:
+        try:
+            return self._agents[name]
+        except KeyError:
+            raise UnknownAgent(
+                f"unknown agent {name!r}; this worker serves: {', '.join(self.names) or 'none'}"
+            ) from None
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._agents)
+
+    @classmethod
+    def from_modules(cls, modules: Sequence[str]) -> AgentRegistry:
+        """Import each module and collect the ``Agent`` objects it defines at top level."""
+        registry = cls()
+        for module_name in modules:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as error:
+                raise InvalidInput(
+                    f"cannot import agent module {module_name!r}: {error}. Pass a module path "
+                    "importable from here, e.g. orchestrator.agents.sleepy"
+                ) from None
+            found = [value for value in vars(module).values() if isinstance(value, Agent)]
+            if not found:
+                raise InvalidInput(f"module {module_name!r} defines no Agent at its top level")
+            for agent in found:
+                registry.add(agent)
+        return registry
+
+
+def bound_logger(**ids: Any) -> Any:
+    return structlog.get_logger("orchestrator").bind(**ids)

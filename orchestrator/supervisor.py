@@ -1,0 +1,369 @@
+"""The worker process: one task group that claims runs and gives each its own scope.
+
+Tasks in the supervisor's group: the claim loop, the lease keeper (batched renewals), the
+reaper (dead-session takeover), the listener (LISTEN/NOTIFY wake-ups and cancels), a status
+line, and one ``RunScope`` per claimed run. Nothing in this process's memory is authoritative:
+every decision that matters is a fenced statement in PostgreSQL.
+
+Dead-session takeover, and why it is safe: each worker holds a session-level advisory lock on a
+dedicated connection for its whole life. When the process dies its socket closes and PostgreSQL
+frees the lock at once; the reaper (any worker) then ends that owner's leases, and the run is
+claimed again in about a second instead of after the full lease. The judgement "the owner is
+dead" could only be wrong if the owner were alive without its session, and then it cannot act:
+its renewals fail (its lease has ended), and each of its commits and effect requests carries a
+fence that the new claim has raised past. A paused or partitioned owner keeps its session and
+its lock, so its lease is honoured until it expires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import asyncpg
+import structlog
+
+from orchestrator.bootstrap import ensure_schema
+from orchestrator.database import connect, create_pool, redact_dsn, resolve_dsn
+from orchestrator.deadlines import DATABASE_ERRORS, DedicatedConnection, pooled
+from orchestrator.heartbeat import LeaseKeeper
+from orchestrator.models import ClaimedRun
+from orchestrator.runner import RunnerConfig, RunScope
+from orchestrator.settings import Settings
+from orchestrator.steps import AgentRegistry
+from orchestrator.store import RunStore, WorkerRegistry
+from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, tracer
+
+log = structlog.get_logger("orchestrator.supervisor")
+
+RUNS_CHANNEL = "orchestrator_runs"
+CANCEL_CHANNEL = "orchestrator_cancel"
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass
+class WorkerConfig:
+    agents: AgentRegistry
+    worker_id: str = field(default_factory=default_worker_id)
+    concurrency: int = 10
+    lease_seconds: float = 45.0
+    heartbeat_seconds: float = 15.0
+    poll_seconds: float = 2.0
+    claim_batch: int = 50
+    grace_seconds: float = 30.0
+    reap_seconds: float = 1.0
+    status_seconds: float = 10.0
+    dead_session_takeover: bool = True
+
+    def validate(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.heartbeat_seconds * 2 > self.lease_seconds:
+            raise ValueError(
+                f"heartbeat every {self.heartbeat_seconds}s is too slow for a "
+                f"{self.lease_seconds}s lease: renew at least twice per lease (lease/3 is usual)"
+            )
+        for agent in (self.agents.get(name) for name in self.agents.names):
+            for step in agent.steps.values():
+                if (
+                    step.lease_seconds is not None
+                    and step.lease_seconds < 2 * self.heartbeat_seconds
+                ):
+                    raise ValueError(
+                        f"step {agent.name}.{step.step_name()} asks for a {step.lease_seconds}s "
+                        f"lease, shorter than two heartbeats ({self.heartbeat_seconds}s each)"
+                    )
+
+
+@dataclass
+class Counters:
+    claimed: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    taken_over: int = 0
+
+
+class Supervisor:
+    """Run with ``await supervisor.run()``; stop with ``request_stop()`` (graceful)."""
+
+    def __init__(self, settings: Settings, config: WorkerConfig, *, metrics: Metrics | None = None):
+        config.validate()
+        self.settings = settings
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.worker_id = config.worker_id
+        self.counters = Counters()
+        self.active: dict[str, RunScope] = {}
+        self.draining = False
+        self._stop = anyio.Event()
+        self._wake = anyio.Event()
+        self._idle = anyio.Event()
+        self.ready = anyio.Event()
+        self.log = log.bind(**{WORKER_ID: self.worker_id})
+
+    # -- control ------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Stop claiming, let running steps finish within the grace period, release the rest."""
+        self.draining = True
+        self._stop.set()
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- main ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        dsn = resolve_dsn(self.settings)
+        await ensure_schema(self.settings, dsn, auto_migrate=True)
+        pool = await create_pool(
+            self.settings,
+            dsn=dsn,
+            application_name=self.worker_id,
+            min_size=2,
+            max_size=max(4, min(self.config.concurrency, 20)),
+        )
+        self.store = RunStore(pool, max_input_bytes=self.settings.max_input_bytes)
+        heartbeat_connection = DedicatedConnection(self.settings, dsn, self.worker_id)
+        self.keeper = LeaseKeeper(
+            self.store,
+            self.worker_id,
+            heartbeat_connection,
+            heartbeat_seconds=self.config.heartbeat_seconds,
+            metrics=self.metrics,
+        )
+        self.runner_config = RunnerConfig(
+            worker_id=self.worker_id,
+            lease_seconds=self.config.lease_seconds,
+            statement_seconds=max(1.0, self.config.heartbeat_seconds),
+        )
+        liveness: asyncpg.Connection | None = None
+        try:
+            liveness = await self._register(dsn)
+            self.log.info(
+                "serving",
+                agents=self.config.agents.names,
+                database=redact_dsn(dsn),
+                concurrency=self.config.concurrency,
+                lease_seconds=self.config.lease_seconds,
+                heartbeat_seconds=self.config.heartbeat_seconds,
+            )
+            async with anyio.create_task_group() as group:
+                group.start_soon(self.keeper.run)
+                group.start_soon(self._listen, dsn)
+                group.start_soon(self._status)
+                if self.config.dead_session_takeover:
+                    group.start_soon(self._reap)
+                self.ready.set()
+                await self._claim_loop(group)
+                await self._drain()
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.move_on_after(5, shield=True):
+                if liveness is not None:
+                    with contextlib.suppress(*DATABASE_ERRORS):
+                        await WorkerRegistry().unregister(liveness, self.worker_id)
+                    liveness.terminate()
+                await heartbeat_connection.close()
+                await pool.close()
+            self.log.info("stopped", **self._summary())
+
+    async def _register(self, dsn: str) -> asyncpg.Connection:
+        connection = await connect(self.settings, dsn=dsn, application_name=self.worker_id)
+        await WorkerRegistry().register(
+            connection,
+            worker_id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            agents=self.config.agents.names,
+        )
+        return connection
+
+    # -- claiming -----------------------------------------------------------------------------
+    async def _claim_loop(self, group: anyio.abc.TaskGroup) -> None:
+        failures = 0
+        while not self.draining:
+            self._wake = anyio.Event()
+            capacity = self.config.concurrency - len(self.active)
+            claimed: list[tuple[ClaimedRun, RunScope]] = []
+            if capacity > 0:
+                try:
+                    claimed = await self._claim(min(capacity, self.config.claim_batch))
+                    if failures:
+                        self.log.info("database reachable again; claiming resumed")
+                    failures = 0
+                except DATABASE_ERRORS as error:
+                    failures += 1
+                    if failures == 1:
+                        self.log.warning("database unavailable; claiming paused", error=str(error))
+                    await anyio.sleep(min(self.config.poll_seconds * failures, 5.0))
+                    continue
+            for run, scope in claimed:
+                group.start_soon(self._execute, run, scope)
+            if claimed and len(claimed) == min(capacity, self.config.claim_batch):
+                continue  # there may be more due runs: claim again before sleeping
+            with anyio.move_on_after(self.config.poll_seconds):
+                await self._wake.wait()
+
+    async def _claim(self, limit: int) -> list[tuple[ClaimedRun, RunScope]]:
+        sent_at = anyio.current_time()
+        with tracer().start_as_current_span(
+            "claim", attributes={WORKER_ID: self.worker_id}
+        ) as span:
+            async with pooled(self.store.pool, within=self.runner_config.statement_seconds) as db:
+                batch = await self.store.claim(
+                    self.worker_id,
+                    self.config.agents.names,
+                    limit=limit,
+                    lease_seconds=self.config.lease_seconds,
+                    db=db,
+                )
+            span.set_attribute("claimed", len(batch.claimed))
+        for run_id in batch.dead_lettered:
+            self.log.warning("dead-lettered: lease expired on the last attempt", **{RUN_ID: run_id})
+        result: list[tuple[ClaimedRun, RunScope]] = []
+        for run in batch.claimed:
+            handle = self.keeper.track(
+                run, sent_at=sent_at, lease_seconds=self.config.lease_seconds
+            )
+            self.counters.claimed += 1
+            self.metrics.claims.add(1, {"agent": run.agent})
+            if run.previous_lease_until is not None:
+                recovery = (run.claimed_at - run.previous_lease_until).total_seconds()
+                self.metrics.recovery_seconds.record(max(recovery, 0.0))
+            self.log.info(
+                "claimed",
+                **{RUN_ID: run.run_id, RUN_FENCE: run.fence},
+                attempt=run.attempt,
+                step=run.step,
+                previous_owner=run.previous_owner,
+            )
+            scope = RunScope(
+                run,
+                handle,
+                store=self.store,
+                keeper=self.keeper,
+                registry=self.config.agents,
+                config=self.runner_config,
+                metrics=self.metrics,
+                draining=lambda: self.draining,
+            )
+            self.active[run.run_id] = scope
+            result.append((run, scope))
+        return result
+
+    async def _execute(self, run: ClaimedRun, scope: RunScope) -> None:
+        try:
+            disposition = await scope.execute()
+        except Exception as error:  # a bug in the runtime must not take the worker down
+            self.log.exception("run scope crashed", **{RUN_ID: run.run_id}, error=str(error))
+            disposition = "crashed"
+        finally:
+            if self.active.get(run.run_id) is scope:
+                del self.active[run.run_id]
+            if not self.active:
+                self._idle.set()
+            self.wake()
+        self.counters.finished[disposition] = self.counters.finished.get(disposition, 0) + 1
+
+    # -- shutdown -----------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        if not self.active:
+            return
+        self.log.info("draining", active=len(self.active), grace_seconds=self.config.grace_seconds)
+        with anyio.move_on_after(self.config.grace_seconds):
+            while self.active:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        for scope in list(self.active.values()):
+            scope.stop_now()
+        with anyio.move_on_after(10):
+            while self.active:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+
+    # -- background tasks ---------------------------------------------------------------------
+    async def _reap(self) -> None:
+        registry = WorkerRegistry()
+        while True:
+            await anyio.sleep(self.config.reap_seconds)
+            try:
+                async with pooled(
+                    self.store.pool, within=self.runner_config.statement_seconds
+                ) as db:
+                    expired = await registry.expire_dead_owners(db)
+            except DATABASE_ERRORS:
+                continue
+            for lease in expired:
+                self.counters.taken_over += 1
+                self.log.info(
+                    "owner's session is gone; lease ended for takeover",
+                    **{RUN_ID: lease.run_id, RUN_FENCE: lease.fence},
+                    previous_owner=lease.previous_owner,
+                )
+            if expired:
+                self.wake()
+
+    async def _listen(self, dsn: str) -> None:
+        """Wake on submits and due runs; cut a run's scope short when it is cancelled."""
+        agents = set(self.config.agents.names)
+
+        def on_notify(connection: Any, pid: int, channel: str, payload: object) -> None:
+            if channel == RUNS_CHANNEL and payload in agents:
+                self.wake()
+            elif channel == CANCEL_CHANNEL:
+                scope = self.active.get(str(payload))
+                if scope is not None:
+                    scope.handle.lose("the run was cancelled")
+
+        while True:
+            connection: asyncpg.Connection | None = None
+            try:
+                with anyio.fail_after(self.runner_config.statement_seconds):
+                    connection = await connect(
+                        self.settings, dsn=dsn, application_name=self.worker_id + ":listen"
+                    )
+                    await connection.add_listener(RUNS_CHANNEL, on_notify)
+                    await connection.add_listener(CANCEL_CHANNEL, on_notify)
+                self.wake()  # anything submitted while we were not listening
+                while not connection.is_closed():
+                    await anyio.sleep(self.config.poll_seconds)
+                    with anyio.fail_after(self.runner_config.statement_seconds):
+                        await connection.execute("SELECT 1")
+            except DATABASE_ERRORS:
+                pass
+            finally:
+                if connection is not None:
+                    connection.terminate()
+            await anyio.sleep(self.config.poll_seconds)
+
+    async def _status(self) -> None:
+        while True:
+            await anyio.sleep(self.config.status_seconds)
+            self.log.info("status", **self._summary())
+
+    def _summary(self) -> dict[str, Any]:
+        return {
+            "active": len(self.active),
+            "claimed": self.counters.claimed,
+            "finished": dict(self.counters.finished),
+            "taken_over": self.counters.taken_over,
+            "renewal_failures": self.keeper.failures if hasattr(self, "keeper") else 0,
+        }
+
+
+async def serve(settings: Settings, config: WorkerConfig) -> Supervisor:
+    supervisor = Supervisor(settings, config)
+    await supervisor.run()
+    return supervisor
+
+
+def load_agents(modules: Sequence[str]) -> AgentRegistry:
+    return AgentRegistry.from_modules(modules)

@@ -1,0 +1,143 @@
+"""Traces, metrics and logs, with the ids an incident review needs on every record.
+
+Library code uses only the OpenTelemetry API (no-ops until a provider is installed). Only the
+``serve`` entry point installs SDK providers, from the standard ``OTEL_*`` variables, and never
+replaces a provider the host application already set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+from opentelemetry import metrics, trace
+
+TRACER_NAME = "orchestrator"
+
+# Attribute names carried by every span and log line about a run.
+RUN_ID = "run.id"
+RUN_FENCE = "run.fence"
+WORKER_ID = "worker.id"
+LEASE_UNTIL = "lease.until"
+CHECKPOINT_VERSION = "checkpoint.version"
+DISPOSITION = "run.disposition"
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+class Metrics:
+    """The counters DESIGN.md asks for; created from whatever meter provider is installed."""
+
+    def __init__(self, meter: metrics.Meter | None = None) -> None:
+        meter = meter or metrics.get_meter(TRACER_NAME)
+        self.claims = meter.create_counter("orchestrator.claims", description="runs claimed")
+        self.lost_leases = meter.create_counter(
+            "orchestrator.lease.lost", description="runs whose ownership was lost or unprovable"
+        )
+        self.renewal_failures = meter.create_counter(
+            "orchestrator.lease.renewal_failures",
+            description="renewal statements that failed or timed out",
+        )
+        self.steps = meter.create_counter("orchestrator.steps", description="step executions")
+        self.step_seconds = meter.create_histogram(
+            "orchestrator.step.duration", unit="s", description="step run time, commit included"
+        )
+        self.recovery_seconds = meter.create_histogram(
+            "orchestrator.recovery.duration",
+            unit="s",
+            description="from a previous owner's lease end (or takeover) to the next claim",
+        )
+        self.runs_finished = meter.create_counter(
+            "orchestrator.runs.finished", description="runs ended, by disposition"
+        )
+
+
+def _add_trace_ids(
+    logger: Any, method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        event["trace_id"] = format(context.trace_id, "032x")
+        event["span_id"] = format(context.span_id, "016x")
+    return event
+
+
+def configure_logging(*, json_logs: bool | None = None, level: str | None = None) -> None:
+    """structlog to stderr: JSON when not on a terminal (or when asked), readable otherwise."""
+    if json_logs is None:
+        json_logs = not sys.stderr.isatty()
+    level_name = (level or os.environ.get("ORCHESTRATOR_LOG_LEVEL") or "info").upper()
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if json_logs
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _add_trace_ids,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping().get(level_name, logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def install_sdk_from_env() -> None:
+    """Install SDK tracer/meter providers as the ``OTEL_*`` variables ask, unless one is set.
+
+    ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER``: ``console`` or ``otlp`` (the latter
+    needs the ``opentelemetry-exporter-otlp`` package). Unset or ``none``: nothing is installed.
+    """
+    from opentelemetry.sdk.resources import Resource
+
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", TRACER_NAME)})
+    traces = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+    if traces not in ("", "none") and isinstance(
+        trace.get_tracer_provider(), trace.ProxyTracerProvider
+    ):
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+        provider = TracerProvider(resource=resource)
+        exporter: Any
+        if traces == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found]
+                OTLPSpanExporter,
+            )
+
+            exporter = OTLPSpanExporter()
+        else:
+            exporter = ConsoleSpanExporter(out=sys.stderr)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        trace.set_tracer_provider(provider)
+    exported = os.environ.get("OTEL_METRICS_EXPORTER", "none").strip().lower()
+    if exported == "console":
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import (
+            ConsoleMetricExporter,
+            PeriodicExportingMetricReader,
+        )
+
+        reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr))
+        metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+
+
+def shutdown_sdk() -> None:
+    """Flush spans and metrics on exit (no-op for API-only providers)."""
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        shutdown = getattr(provider, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
