@@ -15,6 +15,7 @@ import anyio
 import asyncpg
 
 from orchestrator.database import connect
+from orchestrator.errors import DatabaseUnavailable
 from orchestrator.settings import Settings
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseUnavailable,
     OSError,
     TimeoutError,
     asyncpg.PostgresError,

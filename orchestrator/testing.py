@@ -1,5 +1,9 @@
 """Test support for orchestrator and for agent authors' own tests: real PostgreSQL, fast.
 
+- ``DatabaseFactory``: a freshly migrated database per test;
+- ``running_worker`` / ``run_agent``: run a worker (or one input through an agent) in a test;
+- ``FaultProxy``: a loopback TCP proxy that partitions a worker from PostgreSQL on demand.
+
 ``DatabaseFactory`` migrates a template database once per test session and gives each test a
 fresh copy through ``CREATE DATABASE ... TEMPLATE`` (a file copy: tens of milliseconds), so
 tests are isolated without paying for migrations each time. With no server given it starts an
@@ -8,19 +12,29 @@ embedded PostgreSQL in a temporary directory, tuned for tests (no fsync).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import tempfile
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import anyio
+import anyio.abc
 import asyncpg
 
-from orchestrator.database import connect
+from orchestrator.database import connect, create_pool
 from orchestrator.embedded import EmbeddedPostgres
 from orchestrator.migrations import migrate
+from orchestrator.models import JSON, TERMINAL_STATES, Run, RunEvent, RunState
 from orchestrator.settings import Settings
+from orchestrator.steps import Agent, AgentRegistry
+from orchestrator.store import RunStore
+from orchestrator.supervisor import Supervisor, WorkerConfig
 
 TEST_SERVER_SETTINGS = {
     # Durability is not under test and fsync dominates small transactions on CI disks.
@@ -98,3 +112,147 @@ class DatabaseFactory:
             self.embedded.stop(mode="immediate")
         if self._home is not None:
             shutil.rmtree(self._home, ignore_errors=True)
+
+
+# -- running a worker inside a test ------------------------------------------------------------
+@asynccontextmanager
+async def running_worker(
+    settings: Settings,
+    agents: Sequence[Agent] | AgentRegistry,
+    **options: Any,
+) -> AsyncIterator[Supervisor]:
+    """Run a worker for the body of an ``async with``, then drain it.
+
+    Start it inside the test body, not across an async fixture's ``yield``: a task group (and
+    its cancel scope) must begin and end in the same task.
+    """
+    registry = agents if isinstance(agents, AgentRegistry) else AgentRegistry(agents)
+    options.setdefault("status_seconds", 3600.0)
+    supervisor = Supervisor(settings, WorkerConfig(agents=registry, **options))
+    async with anyio.create_task_group() as group:
+        group.start_soon(supervisor.run)
+        with anyio.fail_after(30):
+            await supervisor.ready.wait()
+        try:
+            yield supervisor
+        finally:
+            supervisor.request_stop()
+
+
+async def wait_for_run(
+    store: RunStore,
+    run_id: str,
+    *,
+    states: Iterable[RunState] = TERMINAL_STATES,
+    within: float = 30,
+) -> Run:
+    """Poll until the run reaches one of ``states`` (terminal by default)."""
+    wanted = set(states)
+    with anyio.fail_after(within):
+        while True:
+            run = await store.get(run_id)
+            if run.state in wanted:
+                return run
+            await anyio.sleep(0.05)
+
+
+async def run_agent(
+    settings: Settings, agent: Agent, input: JSON, *, within: float = 60, **options: Any
+) -> tuple[Run, list[RunEvent]]:
+    """The step harness for agent authors: run one input through ``agent`` on a real database
+    and return the finished run and its timeline."""
+    pool = await create_pool(settings, application_name="orchestrator-harness")
+    try:
+        store = RunStore(pool)
+        async with running_worker(settings, [agent], **options):
+            run_id = (await store.submit(agent.name, input)).run.run_id
+            run = await wait_for_run(store, run_id, within=within)
+        return run, await store.events(run_id)
+    finally:
+        await pool.close()
+
+
+# -- a loopback TCP proxy that injects network faults ------------------------------------------
+class FaultProxy:
+    """A TCP proxy on 127.0.0.1 between a client and PostgreSQL, for partition tests.
+
+    ``mode`` may be changed at any time:
+    - ``forward``: pass bytes both ways;
+    - ``blackhole``: pass nothing either way, keep every socket open (a partition: the server
+      keeps the client's session, so its locks and leases stay held);
+    - ``drop_replies``: pass client→server, discard server→client (requests are processed,
+      their answers are lost).
+    Traffic only ever goes to the loopback target it was given.
+    """
+
+    MODES = ("forward", "blackhole", "drop_replies")
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        if target_host not in ("127.0.0.1", "::1", "localhost"):
+            raise ValueError("FaultProxy only forwards to loopback")
+        self.target = (target_host, target_port)
+        self._mode = "forward"
+        self._flowing = anyio.Event()
+        self._flowing.set()
+        self.port = 0
+        self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
+        self._group: anyio.abc.TaskGroup | None = None
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}")
+        self._mode = mode
+        if mode == "blackhole":
+            self._flowing = anyio.Event()
+        else:
+            self._flowing.set()
+
+    def dsn_for(self, dsn: str) -> str:
+        parts = urlsplit(dsn)
+        netloc = parts.netloc.rsplit("@", 1)
+        userinfo = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit(parts._replace(netloc=f"{userinfo}127.0.0.1:{self.port}"))
+
+    async def __aenter__(self) -> FaultProxy:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
+        self._listener = listener
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(listener.serve, self._handle)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._group is not None and self._listener is not None
+        self._group.cancel_scope.cancel()
+        await self._group.__aexit__(None, None, None)
+        await self._listener.aclose()
+
+    async def _handle(self, client: anyio.abc.SocketStream) -> None:
+        async with (
+            client,
+            await anyio.connect_tcp(*self.target) as server,
+            anyio.create_task_group() as pipes,
+        ):
+            pipes.start_soon(self._pipe, client, server, "to_server")
+            pipes.start_soon(self._pipe, server, client, "to_client")
+
+    async def _pipe(
+        self, source: anyio.abc.SocketStream, sink: anyio.abc.SocketStream, direction: str
+    ) -> None:
+        with contextlib.suppress(
+            anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError
+        ):
+            while True:
+                data = await source.receive()
+                await self._flowing.wait()
+                if self.mode == "drop_replies" and direction == "to_client":
+                    continue
+                await sink.send(data)
+        with contextlib.suppress(Exception):
+            await sink.aclose()

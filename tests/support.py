@@ -1,0 +1,108 @@
+"""Helpers for tests that run `orchestrator serve` as real OS processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+TESTS_DIR = Path(__file__).parent
+
+
+class ServeProcess:
+    """`orchestrator serve` in its own process; its JSON log lines are collected as they come."""
+
+    def __init__(self, database_url: str, *args: str, name: str = "worker") -> None:
+        env = {
+            **os.environ,
+            "ORCHESTRATOR_DATABASE_URL": database_url,
+            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.name = name
+        self.lines: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "serve",
+                "--log-json",
+                "--worker-id",
+                name,
+                *args,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.raw.append(line)
+            try:
+                self.lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [line for line in list(self.lines) if line.get("event") == name]
+
+    async def wait_for_log(
+        self, name: str, within: float = 30, where: Callable[[dict[str, Any]], bool] | None = None
+    ) -> dict[str, Any]:
+        """Wait (without blocking the event loop) for a log line with event ``name``."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for line in self.events(name):
+                if where is None or where(line):
+                    return line
+            if self.process.poll() is not None and not self._reader.is_alive():
+                break
+            await anyio.sleep(0.02)
+        raise AssertionError(f"{self.name} never logged {name!r}; last lines:\n{self.tail()}")
+
+    def tail(self, count: int = 30) -> str:
+        return "".join(self.raw[-count:])
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 20) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(5)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.kill()
+        self._reader.join(5)
+        if self.process.stderr is not None:
+            self.process.stderr.close()

@@ -1,0 +1,287 @@
+"""`orchestrator serve` under real faults: SIGKILL, SIGSTOP, partitions, SIGTERM, DB restarts.
+
+Workers are separate OS processes; PostgreSQL is real; partitions go through a loopback proxy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import anyio
+import pytest
+from support import ServeProcess
+
+from orchestrator.database import connect, create_pool
+from orchestrator.embedded import EmbeddedPostgres
+from orchestrator.errors import OrchestratorError
+from orchestrator.migrations import migrate
+from orchestrator.models import Run, RunEvent, RunState
+from orchestrator.settings import Settings
+from orchestrator.store import RunStore
+from orchestrator.testing import TEST_SERVER_SETTINGS, FaultProxy, wait_for_run
+
+pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
+FAST = ["--agents", "agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
+"""Test agents, quick polling (wake-ups come by NOTIFY anyway), quiet status lines."""
+
+
+async def wait_for(
+    fetch: Callable[[], Awaitable[T]], ok: Callable[[T], bool], *, within: float = 30
+) -> T:
+    with anyio.fail_after(within):
+        while True:
+            value = await fetch()
+            if ok(value):
+                return value
+            await anyio.sleep(0.05)
+
+
+async def wait_for_marker(marker_dir: Path, pattern: str, *, within: float = 30) -> Path:
+    with anyio.fail_after(within):
+        while True:
+            found = await anyio.to_thread.run_sync(lambda: sorted(marker_dir.glob(pattern)))
+            if found:
+                return found[0]
+            await anyio.sleep(0.02)
+
+
+def kinds_by_fence(events: list[RunEvent], kind: str) -> list[int | None]:
+    return [event.fence for event in events if event.kind == kind]
+
+
+def commits(events: list[RunEvent]) -> list[RunEvent]:
+    return [e for e in events if e.kind in ("checkpoint", "succeeded", "failed")]
+
+
+async def test_sigkill_mid_step_resumes_elsewhere_from_the_last_checkpoint(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5"]
+    run_id = (
+        await store.submit("marked", {"steps": 4, "seconds": 0.6, "marker_dir": str(tmp_path)})
+    ).run.run_id
+    with ServeProcess(database_url, *args, name="A") as worker_a:
+        await wait_for(lambda: store.get(run_id), lambda r: r.checkpoint_version >= 2)
+        worker_a.kill()
+        killed_at = await store.database_now()
+        pid_a = worker_a.process.pid
+    version_at_kill = (await store.get(run_id)).checkpoint_version
+    with ServeProcess(database_url, *args, name="B") as worker_b:
+        final = await wait_for_run(store, run_id, within=30)
+        pid_b = worker_b.process.pid
+    events = await store.events(run_id)
+
+    assert final.state is RunState.SUCCEEDED
+    assert final.result == {"count": 4}
+    claims = [e for e in events if e.kind == "claimed"]
+    assert [(c.worker_id, c.fence) for c in claims] == [("A", 1), ("B", 2)]
+    # Dead-session takeover: far sooner than the 30 s lease.
+    assert "owner_session_gone" in [e.kind for e in events]
+    assert (claims[1].at - killed_at).total_seconds() < 5
+    # Every checkpoint version committed exactly once, each by the owner of the time.
+    versions = [e.details["version"] for e in commits(events)]
+    assert versions == list(range(1, len(versions) + 1))
+    # Steps before the last committed checkpoint ran once, by A, and were not run again.
+    names = await anyio.to_thread.run_sync(lambda: [p.name for p in tmp_path.iterdir()])
+    markers = [name.split(".") for name in names]
+    for count in range(version_at_kill):
+        ran = [m for m in markers if m[1] == str(count)]
+        assert [(m[2], m[3]) for m in ran] == [(str(pid_a), "1")], (count, ran)
+    assert all(m[2] == str(pid_b) for m in markers if int(m[1]) > version_at_kill)
+
+
+async def test_sigstopped_worker_commits_nothing_after_its_lease_expires(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    args = [*FAST, "--lease-seconds", "2", "--heartbeat-seconds", "0.5"]
+    run_id = (
+        await store.submit("marked", {"steps": 2, "seconds": 1.0, "marker_dir": str(tmp_path)})
+    ).run.run_id
+    with ServeProcess(database_url, *args, name="A") as worker_a:
+        await wait_for_marker(tmp_path, f"{run_id}.0.*")  # A loaded the checkpoint, is in a step
+        worker_a.signal(signal.SIGSTOP)
+        stopped_at = await store.database_now()
+        with ServeProcess(database_url, *args, name="B"):
+            final = await wait_for_run(store, run_id, within=30)
+        worker_a.signal(signal.SIGCONT)
+        await wait_for(
+            lambda: store.events(run_id),
+            lambda evs: any(e.kind == "lease_lost" and e.worker_id == "A" for e in evs),
+            within=15,
+        )
+        await anyio.sleep(1.5)  # give A every chance to (wrongly) commit something
+        assert worker_a.process.poll() is None, "A must survive losing a lease"
+        assert worker_a.stop() == 0
+    events = await store.events(run_id)
+    assert final.state is RunState.SUCCEEDED and final.result == {"count": 2}
+    claims = [e for e in events if e.kind == "claimed"]
+    assert [(c.worker_id, c.fence) for c in claims] == [("A", 1), ("B", 2)]
+    assert all(e.fence == 2 and e.worker_id == "B" for e in commits(events)), commits(events)
+    lost = [e for e in events if e.kind == "lease_lost"]
+    assert [(e.worker_id, e.fence) for e in lost] == [("A", 1)]
+    # A paused process keeps its session: no takeover, B waited for the lease to expire.
+    assert "owner_session_gone" not in [e.kind for e in events]
+    previous = datetime.fromisoformat(claims[1].details["previous_lease_until"])
+    assert claims[1].at >= previous > stopped_at
+
+
+@pytest.mark.parametrize("fault", ["blackhole", "drop_replies"])
+async def test_partitioned_worker_gives_up_before_its_lease_ends_and_commits_nothing(
+    database_url: str, store: RunStore, tmp_path: Path, fault: str
+) -> None:
+    """Also: a step that runs longer than the lease while renewals fail cannot commit."""
+    target = urlsplit(database_url)
+    assert target.hostname is not None and target.port is not None
+    args = [*FAST, "--lease-seconds", "4", "--heartbeat-seconds", "1"]
+    run_id = (
+        await store.submit("marked", {"steps": 1, "seconds": 8, "marker_dir": str(tmp_path)})
+    ).run.run_id
+    async with FaultProxy(target.hostname, target.port) as proxy:
+        with ServeProcess(proxy.dsn_for(database_url), *args, name="A") as worker_a:
+            await wait_for_marker(tmp_path, f"{run_id}.0.*")
+            proxy.mode = fault
+            lost = await worker_a.wait_for_log("lease lost", within=15)
+            lost_at = datetime.fromisoformat(lost["timestamp"].replace("Z", "+00:00"))
+            held = await store.get(run_id)
+            # The database still holds A's lease: A stopped first, on its own local deadline.
+            assert held.lease_owner == "A" and held.fence == 1
+            assert held.lease_until is not None and lost_at < held.lease_until
+            with ServeProcess(database_url, *args, name="B"):
+                final = await wait_for_run(store, run_id, within=30)
+            proxy.mode = "forward"
+            await anyio.sleep(2)
+            assert worker_a.process.poll() is None
+    events = await store.events(run_id)
+    assert final.state is RunState.SUCCEEDED
+    claims = [e for e in events if e.kind == "claimed"]
+    assert [(c.worker_id, c.fence) for c in claims] == [("A", 1), ("B", 2)]
+    assert all(e.worker_id == "B" for e in commits(events)), commits(events)
+    # A's connection was alive (only stalled): no takeover, B waited for expiry.
+    assert "owner_session_gone" not in [e.kind for e in events]
+    previous = datetime.fromisoformat(claims[1].details["previous_lease_until"])
+    assert claims[1].at >= previous
+
+
+async def test_sigterm_releases_leases_and_another_worker_claims_within_a_second(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5", "--grace-seconds", "0.3"]
+    run_id = (
+        await store.submit("marked", {"steps": 1, "seconds": 60, "marker_dir": str(tmp_path)})
+    ).run.run_id
+    with ServeProcess(database_url, *args, name="A") as worker_a:
+        await wait_for_marker(tmp_path, f"{run_id}.0.*")
+        with ServeProcess(database_url, *args, name="B") as worker_b:
+            await worker_b.wait_for_log("serving")
+            worker_a.signal(signal.SIGTERM)
+            assert worker_a.process.wait(15) == 0
+            events = await wait_for(
+                lambda: store.events(run_id),
+                lambda evs: [e.worker_id for e in evs if e.kind == "claimed"] == ["A", "B"],
+                within=10,
+            )
+    released = [e for e in events if e.kind == "released"]
+    claims = [e for e in events if e.kind == "claimed"]
+    assert [(e.worker_id, e.fence) for e in released] == [("A", 1)]
+    assert (claims[1].at - released[0].at).total_seconds() < 1.0
+    assert claims[1].fence == 2 and claims[1].details["attempt"] == 1  # release cost no attempt
+
+
+async def test_cancel_reaches_the_owning_worker_process(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    args = [*FAST, "--lease-seconds", "6", "--heartbeat-seconds", "2"]
+    run_id = (
+        await store.submit("marked", {"steps": 3, "seconds": 3, "marker_dir": str(tmp_path)})
+    ).run.run_id
+    with ServeProcess(database_url, *args, name="A") as worker_a:
+        await wait_for_marker(tmp_path, f"{run_id}.0.*")
+        await store.cancel(run_id, reason="test")
+        started = time.monotonic()
+        await worker_a.wait_for_log("lease lost", within=10)
+        assert time.monotonic() - started < 2.0  # within one heartbeat interval
+        await anyio.sleep(4)  # past the end of the step A was in
+    run = await store.get(run_id)
+    events = await store.events(run_id)
+    assert run.state is RunState.CANCELLED and run.checkpoint_version == 0
+    assert commits(events) == []
+    assert [(e.worker_id, e.details["reason"]) for e in events if e.kind == "lease_lost"] == [
+        ("A", "the run was cancelled")
+    ]
+
+
+async def test_postgres_restart_under_running_workers_loses_no_run() -> None:
+    # Not under pytest's tmp_path: pytest keeps its base directory private to root (0700),
+    # and the server runs as its own user when the tests run as root.
+    home = Path(tempfile.mkdtemp(prefix="orchestrator-restart-"))
+    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    settings = Settings(database_url=server.ensure_running().dsn())
+    try:
+        connection = await connect(settings)
+        await migrate(connection)
+        await connection.close()
+        run_ids = await submit_sleepy(settings, count=20)
+        args = [
+            *FAST,
+            "--agents",
+            "orchestrator.agents.sleepy",
+            "--lease-seconds",
+            "3",
+            "--heartbeat-seconds",
+            "1",
+            "--concurrency",
+            "8",
+        ]
+        dsn = str(settings.database_url)
+        with ServeProcess(dsn, *args, name="A") as a, ServeProcess(dsn, *args, name="B") as b:
+            await anyio.sleep(1.5)
+            await anyio.to_thread.run_sync(server.restart)
+            runs = await wait_all_terminal(settings, run_ids, within=90)
+            logs = a.tail() + b.tail()
+        assert {run.state for run in runs} == {RunState.SUCCEEDED}, logs
+        assert all(run.result == {"count": 3} for run in runs)
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)
+
+
+async def submit_sleepy(settings: Settings, *, count: int) -> list[str]:
+    pool = await create_pool(settings, application_name="test-submit")
+    try:
+        store = RunStore(pool)
+        return [
+            (await store.submit("sleepy", {"steps": 3, "seconds": 0.5, "n": n})).run.run_id
+            for n in range(count)
+        ]
+    finally:
+        await pool.close()
+
+
+async def wait_all_terminal(settings: Settings, run_ids: list[str], *, within: float) -> list[Run]:
+    """Poll through a database that may be restarting; reconnect as needed."""
+    deadline = time.monotonic() + within
+    runs: list[Run] = []
+    while time.monotonic() < deadline:
+        try:
+            pool = await create_pool(settings, application_name="test-watch")
+            try:
+                store = RunStore(pool)
+                runs = [await store.get(run_id) for run_id in run_ids]
+            finally:
+                await pool.close()
+            if all(run.state.terminal for run in runs):
+                return runs
+        except OrchestratorError:
+            pass
+        await anyio.sleep(0.5)
+    return runs
