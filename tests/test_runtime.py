@@ -1,0 +1,247 @@
+"""The worker runtime in-process: step outcomes, retries, heartbeat deadlines, the harness."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import anyio
+import pytest
+
+from orchestrator.agents.noop import noop
+from orchestrator.agents.sleepy import sleepy
+from orchestrator.errors import InvalidInput, SchemaTooNew
+from orchestrator.heartbeat import LeaseHandle, safety_margin, watch
+from orchestrator.models import Lease, RunState
+from orchestrator.settings import Settings
+from orchestrator.steps import Agent, AgentRegistry, Fail, Next, Outcome, Step, StepContext
+from orchestrator.store import RunStore
+from orchestrator.supervisor import Supervisor, WorkerConfig
+from orchestrator.testing import run_agent, running_worker, wait_for_run
+
+FAST = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
+
+
+async def eventually(condition: Callable[[], bool], *, within: float) -> None:
+    """Poll an in-memory condition of the worker under test (there is no event to wait on)."""
+    with anyio.fail_after(within):
+        for _ in range(int(within * 1000) + 1):
+            if condition():
+                return
+            await anyio.sleep(0.005)
+
+
+class Refuse(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Fail("the contract is unsigned", details={"field": "signature"})
+
+
+class ReturnsGarbage(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        return "not an outcome"  # type: ignore[return-value]
+
+
+class NextToNowhere(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Next("missing", checkpoint={})
+
+
+class Flaky(Step):
+    """Fails on the first attempt, succeeds on the second."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        if ctx.attempt == 1:
+            raise ConnectionError("vendor hiccup")
+        return Next(Finisher, checkpoint={"recovered_on": ctx.attempt})
+
+
+class Finisher(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        from orchestrator.steps import Finish
+
+        return Finish(result=ctx.checkpoint)
+
+
+async def test_harness_runs_an_agent_to_completion(settings: Settings) -> None:
+    run, events = await run_agent(settings, sleepy, {"steps": 3, "seconds": 0.01}, **FAST)
+    assert run.state is RunState.SUCCEEDED
+    assert run.result == {"count": 3}
+    assert run.checkpoint_version == 3
+    assert [e.kind for e in events] == [
+        "submitted",
+        "claimed",
+        "checkpoint",
+        "checkpoint",
+        "succeeded",
+    ]
+
+
+async def test_fail_outcome_fails_the_run_for_good(settings: Settings) -> None:
+    agent = Agent("refuser", first=Refuse)
+    run, events = await run_agent(settings, agent, {}, **FAST)
+    assert run.state is RunState.FAILED
+    assert run.error == {
+        "type": "Fail",
+        "message": "the contract is unsigned",
+        "details": {"field": "signature"},
+    }
+    assert [e.kind for e in events].count("claimed") == 1
+
+
+@pytest.mark.parametrize("step", [ReturnsGarbage, NextToNowhere])
+async def test_a_broken_step_is_retried_then_dead_lettered(
+    settings: Settings, store: RunStore, step: type[Step]
+) -> None:
+    agent = Agent("broken", first=step)
+    async with running_worker(settings, [agent], **FAST):
+        run_id = (await store.submit("broken", {}, max_attempts=2)).run.run_id
+        run = await wait_for_run(store, run_id, within=30)
+    assert run.state is RunState.DEAD
+    assert run.error is not None and run.error["type"] in ("TypeError", "LookupError")
+    assert "Traceback" in run.error["traceback"]
+    kinds = [e.kind for e in await store.events(run_id)]
+    assert kinds == ["submitted", "claimed", "retry_scheduled", "claimed", "dead_lettered"]
+
+
+async def test_an_exception_is_retried_with_the_checkpoint_intact(
+    settings: Settings, store: RunStore
+) -> None:
+    agent = Agent("flaky", first=Flaky, steps=[Finisher])
+    async with running_worker(settings, [agent], **FAST):
+        run_id = (await store.submit("flaky", {})).run.run_id
+        run = await wait_for_run(store, run_id, within=30)
+    assert run.state is RunState.SUCCEEDED
+    assert run.result == {"recovered_on": 2}
+    events = await store.events(run_id)
+    retry = next(e for e in events if e.kind == "retry_scheduled")
+    assert retry.details["error"]["type"] == "ConnectionError"
+
+
+async def test_cancel_during_a_step_stops_it_and_commits_nothing(
+    settings: Settings, store: RunStore
+) -> None:
+    async with running_worker(settings, [sleepy], **FAST) as worker:
+        run_id = (await store.submit("sleepy", {"steps": 3, "seconds": 2})).run.run_id
+        await eventually(lambda: run_id in worker.active, within=10)
+        await store.cancel(run_id)
+        started = anyio.current_time()
+        await eventually(lambda: run_id not in worker.active, within=FAST["heartbeat_seconds"])
+        assert anyio.current_time() - started < FAST["heartbeat_seconds"]
+        await anyio.sleep(2.5)  # past the end of the step that was cut short
+    run = await store.get(run_id)
+    events = await store.events(run_id)
+    assert run.state is RunState.CANCELLED and run.checkpoint_version == 0
+    assert "checkpoint" not in [e.kind for e in events]
+    assert [e.details["reason"] for e in events if e.kind == "lease_lost"] == [
+        "the run was cancelled"
+    ]
+
+
+async def test_graceful_stop_releases_unfinished_runs(settings: Settings, store: RunStore) -> None:
+    async with running_worker(settings, [sleepy], grace_seconds=0.2, **FAST) as worker:
+        run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 30})).run.run_id
+        await eventually(lambda: run_id in worker.active, within=10)
+    run = await store.get(run_id)
+    assert (run.state, run.fence, run.attempt, run.lease_owner) == (RunState.QUEUED, 1, 0, None)
+    assert [e.kind for e in await store.events(run_id)][-1] == "released"
+
+
+async def test_worker_claims_only_its_agents_and_many_at_once(
+    settings: Settings, store: RunStore
+) -> None:
+    other = (await store.submit("sleepy", {})).run.run_id
+    ids = [(await store.submit("noop", {})).run.run_id for _ in range(30)]
+    async with running_worker(settings, [noop], concurrency=8, **FAST):
+        runs = [await wait_for_run(store, run_id) for run_id in ids]
+    assert {run.state for run in runs} == {RunState.SUCCEEDED}
+    assert (await store.get(other)).state is RunState.QUEUED
+
+
+async def test_watch_cancels_at_the_local_deadline_without_a_confirmed_renewal() -> None:
+    now = anyio.current_time()
+    handle = LeaseHandle(
+        lease=Lease("r_x", "w", 1),
+        lease_seconds=1.0,
+        lease_until=datetime.now(UTC),
+        confirmed_sent_at=now,
+    )
+    with anyio.CancelScope() as scope:
+        await watch(handle, scope)
+    elapsed = anyio.current_time() - now
+    assert handle.lost_reason == "no confirmed renewal before the local deadline"
+    assert elapsed == pytest.approx(1.0 - safety_margin(1.0), abs=0.15)
+
+
+async def test_watch_follows_confirmed_renewals_and_stops_on_loss() -> None:
+    start = anyio.current_time()
+    handle = LeaseHandle(
+        lease=Lease("r_x", "w", 1),
+        lease_seconds=1.0,
+        lease_until=datetime.now(UTC),
+        confirmed_sent_at=start,
+    )
+
+    async def renew_twice_then_lose() -> None:
+        for _ in range(2):
+            await anyio.sleep(0.5)
+            handle.confirm(anyio.current_time(), datetime.now(UTC), 1.0)
+        await anyio.sleep(0.2)
+        handle.lose("renewal refused")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(renew_twice_then_lose)
+        with anyio.CancelScope() as scope:
+            await watch(handle, scope)
+    assert handle.lost_reason == "renewal refused"
+    assert anyio.current_time() - start >= 1.2  # outlived the first deadline thanks to renewals
+
+
+def test_registry_loading_errors_are_clear() -> None:
+    with pytest.raises(InvalidInput, match=r"cannot import agent module 'no\.such\.module'"):
+        AgentRegistry.from_modules(["no.such.module"])
+    with pytest.raises(InvalidInput, match="defines no Agent"):
+        AgentRegistry.from_modules(["orchestrator.backoff"])
+    registry = AgentRegistry.from_modules(
+        ["orchestrator.agents.sleepy", "orchestrator.agents.noop"]
+    )
+    assert registry.names == ["noop", "sleepy"]
+
+
+def test_worker_config_refuses_a_heartbeat_too_slow_for_the_lease() -> None:
+    config = WorkerConfig(agents=AgentRegistry([noop]), lease_seconds=10, heartbeat_seconds=6)
+    with pytest.raises(ValueError, match="renew at least twice per lease"):
+        Supervisor(Settings(), config)
+
+
+async def test_serve_refuses_a_schema_newer_than_its_code(
+    settings: Settings, store: RunStore
+) -> None:
+    await store.pool.execute(
+        "INSERT INTO orchestrator_schema_migrations (version, name) VALUES (999, 'future')"
+    )
+    supervisor = Supervisor(settings, WorkerConfig(agents=AgentRegistry([noop])))
+    with pytest.raises(SchemaTooNew):
+        await supervisor.run()
+
+
+def test_serve_usage_errors(database_url: str) -> None:
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""},
+        )
+
+    missing = serve()
+    assert missing.returncode == 2 and "no agents to serve" in missing.stderr
+    bad_module = serve("--agents", "no.such.module")
+    assert bad_module.returncode == 1 and "cannot import agent module" in bad_module.stderr
+    slow = serve(
+        "--agents", "orchestrator.agents.noop", "--lease-seconds", "3", "--heartbeat-seconds", "2"
+    )
+    assert slow.returncode == 1 and "renew at least twice" in slow.stderr
