@@ -47,6 +47,10 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
     )
 
 
+async def _keep_session(connection: asyncpg.Connection) -> None:
+    """A no-op pool reset (asyncpg still rolls back any open transaction itself)."""
+
+
 def server_settings(settings: Settings, application_name: str) -> dict[str, str]:
     """Per-connection settings: a bounded statement, a bounded idle transaction, and a name.
 
@@ -88,10 +92,18 @@ async def create_pool(
     min_size: int = 1,
     max_size: int = 10,
     dsn: str | None = None,
+    keep_session_state: bool = False,
     **pool_options: Any,
 ) -> asyncpg.Pool:
-    """Open a pool, or raise ``DatabaseUnavailable`` naming the (redacted) DSN."""
+    """Open a pool, or raise ``DatabaseUnavailable`` naming the (redacted) DSN.
+
+    ``keep_session_state`` skips asyncpg's reset query on every release (a round trip per
+    use). Only for code that never leaves session state behind: the runtime holds its advisory
+    locks and LISTENs on dedicated connections, never on pooled ones.
+    """
     dsn = dsn or resolve_dsn(settings)
+    if keep_session_state:
+        pool_options["reset"] = _keep_session
     try:
         pool = await asyncpg.create_pool(
             dsn,

@@ -18,6 +18,7 @@ import structlog
 from opentelemetry.trace import Status, StatusCode
 
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.group_commit import CommitOutcomeUnknown, GroupCommitter
 from orchestrator.heartbeat import LeaseHandle, LeaseKeeper, watch
 from orchestrator.models import JSON, ClaimedRun, RunState
 from orchestrator.steps import (
@@ -30,7 +31,7 @@ from orchestrator.steps import (
     StepContext,
     validate_json,
 )
-from orchestrator.store import RunStore
+from orchestrator.store import RunFinish, RunStore, StepCommit
 from orchestrator.telemetry import (
     CHECKPOINT_VERSION,
     DISPOSITION,
@@ -76,6 +77,7 @@ class RunScope:
         handle: LeaseHandle,
         *,
         store: RunStore,
+        committer: GroupCommitter,
         keeper: LeaseKeeper,
         registry: AgentRegistry,
         config: RunnerConfig,
@@ -85,6 +87,7 @@ class RunScope:
         self.claimed = claimed
         self.handle = handle
         self.store = store
+        self.committer = committer
         self.keeper = keeper
         self.registry = registry
         self.config = config
@@ -208,45 +211,34 @@ class RunScope:
 
     async def _commit_next(self, outcome: Next, version: int) -> int | None:
         """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
-        committed = await self._guarded(
-            lambda db: self.store.commit_step(
-                self.claimed.lease,
-                expected_version=version,
-                next_step=outcome.step_name,
-                checkpoint=outcome.checkpoint,
-                db=db,
-            ),
-            "commit",
-        )
+        commit = StepCommit(self.claimed.lease, version, outcome.step_name, outcome.checkpoint)
+        try:
+            committed = await self.committer.commit_step(commit)
+        except CommitOutcomeUnknown as error:
+            self.handle.lose(f"commit outcome unknown ({error})")
+            return None
         return None if committed is None else committed.checkpoint_version
 
     async def _finish(self, outcome: Finish | Fail, version: int) -> str:
         self.handle.finishing = True
         lease = self.claimed.lease
         if isinstance(outcome, Finish):
-            final = RunState.SUCCEEDED.value
-            done = await self._guarded(
-                lambda db: self.store.finish(
-                    lease,
-                    expected_version=version,
-                    result=outcome.result,
-                    checkpoint=outcome.checkpoint,
-                    db=db,
-                ),
-                "finish",
+            finish = RunFinish(
+                lease, version, RunState.SUCCEEDED, outcome.result, None, outcome.checkpoint
             )
         else:
-            final = RunState.FAILED.value
             failure: dict[str, JSON] = {"type": "Fail", "message": outcome.message}
             if outcome.details is not None:
                 failure["details"] = outcome.details
-            done = await self._guarded(
-                lambda db: self.store.fail(lease, expected_version=version, error=failure, db=db),
-                "fail",
-            )
+            finish = RunFinish(lease, version, RunState.FAILED, None, failure, None)
+        final = finish.state.value
+        try:
+            done = await self.committer.finish(finish)
+        except CommitOutcomeUnknown as error:
+            return self._lost(f"{final} outcome unknown ({error})")
         if not done:
             return self._lost(f"{final} refused: not the owner any more")
-        self.log.info("run finished", disposition=final)
+        self.log.debug("run finished", disposition=final)
         return final
 
     def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> None:

@@ -65,6 +65,43 @@ class StepEvent:
 
 
 @dataclass(frozen=True)
+class StepCommit:
+    """One run's step commit inside a group commit (see ``RunStore.commit_steps``)."""
+
+    lease: Lease
+    expected_version: int
+    next_step: str
+    checkpoint: JSON
+    events: Sequence[StepEvent] = ()
+
+
+@dataclass(frozen=True)
+class RunFinish:
+    """One run's final commit inside a group commit (see ``RunStore.finish_many``)."""
+
+    lease: Lease
+    expected_version: int
+    state: RunState
+    result: JSON = None
+    error: JSON = None
+    checkpoint: JSON = None
+
+
+def _checkpoint_events(commit: StepCommit) -> list[dict[str, JSON]]:
+    first = StepEvent(
+        "checkpoint", {"version": commit.expected_version + 1, "step": commit.next_step}
+    )
+    return _events_json([first, *commit.events])
+
+
+def _finish_events(finish: RunFinish) -> list[dict[str, JSON]]:
+    details: dict[str, JSON] = {"version": finish.expected_version + 1}
+    if finish.error is not None:
+        details["error"] = finish.error
+    return _events_json([StepEvent(finish.state.value, details)])
+
+
+@dataclass(frozen=True)
 class FailOutcome:
     state: RunState
     """``waiting`` (a retry is scheduled) or ``dead`` (attempts exhausted)."""
@@ -89,6 +126,16 @@ def encode_input(value: JSON, *, max_bytes: int) -> JSON:
             "elsewhere and pass a reference, or raise ORCHESTRATOR_MAX_INPUT_BYTES"
         )
     return value
+
+
+def _json_text(value: JSON) -> str | None:
+    """JSON for a text[] batch parameter; Python ``None`` stays SQL NULL."""
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
+def _same_worker(worker_id: str, leases: Sequence[Lease]) -> None:
+    if any(lease.worker_id != worker_id for lease in leases):
+        raise ValueError("a batched statement acts for one worker at a time")
 
 
 def _events_json(events: Sequence[StepEvent]) -> list[dict[str, JSON]]:
@@ -250,8 +297,7 @@ class RunStore:
         db: Executor | None = None,
     ) -> dict[str, datetime]:
         """Extend many leases of one worker in one statement; returns the ones that held."""
-        if any(lease.worker_id != worker_id for lease in leases):
-            raise ValueError("renew_many renews the leases of one worker at a time")
+        _same_worker(worker_id, leases)
         seconds = (
             [float(lease_seconds)] * len(leases)
             if isinstance(lease_seconds, int | float)
@@ -292,26 +338,28 @@ class RunStore:
         ``in_transaction`` runs inside the same transaction after ownership was proven, for
         writes that must commit with the checkpoint or not at all (effect records).
         """
-        all_events = [
-            StepEvent("checkpoint", {"version": expected_version + 1, "step": next_step}),
-            *events,
-        ]
+        events_json = _checkpoint_events(
+            StepCommit(lease, expected_version, next_step, checkpoint, events)
+        )
+        arguments = (
+            lease.run_id,
+            lease.worker_id,
+            lease.fence,
+            expected_version,
+            next_step,
+            checkpoint,
+            events_json,
+        )
+        if in_transaction is None:
+            # One statement is atomic by itself: no BEGIN/COMMIT round trips.
+            record = await (db or self.pool).fetchrow(query("commit_step"), *arguments)
+            return None if record is None else CommitResult(*record)
         async with self._transaction(db) as connection:
-            record = await connection.fetchrow(
-                query("commit_step"),
-                lease.run_id,
-                lease.worker_id,
-                lease.fence,
-                expected_version,
-                next_step,
-                checkpoint,
-                _events_json(all_events),
-            )
+            record = await connection.fetchrow(query("commit_step"), *arguments)
             if record is None:
                 return None
             result = CommitResult(record["checkpoint_version"], record["lease_until"])
-            if in_transaction is not None:
-                await in_transaction(connection, result)
+            await in_transaction(connection, result)
             return result
 
     async def finish(
@@ -324,16 +372,8 @@ class RunStore:
         db: Executor | None = None,
     ) -> bool:
         """Mark the run succeeded with ``result``, fenced like a commit."""
-        return await self._finish(
-            db,
-            lease,
-            RunState.SUCCEEDED,
-            expected_version,
-            result,
-            None,
-            checkpoint,
-            StepEvent("succeeded", {"version": expected_version + 1}),
-        )
+        finish = RunFinish(lease, expected_version, RunState.SUCCEEDED, result, None, checkpoint)
+        return await self._finish(finish, db)
 
     async def fail(
         self,
@@ -345,41 +385,66 @@ class RunStore:
         db: Executor | None = None,
     ) -> bool:
         """Mark the run failed for good (the step decided; no retry), fenced like a commit."""
-        return await self._finish(
-            db,
-            lease,
-            RunState.FAILED,
-            expected_version,
-            None,
-            dict(error),
-            checkpoint,
-            StepEvent("failed", {"version": expected_version + 1, "error": dict(error)}),
-        )
+        finish = RunFinish(lease, expected_version, RunState.FAILED, None, dict(error), checkpoint)
+        return await self._finish(finish, db)
 
-    async def _finish(
-        self,
-        db: Executor | None,
-        lease: Lease,
-        state: RunState,
-        expected_version: int,
-        result: JSON,
-        error: JSON,
-        checkpoint: JSON,
-        event: StepEvent,
-    ) -> bool:
+    async def _finish(self, finish: RunFinish, db: Executor | None) -> bool:
         record = await (db or self.pool).fetchrow(
             query("finish_run"),
-            lease.run_id,
-            lease.worker_id,
-            lease.fence,
-            expected_version,
-            state.value,
-            result,
-            error,
-            checkpoint,
-            _events_json([event]),
+            finish.lease.run_id,
+            finish.lease.worker_id,
+            finish.lease.fence,
+            finish.expected_version,
+            finish.state.value,
+            finish.result,
+            finish.error,
+            finish.checkpoint,
+            _finish_events(finish),
         )
         return record is not None
+
+    # -- group commit -------------------------------------------------------------------------
+    async def commit_steps(
+        self, worker_id: str, commits: Sequence[StepCommit], *, db: Executor | None = None
+    ) -> dict[str, CommitResult]:
+        """Many runs' step commits in one statement; returns the ones that took effect.
+
+        Each run's conditions are those of ``commit_step``: a refused run changes nothing and
+        does not affect the others.
+        """
+        _same_worker(worker_id, [commit.lease for commit in commits])
+        records = await (db or self.pool).fetch(
+            query("commit_steps"),
+            worker_id,
+            [c.lease.run_id for c in commits],
+            [c.lease.fence for c in commits],
+            [c.expected_version for c in commits],
+            [c.next_step for c in commits],
+            [_json_text(c.checkpoint) for c in commits],
+            [_json_text(_checkpoint_events(c)) for c in commits],
+        )
+        return {
+            r["run_id"]: CommitResult(r["checkpoint_version"], r["lease_until"]) for r in records
+        }
+
+    async def finish_many(
+        self, worker_id: str, finishes: Sequence[RunFinish], *, db: Executor | None = None
+    ) -> set[str]:
+        """Many runs' final commits in one statement; returns the runs that were finished."""
+        _same_worker(worker_id, [finish.lease for finish in finishes])
+        records = await (db or self.pool).fetch(
+            query("finish_runs"),
+            worker_id,
+            [f.lease.run_id for f in finishes],
+            [f.lease.fence for f in finishes],
+            [f.expected_version for f in finishes],
+            [f.state.value for f in finishes],
+            [_json_text(f.result) for f in finishes],
+            [_json_text(f.error) for f in finishes],
+            [_json_text(f.checkpoint) for f in finishes],
+            [_json_text(_finish_events(f)) for f in finishes],
+        )
+        return {record["run_id"] for record in records}
 
     async def fail_attempt(
         self, lease: Lease, *, error: Mapping[str, JSON], db: Executor | None = None

@@ -32,6 +32,7 @@ import structlog
 from orchestrator.bootstrap import ensure_schema
 from orchestrator.database import connect, create_pool, redact_dsn, resolve_dsn
 from orchestrator.deadlines import DATABASE_ERRORS, DedicatedConnection, pooled
+from orchestrator.group_commit import GroupCommitter
 from orchestrator.heartbeat import LeaseKeeper
 from orchestrator.models import ClaimedRun
 from orchestrator.runner import RunnerConfig, RunScope
@@ -43,6 +44,7 @@ from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, tracer
 log = structlog.get_logger("orchestrator.supervisor")
 
 RUNS_CHANNEL = "orchestrator_runs"
+COALESCE_SECONDS = 0.005
 CANCEL_CHANNEL = "orchestrator_cancel"
 
 
@@ -129,6 +131,7 @@ class Supervisor:
             application_name=self.worker_id,
             min_size=2,
             max_size=max(4, min(self.config.concurrency, 20)),
+            keep_session_state=True,
         )
         self.store = RunStore(pool, max_input_bytes=self.settings.max_input_bytes)
         heartbeat_connection = DedicatedConnection(self.settings, dsn, self.worker_id)
@@ -144,6 +147,9 @@ class Supervisor:
             lease_seconds=self.config.lease_seconds,
             statement_seconds=max(1.0, self.config.heartbeat_seconds),
         )
+        self.committer = GroupCommitter(
+            self.store, self.worker_id, statement_seconds=self.runner_config.statement_seconds
+        )
         liveness: asyncpg.Connection | None = None
         try:
             liveness = await self._register(dsn)
@@ -157,6 +163,7 @@ class Supervisor:
             )
             async with anyio.create_task_group() as group:
                 group.start_soon(self.keeper.run)
+                group.start_soon(self.committer.run)
                 group.start_soon(self._listen, dsn)
                 group.start_soon(self._status)
                 if self.config.dead_session_takeover:
@@ -189,9 +196,15 @@ class Supervisor:
     # -- claiming -----------------------------------------------------------------------------
     async def _claim_loop(self, group: anyio.abc.TaskGroup) -> None:
         failures = 0
+        full_batch = min(self.config.concurrency, self.config.claim_batch)
         while not self.draining:
             self._wake = anyio.Event()
             capacity = self.config.concurrency - len(self.active)
+            if 0 < capacity < full_batch // 2:
+                # Runs finish one by one; claiming for each would cost a statement per run.
+                # Let a few more slots free up (a few milliseconds at most) and claim together.
+                await anyio.sleep(COALESCE_SECONDS)
+                capacity = self.config.concurrency - len(self.active)
             claimed: list[tuple[ClaimedRun, RunScope]] = []
             if capacity > 0:
                 try:
@@ -238,7 +251,7 @@ class Supervisor:
             if run.previous_lease_until is not None:
                 recovery = (run.claimed_at - run.previous_lease_until).total_seconds()
                 self.metrics.recovery_seconds.record(max(recovery, 0.0))
-            self.log.info(
+            self.log.debug(
                 "claimed",
                 **{RUN_ID: run.run_id, RUN_FENCE: run.fence},
                 attempt=run.attempt,
@@ -249,6 +262,7 @@ class Supervisor:
                 run,
                 handle,
                 store=self.store,
+                committer=self.committer,
                 keeper=self.keeper,
                 registry=self.config.agents,
                 config=self.runner_config,

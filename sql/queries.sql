@@ -45,14 +45,22 @@ WITH expired AS (
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), due AS (
-    SELECT run_id, NULL::text AS previous_owner, NULL::timestamptz AS previous_lease_until,
+    -- One index-ordered probe of runs_due per agent (a single `agent = ANY(...)` scan would
+    -- read and sort every due run of those agents on every claim), then the oldest overall.
+    SELECT d.run_id, NULL::text AS previous_owner, NULL::timestamptz AS previous_lease_until,
            false AS exhausted
-    FROM runs
-    WHERE state IN ('queued', 'waiting') AND agent = ANY($2::text[])
-      AND available_at <= clock_timestamp()
-    ORDER BY available_at
+    FROM unnest($2::text[]) AS a(agent)
+    CROSS JOIN LATERAL (
+        SELECT run_id, available_at
+        FROM runs
+        WHERE state IN ('queued', 'waiting') AND agent = a.agent
+          AND available_at <= clock_timestamp()
+        ORDER BY available_at
+        LIMIT $3
+        FOR UPDATE SKIP LOCKED
+    ) AS d
+    ORDER BY d.available_at
     LIMIT $3
-    FOR UPDATE SKIP LOCKED
 ), picked AS (
     SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS candidates LIMIT $3
 ), claimed AS (
@@ -383,3 +391,61 @@ WITH live_locks AS (
 )
 SELECT run_id, fence, lease_owner, (SELECT count(*) FROM woken) AS notified FROM expired
 
+
+-- commit_steps --
+-- Group commit: commit_step for many runs of owner $1 in one statement. Arrays: $2 run ids,
+-- $3 fences, $4 expected checkpoint versions, $5 next steps, $6 checkpoints, $7 events (each a
+-- JSON array of {kind, details}). JSON arrays travel as text and are cast here: a JSON list
+-- inside a jsonb[] parameter would be read as another array dimension. Each run's own owner,
+-- fence, state, expiry and version conditions are checked; the rows returned are the runs
+-- whose commit took effect.
+WITH input AS (
+    SELECT u.run_id, u.fence, u.expected_version, u.next_step, u.checkpoint::jsonb AS checkpoint,
+           u.events::jsonb AS events
+    FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[])
+        AS u(run_id, fence, expected_version, next_step, checkpoint, events)
+), committed AS (
+    UPDATE runs AS r
+    SET step = u.next_step, checkpoint = u.checkpoint,
+        checkpoint_version = r.checkpoint_version + 1, attempt = 1,
+        updated_at = clock_timestamp()
+    FROM input AS u
+    WHERE r.run_id = u.run_id AND r.lease_owner = $1 AND r.fence = u.fence
+      AND r.state = 'running' AND r.lease_until > clock_timestamp()
+      AND r.checkpoint_version = u.expected_version
+    RETURNING r.run_id, r.fence, r.checkpoint_version, r.lease_until, u.events
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT c.run_id, e.kind, c.fence, $1, e.details
+    FROM committed AS c, jsonb_to_recordset(c.events) AS e(kind text, details jsonb)
+)
+SELECT run_id, checkpoint_version, lease_until FROM committed
+
+-- finish_runs --
+-- Group commit: finish_run for many runs of owner $1 in one statement. Arrays: $2 run ids,
+-- $3 fences, $4 expected versions, $5 final states, $6 results, $7 errors, $8 final checkpoints
+-- (NULL keeps the last), $9 events; JSON travels as text, as in commit_steps. Same per-run
+-- conditions as finish_run.
+WITH input AS (
+    SELECT u.run_id, u.fence, u.expected_version, u.state, u.result::jsonb AS result,
+           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, u.events::jsonb AS events
+    FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[],
+                $8::text[], $9::text[])
+        AS u(run_id, fence, expected_version, state, result, error, checkpoint, events)
+), finished AS (
+    UPDATE runs AS r
+    SET state = u.state, result = u.result, error = u.error,
+        checkpoint = coalesce(u.checkpoint, r.checkpoint),
+        checkpoint_version = r.checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
+        updated_at = clock_timestamp(), finished_at = clock_timestamp()
+    FROM input AS u
+    WHERE r.run_id = u.run_id AND r.lease_owner = $1 AND r.fence = u.fence
+      AND r.state = 'running' AND r.lease_until > clock_timestamp()
+      AND r.checkpoint_version = u.expected_version
+    RETURNING r.run_id, r.fence, u.events
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT f.run_id, e.kind, f.fence, $1, e.details
+    FROM finished AS f, jsonb_to_recordset(f.events) AS e(kind text, details jsonb)
+)
+SELECT run_id FROM finished

@@ -117,7 +117,7 @@ async def test_batched_renewal_reports_which_leases_held(store: RunStore) -> Non
         "A", [claims[0].lease, claims[1].lease, stale, claims[3].lease], lease_seconds=30
     )
     assert set(held) == {claims[0].run_id, claims[3].run_id}
-    with pytest.raises(ValueError, match="one worker"):
+    with pytest.raises(ValueError, match="one worker at a time"):
         await store.renew_many("A", [Lease(claims[0].run_id, "B", 1)], lease_seconds=30)
 
 
@@ -365,3 +365,52 @@ async def test_list_filters_by_state_and_agent(store: RunStore) -> None:
     assert {r.agent for r in await store.list_runs(agent="a")} == {"a"}
     assert [r.agent for r in await store.list_runs(state=RunState.RUNNING)] == ["b"]
     assert len(await store.list_runs(limit=2)) == 2
+
+
+async def test_group_commit_checks_each_run_and_refuses_only_the_stale_ones(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    from orchestrator.store import RunFinish, StepCommit
+
+    for n in range(4):
+        await store.submit("agent", {"n": n})
+    claims = (await store.claim("W", ["agent"], limit=4, lease_seconds=30)).claimed
+    await store.cancel(claims[1].run_id)  # raises the fence: W's lease on it is stale
+    before = await snapshot(pool, claims[1].run_id)
+    committed = await store.commit_steps(
+        "W",
+        [
+            # A JSON list checkpoint must stay a list (not become another array dimension).
+            StepCommit(claims[0].lease, 0, "next", [1, [2, 3]], [StepEvent("note", {"a": 1})]),
+            StepCommit(claims[1].lease, 0, "next", {"k": "stale"}),
+            StepCommit(claims[2].lease, 7, "next", {"k": "wrong version"}),
+            StepCommit(claims[3].lease, 0, "next", None),
+        ],
+    )
+    assert set(committed) == {claims[0].run_id, claims[3].run_id}
+    assert (await store.get(claims[0].run_id)).checkpoint == [1, [2, 3]]
+    assert await snapshot(pool, claims[1].run_id) == before
+    assert (await store.get(claims[2].run_id)).checkpoint_version == 0
+    kinds = [e.kind for e in await store.events(claims[0].run_id)]
+    assert kinds[-2:] == ["checkpoint", "note"]
+
+    finished = await store.finish_many(
+        "W",
+        [
+            RunFinish(claims[0].lease, 1, RunState.SUCCEEDED, result=["a", "b"]),
+            RunFinish(claims[1].lease, 0, RunState.SUCCEEDED, result="stale"),
+            RunFinish(claims[3].lease, 1, RunState.FAILED, error={"type": "Fail"}),
+        ],
+    )
+    assert finished == {claims[0].run_id, claims[3].run_id}
+    done = await store.get(claims[0].run_id)
+    assert (done.state, done.result, done.checkpoint) == (
+        RunState.SUCCEEDED,
+        ["a", "b"],
+        [1, [2, 3]],
+    )
+    failed = await store.get(claims[3].run_id)
+    assert (failed.state, failed.error) == (RunState.FAILED, {"type": "Fail"})
+    assert await snapshot(pool, claims[1].run_id) == before
+    with pytest.raises(ValueError, match="one worker at a time"):
+        await store.commit_steps("other", [StepCommit(claims[2].lease, 0, "n", {})])

@@ -1,0 +1,97 @@
+"""Group commit: many runs' fenced commits in one transaction.
+
+Run scopes hand their step commits and final commits to one ``GroupCommitter`` per worker and
+wait for their own answer. While one batch is being written, the next accumulates; it is
+written as soon as the previous one is done (no added delay when the worker is quiet). Each
+run's ownership conditions are checked row by row in the batched statements, so batching never
+lets a stale run's write through, and a refused run does not affect the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+
+from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.models import CommitResult
+from orchestrator.store import RunFinish, RunStore, StepCommit
+
+MAX_BATCH = 500
+
+
+class CommitOutcomeUnknown(Exception):
+    """The batch's transaction failed or timed out: it may or may not have committed."""
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: StepCommit | RunFinish
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: CommitResult | bool | None = None
+    error: BaseException | None = None
+
+
+class GroupCommitter:
+    def __init__(self, store: RunStore, worker_id: str, *, statement_seconds: float) -> None:
+        self.store = store
+        self.worker_id = worker_id
+        self.statement_seconds = statement_seconds
+        self._queue: list[_Pending] = []
+        self._ready = anyio.Event()
+        self.batches = 0
+
+    async def commit_step(self, commit: StepCommit) -> CommitResult | None:
+        """The commit's result, or ``None`` if the run's conditions no longer held."""
+        result = await self._submit(commit)
+        assert result is None or isinstance(result, CommitResult)
+        return result
+
+    async def finish(self, finish: RunFinish) -> bool:
+        return bool(await self._submit(finish))
+
+    async def _submit(self, request: StepCommit | RunFinish) -> CommitResult | bool | None:
+        pending = _Pending(request)
+        self._queue.append(pending)
+        self._ready.set()
+        await pending.done.wait()
+        if pending.error is not None:
+            raise CommitOutcomeUnknown(str(pending.error) or type(pending.error).__name__)
+        return pending.result
+
+    async def run(self) -> None:
+        """Write batches for as long as the worker runs."""
+        while True:
+            await self._ready.wait()
+            self._ready = anyio.Event()
+            while self._queue:
+                batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+                await self._write(batch)
+
+    async def _write(self, batch: list[_Pending]) -> None:
+        commits = [p.request for p in batch if isinstance(p.request, StepCommit)]
+        finishes = [p.request for p in batch if isinstance(p.request, RunFinish)]
+        committed: dict[str, CommitResult] = {}
+        finished: set[str] = set()
+        try:
+            async with (
+                pooled(self.store.pool, within=self.statement_seconds) as db,
+                db.transaction(),
+            ):
+                if commits:
+                    committed = await self.store.commit_steps(self.worker_id, commits, db=db)
+                if finishes:
+                    finished = await self.store.finish_many(self.worker_id, finishes, db=db)
+        except DATABASE_ERRORS as error:
+            for pending in batch:
+                pending.error = error
+                pending.done.set()
+            return
+        self.batches += 1
+        for pending in batch:
+            run_id = pending.request.lease.run_id
+            if isinstance(pending.request, StepCommit):
+                pending.result = committed.get(run_id)
+            else:
+                pending.result = run_id in finished
+            pending.done.set()
