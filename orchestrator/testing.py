@@ -2,7 +2,8 @@
 
 - ``DatabaseFactory``: a freshly migrated database per test;
 - ``running_worker`` / ``run_agent``: run a worker (or one input through an agent) in a test;
-- ``FaultProxy``: a loopback TCP proxy that partitions a worker from PostgreSQL on demand.
+- ``FaultProxy``: a loopback TCP proxy that partitions a worker from PostgreSQL on demand;
+- ``LocalModelServer``: an OpenAI-compatible model server on loopback.
 
 ``DatabaseFactory`` migrates a template database once per test session and gives each test a
 fresh copy through ``CREATE DATABASE ... TEMPLATE`` (a file copy: tens of milliseconds), so
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import tempfile
@@ -25,6 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import anyio.abc
+import anyio.streams.buffered
 import asyncpg
 
 from orchestrator.database import connect, create_pool
@@ -256,3 +259,95 @@ class FaultProxy:
                 await sink.send(data)
         with contextlib.suppress(Exception):
             await sink.aclose()
+
+
+# -- a local OpenAI-compatible model server --------------------------------------------------
+class LocalModelServer:
+    """A tiny OpenAI-compatible chat-completions server on 127.0.0.1, for tests and demos.
+
+    It answers ``POST .../chat/completions`` with ``reply(messages)`` (by default a summary made
+    of the last message's first words), after ``delay`` seconds; ``requests`` records every
+    request body. Point a worker at it with ``ORCHESTRATOR_MODEL_BASE_URL=server.base_url``.
+    """
+
+    def __init__(self, *, delay: float = 0.0, reply: Any = None) -> None:
+        self.delay = delay
+        self.reply = reply or (
+            lambda messages: (
+                "Summary: " + " ".join(str(messages[-1].get("content", "")).split()[:12])
+            )
+        )
+        self.requests: list[dict[str, Any]] = []
+        self.port = 0
+        self._group: anyio.abc.TaskGroup | None = None
+        self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def __aenter__(self) -> LocalModelServer:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
+        self._listener = listener
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(listener.serve, self._connection)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._group is not None and self._listener is not None
+        self._group.cancel_scope.cancel()
+        await self._group.__aexit__(None, None, None)
+        await self._listener.aclose()
+
+    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+        buffered = anyio.streams.buffered.BufferedByteReceiveStream(stream)
+        with contextlib.suppress(
+            anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead
+        ):
+            async with stream:
+                while True:
+                    head = await buffered.receive_until(b"\r\n\r\n", 65536)
+                    request_line, *header_lines = head.decode("latin-1").split("\r\n")
+                    headers = {
+                        name.strip().lower(): value.strip()
+                        for name, _, value in (line.partition(":") for line in header_lines)
+                    }
+                    length = int(headers.get("content-length", "0"))
+                    body = await buffered.receive_exactly(length) if length else b""
+                    status, payload = await self._respond(request_line, body)
+                    data = json.dumps(payload).encode()
+                    await stream.send(
+                        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+                        f"content-length: {len(data)}\r\n\r\n".encode()
+                        + data
+                    )
+
+    async def _respond(self, request_line: str, body: bytes) -> tuple[str, dict[str, Any]]:
+        method, path, _ = request_line.split(" ", 2)
+        if method != "POST" or not path.endswith("/chat/completions"):
+            return "404 Not Found", {"error": {"message": f"no route {method} {path}"}}
+        request = json.loads(body or b"{}")
+        self.requests.append(request)
+        if self.delay:
+            await anyio.sleep(self.delay)
+        text = self.reply(request.get("messages", []))
+        return "200 OK", {
+            "id": f"chatcmpl-{len(self.requests)}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": request.get("model", "local"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(body) // 4,
+                "completion_tokens": len(text) // 4,
+                "total_tokens": (len(body) + len(text)) // 4,
+            },
+        }
