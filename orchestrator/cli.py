@@ -20,11 +20,13 @@ from rich.console import Console
 
 from orchestrator.bootstrap import open_store
 from orchestrator.database import connect, redact_dsn, resolve_dsn
+from orchestrator.effects.model import EffectStatus
+from orchestrator.effects.store import EffectStore
 from orchestrator.embedded import EmbeddedPostgres
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.migrations import latest_version, migrate
 from orchestrator.models import RunState
-from orchestrator.presentation import dump_json, print_run, runs_table
+from orchestrator.presentation import dump_json, effects_table, print_run, runs_table
 from orchestrator.settings import Settings
 
 T = TypeVar("T")
@@ -321,6 +323,18 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     show_default=True,
     help="Claim runs of workers whose database session is gone before their lease ends.",
 )
+@click.option(
+    "--effects-config",
+    envvar="ORCHESTRATOR_EFFECTS_CONFIG",
+    type=click.Path(dir_okay=False),
+    help="Vendors per effect kind (JSON); with it, serve also dispatches effects.",
+)
+@click.option(
+    "--dispatch/--no-dispatch",
+    default=True,
+    show_default=True,
+    help="Run the effect dispatcher inside serve (needs --effects-config).",
+)
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
 def serve(
@@ -335,9 +349,12 @@ def serve(
     grace_seconds: float,
     status_seconds: float,
     takeover: bool,
+    effects_config: str | None,
+    dispatch: bool,
     log_json: bool | None,
 ) -> None:
     """Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once)."""
+    from orchestrator.effects.dispatcher import load_adapters
     from orchestrator.steps import AgentRegistry
     from orchestrator.supervisor import Supervisor, WorkerConfig, default_worker_id
     from orchestrator.telemetry import configure_logging, install_sdk_from_env, shutdown_sdk
@@ -352,6 +369,7 @@ def serve(
 
     async def body() -> None:
         registry = AgentRegistry.from_modules(modules)
+        adapters = load_adapters(effects_config) if dispatch and effects_config else {}
         config = WorkerConfig(
             agents=registry,
             worker_id=worker_id or default_worker_id(),
@@ -363,6 +381,7 @@ def serve(
             grace_seconds=grace_seconds,
             status_seconds=status_seconds,
             dead_session_takeover=takeover,
+            effect_adapters=adapters,
         )
         try:
             supervisor = Supervisor(settings, config)
@@ -389,6 +408,139 @@ async def _watch_signals(supervisor: Any) -> None:
                 os._exit(130)
             stderr.print(f"{signal.Signals(received).name}: draining (send again to exit at once)")
             supervisor.request_stop()
+
+
+# -- effects ----------------------------------------------------------------------------------
+@main.group()
+def effects() -> None:
+    """Effect records at the fenced boundary: list, inspect, resolve parked ones, dispatch."""
+
+
+@effects.command("list")
+@click.option("--run", "run_id", help="Only this run's effects.")
+@click.option("--status", type=click.Choice([status.value for status in EffectStatus]))
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print effects as a JSON array.")
+@click.pass_context
+def effects_list(
+    ctx: click.Context, run_id: str | None, status: str | None, limit: int, as_json: bool
+) -> None:
+    """List effect records, newest first."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            found = await EffectStore(store.pool).list_effects(
+                run_id=run_id, status=EffectStatus(status) if status else None, limit=limit
+            )
+        if as_json:
+            stdout.print_json(dump_json(found))
+        elif found:
+            stdout.print(effects_table(found))
+        else:
+            stderr.print("no effects match")
+
+    run_async(body)
+
+
+@effects.command("show")
+@click.argument("run_id")
+@click.argument("effect_key")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def effects_show(ctx: click.Context, run_id: str, effect_key: str, as_json: bool) -> None:
+    """Show one effect record."""
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            effect = await EffectStore(store.pool).get(run_id, effect_key)
+        if as_json:
+            stdout.print_json(dump_json(effect))
+        else:
+            stdout.print(effects_table([effect], wide=True))
+
+    run_async(body)
+
+
+@effects.command("resolve")
+@click.argument("run_id")
+@click.argument("effect_key")
+@click.option("--sent", "decision", flag_value="sent", help="It reached the vendor: confirm it.")
+@click.option("--not-sent", "decision", flag_value="not-sent", help="It did not: send it again.")
+@click.option("--external-id", help="The vendor's id for it, when --sent.")
+@click.pass_context
+def effects_resolve(
+    ctx: click.Context,
+    run_id: str,
+    effect_key: str,
+    decision: str | None,
+    external_id: str | None,
+) -> None:
+    """Decide a parked effect after checking with the vendor by hand."""
+    if decision is None:
+        raise click.UsageError("say what you found: --sent or --not-sent")
+    settings = _settings(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            effect = await EffectStore(store.pool).resolve(
+                run_id, effect_key, sent=decision == "sent", external_id=external_id
+            )
+        stdout.print(f"{run_id} {effect_key}: {effect.status.value}", markup=False)
+
+    run_async(body)
+
+
+@effects.command("dispatch")
+@click.option(
+    "--effects-config",
+    envvar="ORCHESTRATOR_EFFECTS_CONFIG",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Vendors per effect kind (JSON).",
+)
+@click.option("--lease-seconds", type=click.FloatRange(1), default=60.0, show_default=True)
+@click.option("--poll-seconds", type=click.FloatRange(0.05), default=1.0, show_default=True)
+@click.option("--dispatcher-id", help="Default: dispatch:host:pid:random.")
+@click.option("--log-json/--log-console", default=None)
+@click.pass_context
+def effects_dispatch(
+    ctx: click.Context,
+    effects_config: str,
+    lease_seconds: float,
+    poll_seconds: float,
+    dispatcher_id: str | None,
+    log_json: bool | None,
+) -> None:
+    """Run only the effect dispatcher (outbox relay) until SIGTERM/SIGINT."""
+    from orchestrator.effects.dispatcher import Dispatcher, load_adapters
+    from orchestrator.telemetry import configure_logging
+
+    settings = _settings(ctx)
+    configure_logging(json_logs=log_json)
+
+    async def body() -> None:
+        adapters = load_adapters(effects_config)
+        if not adapters:
+            raise InvalidInput(f"{effects_config} configures no effect kinds")
+        async with open_store(settings, application_name="orchestrator-dispatch") as store:
+            dispatcher = Dispatcher(
+                store.pool,
+                adapters,
+                dispatcher_id=dispatcher_id,
+                lease_seconds=lease_seconds,
+                poll_seconds=poll_seconds,
+            )
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(dispatcher.run)
+                    async for _ in signals:
+                        group.cancel_scope.cancel()
+                        break
+        stderr.print(f"dispatcher stopped: {dispatcher.outcomes}")
+
+    run_async(body)
 
 
 # -- demo -------------------------------------------------------------------------------------

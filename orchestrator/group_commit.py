@@ -10,14 +10,23 @@ lets a stale run's write through, and a refused run does not affect the others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.effects.store import EffectStore
 from orchestrator.models import CommitResult
 from orchestrator.store import RunFinish, RunStore, StepCommit
 
 MAX_BATCH = 500
+
+
+class EffectRefused(Exception):
+    """The boundary refused an effect of a commit: the whole batch is rolled back."""
+
+
+_UNKNOWN_OUTCOME: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, EffectRefused)
 
 
 class CommitOutcomeUnknown(Exception):
@@ -37,6 +46,7 @@ class GroupCommitter:
         self.store = store
         self.worker_id = worker_id
         self.statement_seconds = statement_seconds
+        self.effects = EffectStore(store.pool)
         self._queue: list[_Pending] = []
         self._ready = anyio.Event()
         self.batches = 0
@@ -68,6 +78,18 @@ class GroupCommitter:
                 batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
                 await self._write(batch)
 
+    async def _accept_effects(self, db: Any, request: StepCommit | RunFinish) -> None:
+        for effect in request.effects:
+            acceptance = await self.effects.accept(
+                db, request.lease.run_id, request.lease.fence, effect, worker_id=self.worker_id
+            )
+            if acceptance.outcome in ("stale", "conflict"):
+                # Cannot happen for the current owner inside its own commit, unless the same
+                # key is reused with another kind or policy: a bug in the agent, made visible.
+                raise EffectRefused(
+                    f"effect {effect.key!r} of run {request.lease.run_id}: {acceptance.outcome}"
+                )
+
     async def _write(self, batch: list[_Pending]) -> None:
         commits = [p.request for p in batch if isinstance(p.request, StepCommit)]
         finishes = [p.request for p in batch if isinstance(p.request, RunFinish)]
@@ -82,7 +104,29 @@ class GroupCommitter:
                     committed = await self.store.commit_steps(self.worker_id, commits, db=db)
                 if finishes:
                     finished = await self.store.finish_many(self.worker_id, finishes, db=db)
-        except DATABASE_ERRORS as error:
+                # Effect records commit with their step or not at all (invariant 3); only
+                # runs whose own commit took effect get theirs recorded.
+                requests: list[StepCommit | RunFinish] = [*commits, *finishes]
+                for request in requests:
+                    run_id = request.lease.run_id
+                    if not request.effects:
+                        continue
+                    if run_id in committed or run_id in finished:
+                        await self._accept_effects(db, request)
+                    else:
+                        # A stale owner asked for effects: say so in the timeline, send nothing.
+                        await self.store.record_event(
+                            run_id,
+                            "stale_fence_rejected",
+                            fence=request.lease.fence,
+                            worker_id=self.worker_id,
+                            details={
+                                "effect_keys": [effect.key for effect in request.effects],
+                                "reason": "the step's commit was refused: not the owner",
+                            },
+                            db=db,
+                        )
+        except _UNKNOWN_OUTCOME as error:
             for pending in batch:
                 pending.error = error
                 pending.done.set()

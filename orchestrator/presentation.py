@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.effects.model import EffectRecord
 from orchestrator.models import Run, RunEvent
 
 
@@ -113,3 +114,36 @@ def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datet
             _compact(event.details),
         )
     console.print(timeline)
+
+
+def effects_table(effects: Sequence[EffectRecord], *, wide: bool = False) -> Table:
+    table = Table(show_edge=False, header_style="bold")
+    columns = [
+        "run id",
+        "effect key",
+        "kind",
+        "policy",
+        "fence",
+        "status",
+        "attempts",
+        "external id",
+    ]
+    if wide:
+        columns += ["idempotency key", "payload", "error"]
+    for column in columns:
+        table.add_column(column)
+    for effect in effects:
+        row = [
+            effect.run_id,
+            effect.effect_key,
+            effect.kind,
+            effect.policy.value,
+            str(effect.fence),
+            effect.status.value,
+            str(effect.attempts),
+            effect.external_id or "",
+        ]
+        if wide:
+            row += [effect.idempotency_key, _compact(effect.payload), _compact(effect.error)]
+        table.add_row(*row)
+    return table

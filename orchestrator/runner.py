@@ -18,12 +18,14 @@ import structlog
 from opentelemetry.trace import Status, StatusCode
 
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.effects.model import Effect
 from orchestrator.group_commit import CommitOutcomeUnknown, GroupCommitter
 from orchestrator.heartbeat import LeaseHandle, LeaseKeeper, watch
 from orchestrator.models import JSON, ClaimedRun, RunState
 from orchestrator.steps import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     AgentRegistry,
+    EffectView,
     Fail,
     Finish,
     Next,
@@ -83,7 +85,9 @@ class RunScope:
         config: RunnerConfig,
         metrics: Metrics,
         draining: Callable[[], bool],
+        effects: EffectView | None = None,
     ) -> None:
+        self.effects = effects
         self.claimed = claimed
         self.handle = handle
         self.store = store
@@ -178,6 +182,7 @@ class RunScope:
                 checkpoint_version=version,
                 lease_until=self.handle.lease_until,
                 log=self.log.bind(step=step_class.step_name()),
+                effects=self.effects,
             )
             started = anyio.current_time()
             with tracer().start_as_current_span(
@@ -211,7 +216,13 @@ class RunScope:
 
     async def _commit_next(self, outcome: Next, version: int) -> int | None:
         """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
-        commit = StepCommit(self.claimed.lease, version, outcome.step_name, outcome.checkpoint)
+        commit = StepCommit(
+            self.claimed.lease,
+            version,
+            outcome.step_name,
+            outcome.checkpoint,
+            effects=tuple(outcome.effects),
+        )
         try:
             committed = await self.committer.commit_step(commit)
         except CommitOutcomeUnknown as error:
@@ -224,7 +235,13 @@ class RunScope:
         lease = self.claimed.lease
         if isinstance(outcome, Finish):
             finish = RunFinish(
-                lease, version, RunState.SUCCEEDED, outcome.result, None, outcome.checkpoint
+                lease,
+                version,
+                RunState.SUCCEEDED,
+                outcome.result,
+                None,
+                outcome.checkpoint,
+                effects=tuple(outcome.effects),
             )
         else:
             failure: dict[str, JSON] = {"type": "Fail", "message": outcome.message}
@@ -247,6 +264,11 @@ class RunScope:
                 f"a step must return Next, Finish or Fail, not {type(outcome).__name__}"
             )
         limit = self.config.max_checkpoint_bytes
+        if not isinstance(outcome, Fail):
+            for effect in outcome.effects:
+                if not isinstance(effect, Effect):
+                    raise TypeError(f"effects must be Effect objects, not {type(effect).__name__}")
+                validate_json(effect.payload, what=f"effect {effect.key} payload", max_bytes=limit)
         if isinstance(outcome, Next):
             if outcome.step_name not in agent_steps:
                 raise LookupError(

@@ -22,13 +22,16 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import structlog
 
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import JSON
+
+if TYPE_CHECKING:
+    from orchestrator.effects.model import Effect, EffectRecord
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
 _STEP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
@@ -51,6 +54,16 @@ class StepContext:
     lease_until: datetime
     log: Any = field(repr=False, compare=False)
     """A structlog logger bound with run.id, run.fence, worker.id and the step name."""
+    effects: EffectView | None = field(default=None, repr=False, compare=False)
+    """Read and await the outcomes of effects that earlier steps of this run requested."""
+
+
+class EffectView(Protocol):
+    async def get(self, effect_key: str) -> EffectRecord: ...
+
+    async def wait(self, effect_key: str, *, within: float) -> EffectRecord:
+        """The record once it is confirmed, failed, rejected or parked (or TimeoutError)."""
+        ...
 
 
 class Step:
@@ -71,10 +84,11 @@ class Step:
 
 @dataclass(frozen=True)
 class Next:
-    """Continue with ``step`` after committing ``checkpoint``."""
+    """Continue with ``step`` after committing ``checkpoint`` and requesting ``effects``."""
 
     step: type[Step] | str
     checkpoint: JSON
+    effects: Sequence[Effect] = ()
 
     @property
     def step_name(self) -> str:
@@ -83,10 +97,14 @@ class Next:
 
 @dataclass(frozen=True)
 class Finish:
-    """The run succeeded with ``result``; ``checkpoint`` (optional) is kept as the last one."""
+    """The run succeeded with ``result``; ``checkpoint`` (optional) is kept as the last one.
+
+    ``effects`` are recorded with the final commit (and sent afterwards by the dispatcher).
+    """
 
     result: JSON = None
     checkpoint: JSON = None
+    effects: Sequence[Effect] = ()
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ MAX_ATTEMPTS_LIMIT = 1_000
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
+    from orchestrator.effects.model import Effect
+
 Executor: TypeAlias = "asyncpg.Pool | asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"
 """Where a statement runs: the store's pool by default, or a caller's connection that carries
 its own deadline (the runtime aborts a connection that overruns, rather than wait on it)."""
@@ -73,6 +75,8 @@ class StepCommit:
     next_step: str
     checkpoint: JSON
     events: Sequence[StepEvent] = ()
+    effects: Sequence[Effect] = ()
+    """Recorded at the effect boundary in the same transaction (by the group committer)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class RunFinish:
     result: JSON = None
     error: JSON = None
     checkpoint: JSON = None
+    effects: Sequence[Effect] = ()
 
 
 def _checkpoint_events(commit: StepCommit) -> list[dict[str, JSON]]:

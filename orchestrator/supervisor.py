@@ -32,6 +32,10 @@ import structlog
 from orchestrator.bootstrap import ensure_schema
 from orchestrator.database import connect, create_pool, redact_dsn, resolve_dsn
 from orchestrator.deadlines import DATABASE_ERRORS, DedicatedConnection, pooled
+from orchestrator.effects.adapters import Adapter
+from orchestrator.effects.dispatcher import Dispatcher
+from orchestrator.effects.store import EffectStore
+from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffects
 from orchestrator.group_commit import GroupCommitter
 from orchestrator.heartbeat import LeaseKeeper
 from orchestrator.models import ClaimedRun
@@ -65,6 +69,8 @@ class WorkerConfig:
     reap_seconds: float = 1.0
     status_seconds: float = 10.0
     dead_session_takeover: bool = True
+    effect_adapters: dict[str, Adapter] = field(default_factory=dict)
+    """Vendors this worker's built-in dispatcher sends effects to (none: no dispatching)."""
 
     def validate(self) -> None:
         if self.concurrency < 1:
@@ -109,6 +115,7 @@ class Supervisor:
         self._wake = anyio.Event()
         self._idle = anyio.Event()
         self.ready = anyio.Event()
+        self.effect_waiters = EffectWaiters()
         self.log = log.bind(**{WORKER_ID: self.worker_id})
 
     # -- control ------------------------------------------------------------------------------
@@ -147,6 +154,14 @@ class Supervisor:
             lease_seconds=self.config.lease_seconds,
             statement_seconds=max(1.0, self.config.heartbeat_seconds),
         )
+        self.effect_store = EffectStore(pool)
+        self.dispatcher = Dispatcher(
+            pool,
+            self.config.effect_adapters,
+            dispatcher_id=self.worker_id + ":dispatch",
+            poll_seconds=self.config.poll_seconds,
+            statement_seconds=self.runner_config.statement_seconds,
+        )
         self.committer = GroupCommitter(
             self.store, self.worker_id, statement_seconds=self.runner_config.statement_seconds
         )
@@ -164,6 +179,7 @@ class Supervisor:
             async with anyio.create_task_group() as group:
                 group.start_soon(self.keeper.run)
                 group.start_soon(self.committer.run)
+                group.start_soon(self.dispatcher.run)
                 group.start_soon(self._listen, dsn)
                 group.start_soon(self._status)
                 if self.config.dead_session_takeover:
@@ -268,6 +284,12 @@ class Supervisor:
                 config=self.runner_config,
                 metrics=self.metrics,
                 draining=lambda: self.draining,
+                effects=RunEffects(
+                    self.effect_store,
+                    run.run_id,
+                    self.effect_waiters,
+                    poll_seconds=self.config.poll_seconds,
+                ),
             )
             self.active[run.run_id] = scope
             result.append((run, scope))
@@ -332,6 +354,8 @@ class Supervisor:
         def on_notify(connection: Any, pid: int, channel: str, payload: object) -> None:
             if channel == RUNS_CHANNEL and payload in agents:
                 self.wake()
+            elif channel == SETTLED_CHANNEL:
+                self.effect_waiters.notify(str(payload))
             elif channel == CANCEL_CHANNEL:
                 scope = self.active.get(str(payload))
                 if scope is not None:
@@ -346,6 +370,7 @@ class Supervisor:
                     )
                     await connection.add_listener(RUNS_CHANNEL, on_notify)
                     await connection.add_listener(CANCEL_CHANNEL, on_notify)
+                    await connection.add_listener(SETTLED_CHANNEL, on_notify)
                 self.wake()  # anything submitted while we were not listening
                 while not connection.is_closed():
                     await anyio.sleep(self.config.poll_seconds)

@@ -3,7 +3,8 @@
 - ``DatabaseFactory``: a freshly migrated database per test;
 - ``running_worker`` / ``run_agent``: run a worker (or one input through an agent) in a test;
 - ``FaultProxy``: a loopback TCP proxy that partitions a worker from PostgreSQL on demand;
-- ``LocalModelServer``: an OpenAI-compatible model server on loopback.
+- ``LocalModelServer``: an OpenAI-compatible model server on loopback;
+- ``LocalVendor``: an HTTP vendor that honours idempotency keys and can misbehave on demand.
 
 ``DatabaseFactory`` migrates a template database once per test session and gives each test a
 fresh copy through ``CREATE DATABASE ... TEMPLATE`` (a file copy: tens of milliseconds), so
@@ -261,32 +262,23 @@ class FaultProxy:
             await sink.aclose()
 
 
-# -- a local OpenAI-compatible model server --------------------------------------------------
-class LocalModelServer:
-    """A tiny OpenAI-compatible chat-completions server on 127.0.0.1, for tests and demos.
+# -- small loopback HTTP servers for tests ---------------------------------------------------
+class LoopbackHttpServer:
+    """A minimal HTTP/1.1 JSON server on 127.0.0.1 (keep-alive, Content-Length bodies only).
 
-    It answers ``POST .../chat/completions`` with ``reply(messages)`` (by default a summary made
-    of the last message's first words), after ``delay`` seconds; ``requests`` records every
-    request body. Point a worker at it with ``ORCHESTRATOR_MODEL_BASE_URL=server.base_url``.
+    Subclasses implement ``respond``; tests use them as real vendors and model servers.
     """
 
-    def __init__(self, *, delay: float = 0.0, reply: Any = None) -> None:
-        self.delay = delay
-        self.reply = reply or (
-            lambda messages: (
-                "Summary: " + " ".join(str(messages[-1].get("content", "")).split()[:12])
-            )
-        )
-        self.requests: list[dict[str, Any]] = []
+    def __init__(self) -> None:
         self.port = 0
         self._group: anyio.abc.TaskGroup | None = None
         self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
 
     @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
-    async def __aenter__(self) -> LocalModelServer:
+    async def __aenter__(self) -> Any:
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
         self._listener = listener
@@ -300,6 +292,11 @@ class LocalModelServer:
         self._group.cancel_scope.cancel()
         await self._group.__aexit__(None, None, None)
         await self._listener.aclose()
+
+    async def respond(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, Any]:
+        raise NotImplementedError
 
     async def _connection(self, stream: anyio.abc.SocketStream) -> None:
         buffered = anyio.streams.buffered.BufferedByteReceiveStream(stream)
@@ -316,24 +313,49 @@ class LocalModelServer:
                     }
                     length = int(headers.get("content-length", "0"))
                     body = await buffered.receive_exactly(length) if length else b""
-                    status, payload = await self._respond(request_line, body)
+                    method, path, _ = request_line.split(" ", 2)
+                    status, payload = await self.respond(method, path, headers, body)
                     data = json.dumps(payload).encode()
                     await stream.send(
-                        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+                        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
                         f"content-length: {len(data)}\r\n\r\n".encode()
                         + data
                     )
 
-    async def _respond(self, request_line: str, body: bytes) -> tuple[str, dict[str, Any]]:
-        method, path, _ = request_line.split(" ", 2)
+
+class LocalModelServer(LoopbackHttpServer):
+    """A tiny OpenAI-compatible chat-completions server on 127.0.0.1, for tests and demos.
+
+    It answers ``POST .../chat/completions`` with ``reply(messages)`` (by default a summary made
+    of the last message's first words), after ``delay`` seconds; ``requests`` records every
+    request body. Point a worker at it with ``ORCHESTRATOR_MODEL_BASE_URL=server.base_url``.
+    """
+
+    def __init__(self, *, delay: float = 0.0, reply: Any = None) -> None:
+        super().__init__()
+        self.delay = delay
+        self.reply = reply or (
+            lambda messages: (
+                "Summary: " + " ".join(str(messages[-1].get("content", "")).split()[:12])
+            )
+        )
+        self.requests: list[dict[str, Any]] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    async def respond(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, Any]:
         if method != "POST" or not path.endswith("/chat/completions"):
-            return "404 Not Found", {"error": {"message": f"no route {method} {path}"}}
+            return 404, {"error": {"message": f"no route {method} {path}"}}
         request = json.loads(body or b"{}")
         self.requests.append(request)
         if self.delay:
             await anyio.sleep(self.delay)
         text = self.reply(request.get("messages", []))
-        return "200 OK", {
+        return 200, {
             "id": f"chatcmpl-{len(self.requests)}",
             "object": "chat.completion",
             "created": 0,
@@ -351,3 +373,107 @@ class LocalModelServer:
                 "total_tokens": (len(body) + len(text)) // 4,
             },
         }
+
+
+class LocalVendor(LoopbackHttpServer):
+    """An HTTP vendor that honours ``Idempotency-Key`` the way Stripe does, for tests and demos.
+
+    ``POST /send`` delivers once per key (a repeat returns the first answer) and
+    ``GET /requests/{key}`` looks a delivery up (404 if it never arrived). ``mode``:
+    ``ok``; ``accept_then_hang`` (deliver, then never answer: the client times out after the
+    vendor accepted); ``fail_5xx`` (answer 500 without delivering); ``busy`` (429);
+    ``reject`` (422). ``delay`` slows every answer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = "ok"
+        self.delay = 0.0
+        self.deliveries: dict[str, dict[str, Any]] = {}
+        self.requests = 0
+
+    @property
+    def send_url(self) -> str:
+        return f"{self.url}/send"
+
+    @property
+    def lookup_url(self) -> str:
+        return f"{self.url}/requests/{{idempotency_key}}"
+
+    async def respond(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, Any]:
+        if self.delay:
+            await anyio.sleep(self.delay)
+        if method == "GET" and path.startswith("/requests/"):
+            found = self.deliveries.get(path.removeprefix("/requests/"))
+            return (200, found) if found else (404, {"error": "no such request"})
+        if method != "POST" or path != "/send":
+            return 404, {"error": f"no route {method} {path}"}
+        self.requests += 1
+        key = headers.get("idempotency-key")
+        if not key:
+            return 400, {"error": "Idempotency-Key header required"}
+        if key in self.deliveries:
+            return 200, self.deliveries[key]
+        if self.mode == "fail_5xx":
+            return 500, {"error": "internal error"}
+        if self.mode == "busy":
+            return 429, {"error": "slow down"}
+        if self.mode == "reject":
+            return 422, {"error": "invalid payload"}
+        self.deliveries[key] = {
+            "id": f"op_{len(self.deliveries) + 1}",
+            "payload": json.loads(body or b"null"),
+        }
+        if self.mode == "accept_then_hang":
+            await anyio.sleep(3600)
+        return 200, self.deliveries[key]
+
+
+class SmtpSink:
+    """A real SMTP server on 127.0.0.1 (aiosmtpd, a test extra) that keeps what it receives.
+
+    ``messages`` holds every message accepted, as ``email.message.EmailMessage``. With
+    ``mode = "hang_after_data"`` it stores the message and then does not answer the end of DATA
+    for ``hang_seconds``: the client cannot know whether the email went out.
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.mode = "ok"
+        self.hang_seconds = 30.0
+        self.port = 0
+        self._controller: Any = None
+
+    def __enter__(self) -> SmtpSink:
+        import asyncio
+        import email
+        import email.policy
+        import socket
+
+        from aiosmtpd.controller import Controller
+
+        sink = self
+
+        class Handler:
+            async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+                raw = envelope.original_content or envelope.content
+                sink.messages.append(email.message_from_bytes(raw, policy=email.policy.default))
+                if sink.mode == "hang_after_data":
+                    await asyncio.sleep(sink.hang_seconds)
+                return "250 OK"
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self._controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
+        self._controller.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._controller is not None:
+            self._controller.stop()
+
+    def message_ids(self) -> list[str]:
+        return [str(message["Message-ID"]) for message in self.messages]

@@ -271,8 +271,9 @@ SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM released
 
 -- cancel_run --
 -- Cancel a run that has not finished: state cancelled, fence + 1 (so the owner's renewals,
--- commits and effect requests with the old fence are all rejected), lease cleared, the owner
--- told through NOTIFY. Returns no row when the run is already finished or does not exist.
+-- commits and effect requests with the old fence are all rejected, at the boundary too), lease
+-- cleared, undispatched effects withdrawn, the owner told through NOTIFY. Returns no row when
+-- the run is already finished or does not exist.
 WITH target AS (
     SELECT run_id, state AS previous_state, lease_owner AS previous_owner
     FROM runs
@@ -291,6 +292,20 @@ WITH target AS (
            jsonb_build_object('previous_state', previous_state, 'previous_owner', previous_owner,
                               'reason', $2::text)
     FROM cancelled
+), fenced AS (
+    -- The effect boundary learns the new fence too: the old owner's requests are now stale.
+    INSERT INTO effect_fences (run_id, fence)
+    SELECT run_id, fence FROM cancelled
+    ON CONFLICT (run_id) DO UPDATE
+    SET fence = greatest(effect_fences.fence, EXCLUDED.fence), updated_at = clock_timestamp()
+), withdrawn AS (
+    -- Accepted effects not yet handed to a vendor are withdrawn: nobody will send them now.
+    UPDATE effects AS e
+    SET status = 'rejected', settled_at = clock_timestamp(), updated_at = clock_timestamp(),
+        error = jsonb_build_object('type', 'RunCancelled',
+                                   'message', 'the run was cancelled before this was sent')
+    FROM cancelled AS c
+    WHERE e.run_id = c.run_id AND e.status = 'accepted'
 ), told AS (
     SELECT pg_notify('orchestrator_cancel', run_id) FROM cancelled
 )
@@ -449,3 +464,103 @@ WITH input AS (
     FROM finished AS f, jsonb_to_recordset(f.events) AS e(kind text, details jsonb)
 )
 SELECT run_id FROM finished
+
+-- accept_effect --
+-- The boundary's rule for one effect request (see orchestrator_accept_effect in migration 0003).
+SELECT outcome, accepted_fence, status
+FROM orchestrator_accept_effect($1, $2, $3, $4, $5, $6, $7, $8)
+
+-- get_effect --
+-- One effect record.
+SELECT * FROM effects WHERE run_id = $1 AND effect_key = $2
+
+-- list_effects --
+-- Effect records, newest first, optionally of one run and/or in one status.
+SELECT * FROM effects
+WHERE ($1::text IS NULL OR run_id = $1) AND ($2::text IS NULL OR status = $2)
+ORDER BY created_at DESC, run_id, effect_key
+LIMIT $3
+
+-- claim_effects --
+-- A dispatcher ($1) claims up to $3 effects of the kinds $2 it has vendors for, with its own
+-- lease of $4 seconds: new or uncertain effects that are due, and dispatches whose dispatcher
+-- lease expired (that dispatcher may have died after the vendor accepted). previous_status and
+-- ever_dispatched tell the dispatcher whether it may send, or must reconcile first.
+WITH picked AS (
+    SELECT run_id, effect_key, status AS previous_status, ever_dispatched AS sent_before
+    FROM effects
+    WHERE kind = ANY($2::text[])
+      AND ((status IN ('accepted', 'uncertain') AND available_at <= clock_timestamp())
+           OR (status = 'dispatching' AND dispatcher_until < clock_timestamp()))
+    ORDER BY available_at
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE effects AS e
+SET status = 'dispatching', dispatcher = $1,
+    dispatcher_until = clock_timestamp() + make_interval(secs => $4),
+    attempts = e.attempts + 1, ever_dispatched = true, updated_at = clock_timestamp()
+FROM picked AS p
+WHERE e.run_id = p.run_id AND e.effect_key = p.effect_key
+RETURNING e.*, p.previous_status, p.sent_before
+
+-- effect_may_dispatch --
+-- The re-check right before a vendor call: the effect is still dispatching under this
+-- dispatcher ($3) with the fence it claimed ($4) and an unexpired dispatcher lease, and its
+-- run has not been cancelled.
+SELECT e.status = 'dispatching' AND e.dispatcher = $3 AND e.fence = $4
+       AND e.dispatcher_until > clock_timestamp() AS dispatcher_ok,
+       coalesce(r.state, '') <> 'cancelled' AS run_ok
+FROM effects AS e
+LEFT JOIN runs AS r ON r.run_id = e.run_id
+WHERE e.run_id = $1 AND e.effect_key = $2
+
+-- settle_effect --
+-- Record what happened at the vendor, only if dispatcher $3 still holds the effect: status $4
+-- (confirmed, failed, uncertain, parked, rejected or accepted for a later retry), external id
+-- $5, result $6, error $7, next attempt not before $8 seconds from now. Logs the event and
+-- wakes the run's step that may be waiting for the outcome.
+WITH settled AS (
+    UPDATE effects
+    SET status = $4, external_id = coalesce($5, external_id), result = $6, error = $7,
+        dispatcher = NULL, dispatcher_until = NULL, updated_at = clock_timestamp(),
+        available_at = clock_timestamp() + make_interval(secs => $8),
+        settled_at = CASE WHEN $4 IN ('confirmed', 'failed', 'rejected')
+                          THEN clock_timestamp() END
+    WHERE run_id = $1 AND effect_key = $2 AND dispatcher = $3 AND status = 'dispatching'
+    RETURNING run_id, effect_key, fence, status, external_id, attempts, kind
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'effect_' || status, fence, $3,
+           jsonb_build_object('effect_key', effect_key, 'external_id', external_id,
+                              'attempt', attempts, 'error', $7::jsonb)
+    FROM settled
+    WHERE EXISTS (SELECT 1 FROM runs WHERE runs.run_id = settled.run_id)
+), told AS (
+    SELECT pg_notify('orchestrator_effects', run_id) FROM settled
+)
+SELECT status, (SELECT count(*) FROM told) AS notified FROM settled
+
+-- resolve_parked_effect --
+-- A person decided a parked effect: $3 'confirmed' (it was sent; external id $4) or 'accepted'
+-- (it was not sent: send it again with the same idempotency key).
+WITH resolved AS (
+    UPDATE effects
+    SET status = $3, external_id = coalesce($4, external_id), updated_at = clock_timestamp(),
+        available_at = clock_timestamp(),
+        settled_at = CASE WHEN $3 = 'confirmed' THEN clock_timestamp() END,
+        result = CASE WHEN $3 = 'confirmed' THEN jsonb_build_object('resolved_by', 'operator')
+                      ELSE result END
+    WHERE run_id = $1 AND effect_key = $2 AND status = 'parked'
+    RETURNING run_id, effect_key, fence, status, kind
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'effect_resolved', fence,
+           jsonb_build_object('effect_key', effect_key, 'decision', status)
+    FROM resolved
+), told AS (
+    SELECT pg_notify('orchestrator_effects', run_id) FROM resolved
+    UNION ALL
+    SELECT pg_notify('orchestrator_effects_due', kind) FROM resolved WHERE status = 'accepted'
+)
+SELECT status, (SELECT count(*) FROM told) AS notified FROM resolved

@@ -1,0 +1,265 @@
+"""Vendor adapters: how the dispatcher sends an effect, and how it finds out what happened.
+
+Adding a vendor is a small class with ``send`` and ``reconcile``. Credentials live in the
+adapter's configuration (the dispatcher's environment), never in agent code, checkpoints,
+payloads or traces. Every send carries the effect's stable idempotency key.
+
+Outcomes are deliberately blunt about uncertainty: when a request may have reached the vendor
+and no answer came back, the outcome is ``Uncertain``, and the dispatcher reconciles before it
+ever sends again.
+"""
+
+from __future__ import annotations
+
+import os
+import smtplib
+from dataclasses import dataclass
+from email.message import EmailMessage
+from typing import Any, Protocol
+
+import anyio
+import httpx
+
+from orchestrator.models import JSON
+
+from .model import EffectRecord
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    external_id: str | None
+    result: JSON = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The vendor refused for good (e.g. a 4xx): sending again would not help."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The vendor did not accept it (refused connection, 429/503, SMTP 4xx): safe to resend."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Uncertain:
+    """It may have been accepted: reconcile before any resend."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class NotSent:
+    """Reconciliation found the vendor never accepted it: send it now, same key."""
+
+
+@dataclass(frozen=True)
+class Park:
+    """Nobody can tell whether it was sent: a person must decide (`effects resolve`)."""
+
+    reason: str
+
+
+SendOutcome = Confirmed | Failed | Retry | Uncertain
+ReconcileOutcome = Confirmed | Failed | NotSent | Uncertain | Retry | Park
+
+
+class Adapter(Protocol):
+    kind: str
+
+    async def send(self, effect: EffectRecord) -> SendOutcome: ...
+
+    async def reconcile(self, effect: EffectRecord) -> ReconcileOutcome: ...
+
+
+def _secret(value: str | None, env: str | None) -> str | None:
+    if env:
+        found = os.environ.get(env)
+        if found is None:
+            raise ValueError(f"environment variable {env} (a vendor credential) is not set")
+        return found
+    return value
+
+
+class HttpAdapter:
+    """An HTTP API vendor. ``POST url`` with the payload as JSON and an ``Idempotency-Key``.
+
+    Reconciliation modes: ``replay`` (the vendor honours the key the way Stripe does: sending
+    again returns the first outcome), ``lookup`` (``GET lookup_url`` with ``{idempotency_key}``
+    filled in: 200 found, 404 never received), or ``none`` (an uncertain send is parked).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        url: str,
+        reconcile: str = "none",
+        lookup_url: str | None = None,
+        token: str | None = None,
+        token_env: str | None = None,
+        timeout_seconds: float = 10.0,
+    ) -> None:
+        if reconcile not in ("replay", "lookup", "none"):
+            raise ValueError(f"{kind}: reconcile must be replay, lookup or none, not {reconcile!r}")
+        if reconcile == "lookup" and not lookup_url:
+            raise ValueError(f"{kind}: reconcile=lookup needs lookup_url")
+        self.kind = kind
+        self.url = url
+        self.mode = reconcile
+        self.lookup_url = lookup_url
+        secret = _secret(token, token_env)
+        self._headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        self._timeout = httpx.Timeout(timeout_seconds)
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=self._timeout, headers=self._headers)
+
+    async def send(self, effect: EffectRecord) -> SendOutcome:
+        headers = {"Idempotency-Key": effect.idempotency_key}
+        try:
+            async with self._client() as client:
+                response = await client.post(self.url, json=effect.payload, headers=headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            return Retry(f"could not connect: {error}")  # nothing reached the vendor
+        except httpx.HTTPError as error:
+            return Uncertain(f"{type(error).__name__}: {error}")
+        return self._outcome(response)
+
+    def _outcome(self, response: httpx.Response) -> SendOutcome:
+        if response.is_success:
+            body = _json_or_none(response)
+            external = None
+            if isinstance(body, dict):
+                external = body.get("id")
+            return Confirmed(str(external) if external is not None else None, body)
+        if response.status_code in (429, 503):
+            return Retry(f"HTTP {response.status_code}")
+        if 400 <= response.status_code < 500:
+            return Failed(f"HTTP {response.status_code}: {response.text[:500]}")
+        return Uncertain(f"HTTP {response.status_code}")
+
+    async def reconcile(self, effect: EffectRecord) -> ReconcileOutcome:
+        if self.mode == "replay":
+            return await self.send(effect)
+        if self.mode == "none" or self.lookup_url is None:
+            return Park(f"{self.kind} cannot be looked up and the last send may have arrived")
+        url = self.lookup_url.format(idempotency_key=effect.idempotency_key)
+        try:
+            async with self._client() as client:
+                response = await client.get(url)
+        except httpx.HTTPError as error:
+            return Uncertain(f"lookup failed: {type(error).__name__}: {error}")
+        if response.status_code == 404:
+            return NotSent()
+        if response.is_success:
+            body = _json_or_none(response)
+            external = body.get("id") if isinstance(body, dict) else None
+            return Confirmed(str(external) if external is not None else None, body)
+        return Uncertain(f"lookup answered HTTP {response.status_code}")
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+class SmtpAdapter:
+    """Email through a real SMTP server. The Message-ID is derived from the idempotency key, so
+    a receiving system can drop a duplicate; but SMTP offers no lookup, so an uncertain send is
+    parked for a person, never resent. Payload: ``{"to", "subject", "body"}``."""
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        host: str,
+        port: int = 25,
+        sender: str,
+        username: str | None = None,
+        password_env: str | None = None,
+        starttls: bool = False,
+        timeout_seconds: float = 10.0,
+    ) -> None:
+        self.kind = kind
+        self.host = host
+        self.port = port
+        self.sender = sender
+        self.username = username
+        self.password = _secret(None, password_env)
+        self.starttls = starttls
+        self.timeout = timeout_seconds
+
+    def message(self, effect: EffectRecord) -> EmailMessage:
+        payload = effect.payload if isinstance(effect.payload, dict) else {}
+        message = EmailMessage()
+        message["From"] = self.sender
+        message["To"] = str(payload.get("to", ""))
+        message["Subject"] = str(payload.get("subject", ""))
+        message["Message-ID"] = f"<{effect.idempotency_key}@orchestrator>"
+        message.set_content(str(payload.get("body", "")))
+        return message
+
+    async def send(self, effect: EffectRecord) -> SendOutcome:
+        message = self.message(effect)
+        if not message["To"]:
+            return Failed("payload has no 'to' address")
+        return await anyio.to_thread.run_sync(self._send, message, abandon_on_cancel=True)
+
+    def _send(self, message: EmailMessage) -> SendOutcome:
+        try:
+            client = smtplib.SMTP(self.host, self.port, timeout=self.timeout)
+        except (OSError, smtplib.SMTPException) as error:
+            return Retry(f"could not connect: {error}")
+        with client:
+            try:
+                client.ehlo()
+                if self.starttls:
+                    client.starttls()
+                if self.username and self.password:
+                    client.login(self.username, self.password)
+                code, reply = client.mail(self.sender)
+                if code >= 400:
+                    return _refused(code, reply)
+                code, reply = client.rcpt(message["To"])
+                if code >= 400:
+                    return _refused(code, reply)
+            except (OSError, smtplib.SMTPException) as error:
+                return Retry(f"refused before any data was sent: {error}")
+            try:
+                # From here on the server may have the message: any failure is uncertain.
+                code, reply = client.data(message.as_bytes())
+            except smtplib.SMTPResponseException as error:
+                if 400 <= error.smtp_code < 600:
+                    return _refused(error.smtp_code, error.smtp_error)
+                return Uncertain(str(error))
+            except (OSError, smtplib.SMTPException) as error:
+                return Uncertain(f"connection lost during DATA: {error}")
+        return Confirmed(message["Message-ID"], {"smtp_reply": f"{code} {reply!r}"})
+
+    async def reconcile(self, effect: EffectRecord) -> ReconcileOutcome:
+        return Park("SMTP cannot be looked up: a person must check whether the email went out")
+
+
+def _refused(code: int, reply: bytes | str) -> SendOutcome:
+    text = reply.decode(errors="replace") if isinstance(reply, bytes) else reply
+    if 400 <= code < 500:
+        return Retry(f"SMTP {code}: {text}")
+    return Failed(f"SMTP {code}: {text}")
+
+
+def adapter_from_config(kind: str, config: dict[str, Any]) -> Adapter:
+    """Build an adapter from one entry of the dispatcher's vendor configuration."""
+    options = dict(config)
+    adapter = options.pop("adapter", None)
+    if adapter == "http":
+        return HttpAdapter(kind, **options)
+    if adapter == "smtp":
+        return SmtpAdapter(kind, **options)
+    raise ValueError(f"effect kind {kind!r}: adapter must be 'http' or 'smtp', not {adapter!r}")

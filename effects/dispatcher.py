@@ -1,0 +1,254 @@
+"""The dispatcher: an outbox relay from accepted effect records to vendors.
+
+It claims effects with its own lease (SKIP LOCKED, so many dispatchers can run), re-checks right
+before the vendor call that it still holds the effect and that the run was not cancelled, sends
+with the stable idempotency key, and records the outcome. An effect whose send may have reached
+the vendor (a timeout, a dropped connection, a dispatcher that died mid-call and whose lease ran
+out) is reconciled through the adapter before anything is sent again; an adapter that cannot
+reconcile parks it for a person.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import asyncpg
+import structlog
+
+from orchestrator.backoff import Backoff
+from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.errors import InvalidInput
+from orchestrator.telemetry import RUN_FENCE, RUN_ID, tracer
+
+from .adapters import (
+    Adapter,
+    Confirmed,
+    Failed,
+    NotSent,
+    Park,
+    ReconcileOutcome,
+    Retry,
+    SendOutcome,
+    Uncertain,
+    adapter_from_config,
+)
+from .model import EffectRecord, EffectStatus
+from .store import ClaimedEffect, EffectStore
+
+log = structlog.get_logger("orchestrator.effects")
+DUE_CHANNEL = "orchestrator_effects_due"
+
+
+def load_adapters(path: str | Path | None = None) -> dict[str, Adapter]:
+    """Vendors from a JSON file (``ORCHESTRATOR_EFFECTS_CONFIG``): ``{"kinds": {KIND: {...}}}``.
+
+    Example: ``{"kinds": {"email": {"adapter": "smtp", "host": "127.0.0.1", "port": 2525,
+    "sender": "agents@example.com"}, "crm": {"adapter": "http", "url": "https://…",
+    "token_env": "CRM_TOKEN", "reconcile": "lookup", "lookup_url": "https://…/{idempotency_key}"}}}``
+    """
+    location = path or os.environ.get("ORCHESTRATOR_EFFECTS_CONFIG")
+    if not location:
+        return {}
+    try:
+        document = json.loads(Path(location).read_text("utf-8"))
+    except OSError as error:
+        raise InvalidInput(f"cannot read effects config {location}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise InvalidInput(f"effects config {location} is not valid JSON: {error.msg}") from None
+    kinds = document.get("kinds") if isinstance(document, dict) else None
+    if not isinstance(kinds, dict):
+        raise InvalidInput(f'effects config {location} must be {{"kinds": {{KIND: {{...}}}}}}')
+    try:
+        return {kind: adapter_from_config(kind, options) for kind, options in kinds.items()}
+    except (TypeError, ValueError) as error:
+        raise InvalidInput(f"effects config {location}: {error}") from None
+
+
+def default_dispatcher_id() -> str:
+    return f"dispatch:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        adapters: Mapping[str, Adapter],
+        *,
+        dispatcher_id: str | None = None,
+        lease_seconds: float = 60.0,
+        batch: int = 20,
+        concurrency: int = 20,
+        poll_seconds: float = 1.0,
+        statement_seconds: float = 10.0,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.store = EffectStore(pool)
+        self.pool = pool
+        self.adapters = dict(adapters)
+        self.dispatcher_id = dispatcher_id or default_dispatcher_id()
+        self.lease_seconds = lease_seconds
+        self.batch = batch
+        self.poll_seconds = poll_seconds
+        self.statement_seconds = statement_seconds
+        self.backoff = backoff or Backoff(base_seconds=1.0, max_seconds=300.0)
+        self._limiter = anyio.CapacityLimiter(concurrency)
+        self._wake = anyio.Event()
+        self.outcomes: dict[str, int] = {}
+        self.log = log.bind(dispatcher=self.dispatcher_id)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Dispatch until cancelled."""
+        if not self.adapters:
+            return
+        self.log.info("dispatching", kinds=sorted(self.adapters))
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._listen)
+            while True:
+                self._wake = anyio.Event()
+                claimed = await self._claim()
+                for effect in claimed:
+                    group.start_soon(self._handle, effect)
+                if len(claimed) == self.batch:
+                    continue
+                with anyio.move_on_after(self.poll_seconds):
+                    await self._wake.wait()
+
+    async def _claim(self) -> list[ClaimedEffect]:
+        free = int(self._limiter.available_tokens)
+        if free <= 0:
+            await anyio.sleep(0.01)
+            return []
+        try:
+            async with pooled(self.pool, within=self.statement_seconds) as db:
+                return await self.store.claim(
+                    db,
+                    self.dispatcher_id,
+                    sorted(self.adapters),
+                    limit=min(self.batch, free),
+                    lease_seconds=self.lease_seconds,
+                )
+        except DATABASE_ERRORS as error:
+            self.log.warning("cannot claim effects", error=str(error))
+            await anyio.sleep(self.poll_seconds)
+            return []
+
+    async def _listen(self) -> None:
+        """Wake when a step commits an effect (NOTIFY in the same transaction)."""
+
+        def on_notify(*_: object) -> None:
+            self.wake()
+
+        while True:
+            try:
+                async with self.pool.acquire() as connection:
+                    await connection.add_listener(DUE_CHANNEL, on_notify)
+                    try:
+                        while not connection.is_closed():
+                            await anyio.sleep(self.poll_seconds * 5)
+                            with anyio.fail_after(self.statement_seconds):
+                                await connection.execute("SELECT 1")
+                    finally:
+                        with anyio.move_on_after(2, shield=True):
+                            await connection.remove_listener(DUE_CHANNEL, on_notify)
+            except DATABASE_ERRORS:
+                await anyio.sleep(self.poll_seconds)
+
+    async def _handle(self, claimed: ClaimedEffect) -> None:
+        effect = claimed.record
+        adapter = self.adapters[effect.kind]
+        async with self._limiter:
+            with tracer().start_as_current_span(
+                f"dispatch {effect.kind}",
+                attributes={
+                    RUN_ID: effect.run_id,
+                    RUN_FENCE: effect.fence,
+                    "effect.key": effect.effect_key,
+                    "effect.attempt": effect.attempts,
+                    "dispatcher.id": self.dispatcher_id,
+                },
+            ) as span:
+                try:
+                    status = await self._dispatch(claimed, adapter)
+                except DATABASE_ERRORS as error:
+                    # The record stays 'dispatching' until its lease runs out; whoever claims it
+                    # next reconciles before sending. Nothing is sent blind.
+                    self.log.warning(
+                        "lost track of an effect",
+                        error=str(error),
+                        **{RUN_ID: effect.run_id},
+                        effect_key=effect.effect_key,
+                    )
+                    status = "unknown"
+                span.set_attribute("effect.outcome", status)
+        self.outcomes[status] = self.outcomes.get(status, 0) + 1
+
+    async def _dispatch(self, claimed: ClaimedEffect, adapter: Adapter) -> str:
+        effect = claimed.record
+        bound = max(1.0, self.lease_seconds * 0.8)
+        if claimed.must_reconcile:
+            try:
+                with anyio.fail_after(bound):
+                    found: ReconcileOutcome = await adapter.reconcile(effect)
+            except TimeoutError:
+                found = Uncertain("reconciliation timed out")
+            if not isinstance(found, NotSent):
+                return await self._record(effect, found)
+        async with pooled(self.pool, within=self.statement_seconds) as db:
+            holds, run_live = await self.store.may_dispatch(db, effect, self.dispatcher_id)
+        if not run_live:
+            return await self._record(effect, Failed("the run was cancelled"), cancelled=True)
+        if not holds:
+            return "lost_claim"
+        try:
+            with anyio.fail_after(bound):
+                sent: SendOutcome = await adapter.send(effect)
+        except TimeoutError:
+            sent = Uncertain(f"no answer from {effect.kind} within {bound:.0f}s")
+        return await self._record(effect, sent)
+
+    async def _record(
+        self, effect: EffectRecord, outcome: ReconcileOutcome, *, cancelled: bool = False
+    ) -> str:
+        status: EffectStatus
+        options: dict[str, Any] = {}
+        if isinstance(outcome, Confirmed):
+            status = EffectStatus.CONFIRMED
+            options = {"external_id": outcome.external_id, "result": outcome.result}
+        elif isinstance(outcome, Failed):
+            status = EffectStatus.REJECTED if cancelled else EffectStatus.FAILED
+            options = {"error": {"message": outcome.error}}
+        elif isinstance(outcome, Retry):
+            status = EffectStatus.ACCEPTED
+            options = {
+                "error": {"message": outcome.error},
+                "retry_after": self.backoff.ceiling(effect.attempts),
+            }
+        elif isinstance(outcome, Uncertain):
+            status = EffectStatus.UNCERTAIN
+            options = {
+                "error": {"message": outcome.error},
+                "retry_after": self.backoff.ceiling(effect.attempts),
+            }
+        else:
+            assert isinstance(outcome, Park)
+            status = EffectStatus.PARKED
+            options = {"error": {"message": outcome.reason}}
+        async with pooled(self.pool, within=self.statement_seconds) as db:
+            await self.store.settle(db, effect, self.dispatcher_id, status, **options)
+        self.log.info(
+            "effect " + status.value,
+            **{RUN_ID: effect.run_id, RUN_FENCE: effect.fence},
+            effect_key=effect.effect_key,
+            attempt=effect.attempts,
+        )
+        return status.value

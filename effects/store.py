@@ -1,0 +1,154 @@
+"""The effect boundary's statements. The only module of ``effects`` that knows query names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
+from orchestrator.ids import validate_run_id
+from orchestrator.models import JSON
+from orchestrator.queries import query
+from orchestrator.store import Executor
+
+from .model import Acceptance, Effect, EffectRecord, EffectStatus, idempotency_key
+
+
+class EffectNotFound(OrchestratorError):
+    def __init__(self, run_id: str, effect_key: str) -> None:
+        super().__init__(
+            f"no effect {effect_key!r} for run {run_id}; "
+            "`orchestrator effects list --run RUN_ID` shows its effects"
+        )
+
+
+@dataclass(frozen=True)
+class ClaimedEffect:
+    record: EffectRecord
+    previous_status: EffectStatus
+    sent_before: bool
+
+    @property
+    def must_reconcile(self) -> bool:
+        """A send may already have reached the vendor: look before sending again."""
+        return self.previous_status in (EffectStatus.UNCERTAIN, EffectStatus.DISPATCHING)
+
+
+class EffectStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def accept(
+        self, db: Executor, run_id: str, fence: int, effect: Effect, *, worker_id: str | None
+    ) -> Acceptance:
+        """Apply the boundary's rule to one request, in the caller's transaction."""
+        record = await db.fetchrow(
+            query("accept_effect"),
+            run_id,
+            effect.key,
+            fence,
+            effect.kind,
+            effect.policy.value,
+            effect.payload,
+            idempotency_key(run_id, effect.key),
+            worker_id,
+        )
+        assert record is not None
+        status = record["status"]
+        return Acceptance(
+            record["outcome"], record["accepted_fence"], EffectStatus(status) if status else None
+        )
+
+    async def get(
+        self, run_id: str, effect_key: str, *, db: Executor | None = None
+    ) -> EffectRecord:
+        validate_run_id(run_id)
+        record = await (db or self.pool).fetchrow(query("get_effect"), run_id, effect_key)
+        if record is None:
+            raise EffectNotFound(run_id, effect_key)
+        return EffectRecord.from_record(record)
+
+    async def list_effects(
+        self, *, run_id: str | None = None, status: EffectStatus | None = None, limit: int = 100
+    ) -> list[EffectRecord]:
+        if run_id is not None:
+            validate_run_id(run_id)
+        if not 1 <= limit <= 10_000:
+            raise InvalidInput("limit must be between 1 and 10000")
+        records = await self.pool.fetch(
+            query("list_effects"), run_id, status.value if status else None, limit
+        )
+        return [EffectRecord.from_record(record) for record in records]
+
+    async def claim(
+        self,
+        db: Executor,
+        dispatcher: str,
+        kinds: Sequence[str],
+        *,
+        limit: int,
+        lease_seconds: float,
+    ) -> list[ClaimedEffect]:
+        records = await db.fetch(
+            query("claim_effects"), dispatcher, list(kinds), limit, lease_seconds
+        )
+        return [
+            ClaimedEffect(
+                EffectRecord.from_record(r), EffectStatus(r["previous_status"]), r["sent_before"]
+            )
+            for r in records
+        ]
+
+    async def may_dispatch(
+        self, db: Executor, effect: EffectRecord, dispatcher: str
+    ) -> tuple[bool, bool]:
+        """(this dispatcher still holds it, its run is not cancelled)."""
+        record = await db.fetchrow(
+            query("effect_may_dispatch"), effect.run_id, effect.effect_key, dispatcher, effect.fence
+        )
+        if record is None:
+            return False, False
+        return bool(record["dispatcher_ok"]), bool(record["run_ok"])
+
+    async def settle(
+        self,
+        db: Executor,
+        effect: EffectRecord,
+        dispatcher: str,
+        status: EffectStatus,
+        *,
+        external_id: str | None = None,
+        result: JSON = None,
+        error: JSON = None,
+        retry_after: float = 0.0,
+    ) -> bool:
+        record = await db.fetchrow(
+            query("settle_effect"),
+            effect.run_id,
+            effect.effect_key,
+            dispatcher,
+            status.value,
+            external_id,
+            result,
+            error,
+            retry_after,
+        )
+        return record is not None
+
+    async def resolve(
+        self, run_id: str, effect_key: str, *, sent: bool, external_id: str | None = None
+    ) -> EffectRecord:
+        """A person's decision on a parked effect."""
+        effect = await self.get(run_id, effect_key)
+        decision = EffectStatus.CONFIRMED if sent else EffectStatus.ACCEPTED
+        record = await self.pool.fetchrow(
+            query("resolve_parked_effect"), run_id, effect_key, decision.value, external_id
+        )
+        if record is None:
+            raise InvalidTransition(
+                f"effect {effect_key!r} of run {run_id} is {effect.status.value}, not parked; "
+                "only parked effects wait for a person's decision"
+            )
+        return await self.get(run_id, effect_key)

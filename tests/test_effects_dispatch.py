@@ -1,0 +1,213 @@
+"""The dispatcher against real vendors on loopback: an HTTP API and an SMTP server."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import anyio
+import asyncpg
+import pytest
+
+from orchestrator.backoff import Backoff
+from orchestrator.effects.adapters import Adapter, HttpAdapter, SmtpAdapter
+from orchestrator.effects.dispatcher import Dispatcher
+from orchestrator.effects.model import Effect, EffectRecord, EffectStatus
+from orchestrator.effects.store import EffectStore
+from orchestrator.store import RunStore
+from orchestrator.testing import LocalVendor, SmtpSink
+
+CRM = Effect("crm-note", "crm", {"note": "contract reviewed"})
+MAIL = Effect("summary-email", "email", {"to": "legal@acme.test", "subject": "S", "body": "B"})
+
+
+async def requested(store: RunStore, pool: asyncpg.Pool, effect: Effect) -> str:
+    """A run whose owner's step commit requested ``effect``; returns the run id."""
+    await store.submit("agent", {})
+    run = (await store.claim("W", ["agent"], limit=1, lease_seconds=60)).claimed[0]
+
+    async def record(db: object, _: object) -> None:
+        answer = await EffectStore(pool).accept(db, run.run_id, run.fence, effect, worker_id="W")  # type: ignore[arg-type]
+        assert answer.outcome == "accepted"
+
+    assert await store.commit_step(
+        run.lease, expected_version=0, next_step="wait", checkpoint={}, in_transaction=record
+    )
+    return run.run_id
+
+
+async def dispatch_until(
+    pool: asyncpg.Pool,
+    adapters: Mapping[str, Adapter],
+    run_id: str,
+    key: str,
+    statuses: set[EffectStatus],
+    *,
+    within: float = 20,
+) -> EffectRecord:
+    dispatcher = Dispatcher(
+        pool, adapters, lease_seconds=5, poll_seconds=0.05, backoff=Backoff(base_seconds=0.2)
+    )
+    effects = EffectStore(pool)
+    async with anyio.create_task_group() as group:
+        group.start_soon(dispatcher.run)
+        with anyio.fail_after(within):
+            while (record := await effects.get(run_id, key)).status not in statuses:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        group.cancel_scope.cancel()
+    return record
+
+
+def http(
+    vendor: LocalVendor, reconcile: str = "lookup", timeout: float = 2.0
+) -> dict[str, Adapter]:
+    return {
+        "crm": HttpAdapter(
+            "crm",
+            url=vendor.send_url,
+            reconcile=reconcile,
+            lookup_url=vendor.lookup_url if reconcile == "lookup" else None,
+            timeout_seconds=timeout,
+        )
+    }
+
+
+async def test_confirmed_once_with_the_stable_key(store: RunStore, pool: asyncpg.Pool) -> None:
+    run_id = await requested(store, pool, CRM)
+    async with LocalVendor() as vendor:
+        record = await dispatch_until(pool, http(vendor), run_id, CRM.key, {EffectStatus.CONFIRMED})
+    assert record.external_id == "op_1"
+    assert list(vendor.deliveries) == [record.idempotency_key]
+    assert vendor.requests == 1
+    kinds = [e.kind for e in await store.events(run_id)]
+    assert kinds[-2:] == ["effect_accepted", "effect_confirmed"]
+
+
+async def test_timeout_after_the_vendor_accepted_is_reconciled_not_resent(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await requested(store, pool, CRM)
+    async with LocalVendor() as vendor:
+        vendor.mode = "accept_then_hang"
+        record = await dispatch_until(
+            pool, http(vendor, timeout=0.5), run_id, CRM.key, {EffectStatus.CONFIRMED}
+        )
+    assert record.external_id == "op_1"
+    assert vendor.requests == 1  # the lookup found it: no second POST
+    assert len(vendor.deliveries) == 1
+    kinds = [e.kind for e in await store.events(run_id)]
+    assert kinds[-2:] == ["effect_uncertain", "effect_confirmed"]
+
+
+async def test_replay_reconciliation_resends_with_the_same_key(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await requested(store, pool, CRM)
+    async with LocalVendor() as vendor:
+        vendor.mode = "fail_5xx"
+        dispatcher_adapters = http(vendor, reconcile="replay")
+        async with anyio.create_task_group() as group:
+            group.start_soon(
+                dispatch_until, pool, dispatcher_adapters, run_id, CRM.key, {EffectStatus.CONFIRMED}
+            )
+            with anyio.fail_after(10):
+                while vendor.requests < 1:  # noqa: ASYNC110 - vendor state, polled
+                    await anyio.sleep(0.02)
+            vendor.mode = "ok"
+    record = await EffectStore(pool).get(run_id, CRM.key)
+    assert record.status is EffectStatus.CONFIRMED
+    assert len(vendor.deliveries) == 1 and vendor.requests >= 2
+
+
+async def test_an_adapter_that_cannot_reconcile_parks_then_a_person_resolves(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await requested(store, pool, CRM)
+    async with LocalVendor() as vendor:
+        vendor.mode = "fail_5xx"
+        record = await dispatch_until(
+            pool, http(vendor, reconcile="none"), run_id, CRM.key, {EffectStatus.PARKED}
+        )
+    assert vendor.requests == 1
+    assert record.error is not None and "cannot be looked up" in record.error["message"]
+    resolved = await EffectStore(pool).resolve(run_id, CRM.key, sent=True, external_id="manual-7")
+    assert (resolved.status, resolved.external_id) == (EffectStatus.CONFIRMED, "manual-7")
+    from orchestrator.errors import InvalidTransition
+
+    with pytest.raises(InvalidTransition, match="not parked"):
+        await EffectStore(pool).resolve(run_id, CRM.key, sent=False)
+
+
+async def test_busy_vendor_is_retried_and_a_rejection_fails(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    busy_run = await requested(store, pool, CRM)
+    async with LocalVendor() as vendor:
+        vendor.mode = "busy"
+        async with anyio.create_task_group() as group:
+            group.start_soon(
+                dispatch_until, pool, http(vendor), busy_run, CRM.key, {EffectStatus.CONFIRMED}
+            )
+            with anyio.fail_after(10):
+                while vendor.requests < 2:  # noqa: ASYNC110 - vendor state, polled
+                    await anyio.sleep(0.02)
+            vendor.mode = "ok"
+        assert len(vendor.deliveries) == 1
+        rejected_run = await requested(store, pool, Effect("crm-2", "crm", {"bad": True}))
+        vendor.mode = "reject"
+        record = await dispatch_until(
+            pool, http(vendor), rejected_run, "crm-2", {EffectStatus.FAILED}
+        )
+    assert record.error is not None and "HTTP 422" in record.error["message"]
+
+
+async def test_the_run_is_rechecked_right_before_the_vendor_call(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await requested(store, pool, CRM)
+    effects = EffectStore(pool)
+    async with LocalVendor() as vendor:
+        dispatcher = Dispatcher(pool, http(vendor), dispatcher_id="d1", lease_seconds=30)
+        async with pool.acquire() as db:
+            (claimed,) = await effects.claim(db, "d1", ["crm"], limit=1, lease_seconds=30)
+        await store.cancel(run_id)  # after the claim, before the send
+        outcome = await dispatcher._dispatch(claimed, dispatcher.adapters["crm"])
+    assert outcome == "rejected"
+    assert vendor.requests == 0
+    assert (await effects.get(run_id, CRM.key)).status is EffectStatus.REJECTED
+
+
+async def test_smtp_sends_once_with_a_message_id_from_the_key(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await requested(store, pool, MAIL)
+    with SmtpSink() as sink:
+        adapters: dict[str, Adapter] = {
+            "email": SmtpAdapter("email", host="127.0.0.1", port=sink.port, sender="a@orch.test")
+        }
+        record = await dispatch_until(pool, adapters, run_id, MAIL.key, {EffectStatus.CONFIRMED})
+    assert sink.message_ids() == [f"<{record.idempotency_key}@orchestrator>"]
+    assert sink.messages[0]["To"] == "legal@acme.test"
+
+
+async def test_an_uncertain_smtp_send_is_parked_never_resent(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await requested(store, pool, MAIL)
+    with SmtpSink() as sink:
+        sink.mode = "hang_after_data"
+        sink.hang_seconds = 3
+        adapters: dict[str, Adapter] = {
+            "email": SmtpAdapter(
+                "email",
+                host="127.0.0.1",
+                port=sink.port,
+                sender="a@orch.test",
+                timeout_seconds=0.5,
+            )
+        }
+        record = await dispatch_until(pool, adapters, run_id, MAIL.key, {EffectStatus.PARKED})
+        await anyio.sleep(1.0)
+        assert len(sink.messages) == 1
+    assert record.status is EffectStatus.PARKED
+    kinds = [e.kind for e in await store.events(run_id)]
+    assert kinds[-2:] == ["effect_uncertain", "effect_parked"]
