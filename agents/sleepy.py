@@ -17,7 +17,7 @@ class Nap(Step):
         steps = ctx.input.get("steps", 3)
         seconds = ctx.input.get("seconds", 1.0)
         if not isinstance(steps, int) or not isinstance(seconds, int | float):
-            return Fail("input must be {\"steps\": int, \"seconds\": number}")
+            return Fail('input must be {"steps": int, "seconds": number}')
         if steps < 1 or seconds < 0:
             return Fail("steps must be at least 1 and seconds not negative")
         count = (ctx.checkpoint or {}).get("count", 0)

@@ -1,0 +1,201 @@
+"""The effect boundary with real worker and dispatcher processes, real vendors on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import asyncpg
+import pytest
+from support import ServeProcess
+
+from orchestrator.effects.model import Effect, EffectStatus
+from orchestrator.effects.store import EffectStore
+from orchestrator.models import RunState
+from orchestrator.store import RunStore
+from orchestrator.testing import LocalVendor, SmtpSink, wait_for_run
+
+pytestmark = pytest.mark.slow
+AGENT = ["--agents", "orchestrator.agents.contract_notice", "--poll-seconds", "0.2"]
+
+
+def vendors_config(tmp_path: Path, vendor: LocalVendor, sink: SmtpSink) -> str:
+    config = {
+        "kinds": {
+            "crm": {
+                "adapter": "http",
+                "url": vendor.send_url,
+                "reconcile": "lookup",
+                "lookup_url": vendor.lookup_url,
+                "timeout_seconds": 1,
+            },
+            "email": {
+                "adapter": "smtp",
+                "host": "127.0.0.1",
+                "port": sink.port,
+                "sender": "agents@orch.test",
+            },
+        }
+    }
+    path = tmp_path / "vendors.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def start(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+
+
+async def events_of(store: RunStore, run_id: str, kind: str) -> list[tuple[str | None, int | None]]:
+    return [(e.worker_id, e.fence) for e in await store.events(run_id) if e.kind == kind]
+
+
+async def test_stale_worker_wakes_up_and_the_vendors_see_one_request_each(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    """The seed's case: pause A mid-step, its lease expires, B claims and sends; resume A."""
+    async with LocalVendor() as vendor:
+        with SmtpSink() as sink:
+            config = vendors_config(tmp_path, vendor, sink)
+            args = [
+                *AGENT,
+                "--effects-config",
+                config,
+                "--lease-seconds",
+                "2",
+                "--heartbeat-seconds",
+                "0.5",
+            ]
+            run_id = (
+                await store.submit("contract_notice", {"customer": "ACME", "think_seconds": 3})
+            ).run.run_id
+            with ServeProcess(database_url, *args, name="A") as worker_a:
+                with anyio.fail_after(20):
+                    while not await events_of(store, run_id, "claimed"):  # noqa: ASYNC110
+                        await anyio.sleep(0.02)
+                worker_a.signal(signal.SIGSTOP)
+                with ServeProcess(database_url, *args, name="B"):
+                    final = await wait_for_run(store, run_id, within=40)
+                worker_a.signal(signal.SIGCONT)
+                with anyio.fail_after(15):
+                    while not await events_of(store, run_id, "lease_lost"):  # noqa: ASYNC110
+                        await anyio.sleep(0.05)
+                await anyio.sleep(1)
+            # A stale worker that still holds credentials and a live connection asks anyway:
+            async with pool.acquire() as db:
+                stale = await EffectStore(pool).accept(
+                    db, run_id, 1, Effect("notice-email", "email", {"to": "x@y.z"}), worker_id="A"
+                )
+    assert final.state is RunState.SUCCEEDED, final.error
+    assert final.result is not None and final.result["drafted_by_fence"] == 2
+    assert (stale.outcome, stale.accepted_fence) == ("stale", 2)
+    assert len(sink.messages) == 1
+    assert vendor.requests == 1 and len(vendor.deliveries) == 1
+    effects = await EffectStore(pool).list_effects(run_id=run_id)
+    assert {(e.effect_key, e.fence, e.status) for e in effects} == {
+        ("notice-email", 2, EffectStatus.CONFIRMED),
+        ("crm-status", 2, EffectStatus.CONFIRMED),
+    }
+    assert await events_of(store, run_id, "lease_lost") == [("A", 1)]
+    assert ("A", 1) in await events_of(store, run_id, "stale_fence_rejected")
+
+
+async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    await store.submit("agent", {})
+    run = (await store.claim("W", ["agent"], limit=1, lease_seconds=60)).claimed[0]
+    effect = Effect("crm-note", "crm", {"note": "hello"})
+    async with pool.acquire() as db, db.transaction():
+        await EffectStore(pool).accept(db, run.run_id, run.fence, effect, worker_id="W")
+
+    async with LocalVendor() as vendor:
+        with SmtpSink() as sink:
+            config = vendors_config(tmp_path, vendor, sink)
+        vendor.mode = "accept_then_hang"
+        command = [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "effects",
+            "dispatch",
+            "--effects-config",
+            config,
+            "--lease-seconds",
+            "2",
+            "--poll-seconds",
+            "0.1",
+            "--log-json",
+        ]
+        env = {"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""}
+        first = start(command, env)
+        try:
+            with anyio.fail_after(20):
+                while not vendor.deliveries:  # noqa: ASYNC110 - vendor state, polled
+                    await anyio.sleep(0.02)
+        finally:
+            first.kill()
+            first.wait(10)
+        assert (await EffectStore(pool).get(run.run_id, effect.key)).status is (
+            EffectStatus.DISPATCHING
+        )
+        vendor.mode = "ok"
+        second = start(command, env)
+        try:
+            with anyio.fail_after(20):
+                while (  # noqa: ASYNC110 - database state, polled
+                    await EffectStore(pool).get(run.run_id, effect.key)
+                ).status is not EffectStatus.CONFIRMED:
+                    await anyio.sleep(0.05)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(15) == 0
+    assert vendor.requests == 1  # the replacement looked it up; it never sent again
+    assert len(vendor.deliveries) == 1
+    record = await EffectStore(pool).get(run.run_id, effect.key)
+    assert (record.external_id, record.attempts) == ("op_1", 2)
+
+
+async def test_one_email_per_run_through_worker_crashes_and_reclaims(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    async with LocalVendor() as vendor:
+        with SmtpSink() as sink:
+            config = vendors_config(tmp_path, vendor, sink)
+            base = [
+                *AGENT,
+                "--effects-config",
+                config,
+                "--lease-seconds",
+                "30",
+                "--heartbeat-seconds",
+                "5",
+            ]
+            # Run 1 is killed mid-step (before its commit); run 2 right after its commit
+            # requested the effects (its worker does not dispatch, so they are still pending).
+            mid_step = (await store.submit("contract_notice", {"think_seconds": 2})).run.run_id
+            with ServeProcess(database_url, *base, "--no-dispatch", name="A") as worker_a:
+                with anyio.fail_after(20):
+                    while not await events_of(store, mid_step, "claimed"):  # noqa: ASYNC110
+                        await anyio.sleep(0.02)
+                worker_a.kill()
+            committed = (await store.submit("contract_notice", {"think_seconds": 0})).run.run_id
+            with ServeProcess(database_url, *base, "--no-dispatch", name="C") as worker_c:
+                with anyio.fail_after(20):
+                    while not await events_of(store, committed, "effect_accepted"):  # noqa: ASYNC110
+                        await anyio.sleep(0.02)
+                worker_c.kill()
+            with ServeProcess(database_url, *base, name="B"):
+                first = await wait_for_run(store, mid_step, within=40)
+                second = await wait_for_run(store, committed, within=40)
+    assert first.state is RunState.SUCCEEDED and second.state is RunState.SUCCEEDED
+    keys = await pool.fetch("SELECT idempotency_key FROM effects WHERE effect_key = 'notice-email'")
+    expected = sorted(f"<{r['idempotency_key']}@orchestrator>" for r in keys)
+    assert sorted(sink.message_ids()) == expected  # exactly one email per run
+    assert len(vendor.deliveries) == 2
+    # Run 2 resumed at Confirm: its Prepare (and its effect request) ran once, by C.
+    assert await events_of(store, committed, "effect_accepted") == [("C", 1), ("C", 1)]
