@@ -545,10 +545,11 @@ def effects_dispatch(
 
 # -- demo -------------------------------------------------------------------------------------
 @main.command()
-@click.option("--lease-seconds", type=click.FloatRange(0.5, 60), default=2.0, show_default=True)
+@click.option("--lease-seconds", type=click.FloatRange(1, 60), default=2.0, show_default=True)
+@click.option("--runs", type=click.IntRange(1, 200), default=6, show_default=True)
 @click.pass_context
-def demo(ctx: click.Context, lease_seconds: float) -> None:
-    """Show the lease protocol stopping a stale worker, on the configured database."""
+def demo(ctx: click.Context, lease_seconds: float, runs: int) -> None:
+    """Two workers, a paused one, real vendors: each effect still happens exactly once."""
     from orchestrator.demo import run_demo
 
     settings = _settings(ctx)
@@ -557,7 +558,9 @@ def demo(ctx: click.Context, lease_seconds: float) -> None:
     started_here = embedded is not None and embedded.running() is None
     try:
         ok = run_async(
-            lambda: run_demo(settings, lease_seconds=lease_seconds, console=stderr, out=stdout)
+            lambda: run_demo(
+                settings, lease_seconds=lease_seconds, runs=runs, console=stderr, out=stdout
+            )
         )
     finally:
         if embedded is not None and started_here:

@@ -1,125 +1,306 @@
-"""``orchestrator demo``: the seed's failure, played out against the real database.
+"""``orchestrator demo``: the seed's failure played out with real processes and real vendors.
 
-Worker A claims a run and checkpoints, then "pauses" (a GC pause, a partition, a long model
-call) past its lease. Worker B claims the run with a higher fence and resumes from A's last
-checkpoint. A wakes up and tries to renew and to commit: both are rejected, nothing of A's is
-committed, and B finishes. The demo checks each of these facts and fails (exit 1) if any
-invariant does not hold.
+On the configured database (the embedded PostgreSQL by default) it starts a local HTTP vendor
+and a local SMTP server, two `serve` worker processes (each also dispatching effects), and
+submits a batch of ``contract_notice`` runs: each sends one irreversible email and one
+replaceable CRM update. Mid-run it SIGSTOPs worker A until its leases expire, so worker B
+claims A's runs with a higher fence; then it resumes A, which wakes up believing it still owns
+them. At the end it checks, and prints, that every run succeeded, each effect reached its vendor
+exactly once, A committed nothing after losing its leases, and nothing is left running.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import socket
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
 
 import anyio
 from rich.console import Console
 from rich.table import Table
 
 from orchestrator.bootstrap import open_store
-from orchestrator.presentation import print_run
+from orchestrator.database import resolve_dsn
+from orchestrator.effects.store import EffectStore
+from orchestrator.models import RunEvent
 from orchestrator.settings import Settings
+from orchestrator.store import RunStore
+from orchestrator.testing import LocalVendor, SmtpSink
+
+WORKER_A = "demo-worker-a"
+WORKER_B = "demo-worker-b"
 
 
-def _worker_id(name: str) -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{name}"
+def _start_worker(
+    name: str, dsn: str, config: Path, lease: float, log_dir: Path, concurrency: int
+) -> subprocess.Popen[bytes]:
+    log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child process
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "serve",
+            "--agents",
+            "orchestrator.agents.contract_notice",
+            "--worker-id",
+            name,
+            "--effects-config",
+            str(config),
+            "--lease-seconds",
+            str(lease),
+            "--heartbeat-seconds",
+            str(lease / 4),
+            "--poll-seconds",
+            "0.2",
+            "--grace-seconds",
+            "2",
+            "--log-json",
+            # Each worker takes half the batch, one claim at a time, so the paused one holds runs.
+            "--concurrency",
+            str(concurrency),
+            "--claim-batch",
+            "1",
+        ],
+        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": dsn},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGCONT)
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+async def _timelines(store: RunStore, run_ids: list[str]) -> dict[str, list[RunEvent]]:
+    return {run_id: await store.events(run_id) for run_id in run_ids}
 
 
 async def run_demo(
-    settings: Settings, *, lease_seconds: float, console: Console, out: Console
+    settings: Settings, *, lease_seconds: float, runs: int, console: Console, out: Console
 ) -> bool:
-    checks: list[tuple[str, bool]] = []
-
-    def check(label: str, ok: bool) -> None:
-        checks.append((label, ok))
-        console.print(f"  {'[green]ok[/green]' if ok else '[red]BROKEN[/red]'}  {label}")
-
-    console.print("[bold]orchestrator demo[/bold]: a stale worker meets the lease protocol")
-    async with open_store(settings, application_name="orchestrator-demo") as store:
-        worker_a, worker_b = _worker_id("worker-a"), _worker_id("worker-b")
-        submitted = await store.submit("contract-summary", {"contract": "ACME-2026-114"})
-        run_id = submitted.run.run_id
-        console.print(f"submitted {run_id}")
-
-        a = await store.claim_run(worker_a, run_id, lease_seconds=lease_seconds)
-        assert a is not None, "a freshly submitted run must be claimable"
-        console.print(f"worker A claimed it: fence {a.fence}, lease {lease_seconds:.1f}s")
-        a_commit = await store.commit_step(
-            a.lease,
-            expected_version=0,
-            next_step="send_summary",
-            checkpoint={"summary": "draft v1"},
+    try:
+        return await _demo(
+            settings, lease_seconds=lease_seconds, runs=runs, console=console, out=out
         )
-        check("A commits its first checkpoint while it owns the run", a_commit is not None)
+    except TimeoutError:
+        console.print("[red]the demo timed out waiting for the workers[/red] (see the logs above)")
+        return False
 
-        console.print(
-            f"worker A pauses (GC, partition, slow model call) for >{lease_seconds:.1f}s …"
-        )
-        early = await store.claim_run(worker_b, run_id, lease_seconds=lease_seconds)
-        check("B cannot claim while A's lease is valid", early is None)
-        with anyio.fail_after(lease_seconds + 30):
-            b = None
-            while b is None:
-                await anyio.sleep(min(0.25, lease_seconds / 4))
-                b = await store.claim_run(worker_b, run_id, lease_seconds=30)
-        console.print(f"lease expired by the database clock; worker B claimed: fence {b.fence}")
-        check("B's fence is exactly one above A's", b.fence == a.fence + 1)
-        check("B resumes from A's last checkpoint", b.checkpoint == {"summary": "draft v1"})
 
-        console.print("worker A wakes up and carries on from its in-memory state …")
-        a_renew = await store.renew(a.lease, lease_seconds=lease_seconds)
-        check("A's renewal with the old fence is rejected", a_renew is None)
-        a_late = await store.commit_step(
-            a.lease, expected_version=1, next_step="done", checkpoint={"sent": "by A"}
-        )
-        check("A's late commit is rejected (nothing committed)", a_late is None)
-        a_finish = await store.finish(a.lease, expected_version=1, result={"sent_by": "A"})
-        check("A cannot finish the run either", a_finish is False)
-        await store.record_event(
-            run_id,
-            "lease_lost",
-            fence=a.fence,
-            worker_id=worker_a,
-            details={"reason": "renewal rejected after pause"},
-        )
+async def _demo(
+    settings: Settings, *, lease_seconds: float, runs: int, console: Console, out: Console
+) -> bool:
+    started = time.monotonic()
+    console.print(
+        "[bold]orchestrator demo[/bold]: stale workers meet leases and the fenced boundary"
+    )
+    dsn = resolve_dsn(settings)
+    work = Path(tempfile.mkdtemp(prefix="orchestrator-demo-"))
+    async with LocalVendor() as vendor, open_store(settings, application_name="demo") as store:
+        with SmtpSink() as sink:
+            config = work / "vendors.json"
+            config.write_text(
+                json.dumps(
+                    {
+                        "kinds": {
+                            "crm": {
+                                "adapter": "http",
+                                "url": vendor.send_url,
+                                "reconcile": "lookup",
+                                "lookup_url": vendor.lookup_url,
+                            },
+                            "email": {
+                                "adapter": "smtp",
+                                "host": "127.0.0.1",
+                                "port": sink.port,
+                                "sender": "agents@orchestrator.demo",
+                            },
+                        }
+                    }
+                )
+            )
+            console.print(f"vendors: HTTP CRM at {vendor.url}, SMTP at 127.0.0.1:{sink.port}")
+            console.print(f"worker logs: {work}")
+            workers = {
+                name: _start_worker(name, dsn, config, lease_seconds, work, max(1, runs // 2))
+                for name in (WORKER_A, WORKER_B)
+            }
+            try:
+                run_ids = [
+                    (
+                        await store.submit(
+                            "contract_notice",
+                            {
+                                "customer": f"customer-{n}",
+                                "to": f"legal{n}@customer.test",
+                                "think_seconds": 1.5,
+                            },
+                        )
+                    ).run.run_id
+                    for n in range(runs)
+                ]
+                console.print(f"submitted {runs} contract_notice runs; two workers are claiming")
+                with anyio.fail_after(30):
+                    while True:
+                        owners = {
+                            r.lease_owner
+                            for r in await store.list_runs(limit=runs)
+                            if r.run_id in run_ids
+                        }
+                        if WORKER_A in owners:
+                            break
+                        await anyio.sleep(0.05)
+                workers[WORKER_A].send_signal(signal.SIGSTOP)
+                console.print(
+                    f"worker A paused (SIGSTOP) holding runs; its {lease_seconds:.1f}s leases "
+                    "will expire and worker B will claim them with a higher fence …"
+                )
+                await anyio.sleep(lease_seconds * 2 + 1.5)
+                workers[WORKER_A].send_signal(signal.SIGCONT)
+                console.print("worker A resumed: it wakes up believing it still owns its runs")
+                with anyio.fail_after(60):
+                    while True:
+                        current = [(await store.get(run_id)).state for run_id in run_ids]
+                        done = sum(state.terminal for state in current)
+                        console.print(f"  {done}/{runs} runs finished", end="\r")
+                        if done == runs:
+                            break
+                        await anyio.sleep(0.25)
+                console.print()
+                # Let A notice (and record) every lost lease before judging; bounded.
+                with anyio.move_on_after(10):
+                    while True:
+                        held_by_a = lost_by_a = 0
+                        for run_id in run_ids:
+                            timeline = await store.events(run_id)
+                            held_by_a += any(
+                                e.kind == "claimed" and e.worker_id == WORKER_A for e in timeline
+                            ) and any(e.kind == "claimed" and e.fence == 2 for e in timeline)
+                            lost_by_a += any(
+                                e.kind == "lease_lost" and e.worker_id == WORKER_A for e in timeline
+                            )
+                        if lost_by_a >= held_by_a:
+                            break
+                        await anyio.sleep(0.2)
+            finally:
+                for process in workers.values():
+                    _stop(process)
+            timelines = await _timelines(store, run_ids)
+            final = [await store.get(run_id) for run_id in run_ids]
+            effects = await EffectStore(store.pool).list_effects(limit=10_000)
+            effects = [e for e in effects if e.run_id in run_ids]
+            email_ids = Counter(sink.message_ids())
+    leftover = [p.args for p in workers.values() if p.poll() is None]
 
-        b_commit = await store.commit_step(
-            b.lease,
-            expected_version=b.checkpoint_version,
-            next_step="finish",
-            checkpoint={"summary": "draft v1", "sent": True},
+    states = Counter(run.state.value for run in final)
+    events = [event for timeline in timelines.values() for event in timeline]
+    stale = [e for e in events if e.kind == "stale_fence_rejected"]
+    lost = [e for e in events if e.kind == "lease_lost"]
+    taken_over = {
+        run_id: [e for e in timeline if e.kind == "claimed"]
+        for run_id, timeline in timelines.items()
+    }
+    taken_over = {run_id: claims for run_id, claims in taken_over.items() if len(claims) > 1}
+    recoveries = [
+        (claims[-1].at - _parse(claims[-1].details["previous_lease_until"])).total_seconds()
+        for claims in taken_over.values()
+        if claims[-1].details.get("previous_lease_until")
+    ]
+    emails_per_run = [
+        email_ids.get(f"<{e.idempotency_key}@orchestrator>", 0)
+        for e in effects
+        if e.effect_key == "notice-email"
+    ]
+    crm_per_run = [
+        1 if e.idempotency_key in vendor.deliveries else 0
+        for e in effects
+        if e.effect_key == "crm-status"
+    ]
+    a_late_commits = [
+        e
+        for timeline in timelines.values()
+        for e in timeline
+        if e.kind in ("checkpoint", "succeeded")
+        and e.worker_id == WORKER_A
+        and any(
+            x.kind == "lease_lost"
+            and x.worker_id == WORKER_A
+            and x.at < e.at
+            and x.run_id == e.run_id
+            for x in timeline
         )
-        check("B commits on top of A's checkpoint", b_commit is not None)
-        finished = await store.finish(
-            b.lease, expected_version=b.checkpoint_version + 1, result={"sent_by": "B"}
-        )
-        check("B finishes the run", finished)
+    ]
+    checks = [
+        ("every run succeeded", states == Counter({"succeeded": runs})),
+        ("worker A's runs were taken over with a higher fence", bool(taken_over)),
+        (
+            "each email reached the SMTP server exactly once",
+            len(emails_per_run) == runs
+            and set(emails_per_run) == {1}
+            and sum(email_ids.values()) == runs,
+        ),
+        (
+            "each CRM update reached the vendor exactly once",
+            len(crm_per_run) == runs and set(crm_per_run) == {1} and len(vendor.deliveries) == runs,
+        ),
+        ("worker A committed nothing after losing its leases", not a_late_commits),
+        ("nothing left running", not leftover),
+    ]
 
-        run = await store.get(run_id)
-        events = await store.events(run_id)
-        now = await store.database_now()
-        commits = [(e.fence, e.worker_id) for e in events if e.kind == "checkpoint"]
-        check(
-            "the timeline holds only the owners' commits",
-            commits == [(a.fence, worker_a), (b.fence, worker_b)],
-        )
-        check(
-            "the run succeeded with B's result",
-            run.state.value == "succeeded" and run.result == {"sent_by": "B"},
-        )
-
-    out.print()
-    print_run(out, run, events, now)
     summary = Table(title="summary", show_edge=False, title_justify="left", header_style="bold")
-    summary.add_column("check")
-    summary.add_column("result")
-    for label, ok in checks:
-        summary.add_row(label, "ok" if ok else "BROKEN")
-    out.print()
+    summary.add_column("measure")
+    summary.add_column("value")
+    summary.add_row("runs by state", ", ".join(f"{k}: {v}" for k, v in sorted(states.items())))
+    summary.add_row("runs taken over from worker A", str(len(taken_over)))
+    summary.add_row("emails delivered per run", _spread(emails_per_run))
+    summary.add_row("CRM updates delivered per run", _spread(crm_per_run))
+    summary.add_row("stale-fence rejections", str(len(stale)))
+    summary.add_row("lost leases", str(len(lost)))
+    if recoveries:
+        summary.add_row(
+            "recovery (lease expiry → new claim)",
+            f"max {max(recoveries):.2f}s, mean {sum(recoveries) / len(recoveries):.2f}s",
+        )
+    summary.add_row("elapsed", f"{time.monotonic() - started:.1f}s")
     out.print(summary)
-    broken = [label for label, ok in checks if not ok]
+    result = Table(show_edge=False, header_style="bold")
+    result.add_column("invariant")
+    result.add_column("result")
+    for label, ok in checks:
+        result.add_row(label, "ok" if ok else "BROKEN")
     out.print()
-    out.print(f"inspect it yourself: orchestrator runs show {run_id}", markup=False)
+    out.print(result)
+    example = next(iter(taken_over), run_ids[0])
+    out.print()
+    out.print(f"inspect a run that changed hands: orchestrator runs show {example}", markup=False)
+    out.print(f"and its effects: orchestrator effects list --run {example}", markup=False)
+    broken = [label for label, ok in checks if not ok]
     if broken:
-        console.print(f"[red]{len(broken)} invariant(s) broken[/red]")
+        console.print(f"[red]{len(broken)} invariant(s) broken[/red]; worker logs in {work}")
     return not broken
+
+
+def _spread(values: list[int]) -> str:
+    if not values:
+        return "none"
+    return f"min {min(values)}, max {max(values)} over {len(values)} runs"
+
+
+def _parse(value: str) -> datetime:
+    return datetime.fromisoformat(value)
