@@ -492,6 +492,42 @@ def effects_resolve(
     run_async(body)
 
 
+@effects.command("serve")
+@click.option("--listen", default="127.0.0.1:8787", show_default=True, help="HOST:PORT")
+@click.option(
+    "--tokens",
+    envvar="ORCHESTRATOR_PROXY_TOKENS",
+    help="Comma-separated bearer tokens callers must present (ORCHESTRATOR_PROXY_TOKENS).",
+)
+@click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
+@click.pass_context
+def effects_serve(ctx: click.Context, listen: str, tokens: str | None, max_body_bytes: int) -> None:
+    """Serve the effect boundary over HTTP (the action proxy) until SIGTERM/SIGINT."""
+    import uvicorn
+
+    from orchestrator.effects.proxy import create_app
+
+    settings = _settings(ctx)
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.UsageError(f"--listen must be HOST:PORT, not {listen!r}")
+    token_list = [t.strip() for t in (tokens or "").split(",") if t.strip()]
+    if not token_list:
+        raise click.UsageError("no bearer tokens: set ORCHESTRATOR_PROXY_TOKENS or --tokens")
+
+    async def body() -> None:
+        async with open_store(
+            settings, application_name="orchestrator-proxy", max_size=10
+        ) as store:
+            app = create_app(store.pool, token_list, max_body_bytes=max_body_bytes)
+            config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_level="warning")
+            server = uvicorn.Server(config)
+            stderr.print(f"action proxy listening on http://{listen}")
+            await server.serve()
+
+    run_async(body)
+
+
 @effects.command("dispatch")
 @click.option(
     "--effects-config",
