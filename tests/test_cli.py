@@ -163,3 +163,43 @@ async def test_db_url_and_migrate(database_url: str) -> None:
 def test_every_list_command_has_json() -> None:
     result: Any = cli("postgresql://unused@127.0.0.1:1/x", "runs", "list", "--help")
     assert "--json" in result.stdout
+
+
+async def test_effects_list_show_and_resolve(
+    database_url: str, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    from orchestrator.effects.model import Effect
+    from orchestrator.effects.store import EffectStore
+
+    await store.submit("agent", {})
+    run = (await store.claim("W", ["agent"])).claimed[0]
+    async with pool.acquire() as db, db.transaction():
+        await EffectStore(pool).accept(
+            db, run.run_id, run.fence, Effect("k1", "crm", {}), worker_id="W"
+        )
+    await pool.execute("UPDATE effects SET status = 'parked'")
+
+    listed = cli(database_url, "effects", "list", "--run", run.run_id, "--json")
+    assert [e["effect_key"] for e in json.loads(listed.stdout)] == ["k1"]
+    assert "parked" in cli(database_url, "effects", "list").stdout
+    shown = cli(database_url, "effects", "show", run.run_id, "k1", "--json")
+    assert json.loads(shown.stdout)["status"] == "parked"
+
+    no_decision = cli(database_url, "effects", "resolve", run.run_id, "k1")
+    assert no_decision.returncode == 2 and "--sent or --not-sent" in no_decision.stderr
+    resolved = cli(database_url, "effects", "resolve", run.run_id, "k1", "--sent")
+    assert resolved.returncode == 0 and "confirmed" in resolved.stdout
+    again = cli(database_url, "effects", "resolve", run.run_id, "k1", "--not-sent")
+    assert again.returncode == 1 and "not parked" in again.stderr
+    unknown = cli(database_url, "effects", "show", run.run_id, "nope")
+    assert unknown.returncode == 1 and "no effect 'nope'" in unknown.stderr
+
+
+def test_dispatch_refuses_a_bad_vendor_config(database_url: str, tmp_path: Path) -> None:
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{nope")
+    wrong_adapter = tmp_path / "wrong.json"
+    wrong_adapter.write_text('{"kinds": {"crm": {"adapter": "carrier-pigeon"}}}')
+    for path, message in ((bad_json, "not valid JSON"), (wrong_adapter, "adapter must be")):
+        result = cli(database_url, "effects", "dispatch", "--effects-config", str(path))
+        assert result.returncode == 1 and message in result.stderr, result.stderr
