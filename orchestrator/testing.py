@@ -477,3 +477,32 @@ class SmtpSink:
 
     def message_ids(self) -> list[str]:
         return [str(message["Message-ID"]) for message in self.messages]
+
+
+# -- capturing spans -------------------------------------------------------------------------
+_SPAN_EXPORTER: Any = None
+
+
+def capture_spans() -> Any:
+    """An in-memory span exporter installed once as the global tracer provider's sink.
+
+    OpenTelemetry allows one global provider per process: the first call installs an SDK
+    provider with this exporter (unless the host already has one, which is then left alone and
+    ``None`` is returned). Call ``exporter.clear()`` between tests.
+    """
+    global _SPAN_EXPORTER
+    if _SPAN_EXPORTER is not None:
+        return _SPAN_EXPORTER
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return None
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _SPAN_EXPORTER = exporter
+    return exporter
