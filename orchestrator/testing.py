@@ -176,8 +176,36 @@ async def run_agent(
         await pool.close()
 
 
+# -- loopback services for tests ---------------------------------------------------------------
+class LoopbackService:
+    """A TCP service on 127.0.0.1 for the life of an ``async with``; subclasses ``handle``."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._group: anyio.abc.TaskGroup | None = None
+        self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
+
+    async def __aenter__(self) -> Any:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
+        self._listener = listener
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(listener.serve, self.handle)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._group is not None and self._listener is not None
+        self._group.cancel_scope.cancel()
+        await self._group.__aexit__(None, None, None)
+        await self._listener.aclose()
+
+    async def handle(self, stream: anyio.abc.SocketStream) -> None:
+        raise NotImplementedError
+
+
 # -- a loopback TCP proxy that injects network faults ------------------------------------------
-class FaultProxy:
+class FaultProxy(LoopbackService):
     """A TCP proxy on 127.0.0.1 between a client and PostgreSQL, for partition tests.
 
     ``mode`` may be changed at any time:
@@ -194,13 +222,11 @@ class FaultProxy:
     def __init__(self, target_host: str, target_port: int) -> None:
         if target_host not in ("127.0.0.1", "::1", "localhost"):
             raise ValueError("FaultProxy only forwards to loopback")
+        super().__init__()
         self.target = (target_host, target_port)
         self._mode = "forward"
         self._flowing = anyio.Event()
         self._flowing.set()
-        self.port = 0
-        self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
-        self._group: anyio.abc.TaskGroup | None = None
 
     @property
     def mode(self) -> str:
@@ -222,22 +248,7 @@ class FaultProxy:
         userinfo = netloc[0] + "@" if len(netloc) == 2 else ""
         return urlunsplit(parts._replace(netloc=f"{userinfo}127.0.0.1:{self.port}"))
 
-    async def __aenter__(self) -> FaultProxy:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
-        self._listener = listener
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()
-        self._group.start_soon(listener.serve, self._handle)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._group is not None and self._listener is not None
-        self._group.cancel_scope.cancel()
-        await self._group.__aexit__(None, None, None)
-        await self._listener.aclose()
-
-    async def _handle(self, client: anyio.abc.SocketStream) -> None:
+    async def handle(self, client: anyio.abc.SocketStream) -> None:
         async with (
             client,
             await anyio.connect_tcp(*self.target) as server,
@@ -263,42 +274,22 @@ class FaultProxy:
 
 
 # -- small loopback HTTP servers for tests ---------------------------------------------------
-class LoopbackHttpServer:
+class LoopbackHttpServer(LoopbackService):
     """A minimal HTTP/1.1 JSON server on 127.0.0.1 (keep-alive, Content-Length bodies only).
 
     Subclasses implement ``respond``; tests use them as real vendors and model servers.
     """
 
-    def __init__(self) -> None:
-        self.port = 0
-        self._group: anyio.abc.TaskGroup | None = None
-        self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
-
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> Any:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
-        self._listener = listener
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()
-        self._group.start_soon(listener.serve, self._connection)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._group is not None and self._listener is not None
-        self._group.cancel_scope.cancel()
-        await self._group.__aexit__(None, None, None)
-        await self._listener.aclose()
 
     async def respond(
         self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, Any]:
         raise NotImplementedError
 
-    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+    async def handle(self, stream: anyio.abc.SocketStream) -> None:
         buffered = anyio.streams.buffered.BufferedByteReceiveStream(stream)
         with contextlib.suppress(
             anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead
