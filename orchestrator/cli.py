@@ -28,6 +28,7 @@ from orchestrator.migrations import latest_version, migrate
 from orchestrator.models import RunState
 from orchestrator.presentation import dump_json, effects_table, print_run, runs_table
 from orchestrator.settings import Settings
+from orchestrator.store import WorkerRegistry
 
 T = TypeVar("T")
 
@@ -189,6 +190,14 @@ def submit(
                 run_id=run_id,
                 idempotency_key=idempotency_key,
                 max_attempts=max_attempts,
+            )
+            served = await WorkerRegistry().served_agents(store.pool)
+        if agent not in served:
+            # Not an error: runs may be queued before any worker starts. But a typo would wait
+            # forever, so say what the live workers serve.
+            stderr.print(
+                f"warning: no live worker serves agent {agent!r} yet "
+                f"(live workers serve: {', '.join(served) or 'none'}); the run waits until one does"
             )
         if not submission.created:
             stderr.print(f"idempotency key matched run {submission.run.run_id}; nothing new queued")

@@ -550,6 +550,9 @@ class WorkerRegistry:
         await connection.execute(query("register_worker"), worker_id, key, host, pid, list(agents))
         return key
 
+    async def served_agents(self, db: Executor) -> list[str]:
+        return [record["agent"] for record in await db.fetch(query("served_agents"))]
+
     async def unregister(self, db: Executor, worker_id: str) -> None:
         await db.execute(query("unregister_worker"), worker_id)
 

@@ -564,3 +564,7 @@ WITH resolved AS (
     SELECT pg_notify('orchestrator_effects_due', kind) FROM resolved WHERE status = 'accepted'
 )
 SELECT status, (SELECT count(*) FROM told) AS notified FROM resolved
+
+-- served_agents --
+-- The agents that live workers serve right now.
+SELECT DISTINCT unnest(agents) AS agent FROM workers ORDER BY 1

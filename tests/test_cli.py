@@ -41,6 +41,7 @@ async def test_submit_show_list_cancel(database_url: str, store: RunStore) -> No
     assert submitted.returncode == 0, submitted.stderr
     run_id = submitted.stdout.strip()
     assert run_id.startswith("r_")
+    assert "no live worker serves agent 'summarise'" in submitted.stderr
 
     shown = cli(database_url, "runs", "show", run_id, "--json")
     assert shown.returncode == 0, shown.stderr
