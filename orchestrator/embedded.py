@@ -18,6 +18,7 @@ import pwd
 import socket
 import stat
 import subprocess
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -137,13 +138,17 @@ class EmbeddedPostgres:
             self._run(["pg_ctl", "-D", str(self.data_dir), "-m", mode, "-w", "stop"], timeout=60)
             return True
 
-    def restart(self) -> RunningServer:
-        """Stop and start again on the same port (clients see their connections dropped)."""
+    def restart(self, *, down_seconds: float = 0.0) -> RunningServer:
+        """Stop, stay down ``down_seconds``, start again on the same port.
+
+        Clients see their connections dropped, then refused while it is down.
+        """
         with self._locked():
             previous = read_running_server(self.data_dir)
             port = previous.port if previous else None
             if previous is not None:
                 self._run(["pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "stop"])
+            time.sleep(down_seconds)
             self._start(port=port)
         running = read_running_server(self.data_dir)
         if running is None:

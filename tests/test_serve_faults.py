@@ -230,7 +230,7 @@ async def test_postgres_restart_under_running_workers_loses_no_run() -> None:
         connection = await connect(settings)
         await migrate(connection)
         await connection.close()
-        run_ids = await submit_sleepy(settings, count=20)
+        run_ids = await submit_sleepy(settings, count=20, seconds=1.0)
         args = [
             *FAST,
             "--agents",
@@ -245,22 +245,30 @@ async def test_postgres_restart_under_running_workers_loses_no_run() -> None:
         dsn = str(settings.database_url)
         with ServeProcess(dsn, *args, name="A") as a, ServeProcess(dsn, *args, name="B") as b:
             await anyio.sleep(1.5)
-            await anyio.to_thread.run_sync(server.restart)
+            await anyio.to_thread.run_sync(server.restart)  # a quick restart: leases survive
+            await anyio.sleep(1.0)
+            # A long outage: every lease outlives its local deadline; the workers keep running,
+            # give their runs up, and pick them up again when the database is back.
+            await anyio.to_thread.run_sync(lambda: server.restart(down_seconds=5))
             runs = await wait_all_terminal(settings, run_ids, within=90)
             logs = a.tail() + b.tail()
+            alive = [a.process.poll(), b.process.poll()]
+            lost_logged = a.events("lease lost") + b.events("lease lost")
+        assert alive == [None, None], logs
         assert {run.state for run in runs} == {RunState.SUCCEEDED}, logs
         assert all(run.result == {"count": 3} for run in runs)
+        assert lost_logged, "runs in flight during the outage must fall into lost ownership"
     finally:
         server.stop(mode="immediate")
         shutil.rmtree(home, ignore_errors=True)
 
 
-async def submit_sleepy(settings: Settings, *, count: int) -> list[str]:
+async def submit_sleepy(settings: Settings, *, count: int, seconds: float) -> list[str]:
     pool = await create_pool(settings, application_name="test-submit")
     try:
         store = RunStore(pool)
         return [
-            (await store.submit("sleepy", {"steps": 3, "seconds": 0.5, "n": n})).run.run_id
+            (await store.submit("sleepy", {"steps": 3, "seconds": seconds, "n": n})).run.run_id
             for n in range(count)
         ]
     finally:
@@ -285,3 +293,19 @@ async def wait_all_terminal(settings: Settings, run_ids: list[str], *, within: f
             pass
         await anyio.sleep(0.5)
     return runs
+
+
+async def test_a_second_signal_exits_at_once(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5", "--grace-seconds", "60"]
+    await store.submit("marked", {"steps": 1, "seconds": 60, "marker_dir": str(tmp_path)})
+    with ServeProcess(database_url, *args, name="A") as worker:
+        await wait_for_marker(tmp_path, "*.0.*")
+        worker.signal(signal.SIGTERM)
+        await worker.wait_for_log("draining")
+        worker.signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = await anyio.to_thread.run_sync(lambda: worker.process.wait(10))
+    assert code == 130
+    assert time.monotonic() - started < 5
