@@ -133,6 +133,13 @@ def encode_input(value: JSON, *, max_bytes: int) -> JSON:
     return value
 
 
+def _final_state(finish: RunFinish) -> None:
+    """A step ends a run as succeeded or failed; cancel and dead-letter have their own paths
+    (cancel must raise the fence)."""
+    if finish.state not in (RunState.SUCCEEDED, RunState.FAILED):
+        raise ValueError(f"a run is finished as succeeded or failed, not {finish.state.value}")
+
+
 def _json_text(value: JSON) -> str | None:
     """JSON for a text[] batch parameter; Python ``None`` stays SQL NULL."""
     return None if value is None else json.dumps(value, separators=(",", ":"))
@@ -253,8 +260,10 @@ class RunStore:
         db: Executor | None = None,
     ) -> ClaimBatch:
         """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement."""
+        # Each agent is probed once; a repeated name would fill the limit with duplicates.
+        unique_agents = list(dict.fromkeys(agents))
         records = await (db or self.pool).fetch(
-            query("claim_due"), worker_id, list(agents), limit, lease_seconds
+            query("claim_due"), worker_id, unique_agents, limit, lease_seconds
         )
         return self._claim_batch(records, worker_id)
 
@@ -394,6 +403,7 @@ class RunStore:
         return await self._finish(finish, db)
 
     async def _finish(self, finish: RunFinish, db: Executor | None) -> bool:
+        _final_state(finish)
         record = await (db or self.pool).fetchrow(
             query("finish_run"),
             finish.lease.run_id,
@@ -437,6 +447,8 @@ class RunStore:
     ) -> set[str]:
         """Many runs' final commits in one statement; returns the runs that were finished."""
         _same_worker(worker_id, [finish.lease for finish in finishes])
+        for finish in finishes:
+            _final_state(finish)
         records = await (db or self.pool).fetch(
             query("finish_runs"),
             worker_id,

@@ -215,6 +215,7 @@ WITH finished AS (
         updated_at = clock_timestamp(), finished_at = clock_timestamp()
     WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
       AND lease_until > clock_timestamp() AND checkpoint_version = $4
+      AND $5 IN ('succeeded', 'failed')
     RETURNING run_id, fence, checkpoint_version
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
@@ -456,7 +457,7 @@ WITH input AS (
     FROM input AS u
     WHERE r.run_id = u.run_id AND r.lease_owner = $1 AND r.fence = u.fence
       AND r.state = 'running' AND r.lease_until > clock_timestamp()
-      AND r.checkpoint_version = u.expected_version
+      AND r.checkpoint_version = u.expected_version AND u.state IN ('succeeded', 'failed')
     RETURNING r.run_id, r.fence, u.events
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)

@@ -414,3 +414,21 @@ async def test_group_commit_checks_each_run_and_refuses_only_the_stale_ones(
     assert await snapshot(pool, claims[1].run_id) == before
     with pytest.raises(ValueError, match="one worker at a time"):
         await store.commit_steps("other", [StepCommit(claims[2].lease, 0, "n", {})])
+
+
+async def test_claim_with_a_repeated_agent_name_still_fills_the_limit(store: RunStore) -> None:
+    for _ in range(2):
+        await store.submit("agent", {})
+    batch = await store.claim("W", ["agent", "agent"], limit=2)
+    assert len(batch.claimed) == 2
+
+
+async def test_a_run_is_only_finished_as_succeeded_or_failed(store: RunStore) -> None:
+    from orchestrator.store import RunFinish
+
+    await store.submit("agent", {})
+    run = await claim_one(store, "W")
+    for state in (RunState.QUEUED, RunState.CANCELLED, RunState.DEAD):
+        with pytest.raises(ValueError, match="succeeded or failed"):
+            await store.finish_many("W", [RunFinish(run.lease, 0, state)])
+    assert (await store.get(run.run_id)).state is RunState.RUNNING
