@@ -98,7 +98,9 @@ class Dispatcher:
         self.poll_seconds = poll_seconds
         self.statement_seconds = statement_seconds
         self.backoff = backoff or Backoff(base_seconds=1.0, max_seconds=300.0)
+        self.concurrency = concurrency
         self._limiter = anyio.CapacityLimiter(concurrency)
+        self._in_flight = 0
         self._wake = anyio.Event()
         self.outcomes: dict[str, int] = {}
         self.log = log.bind(dispatcher=self.dispatcher_id)
@@ -111,22 +113,29 @@ class Dispatcher:
         if not self.adapters:
             return
         self.log.info("dispatching", kinds=sorted(self.adapters))
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._listen)
-            while True:
-                self._wake = anyio.Event()
-                claimed = await self._claim()
-                for effect in claimed:
-                    group.start_soon(self._handle, effect)
-                if len(claimed) == self.batch:
-                    continue
-                with anyio.move_on_after(self.poll_seconds):
-                    await self._wake.wait()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._listen)
+                while True:
+                    self._wake = anyio.Event()
+                    claimed = await self._claim()
+                    for effect in claimed:
+                        self._in_flight += 1
+                        group.start_soon(self._handle, effect)
+                    if claimed and len(claimed) == self.batch:
+                        continue
+                    with anyio.move_on_after(self.poll_seconds):
+                        await self._wake.wait()
+        finally:
+            with anyio.move_on_after(5, shield=True):
+                for adapter in self.adapters.values():
+                    await adapter.aclose()
 
     async def _claim(self) -> list[ClaimedEffect]:
-        free = int(self._limiter.available_tokens)
+        # Count effects in flight, not free limiter slots: handlers just started have not taken
+        # theirs yet, and claiming against those would hold twice the concurrency.
+        free = self.concurrency - self._in_flight
         if free <= 0:
-            await anyio.sleep(0.01)
             return []
         try:
             async with pooled(self.pool, within=self.statement_seconds) as db:
@@ -189,6 +198,9 @@ class Dispatcher:
                         effect_key=effect.effect_key,
                     )
                     status = "unknown"
+                finally:
+                    self._in_flight -= 1
+                    self.wake()  # a slot is free: claim more without waiting for a poll
                 span.set_attribute("effect.outcome", status)
         self.outcomes[status] = self.outcomes.get(status, 0) + 1
 

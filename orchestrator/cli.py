@@ -547,6 +547,20 @@ def effects_serve(ctx: click.Context, listen: str, tokens: str | None, max_body_
 )
 @click.option("--lease-seconds", type=click.FloatRange(1), default=60.0, show_default=True)
 @click.option("--poll-seconds", type=click.FloatRange(0.05), default=1.0, show_default=True)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 1000),
+    default=20,
+    show_default=True,
+    help="Vendor calls in flight at once.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 1000),
+    default=20,
+    show_default=True,
+    help="Effects claimed per statement.",
+)
 @click.option("--dispatcher-id", help="Default: dispatch:host:pid:random.")
 @click.option("--log-json/--log-console", default=None)
 @click.pass_context
@@ -555,6 +569,8 @@ def effects_dispatch(
     effects_config: str,
     lease_seconds: float,
     poll_seconds: float,
+    concurrency: int,
+    batch: int,
     dispatcher_id: str | None,
     log_json: bool | None,
 ) -> None:
@@ -569,13 +585,17 @@ def effects_dispatch(
         adapters = load_adapters(effects_config)
         if not adapters:
             raise InvalidInput(f"{effects_config} configures no effect kinds")
-        async with open_store(settings, application_name="orchestrator-dispatch") as store:
+        async with open_store(
+            settings, application_name="orchestrator-dispatch", max_size=concurrency + 3
+        ) as store:
             dispatcher = Dispatcher(
                 store.pool,
                 adapters,
                 dispatcher_id=dispatcher_id,
                 lease_seconds=lease_seconds,
                 poll_seconds=poll_seconds,
+                concurrency=concurrency,
+                batch=batch,
             )
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with anyio.create_task_group() as group:
