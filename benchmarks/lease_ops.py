@@ -93,14 +93,20 @@ WITH expired AS (
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), due AS (
-    SELECT run_id, NULL::text AS previous_owner, NULL::timestamptz AS previous_lease_until,
+    SELECT d.run_id, NULL::text AS previous_owner, NULL::timestamptz AS previous_lease_until,
            false AS exhausted
-    FROM runs
-    WHERE state IN ('queued', 'waiting') AND agent = ANY($2::text[])
-      AND available_at <= clock_timestamp()
-    ORDER BY available_at
+    FROM unnest($2::text[]) AS a(agent)
+    CROSS JOIN LATERAL (
+        SELECT run_id, available_at
+        FROM runs
+        WHERE state IN ('queued', 'waiting') AND agent = a.agent
+          AND available_at <= clock_timestamp()
+        ORDER BY available_at
+        LIMIT $3
+        FOR UPDATE SKIP LOCKED
+    ) AS d
+    ORDER BY d.available_at
     LIMIT $3
-    FOR UPDATE SKIP LOCKED
 ), picked AS (
     SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS candidates LIMIT $3
 ), claimed AS (
