@@ -52,12 +52,13 @@ class LeaseHandle:
         return self.lost_reason is not None
 
     def confirm(self, sent_at: float, lease_until: datetime, lease_seconds: float) -> None:
+        # No wake-up: a confirmation only moves the deadline later, and ``watch`` re-reads it
+        # when the old one arrives. Waking 10,000 watchers per heartbeat would cost a core.
         if self.lost or sent_at <= self.confirmed_sent_at:
             return
         self.confirmed_sent_at = sent_at
         self.lease_seconds = lease_seconds
         self.lease_until = lease_until
-        self._notify()
 
     def lose(self, reason: str) -> None:
         if self.lost_reason is None:
@@ -70,7 +71,11 @@ class LeaseHandle:
 
 
 async def watch(handle: LeaseHandle, scope: anyio.CancelScope) -> None:
-    """Cancel ``scope`` when ownership is lost or can no longer be proven in time."""
+    """Cancel ``scope`` when ownership is lost or can no longer be proven in time.
+
+    Woken at once by a loss; otherwise it sleeps until the deadline it knows of, and since
+    confirmations only ever move the deadline later, it re-reads the deadline then.
+    """
     while not handle.lost:
         remaining = handle.deadline - anyio.current_time()
         if remaining <= 0:
