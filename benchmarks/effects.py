@@ -66,27 +66,22 @@ Run from the repository root: ``.venv/bin/python benchmarks/effects.py``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import anyio
 import asyncpg
 import httpx
+from serve_harness import postgres_server, run_benchmark
 
 from orchestrator import supervisor as supervisor_module
 from orchestrator.database import connect, create_pool
@@ -108,7 +103,6 @@ from orchestrator.effects.model import (
     idempotency_key,
 )
 from orchestrator.effects.store import ClaimedEffect, EffectStore
-from orchestrator.embedded import EmbeddedPostgres
 from orchestrator.migrations import migrate
 from orchestrator.models import RunEvent, RunState
 from orchestrator.settings import Settings
@@ -847,11 +841,6 @@ async def clock_offset_ms(admin: asyncpg.Connection) -> float:
 
 
 async def benchmark(server_dsn: str, args: Config, embedded: bool) -> dict[str, Any]:
-    # SIGTERM cancels the benchmark at its next await, as Ctrl-C does, so that every `finally`
-    # (pools, workers, scratch database, embedded server) runs.
-    task = asyncio.current_task()
-    if task is not None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     database = f"orchestrator_bench_effects_{os.getpid()}"
     dsn = with_database(server_dsn, database)
     root = await connect(Settings(database_url=server_dsn), application_name="bench-admin")
@@ -1114,45 +1103,12 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     return config
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(json_logs=True, level="warning")
-    # Outside the event loop (server start and stop) SIGTERM exits through the `finally` below;
-    # inside it, `benchmark` turns SIGTERM into cancellation.
-    signal.signal(signal.SIGTERM, _terminate)
-    home: Path | None = None
-    server: EmbeddedPostgres | None = None
-    try:
-        if args.dsn:
-            server_dsn = args.dsn
-        else:
-            home = Path(tempfile.mkdtemp(prefix="orchestrator-bench-"))
-            log(f"starting embedded PostgreSQL in {home} (default settings: durable commits)")
-            server = EmbeddedPostgres(home)
-            server_dsn = server.ensure_running().dsn()
-        try:
-            report = asyncio.run(benchmark(server_dsn, args, embedded=server is not None))
-        except asyncio.CancelledError:
-            log("terminated")
-            raise SystemExit(128 + signal.SIGTERM) from None
-        except KeyboardInterrupt:
-            log("interrupted")
-            raise SystemExit(128 + signal.SIGINT) from None
-        finally:
-            signal.signal(signal.SIGTERM, _terminate)  # the event loop reset it on closing
-    finally:
-        if server is not None:
-            log("stopping embedded PostgreSQL")
-            try:
-                server.stop(mode="fast")
-            except Exception as error:  # cleanup must go on to remove the directory
-                log(f"WARNING: stopping the embedded server failed: {error}")
-        if home is not None:
-            shutil.rmtree(home, ignore_errors=True)
+    # SIGTERM and Ctrl-C unwind through every `finally` (pools, workers, database, server).
+    with postgres_server(args.dsn, prefix="orchestrator-bench-") as server:
+        report = run_benchmark(lambda: benchmark(server.dsn, args, embedded=server.embedded))
     print(json.dumps(report, indent=2, default=str) if args.json else format_table(report))
     log(f"done in {report['elapsed_seconds']:.0f}s")
     return 0
