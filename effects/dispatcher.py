@@ -25,7 +25,7 @@ import structlog
 from orchestrator.backoff import Backoff
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.errors import InvalidInput
-from orchestrator.telemetry import RUN_FENCE, RUN_ID, tracer
+from orchestrator.telemetry import RUN_FENCE, RUN_ID, start_span
 
 from .adapters import (
     Adapter,
@@ -176,7 +176,7 @@ class Dispatcher:
         effect = claimed.record
         adapter = self.adapters[effect.kind]
         async with self._limiter:
-            with tracer().start_as_current_span(
+            with start_span(
                 f"dispatch {effect.kind}",
                 attributes={
                     RUN_ID: effect.run_id,

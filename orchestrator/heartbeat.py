@@ -20,7 +20,7 @@ import structlog
 from orchestrator.deadlines import DATABASE_ERRORS, DedicatedConnection
 from orchestrator.models import ClaimedRun, Lease
 from orchestrator.store import RunStore
-from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, tracer
+from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, start_span
 
 log = structlog.get_logger("orchestrator.heartbeat")
 
@@ -145,7 +145,7 @@ class LeaseKeeper:
         except DATABASE_ERRORS as error:
             self.failures += 1
             self.metrics.renewal_failures.add(1, {WORKER_ID: self.worker_id})
-            with tracer().start_as_current_span(
+            with start_span(
                 "renew_failed", attributes={WORKER_ID: self.worker_id, "leases": len(handles)}
             ):
                 log.warning(

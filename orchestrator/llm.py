@@ -17,7 +17,7 @@ from functools import cache
 import openai
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.telemetry import tracer
+from orchestrator.telemetry import start_span
 
 DEFAULT_MODEL = "gpt-4o-mini"
 
@@ -56,7 +56,7 @@ def model_client(environ: Mapping[str, str] | None = None) -> tuple[openai.Async
 async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) -> Completion:
     """One chat completion. Cancellable: a lost lease cancels the HTTP request in flight."""
     client, model = model_client()
-    with tracer().start_as_current_span(
+    with start_span(
         f"chat {model}",
         attributes={
             "gen_ai.operation.name": "chat",

@@ -42,7 +42,7 @@ from orchestrator.telemetry import (
     RUN_ID,
     WORKER_ID,
     Metrics,
-    tracer,
+    start_span,
 )
 
 T = TypeVar("T")
@@ -117,9 +117,7 @@ class RunScope:
             **self.ids,
             LEASE_UNTIL: self.claimed.lease_until.isoformat(),
         }
-        with tracer().start_as_current_span(
-            f"run {self.claimed.agent}", attributes=attributes
-        ) as span:
+        with start_span(f"run {self.claimed.agent}", attributes=attributes) as span:
             try:
                 with self.cancel_scope:
                     async with anyio.create_task_group() as group:
@@ -185,7 +183,7 @@ class RunScope:
                 effects=self.effects,
             )
             started = anyio.current_time()
-            with tracer().start_as_current_span(
+            with start_span(
                 f"step {agent.name}.{context.step}",
                 attributes={**self.ids, CHECKPOINT_VERSION: version, "step.name": context.step},
             ) as span:
@@ -325,9 +323,7 @@ class RunScope:
     async def _record_lost(self) -> str:
         reason = self.handle.lost_reason or "unknown"
         self.metrics.lost_leases.add(1, {WORKER_ID: self.config.worker_id})
-        with tracer().start_as_current_span(
-            "lease_lost", attributes={**self.ids, "reason": reason}
-        ):
+        with start_span("lease_lost", attributes={**self.ids, "reason": reason}):
             self.log.warning("lease lost", reason=reason)
             await self._db(
                 lambda db: self.store.record_event(

@@ -43,7 +43,7 @@ from orchestrator.runner import RunnerConfig, RunScope
 from orchestrator.settings import Settings
 from orchestrator.steps import AgentRegistry
 from orchestrator.store import RunStore, WorkerRegistry
-from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, tracer
+from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, start_span
 
 log = structlog.get_logger("orchestrator.supervisor")
 
@@ -243,9 +243,7 @@ class Supervisor:
 
     async def _claim(self, limit: int) -> list[tuple[ClaimedRun, RunScope]]:
         sent_at = anyio.current_time()
-        with tracer().start_as_current_span(
-            "claim", attributes={WORKER_ID: self.worker_id}
-        ) as span:
+        with start_span("claim", attributes={WORKER_ID: self.worker_id}) as span:
             async with pooled(self.store.pool, within=self.runner_config.statement_seconds) as db:
                 batch = await self.store.claim(
                     self.worker_id,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import structlog
@@ -38,6 +39,20 @@ def tracer() -> trace.Tracer:
 
 
 _TRACER: trace.Tracer | None = None
+
+
+def start_span(
+    name: str, *, attributes: Mapping[str, Any] | None = None
+) -> AbstractContextManager[trace.Span]:
+    """``tracer().start_as_current_span``, or nothing at all while no provider is installed.
+
+    With only the API present every span is a no-op, yet creating and entering one per run and
+    per step cost 13-17% of a saturated worker; a non-recording span costs nothing. Checked on
+    every call, so a provider installed later (``serve``, ``capture_spans``) takes effect.
+    """
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return nullcontext(trace.INVALID_SPAN)
+    return tracer().start_as_current_span(name, attributes=attributes)
 
 
 class Metrics:
