@@ -81,7 +81,7 @@ from typing import Any
 import anyio
 import asyncpg
 import httpx
-from serve_harness import postgres_server, run_benchmark
+from serve_harness import elapsed, log, postgres_server, run_benchmark
 
 from orchestrator import supervisor as supervisor_module
 from orchestrator.database import connect, create_pool
@@ -135,14 +135,9 @@ SERVER_SETTINGS_SHOWN = (
     "shared_buffers",
 )
 
-_STARTED = time.perf_counter()
 LOAD_AT_START = list(os.getloadavg())
 """1, 5 and 15-minute load averages when the benchmark started: other work on the machine
 shows in every figure here, the latencies most."""
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - _STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 # -- adapters -------------------------------------------------------------------------------------
@@ -928,7 +923,7 @@ def build_report(
         "http_client_costs_ms": costs,
         "dispatch": dispatch_rows,
         "latency": latency_rows,
-        "elapsed_seconds": time.perf_counter() - _STARTED,
+        "elapsed_seconds": elapsed(),
     }
 
 

@@ -58,7 +58,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from serve_harness import postgres_server, run_benchmark
+from serve_harness import elapsed, log, postgres_server, run_benchmark
 
 from orchestrator.database import connect, create_pool
 from orchestrator.migrations import migrate
@@ -231,12 +231,6 @@ PHASE_LABELS = {
 
 EXTRA_BASELINES = {"baseline_txn": "vs baseline in BEGIN/COMMIT"}
 """Further baselines, reported for attribution only (not part of the target)."""
-
-_STARTED = time.perf_counter()
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - _STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def normalise_sql(text: str) -> str:
@@ -644,7 +638,7 @@ async def run_case(ctx: Context, case: Case) -> None:
     rounds = case.rounds
     for round_index in range(rounds + 1):
         warm_up = round_index == 0
-        over_budget = time.perf_counter() - _STARTED > ctx.args.budget
+        over_budget = elapsed() > ctx.args.budget
         if round_index > MIN_ROUNDS and over_budget:
             log(f"{case.name}: time budget of {ctx.args.budget:.0f}s spent, stopping rounds")
             break
@@ -862,7 +856,7 @@ def build_report(
         "target_met": all(row["meets_target"] for row in targeted),
         "results": rows,
         "table_updates": phases,
-        "elapsed_seconds": time.perf_counter() - _STARTED,
+        "elapsed_seconds": elapsed(),
     }
 
 
