@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import structlog
-
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import JSON
@@ -221,7 +219,3 @@ class AgentRegistry:
             for agent in found:
                 registry.add(agent)
         return registry
-
-
-def bound_logger(**ids: Any) -> Any:
-    return structlog.get_logger("orchestrator").bind(**ids)

@@ -21,7 +21,6 @@ import contextlib
 import os
 import secrets
 import socket
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -394,13 +393,3 @@ class Supervisor:
             "taken_over": self.counters.taken_over,
             "renewal_failures": self.keeper.failures if hasattr(self, "keeper") else 0,
         }
-
-
-async def serve(settings: Settings, config: WorkerConfig) -> Supervisor:
-    supervisor = Supervisor(settings, config)
-    await supervisor.run()
-    return supervisor
-
-
-def load_agents(modules: Sequence[str]) -> AgentRegistry:
-    return AgentRegistry.from_modules(modules)
