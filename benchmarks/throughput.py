@@ -684,8 +684,9 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
             measurements.append(await measure(bench, orchestrator, setting, "grid"))
         for setting in pgqueuer_grid(config.grid):
             measurements.append(await measure(bench, pgqueuer, setting, "grid"))
-        pro_setting = Setting(config.procrastinate_concurrency, None)
-        measurements.append(await measure(bench, procrastinate, pro_setting, "grid"))
+        if config.procrastinate_concurrency > 0:
+            pro_setting = Setting(config.procrastinate_concurrency, None)
+            measurements.append(await measure(bench, procrastinate, pro_setting, "grid"))
         best_orchestrator = best_setting(measurements, "orchestrator")
         best_pgqueuer = best_setting(measurements, "pgqueuer")
         log(
@@ -838,7 +839,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['config']['rounds']} rounds)",
         f"PgQueuer: {summary['pgqueuer_jobs_per_s']:,.0f} jobs/s (median of "
         f"{report['config']['rounds']} rounds)",
-        f"Procrastinate: {summary['procrastinate_jobs_per_s']:,.0f} jobs/s (one measurement)",
+        (
+            f"Procrastinate: {summary['procrastinate_jobs_per_s']:,.0f} jobs/s (one measurement)"
+            if best["procrastinate"]["concurrency"]
+            else "Procrastinate: left out (--procrastinate-concurrency 0)"
+        ),
         f"orchestrator/PgQueuer: {summary['orchestrator_vs_pgqueuer']:.2f} (median of per-round "
         "ratios: "
         + ", ".join(f"{r:.2f}" for r in summary["orchestrator_vs_pgqueuer_rounds"])
@@ -910,7 +915,12 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         default=(Setting(100, 50), Setting(100, 200), Setting(500, 50), Setting(500, 200)),
         help="comma-separated CONCURRENCYxBATCH settings for orchestrator and PgQueuer",
     )
-    parser.add_argument("--procrastinate-concurrency", type=int, default=100)
+    parser.add_argument(
+        "--procrastinate-concurrency",
+        type=int,
+        default=100,
+        help="Procrastinate's worker concurrency; 0 leaves Procrastinate out (a quicker run)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the best settings")
     parser.add_argument(
         "--max-seconds", type=float, default=90.0, help="time bound of one measurement"
@@ -923,6 +933,8 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         "--profile-jobs", type=int, default=30_000, help="runs in the profiled measurement"
     )
     config = Config(**vars(parser.parse_args(argv)))
+    if config.procrastinate_concurrency < 0:
+        parser.error("--procrastinate-concurrency must be 0 (leave it out) or more")
     if config.jobs < 100 or config.rounds < 1 or config.max_seconds <= 0 or not config.grid:
         parser.error("--jobs must be at least 100, --rounds at least 1, --grid not empty")
     return config

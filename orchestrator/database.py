@@ -11,6 +11,7 @@ import asyncpg
 
 from orchestrator.embedded import EmbeddedPostgres
 from orchestrator.errors import DatabaseUnavailable
+from orchestrator.jsontext import compact
 from orchestrator.settings import Settings
 
 Pool = asyncpg.Pool
@@ -41,7 +42,7 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
     # jsonb in and out as Python values; compact separators keep stored payloads small.
     await connection.set_type_codec(
         "jsonb",
-        encoder=lambda value: json.dumps(value, separators=(",", ":")),
+        encoder=compact,
         decoder=json.loads,
         schema="pg_catalog",
     )

@@ -9,7 +9,8 @@ lets a stale run's write through, and a refused run does not affect the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -33,12 +34,11 @@ class CommitOutcomeUnknown(Exception):
     """The batch's transaction failed or timed out: it may or may not have committed."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Pending:
     request: StepCommit | RunFinish
-    done: anyio.Event = field(default_factory=anyio.Event)
-    result: CommitResult | bool | None = None
-    error: BaseException | None = None
+    done: asyncio.Future[CommitResult | bool | None]
+    """A bare future, not an anyio Event: one per commit, and an Event costs 8x as much."""
 
 
 class GroupCommitter:
@@ -61,13 +61,12 @@ class GroupCommitter:
         return bool(await self._submit(finish))
 
     async def _submit(self, request: StepCommit | RunFinish) -> CommitResult | bool | None:
-        pending = _Pending(request)
+        pending = _Pending(request, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
         self._ready.set()
-        await pending.done.wait()
-        if pending.error is not None:
-            raise CommitOutcomeUnknown(str(pending.error) or type(pending.error).__name__)
-        return pending.result
+        # If the run's scope is cancelled while waiting, the future is cancelled with it; the
+        # batch still commits or refuses the request, and the fenced-safe cleanup follows.
+        return await pending.done
 
     async def run(self) -> None:
         """Write batches for as long as the worker runs."""
@@ -127,15 +126,17 @@ class GroupCommitter:
                             db=db,
                         )
         except _UNKNOWN_OUTCOME as error:
+            reason = str(error) or type(error).__name__
             for pending in batch:
-                pending.error = error
-                pending.done.set()
+                if not pending.done.done():
+                    pending.done.set_exception(CommitOutcomeUnknown(reason))
             return
         self.batches += 1
         for pending in batch:
+            if pending.done.done():
+                continue  # its run's scope was cancelled meanwhile
             run_id = pending.request.lease.run_id
             if isinstance(pending.request, StepCommit):
-                pending.result = committed.get(run_id)
+                pending.done.set_result(committed.get(run_id))
             else:
-                pending.result = run_id in finished
-            pending.done.set()
+                pending.done.set_result(run_id in finished)

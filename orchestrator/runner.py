@@ -1,26 +1,30 @@
-"""One claimed run's scope: a heartbeat watch paired with the step task.
+"""One claimed run's scope: the step task, guarded by the run's heartbeat.
 
-The scope holds two tasks. ``watch`` cancels the scope the moment ownership is lost or can no
-longer be proven; the step task then stops wherever it is awaiting (a model or tool call in
-flight is cancelled) and nothing more is committed. Every commit is fenced in the database as
-well, so even a step that ignored cancellation could not commit after losing its lease.
+The scope is the run's own task: its steps, then a bounded, shielded cleanup. The run's
+``LeaseHandle`` (see ``heartbeat``) cancels the steps the moment ownership is lost or can no
+longer be proven: a refused renewal, a cancel, a refused commit, or the local deadline passing
+without a confirmed renewal. The step then stops wherever it is awaiting (a model or tool call
+in flight is cancelled) and nothing more is committed. Every commit is fenced in the database
+as well, so even a step that ignored cancellation could not commit after losing its lease.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
-import structlog
 from opentelemetry.trace import Status, StatusCode
 
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.effects.model import Effect
 from orchestrator.group_commit import CommitOutcomeUnknown, GroupCommitter
-from orchestrator.heartbeat import LeaseHandle, LeaseKeeper, watch
+from orchestrator.heartbeat import LeaseHandle, LeaseKeeper
 from orchestrator.models import JSON, ClaimedRun, RunState
 from orchestrator.steps import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
@@ -31,6 +35,7 @@ from orchestrator.steps import (
     Next,
     Outcome,
     StepContext,
+    encode_json,
     validate_json,
 )
 from orchestrator.store import RunFinish, RunStore, StepCommit
@@ -42,6 +47,7 @@ from orchestrator.telemetry import (
     RUN_ID,
     WORKER_ID,
     Metrics,
+    RunLogger,
     start_span,
 )
 
@@ -68,6 +74,14 @@ class RunnerConfig:
     statement_seconds: float
     cleanup_seconds: float = 5.0
     max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A step outcome's JSON as validated: sent to the database as it is."""
+
+    result: str | None = None
+    checkpoint: str | None = None
 
 
 class RunScope:
@@ -97,33 +111,50 @@ class RunScope:
         self.config = config
         self.metrics = metrics
         self.draining = draining
-        self.cancel_scope = anyio.CancelScope()
         self.shutdown_requested = False
+        self._task: asyncio.Task[Any] | None = None
+        self._in_steps = False
+        self._cancel_requested = False
         self.ids: dict[str, str | int] = {
             RUN_ID: claimed.run_id,
             RUN_FENCE: claimed.fence,
             WORKER_ID: config.worker_id,
         }
-        self.log = structlog.get_logger("orchestrator.run").bind(**self.ids, agent=claimed.agent)
+        self.log = RunLogger("orchestrator.run", {**self.ids, "agent": claimed.agent})
 
     def stop_now(self) -> None:
         """Shutdown grace is over: cancel the step and give the lease back."""
         self.shutdown_requested = True
-        self.cancel_scope.cancel()
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel the run's steps wherever they are awaiting; called by the lease handle.
+
+        The scope is the run's own task, cancelled natively: an anyio cancel scope per run cost
+        about 10% of a saturated worker. Only the steps are cancelled (never the cleanup that
+        follows them), at most once, and ``execute`` takes back exactly its own cancellation,
+        so a cancellation of the whole worker still propagates.
+        """
+        if self._in_steps and not self._cancel_requested and self._task is not None:
+            self._cancel_requested = True
+            self._task.cancel("the run's scope was cancelled")
 
     async def execute(self) -> str:
         disposition = LOST
-        attributes: dict[str, str | int] = {
-            **self.ids,
-            LEASE_UNTIL: self.claimed.lease_until.isoformat(),
-        }
-        with start_span(f"run {self.claimed.agent}", attributes=attributes) as span:
+        self._task = asyncio.current_task()
+        with start_span(f"run {self.claimed.agent}", attributes=self._run_attributes) as span:
             try:
-                with self.cancel_scope:
-                    async with anyio.create_task_group() as group:
-                        group.start_soon(watch, self.handle, group.cancel_scope)
-                        disposition = await self._steps()
-                        group.cancel_scope.cancel()
+                self.handle.guard(self.cancel)
+                self._in_steps = True
+                try:
+                    disposition = await self._steps()
+                except asyncio.CancelledError:
+                    if not self._cancel_requested or self._cancelling() > 1:
+                        raise  # not (only) ours: the worker itself is being cancelled
+                finally:
+                    self._in_steps = False
+                    if self._cancel_requested and self._task is not None:
+                        self._task.uncancel()
             finally:
                 self.keeper.untrack(self.handle)
                 if self.shutdown_requested and not self.handle.lost and disposition == LOST:
@@ -136,6 +167,15 @@ class RunScope:
                 span.set_status(Status(StatusCode.ERROR, self.handle.lost_reason or "lost"))
         self.metrics.runs_finished.add(1, {DISPOSITION: disposition})
         return disposition
+
+    def _cancelling(self) -> int:
+        return self._task.cancelling() if self._task is not None else 0
+
+    def _step_attributes(self, version: int, step: str) -> dict[str, str | int]:
+        return {**self.ids, CHECKPOINT_VERSION: version, "step.name": step}
+
+    def _run_attributes(self) -> dict[str, str | int]:
+        return {**self.ids, LEASE_UNTIL: self.claimed.lease_until.isoformat()}
 
     # -- steps --------------------------------------------------------------------------------
     async def _db(self, function: Callable[[Any], Awaitable[T]]) -> T:
@@ -182,23 +222,26 @@ class RunScope:
                 log=self.log.bind(step=step_class.step_name()),
                 effects=self.effects,
             )
-            started = anyio.current_time()
+            started = time.monotonic()
             with start_span(
                 f"step {agent.name}.{context.step}",
-                attributes={**self.ids, CHECKPOINT_VERSION: version, "step.name": context.step},
+                attributes=functools.partial(self._step_attributes, version, context.step),
             ) as span:
                 try:
                     outcome = await step_class().run(context)
-                    self._validate(outcome, agent_steps=agent.steps)
+                    encoded = self._validate(outcome, agent_steps=agent.steps)
                 except Exception as error:
                     span.record_exception(error)
                     span.set_status(Status(StatusCode.ERROR, type(error).__name__))
                     self.metrics.steps.add(1, {"outcome": "error"})
                     return await self._fail_attempt(error)
                 self.metrics.steps.add(1, {"outcome": type(outcome).__name__.lower()})
+                if self.handle.lost:
+                    # Lost while the step ran (it ignored the cancellation): commit nothing.
+                    return LOST
                 if isinstance(outcome, Next):
-                    committed = await self._commit_next(outcome, version)
-                    self.metrics.step_seconds.record(anyio.current_time() - started)
+                    committed = await self._commit_next(outcome, version, encoded)
+                    self.metrics.step_seconds.record(time.monotonic() - started)
                     if committed is None:
                         return self._lost("commit refused: not the owner any more")
                     span.set_attribute(CHECKPOINT_VERSION, committed)
@@ -208,11 +251,11 @@ class RunScope:
                         outcome.step_name,
                     )
                     continue
-                final = await self._finish(outcome, version)
-                self.metrics.step_seconds.record(anyio.current_time() - started)
+                final = await self._finish(outcome, version, encoded)
+                self.metrics.step_seconds.record(time.monotonic() - started)
                 return final
 
-    async def _commit_next(self, outcome: Next, version: int) -> int | None:
+    async def _commit_next(self, outcome: Next, version: int, encoded: Encoded) -> int | None:
         """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
         commit = StepCommit(
             self.claimed.lease,
@@ -220,6 +263,7 @@ class RunScope:
             outcome.step_name,
             outcome.checkpoint,
             effects=tuple(outcome.effects),
+            checkpoint_text=encoded.checkpoint,
         )
         try:
             committed = await self.committer.commit_step(commit)
@@ -228,7 +272,7 @@ class RunScope:
             return None
         return None if committed is None else committed.checkpoint_version
 
-    async def _finish(self, outcome: Finish | Fail, version: int) -> str:
+    async def _finish(self, outcome: Finish | Fail, version: int, encoded: Encoded) -> str:
         self.handle.finishing = True
         lease = self.claimed.lease
         if isinstance(outcome, Finish):
@@ -240,6 +284,8 @@ class RunScope:
                 None,
                 outcome.checkpoint,
                 effects=tuple(outcome.effects),
+                result_text=encoded.result,
+                checkpoint_text=encoded.checkpoint,
             )
         else:
             failure: dict[str, JSON] = {"type": "Fail", "message": outcome.message}
@@ -256,29 +302,36 @@ class RunScope:
         self.log.debug("run finished", disposition=final)
         return final
 
-    def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> None:
+    def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> Encoded:
+        """Check the step's outcome; returns its JSON, encoded once here for the commit."""
         if not isinstance(outcome, Next | Finish | Fail):
             raise TypeError(
                 f"a step must return Next, Finish or Fail, not {type(outcome).__name__}"
             )
         limit = self.config.max_checkpoint_bytes
-        if not isinstance(outcome, Fail):
-            for effect in outcome.effects:
-                if not isinstance(effect, Effect):
-                    raise TypeError(f"effects must be Effect objects, not {type(effect).__name__}")
-                validate_json(effect.payload, what=f"effect {effect.key} payload", max_bytes=limit)
+
+        def encoded(value: JSON, what: str) -> str | None:
+            # None stays SQL NULL (for a final checkpoint: keep the last one), as before.
+            return None if value is None else encode_json(value, what=what, max_bytes=limit)
+
+        if isinstance(outcome, Fail):
+            encoded(outcome.details, "failure details")
+            return Encoded()
+        for effect in outcome.effects:
+            if not isinstance(effect, Effect):
+                raise TypeError(f"effects must be Effect objects, not {type(effect).__name__}")
+            validate_json(effect.payload, what=f"effect {effect.key} payload", max_bytes=limit)
         if isinstance(outcome, Next):
             if outcome.step_name not in agent_steps:
                 raise LookupError(
                     f"Next names step {outcome.step_name!r}, which agent "
                     f"{self.claimed.agent} does not have"
                 )
-            validate_json(outcome.checkpoint, what="checkpoint", max_bytes=limit)
-        elif isinstance(outcome, Finish):
-            validate_json(outcome.result, what="result", max_bytes=limit)
-            validate_json(outcome.checkpoint, what="checkpoint", max_bytes=limit)
-        else:
-            validate_json(outcome.details, what="failure details", max_bytes=limit)
+            return Encoded(checkpoint=encoded(outcome.checkpoint, "checkpoint"))
+        return Encoded(
+            result=encoded(outcome.result, "result"),
+            checkpoint=encoded(outcome.checkpoint, "checkpoint"),
+        )
 
     async def _fail_attempt(self, error: BaseException) -> str:
         self.handle.finishing = True

@@ -17,7 +17,6 @@ never repeat. Raise an exception for a failure worth retrying; return ``Fail`` f
 from __future__ import annotations
 
 import importlib
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
+from orchestrator.jsontext import compact, utf8_size
 from orchestrator.models import JSON
 
 if TYPE_CHECKING:
@@ -124,14 +124,24 @@ class UnknownAgent(OrchestratorError):
     """No loaded module defines an agent of that name."""
 
 
-def validate_json(value: JSON, *, what: str, max_bytes: int) -> None:
-    """A checkpoint or result must be JSON and reasonably small: it lives in a database row."""
+def encode_json(value: JSON, *, what: str, max_bytes: int) -> str:
+    """A checkpoint or result must be JSON and reasonably small: it lives in a database row.
+
+    Returns the compact JSON text, which the commit then sends as it is (encoded once).
+    """
     try:
-        size = len(json.dumps(value, separators=(",", ":"), allow_nan=False).encode())
+        text = compact(value)
     except (TypeError, ValueError) as error:
         raise InvalidInput(f"{what} is not JSON-serialisable: {error}") from None
+    size = utf8_size(text)
     if size > max_bytes:
         raise InvalidInput(f"{what} is {size:,} bytes, over the {max_bytes:,}-byte limit")
+    return text
+
+
+def validate_json(value: JSON, *, what: str, max_bytes: int) -> None:
+    """``encode_json`` for callers that only need the check."""
+    encode_json(value, what=what, max_bytes=max_bytes)
 
 
 class Agent:

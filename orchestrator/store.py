@@ -8,7 +8,6 @@ treats that as lost ownership.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from orchestrator.errors import (
     RunNotFound,
 )
 from orchestrator.ids import new_run_id, validate_agent_name, validate_run_id
+from orchestrator.jsontext import compact, utf8_size
 from orchestrator.models import (
     JSON,
     ClaimBatch,
@@ -77,6 +77,8 @@ class StepCommit:
     events: Sequence[StepEvent] = ()
     effects: Sequence[Effect] = ()
     """Recorded at the effect boundary in the same transaction (by the group committer)."""
+    checkpoint_text: str | None = None
+    """``checkpoint`` already encoded as compact JSON (the runtime validates by encoding)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,9 @@ class RunFinish:
     error: JSON = None
     checkpoint: JSON = None
     effects: Sequence[Effect] = ()
+    result_text: str | None = None
+    """``result`` already encoded as compact JSON, if the caller has it (see StepCommit)."""
+    checkpoint_text: str | None = None
 
 
 def _checkpoint_events(commit: StepCommit) -> list[dict[str, JSON]]:
@@ -122,7 +127,7 @@ def encode_input(value: JSON, *, max_bytes: int) -> JSON:
             f"not a {type(value).__name__}"
         )
     try:
-        size = len(json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+        size = utf8_size(compact(value))
     except (TypeError, ValueError) as error:
         raise InvalidInput(f"input is not JSON-serialisable: {error}") from None
     if size > max_bytes:
@@ -140,9 +145,11 @@ def _final_state(finish: RunFinish) -> None:
         raise ValueError(f"a run is finished as succeeded or failed, not {finish.state.value}")
 
 
-def _json_text(value: JSON) -> str | None:
-    """JSON for a text[] batch parameter; Python ``None`` stays SQL NULL."""
-    return None if value is None else json.dumps(value, separators=(",", ":"))
+def _json_text(value: JSON, encoded: str | None = None) -> str | None:
+    """JSON for a text[] batch parameter (``encoded`` if given); ``None`` stays SQL NULL."""
+    if encoded is not None:
+        return encoded
+    return None if value is None else compact(value)
 
 
 def _same_worker(worker_id: str, leases: Sequence[Lease]) -> None:
@@ -435,7 +442,7 @@ class RunStore:
             [c.lease.fence for c in commits],
             [c.expected_version for c in commits],
             [c.next_step for c in commits],
-            [_json_text(c.checkpoint) for c in commits],
+            [_json_text(c.checkpoint, c.checkpoint_text) for c in commits],
             [_json_text(_checkpoint_events(c)) for c in commits],
         )
         return {
@@ -456,9 +463,9 @@ class RunStore:
             [f.lease.fence for f in finishes],
             [f.expected_version for f in finishes],
             [f.state.value for f in finishes],
-            [_json_text(f.result) for f in finishes],
+            [_json_text(f.result, f.result_text) for f in finishes],
             [_json_text(f.error) for f in finishes],
-            [_json_text(f.checkpoint) for f in finishes],
+            [_json_text(f.checkpoint, f.checkpoint_text) for f in finishes],
             [_json_text(_finish_events(f)) for f in finishes],
         )
         return {record["run_id"] for record in records}

@@ -2,8 +2,9 @@
 
 Tasks in the supervisor's group: the claim loop, the lease keeper (batched renewals), the
 reaper (dead-session takeover), the listener (LISTEN/NOTIFY wake-ups and cancels), a status
-line, and one ``RunScope`` per claimed run. Nothing in this process's memory is authoritative:
-every decision that matters is a fenced statement in PostgreSQL.
+line, and the host of the run tasks (``RunTasks``): one task per claimed run, each executing
+that run's ``RunScope``, all ended before the group ends. Nothing in this process's memory is
+authoritative: every decision that matters is a fenced statement in PostgreSQL.
 
 Dead-session takeover, and why it is safe: each worker holds a session-level advisory lock on a
 dedicated connection for its whole life. When the process dies its socket closes and PostgreSQL
@@ -38,6 +39,7 @@ from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffe
 from orchestrator.group_commit import GroupCommitter
 from orchestrator.heartbeat import LeaseKeeper
 from orchestrator.models import ClaimedRun
+from orchestrator.run_tasks import RunTasks
 from orchestrator.runner import RunnerConfig, RunScope
 from orchestrator.settings import Settings
 from orchestrator.steps import AgentRegistry
@@ -109,6 +111,7 @@ class Supervisor:
         self.worker_id = config.worker_id
         self.counters = Counters()
         self.active: dict[str, RunScope] = {}
+        self.run_tasks = RunTasks()
         self.draining = False
         self._stop = anyio.Event()
         self._wake = anyio.Event()
@@ -181,10 +184,11 @@ class Supervisor:
                 group.start_soon(self.dispatcher.run)
                 group.start_soon(self._listen, dsn)
                 group.start_soon(self._status)
+                group.start_soon(self.run_tasks.host)
                 if self.config.dead_session_takeover:
                     group.start_soon(self._reap)
                 self.ready.set()
-                await self._claim_loop(group)
+                await self._claim_loop()
                 await self._drain()
                 group.cancel_scope.cancel()
         finally:
@@ -209,7 +213,7 @@ class Supervisor:
         return connection
 
     # -- claiming -----------------------------------------------------------------------------
-    async def _claim_loop(self, group: anyio.abc.TaskGroup) -> None:
+    async def _claim_loop(self) -> None:
         failures = 0
         full_batch = min(self.config.concurrency, self.config.claim_batch)
         while not self.draining:
@@ -234,7 +238,7 @@ class Supervisor:
                     await anyio.sleep(min(self.config.poll_seconds * failures, 5.0))
                     continue
             for run, scope in claimed:
-                group.start_soon(self._execute, run, scope)
+                self.run_tasks.start(self._execute(run, scope))
             if claimed and len(claimed) == min(capacity, self.config.claim_batch):
                 continue  # there may be more due runs: claim again before sleeping
             with anyio.move_on_after(self.config.poll_seconds):
@@ -392,4 +396,5 @@ class Supervisor:
             "finished": dict(self.counters.finished),
             "taken_over": self.counters.taken_over,
             "renewal_failures": self.keeper.failures if hasattr(self, "keeper") else 0,
+            "commit_batches": self.committer.batches if hasattr(self, "committer") else 0,
         }

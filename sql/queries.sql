@@ -1,6 +1,17 @@
 -- Named queries used by orchestrator.store. Each block: a "-- name --" header, comment lines that
 -- say what it does, then one statement. Lease checks use clock_timestamp(), the database clock at
 -- the moment of the check: never a worker's clock, and never the transaction's start time.
+--
+-- BATCHED WRITES. renew_leases, commit_steps and finish_runs join a batch (unnest of array
+-- parameters) to runs and must reach each run through runs_pkey, one lookup per batch row. So
+-- the batch is a MATERIALIZED CTE that also carries the owner, and every condition on the run
+-- compares it with a batch column: the planner then has no condition on runs alone to
+-- misjudge. "Running" is said as `lease_owner = owner AND lease_until > clock_timestamp()`,
+-- which the runs_lease_matches_state CHECK makes equivalent to state = 'running' plus those
+-- conditions. Written the plain way (`lease_owner = $1 AND state = 'running'`), the planner
+-- estimated one matching run from statistics taken before this worker existed, drove the join
+-- from the runs_running index or a sequential scan, and re-read the whole batch once per
+-- running run: 89 µs per finished run instead of 36 (benchmarks/README.md, throughput.py).
 
 -- submit_run --
 -- Insert a queued run and its "submitted" event, and wake claimers, in one statement. Returns no
@@ -175,13 +186,17 @@ RETURNING run_id, lease_until
 
 -- renew_leases --
 -- Extend many leases of owner $4 in one statement: $1 run ids, $2 their fences, $3 their lease
--- seconds. Each run's own owner, fence, state and expiry conditions are checked; the rows returned
--- are the leases that held.
+-- seconds. Each run's own owner, fence, running state and expiry conditions are checked (see
+-- BATCHED WRITES); the rows returned are the leases that held.
+WITH batch AS MATERIALIZED (
+    SELECT l.run_id, l.fence, l.lease_seconds, $4::text AS owner
+    FROM unnest($1::text[], $2::bigint[], $3::float8[]) AS l(run_id, fence, lease_seconds)
+)
 UPDATE runs AS r
 SET lease_until = clock_timestamp() + make_interval(secs => l.lease_seconds),
     updated_at = clock_timestamp()
-FROM unnest($1::text[], $2::bigint[], $3::float8[]) AS l(run_id, fence, lease_seconds)
-WHERE r.run_id = l.run_id AND r.lease_owner = $4 AND r.fence = l.fence AND r.state = 'running'
+FROM batch AS l
+WHERE r.run_id = l.run_id AND r.lease_owner = l.owner AND r.fence = l.fence
   AND r.lease_until > clock_timestamp()
 RETURNING r.run_id, r.lease_until
 
@@ -413,11 +428,11 @@ SELECT run_id, fence, lease_owner, (SELECT count(*) FROM woken) AS notified FROM
 -- $3 fences, $4 expected checkpoint versions, $5 next steps, $6 checkpoints, $7 events (each a
 -- JSON array of {kind, details}). JSON arrays travel as text and are cast here: a JSON list
 -- inside a jsonb[] parameter would be read as another array dimension. Each run's own owner,
--- fence, state, expiry and version conditions are checked; the rows returned are the runs
--- whose commit took effect.
-WITH input AS (
+-- fence, running state, expiry and version conditions are checked (see BATCHED WRITES); the
+-- rows returned are the runs whose commit took effect.
+WITH input AS MATERIALIZED (
     SELECT u.run_id, u.fence, u.expected_version, u.next_step, u.checkpoint::jsonb AS checkpoint,
-           u.events::jsonb AS events
+           u.events::jsonb AS events, $1::text AS owner
     FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[])
         AS u(run_id, fence, expected_version, next_step, checkpoint, events)
 ), committed AS (
@@ -426,9 +441,8 @@ WITH input AS (
         checkpoint_version = r.checkpoint_version + 1, attempt = 1,
         updated_at = clock_timestamp()
     FROM input AS u
-    WHERE r.run_id = u.run_id AND r.lease_owner = $1 AND r.fence = u.fence
-      AND r.state = 'running' AND r.lease_until > clock_timestamp()
-      AND r.checkpoint_version = u.expected_version
+    WHERE r.run_id = u.run_id AND r.lease_owner = u.owner AND r.fence = u.fence
+      AND r.lease_until > clock_timestamp() AND r.checkpoint_version = u.expected_version
     RETURNING r.run_id, r.fence, r.checkpoint_version, r.lease_until, u.events
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
@@ -441,23 +455,25 @@ SELECT run_id, checkpoint_version, lease_until FROM committed
 -- Group commit: finish_run for many runs of owner $1 in one statement. Arrays: $2 run ids,
 -- $3 fences, $4 expected versions, $5 final states, $6 results, $7 errors, $8 final checkpoints
 -- (NULL keeps the last), $9 events; JSON travels as text, as in commit_steps. Same per-run
--- conditions as finish_run.
-WITH input AS (
+-- conditions as finish_run (see BATCHED WRITES). A state other than succeeded or failed
+-- becomes NULL, which the NOT NULL constraint refuses: the whole statement fails instead.
+WITH input AS MATERIALIZED (
     SELECT u.run_id, u.fence, u.expected_version, u.state, u.result::jsonb AS result,
-           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, u.events::jsonb AS events
+           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, u.events::jsonb AS events,
+           $1::text AS owner
     FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[],
                 $8::text[], $9::text[])
         AS u(run_id, fence, expected_version, state, result, error, checkpoint, events)
 ), finished AS (
     UPDATE runs AS r
-    SET state = u.state, result = u.result, error = u.error,
+    SET state = CASE WHEN u.state IN ('succeeded', 'failed') THEN u.state END,
+        result = u.result, error = u.error,
         checkpoint = coalesce(u.checkpoint, r.checkpoint),
         checkpoint_version = r.checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
         updated_at = clock_timestamp(), finished_at = clock_timestamp()
     FROM input AS u
-    WHERE r.run_id = u.run_id AND r.lease_owner = $1 AND r.fence = u.fence
-      AND r.state = 'running' AND r.lease_until > clock_timestamp()
-      AND r.checkpoint_version = u.expected_version AND u.state IN ('succeeded', 'failed')
+    WHERE r.run_id = u.run_id AND r.lease_owner = u.owner AND r.fence = u.fence
+      AND r.lease_until > clock_timestamp() AND r.checkpoint_version = u.expected_version
     RETURNING r.run_id, r.fence, u.events
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)

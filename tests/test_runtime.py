@@ -13,7 +13,7 @@ import pytest
 from orchestrator.agents.noop import noop
 from orchestrator.agents.sleepy import sleepy
 from orchestrator.errors import InvalidInput, SchemaTooNew
-from orchestrator.heartbeat import LeaseHandle, safety_margin, watch
+from orchestrator.heartbeat import LeaseHandle, safety_margin
 from orchestrator.models import Lease, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, AgentRegistry, Fail, Next, Outcome, Step, StepContext
@@ -159,7 +159,7 @@ async def test_worker_claims_only_its_agents_and_many_at_once(
     assert (await store.get(other)).state is RunState.QUEUED
 
 
-async def test_watch_cancels_at_the_local_deadline_without_a_confirmed_renewal() -> None:
+async def test_guard_cancels_at_the_local_deadline_without_a_confirmed_renewal() -> None:
     now = anyio.current_time()
     handle = LeaseHandle(
         lease=Lease("r_x", "w", 1),
@@ -168,13 +168,15 @@ async def test_watch_cancels_at_the_local_deadline_without_a_confirmed_renewal()
         confirmed_sent_at=now,
     )
     with anyio.CancelScope() as scope:
-        await watch(handle, scope)
+        handle.guard(scope.cancel)
+        await anyio.sleep(5)
     elapsed = anyio.current_time() - now
+    assert scope.cancelled_caught
     assert handle.lost_reason == "no confirmed renewal before the local deadline"
     assert elapsed == pytest.approx(1.0 - safety_margin(1.0), abs=0.15)
 
 
-async def test_watch_follows_confirmed_renewals_and_stops_on_loss() -> None:
+async def test_guard_follows_confirmed_renewals_and_cancels_on_loss() -> None:
     start = anyio.current_time()
     handle = LeaseHandle(
         lease=Lease("r_x", "w", 1),
@@ -193,9 +195,27 @@ async def test_watch_follows_confirmed_renewals_and_stops_on_loss() -> None:
     async with anyio.create_task_group() as group:
         group.start_soon(renew_twice_then_lose)
         with anyio.CancelScope() as scope:
-            await watch(handle, scope)
+            handle.guard(scope.cancel)
+            await anyio.sleep(5)
+    assert scope.cancelled_caught
     assert handle.lost_reason == "renewal refused"
     assert anyio.current_time() - start >= 1.2  # outlived the first deadline thanks to renewals
+
+
+async def test_unguarded_handle_cancels_nothing_after_its_run_ended() -> None:
+    handle = LeaseHandle(
+        lease=Lease("r_x", "w", 1),
+        lease_seconds=0.5,
+        lease_until=datetime.now(UTC),
+        confirmed_sent_at=anyio.current_time(),
+    )
+    with anyio.CancelScope() as scope:
+        handle.guard(scope.cancel)
+    handle.unguard()
+    await anyio.sleep(0.6)  # past the deadline: the timer was stopped with the scope
+    handle.lose("late loss")
+    assert not scope.cancel_called
+    assert handle.timer is None
 
 
 def test_registry_loading_errors_are_clear() -> None:
