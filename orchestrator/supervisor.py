@@ -44,7 +44,14 @@ from orchestrator.runner import RunnerConfig, RunScope
 from orchestrator.settings import Settings
 from orchestrator.steps import AgentRegistry
 from orchestrator.store import RunStore, WorkerRegistry
-from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, start_span
+from orchestrator.telemetry import (
+    RUN_FENCE,
+    RUN_ID,
+    WORKER_ID,
+    Metrics,
+    debug_enabled,
+    start_span,
+)
 
 log = structlog.get_logger("orchestrator.supervisor")
 
@@ -126,6 +133,9 @@ class Supervisor:
         self.draining = True
         self._stop.set()
         self.wake()
+
+    def _is_draining(self) -> bool:
+        return self.draining
 
     def wake(self) -> None:
         self._wake.set()
@@ -259,6 +269,7 @@ class Supervisor:
         for run_id in batch.dead_lettered:
             self.log.warning("dead-lettered: lease expired on the last attempt", **{RUN_ID: run_id})
         result: list[tuple[ClaimedRun, RunScope]] = []
+        debug = debug_enabled()
         for run in batch.claimed:
             handle = self.keeper.track(
                 run, sent_at=sent_at, lease_seconds=self.config.lease_seconds
@@ -268,13 +279,14 @@ class Supervisor:
             if run.previous_lease_until is not None:
                 recovery = (run.claimed_at - run.previous_lease_until).total_seconds()
                 self.metrics.recovery_seconds.record(max(recovery, 0.0))
-            self.log.debug(
-                "claimed",
-                **{RUN_ID: run.run_id, RUN_FENCE: run.fence},
-                attempt=run.attempt,
-                step=run.step,
-                previous_owner=run.previous_owner,
-            )
+            if debug:
+                self.log.debug(
+                    "claimed",
+                    **{RUN_ID: run.run_id, RUN_FENCE: run.fence},
+                    attempt=run.attempt,
+                    step=run.step,
+                    previous_owner=run.previous_owner,
+                )
             scope = RunScope(
                 run,
                 handle,
@@ -284,7 +296,7 @@ class Supervisor:
                 registry=self.config.agents,
                 config=self.runner_config,
                 metrics=self.metrics,
-                draining=lambda: self.draining,
+                draining=self._is_draining,
                 effects=RunEffects(
                     self.effect_store,
                     run.run_id,

@@ -126,6 +126,11 @@ _MIN_LEVEL: int | None = None
 """The level ``configure_logging`` set; ``None``: structlog's defaults, which log everything."""
 
 
+def debug_enabled() -> bool:
+    """Whether debug lines are logged: hot paths skip building their fields otherwise."""
+    return _MIN_LEVEL is None or _MIN_LEVEL <= logging.DEBUG
+
+
 class RunLogger:
     """A structlog logger for one run, bound only when something is logged.
 
@@ -145,7 +150,7 @@ class RunLogger:
         return RunLogger(self._name, {**self._context, **more})
 
     def debug(self, event: str, **fields: Any) -> None:
-        if _MIN_LEVEL is None or _MIN_LEVEL <= logging.DEBUG:
+        if debug_enabled():
             self._logger().debug(event, **fields)
 
     def _logger(self) -> Any:

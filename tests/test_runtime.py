@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Callable
@@ -209,8 +210,8 @@ async def test_unguarded_handle_cancels_nothing_after_its_run_ended() -> None:
         lease_until=datetime.now(UTC),
         confirmed_sent_at=anyio.current_time(),
     )
-    with anyio.CancelScope() as scope:
-        handle.guard(scope.cancel)
+    scope = anyio.CancelScope()
+    handle.guard(scope.cancel)
     handle.unguard()
     await anyio.sleep(0.6)  # past the deadline: the timer was stopped with the scope
     handle.lose("late loss")
@@ -265,3 +266,56 @@ def test_serve_usage_errors(database_url: str) -> None:
         "--agents", "orchestrator.agents.noop", "--lease-seconds", "3", "--heartbeat-seconds", "2"
     )
     assert slow.returncode == 1 and "renew at least twice" in slow.stderr
+
+
+class SwallowsCancellation(Step):
+    """A badly written step: it catches the cancellation and tries to carry on."""
+
+    started: anyio.Event | None = None
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        assert SwallowsCancellation.started is not None
+        SwallowsCancellation.started.set()
+        with contextlib.suppress(BaseException):  # deliberately wrong: that is the point
+            await anyio.sleep(30)
+        return Next(SwallowsCancellation, checkpoint={"carried_on": True})
+
+
+async def test_a_step_that_swallows_its_cancellation_commits_nothing_after_a_local_loss(
+    store: RunStore, settings: Settings
+) -> None:
+    # The loss is local only (as at the local deadline): the database would still accept the
+    # commit, so only the runtime's own check stands between the step and a commit.
+    SwallowsCancellation.started = anyio.Event()
+    agent = Agent("swallower", first=SwallowsCancellation)
+    run_id = (await store.submit("swallower", {})).run.run_id
+    async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
+        with anyio.fail_after(10):
+            await SwallowsCancellation.started.wait()
+        worker.active[run_id].handle.lose("test: ownership lost locally")
+        await eventually(lambda: run_id not in worker.active, within=10)
+        assert worker.counters.finished == {"lost": 1}
+    run = await store.get(run_id)
+    assert run.checkpoint_version == 0
+    assert run.checkpoint is None
+    kinds = [event.kind for event in await store.events(run_id)]
+    assert "checkpoint" not in kinds
+    assert "lease_lost" in kinds
+
+
+async def test_a_worker_cancelled_as_a_whole_still_ends_its_run_tasks(
+    store: RunStore, settings: Settings
+) -> None:
+    # The run scope takes back only its own cancellation; the worker's must go through.
+    run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 30})).run.run_id
+    supervisor = Supervisor(settings, WorkerConfig(agents=AgentRegistry([sleepy]), **FAST))
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as group:
+            group.start_soon(supervisor.run)
+            await supervisor.ready.wait()
+            await eventually(lambda: run_id in supervisor.active, within=10)
+            group.cancel_scope.cancel()
+    assert len(supervisor.run_tasks) == 0
+    # The run was not lost (its worker stopped): its task ended cancelled, not as "lost".
+    assert supervisor.counters.finished == {}
+    assert (await store.get(run_id)).state is RunState.RUNNING  # lease left to expire

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import asyncpg
@@ -16,6 +17,7 @@ from orchestrator.errors import (
     RunNotFound,
 )
 from orchestrator.models import ClaimedRun, Lease, RunState
+from orchestrator.queries import query
 from orchestrator.store import RunStore, StepEvent
 
 SHORT = 0.3  # seconds: a lease that a test can outwait
@@ -432,3 +434,66 @@ async def test_a_run_is_only_finished_as_succeeded_or_failed(store: RunStore) ->
         with pytest.raises(ValueError, match="succeeded or failed"):
             await store.finish_many("W", [RunFinish(run.lease, 0, state)])
     assert (await store.get(run.run_id)).state is RunState.RUNNING
+
+
+def _most_rows_removed_by_a_join_filter(plan: Any) -> int:
+    """The largest "Rows Removed by Join Filter" (times its loops) anywhere in a JSON plan."""
+    if isinstance(plan, list):
+        return max((_most_rows_removed_by_a_join_filter(item) for item in plan), default=0)
+    if not isinstance(plan, dict):
+        return 0
+    own = int(plan.get("Rows Removed by Join Filter", 0)) * int(plan.get("Actual Loops", 1))
+    nested = [_most_rows_removed_by_a_join_filter(value) for value in plan.values()]
+    return max([own, *nested])
+
+
+async def test_batched_writes_reach_each_run_by_its_key_whatever_the_statistics(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # Statistics taken while nothing runs say no run is running or owned by this worker; the
+    # plain formulation then re-read the whole batch once per running run (n x n rows).
+    await pool.execute(
+        "INSERT INTO runs (run_id, agent, input) "
+        "SELECT 'r_plan' || g, 'noop', '{}' FROM generate_series(1, 300) AS g"
+    )
+    await pool.execute("ANALYZE runs")
+    claimed = (await store.claim("w1", ["noop"], limit=300, lease_seconds=60)).claimed
+    count = len(claimed)
+    assert count == 300
+    ids = [run.run_id for run in claimed]
+    fences = [run.fence for run in claimed]
+    statements: list[tuple[str, tuple[Any, ...]]] = [
+        ("renew_leases", (ids, fences, [60.0] * count, "w1")),
+        (
+            "commit_steps",
+            (
+                "w1",
+                ids,
+                fences,
+                [0] * count,
+                ["Done"] * count,
+                ["{}"] * count,
+                ['[{"kind": "checkpoint", "details": {}}]'] * count,
+            ),
+        ),
+        (
+            "finish_runs",
+            (
+                "w1",
+                ids,
+                fences,
+                [1] * count,
+                ["succeeded"] * count,
+                ['{"ok": true}'] * count,
+                [None] * count,
+                [None] * count,
+                ['[{"kind": "succeeded", "details": {}}]'] * count,
+            ),
+        ),
+    ]
+    for name, arguments in statements:
+        text = await pool.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + query(name), *arguments)
+        plan = json.loads(text) if isinstance(text, str) else text
+        assert _most_rows_removed_by_a_join_filter(plan) < count, (name, plan)
+    states = await pool.fetch("SELECT state, checkpoint_version FROM runs")
+    assert {(row["state"], row["checkpoint_version"]) for row in states} == {("succeeded", 2)}
