@@ -5,7 +5,7 @@ What is measured: runs (jobs) completed per second by ONE worker process, from t
 starts claiming until the last one is durably done, with ``--jobs`` (10,000) no-op runs queued
 beforehand. The no-op agent (``orchestrator.agents.noop``) finishes in its first step, so the
 figure is the runtime's own cost per run: claim (lease + fence + ``claimed`` event), the run's
-scope and heartbeat watch, and the fenced final commit (group commit), all durable.
+task, scope and heartbeat deadline, and the fenced final commit (group commit), all durable.
 
 Why: it bounds how many short runs one worker can push through, and it is the figure to compare
 with plain job queues, which do less per job (no fence, no lease renewal, no per-run event
