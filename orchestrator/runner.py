@@ -144,9 +144,11 @@ class RunScope:
         self._task = asyncio.current_task()
         with start_span(f"run {self.claimed.agent}", attributes=self._run_attributes) as span:
             try:
-                self.handle.guard(self.cancel)
                 self._in_steps = True
                 try:
+                    # Lost already (a cancel that arrived before this task started)? Then the
+                    # cancellation is delivered at the first await, and _steps checks too.
+                    self.handle.guard(self.cancel)
                     disposition = await self._steps()
                 except asyncio.CancelledError:
                     if not self._cancel_requested or self._cancelling() > 1:
@@ -167,6 +169,11 @@ class RunScope:
                 span.set_status(Status(StatusCode.ERROR, self.handle.lost_reason or "lost"))
         self.metrics.runs_finished.add(1, {DISPOSITION: disposition})
         return disposition
+
+    def _ownership_lost(self) -> bool:
+        # A call, not the attribute: the handle changes under every await (mypy must not
+        # narrow it to False for the rest of the loop).
+        return self.handle.lost
 
     def _cancelling(self) -> int:
         return self._task.cancelling() if self._task is not None else 0
@@ -190,6 +197,8 @@ class RunScope:
         version = claimed.checkpoint_version
         lease = claimed.lease
         while True:
+            if self._ownership_lost():
+                return LOST  # no step starts without ownership
             if self.draining():
                 self.handle.finishing = True
                 released = await self._guarded(
@@ -236,7 +245,7 @@ class RunScope:
                     self.metrics.steps.add(1, {"outcome": "error"})
                     return await self._fail_attempt(error)
                 self.metrics.steps.add(1, {"outcome": type(outcome).__name__.lower()})
-                if self.handle.lost:
+                if self._ownership_lost():
                     # Lost while the step ran (it ignored the cancellation): commit nothing.
                     return LOST
                 if isinstance(outcome, Next):
