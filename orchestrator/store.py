@@ -104,13 +104,6 @@ def _checkpoint_events(commit: StepCommit) -> list[dict[str, JSON]]:
     return _events_json([first, *commit.events])
 
 
-def _finish_events(finish: RunFinish) -> list[dict[str, JSON]]:
-    details: dict[str, JSON] = {"version": finish.expected_version + 1}
-    if finish.error is not None:
-        details["error"] = finish.error
-    return _events_json([StepEvent(finish.state.value, details)])
-
-
 @dataclass(frozen=True)
 class FailOutcome:
     state: RunState
@@ -410,20 +403,8 @@ class RunStore:
         return await self._finish(finish, db)
 
     async def _finish(self, finish: RunFinish, db: Executor | None) -> bool:
-        _final_state(finish)
-        record = await (db or self.pool).fetchrow(
-            query("finish_run"),
-            finish.lease.run_id,
-            finish.lease.worker_id,
-            finish.lease.fence,
-            finish.expected_version,
-            finish.state.value,
-            finish.result,
-            finish.error,
-            finish.checkpoint,
-            _finish_events(finish),
-        )
-        return record is not None
+        finished = await self.finish_many(finish.lease.worker_id, [finish], db=db)
+        return finish.lease.run_id in finished
 
     # -- group commit -------------------------------------------------------------------------
     async def commit_steps(
@@ -466,7 +447,6 @@ class RunStore:
             [_json_text(f.result, f.result_text) for f in finishes],
             [_json_text(f.error) for f in finishes],
             [_json_text(f.checkpoint, f.checkpoint_text) for f in finishes],
-            [_json_text(_finish_events(f)) for f in finishes],
         )
         return {record["run_id"] for record in records}
 

@@ -139,15 +139,20 @@ class RunLogger:
     use. Debug lines below the configured level cost nothing.
     """
 
-    __slots__ = ("_bound", "_context", "_name")
+    __slots__ = ("_bound", "_context", "_more", "_name")
 
-    def __init__(self, name: str, context: dict[str, Any]) -> None:
+    def __init__(
+        self, name: str, context: dict[str, Any], more: dict[str, Any] | None = None
+    ) -> None:
         self._name = name
         self._context = context
+        self._more = more
         self._bound: Any = None
 
     def bind(self, **more: Any) -> RunLogger:
-        return RunLogger(self._name, {**self._context, **more})
+        if self._more:
+            more = {**self._more, **more}
+        return RunLogger(self._name, self._context, more)
 
     def debug(self, event: str, **fields: Any) -> None:
         if debug_enabled():
@@ -155,7 +160,9 @@ class RunLogger:
 
     def _logger(self) -> Any:
         if self._bound is None:
-            self._bound = structlog.get_logger(self._name).bind(**self._context)
+            self._bound = structlog.get_logger(self._name).bind(
+                **self._context, **(self._more or {})
+            )
         return self._bound
 
     def __getattr__(self, method: str) -> Any:

@@ -219,26 +219,6 @@ WITH committed AS (
 )
 SELECT checkpoint_version, lease_until FROM committed
 
--- finish_run --
--- Finish run $1 as $5 ('succeeded' or 'failed') with result $6, error $7 and final checkpoint $8
--- (NULL keeps the last one), under the same ownership and version conditions as commit_step, and
--- log the events $9.
-WITH finished AS (
-    UPDATE runs
-    SET state = $5, result = $6, error = $7, checkpoint = coalesce($8, checkpoint),
-        checkpoint_version = checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
-        updated_at = clock_timestamp(), finished_at = clock_timestamp()
-    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
-      AND lease_until > clock_timestamp() AND checkpoint_version = $4
-      AND $5 IN ('succeeded', 'failed')
-    RETURNING run_id, fence, checkpoint_version
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
-    SELECT f.run_id, e.kind, f.fence, $2, e.details
-    FROM finished AS f, jsonb_to_recordset($9::jsonb) AS e(kind text, details jsonb)
-)
-SELECT checkpoint_version FROM finished
-
 -- fail_attempt --
 -- Record a failed attempt of run $1 by owner $2 with fence $3: error $4. While attempts remain
 -- the run waits (exponential backoff from $5 seconds, capped at $6, with full jitter so runs that
@@ -452,18 +432,20 @@ WITH input AS MATERIALIZED (
 SELECT run_id, checkpoint_version, lease_until FROM committed
 
 -- finish_runs --
--- Group commit: finish_run for many runs of owner $1 in one statement. Arrays: $2 run ids,
--- $3 fences, $4 expected versions, $5 final states, $6 results, $7 errors, $8 final checkpoints
--- (NULL keeps the last), $9 events; JSON travels as text, as in commit_steps. Same per-run
--- conditions as finish_run (see BATCHED WRITES). A state other than succeeded or failed
--- becomes NULL, which the NOT NULL constraint refuses: the whole statement fails instead.
+-- Group commit of final commits: finish each run of owner $1 as $5 ('succeeded' or 'failed')
+-- with result $6, error $7 and final checkpoint $8 (NULL keeps the last one), only while the
+-- worker still owns it with fence $3, the lease is unexpired and the stored checkpoint version is
+-- still $4 (arrays $2.. hold one entry per run; JSON travels as text, as in commit_steps; see
+-- BATCHED WRITES). Each finished run gets its event: the final state as kind, the new checkpoint
+-- version and any error as details. A state other than succeeded or failed becomes NULL, which
+-- the NOT NULL constraint refuses: the whole statement fails instead. The rows returned are the
+-- runs that were finished; a single finish is a batch of one.
 WITH input AS MATERIALIZED (
     SELECT u.run_id, u.fence, u.expected_version, u.state, u.result::jsonb AS result,
-           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, u.events::jsonb AS events,
-           $1::text AS owner
+           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, $1::text AS owner
     FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[],
-                $8::text[], $9::text[])
-        AS u(run_id, fence, expected_version, state, result, error, checkpoint, events)
+                $8::text[])
+        AS u(run_id, fence, expected_version, state, result, error, checkpoint)
 ), finished AS (
     UPDATE runs AS r
     SET state = CASE WHEN u.state IN ('succeeded', 'failed') THEN u.state END,
@@ -474,11 +456,14 @@ WITH input AS MATERIALIZED (
     FROM input AS u
     WHERE r.run_id = u.run_id AND r.lease_owner = u.owner AND r.fence = u.fence
       AND r.lease_until > clock_timestamp() AND r.checkpoint_version = u.expected_version
-    RETURNING r.run_id, r.fence, u.events
+    RETURNING r.run_id, r.fence, r.state, r.checkpoint_version, u.error
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
-    SELECT f.run_id, e.kind, f.fence, $1, e.details
-    FROM finished AS f, jsonb_to_recordset(f.events) AS e(kind text, details jsonb)
+    SELECT f.run_id, f.state, f.fence, $1,
+           jsonb_build_object('version', f.checkpoint_version)
+           || CASE WHEN f.error IS NULL THEN '{}'::jsonb
+                   ELSE jsonb_build_object('error', f.error) END
+    FROM finished AS f
 )
 SELECT run_id FROM finished
 

@@ -487,7 +487,6 @@ async def test_batched_writes_reach_each_run_by_its_key_whatever_the_statistics(
                 ['{"ok": true}'] * count,
                 [None] * count,
                 [None] * count,
-                ['[{"kind": "succeeded", "details": {}}]'] * count,
             ),
         ),
     ]
