@@ -364,6 +364,7 @@ def serve(
 ) -> None:
     """Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once)."""
     from orchestrator.effects.dispatcher import load_adapters
+    from orchestrator.gc_tuning import tune_for_worker
     from orchestrator.steps import AgentRegistry
     from orchestrator.supervisor import Supervisor, WorkerConfig, default_worker_id
     from orchestrator.telemetry import configure_logging, install_sdk_from_env, shutdown_sdk
@@ -397,6 +398,7 @@ def serve(
         except ValueError as error:
             raise InvalidInput(str(error)) from None
         install_sdk_from_env()
+        tune_for_worker()  # start-up is done: see orchestrator/gc_tuning.py
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(_watch_signals, supervisor)
