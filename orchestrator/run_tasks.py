@@ -36,14 +36,18 @@ class RunTasks:
         if self._closed:
             coroutine.close()
             raise RuntimeError("the worker's run tasks are closed: no run can start now")
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._finished)
+        self._tasks.add(asyncio.get_running_loop().create_task(self._run(coroutine)))
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("run task failed", error=repr(task.exception()))
+    async def _run(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        # A wrapper rather than a done callback: one event-loop turn less per run.
+        try:
+            await coroutine
+        except Exception as error:
+            log.error("run task failed", error=repr(error))
+        finally:
+            task = asyncio.current_task()
+            if task is not None:
+                self._tasks.discard(task)
 
     async def host(self) -> None:
         """Run in the supervisor's task group until it ends; then end every run task."""
