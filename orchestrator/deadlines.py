@@ -29,8 +29,15 @@ DATABASE_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
 )
-"""What a lost, slow or restarting database raises; the runtime survives all of them."""
+"""What a lost, slow or restarting database raises; the runtime survives all of them.
+
+``InternalClientError`` ("cannot switch to state 15; another operation (2) is in progress"):
+a connection whose server went away mid-statement is still consuming that error when the next
+statement is sent. Seen once from the listener's keep-alive during a Postgres restart, where it
+took the whole worker down; the connection is discarded like any other broken one.
+"""
 
 
 class DedicatedConnection:

@@ -331,10 +331,13 @@ VALUES ($1, $2, $3, $4, $5)
 RETURNING event_id
 
 -- list_runs --
--- Runs, newest first, optionally filtered by state and agent.
-SELECT * FROM runs
-WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR agent = $2)
-ORDER BY created_at DESC, run_id DESC
+-- Runs, newest first, optionally filtered by state and agent. "Newest" is submission order: each
+-- run's "submitted" event, written with the run (see migration 0004: there is no index on
+-- runs.created_at, which every claim and finish would have had to write).
+SELECT r.* FROM run_events AS e JOIN runs AS r ON r.run_id = e.run_id
+WHERE e.kind = 'submitted'
+  AND ($1::text IS NULL OR r.state = $1) AND ($2::text IS NULL OR r.agent = $2)
+ORDER BY e.event_id DESC
 LIMIT $3
 
 -- run_events --
