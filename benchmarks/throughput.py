@@ -2,7 +2,7 @@
 Procrastinate doing the same no-op jobs on the same PostgreSQL server in the same run.
 
 What is measured: runs (jobs) completed per second by ONE worker process, from the moment it
-starts claiming until the last one is durably done, with ``--jobs`` (10,000) no-op runs queued
+starts claiming until the last one is durably done, with ``--jobs`` (20,000) no-op runs queued
 beforehand. The no-op agent (``orchestrator.agents.noop``) finishes in its first step, so the
 figure is the runtime's own cost per run: claim (lease + fence + ``claimed`` event), the run's
 task, scope and heartbeat deadline, and the fenced final commit (group commit), all durable.
@@ -38,13 +38,13 @@ Method, identical for the three systems:
    "other" shows how much other programs took while the figure was measured.
 
 Settings: orchestrator and PgQueuer each run a small grid of concurrency x batch settings
-(``--grid``, default 100x50, 100x200, 500x50, 500x200; PgQueuer refuses
+(``--grid``, default 100x50, 100x200, 500x50, 500x200, 1000x200; PgQueuer refuses
 ``max_concurrent_tasks < 2 * batch_size``, so 100x200 is skipped for it, and it also runs its
 default, no ``max_concurrent_tasks``, with each batch size: the cap adds work to its dequeue
 query, and a peer is compared at its best). Procrastinate
 fetches one job per statement and has no batch setting; it runs once at
 ``--procrastinate-concurrency`` (100). Then each of orchestrator's and PgQueuer's best
-settings is measured ``--rounds`` (3) more times, alternating, and the orchestrator/PgQueuer
+settings is measured ``--rounds`` (5) more times, alternating, and the orchestrator/PgQueuer
 ratio is the median of those rounds' ratios (the grid round chose the settings and is not
 reused for the ratio). orchestrator/Procrastinate is the median of orchestrator's rounds over
 Procrastinate's single figure.
@@ -170,6 +170,8 @@ class Measurement:
     timed_out: bool
     problems: list[str] = field(default_factory=list)
     profile: dict[str, Any] | None = None
+    wal_bytes_per_job: float | None = None
+    """WAL the server wrote from the consumer's start to its last completion, per job done."""
 
 
 # -- the three systems -------------------------------------------------------------------------
@@ -436,6 +438,7 @@ async def measure(
         await connection.execute("ANALYZE")
         await connection.execute("CHECKPOINT")
         profile_to = workdir / "worker.pstats" if workdir and not use_py_spy else None
+        wal_start = await connection.fetchval("SELECT pg_current_wal_lsn()")
         child = system.start(dsn, setting, profile_to=profile_to)
         meter = CpuMeter(child.pid, bench.server.postmaster_pid)
         started_at = await wait_for_start(connection, system, jobs, child)
@@ -451,6 +454,9 @@ async def measure(
             )
         done, timed_out = await wait_for_done(connection, system, jobs, child, meter, bench.config)
         last = meter.sample()
+        wal_bytes = await connection.fetchval(
+            "SELECT pg_current_wal_lsn() - $1::pg_lsn", wal_start
+        )
         finished_at = await connection.fetchval(system.last_done_sql)
         if spy is not None:
             spy.send_signal(signal.SIGINT)
@@ -477,6 +483,7 @@ async def measure(
             cpu=cpu_shares(first, last),
             timed_out=timed_out,
             problems=problems,
+            wal_bytes_per_job=float(wal_bytes) / done if done else None,
         )
         if workdir is not None:
             result.profile = read_profile(workdir, use_py_spy, bench.config.profile_rate, seconds)
@@ -799,7 +806,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['config']['jobs']:,} no-op jobs per measurement, queued beforehand; one consumer "
         "process; jobs/s from the first claim to the last completion (database clock)",
         "cores: CPU used during the measurement by the consumer, by PostgreSQL, and by other "
-        "programs on the machine",
+        "programs on the machine; WAL B/job: write-ahead log the server wrote per job (full-page "
+        "images after the CHECKPOINT included)",
         "",
     ]
     rows = []
@@ -816,12 +824,13 @@ def format_report(report: dict[str, Any]) -> str:
                 fmt(cpu["process"], ".2f"),
                 fmt(cpu["postgres"], ".2f"),
                 fmt(cpu["other"], ".2f"),
+                fmt(m.get("wal_bytes_per_job"), ",.0f"),
                 "yes" if m["problems"] else "",
             )
         )
     header = [
         *("system", "setting", "phase", "jobs/s", "seconds"),
-        *("worker", "postgres", "other", "problems"),
+        *("worker", "postgres", "other", "WAL B/job", "problems"),
     ]
     out += render_table(header, rows)
     best = report["best"]
@@ -908,11 +917,17 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     )
     parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--jobs", type=int, default=10_000, help="jobs per measurement")
+    parser.add_argument("--jobs", type=int, default=20_000, help="jobs per measurement")
     parser.add_argument(
         "--grid",
         type=lambda text: tuple(parse_setting(part) for part in text.split(",") if part),
-        default=(Setting(100, 50), Setting(100, 200), Setting(500, 50), Setting(500, 200)),
+        default=(
+            Setting(100, 50),
+            Setting(100, 200),
+            Setting(500, 50),
+            Setting(500, 200),
+            Setting(1000, 200),
+        ),
         help="comma-separated CONCURRENCYxBATCH settings for orchestrator and PgQueuer",
     )
     parser.add_argument(
@@ -921,7 +936,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         default=100,
         help="Procrastinate's worker concurrency; 0 leaves Procrastinate out (a quicker run)",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the best settings")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the best settings")
     parser.add_argument(
         "--max-seconds", type=float, default=90.0, help="time bound of one measurement"
     )

@@ -43,12 +43,14 @@ from orchestrator.telemetry import (
     CHECKPOINT_VERSION,
     DISPOSITION,
     LEASE_UNTIL,
+    NO_SPAN,
     RUN_FENCE,
     RUN_ID,
     WORKER_ID,
     Metrics,
     RunLogger,
     start_span,
+    tracing_enabled,
 )
 
 T = TypeVar("T")
@@ -74,6 +76,12 @@ class RunnerConfig:
     statement_seconds: float
     cleanup_seconds: float = 5.0
     max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
+
+
+_OUTCOME_ATTRIBUTES: dict[type, dict[str, str]] = {
+    kind: {"outcome": kind.__name__.lower()} for kind in (Next, Finish, Fail)
+}
+"""Metric attributes per outcome type, built once (not a dict and a string per step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +224,11 @@ class RunScope:
             ):
                 self.handle.lose("could not extend the lease for the step's own duration")
                 return LOST
+            this_step = step_class.step_name()
             context = StepContext(
                 run_id=lease.run_id,
                 agent=agent.name,
-                step=step_class.step_name(),
+                step=this_step,
                 fence=lease.fence,
                 attempt=claimed.attempt,
                 max_attempts=claimed.max_attempts,
@@ -228,13 +237,17 @@ class RunScope:
                 checkpoint=checkpoint,
                 checkpoint_version=version,
                 lease_until=self.handle.lease_until,
-                log=self.log.bind(step=step_class.step_name()),
+                log=self.log.bind(step=this_step),
                 effects=self.effects,
             )
             started = time.monotonic()
-            with start_span(
-                f"step {agent.name}.{context.step}",
-                attributes=functools.partial(self._step_attributes, version, context.step),
+            with (
+                start_span(
+                    f"step {agent.name}.{this_step}",
+                    attributes=functools.partial(self._step_attributes, version, this_step),
+                )
+                if tracing_enabled()
+                else NO_SPAN
             ) as span:
                 try:
                     outcome = await step_class().run(context)
@@ -244,7 +257,7 @@ class RunScope:
                     span.set_status(Status(StatusCode.ERROR, type(error).__name__))
                     self.metrics.steps.add(1, {"outcome": "error"})
                     return await self._fail_attempt(error)
-                self.metrics.steps.add(1, {"outcome": type(outcome).__name__.lower()})
+                self.metrics.steps.add(1, _OUTCOME_ATTRIBUTES[type(outcome)])
                 if self._ownership_lost():
                     # Lost while the step ran (it ignored the cancellation): commit nothing.
                     return LOST

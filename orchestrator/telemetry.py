@@ -54,13 +54,19 @@ def start_span(
     ``attributes`` may be a function, called only when there is a span to carry them.
     """
     if not _provider_installed():
-        return _NO_SPAN
+        return NO_SPAN
     if callable(attributes):
         attributes = attributes()  # built only when there is a span to carry them
     return tracer().start_as_current_span(name, attributes=attributes)
 
 
-_NO_SPAN = nullcontext(trace.INVALID_SPAN)
+NO_SPAN: AbstractContextManager[trace.Span] = nullcontext(trace.INVALID_SPAN)
+"""What ``start_span`` returns without a provider; reusable."""
+
+
+def tracing_enabled() -> bool:
+    """Whether spans are recorded: hot paths skip even formatting a span's name otherwise."""
+    return _provider_installed()
 
 
 _UNKNOWN = object()
