@@ -84,6 +84,13 @@ _OUTCOME_ATTRIBUTES: dict[type, dict[str, str]] = {
 """Metric attributes per outcome type, built once (not a dict and a string per step)."""
 
 
+def _outcome_attributes(outcome: Outcome) -> dict[str, str]:
+    for kind in (Next, Finish, Fail):  # a subclass of an outcome counts as that outcome
+        if isinstance(outcome, kind):
+            return _OUTCOME_ATTRIBUTES[kind]
+    return {"outcome": type(outcome).__name__.lower()}
+
+
 @dataclass(frozen=True, slots=True)
 class Encoded:
     """A step outcome's JSON as validated: sent to the database as it is."""
@@ -141,9 +148,16 @@ class RunScope:
         The scope is the run's own task, cancelled natively: an anyio cancel scope per run cost
         about 10% of a saturated worker. Only the steps are cancelled (never the cleanup that
         follows them), at most once, and ``execute`` takes back exactly its own cancellation,
-        so a cancellation of the whole worker still propagates.
+        so a cancellation of the whole worker still propagates. Nothing is cancelled when the
+        run's own task declares the loss (a refused commit): it returns at once by itself, and a
+        cancellation it never awaited would instead cut its cleanup short.
         """
-        if self._in_steps and not self._cancel_requested and self._task is not None:
+        if (
+            self._in_steps
+            and not self._cancel_requested
+            and self._task is not None
+            and asyncio.current_task() is not self._task
+        ):
             self._cancel_requested = True
             self._task.cancel("the run's scope was cancelled")
 
@@ -257,7 +271,7 @@ class RunScope:
                     span.set_status(Status(StatusCode.ERROR, type(error).__name__))
                     self.metrics.steps.add(1, {"outcome": "error"})
                     return await self._fail_attempt(error)
-                self.metrics.steps.add(1, _OUTCOME_ATTRIBUTES[type(outcome)])
+                self.metrics.steps.add(1, _outcome_attributes(outcome))
                 if self._ownership_lost():
                     # Lost while the step ran (it ignored the cancellation): commit nothing.
                     return LOST

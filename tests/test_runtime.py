@@ -9,6 +9,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import anyio
+import asyncpg
 import pytest
 
 from orchestrator.agents.noop import noop
@@ -319,3 +320,35 @@ async def test_a_worker_cancelled_as_a_whole_still_ends_its_run_tasks(
     # The run was not lost (its worker stopped): its task ended cancelled, not as "lost".
     assert supervisor.counters.finished == {}
     assert (await store.get(run_id)).state is RunState.RUNNING  # lease left to expire
+
+
+class NapThenNext(Step):
+    started: anyio.Event | None = None
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        assert NapThenNext.started is not None
+        NapThenNext.started.set()
+        await anyio.sleep(0.5)
+        return Next(NapThenNext, checkpoint={"after": "nap"})
+
+
+async def test_a_refused_commit_ends_the_run_lost_and_records_it(
+    store: RunStore, pool: asyncpg.Pool, settings: Settings
+) -> None:
+    # The run's own task finds out (its commit is refused): the loss must still be recorded by
+    # the cleanup, which a cancellation of its own task must not cut short.
+    NapThenNext.started = anyio.Event()
+    agent = Agent("napper", first=NapThenNext)
+    run_id = (await store.submit("napper", {})).run.run_id
+    async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
+        with anyio.fail_after(10):
+            await NapThenNext.started.wait()
+        # Another claimer's fence, without the NOTIFY a cancel sends: only the commit finds out.
+        await pool.execute("UPDATE runs SET fence = fence + 1 WHERE run_id = $1", run_id)
+        await eventually(lambda: run_id not in worker.active, within=10)
+        assert worker.counters.finished == {"lost": 1}
+    events = await store.events(run_id)
+    lost = [event for event in events if event.kind == "lease_lost"]
+    assert len(lost) == 1
+    assert "commit refused" in str(lost[0].details["reason"])
+    assert "checkpoint" not in [event.kind for event in events]
