@@ -83,13 +83,17 @@ class LeaseHandle:
         self.cancel = None
 
     def confirm(self, sent_at: float, lease_until: datetime, lease_seconds: float) -> None:
-        # No timer change: a confirmation only moves the deadline later, and the timer re-reads
-        # it when the old one arrives (re-arming 10,000 timers per heartbeat would be waste).
+        # A renewal at the same lease moves the deadline later, and the timer re-reads it when
+        # the old one arrives (re-arming 10,000 timers per heartbeat would be waste). A step's
+        # own, shorter lease can move it earlier: then the timer is re-armed at once.
         if self.lost or sent_at <= self.confirmed_sent_at:
             return
         self.confirmed_sent_at = sent_at
         self.lease_seconds = lease_seconds
         self.lease_until = lease_until
+        if self.timer is not None and self.deadline < self.timer.when():
+            self.timer.cancel()
+            self._arm(asyncio.get_running_loop())
 
     def lose(self, reason: str) -> None:
         if self.lost_reason is None:

@@ -352,3 +352,23 @@ async def test_a_refused_commit_ends_the_run_lost_and_records_it(
     assert len(lost) == 1
     assert "commit refused" in str(lost[0].details["reason"])
     assert "checkpoint" not in [event.kind for event in events]
+
+
+async def test_a_shorter_lease_brings_the_local_deadline_forward() -> None:
+    # A step's own lease may be shorter than the worker's: the deadline then comes earlier
+    # than the one the timer was armed for, and must not wait for it.
+    start = anyio.current_time()
+    handle = LeaseHandle(
+        lease=Lease("r_x", "w", 1),
+        lease_seconds=30.0,
+        lease_until=datetime.now(UTC),
+        confirmed_sent_at=start,
+    )
+    with anyio.CancelScope() as scope:
+        handle.guard(scope.cancel)
+        await anyio.sleep(0.1)
+        handle.confirm(anyio.current_time(), datetime.now(UTC), 0.5)
+        await anyio.sleep(10)
+    assert scope.cancelled_caught
+    assert handle.lost_reason == "no confirmed renewal before the local deadline"
+    assert anyio.current_time() - start < 1.0
