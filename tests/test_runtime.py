@@ -26,6 +26,16 @@ from orchestrator.testing import run_agent, running_worker, wait_for_run
 FAST = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
 
 
+def fresh_handle(*, lease_seconds: float, confirmed_at: float) -> LeaseHandle:
+    """A handle as a claim makes it: its last confirmed renewal sent at ``confirmed_at``."""
+    return LeaseHandle(
+        lease=Lease("r_x", "w", 1),
+        lease_seconds=lease_seconds,
+        lease_until=datetime.now(UTC),
+        confirmed_sent_at=confirmed_at,
+    )
+
+
 async def eventually(condition: Callable[[], bool], *, within: float) -> None:
     """Poll an in-memory condition of the worker under test (there is no event to wait on)."""
     with anyio.fail_after(within):
@@ -163,12 +173,7 @@ async def test_worker_claims_only_its_agents_and_many_at_once(
 
 async def test_guard_cancels_at_the_local_deadline_without_a_confirmed_renewal() -> None:
     now = anyio.current_time()
-    handle = LeaseHandle(
-        lease=Lease("r_x", "w", 1),
-        lease_seconds=1.0,
-        lease_until=datetime.now(UTC),
-        confirmed_sent_at=now,
-    )
+    handle = fresh_handle(lease_seconds=1.0, confirmed_at=now)
     with anyio.CancelScope() as scope:
         handle.guard(scope.cancel)
         await anyio.sleep(5)
@@ -180,12 +185,7 @@ async def test_guard_cancels_at_the_local_deadline_without_a_confirmed_renewal()
 
 async def test_guard_follows_confirmed_renewals_and_cancels_on_loss() -> None:
     start = anyio.current_time()
-    handle = LeaseHandle(
-        lease=Lease("r_x", "w", 1),
-        lease_seconds=1.0,
-        lease_until=datetime.now(UTC),
-        confirmed_sent_at=start,
-    )
+    handle = fresh_handle(lease_seconds=1.0, confirmed_at=start)
 
     async def renew_twice_then_lose() -> None:
         for _ in range(2):
@@ -205,12 +205,7 @@ async def test_guard_follows_confirmed_renewals_and_cancels_on_loss() -> None:
 
 
 async def test_unguarded_handle_cancels_nothing_after_its_run_ended() -> None:
-    handle = LeaseHandle(
-        lease=Lease("r_x", "w", 1),
-        lease_seconds=0.5,
-        lease_until=datetime.now(UTC),
-        confirmed_sent_at=anyio.current_time(),
-    )
+    handle = fresh_handle(lease_seconds=0.5, confirmed_at=anyio.current_time())
     scope = anyio.CancelScope()
     handle.guard(scope.cancel)
     handle.unguard()
@@ -358,12 +353,7 @@ async def test_a_shorter_lease_brings_the_local_deadline_forward() -> None:
     # A step's own lease may be shorter than the worker's: the deadline then comes earlier
     # than the one the timer was armed for, and must not wait for it.
     start = anyio.current_time()
-    handle = LeaseHandle(
-        lease=Lease("r_x", "w", 1),
-        lease_seconds=30.0,
-        lease_until=datetime.now(UTC),
-        confirmed_sent_at=start,
-    )
+    handle = fresh_handle(lease_seconds=30.0, confirmed_at=start)
     with anyio.CancelScope() as scope:
         handle.guard(scope.cancel)
         await anyio.sleep(0.1)
