@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -11,7 +10,7 @@ import asyncpg
 
 from orchestrator.embedded import EmbeddedPostgres
 from orchestrator.errors import DatabaseUnavailable
-from orchestrator.jsontext import compact
+from orchestrator.jsontext import compact, parse
 from orchestrator.settings import Settings
 
 Pool = asyncpg.Pool
@@ -43,7 +42,7 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
     await connection.set_type_codec(
         "jsonb",
         encoder=compact,
-        decoder=json.loads,
+        decoder=parse,
         schema="pg_catalog",
     )
 

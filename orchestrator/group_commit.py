@@ -43,7 +43,7 @@ class CommitOutcomeUnknown(Exception):
 @dataclass(eq=False, slots=True)
 class _Pending:
     request: StepCommit | RunFinish
-    done: asyncio.Future[CommitResult | bool | None]
+    done: asyncio.Future[Any]
     """A bare future, not an anyio Event: one per commit, and an Event costs 8x as much."""
 
 
@@ -57,22 +57,23 @@ class GroupCommitter:
         self._ready = anyio.Event()
         self.batches = 0
 
-    async def commit_step(self, commit: StepCommit) -> CommitResult | None:
-        """The commit's result, or ``None`` if the run's conditions no longer held."""
-        result = await self._submit(commit)
-        assert result is None or isinstance(result, CommitResult)
-        return result
+    def commit_step(self, commit: StepCommit) -> asyncio.Future[CommitResult | None]:
+        """Await it: the commit's result, or ``None`` if the run's conditions no longer held."""
+        return self._submit(commit)
 
-    async def finish(self, finish: RunFinish) -> bool:
-        return bool(await self._submit(finish))
+    def finish(self, finish: RunFinish) -> asyncio.Future[bool]:
+        """Await it: whether the run was finished (``False``: not the owner any more)."""
+        return self._submit(finish)
 
-    async def _submit(self, request: StepCommit | RunFinish) -> CommitResult | bool | None:
-        pending = _Pending(request, asyncio.get_running_loop().create_future())
-        self._queue.append(pending)
+    def _submit(self, request: StepCommit | RunFinish) -> asyncio.Future[Any]:
+        # The future itself is what the run awaits (no coroutine around it: one per commit,
+        # thousands per second). If the run's scope is cancelled while waiting, the future is
+        # cancelled with it; the batch still commits or refuses the request, and the
+        # fenced-safe cleanup follows.
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(request, done))
         self._ready.set()
-        # If the run's scope is cancelled while waiting, the future is cancelled with it; the
-        # batch still commits or refuses the request, and the fenced-safe cleanup follows.
-        return await pending.done
+        return done
 
     async def run(self) -> None:
         """Write batches for as long as the worker runs."""

@@ -10,17 +10,24 @@ safety margin. The database sets ``lease_until`` no earlier than it receives tha
 the local deadline always falls before the database's. A renewal that returns no row, fails,
 times out or never answers confirms nothing.
 
-The deadline is a loop timer (``call_at``), not a task per run: a watcher task with its own
-task group and cancel scopes cost about 100 µs per run, a third of a busy worker's time
-(benchmarks/README.md, throughput.py); a timer costs about 2 µs and fires at the same moment.
+All the deadlines of one event loop share one loop timer (``LeaseDeadlines``), armed for the
+earliest of them: a timer per run cost about 5 µs per run, a fifth of a busy worker's own work,
+because asyncio keeps cancelled timers in its heap and compares them in Python
+(benchmarks/README.md, throughput.py). Before that it was a watcher task per run, with its own
+task group and cancel scopes, at about 100 µs per run. The deadline fires at the same moment
+either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import ClassVar
 
 import anyio
 import structlog
@@ -57,7 +64,11 @@ class LeaseHandle:
     """A terminal statement (finish, fail, release) is in flight: it settles ownership itself."""
     cancel: Callable[[], None] | None = None
     """Cancels the run's scope; called when ownership is lost or can no longer be proven."""
-    timer: asyncio.TimerHandle | None = None
+    scheduled_at: float | None = None
+    """The deadline this handle is filed under in its loop's ``LeaseDeadlines`` (None: not
+    guarded). An entry filed under another time is an outdated one, and is dropped."""
+    deadlines: LeaseDeadlines | None = None
+    """Where the deadline is watched: the worker's, or else the running loop's."""
 
     @property
     def deadline(self) -> float:
@@ -67,33 +78,42 @@ class LeaseHandle:
     def lost(self) -> bool:
         return self.lost_reason is not None
 
+    @property
+    def guarded(self) -> bool:
+        return self.cancel is not None
+
     def guard(self, cancel: Callable[[], None]) -> None:
         """Call ``cancel`` on loss or at the local deadline, until ``unguard``."""
         self.cancel = cancel
         if self.lost:
             cancel()
         else:
-            self._arm(asyncio.get_running_loop())
+            if self.deadlines is None:
+                self.deadlines = LeaseDeadlines.of_running_loop()
+            self.deadlines.file(self)
 
     def unguard(self) -> None:
-        """The run's scope is over: stop the deadline timer and let go of the scope."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.cancel = None
+        """The run's scope is over: stop watching the deadline and let go of the scope."""
+        if self.cancel is not None:
+            self.cancel = None
+            if self.scheduled_at is not None and self.deadlines is not None:
+                self.deadlines.forget(self)
 
     def confirm(self, sent_at: float, lease_until: datetime, lease_seconds: float) -> None:
-        # A renewal at the same lease moves the deadline later, and the timer re-reads it when
-        # the old one arrives (re-arming 10,000 timers per heartbeat would be waste). A step's
-        # own, shorter lease can move it earlier: then the timer is re-armed at once.
+        # A renewal at the same lease moves the deadline later, and the entry already filed is
+        # re-read when its time comes (re-filing 10,000 handles per heartbeat would be waste).
+        # A step's own, shorter lease can move it earlier: then it is filed again at once.
         if self.lost or sent_at <= self.confirmed_sent_at:
             return
         self.confirmed_sent_at = sent_at
         self.lease_seconds = lease_seconds
         self.lease_until = lease_until
-        if self.timer is not None and self.deadline < self.timer.when():
-            self.timer.cancel()
-            self._arm(asyncio.get_running_loop())
+        if (
+            self.scheduled_at is not None
+            and self.deadlines is not None
+            and self.deadline < self.scheduled_at
+        ):
+            self.deadlines.file(self)
 
     def lose(self, reason: str) -> None:
         if self.lost_reason is None:
@@ -101,17 +121,90 @@ class LeaseHandle:
             if self.cancel is not None:
                 self.cancel()
 
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.timer = loop.call_at(self.deadline, self._deadline_reached, loop)
-
-    def _deadline_reached(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.timer = None
+    def deadline_reached(self, now: float) -> bool:
+        """Called by ``LeaseDeadlines`` at the filed time; whether the handle is done with."""
         if self.lost or self.cancel is None:
-            return
-        if loop.time() >= self.deadline:
+            return True
+        if now >= self.deadline:
             self.lose(NO_DEADLINE_CONFIRMATION)
-        else:
-            self._arm(loop)  # renewals confirmed since: wait for the new deadline
+            return True
+        return False  # renewals confirmed since: file it again for the new deadline
+
+
+class LeaseDeadlines:
+    """The local lease deadlines of one event loop, behind a single loop timer.
+
+    A heap of (deadline, tie-breaker, handle) entries; the timer is armed for the earliest.
+    Entries are dropped lazily: when their time comes, or, since a run usually ends long before
+    its deadline, in a sweep once outdated entries outnumber the guarded handles. Tuples
+    compare in C; asyncio's own timers compare in Python.
+    """
+
+    _BY_LOOP: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LeaseDeadlines]] = (
+        weakref.WeakKeyDictionary()
+    )
+    SWEEP_MINIMUM = 1024
+    """Outdated entries tolerated before a sweep, however few handles are guarded."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._heap: list[tuple[float, int, LeaseHandle]] = []
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._guarded = 0
+
+    @classmethod
+    def of_running_loop(cls) -> LeaseDeadlines:
+        loop = asyncio.get_running_loop()
+        deadlines = cls._BY_LOOP.get(loop)
+        if deadlines is None:
+            deadlines = cls._BY_LOOP[loop] = cls(loop)
+        return deadlines
+
+    def file(self, handle: LeaseHandle) -> None:
+        """Watch ``handle`` until its deadline (re-filing replaces the earlier entry)."""
+        if handle.scheduled_at is None:
+            self._guarded += 1
+        when = handle.deadline
+        handle.scheduled_at = when
+        heapq.heappush(self._heap, (when, next(self._order), handle))
+        if self._timer is None or when < self._timer.when():
+            self._arm(when)
+        elif len(self._heap) > 2 * self._guarded + self.SWEEP_MINIMUM:
+            self._sweep()
+
+    def forget(self, handle: LeaseHandle) -> None:
+        """Stop watching ``handle``; its entry is dropped later."""
+        handle.scheduled_at = None
+        self._guarded -= 1
+
+    def __len__(self) -> int:
+        """Handles watched now."""
+        return self._guarded
+
+    def _sweep(self) -> None:
+        self._heap = [entry for entry in self._heap if entry[2].scheduled_at == entry[0]]
+        heapq.heapify(self._heap)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            when, _, handle = heapq.heappop(heap)
+            if handle.scheduled_at != when:
+                continue  # outdated: re-filed under another time, or no longer guarded
+            handle.scheduled_at = None
+            self._guarded -= 1
+            if not handle.deadline_reached(now):
+                self.file(handle)
+        if heap:
+            self._arm(heap[0][0])
 
 
 class LeaseKeeper:
@@ -132,14 +225,18 @@ class LeaseKeeper:
         self.heartbeat_seconds = heartbeat_seconds
         self.metrics = metrics
         self.handles: dict[str, LeaseHandle] = {}
+        self._deadlines: LeaseDeadlines | None = None
         self.failures = 0
 
     def track(self, claimed: ClaimedRun, *, sent_at: float, lease_seconds: float) -> LeaseHandle:
+        if self._deadlines is None:
+            self._deadlines = LeaseDeadlines.of_running_loop()
         handle = LeaseHandle(
             lease=claimed.lease,
             lease_seconds=lease_seconds,
             lease_until=claimed.lease_until,
             confirmed_sent_at=sent_at,
+            deadlines=self._deadlines,
         )
         self.handles[claimed.run_id] = handle
         return handle

@@ -1,22 +1,61 @@
-"""Compact, strict JSON text from one shared encoder.
+"""Compact, strict JSON text in and out, through the C parts of ``json`` called directly.
 
 ``json.dumps`` with any non-default argument (``separators``, ``allow_nan``) builds a new
-``JSONEncoder`` on every call; four such calls per run were 14% of a saturated worker's time
-(benchmarks/README.md, throughput.py). Strict: NaN and infinities are refused, as PostgreSQL's
-jsonb refuses them too, so the error comes early and names the value's owner.
+``JSONEncoder`` on every call, and even a shared encoder's ``encode`` builds a new C encoder
+per call; ``json.loads`` runs two regular-expression matches and three Python-level calls around
+its C scanner. For the small documents a worker moves for every run (a run's input, a step's
+result) that wrapping was most of the cost: 1.3 µs against 0.4 to encode ``{"ok": true}``,
+0.9 against 0.2 to decode ``{}`` (benchmarks/README.md, throughput.py). So one C encoder and
+one C scanner are built once and called directly; anything unusual falls back to ``json``.
+
+Strict: NaN and infinities are refused, as PostgreSQL's jsonb refuses them too, so the error
+comes early and names the value's owner.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import json.scanner
+from json import encoder as _encoder
+from typing import Any, cast
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_REFERENCE = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_ENCODE: Any = getattr(_encoder, "c_make_encoder", None)
+if _ENCODE is not None:
+    # (markers, default, string encoder, indent, key separator, item separator, sort_keys,
+    # skipkeys, allow_nan), as JSONEncoder.iterencode passes them. No markers dict: circular
+    # structures end in RecursionError, reported below as what they are.
+    _ENCODE = _ENCODE(
+        None,
+        _REFERENCE.default,
+        _encoder.encode_basestring_ascii,
+        None,
+        ":",
+        ",",
+        False,
+        False,
+        False,
+    )
+_SCAN: Any = json.scanner.make_scanner(cast(Any, json.JSONDecoder()))
 
 
 def compact(value: Any) -> str:
     """``value`` as compact JSON; ``TypeError``/``ValueError`` if it is not JSON."""
-    return _COMPACT.encode(value)
+    if _ENCODE is None:  # an interpreter without the C accelerator
+        return _REFERENCE.encode(value)
+    try:
+        return "".join(_ENCODE(value, 0))
+    except RecursionError:
+        raise ValueError("circular reference detected (or nesting too deep)") from None
+
+
+def parse(text: str) -> Any:
+    """The value of the JSON document ``text`` (``json.JSONDecodeError`` if it is not one)."""
+    try:
+        value, end = _SCAN(text, 0)
+    except StopIteration:
+        return json.loads(text)  # raises the usual, precise error
+    return value if end == len(text) else json.loads(text)
 
 
 def utf8_size(text: str) -> int:

@@ -6,7 +6,7 @@ second (benchmarks/README.md, throughput.py). ``RunTasks`` keeps the guarantee t
 from the task group: it lives as a task *in* the supervisor's group, and when that group ends,
 for whatever reason, every run task still going is cancelled and awaited before the group
 exits, so no run outlives its worker. A run task must not raise: ``Supervisor._execute``
-catches and logs everything below ``BaseException``; anything else is logged here.
+catches and logs everything below ``BaseException``, and calls ``done`` as it ends.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from collections.abc import Coroutine
 from typing import Any
 
 import anyio
-import structlog
-
-log = structlog.get_logger("orchestrator.supervisor")
 
 STOP_SECONDS = 10.0
 """How long the end of the group waits for cancelled run tasks (their cleanup is bounded)."""
@@ -32,22 +29,23 @@ class RunTasks:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def start(self, coroutine: Coroutine[Any, Any, None]) -> None:
+    def start(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Start a run's task; the coroutine calls ``done`` with it when it ends.
+
+        No wrapper coroutine and no done callback: each would cost a frame on every resume or
+        an event-loop turn per run. The task is returned before it first runs, so its owner
+        can hand it to the run's scope (which cancels it when ownership is lost).
+        """
         if self._closed:
             coroutine.close()
             raise RuntimeError("the worker's run tasks are closed: no run can start now")
-        self._tasks.add(asyncio.get_running_loop().create_task(self._run(coroutine)))
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        return task
 
-    async def _run(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        # A wrapper rather than a done callback: one event-loop turn less per run.
-        try:
-            await coroutine
-        except Exception as error:
-            log.error("run task failed", error=repr(error))
-        finally:
-            task = asyncio.current_task()
-            if task is not None:
-                self._tasks.discard(task)
+    def done(self, task: asyncio.Task[None]) -> None:
+        """The run's task is ending: it no longer needs ending with the group."""
+        self._tasks.discard(task)
 
     async def host(self) -> None:
         """Run in the supervisor's task group until it ends; then end every run task."""

@@ -14,9 +14,9 @@ import asyncio
 import functools
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 from opentelemetry.trace import Status, StatusCode
@@ -83,20 +83,60 @@ _OUTCOME_ATTRIBUTES: dict[type, dict[str, str]] = {
 }
 """Metric attributes per outcome type, built once (not a dict and a string per step)."""
 
+_DISPOSITION_ATTRIBUTES: dict[str, dict[str, str]] = {
+    disposition: {DISPOSITION: disposition} for disposition in ("succeeded", "failed", LOST)
+}
+
 
 def _outcome_attributes(outcome: Outcome) -> dict[str, str]:
+    attributes = _OUTCOME_ATTRIBUTES.get(type(outcome))
+    if attributes is not None:
+        return attributes
     for kind in (Next, Finish, Fail):  # a subclass of an outcome counts as that outcome
         if isinstance(outcome, kind):
             return _OUTCOME_ATTRIBUTES[kind]
     return {"outcome": type(outcome).__name__.lower()}
 
 
-@dataclass(frozen=True, slots=True)
-class Encoded:
+class Encoded(NamedTuple):
     """A step outcome's JSON as validated: sent to the database as it is."""
 
-    result: str | None = None
-    checkpoint: str | None = None
+    result: str | None
+    checkpoint: str | None
+
+
+def _encoded(value: JSON, what: str, limit: int) -> str | None:
+    # None stays SQL NULL (for a final checkpoint: keep the last one).
+    return None if value is None else encode_json(value, what=what, max_bytes=limit)
+
+
+def _validate_effects(effects: Sequence[Effect], limit: int) -> None:
+    for effect in effects:
+        if not isinstance(effect, Effect):
+            raise TypeError(f"effects must be Effect objects, not {type(effect).__name__}")
+        validate_json(effect.payload, what=f"effect {effect.key} payload", max_bytes=limit)
+
+
+def _ids(claimed: ClaimedRun, worker_id: str) -> dict[str, str | int]:
+    return {RUN_ID: claimed.run_id, RUN_FENCE: claimed.fence, WORKER_ID: worker_id}
+
+
+def _log_context(claimed: ClaimedRun, worker_id: str) -> dict[str, str | int]:
+    return {**_ids(claimed, worker_id), "agent": claimed.agent}
+
+
+@dataclass(frozen=True, slots=True)
+class RunServices:
+    """What every run scope of one worker shares: built once, handed to each scope."""
+
+    store: RunStore
+    committer: GroupCommitter
+    keeper: LeaseKeeper
+    registry: AgentRegistry
+    config: RunnerConfig
+    metrics: Metrics
+    draining: Callable[[], bool]
+    """Whether the worker is shutting down (no new step then: the lease is given back)."""
 
 
 class RunScope:
@@ -106,36 +146,35 @@ class RunScope:
         self,
         claimed: ClaimedRun,
         handle: LeaseHandle,
-        *,
-        store: RunStore,
-        committer: GroupCommitter,
-        keeper: LeaseKeeper,
-        registry: AgentRegistry,
-        config: RunnerConfig,
-        metrics: Metrics,
-        draining: Callable[[], bool],
+        services: RunServices,
         effects: EffectView | None = None,
     ) -> None:
-        self.effects = effects
         self.claimed = claimed
         self.handle = handle
-        self.store = store
-        self.committer = committer
-        self.keeper = keeper
-        self.registry = registry
-        self.config = config
-        self.metrics = metrics
-        self.draining = draining
+        self.effects = effects
+        self.store = services.store
+        self.committer = services.committer
+        self.keeper = services.keeper
+        self.registry = services.registry
+        self.config = services.config
+        self.metrics = services.metrics
+        self.draining = services.draining
         self.shutdown_requested = False
-        self._task: asyncio.Task[Any] | None = None
+        self.task: asyncio.Task[None] | None = None
+        """The run's own task, which this scope cancels; set by whoever starts it (or found
+        when ``execute`` starts)."""
         self._in_steps = False
         self._cancel_requested = False
-        self.ids: dict[str, str | int] = {
-            RUN_ID: claimed.run_id,
-            RUN_FENCE: claimed.fence,
-            WORKER_ID: config.worker_id,
-        }
-        self.log = RunLogger("orchestrator.run", {**self.ids, "agent": claimed.agent})
+        # A function of the claim, not a method: a bound method would tie the scope into a
+        # reference cycle, left for the garbage collector instead of freed when the run ends.
+        self.log = RunLogger(
+            "orchestrator.run", functools.partial(_log_context, claimed, self.config.worker_id)
+        )
+
+    @property
+    def ids(self) -> dict[str, str | int]:
+        """The ids every span and log line about this run carries (built only when needed)."""
+        return _ids(self.claimed, self.config.worker_id)
 
     def stop_now(self) -> None:
         """Shutdown grace is over: cancel the step and give the lease back."""
@@ -155,16 +194,21 @@ class RunScope:
         if (
             self._in_steps
             and not self._cancel_requested
-            and self._task is not None
-            and asyncio.current_task() is not self._task
+            and self.task is not None
+            and asyncio.current_task() is not self.task
         ):
             self._cancel_requested = True
-            self._task.cancel("the run's scope was cancelled")
+            self.task.cancel("the run's scope was cancelled")
 
     async def execute(self) -> str:
         disposition = LOST
-        self._task = asyncio.current_task()
-        with start_span(f"run {self.claimed.agent}", attributes=self._run_attributes) as span:
+        if self.task is None:
+            self.task = asyncio.current_task()
+        with (
+            start_span(f"run {self.claimed.agent}", attributes=self._run_attributes)
+            if tracing_enabled()
+            else NO_SPAN
+        ) as span:
             try:
                 self._in_steps = True
                 try:
@@ -177,8 +221,8 @@ class RunScope:
                         raise  # not (only) ours: the worker itself is being cancelled
                 finally:
                     self._in_steps = False
-                    if self._cancel_requested and self._task is not None:
-                        self._task.uncancel()
+                    if self._cancel_requested and self.task is not None:
+                        self.task.uncancel()
             finally:
                 self.keeper.untrack(self.handle)
                 if self.shutdown_requested and not self.handle.lost and disposition == LOST:
@@ -189,7 +233,9 @@ class RunScope:
             span.set_attribute(DISPOSITION, disposition)
             if disposition == LOST:
                 span.set_status(Status(StatusCode.ERROR, self.handle.lost_reason or "lost"))
-        self.metrics.runs_finished.add(1, {DISPOSITION: disposition})
+        self.metrics.runs_finished.add(
+            1, _DISPOSITION_ATTRIBUTES.get(disposition) or {DISPOSITION: disposition}
+        )
         return disposition
 
     def _ownership_lost(self) -> bool:
@@ -198,7 +244,7 @@ class RunScope:
         return self.handle.lost
 
     def _cancelling(self) -> int:
-        return self._task.cancelling() if self._task is not None else 0
+        return self.task.cancelling() if self.task is not None else 0
 
     def _step_attributes(self, version: int, step: str) -> dict[str, str | int]:
         return {**self.ids, CHECKPOINT_VERSION: version, "step.name": step}
@@ -340,34 +386,25 @@ class RunScope:
 
     def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> Encoded:
         """Check the step's outcome; returns its JSON, encoded once here for the commit."""
-        if not isinstance(outcome, Next | Finish | Fail):
-            raise TypeError(
-                f"a step must return Next, Finish or Fail, not {type(outcome).__name__}"
-            )
         limit = self.config.max_checkpoint_bytes
-
-        def encoded(value: JSON, what: str) -> str | None:
-            # None stays SQL NULL (for a final checkpoint: keep the last one), as before.
-            return None if value is None else encode_json(value, what=what, max_bytes=limit)
-
-        if isinstance(outcome, Fail):
-            encoded(outcome.details, "failure details")
-            return Encoded()
-        for effect in outcome.effects:
-            if not isinstance(effect, Effect):
-                raise TypeError(f"effects must be Effect objects, not {type(effect).__name__}")
-            validate_json(effect.payload, what=f"effect {effect.key} payload", max_bytes=limit)
+        if isinstance(outcome, Finish):
+            _validate_effects(outcome.effects, limit)
+            return Encoded(
+                _encoded(outcome.result, "result", limit),
+                _encoded(outcome.checkpoint, "checkpoint", limit),
+            )
         if isinstance(outcome, Next):
+            _validate_effects(outcome.effects, limit)
             if outcome.step_name not in agent_steps:
                 raise LookupError(
                     f"Next names step {outcome.step_name!r}, which agent "
                     f"{self.claimed.agent} does not have"
                 )
-            return Encoded(checkpoint=encoded(outcome.checkpoint, "checkpoint"))
-        return Encoded(
-            result=encoded(outcome.result, "result"),
-            checkpoint=encoded(outcome.checkpoint, "checkpoint"),
-        )
+            return Encoded(None, _encoded(outcome.checkpoint, "checkpoint", limit))
+        if isinstance(outcome, Fail):
+            _encoded(outcome.details, "failure details", limit)
+            return Encoded(None, None)
+        raise TypeError(f"a step must return Next, Finish or Fail, not {type(outcome).__name__}")
 
     async def _fail_attempt(self, error: BaseException) -> str:
         self.handle.finishing = True

@@ -19,9 +19,9 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
@@ -35,9 +35,12 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
 _STEP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 
 
-@dataclass(frozen=True)
-class StepContext:
-    """What a step may read. Everything here came from the database at claim time."""
+class StepContext(NamedTuple):
+    """What a step may read. Everything here came from the database at claim time.
+
+    Immutable. A NamedTuple rather than a frozen dataclass: a worker builds one per step,
+    thousands per second, and a frozen dataclass of this size costs about three times as much.
+    """
 
     run_id: str
     agent: str
@@ -50,9 +53,9 @@ class StepContext:
     checkpoint: JSON
     checkpoint_version: int
     lease_until: datetime
-    log: Any = field(repr=False, compare=False)
+    log: Any = None
     """A structlog logger bound with run.id, run.fence, worker.id and the step name."""
-    effects: EffectView | None = field(default=None, repr=False, compare=False)
+    effects: EffectView | None = None
     """Read and await the outcomes of effects that earlier steps of this run requested."""
 
 

@@ -38,9 +38,8 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffects
 from orchestrator.group_commit import GroupCommitter
 from orchestrator.heartbeat import LeaseKeeper
-from orchestrator.models import ClaimedRun
 from orchestrator.run_tasks import RunTasks
-from orchestrator.runner import RunnerConfig, RunScope
+from orchestrator.runner import RunnerConfig, RunScope, RunServices
 from orchestrator.settings import Settings
 from orchestrator.steps import AgentRegistry
 from orchestrator.store import RunStore, WorkerRegistry
@@ -177,6 +176,15 @@ class Supervisor:
         self.committer = GroupCommitter(
             self.store, self.worker_id, statement_seconds=self.runner_config.statement_seconds
         )
+        self.run_services = RunServices(
+            store=self.store,
+            committer=self.committer,
+            keeper=self.keeper,
+            registry=self.config.agents,
+            config=self.runner_config,
+            metrics=self.metrics,
+            draining=self._is_draining,
+        )
         liveness: asyncpg.Connection | None = None
         try:
             liveness = await self._register(dsn)
@@ -234,7 +242,7 @@ class Supervisor:
                 # Let a few more slots free up (a few milliseconds at most) and claim together.
                 await anyio.sleep(COALESCE_SECONDS)
                 capacity = self.config.concurrency - len(self.active)
-            claimed: list[tuple[ClaimedRun, RunScope]] = []
+            claimed: list[RunScope] = []
             if capacity > 0:
                 try:
                     claimed = await self._claim(min(capacity, self.config.claim_batch))
@@ -247,14 +255,14 @@ class Supervisor:
                         self.log.warning("database unavailable; claiming paused", error=str(error))
                     await anyio.sleep(min(self.config.poll_seconds * failures, 5.0))
                     continue
-            for run, scope in claimed:
-                self.run_tasks.start(self._execute(run, scope))
+            for scope in claimed:
+                scope.task = self.run_tasks.start(self._execute(scope))
             if claimed and len(claimed) == min(capacity, self.config.claim_batch):
                 continue  # there may be more due runs: claim again before sleeping
             with anyio.move_on_after(self.config.poll_seconds):
                 await self._wake.wait()
 
-    async def _claim(self, limit: int) -> list[tuple[ClaimedRun, RunScope]]:
+    async def _claim(self, limit: int) -> list[RunScope]:
         sent_at = anyio.current_time()
         with start_span("claim", attributes={WORKER_ID: self.worker_id}) as span:
             async with pooled(self.store.pool, within=self.runner_config.statement_seconds) as db:
@@ -268,7 +276,7 @@ class Supervisor:
             span.set_attribute("claimed", len(batch.claimed))
         for run_id in batch.dead_lettered:
             self.log.warning("dead-lettered: lease expired on the last attempt", **{RUN_ID: run_id})
-        result: list[tuple[ClaimedRun, RunScope]] = []
+        result: list[RunScope] = []
         debug = debug_enabled()
         for run in batch.claimed:
             handle = self.keeper.track(
@@ -290,14 +298,8 @@ class Supervisor:
             scope = RunScope(
                 run,
                 handle,
-                store=self.store,
-                committer=self.committer,
-                keeper=self.keeper,
-                registry=self.config.agents,
-                config=self.runner_config,
-                metrics=self.metrics,
-                draining=self._is_draining,
-                effects=RunEffects(
+                self.run_services,
+                RunEffects(
                     self.effect_store,
                     run.run_id,
                     self.effect_waiters,
@@ -305,20 +307,24 @@ class Supervisor:
                 ),
             )
             self.active[run.run_id] = scope
-            result.append((run, scope))
+            result.append(scope)
         return result
 
-    async def _execute(self, run: ClaimedRun, scope: RunScope) -> None:
+    async def _execute(self, scope: RunScope) -> None:
+        """The body of a run's task (see ``RunTasks``): the scope, then the worker's accounts."""
+        run_id = scope.claimed.run_id
         try:
             disposition = await scope.execute()
         except Exception as error:  # a bug in the runtime must not take the worker down
-            self.log.exception("run scope crashed", **{RUN_ID: run.run_id}, error=str(error))
+            self.log.exception("run scope crashed", **{RUN_ID: run_id}, error=str(error))
             disposition = "crashed"
         finally:
-            if self.active.get(run.run_id) is scope:
-                del self.active[run.run_id]
+            if self.active.get(run_id) is scope:
+                del self.active[run_id]
             if not self.active:
                 self._idle.set()
+            if scope.task is not None:
+                self.run_tasks.done(scope.task)
             self.wake()
         self.counters.finished[disposition] = self.counters.finished.get(disposition, 0) + 1
 

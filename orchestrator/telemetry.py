@@ -145,7 +145,10 @@ class RunLogger:
     __slots__ = ("_bound", "_context", "_more", "_name")
 
     def __init__(
-        self, name: str, context: dict[str, Any], more: dict[str, Any] | None = None
+        self,
+        name: str,
+        context: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        more: dict[str, Any] | None = None,
     ) -> None:
         self._name = name
         self._context = context
@@ -163,9 +166,8 @@ class RunLogger:
 
     def _logger(self) -> Any:
         if self._bound is None:
-            self._bound = structlog.get_logger(self._name).bind(
-                **self._context, **(self._more or {})
-            )
+            context = self._context() if callable(self._context) else self._context
+            self._bound = structlog.get_logger(self._name).bind(**context, **(self._more or {}))
         return self._bound
 
     def __getattr__(self, method: str) -> Any:

@@ -6,12 +6,17 @@
 -- parameters) to runs and must reach each run through runs_pkey, one lookup per batch row. So
 -- the batch is a MATERIALIZED CTE that also carries the owner, and every condition on the run
 -- compares it with a batch column: the planner then has no condition on runs alone to
--- misjudge. "Running" is said as `lease_owner = owner AND lease_until > clock_timestamp()`,
--- which the runs_lease_matches_state CHECK makes equivalent to state = 'running' plus those
--- conditions. Written the plain way (`lease_owner = $1 AND state = 'running'`), the planner
--- estimated one matching run from statistics taken before this worker existed, drove the join
--- from the runs_running index or a sequential scan, and re-read the whole batch once per
--- running run: 89 µs per finished run instead of 36 (benchmarks/README.md, throughput.py).
+-- misjudge. "Running" is said as `lease_owner = owner AND lease_until > now`, which the
+-- runs_lease_matches_state CHECK makes equivalent to state = 'running' plus those conditions;
+-- `now` is the batch's column holding clock_timestamp() as the statement reads its batch, a
+-- moment before it reaches the rows (a race with a claimer is decided by the row lock and the
+-- fence, as for every write). Written the plain way (`lease_owner = $1 AND state = 'running'`),
+-- the planner estimated one matching run from statistics taken before this worker existed,
+-- drove the join from the runs_running index or a sequential scan, and re-read the whole batch
+-- once per running run: 89 µs per finished run instead of 36. With `lease_until >
+-- clock_timestamp()` still on runs alone, statistics taken while every lease was NULL said no
+-- lease is unexpired, and each batch hashed a sequential scan of the whole table: 2-3 ms per
+-- batch at 20,000 runs (benchmarks/README.md, throughput.py).
 
 -- submit_run --
 -- Insert a queued run and its "submitted" event, and wake claimers, in one statement. Returns no
@@ -189,15 +194,15 @@ RETURNING run_id, lease_until
 -- seconds. Each run's own owner, fence, running state and expiry conditions are checked (see
 -- BATCHED WRITES); the rows returned are the leases that held.
 WITH batch AS MATERIALIZED (
-    SELECT l.run_id, l.fence, l.lease_seconds, $4::text AS owner
+    SELECT l.run_id, l.fence, l.lease_seconds, $4::text AS owner, clock_timestamp() AS now
     FROM unnest($1::text[], $2::bigint[], $3::float8[]) AS l(run_id, fence, lease_seconds)
 )
 UPDATE runs AS r
 SET lease_until = clock_timestamp() + make_interval(secs => l.lease_seconds),
     updated_at = clock_timestamp()
 FROM batch AS l
-WHERE r.run_id = l.run_id AND r.lease_owner = l.owner AND r.fence = l.fence
-  AND r.lease_until > clock_timestamp()
+WHERE r.run_id = ANY($1::text[]) AND r.run_id = l.run_id AND r.lease_owner = l.owner
+  AND r.fence = l.fence AND r.lease_until > l.now
 RETURNING r.run_id, r.lease_until
 
 -- commit_step --
@@ -415,7 +420,7 @@ SELECT run_id, fence, lease_owner, (SELECT count(*) FROM woken) AS notified FROM
 -- rows returned are the runs whose commit took effect.
 WITH input AS MATERIALIZED (
     SELECT u.run_id, u.fence, u.expected_version, u.next_step, u.checkpoint::jsonb AS checkpoint,
-           u.events::jsonb AS events, $1::text AS owner
+           u.events::jsonb AS events, $1::text AS owner, clock_timestamp() AS now
     FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[])
         AS u(run_id, fence, expected_version, next_step, checkpoint, events)
 ), committed AS (
@@ -424,8 +429,9 @@ WITH input AS MATERIALIZED (
         checkpoint_version = r.checkpoint_version + 1, attempt = 1,
         updated_at = clock_timestamp()
     FROM input AS u
-    WHERE r.run_id = u.run_id AND r.lease_owner = u.owner AND r.fence = u.fence
-      AND r.lease_until > clock_timestamp() AND r.checkpoint_version = u.expected_version
+    WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
+      AND r.fence = u.fence AND r.lease_until > u.now
+      AND r.checkpoint_version = u.expected_version
     RETURNING r.run_id, r.fence, r.checkpoint_version, r.lease_until, u.events
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
@@ -445,7 +451,8 @@ SELECT run_id, checkpoint_version, lease_until FROM committed
 -- runs that were finished; a single finish is a batch of one.
 WITH input AS MATERIALIZED (
     SELECT u.run_id, u.fence, u.expected_version, u.state, u.result::jsonb AS result,
-           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, $1::text AS owner
+           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, $1::text AS owner,
+           clock_timestamp() AS now
     FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[],
                 $8::text[])
         AS u(run_id, fence, expected_version, state, result, error, checkpoint)
@@ -457,8 +464,9 @@ WITH input AS MATERIALIZED (
         checkpoint_version = r.checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
         updated_at = clock_timestamp(), finished_at = clock_timestamp()
     FROM input AS u
-    WHERE r.run_id = u.run_id AND r.lease_owner = u.owner AND r.fence = u.fence
-      AND r.lease_until > clock_timestamp() AND r.checkpoint_version = u.expected_version
+    WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
+      AND r.fence = u.fence AND r.lease_until > u.now
+      AND r.checkpoint_version = u.expected_version
     RETURNING r.run_id, r.fence, r.state, r.checkpoint_version, u.error
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
