@@ -286,12 +286,13 @@ class RunStore:
 
     @staticmethod
     def _claim_batch(records: Sequence[Row], worker_id: str) -> ClaimBatch:
-        claimed = [
-            ClaimedRun.from_record(record, worker_id)
-            for record in records
-            if record["outcome"] == "claimed"
-        ]
-        dead = [record["run_id"] for record in records if record["outcome"] == "dead_lettered"]
+        claimed: list[ClaimedRun] = []
+        dead: list[str] = []
+        for record in records:
+            if record["outcome"] == "claimed":
+                claimed.append(ClaimedRun.from_record(record, worker_id))
+            else:
+                dead.append(record["run_id"])
         return ClaimBatch(claimed=claimed, dead_lettered=dead)
 
     async def renew(

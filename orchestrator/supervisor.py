@@ -125,6 +125,8 @@ class Supervisor:
         self.ready = anyio.Event()
         self.effect_waiters = EffectWaiters()
         self.log = log.bind(**{WORKER_ID: self.worker_id})
+        self._agent_attributes = {name: {"agent": name} for name in config.agents.names}
+        """Metric attributes per agent, built once (not a dict per claimed run)."""
 
     # -- control ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -283,7 +285,7 @@ class Supervisor:
                 run, sent_at=sent_at, lease_seconds=self.config.lease_seconds
             )
             self.counters.claimed += 1
-            self.metrics.claims.add(1, {"agent": run.agent})
+            self.metrics.claims.add(1, self._agent_attributes[run.agent])
             if run.previous_lease_until is not None:
                 recovery = (run.claimed_at - run.previous_lease_until).total_seconds()
                 self.metrics.recovery_seconds.record(max(recovery, 0.0))
