@@ -36,6 +36,8 @@ class EffectWaiters:
 class RunEffects:
     """``ctx.effects`` for one run."""
 
+    __slots__ = ("poll_seconds", "run_id", "store", "waiters")
+
     def __init__(
         self, store: EffectStore, run_id: str, waiters: EffectWaiters, *, poll_seconds: float
     ) -> None:

@@ -142,6 +142,24 @@ class RunServices:
 class RunScope:
     """Executes one claimed run until it finishes, fails, is released, or ownership is lost."""
 
+    __slots__ = (
+        "_cancel_requested",
+        "_in_steps",
+        "claimed",
+        "committer",
+        "config",
+        "draining",
+        "effects",
+        "handle",
+        "keeper",
+        "log",
+        "metrics",
+        "registry",
+        "shutdown_requested",
+        "store",
+        "task",
+    )
+
     def __init__(
         self,
         claimed: ClaimedRun,
