@@ -44,7 +44,7 @@ default, no ``max_concurrent_tasks``, with each batch size: the cap adds work to
 query, and a peer is compared at its best). Procrastinate
 fetches one job per statement and has no batch setting; it runs once at
 ``--procrastinate-concurrency`` (100). Then each of orchestrator's and PgQueuer's best
-settings is measured ``--rounds`` (5) more times, alternating, and the orchestrator/PgQueuer
+settings is measured ``--rounds`` (7) more times, alternating, and the orchestrator/PgQueuer
 ratio is the median of those rounds' ratios (the grid round chose the settings and is not
 reused for the ratio). orchestrator/Procrastinate is the median of orchestrator's rounds over
 Procrastinate's single figure.
@@ -936,7 +936,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         default=100,
         help="Procrastinate's worker concurrency; 0 leaves Procrastinate out (a quicker run)",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the best settings")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of the best settings")
     parser.add_argument(
         "--max-seconds", type=float, default=90.0, help="time bound of one measurement"
     )
