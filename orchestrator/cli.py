@@ -333,6 +333,14 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     help="Claim runs of workers whose database session is gone before their lease ends.",
 )
 @click.option(
+    "--reap-seconds",
+    type=click.FloatRange(0.05),
+    default=1.0,
+    show_default=True,
+    help="How often this worker looks for workers whose session is gone (with --takeover): "
+    "a killed worker's runs are claimed elsewhere within about this long.",
+)
+@click.option(
     "--effects-config",
     envvar="ORCHESTRATOR_EFFECTS_CONFIG",
     type=click.Path(dir_okay=False),
@@ -358,6 +366,7 @@ def serve(
     grace_seconds: float,
     status_seconds: float,
     takeover: bool,
+    reap_seconds: float,
     effects_config: str | None,
     dispatch: bool,
     log_json: bool | None,
@@ -391,6 +400,7 @@ def serve(
             grace_seconds=grace_seconds,
             status_seconds=status_seconds,
             dead_session_takeover=takeover,
+            reap_seconds=reap_seconds,
             effect_adapters=adapters,
         )
         try:

@@ -82,6 +82,8 @@ class WorkerConfig:
     def validate(self) -> None:
         if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if self.reap_seconds <= 0:
+            raise ValueError("the reaper interval must be positive (it is a sleep between looks)")
         if self.heartbeat_seconds * 2 > self.lease_seconds:
             raise ValueError(
                 f"heartbeat every {self.heartbeat_seconds}s is too slow for a "

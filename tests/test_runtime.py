@@ -232,6 +232,12 @@ def test_worker_config_refuses_a_heartbeat_too_slow_for_the_lease() -> None:
         Supervisor(Settings(), config)
 
 
+def test_worker_config_refuses_a_reaper_interval_that_is_not_positive() -> None:
+    config = WorkerConfig(agents=AgentRegistry([noop]), reap_seconds=0)
+    with pytest.raises(ValueError, match="reaper interval must be positive"):
+        Supervisor(Settings(), config)
+
+
 async def test_serve_refuses_a_schema_newer_than_its_code(
     settings: Settings, store: RunStore
 ) -> None:
@@ -262,6 +268,8 @@ def test_serve_usage_errors(database_url: str) -> None:
         "--agents", "orchestrator.agents.noop", "--lease-seconds", "3", "--heartbeat-seconds", "2"
     )
     assert slow.returncode == 1 and "renew at least twice" in slow.stderr
+    no_reaper = serve("--agents", "orchestrator.agents.noop", "--reap-seconds", "0")
+    assert no_reaper.returncode == 2 and "--reap-seconds" in no_reaper.stderr
 
 
 class SwallowsCancellation(Step):
