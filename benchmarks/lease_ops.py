@@ -84,7 +84,8 @@ WITH expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
            attempt >= max_attempts AS exhausted
     FROM runs
-    WHERE state = 'running' AND agent = ANY($2::text[]) AND lease_until < clock_timestamp()
+    WHERE $5::boolean AND state = 'running' AND agent = ANY($2::text[])
+      AND lease_until < clock_timestamp()
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), due AS (
@@ -158,12 +159,16 @@ RETURNING run_id, lease_until
 """
 
 RENEW_LEASES_SQL = """
+WITH batch AS MATERIALIZED (
+    SELECT l.run_id, l.fence, l.lease_seconds, $4::text AS owner, clock_timestamp() AS now
+    FROM unnest($1::text[], $2::bigint[], $3::float8[]) AS l(run_id, fence, lease_seconds)
+)
 UPDATE runs AS r
 SET lease_until = clock_timestamp() + make_interval(secs => l.lease_seconds),
     updated_at = clock_timestamp()
-FROM unnest($1::text[], $2::bigint[], $3::float8[]) AS l(run_id, fence, lease_seconds)
-WHERE r.run_id = l.run_id AND r.lease_owner = $4 AND r.fence = l.fence AND r.state = 'running'
-  AND r.lease_until > clock_timestamp()
+FROM batch AS l
+WHERE r.run_id = ANY($1::text[]) AND r.run_id = l.run_id AND r.lease_owner = l.owner
+  AND r.fence = l.fence AND r.lease_until > l.now
 RETURNING r.run_id, r.lease_until
 """
 
@@ -393,7 +398,9 @@ def claim_case(ctx: Context, limit: int, total: int) -> Case:
                 for _ in range(statements_bound):
                     if claimed[0] >= wanted or time.perf_counter() > deadline:
                         break
-                    records = await pool.fetch(CLAIM_DUE_SQL, me, agents, limit, LEASE_SECONDS)
+                    records = await pool.fetch(
+                        CLAIM_DUE_SQL, me, agents, limit, LEASE_SECONDS, True
+                    )
                     statements += 1
                     got = sum(1 for record in records if record["outcome"] == "claimed")
                     if not got:

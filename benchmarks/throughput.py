@@ -454,9 +454,7 @@ async def measure(
             )
         done, timed_out = await wait_for_done(connection, system, jobs, child, meter, bench.config)
         last = meter.sample()
-        wal_bytes = await connection.fetchval(
-            "SELECT pg_current_wal_lsn() - $1::pg_lsn", wal_start
-        )
+        wal_bytes = await connection.fetchval("SELECT pg_current_wal_lsn() - $1::pg_lsn", wal_start)
         finished_at = await connection.fetchval(system.last_done_sql)
         if spy is not None:
             spy.send_signal(signal.SIGINT)

@@ -258,13 +258,18 @@ class RunStore:
         *,
         limit: int = 1,
         lease_seconds: float = 45.0,
+        include_expired: bool = True,
         db: Executor | None = None,
     ) -> ClaimBatch:
-        """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement."""
+        """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement.
+
+        ``include_expired=False`` claims due runs only, without reading the running set to find
+        expired leases (see claim_due in sql/queries.sql).
+        """
         # Each agent is probed once; a repeated name would fill the limit with duplicates.
         unique_agents = list(dict.fromkeys(agents))
         records = await (db or self.pool).fetch(
-            query("claim_due"), worker_id, unique_agents, limit, lease_seconds
+            query("claim_due"), worker_id, unique_agents, limit, lease_seconds, include_expired
         )
         return self._claim_batch(records, worker_id)
 

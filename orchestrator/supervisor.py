@@ -56,6 +56,11 @@ log = structlog.get_logger("orchestrator.supervisor")
 
 RUNS_CHANNEL = "orchestrator_runs"
 COALESCE_SECONDS = 0.005
+EXPIRED_LOOK_SECONDS = 1.0
+"""Finding expired leases reads every running run of the worker's agents (claim_due). A claim
+loop looks when it was idle, when a notification says leases may have ended (a reaper's
+takeover, a release: the runs channel), and otherwise at least this often; a loop that claims
+batch after batch skips the scan in between (0.1-1.4 ms per claim at 1,000-10,000 running)."""
 CANCEL_CHANNEL = "orchestrator_cancel"
 
 
@@ -123,6 +128,7 @@ class Supervisor:
         self.draining = False
         self._stop = anyio.Event()
         self._wake = anyio.Event()
+        self._look_for_expired = True
         self._idle = anyio.Event()
         self.ready = anyio.Event()
         self.effect_waiters = EffectWaiters()
@@ -140,7 +146,11 @@ class Supervisor:
     def _is_draining(self) -> bool:
         return self.draining
 
-    def wake(self) -> None:
+    def wake(self, *, leases_may_have_ended: bool = False) -> None:
+        """Wake the claim loop; ``leases_may_have_ended``: its next claim looks for expired
+        leases even if it is busy (a reaper ended some, or another worker released runs)."""
+        if leases_may_have_ended:
+            self._look_for_expired = True
         self._wake.set()
 
     # -- main ---------------------------------------------------------------------------------
@@ -238,6 +248,7 @@ class Supervisor:
     async def _claim_loop(self) -> None:
         failures = 0
         full_batch = min(self.config.concurrency, self.config.claim_batch)
+        expired_looked_at = -EXPIRED_LOOK_SECONDS
         while not self.draining:
             self._wake = anyio.Event()
             capacity = self.config.concurrency - len(self.active)
@@ -248,8 +259,16 @@ class Supervisor:
                 capacity = self.config.concurrency - len(self.active)
             claimed: list[RunScope] = []
             if capacity > 0:
+                now = anyio.current_time()
+                look_for_expired = (
+                    self._look_for_expired or now - expired_looked_at >= EXPIRED_LOOK_SECONDS
+                )
                 try:
-                    claimed = await self._claim(min(capacity, self.config.claim_batch))
+                    claimed = await self._claim(
+                        min(capacity, self.config.claim_batch), include_expired=look_for_expired
+                    )
+                    if look_for_expired:
+                        expired_looked_at, self._look_for_expired = now, False
                     if failures:
                         self.log.info("database reachable again; claiming resumed")
                     failures = 0
@@ -265,8 +284,9 @@ class Supervisor:
                 continue  # there may be more due runs: claim again before sleeping
             with anyio.move_on_after(self.config.poll_seconds):
                 await self._wake.wait()
+            self._look_for_expired = True  # idle until now: the look costs nothing in a lull
 
-    async def _claim(self, limit: int) -> list[RunScope]:
+    async def _claim(self, limit: int, *, include_expired: bool = True) -> list[RunScope]:
         sent_at = anyio.current_time()
         with start_span("claim", attributes={WORKER_ID: self.worker_id}) as span:
             async with pooled(self.store.pool, within=self.runner_config.statement_seconds) as db:
@@ -275,6 +295,7 @@ class Supervisor:
                     self.config.agents.names,
                     limit=limit,
                     lease_seconds=self.config.lease_seconds,
+                    include_expired=include_expired,
                     db=db,
                 )
             span.set_attribute("claimed", len(batch.claimed))
@@ -368,7 +389,7 @@ class Supervisor:
                     previous_owner=lease.previous_owner,
                 )
             if expired:
-                self.wake()
+                self.wake(leases_may_have_ended=True)
 
     async def _listen(self, dsn: str) -> None:
         """Wake on submits and due runs; cut a run's scope short when it is cancelled."""
@@ -376,7 +397,9 @@ class Supervisor:
 
         def on_notify(connection: Any, pid: int, channel: str, payload: object) -> None:
             if channel == RUNS_CHANNEL and payload in agents:
-                self.wake()
+                # A submit, a release, or another worker's reaper ending leases: the channel
+                # does not say which, so the next claim also looks for expired leases.
+                self.wake(leases_may_have_ended=True)
             elif channel == SETTLED_CHANNEL:
                 self.effect_waiters.notify(str(payload))
             elif channel == CANCEL_CHANNEL:
@@ -394,7 +417,7 @@ class Supervisor:
                     await connection.add_listener(RUNS_CHANNEL, on_notify)
                     await connection.add_listener(CANCEL_CHANNEL, on_notify)
                     await connection.add_listener(SETTLED_CHANNEL, on_notify)
-                self.wake()  # anything submitted while we were not listening
+                self.wake(leases_may_have_ended=True)  # whatever happened while not listening
                 while not connection.is_closed():
                     await anyio.sleep(self.config.poll_seconds)
                     with anyio.fail_after(self.runner_config.statement_seconds):

@@ -47,8 +47,10 @@ SELECT * FROM runs WHERE idempotency_key = $1
 
 -- claim_due --
 -- Claim up to $3 runs of the agents $2 for worker $1, each with a lease of $4 seconds: runs that
--- are due (queued, or waiting and past available_at) and running runs whose lease has expired by
--- the database clock. Each claim raises the fence by exactly one and counts an attempt. An expired
+-- are due (queued, or waiting and past available_at) and, if $5, running runs whose lease has
+-- expired by the database clock (finding those reads every running run of the agents: there is
+-- deliberately no index on lease_until, which would make renewals non-HOT; with $5 false the
+-- scan is skipped altogether, and a busy claimer looks only now and then). Each claim raises the fence by exactly one and counts an attempt. An expired
 -- run that already used its last attempt is dead-lettered instead (a poison run must not crash
 -- workers forever). SKIP LOCKED lets concurrent claimers pass each other; after taking a row lock
 -- PostgreSQL re-checks the WHERE clause on the newest row version, so a run another worker has just
@@ -57,7 +59,8 @@ WITH expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
            attempt >= max_attempts AS exhausted
     FROM runs
-    WHERE state = 'running' AND agent = ANY($2::text[]) AND lease_until < clock_timestamp()
+    WHERE $5::boolean AND state = 'running' AND agent = ANY($2::text[])
+      AND lease_until < clock_timestamp()
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), due AS (

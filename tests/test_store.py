@@ -65,6 +65,18 @@ async def test_claim_batch_takes_up_to_the_limit(store: RunStore) -> None:
     assert not {c.run_id for c in first.claimed} & {c.run_id for c in second.claimed}
 
 
+async def test_a_claim_without_expired_leases_takes_only_due_runs(store: RunStore) -> None:
+    await store.submit("agent", {})
+    expired = await claim_one(store, "A", lease_seconds=SHORT)
+    await asyncio.sleep(SHORT + 0.1)
+    due = (await store.submit("agent", {})).run
+    batch = await store.claim("B", ["agent"], limit=5, include_expired=False)
+    assert [run.run_id for run in batch.claimed] == [due.run_id]
+    # Looking again, with expired leases, takes the expired one over.
+    batch = await store.claim("B", ["agent"], limit=5)
+    assert [(run.run_id, run.previous_owner) for run in batch.claimed] == [(expired.run_id, "A")]
+
+
 async def test_renew_with_the_old_fence_after_a_reclaim_fails(store: RunStore) -> None:
     await store.submit("agent", {})
     a = await claim_one(store, "A", lease_seconds=SHORT)
