@@ -182,8 +182,13 @@ class LeaseDeadlines:
         """Handles watched now."""
         return self._guarded
 
+    def filed(self) -> int:
+        """Entries in the heap, outdated ones included (the sweeps bound them)."""
+        return len(self._heap)
+
     def _sweep(self) -> None:
-        self._heap = [entry for entry in self._heap if entry[2].scheduled_at == entry[0]]
+        # In place: ``_fire`` may be walking this very list when a re-filed handle sweeps it.
+        self._heap[:] = [entry for entry in self._heap if entry[2].scheduled_at == entry[0]]
         heapq.heapify(self._heap)
 
     def _arm(self, when: float) -> None:
@@ -201,7 +206,16 @@ class LeaseDeadlines:
                 continue  # outdated: re-filed under another time, or no longer guarded
             handle.scheduled_at = None
             self._guarded -= 1
-            if not handle.deadline_reached(now):
+            try:
+                done = handle.deadline_reached(now)
+            except Exception as error:  # one run's cancel failing must not stall the others
+                log.error(
+                    "cancelling a run at its local lease deadline failed",
+                    error=repr(error),
+                    **{RUN_ID: handle.lease.run_id, RUN_FENCE: handle.lease.fence},
+                )
+                continue
+            if not done:
                 self.file(handle)
         if heap:
             self._arm(heap[0][0])

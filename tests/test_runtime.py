@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import sys
@@ -15,7 +16,12 @@ import pytest
 from orchestrator.agents.noop import noop
 from orchestrator.agents.sleepy import sleepy
 from orchestrator.errors import InvalidInput, SchemaTooNew
-from orchestrator.heartbeat import LeaseHandle, safety_margin
+from orchestrator.heartbeat import (
+    NO_DEADLINE_CONFIRMATION,
+    LeaseDeadlines,
+    LeaseHandle,
+    safety_margin,
+)
 from orchestrator.models import Lease, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, AgentRegistry, Fail, Next, Outcome, Step, StepContext
@@ -213,6 +219,62 @@ async def test_unguarded_handle_cancels_nothing_after_its_run_ended() -> None:
     handle.lose("late loss")
     assert not scope.cancel_called
     assert not handle.guarded and handle.scheduled_at is None
+
+
+async def test_one_timer_keeps_every_deadline_while_ended_runs_are_swept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ended runs leave outdated entries behind; sweeping them, also while the timer is
+    # firing and re-filing renewed handles, must keep every live deadline on time.
+    monkeypatch.setattr(LeaseDeadlines, "SWEEP_MINIMUM", 2)
+    loop = asyncio.get_running_loop()
+    deadlines = LeaseDeadlines(loop)
+    start = loop.time()
+    lost_at: dict[int, float] = {}
+
+    def guarded(lease_seconds: float) -> LeaseHandle:
+        handle = fresh_handle(lease_seconds=lease_seconds, confirmed_at=start)
+        handle.deadlines = deadlines
+        handle.guard(lambda: lost_at.setdefault(id(handle), loop.time()))
+        return handle
+
+    renewed = [guarded(1.0) for _ in range(20)]
+    for ended in [guarded(30.0) for _ in range(100)]:
+        ended.unguard()
+    assert len(deadlines) == 20
+    await anyio.sleep(0.2)
+    # Renewed 10 ms apart, the first two handles last: when their first deadline comes, the
+    # timer re-files the first handle (arming for its late deadline), then the second (which
+    # sweeps out the ended runs), then the rest, whose new deadlines are earlier: they must
+    # not wait for the first handle's.
+    for handle in [*renewed[2:], *renewed[:2]]:
+        handle.confirm(loop.time(), datetime.now(UTC), 1.0)
+        await anyio.sleep(0.01)
+    await anyio.sleep(1.5)  # past every renewed deadline
+    assert {handle.lost_reason for handle in renewed} == {NO_DEADLINE_CONFIRMATION}
+    late = [lost_at[id(handle)] - handle.deadline for handle in renewed]
+    assert max(late) < 0.08, late
+    assert len(deadlines) == 0
+    assert deadlines.filed() < 100  # the ended runs' entries were swept out
+
+
+async def test_a_failing_cancel_does_not_keep_other_runs_past_their_deadline() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = LeaseDeadlines(loop)
+    start = loop.time()
+
+    def broken_cancel() -> None:
+        raise RuntimeError("a bug in one run's scope")
+
+    first, second = (fresh_handle(lease_seconds=0.5, confirmed_at=start) for _ in range(2))
+    later = fresh_handle(lease_seconds=1.0, confirmed_at=start)
+    cancelled: list[LeaseHandle] = []
+    for handle, cancel in ((first, broken_cancel), (second, None), (later, None)):
+        handle.deadlines = deadlines
+        handle.guard(cancel or (lambda handle=handle: cancelled.append(handle)))
+    await anyio.sleep(1.2)
+    assert cancelled == [second, later]
+    assert {h.lost_reason for h in (first, second, later)} == {NO_DEADLINE_CONFIRMATION}
 
 
 def test_registry_loading_errors_are_clear() -> None:
