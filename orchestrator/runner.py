@@ -88,7 +88,7 @@ _FINAL_STATES = {state: state.value for state in (RunState.SUCCEEDED, RunState.F
 """A final commit's disposition (an enum's ``value`` is a Python-level property: 1 µs a read)."""
 
 _DISPOSITION_ATTRIBUTES: dict[str, dict[str, str]] = {
-    disposition: {DISPOSITION: disposition} for disposition in ("succeeded", "failed", LOST)
+    disposition: {DISPOSITION: disposition} for disposition in (*_FINAL_STATES.values(), LOST)
 }
 
 

@@ -263,16 +263,19 @@ class Supervisor:
                 look_for_expired = (
                     self._look_for_expired or now - expired_looked_at >= EXPIRED_LOOK_SECONDS
                 )
+                if look_for_expired:
+                    # Cleared before the claim is sent: a hint arriving while it is in flight
+                    # (its statement may not see what the hint is about) holds for the next.
+                    expired_looked_at, self._look_for_expired = now, False
                 try:
                     claimed = await self._claim(
                         min(capacity, self.config.claim_batch), include_expired=look_for_expired
                     )
-                    if look_for_expired:
-                        expired_looked_at, self._look_for_expired = now, False
                     if failures:
                         self.log.info("database reachable again; claiming resumed")
                     failures = 0
                 except DATABASE_ERRORS as error:
+                    self._look_for_expired |= look_for_expired
                     failures += 1
                     if failures == 1:
                         self.log.warning("database unavailable; claiming paused", error=str(error))
