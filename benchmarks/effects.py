@@ -66,9 +66,7 @@ Run from the repository root: ``.venv/bin/python benchmarks/effects.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -81,7 +79,12 @@ from typing import Any
 import anyio
 import asyncpg
 import httpx
-from serve_harness import elapsed, log, postgres_server, run_benchmark
+from serve_harness import (
+    elapsed,
+    log,
+    machine_facts,
+    run_and_report,
+)
 
 from orchestrator import supervisor as supervisor_module
 from orchestrator.database import connect, create_pool
@@ -905,10 +908,7 @@ def build_report(
         "benchmark": "effects",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "asyncpg": asyncpg.__version__,
+            **machine_facts(),
             "httpx": httpx.__version__,
             "load_average_at_start": LOAD_AT_START,
             "load_average_at_end": list(os.getloadavg()),
@@ -1101,11 +1101,13 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(json_logs=True, level="warning")
-    # SIGTERM and Ctrl-C unwind through every `finally` (pools, workers, database, server).
-    with postgres_server(args.dsn, prefix="orchestrator-bench-") as server:
-        report = run_benchmark(lambda: benchmark(server.dsn, args, embedded=server.embedded))
-    print(json.dumps(report, indent=2, default=str) if args.json else format_table(report))
-    log(f"done in {report['elapsed_seconds']:.0f}s")
+    run_and_report(
+        args.dsn,
+        "effects",
+        lambda server: benchmark(server.dsn, args, embedded=server.embedded),
+        format_table,
+        as_json=args.json,
+    )
     return 0
 
 

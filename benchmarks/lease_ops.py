@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -58,7 +56,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from serve_harness import elapsed, log, postgres_server, run_benchmark
+from serve_harness import (
+    elapsed,
+    log,
+    machine_facts,
+    run_and_report,
+)
 
 from orchestrator.database import connect, create_pool
 from orchestrator.migrations import migrate
@@ -850,12 +853,7 @@ def build_report(
     return {
         "benchmark": "lease_ops",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "asyncpg": asyncpg.__version__,
-        },
+        "machine": machine_facts(),
         "server": {"embedded": embedded, **server},
         "config": args.describe(),
         "sql_copies_match_store": sql_copies,
@@ -984,11 +982,13 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    # SIGTERM and Ctrl-C unwind through every `finally` (pools, scratch database, server).
-    with postgres_server(args.dsn, prefix="orchestrator-bench-") as server:
-        report = run_benchmark(lambda: benchmark(server.dsn, args, embedded=server.embedded))
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
-    log(f"done in {report['elapsed_seconds']:.0f}s")
+    run_and_report(
+        args.dsn,
+        "lease_ops",
+        lambda server: benchmark(server.dsn, args, embedded=server.embedded),
+        format_table,
+        as_json=args.json,
+    )
     return 0
 
 

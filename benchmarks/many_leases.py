@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -64,9 +63,8 @@ from serve_harness import (
     fmt,
     log,
     machine_facts,
-    postgres_server,
     render_table,
-    run_benchmark,
+    run_and_report,
     server_facts,
     settings_for,
 )
@@ -553,10 +551,13 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
-    with postgres_server(config.dsn, prefix="orchestrator-bench-many_leases-") as server:
-        report = run_benchmark(lambda: benchmark(server, config))
-    print(json.dumps(report, indent=2, default=str) if config.json else format_report(report))
-    log(f"done in {report['elapsed_seconds']:.0f}s")
+    report = run_and_report(
+        config.dsn,
+        "many_leases",
+        lambda server: benchmark(server, config),
+        format_report,
+        as_json=config.json,
+    )
     return 0 if report["ok"] else 1
 
 

@@ -434,3 +434,21 @@ def run_benchmark(body: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, An
         left = kill_children()
         if left:
             log(f"killed {left} child process(es) still running")
+
+
+def run_and_report(
+    dsn: str | None,
+    name: str,
+    body: Callable[[Server], Awaitable[dict[str, Any]]],
+    render: Callable[[dict[str, Any]], str],
+    *,
+    as_json: bool,
+) -> dict[str, Any]:
+    """A benchmark's main: ``body`` on the server (an embedded one unless ``dsn``), its report
+    printed as JSON or as ``render`` lays it out, and returned. SIGTERM and Ctrl-C unwind
+    through every ``finally`` (pools, workers, scratch databases, the server)."""
+    with postgres_server(dsn, prefix=f"orchestrator-bench-{name}-") as server:
+        report = run_benchmark(lambda: body(server))
+    print(json.dumps(report, indent=2, default=str) if as_json else render(report))
+    log(f"done in {report['elapsed_seconds']:.0f}s")
+    return report

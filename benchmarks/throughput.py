@@ -72,7 +72,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import pstats
 import re
@@ -104,9 +103,8 @@ from serve_harness import (
     fmt,
     log,
     machine_facts,
-    postgres_server,
     render_table,
-    run_benchmark,
+    run_and_report,
     server_facts,
     settings_for,
     spawn,
@@ -958,10 +956,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["consume"]:
         return consume(arguments[1:])
     config = parse_args(arguments)
-    with postgres_server(config.dsn, prefix="orchestrator-bench-throughput-") as server:
-        report = run_benchmark(lambda: benchmark(server, config))
-    print(json.dumps(report, indent=2, default=str) if config.json else format_report(report))
-    log(f"done in {report['elapsed_seconds']:.0f}s")
+    run_and_report(
+        config.dsn,
+        "throughput",
+        lambda server: benchmark(server, config),
+        format_report,
+        as_json=config.json,
+    )
     return 0
 
 
