@@ -30,7 +30,7 @@ import asyncpg
 import structlog
 
 from orchestrator.bootstrap import ensure_schema
-from orchestrator.database import connect, create_pool, redact_dsn, resolve_dsn
+from orchestrator.database import GENERIC_PLANS, connect, create_pool, redact_dsn, resolve_dsn
 from orchestrator.deadlines import DATABASE_ERRORS, DedicatedConnection, pooled
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.dispatcher import Dispatcher
@@ -165,6 +165,21 @@ class Supervisor:
             max_size=max(4, min(self.config.concurrency, 20)),
             keep_session_state=True,
         )
+        try:
+            # Claims are serial (one claim loop) and on the path of every run: one connection
+            # of their own, on which the claim statement is planned once, not on every claim.
+            self.claim_pool = await create_pool(
+                self.settings,
+                dsn=dsn,
+                application_name=self.worker_id,
+                min_size=1,
+                max_size=1,
+                keep_session_state=True,
+                session_settings=GENERIC_PLANS,
+            )
+        except BaseException:
+            await pool.close()
+            raise
         self.store = RunStore(pool, max_input_bytes=self.settings.max_input_bytes)
         heartbeat_connection = DedicatedConnection(self.settings, dsn, self.worker_id)
         self.keeper = LeaseKeeper(
@@ -230,6 +245,7 @@ class Supervisor:
                         await WorkerRegistry().unregister(liveness, self.worker_id)
                     liveness.terminate()
                 await heartbeat_connection.close()
+                await self.claim_pool.close()
                 await pool.close()
             self.log.info("stopped", **self._summary())
 
@@ -292,7 +308,7 @@ class Supervisor:
     async def _claim(self, limit: int, *, include_expired: bool = True) -> list[RunScope]:
         sent_at = anyio.current_time()
         with start_span("claim", attributes={WORKER_ID: self.worker_id}) as span:
-            async with pooled(self.store.pool, within=self.runner_config.statement_seconds) as db:
+            async with pooled(self.claim_pool, within=self.runner_config.statement_seconds) as db:
                 batch = await self.store.claim(
                     self.worker_id,
                     self.config.agents.names,

@@ -9,6 +9,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from orchestrator.database import GENERIC_PLANS, create_pool
 from orchestrator.errors import (
     IdempotencyConflict,
     InvalidInput,
@@ -18,6 +19,7 @@ from orchestrator.errors import (
 )
 from orchestrator.models import ClaimedRun, Lease, RunState
 from orchestrator.queries import query
+from orchestrator.settings import Settings
 from orchestrator.store import RunStore, StepEvent
 
 SHORT = 0.3  # seconds: a lease that a test can outwait
@@ -534,3 +536,40 @@ async def test_batched_writes_reach_each_run_by_its_key_whatever_the_statistics(
         "SELECT state, checkpoint_version, count(*) FROM runs GROUP BY 1, 2 ORDER BY 1"
     )
     assert [tuple(row) for row in states] == [("queued", 0, 19700), ("succeeded", 2, 300)]
+
+
+async def test_the_claim_statements_generic_plan_reads_runs_only_through_indexes(
+    settings: Settings, pool: asyncpg.Pool
+) -> None:
+    # The supervisor claims on a connection with GENERIC_PLANS (planned once, whatever the
+    # parameters), so that one plan must be good for every claim: due runs found through
+    # runs_due, expired leases through runs_running, each claimed row updated through its key.
+    await pool.execute(
+        "INSERT INTO runs (run_id, agent, input) "
+        "SELECT 'r_gen' || lpad(g::text, 5, '0'), 'noop', '{}' "
+        "FROM generate_series(1, 20000) AS g"
+    )
+    await pool.execute("ANALYZE runs")
+    claims = await create_pool(
+        settings, application_name="test-claims", max_size=1, session_settings=GENERIC_PLANS
+    )
+    try:
+        async with claims.acquire() as connection:
+            assert await connection.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
+            await connection.execute("PREPARE claim AS " + query("claim_due"))
+            for include_expired in ("true", "false"):
+                text = await connection.fetchval(
+                    "EXPLAIN (FORMAT JSON) EXECUTE claim('w1', '{noop}', 200, 45.0, "
+                    f"{include_expired})"
+                )
+                plan = json.loads(text) if isinstance(text, str) else text
+                assert _scans_of_runs(plan) == {
+                    ("Index Scan", "runs_running"),
+                    ("Index Scan", "runs_due"),
+                    ("Index Scan", "runs_pkey"),
+                    ("ModifyTable", None),
+                }, plan
+            claimed = await connection.fetch(query("claim_due"), "w1", ["noop"], 200, 45.0, True)
+            assert len(claimed) == 200
+    finally:
+        await claims.close()
