@@ -18,6 +18,7 @@ its lock, so its lease is honoured until it expires.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -297,8 +298,11 @@ class Supervisor:
                         self.log.warning("database unavailable; claiming paused", error=str(error))
                     await anyio.sleep(min(self.config.poll_seconds * failures, 5.0))
                     continue
-            for scope in claimed:
-                scope.task = self.run_tasks.start(self._execute(scope))
+            if claimed:
+                # Started from the next turn of the event loop, once the next claim is on its
+                # way: run tasks may start eagerly (see run_tasks), running their first steps
+                # at once, and the claim statement is the serial part of the pipeline.
+                asyncio.get_running_loop().call_soon(self._start_runs, claimed)
             if claimed and len(claimed) == min(capacity, self.config.claim_batch):
                 continue  # there may be more due runs: claim again before sleeping
             with anyio.move_on_after(self.config.poll_seconds):
@@ -353,6 +357,20 @@ class Supervisor:
             self.active[run.run_id] = scope
             result.append(scope)
         return result
+
+    def _start_runs(self, scopes: list[RunScope]) -> None:
+        for scope in scopes:
+            if self.run_tasks.closed:
+                # The worker is ending: these runs never started. Their leases are dropped
+                # from the keeper and expire (or are taken over at once when this process's
+                # session ends), so another worker claims them.
+                self.keeper.untrack(scope.handle)
+                if self.active.get(scope.claimed.run_id) is scope:
+                    del self.active[scope.claimed.run_id]
+                continue
+            scope.task = self.run_tasks.start(self._execute(scope))
+        if not self.active:
+            self._idle.set()
 
     async def _execute(self, scope: RunScope) -> None:
         """The body of a run's task (see ``RunTasks``): the scope, then the worker's accounts."""

@@ -23,6 +23,7 @@ from orchestrator.heartbeat import (
     safety_margin,
 )
 from orchestrator.models import Lease, RunState
+from orchestrator.run_tasks import RunTasks
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, AgentRegistry, Fail, Next, Outcome, Step, StepContext
 from orchestrator.store import RunStore
@@ -432,3 +433,18 @@ async def test_a_shorter_lease_brings_the_local_deadline_forward() -> None:
     assert scope.cancelled_caught
     assert handle.lost_reason == "no confirmed renewal before the local deadline"
     assert anyio.current_time() - start < 1.0
+
+
+async def test_a_run_task_that_ends_as_it_starts_is_not_kept() -> None:
+    # On Python 3.12+ run tasks start eagerly: a coroutine that never suspends has ended, and
+    # has already said so, by the time start() returns; it must not be kept as a live task.
+    tasks = RunTasks()
+
+    async def body() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.done(task)
+
+    task = tasks.start(body())
+    await task
+    assert len(tasks) == 0
