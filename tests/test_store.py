@@ -475,6 +475,17 @@ def _scans_of_runs(plan: Any) -> set[tuple[str, str | None]]:
     return own.union(*(_scans_of_runs(value) for value in plan.values()))
 
 
+async def _queue_analyzed(pool: asyncpg.Pool, count: int) -> None:
+    """``count`` queued no-op runs, and statistics taken while every one of them is queued."""
+    await pool.execute(
+        "INSERT INTO runs (run_id, agent, input) "
+        "SELECT 'r_plan' || lpad(g::text, 5, '0'), 'noop', '{}' "
+        "FROM generate_series(1, $1::int) AS g",
+        count,
+    )
+    await pool.execute("ANALYZE runs")
+
+
 async def test_batched_writes_reach_each_run_by_its_key_whatever_the_statistics(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
@@ -482,12 +493,7 @@ async def test_batched_writes_reach_each_run_by_its_key_whatever_the_statistics(
     # that no lease is unexpired. Written the plain way, the batched statements then re-read
     # the whole batch once per running run (n x n rows), or hashed a scan of the whole table
     # (every run, finished or queued, for each batch).
-    await pool.execute(
-        "INSERT INTO runs (run_id, agent, input) "
-        "SELECT 'r_plan' || lpad(g::text, 5, '0'), 'noop', '{}' "
-        "FROM generate_series(1, 20000) AS g"
-    )
-    await pool.execute("ANALYZE runs")
+    await _queue_analyzed(pool, 20000)
     claimed = (await store.claim("w1", ["noop"], limit=300, lease_seconds=60)).claimed
     count = len(claimed)
     assert count == 300
@@ -544,12 +550,7 @@ async def test_the_claim_statements_generic_plan_reads_runs_only_through_indexes
     # The supervisor claims on a connection with GENERIC_PLANS (planned once, whatever the
     # parameters), so that one plan must be good for every claim: due runs found through
     # runs_due, expired leases through runs_running, each claimed row updated through its key.
-    await pool.execute(
-        "INSERT INTO runs (run_id, agent, input) "
-        "SELECT 'r_gen' || lpad(g::text, 5, '0'), 'noop', '{}' "
-        "FROM generate_series(1, 20000) AS g"
-    )
-    await pool.execute("ANALYZE runs")
+    await _queue_analyzed(pool, 20000)
     claims = await create_pool(
         settings, application_name="test-claims", max_size=1, session_settings=GENERIC_PLANS
     )
