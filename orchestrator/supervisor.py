@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 import asyncpg
 import structlog
+from anyio.abc import TaskStatus
 
 from orchestrator.bootstrap import ensure_schema
 from orchestrator.database import GENERIC_PLANS, connect, create_pool, redact_dsn, resolve_dsn
@@ -230,11 +231,14 @@ class Supervisor:
                 group.start_soon(self.keeper.run)
                 group.start_soon(self.committer.run)
                 group.start_soon(self.dispatcher.run)
-                group.start_soon(self._listen, dsn)
                 group.start_soon(self._status)
                 group.start_soon(self.run_tasks.host)
                 if self.config.dead_session_takeover:
                     group.start_soon(self._reap)
+                # Claim only once listening (or once listening has failed, bounded by the
+                # statement deadline): a cancel NOTIFYed for a run this worker claimed before
+                # it listened would reach it only at its next heartbeat.
+                await group.start(self._listen, dsn)
                 self.ready.set()
                 await self._claim_loop()
                 await self._drain()
@@ -428,8 +432,15 @@ class Supervisor:
             if expired:
                 self.wake(leases_may_have_ended=True)
 
-    async def _listen(self, dsn: str) -> None:
-        """Wake on submits and due runs; cut a run's scope short when it is cancelled."""
+    async def _listen(
+        self, dsn: str, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Wake on submits and due runs; cut a run's scope short when it is cancelled.
+
+        Reports started after its first attempt to listen, whether that succeeded or not (a
+        worker that cannot listen still claims, by polling). While not listening, a cancel
+        reaches the owner at its next heartbeat instead: the renewal is refused.
+        """
         agents = set(self.config.agents.names)
 
         def on_notify(connection: Any, pid: int, channel: str, payload: object) -> None:
@@ -444,6 +455,7 @@ class Supervisor:
                 if scope is not None:
                     scope.handle.lose("the run was cancelled")
 
+        first_attempt = True
         while True:
             connection: asyncpg.Connection | None = None
             try:
@@ -455,6 +467,9 @@ class Supervisor:
                     await connection.add_listener(CANCEL_CHANNEL, on_notify)
                     await connection.add_listener(SETTLED_CHANNEL, on_notify)
                 self.wake(leases_may_have_ended=True)  # whatever happened while not listening
+                if first_attempt:
+                    first_attempt = False
+                    task_status.started()
                 while not connection.is_closed():
                     await anyio.sleep(self.config.poll_seconds)
                     with anyio.fail_after(self.runner_config.statement_seconds):
@@ -464,6 +479,9 @@ class Supervisor:
             finally:
                 if connection is not None:
                     connection.terminate()
+            if first_attempt:
+                first_attempt = False
+                task_status.started()
             await anyio.sleep(self.config.poll_seconds)
 
     async def _status(self) -> None:

@@ -158,6 +158,27 @@ async def test_cancel_during_a_step_stops_it_and_commits_nothing(
     ]
 
 
+async def test_a_worker_listens_for_cancels_before_it_claims(
+    settings: Settings, store: RunStore
+) -> None:
+    """A run claimed before its worker listened would hear of a cancel only at its next
+    heartbeat (it did once in CI, two seconds late): the worker listens, then claims."""
+    run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 30})).run.run_id
+    options = {"lease_seconds": 30.0, "heartbeat_seconds": 10.0, "poll_seconds": 30.0}
+    async with running_worker(
+        settings, [sleepy], worker_id="w-listens", grace_seconds=0.1, **options
+    ) as worker:
+        await eventually(lambda: run_id in worker.active, within=10)
+        # With a 30 s poll the listener's last statement is still its last LISTEN.
+        listening = await store.pool.fetchrow(
+            "SELECT query, query_start FROM pg_stat_activity WHERE application_name = $1",
+            "w-listens:listen",
+        )
+    assert listening is not None and listening["query"].startswith("LISTEN")
+    claimed = [e for e in await store.events(run_id) if e.kind == "claimed"]
+    assert len(claimed) == 1 and listening["query_start"] <= claimed[0].at
+
+
 async def test_graceful_stop_releases_unfinished_runs(settings: Settings, store: RunStore) -> None:
     async with running_worker(settings, [sleepy], grace_seconds=0.2, **FAST) as worker:
         run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 30})).run.run_id
