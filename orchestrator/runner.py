@@ -6,6 +6,12 @@ longer be proven: a refused renewal, a cancel, a refused commit, or the local de
 without a confirmed renewal. The step then stops wherever it is awaiting (a model or tool call
 in flight is cancelled) and nothing more is committed. Every commit is fenced in the database
 as well, so even a step that ignored cancellation could not commit after losing its lease.
+
+A run's last commit (finish or fail) is the one thing its task does not wait for: the task
+hands it to the group committer and ends, and the committer's answer settles the run
+(``RunScope._settle``): finished, or lost and then the same bounded cleanup, in a task of its
+own. Nothing of the run is left to cancel by then (its steps are over), and the database's
+answer, not the local view, decides how the run ended.
 """
 
 from __future__ import annotations
@@ -14,12 +20,12 @@ import asyncio
 import functools
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import anyio
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import Span, Status, StatusCode
 
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.effects.model import Effect
@@ -49,7 +55,9 @@ from orchestrator.telemetry import (
     WORKER_ID,
     Metrics,
     RunLogger,
+    as_current,
     debug_enabled,
+    open_span,
     start_span,
     tracing_enabled,
 )
@@ -58,6 +66,9 @@ T = TypeVar("T")
 
 LOST = "lost"
 RELEASED = "released"
+SETTLING = "settling"
+"""What ``execute`` returns once the run's final commit is with the group committer: the run
+is not over yet, and ``RunServices.ended`` will be told how it ends."""
 
 
 def describe_error(error: BaseException) -> dict[str, JSON]:
@@ -141,6 +152,10 @@ class RunServices:
     metrics: Metrics
     draining: Callable[[], bool]
     """Whether the worker is shutting down (no new step then: the lease is given back)."""
+    ended: Callable[[RunScope, str | Coroutine[Any, Any, str]], None]
+    """How a run whose ``execute`` returned ``SETTLING`` ends, called once when the final
+    commit's answer is in: its disposition, or, if it was lost, the cleanup still to run,
+    which the worker runs as the run's task (it returns the disposition)."""
 
 
 class RunScope:
@@ -154,12 +169,14 @@ class RunScope:
         "config",
         "draining",
         "effects",
+        "ended",
         "handle",
         "keeper",
         "log",
         "metrics",
         "registry",
         "shutdown_requested",
+        "span",
         "store",
         "task",
     )
@@ -181,6 +198,9 @@ class RunScope:
         self.config = services.config
         self.metrics = services.metrics
         self.draining = services.draining
+        self.ended = services.ended
+        self.span: Span | None = None
+        """The run's span (opened by ``execute``, ended when the run ends)."""
         self.shutdown_requested = False
         self.task: asyncio.Task[None] | None = None
         """The run's own task, which this scope cancels; set by whoever starts it (or found
@@ -223,42 +243,54 @@ class RunScope:
             self.task.cancel("the run's scope was cancelled")
 
     async def execute(self) -> str:
+        """Run the steps; returns the disposition, or ``SETTLING`` (see ``RunServices.ended``)."""
         disposition = LOST
         if self.task is None:
             self.task = asyncio.current_task()
-        with (
-            start_span(f"run {self.claimed.agent}", attributes=self._run_attributes)
-            if tracing_enabled()
-            else NO_SPAN
-        ) as span:
-            try:
-                self._in_steps = True
+        self.span = open_span(f"run {self.claimed.agent}", attributes=self._run_attributes)
+        try:
+            with as_current(self.span):
                 try:
-                    # Lost already (a cancel that arrived before this task started)? Then the
-                    # cancellation is delivered at the first await, and _steps checks too.
-                    self.handle.guard(self.cancel)
-                    disposition = await self._steps()
-                except asyncio.CancelledError:
-                    if not self._cancel_requested or self._cancelling() > 1:
-                        raise  # not (only) ours: the worker itself is being cancelled
+                    self._in_steps = True
+                    try:
+                        # Lost already (a cancel that arrived before this task started)? Then
+                        # the cancellation is delivered at the first await; _steps checks too.
+                        self.handle.guard(self.cancel)
+                        disposition = await self._steps()
+                    except asyncio.CancelledError:
+                        if not self._cancel_requested or self._cancelling() > 1:
+                            raise  # not (only) ours: the worker itself is being cancelled
+                    finally:
+                        self._in_steps = False
+                        if self._cancel_requested and self.task is not None:
+                            self.task.uncancel()
                 finally:
-                    self._in_steps = False
-                    if self._cancel_requested and self.task is not None:
-                        self.task.uncancel()
-            finally:
-                self.keeper.untrack(self.handle)
-                if self.shutdown_requested and not self.handle.lost and disposition == LOST:
-                    disposition = await self._cleanup(self._release)
-                elif self.handle.lost:
-                    disposition = LOST
-                    await self._cleanup(self._record_lost)
+                    if disposition != SETTLING:
+                        self.keeper.untrack(self.handle)
+                        if self.shutdown_requested and not self.handle.lost and disposition == LOST:
+                            disposition = await self._cleanup(self._release)
+                        elif self.handle.lost:
+                            disposition = LOST
+                            await self._cleanup(self._record_lost)
+        finally:
+            if disposition != SETTLING:
+                self._end_span(disposition)
+        if disposition != SETTLING:
+            self._count(disposition)
+        return disposition
+
+    def _end_span(self, disposition: str) -> None:
+        span = self.span
+        if span is not None and span.is_recording():
             span.set_attribute(DISPOSITION, disposition)
             if disposition == LOST:
                 span.set_status(Status(StatusCode.ERROR, self.handle.lost_reason or "lost"))
+            span.end()
+
+    def _count(self, disposition: str) -> None:
         self.metrics.runs_finished.add(
             1, _DISPOSITION_ATTRIBUTES.get(disposition) or {DISPOSITION: disposition}
         )
-        return disposition
 
     def _ownership_lost(self) -> bool:
         # A call, not the attribute: the handle changes under every await (mypy must not
@@ -355,9 +387,7 @@ class RunScope:
                         outcome.step_name,
                     )
                     continue
-                final = await self._finish(outcome, version, encoded)
-                self.metrics.step_seconds.record(time.monotonic() - started)
-                return final
+                return self._finish(outcome, version, encoded, started)
 
     async def _commit_next(self, outcome: Next, version: int, encoded: Encoded) -> int | None:
         """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
@@ -376,7 +406,10 @@ class RunScope:
             return None
         return None if committed is None else committed.checkpoint_version
 
-    async def _finish(self, outcome: Finish | Fail, version: int, encoded: Encoded) -> str:
+    def _finish(
+        self, outcome: Finish | Fail, version: int, encoded: Encoded, started: float
+    ) -> str:
+        """Hand the final commit to the group committer; ``_settle`` takes its answer."""
         self.handle.finishing = True
         lease = self.claimed.lease
         if isinstance(outcome, Finish):
@@ -396,16 +429,43 @@ class RunScope:
             if outcome.details is not None:
                 failure["details"] = outcome.details
             finish = RunFinish(lease, version, RunState.FAILED, None, failure, None)
-        final = _FINAL_STATES[finish.state]
+        self.committer.finish(
+            finish, functools.partial(self._settle, _FINAL_STATES[finish.state], started)
+        )
+        return SETTLING
+
+    def _settle(self, final: str, started: float, answer: bool | CommitOutcomeUnknown) -> None:
+        """The final commit's answer, from the group committer: how the run ends.
+
+        The database decides: a run it finished has succeeded (or failed) even if the local
+        view lost it meanwhile (a cancel or the local deadline while the batch was in flight:
+        the fenced statement could only finish it while this worker still held the lease). A
+        refused or unknown outcome is a loss, recorded by the bounded cleanup.
+        """
+        self.metrics.step_seconds.record(time.monotonic() - started)
+        self.keeper.untrack(self.handle)
+        if answer is True:
+            if debug_enabled():
+                self.log.debug("run finished", disposition=final)
+            self._end_span(final)
+            self._count(final)
+            self.ended(self, final)
+            return
+        if isinstance(answer, CommitOutcomeUnknown):
+            self.handle.lose(f"{final} outcome unknown ({answer})")
+        else:
+            self.handle.lose(f"{final} refused: not the owner any more")
+        self.ended(self, self._after_loss())
+
+    async def _after_loss(self) -> str:
+        """A settled run's cleanup after its final commit was refused or its outcome unknown."""
         try:
-            done = await self.committer.finish(finish)
-        except CommitOutcomeUnknown as error:
-            return self._lost(f"{final} outcome unknown ({error})")
-        if not done:
-            return self._lost(f"{final} refused: not the owner any more")
-        if debug_enabled():
-            self.log.debug("run finished", disposition=final)
-        return final
+            with as_current(self.span) if self.span is not None else NO_SPAN:
+                await self._cleanup(self._record_lost)
+        finally:
+            self._end_span(LOST)
+        self._count(LOST)
+        return LOST
 
     def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> Encoded:
         """Check the step's outcome; returns its JSON, encoded once here for the commit."""

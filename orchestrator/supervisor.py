@@ -23,6 +23,7 @@ import contextlib
 import os
 import secrets
 import socket
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffe
 from orchestrator.group_commit import GroupCommitter
 from orchestrator.heartbeat import LeaseKeeper
 from orchestrator.run_tasks import RunTasks
-from orchestrator.runner import RunnerConfig, RunScope, RunServices
+from orchestrator.runner import LOST, SETTLING, RunnerConfig, RunScope, RunServices
 from orchestrator.settings import Settings
 from orchestrator.steps import AgentRegistry
 from orchestrator.store import RunStore, WorkerRegistry
@@ -215,6 +216,7 @@ class Supervisor:
             config=self.runner_config,
             metrics=self.metrics,
             draining=self._is_draining,
+            ended=self._ended,
         )
         liveness: asyncpg.Connection | None = None
         try:
@@ -372,26 +374,59 @@ class Supervisor:
                 if self.active.get(scope.claimed.run_id) is scope:
                     del self.active[scope.claimed.run_id]
                 continue
-            scope.task = self.run_tasks.start(self._execute(scope))
+            scope.task = self.run_tasks.start(self._execute(scope, scope.execute()))
         if not self.active:
             self._idle.set()
 
-    async def _execute(self, scope: RunScope) -> None:
-        """The body of a run's task (see ``RunTasks``): the scope, then the worker's accounts."""
-        run_id = scope.claimed.run_id
+    async def _execute(self, scope: RunScope, body: Coroutine[Any, Any, str]) -> None:
+        """The body of a run's task (see ``RunTasks``): the scope, then the worker's accounts.
+
+        ``body`` is the scope's ``execute``, or the cleanup of a run lost at its final commit.
+        A run whose final commit is with the group committer (``SETTLING``) stays active, with
+        no task, until ``_ended`` hears how it ended.
+        """
+        disposition = SETTLING
         try:
-            disposition = await scope.execute()
+            disposition = await body
         except Exception as error:  # a bug in the runtime must not take the worker down
-            self.log.exception("run scope crashed", **{RUN_ID: run_id}, error=str(error))
+            self.log.exception(
+                "run scope crashed", **{RUN_ID: scope.claimed.run_id}, error=str(error)
+            )
             disposition = "crashed"
         finally:
-            if self.active.get(run_id) is scope:
-                del self.active[run_id]
-            if not self.active:
-                self._idle.set()
             if scope.task is not None:
                 self.run_tasks.done(scope.task)
-            self.wake()
+            if disposition != SETTLING:  # also when the worker itself is being cancelled
+                self._forget(scope)
+        if disposition != SETTLING:
+            self._count(disposition)
+
+    def _ended(self, scope: RunScope, outcome: str | Coroutine[Any, Any, str]) -> None:
+        """A settling run's end: its disposition, or the cleanup to run first (``RunServices``)."""
+        if isinstance(outcome, str):
+            self._forget(scope)
+            self._count(outcome)
+            return
+        scope.task = None
+        try:
+            task = self.run_tasks.start(self._execute(scope, outcome))
+        except RuntimeError:  # the worker is ending: no task can start any more
+            outcome.close()
+            self._forget(scope)
+            self._count(LOST)
+            return
+        if scope.task is None:
+            scope.task = task
+
+    def _forget(self, scope: RunScope) -> None:
+        run_id = scope.claimed.run_id
+        if self.active.get(run_id) is scope:
+            del self.active[run_id]
+        if not self.active:
+            self._idle.set()
+        self.wake()
+
+    def _count(self, disposition: str) -> None:
         self.counters.finished[disposition] = self.counters.finished.get(disposition, 0) + 1
 
     # -- shutdown -----------------------------------------------------------------------------

@@ -64,6 +64,25 @@ NO_SPAN: AbstractContextManager[trace.Span] = nullcontext(trace.INVALID_SPAN)
 """What ``start_span`` returns without a provider; reusable."""
 
 
+def open_span(
+    name: str, *, attributes: Callable[[], Mapping[str, Any]] | None = None
+) -> trace.Span:
+    """A span its owner ends itself (``span.end()``), possibly long after the code that opened
+    it has returned; ``trace.INVALID_SPAN`` (every call a no-op) while no provider is installed.
+    Enter ``as_current(span)`` around the work it covers so that child spans nest under it."""
+    if not tracing_enabled():
+        return trace.INVALID_SPAN
+    return tracer().start_span(name, attributes=attributes() if attributes else None)
+
+
+def as_current(span: trace.Span) -> AbstractContextManager[Any]:
+    """``span`` as the current span, not ended on exit; an exception leaving the block is
+    recorded on it and sets its status, as ``start_as_current_span`` does."""
+    if span is trace.INVALID_SPAN:
+        return NO_SPAN
+    return trace.use_span(span, end_on_exit=False)
+
+
 _UNKNOWN = object()
 _ENVIRONMENT_CHECKED = False
 
