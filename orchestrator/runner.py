@@ -64,6 +64,8 @@ from orchestrator.telemetry import (
 
 T = TypeVar("T")
 
+_new_tuple = tuple.__new__
+
 LOST = "lost"
 RELEASED = "released"
 SETTLING = "settling"
@@ -339,20 +341,25 @@ class RunScope:
                 self.handle.lose("could not extend the lease for the step's own duration")
                 return LOST
             this_step = step_class.step_name()
-            context = StepContext(
-                run_id=lease.run_id,
-                agent=agent.name,
-                step=this_step,
-                fence=lease.fence,
-                attempt=claimed.attempt,
-                max_attempts=claimed.max_attempts,
-                worker_id=lease.worker_id,
-                input=claimed.input,
-                checkpoint=checkpoint,
-                checkpoint_version=version,
-                lease_until=self.handle.lease_until,
-                log=self.log.bind(step=this_step),
-                effects=self.effects,
+            # Positional, in StepContext's field order (a NamedTuple's keyword __new__ is a
+            # Python function: 0.9 µs a step instead of 0.2). test_runtime checks each field.
+            context: StepContext = _new_tuple(
+                StepContext,
+                (
+                    lease.run_id,
+                    agent.name,
+                    this_step,
+                    lease.fence,
+                    claimed.attempt,
+                    claimed.max_attempts,
+                    lease.worker_id,
+                    claimed.input,
+                    checkpoint,
+                    version,
+                    self.handle.lease_until,
+                    self.log.bind(step=this_step),
+                    self.effects,
+                ),
             )
             started = time.monotonic()
             with (

@@ -139,6 +139,16 @@ def _final_state(finish: RunFinish) -> None:
         raise ValueError(f"a run is finished as succeeded or failed, not {finish.state.value}")
 
 
+_FINISHED_STATES = frozenset((RunState.SUCCEEDED, RunState.FAILED))
+
+
+def _unless_all_null(values: list[str | None]) -> list[str | None]:
+    """A batch column of only NULLs travels as an empty array: unnest with several arrays pads
+    the shorter ones with NULLs (documented PostgreSQL behaviour), so no element is encoded.
+    Most final commits have no error and keep their checkpoint."""
+    return [] if values.count(None) == len(values) else values
+
+
 def _json_text(value: JSON, encoded: str | None = None) -> str | None:
     """JSON for a text[] batch parameter (``encoded`` if given); ``None`` stays SQL NULL."""
     if encoded is not None:
@@ -442,18 +452,20 @@ class RunStore:
     ) -> set[str]:
         """Many runs' final commits in one statement; returns the runs that were finished."""
         _same_worker(worker_id, [finish.lease for finish in finishes])
-        for finish in finishes:
-            _final_state(finish)
+        states = [finish.state for finish in finishes]  # a StrEnum member is its text
+        if not _FINISHED_STATES.issuperset(states):
+            for finish in finishes:
+                _final_state(finish)  # raises, naming the state
         records = await (db or self.pool).fetch(
             query("finish_runs"),
             worker_id,
             [f.lease.run_id for f in finishes],
             [f.lease.fence for f in finishes],
             [f.expected_version for f in finishes],
-            [f.state.value for f in finishes],
-            [_json_text(f.result, f.result_text) for f in finishes],
-            [_json_text(f.error) for f in finishes],
-            [_json_text(f.checkpoint, f.checkpoint_text) for f in finishes],
+            states,
+            _unless_all_null([_json_text(f.result, f.result_text) for f in finishes]),
+            _unless_all_null([_json_text(f.error) for f in finishes]),
+            _unless_all_null([_json_text(f.checkpoint, f.checkpoint_text) for f in finishes]),
         )
         return {record["run_id"] for record in records}
 

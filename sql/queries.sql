@@ -451,7 +451,8 @@ SELECT run_id, checkpoint_version, lease_until FROM committed
 -- BATCHED WRITES). Each finished run gets its event: the final state as kind, the new checkpoint
 -- version and any error as details. A state other than succeeded or failed becomes NULL, which
 -- the NOT NULL constraint refuses: the whole statement fails instead. The rows returned are the
--- runs that were finished; a single finish is a batch of one.
+-- runs that were finished; a single finish is a batch of one. $6, $7 and $8 may be shorter than
+-- the other arrays (empty when every entry would be NULL): unnest pads them with NULLs.
 WITH input AS MATERIALIZED (
     SELECT u.run_id, u.fence, u.expected_version, u.state, u.result::jsonb AS result,
            u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, $1::text AS owner,

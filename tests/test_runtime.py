@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import ClassVar
 
 import anyio
 import asyncpg
@@ -25,7 +26,16 @@ from orchestrator.heartbeat import (
 from orchestrator.models import Lease, RunState
 from orchestrator.run_tasks import RunTasks
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent, AgentRegistry, Fail, Next, Outcome, Step, StepContext
+from orchestrator.steps import (
+    Agent,
+    AgentRegistry,
+    Fail,
+    Finish,
+    Next,
+    Outcome,
+    Step,
+    StepContext,
+)
 from orchestrator.store import RunStore
 from orchestrator.supervisor import Supervisor, WorkerConfig
 from orchestrator.testing import run_agent, running_worker, wait_for_run
@@ -95,6 +105,36 @@ async def test_harness_runs_an_agent_to_completion(settings: Settings) -> None:
         "checkpoint",
         "succeeded",
     ]
+
+
+class RecordsItsContext(Step):
+    seen: ClassVar[dict[str, object]] = {}
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        RecordsItsContext.seen = ctx._asdict()
+        return Finish(result=None)
+
+
+async def test_a_step_reads_each_field_of_its_context(settings: Settings, store: RunStore) -> None:
+    # The runtime builds StepContext positionally (a hot path): each field must be its own.
+    agent = Agent("introspective", first=RecordsItsContext)
+    run, _ = await run_agent(settings, agent, {"question": 42}, worker_id="w-ctx", **FAST)
+    seen = RecordsItsContext.seen
+    claimed = next(e for e in await store.events(run.run_id) if e.kind == "claimed")
+    assert {key: seen[key] for key in ("run_id", "agent", "step", "fence", "worker_id")} == {
+        "run_id": run.run_id,
+        "agent": "introspective",
+        "step": "RecordsItsContext",
+        "fence": 1,
+        "worker_id": "w-ctx",
+    }
+    assert (seen["attempt"], seen["max_attempts"]) == (1, run.max_attempts)
+    assert seen["input"] == {"question": 42}
+    assert (seen["checkpoint"], seen["checkpoint_version"]) == (None, 0)
+    assert isinstance(seen["lease_until"], datetime)
+    assert seen["lease_until"] == datetime.fromisoformat(claimed.details["lease_until"])
+    assert callable(getattr(seen["log"], "info", None))
+    assert seen["effects"] is not None and callable(getattr(seen["effects"], "wait", None))
 
 
 async def test_fail_outcome_fails_the_run_for_good(settings: Settings) -> None:

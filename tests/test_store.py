@@ -51,6 +51,34 @@ async def test_claim_raises_fence_and_counts_attempt(store: RunStore) -> None:
     assert await store.claim_run("w2", run.run_id) is None
 
 
+async def test_a_claim_hands_the_worker_every_field_it_resumes_from(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # ClaimedRun is built positionally from the claim's row (a hot path): each field must be
+    # the column it names. A taken-over run fills them all (previous owner, checkpoint, step).
+    run_id = (await store.submit("agent", {"x": 1}, max_attempts=4)).run.run_id
+    first = await claim_one(store, "A", lease_seconds=SHORT)
+    assert await store.commit_step(
+        first.lease, expected_version=0, next_step="two", checkpoint={"k": 1}
+    )
+    previous_lease_until = (await store.get(run_id)).lease_until
+    await asyncio.sleep(SHORT + 0.1)
+    claimed = await claim_one(store, "B")
+    row = await pool.fetchrow("SELECT * FROM runs WHERE run_id = $1", run_id)
+    claimed_at = await pool.fetchval(
+        "SELECT at FROM run_events WHERE run_id = $1 AND kind = 'claimed' AND fence = 2", run_id
+    )
+    assert row is not None
+    assert claimed.lease == Lease(run_id, "B", 2)
+    assert (claimed.agent, claimed.input, claimed.step) == ("agent", {"x": 1}, "two")
+    assert (claimed.checkpoint, claimed.checkpoint_version) == ({"k": 1}, 1)
+    assert (claimed.attempt, claimed.max_attempts) == (row["attempt"], 4)
+    assert claimed.lease_until == row["lease_until"]
+    assert claimed.previous_owner == "A"
+    assert claimed.previous_lease_until == previous_lease_until
+    assert abs((claimed.claimed_at - claimed_at).total_seconds()) < 0.1
+
+
 async def test_claim_only_serves_the_named_agents(store: RunStore) -> None:
     await store.submit("other", {})
     assert (await store.claim("w1", ["agent"], limit=5)).claimed == []
