@@ -385,9 +385,10 @@ class Supervisor:
         A run whose final commit is with the group committer (``SETTLING``) stays active, with
         no task, until ``_ended`` hears how it ended.
         """
-        disposition = SETTLING
+        settling = False
         try:
             disposition = await body
+            settling = disposition == SETTLING
         except Exception as error:  # a bug in the runtime must not take the worker down
             self.log.exception(
                 "run scope crashed", **{RUN_ID: scope.claimed.run_id}, error=str(error)
@@ -396,9 +397,9 @@ class Supervisor:
         finally:
             if scope.task is not None:
                 self.run_tasks.done(scope.task)
-            if disposition != SETTLING:  # also when the worker itself is being cancelled
+            if not settling:  # also when the worker itself is being cancelled
                 self._forget(scope)
-        if disposition != SETTLING:
+        if not settling:
             self._count(disposition)
 
     def _ended(self, scope: RunScope, outcome: str | Coroutine[Any, Any, str]) -> None:

@@ -444,6 +444,7 @@ async def test_a_worker_cancelled_as_a_whole_still_ends_its_run_tasks(
             await eventually(lambda: run_id in supervisor.active, within=10)
             group.cancel_scope.cancel()
     assert len(supervisor.run_tasks) == 0
+    assert supervisor.active == {}
     # The run was not lost (its worker stopped): its task ended cancelled, not as "lost".
     assert supervisor.counters.finished == {}
     assert (await store.get(run_id)).state is RunState.RUNNING  # lease left to expire
