@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import anyio
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.effects.model import Effect
@@ -201,7 +201,7 @@ class RunScope:
         self.metrics = services.metrics
         self.draining = services.draining
         self.ended = services.ended
-        self.span: Span | None = None
+        self.span: Span = INVALID_SPAN
         """The run's span (opened by ``execute``, ended when the run ends)."""
         self.shutdown_requested = False
         self.task: asyncio.Task[None] | None = None
@@ -283,7 +283,7 @@ class RunScope:
 
     def _end_span(self, disposition: str) -> None:
         span = self.span
-        if span is not None and span.is_recording():
+        if span.is_recording():
             span.set_attribute(DISPOSITION, disposition)
             if disposition == LOST:
                 span.set_status(Status(StatusCode.ERROR, self.handle.lost_reason or "lost"))
@@ -467,7 +467,7 @@ class RunScope:
     async def _after_loss(self) -> str:
         """A settled run's cleanup after its final commit was refused or its outcome unknown."""
         try:
-            with as_current(self.span) if self.span is not None else NO_SPAN:
+            with as_current(self.span):
                 await self._cleanup(self._record_lost)
         finally:
             self._end_span(LOST)

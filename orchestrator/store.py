@@ -132,14 +132,17 @@ def encode_input(value: JSON, *, max_bytes: int) -> JSON:
     return value
 
 
-def _final_state(finish: RunFinish) -> None:
-    """A step ends a run as succeeded or failed; cancel and dead-letter have their own paths
-    (cancel must raise the fence)."""
-    if finish.state not in (RunState.SUCCEEDED, RunState.FAILED):
-        raise ValueError(f"a run is finished as succeeded or failed, not {finish.state.value}")
-
-
 _FINISHED_STATES = frozenset((RunState.SUCCEEDED, RunState.FAILED))
+
+
+def _final_states(finishes: Sequence[RunFinish]) -> list[RunState]:
+    """The finishes' states, each succeeded or failed: a step ends a run that way; cancel and
+    dead-letter have their own paths (cancel must raise the fence). One set check per batch."""
+    states = [finish.state for finish in finishes]
+    if not _FINISHED_STATES.issuperset(states):
+        wrong = next(state for state in states if state not in _FINISHED_STATES)
+        raise ValueError(f"a run is finished as succeeded or failed, not {wrong.value}")
+    return states
 
 
 def _unless_all_null(values: list[str | None]) -> list[str | None]:
@@ -452,10 +455,7 @@ class RunStore:
     ) -> set[str]:
         """Many runs' final commits in one statement; returns the runs that were finished."""
         _same_worker(worker_id, [finish.lease for finish in finishes])
-        states = [finish.state for finish in finishes]  # a StrEnum member is its text
-        if not _FINISHED_STATES.issuperset(states):
-            for finish in finishes:
-                _final_state(finish)  # raises, naming the state
+        states = _final_states(finishes)  # sent as they are: a StrEnum member is its text
         records = await (db or self.pool).fetch(
             query("finish_runs"),
             worker_id,
