@@ -36,6 +36,14 @@ class EffectStatus(enum.StrEnum):
         return self in (EffectStatus.CONFIRMED, EffectStatus.FAILED, EffectStatus.REJECTED)
 
 
+def validate_effect_key(effect_key: str) -> str:
+    if not _KEY.fullmatch(effect_key):
+        raise InvalidInput(
+            f"malformed effect key {effect_key!r}: 1-200 characters, letters, digits, _ . : / -"
+        )
+    return effect_key
+
+
 def idempotency_key(run_id: str, effect_key: str) -> str:
     """One stable key per (run, effect key): never per fence or attempt (invariant 5)."""
     digest = hashlib.sha256(f"{run_id}\x00{effect_key}".encode()).hexdigest()
@@ -56,12 +64,11 @@ class Effect:
     policy: EffectPolicy = EffectPolicy.IRREVERSIBLE
 
     def __post_init__(self) -> None:
-        if not _KEY.fullmatch(self.key):
-            raise InvalidInput(
-                f"malformed effect key {self.key!r}: 1-200 characters, letters, digits, _ . : / -"
-            )
+        validate_effect_key(self.key)
         if not _KEY.fullmatch(self.kind):
             raise InvalidInput(f"malformed effect kind {self.kind!r}")
+        if self.payload is None:
+            raise InvalidInput(f"effect {self.key!r} has no payload: give the vendor a JSON value")
 
 
 @dataclass(frozen=True)
@@ -91,11 +98,72 @@ class EffectRecord:
         return cls(**values)
 
 
+class AcceptOutcome(enum.StrEnum):
+    """The boundary's answer to one effect request (``orchestrator_accept_effect``)."""
+
+    ACCEPTED = "accepted"
+    """A new record, to be sent by the dispatcher."""
+    REPLACED = "replaced"
+    """A replaceable, never-dispatched record now carries the newer fence and payload."""
+    EXISTING = "existing"
+    """The record stays as it is; its status is the answer (never a second send)."""
+    STALE = "stale"
+    """The fence is older than the run's current one: another claim or a cancel replaced it."""
+    FUTURE_FENCE = "future_fence"
+    """The fence is above the run's current one: no claim ever granted it."""
+    NOT_RUNNING = "not_running"
+    """The fence is current but the run is not running (queued, waiting or finished)."""
+    UNKNOWN_RUN = "unknown_run"
+    """No run has this id."""
+    CONFLICT = "conflict"
+    """The key is already used by this run with another kind or policy."""
+
+    @property
+    def refused(self) -> bool:
+        return self not in _RECORDED
+
+
+_RECORDED = frozenset((AcceptOutcome.ACCEPTED, AcceptOutcome.REPLACED, AcceptOutcome.EXISTING))
+
+
 @dataclass(frozen=True)
 class Acceptance:
-    """The boundary's answer to one request."""
+    """The boundary's answer to one request, with what is true of the run now."""
 
-    outcome: str
-    """accepted, replaced, existing, stale or conflict."""
-    accepted_fence: int
+    outcome: AcceptOutcome
+    accepted_fence: int | None
+    """The fence the boundary holds for the run now (None: no such run)."""
     status: EffectStatus | None
+    """The record's status, when there is a record."""
+    run_state: str | None = None
+    fence: int | None = None
+    """The fence the request presented."""
+
+    def explain(self, run_id: str, effect_key: str) -> str:
+        """Why a refused request was refused, in one true sentence."""
+        outcome, current = self.outcome, self.accepted_fence
+        if outcome is AcceptOutcome.UNKNOWN_RUN:
+            return f"no run with id {run_id!r}: effects are accepted only for existing runs"
+        if outcome is AcceptOutcome.CONFLICT:
+            return (
+                f"effect key {effect_key!r} of run {run_id} is already used with another kind "
+                "or policy; use another key for a different effect"
+            )
+        if self.run_state == "cancelled":
+            return f"run {run_id} was cancelled (its fence is now {current}): nothing is accepted"
+        if self.run_state in ("succeeded", "failed", "dead"):
+            return f"run {run_id} has already ended ({self.run_state}): nothing is accepted"
+        if outcome is AcceptOutcome.STALE:
+            return (
+                f"fence {self.fence} is older than the run's current fence {current}: another "
+                "worker owns this run now"
+            )
+        if outcome is AcceptOutcome.FUTURE_FENCE:
+            return (
+                f"fence {self.fence} was never granted: run {run_id}'s current fence is "
+                f"{current}; present the fence your claim returned"
+            )
+        return (
+            f"run {run_id} is {self.run_state}, not running: only its owner's claim may request "
+            "effects"
+        )

@@ -5,9 +5,12 @@
 transaction, and answers:
 
 - 201 ``accepted`` (new record) or 200 ``existing`` / ``replaced`` (the record and its status);
-- 409 ``stale_fence`` with ``accepted_fence`` when the caller's fence is older than the one the
-  boundary has accepted (or than the run's current fence): the caller has been replaced;
-- 409 ``key_conflict`` when the key is already used with another kind or policy;
+- 404 ``unknown_run`` when no run has that id (nothing is recorded);
+- 409 when the run is not running under that fence, with ``current_fence`` and ``run_state``:
+  ``stale_fence`` (older than the current fence: the caller was replaced), ``fence_not_granted``
+  (above it: no claim ever returned that fence), ``run_not_running`` (queued or waiting),
+  ``run_cancelled``, ``run_finished``; ``key_conflict`` when the key is already used with
+  another kind or policy;
 - 400/413/422 for malformed JSON, an oversized body, or invalid fields; 401 without a valid
   bearer token; 503 when the database cannot be reached.
 
@@ -17,7 +20,6 @@ transaction, and answers:
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,11 +33,13 @@ from orchestrator.deadlines import DATABASE_ERRORS
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import RUN_ID_PATTERN
 from orchestrator.presentation import jsonable
+from orchestrator.storable import InvalidJson, check_bigint, check_text, parse_document
 
-from .model import Effect, EffectPolicy
+from .model import Acceptance, AcceptOutcome, Effect, EffectPolicy
 from .store import EffectNotFound, EffectStore
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
+MAX_WORKER_ID = 200
 
 
 def _error(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
@@ -70,9 +74,11 @@ def create_app(
             if len(body) > max_body_bytes:
                 return _error(413, "too_large", f"the body is over {max_body_bytes} bytes")
         try:
-            document = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return _error(400, "invalid_json", f"the body is not JSON: {error}")
+            document = parse_document(body, "the body")
+        except InvalidJson as error:
+            return _error(400, "invalid_json", str(error))
+        except InvalidInput as error:
+            return _error(422, "invalid_request", str(error))
         try:
             run_id, fence, effect, worker_id = _parse_request(document)
         except InvalidInput as error:
@@ -80,24 +86,18 @@ def create_app(
         try:
             async with pool.acquire() as db, db.transaction():
                 answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
+            record = None if answer.outcome.refused else await store.get(run_id, effect.key)
+        except asyncpg.DataError as error:  # a value validation missed: the client's, not ours
+            return _error(422, "invalid_request", f"the database refused a value: {error}")
         except DATABASE_ERRORS as error:
             return _error(
                 503, "unavailable", f"the database is unavailable: {type(error).__name__}"
             )
-        if answer.outcome == "stale":
-            return _error(
-                409,
-                "stale_fence",
-                f"fence {fence} is older than the accepted fence {answer.accepted_fence}: "
-                "another worker owns this run now",
-                accepted_fence=answer.accepted_fence,
-            )
-        if answer.outcome == "conflict":
-            return _error(409, "key_conflict", "this effect key is used with another kind/policy")
-        record = await store.get(run_id, effect.key)
-        status_code = 201 if answer.outcome == "accepted" else 200
+        if record is None:
+            return _refusal(answer, run_id, effect.key)
+        status_code = 201 if answer.outcome is AcceptOutcome.ACCEPTED else 200
         return JSONResponse(
-            {"outcome": answer.outcome, "effect": jsonable(record)}, status_code=status_code
+            {"outcome": answer.outcome.value, "effect": jsonable(record)}, status_code=status_code
         )
 
     async def read(request: Request) -> JSONResponse:
@@ -129,6 +129,36 @@ def create_app(
     )
 
 
+def _refusal(answer: Acceptance, run_id: str, effect_key: str) -> JSONResponse:
+    """404 for a run that does not exist, 409 with what is true now for any other refusal."""
+    detail = answer.explain(run_id, effect_key)
+    if answer.outcome is AcceptOutcome.UNKNOWN_RUN:
+        return _error(404, "unknown_run", detail)
+    if answer.outcome is AcceptOutcome.CONFLICT:
+        return _error(409, "key_conflict", detail)
+    if answer.run_state == "cancelled":
+        error = "run_cancelled"
+    elif answer.run_state in ("succeeded", "failed", "dead"):
+        error = "run_finished"
+    else:
+        error = _REFUSALS[answer.outcome]
+    return _error(
+        409,
+        error,
+        detail,
+        accepted_fence=answer.accepted_fence,
+        current_fence=answer.accepted_fence,
+        run_state=answer.run_state,
+    )
+
+
+_REFUSALS = {
+    AcceptOutcome.STALE: "stale_fence",
+    AcceptOutcome.FUTURE_FENCE: "fence_not_granted",
+    AcceptOutcome.NOT_RUNNING: "run_not_running",
+}
+
+
 def _parse_request(document: Any) -> tuple[str, int, Effect, str | None]:
     if not isinstance(document, dict):
         raise InvalidInput("the body must be a JSON object")
@@ -146,9 +176,7 @@ def _parse_request(document: Any) -> tuple[str, int, Effect, str | None]:
     run_id = document.get("run_id")
     if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
         raise InvalidInput("run_id must be a run id string such as r_01jd3k5q8m2x7c9v4b6n0p1r2s")
-    fence = document.get("fence")
-    if not isinstance(fence, int) or isinstance(fence, bool) or fence < 1:
-        raise InvalidInput("fence must be an integer of at least 1 (the one your claim returned)")
+    fence = check_bigint(document.get("fence"), "fence (the one your claim returned)", minimum=1)
     for field in ("effect_key", "kind"):
         if not isinstance(document.get(field), str):
             raise InvalidInput(f"{field} must be a string")
@@ -159,7 +187,9 @@ def _parse_request(document: Any) -> tuple[str, int, Effect, str | None]:
     except ValueError:
         raise InvalidInput("policy must be 'irreversible' or 'replaceable'") from None
     worker_id = document.get("worker_id")
-    if worker_id is not None and not isinstance(worker_id, str):
-        raise InvalidInput("worker_id must be a string")
+    if worker_id is not None:
+        if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= MAX_WORKER_ID:
+            raise InvalidInput(f"worker_id must be a string of 1-{MAX_WORKER_ID} characters")
+        check_text(worker_id, "worker_id")
     effect = Effect(document["effect_key"], document["kind"], document["payload"], policy)
     return run_id, fence, effect, worker_id

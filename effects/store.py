@@ -11,9 +11,18 @@ from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorErr
 from orchestrator.ids import validate_run_id
 from orchestrator.models import JSON
 from orchestrator.queries import query
+from orchestrator.storable import check_text
 from orchestrator.store import Executor
 
-from .model import Acceptance, Effect, EffectRecord, EffectStatus, idempotency_key
+from .model import (
+    Acceptance,
+    AcceptOutcome,
+    Effect,
+    EffectRecord,
+    EffectStatus,
+    idempotency_key,
+    validate_effect_key,
+)
 
 
 class EffectNotFound(OrchestratorError):
@@ -58,13 +67,18 @@ class EffectStore:
         assert record is not None
         status = record["status"]
         return Acceptance(
-            record["outcome"], record["accepted_fence"], EffectStatus(status) if status else None
+            AcceptOutcome(record["outcome"]),
+            record["accepted_fence"],
+            EffectStatus(status) if status else None,
+            record["run_state"],
+            fence,
         )
 
     async def get(
         self, run_id: str, effect_key: str, *, db: Executor | None = None
     ) -> EffectRecord:
         validate_run_id(run_id)
+        validate_effect_key(effect_key)
         record = await (db or self.pool).fetchrow(query("get_effect"), run_id, effect_key)
         if record is None:
             raise EffectNotFound(run_id, effect_key)
@@ -141,6 +155,8 @@ class EffectStore:
         self, run_id: str, effect_key: str, *, sent: bool, external_id: str | None = None
     ) -> EffectRecord:
         """A person's decision on a parked effect."""
+        if external_id is not None:
+            check_text(external_id, "the external id")
         effect = await self.get(run_id, effect_key)
         decision = EffectStatus.CONFIRMED if sent else EffectStatus.ACCEPTED
         record = await self.pool.fetchrow(

@@ -6,7 +6,6 @@ Exit codes: 0 ok, 1 a user error (one line on stderr saying what was wrong and w
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -17,6 +16,7 @@ from typing import Any, TypeVar
 import anyio
 import click
 from rich.console import Console
+from rich.text import Text
 
 from orchestrator.bootstrap import open_store
 from orchestrator.database import connect, redact_dsn, resolve_dsn
@@ -28,13 +28,21 @@ from orchestrator.migrations import latest_version, migrate
 from orchestrator.models import RunState
 from orchestrator.presentation import dump_json, effects_table, print_run, runs_table
 from orchestrator.settings import Settings
+from orchestrator.storable import check_text, parse_document
 from orchestrator.store import WorkerRegistry
 
 T = TypeVar("T")
 
 # Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
 stdout = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
-stderr = Console(stderr=True, highlight=False)
+# Messages are never wrapped: a script reading stderr's first line gets the whole sentence.
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def print_error(error: BaseException) -> None:
+    """``error`` as one line on stderr: its text with any line breaks folded into spaces."""
+    line = " ".join(str(error).split())
+    stderr.print(Text.assemble(("error:", "red"), " ", line))
 
 
 def _settings(ctx: click.Context) -> Settings:
@@ -48,30 +56,40 @@ def run_async(function: Callable[[], Awaitable[T]]) -> T:
     try:
         return anyio.run(function)
     except OrchestratorError as error:
-        stderr.print(f"[red]error:[/red] {error}", markup=True, highlight=False)
+        print_error(error)
+        sys.exit(1)
+    except BaseExceptionGroup as group:  # a task group's (serve's): a user error inside?
+        matched, rest = group.split(OrchestratorError)
+        if matched is None or rest is not None:
+            raise
+        print_error(_first_leaf(matched))
         sys.exit(1)
     except KeyboardInterrupt:
         stderr.print("interrupted")
         sys.exit(130)
 
 
+def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
 def read_input(raw: str) -> Any:
     """``--input`` as inline JSON, ``@path`` for a file, or ``@-`` for standard input."""
-    source = "--input"
-    if raw.startswith("@"):
-        path = raw[1:]
-        source = "standard input" if path == "-" else path
+    if not raw.startswith("@"):
+        check_text(raw, "--input")
         try:
-            raw = sys.stdin.read() if path == "-" else Path(path).read_text("utf-8")
-        except OSError as error:
-            raise InvalidInput(f"cannot read input file {path!r}: {error.strerror}") from None
+            return parse_document(raw, "--input")
+        except InvalidInput as error:
+            raise InvalidInput(
+                f'{error}; pass an object such as \'{{"topic": "leases"}}\' or @file.json'
+            ) from None
+    path = raw[1:]
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise InvalidInput(
-            f"{source} is not valid JSON ({error.msg} at line {error.lineno} column "
-            f'{error.colno}); pass an object such as \'{{"topic": "leases"}}\' or @file.json'
-        ) from None
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as error:
+        raise InvalidInput(f"cannot read input file {path!r}: {error.strerror}") from None
+    return parse_document(data, "standard input" if path == "-" else f"input file {path!r}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -90,10 +108,11 @@ def read_input(raw: str) -> Any:
 def main(ctx: click.Context, database_url: str | None, home: Path | None) -> None:
     """Long-running AI agent runs with run leases and fencing tokens on PostgreSQL."""
     try:
-        settings = Settings.from_env()
+        settings = Settings.from_env().with_overrides(database_url=database_url or None, home=home)
     except OrchestratorError as error:
-        raise click.UsageError(str(error)) from None
-    ctx.obj = settings.with_overrides(database_url=database_url or None, home=home)
+        print_error(error)
+        sys.exit(1)
+    ctx.obj = settings
 
 
 # -- db ---------------------------------------------------------------------------------------
@@ -352,6 +371,15 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     show_default=True,
     help="Run the effect dispatcher inside serve (needs --effects-config).",
 )
+@click.option(
+    "--dispatch-lease-seconds",
+    type=click.FloatRange(1),
+    default=60.0,
+    show_default=True,
+    help="How long the built-in dispatcher holds an effect it sends. Shorter: an effect in "
+    "flight when its worker dies is reconciled sooner. It must outlast the slowest vendor "
+    "call: a call still unanswered at 80%% of it is given up as uncertain.",
+)
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
 def serve(
@@ -369,6 +397,7 @@ def serve(
     reap_seconds: float,
     effects_config: str | None,
     dispatch: bool,
+    dispatch_lease_seconds: float,
     log_json: bool | None,
 ) -> None:
     """Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once)."""
@@ -402,6 +431,7 @@ def serve(
             dead_session_takeover=takeover,
             reap_seconds=reap_seconds,
             effect_adapters=adapters,
+            dispatch_lease_seconds=dispatch_lease_seconds,
         )
         try:
             supervisor = Supervisor(settings, config)
@@ -521,14 +551,23 @@ def effects_resolve(
     help="Comma-separated bearer tokens callers must present (ORCHESTRATOR_PROXY_TOKENS).",
 )
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
+@click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
-def effects_serve(ctx: click.Context, listen: str, tokens: str | None, max_body_bytes: int) -> None:
+def effects_serve(
+    ctx: click.Context,
+    listen: str,
+    tokens: str | None,
+    max_body_bytes: int,
+    log_json: bool | None,
+) -> None:
     """Serve the effect boundary over HTTP (the action proxy) until SIGTERM/SIGINT."""
     import uvicorn
 
     from orchestrator.effects.proxy import create_app
+    from orchestrator.telemetry import configure_logging
 
     settings = _settings(ctx)
+    configure_logging(json_logs=log_json)
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise click.UsageError(f"--listen must be HOST:PORT, not {listen!r}")
@@ -541,7 +580,10 @@ def effects_serve(ctx: click.Context, listen: str, tokens: str | None, max_body_
             settings, application_name="orchestrator-proxy", max_size=10
         ) as store:
             app = create_app(store.pool, token_list, max_body_bytes=max_body_bytes)
-            config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_level="warning")
+            # log_config=None: uvicorn's records go through configure_logging's handler.
+            config = uvicorn.Config(
+                app, host=host.strip("[]"), port=int(port), log_level="warning", log_config=None
+            )
             server = uvicorn.Server(config)
             stderr.print(f"action proxy listening on http://{listen}")
             await server.serve()

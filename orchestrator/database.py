@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 from orchestrator.embedded import EmbeddedPostgres
-from orchestrator.errors import DatabaseUnavailable
+from orchestrator.errors import DatabaseUnavailable, InvalidInput
 from orchestrator.jsontext import compact, parse
 from orchestrator.settings import Settings
 
@@ -23,6 +23,22 @@ def resolve_dsn(settings: Settings) -> str:
     if settings.database_url:
         return settings.database_url
     return EmbeddedPostgres(settings.home).ensure_running().dsn()
+
+
+def current_dsn(settings: Settings, known: str) -> str:
+    """Where to connect now: ``known``, or for the embedded server the address its data
+    directory gives, should it have come back on another port (never starts it)."""
+    if settings.database_url:
+        return known
+    running = EmbeddedPostgres(settings.home).running()
+    if running is None:
+        return known
+    parts = urlsplit(known)
+    if parts.port == running.port:
+        return known
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@127.0.0.1:{running.port}" if userinfo else f"127.0.0.1:{running.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def redact_dsn(dsn: str) -> str:
@@ -86,6 +102,24 @@ _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+_CONFIGURATION_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    asyncpg.ClientConfigurationError,
+)
+"""What asyncpg raises for a DSN it cannot use (a bad option value, an unparseable part)."""
+
+
+def misconfigured(dsn: str, error: BaseException) -> InvalidInput:
+    reason = str(error).strip() or type(error).__name__
+    password = urlsplit(dsn).password if "://" in dsn else None
+    if password:
+        reason = reason.replace(password, "***")
+    return InvalidInput(
+        f"the database URL {redact_dsn(dsn)} cannot be used: {reason}. Fix "
+        "ORCHESTRATOR_DATABASE_URL (unset it to use the embedded server)."
+    )
+
+
 def unavailable(dsn: str, error: BaseException) -> DatabaseUnavailable:
     reason = str(error).strip() or type(error).__name__
     return DatabaseUnavailable(
@@ -115,6 +149,12 @@ async def create_pool(
     dsn = dsn or resolve_dsn(settings)
     if keep_session_state:
         pool_options["reset"] = _keep_session
+    if not settings.database_url:
+
+        async def reconnect(known: str, **options: Any) -> asyncpg.Connection:
+            return await asyncpg.connect(current_dsn(settings, known), **options)
+
+        pool_options["connect"] = reconnect
     try:
         pool = await asyncpg.create_pool(
             dsn,
@@ -130,6 +170,8 @@ async def create_pool(
         )
     except _UNAVAILABLE_ERRORS as error:
         raise unavailable(dsn, error) from None
+    except _CONFIGURATION_ERRORS as error:
+        raise misconfigured(dsn, error) from None
     assert pool is not None
     return pool
 
@@ -138,7 +180,7 @@ async def connect(
     settings: Settings, *, application_name: str = "orchestrator", dsn: str | None = None
 ) -> asyncpg.Connection:
     """One dedicated connection (for LISTEN, advisory locks, migrations)."""
-    dsn = dsn or resolve_dsn(settings)
+    dsn = current_dsn(settings, dsn) if dsn else resolve_dsn(settings)
     try:
         connection = await asyncpg.connect(
             dsn,
@@ -147,5 +189,7 @@ async def connect(
         )
     except _UNAVAILABLE_ERRORS as error:
         raise unavailable(dsn, error) from None
+    except _CONFIGURATION_ERRORS as error:
+        raise misconfigured(dsn, error) from None
     await _init_connection(connection)
     return connection

@@ -5,8 +5,12 @@ data lives in ``$ORCHESTRATOR_HOME/pgdata``; later processes (``serve`` in one t
 ``submit`` in another) find it through ``postmaster.pid`` and reuse it. The server outlives the
 process that started it; ``orchestrator db stop`` stops it.
 
-It listens on 127.0.0.1 only (TCP, so a test can put a fault-injecting proxy in front of it).
-PostgreSQL refuses to run as root, so under root the server runs as a dedicated system user.
+It listens on 127.0.0.1 only (TCP, so a test can put a fault-injecting proxy in front of it),
+on the same port every time it starts (remembered in ``$ORCHESTRATOR_HOME/port``), so that
+workers left running across ``orchestrator db stop`` find it again when it comes back; should
+that port be taken, it starts on another, and workers read the new one from ``postmaster.pid``
+(``database.connect``). PostgreSQL refuses to run as root, so under root the server runs as a
+dedicated system user.
 """
 
 from __future__ import annotations
@@ -94,6 +98,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _port_is_free(port: int) -> bool:
+    # SO_REUSEADDR as PostgreSQL sets it: connections of the previous server still in
+    # TIME_WAIT do not keep it from listening again.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 class EmbeddedPostgres:
     """Start-or-reuse an embedded server for one orchestrator home directory."""
 
@@ -101,6 +117,7 @@ class EmbeddedPostgres:
         self.home = home.expanduser().resolve()
         self.data_dir = self.home / "pgdata"
         self.log_file = self.home / "postgres.log"
+        self.port_file = self.home / "port"
         self.server_settings = {**DEFAULT_SERVER_SETTINGS, **(server_settings or {})}
         self._bin = binaries_dir()
         self._as_root = os.geteuid() == 0
@@ -269,7 +286,19 @@ class EmbeddedPostgres:
             ]
         )
 
+    def remembered_port(self) -> int | None:
+        """The port the server last started on, if it has ever started."""
+        try:
+            text = self.port_file.read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() and 0 < int(text) < 65536 else None
+
     def _start(self, port: int | None = None) -> None:
+        port = port or self.remembered_port()
+        if port is None or not _port_is_free(port):
+            port = _free_port()
+        self.port_file.write_text(f"{port}\n")
         if self._as_root:
             self._prepare_for_server_user()
         options = " ".join(f"-c {key}={value!s}" for key, value in self.server_settings.items())
@@ -285,7 +314,7 @@ class EmbeddedPostgres:
                 "-t",
                 "60",
                 "-o",
-                f"-p {port or _free_port()} {options}",
+                f"-p {port} {options}",
                 "start",
             ],
         )

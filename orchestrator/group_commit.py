@@ -5,7 +5,10 @@ wait for their own answer. While a batch is being written, the next accumulates;
 written as soon as a writer is free (no added delay when the worker is quiet; ``WRITERS``
 batches may be in flight at once). Each run's ownership conditions are checked row by row in
 the batched statements, so batching never lets a stale run's write through, and a refused run
-does not affect the others.
+does not affect the others. A run whose effect the boundary refuses inside the batch's
+transaction (its step commit took effect but its effect cannot: a key reused with another kind)
+is left out: the transaction is rolled back and written again without it, and that run alone
+is told why.
 
 A step commit is awaited (the run goes on with the next step). A final commit is not: its
 answer is handed to a callback as soon as the batch's transaction has ended, and the run's task
@@ -25,6 +28,7 @@ import anyio
 import structlog
 
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.effects.model import AcceptOutcome
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import CommitResult
 from orchestrator.store import RunFinish, RunStore, StepCommit
@@ -40,19 +44,30 @@ most one commit in flight, so two batches never hold the same run."""
 
 
 class EffectRefused(Exception):
-    """The boundary refused an effect of a commit: the whole batch is rolled back."""
-
-
-_UNKNOWN_OUTCOME: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, EffectRefused)
+    """The boundary refused an effect of a run that still held its lease (its key is already
+    used with another kind or policy): a bug in the step, raised to it as the step's error.
+    Nothing of that commit was written; the other runs of its batch are not affected."""
 
 
 class CommitOutcomeUnknown(Exception):
     """The batch's transaction failed or timed out: it may or may not have committed."""
 
 
-FinishAnswer = Callable[[bool | CommitOutcomeUnknown], None]
+_UNKNOWN_OUTCOME: tuple[type[BaseException], ...] = DATABASE_ERRORS
+
+
+class _LeaveOut(Exception):
+    """Rolls the batch's transaction back: these runs must be written without (their answers)."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        super().__init__(f"{len(answers)} runs left out")
+        self.answers = answers
+
+
+FinishAnswer = Callable[[bool | CommitOutcomeUnknown | EffectRefused], None]
 """Receives a final commit's answer: whether the run was finished (``False``: not the owner
-any more), or the batch's failure (the outcome is unknown)."""
+any more), the batch's failure (the outcome is unknown), or the refusal of one of its effects
+(nothing was written)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -65,7 +80,7 @@ class _Pending:
     """A final commit's answer goes to this callback instead."""
 
     def settle(self, outcome: Any) -> None:
-        """Hand over the answer (a result, or a ``CommitOutcomeUnknown``)."""
+        """Hand over the answer (a result, a ``CommitOutcomeUnknown`` or an ``EffectRefused``)."""
         if self.answer is not None:
             try:
                 self.answer(outcome)
@@ -76,7 +91,7 @@ class _Pending:
                     error=repr(error),
                 )
         elif self.done is not None and not self.done.done():  # done: its scope was cancelled
-            if isinstance(outcome, CommitOutcomeUnknown):
+            if isinstance(outcome, Exception):
                 self.done.set_exception(outcome)
             else:
                 self.done.set_result(outcome)
@@ -93,7 +108,8 @@ class GroupCommitter:
         self.batches = 0
 
     def commit_step(self, commit: StepCommit) -> asyncio.Future[CommitResult | None]:
-        """Await it: the commit's result, or ``None`` if the run's conditions no longer held."""
+        """Await it: the commit's result, or ``None`` if the run's conditions no longer held;
+        raises ``CommitOutcomeUnknown`` or ``EffectRefused``."""
         return self._submit(commit)
 
     def finish(self, finish: RunFinish, answer: FinishAnswer) -> None:
@@ -131,63 +147,104 @@ class GroupCommitter:
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
             await self._write(batch)
 
-    async def _accept_effects(self, db: Any, request: StepCommit | RunFinish) -> None:
+    async def _write(self, batch: list[_Pending]) -> None:
+        left_out: dict[str, Any] = {}
+        """Runs written without, and their answers: each rewrite leaves at least one more out."""
+        committed: dict[str, CommitResult] = {}
+        finished: set[str] = set()
+        for _ in range(len(batch) + 1):
+            try:
+                committed, finished = await self._transaction(batch, left_out)
+            except _LeaveOut as leave:
+                left_out.update(leave.answers)
+                continue
+            except _UNKNOWN_OUTCOME as error:
+                unknown = CommitOutcomeUnknown(str(error) or type(error).__name__)
+                for pending in batch:
+                    pending.settle(left_out.get(pending.request.lease.run_id, unknown))
+                return
+            break
+        self.batches += 1
+        for pending in batch:
+            run_id = pending.request.lease.run_id
+            if run_id in left_out:
+                pending.settle(left_out[run_id])
+            elif isinstance(pending.request, StepCommit):
+                pending.settle(committed.get(run_id))
+            else:
+                pending.settle(run_id in finished)
+
+    async def _transaction(
+        self, batch: list[_Pending], left_out: dict[str, Any]
+    ) -> tuple[dict[str, CommitResult], set[str]]:
+        """One transaction for the batch without ``left_out``; raises ``_LeaveOut`` (and is
+        rolled back) if a run's effects cannot commit with it."""
+        requests = [p.request for p in batch]
+        members = [r for r in requests if r.lease.run_id not in left_out]
+        commits = [r for r in members if isinstance(r, StepCommit)]
+        finishes = [r for r in members if isinstance(r, RunFinish)]
+        committed: dict[str, CommitResult] = {}
+        finished: set[str] = set()
+        leave_out: dict[str, Any] = {}
+        async with pooled(self.store.pool, within=self.statement_seconds) as db, db.transaction():
+            if commits:
+                committed = await self.store.commit_steps(self.worker_id, commits, db=db)
+            # Effect records commit with their step or not at all (invariant 3). A final
+            # commit's effects are accepted first: the boundary takes effects only from a
+            # running run, and the finish ends it.
+            for finish in finishes:
+                if finish.effects:
+                    refusal = await self._accept_effects(db, finish)
+                    if refusal is not _ACCEPTED:
+                        leave_out[finish.lease.run_id] = refusal
+            if finishes:
+                finished = await self.store.finish_many(self.worker_id, finishes, db=db)
+            for finish in finishes:
+                run_id = finish.lease.run_id
+                if finish.effects and run_id not in finished and run_id not in leave_out:
+                    leave_out[run_id] = False  # its effects were accepted, its finish was not
+            for commit in commits:
+                if commit.effects and commit.lease.run_id in committed:
+                    refusal = await self._accept_effects(db, commit)
+                    if refusal is not _ACCEPTED:
+                        leave_out[commit.lease.run_id] = refusal
+            if leave_out:
+                raise _LeaveOut(leave_out)
+            # A stale owner asked for effects: say so in the timeline, send nothing.
+            for request in requests:
+                if not request.effects:
+                    continue
+                run_id = request.lease.run_id
+                not_owner = (
+                    left_out[run_id] in (None, False)
+                    if run_id in left_out
+                    else run_id not in committed and run_id not in finished
+                )
+                if not_owner:
+                    await self.store.record_event(
+                        run_id,
+                        "stale_fence_rejected",
+                        fence=request.lease.fence,
+                        worker_id=self.worker_id,
+                        details={
+                            "effect_keys": [effect.key for effect in request.effects],
+                            "reason": "the step's commit was refused: not the owner",
+                        },
+                        db=db,
+                    )
+        return committed, finished
+
+    async def _accept_effects(self, db: Any, request: StepCommit | RunFinish) -> Any:
+        """Record ``request``'s effects: ``_ACCEPTED``, or the answer its run gets instead."""
         for effect in request.effects:
             acceptance = await self.effects.accept(
                 db, request.lease.run_id, request.lease.fence, effect, worker_id=self.worker_id
             )
-            if acceptance.outcome in ("stale", "conflict"):
-                # Cannot happen for the current owner inside its own commit, unless the same
-                # key is reused with another kind or policy: a bug in the agent, made visible.
-                raise EffectRefused(
-                    f"effect {effect.key!r} of run {request.lease.run_id}: {acceptance.outcome}"
-                )
+            if acceptance.outcome is AcceptOutcome.CONFLICT:
+                return EffectRefused(acceptance.explain(request.lease.run_id, effect.key))
+            if acceptance.outcome.refused:  # not the running run's owner any more
+                return None if isinstance(request, StepCommit) else False
+        return _ACCEPTED
 
-    async def _write(self, batch: list[_Pending]) -> None:
-        commits = [p.request for p in batch if isinstance(p.request, StepCommit)]
-        finishes = [p.request for p in batch if isinstance(p.request, RunFinish)]
-        committed: dict[str, CommitResult] = {}
-        finished: set[str] = set()
-        try:
-            async with (
-                pooled(self.store.pool, within=self.statement_seconds) as db,
-                db.transaction(),
-            ):
-                if commits:
-                    committed = await self.store.commit_steps(self.worker_id, commits, db=db)
-                if finishes:
-                    finished = await self.store.finish_many(self.worker_id, finishes, db=db)
-                # Effect records commit with their step or not at all (invariant 3); only
-                # runs whose own commit took effect get theirs recorded.
-                requests: list[StepCommit | RunFinish] = [*commits, *finishes]
-                for request in requests:
-                    run_id = request.lease.run_id
-                    if not request.effects:
-                        continue
-                    if run_id in committed or run_id in finished:
-                        await self._accept_effects(db, request)
-                    else:
-                        # A stale owner asked for effects: say so in the timeline, send nothing.
-                        await self.store.record_event(
-                            run_id,
-                            "stale_fence_rejected",
-                            fence=request.lease.fence,
-                            worker_id=self.worker_id,
-                            details={
-                                "effect_keys": [effect.key for effect in request.effects],
-                                "reason": "the step's commit was refused: not the owner",
-                            },
-                            db=db,
-                        )
-        except _UNKNOWN_OUTCOME as error:
-            reason = str(error) or type(error).__name__
-            for pending in batch:
-                pending.settle(CommitOutcomeUnknown(reason))
-            return
-        self.batches += 1
-        for pending in batch:
-            run_id = pending.request.lease.run_id
-            if isinstance(pending.request, StepCommit):
-                pending.settle(committed.get(run_id))
-            else:
-                pending.settle(run_id in finished)
+
+_ACCEPTED = object()

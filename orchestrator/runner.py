@@ -29,7 +29,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from orchestrator.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.effects.model import Effect
-from orchestrator.group_commit import CommitOutcomeUnknown, GroupCommitter
+from orchestrator.group_commit import CommitOutcomeUnknown, EffectRefused, GroupCommitter
 from orchestrator.heartbeat import LeaseHandle, LeaseKeeper
 from orchestrator.models import JSON, ClaimedRun, RunState
 from orchestrator.steps import (
@@ -383,7 +383,11 @@ class RunScope:
                     # Lost while the step ran (it ignored the cancellation): commit nothing.
                     return LOST
                 if isinstance(outcome, Next):
-                    committed = await self._commit_next(outcome, version, encoded)
+                    try:
+                        committed = await self._commit_next(outcome, version, encoded)
+                    except EffectRefused as error:  # nothing of the step was committed
+                        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                        return await self._fail_attempt(error)
                     self.metrics.step_seconds.record(time.monotonic() - started)
                     if committed is None:
                         return self._lost("commit refused: not the owner any more")
@@ -441,7 +445,9 @@ class RunScope:
         )
         return SETTLING
 
-    def _settle(self, final: str, started: float, answer: bool | CommitOutcomeUnknown) -> None:
+    def _settle(
+        self, final: str, started: float, answer: bool | CommitOutcomeUnknown | EffectRefused
+    ) -> None:
         """The final commit's answer, from the group committer: how the run ends.
 
         The database decides: a run it finished has succeeded (or failed) even if the local
@@ -458,6 +464,9 @@ class RunScope:
             self._count(final)
             self.ended(self, final)
             return
+        if isinstance(answer, EffectRefused):  # nothing was written: the attempt failed
+            self.ended(self, self._after_refusal(answer))
+            return
         if isinstance(answer, CommitOutcomeUnknown):
             self.handle.lose(f"{final} outcome unknown ({answer})")
         else:
@@ -473,6 +482,19 @@ class RunScope:
             self._end_span(LOST)
         self._count(LOST)
         return LOST
+
+    async def _after_refusal(self, error: EffectRefused) -> str:
+        """A settled run whose final commit's effect was refused: the attempt failed."""
+        disposition = LOST
+        try:
+            with as_current(self.span):
+                disposition = await self._fail_attempt(error)
+                if self.handle.lost:
+                    await self._cleanup(self._record_lost)
+        finally:
+            self._end_span(disposition)
+        self._count(disposition)
+        return disposition
 
     def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> Encoded:
         """Check the step's outcome; returns its JSON, encoded once here for the commit."""

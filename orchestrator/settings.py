@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from orchestrator.errors import InvalidInput
 
@@ -25,6 +26,35 @@ def _positive_number(environ: Mapping[str, str], name: str, default: float) -> f
     return value
 
 
+DSN_SCHEMES = ("postgresql", "postgres")
+
+
+def check_database_url(url: str) -> str:
+    """``url`` if it is a PostgreSQL URL whose ports are numbers in 0-65535 (several
+    ``host:port`` pairs, comma-separated, name a multi-host server as libpq allows)."""
+    hint = "expected postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+    if "\x00" in url or not url.isprintable():
+        raise InvalidInput(f"ORCHESTRATOR_DATABASE_URL holds control characters; {hint}")
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:
+        raise InvalidInput(f"ORCHESTRATOR_DATABASE_URL is not a URL ({error}); {hint}") from None
+    if parts.scheme not in DSN_SCHEMES:
+        raise InvalidInput(
+            f"ORCHESTRATOR_DATABASE_URL must start with postgresql:// (got "
+            f"{(parts.scheme + '://') if parts.scheme else 'no scheme'}); {hint}"
+        )
+    hosts = parts.netloc.rpartition("@")[2]
+    for host in hosts.split(","):
+        port = host.rpartition("]")[2] if host.startswith("[") else host
+        _, colon, number = port.rpartition(":")
+        if colon and number and not (number.isdigit() and int(number) <= 65535):
+            raise InvalidInput(
+                f"ORCHESTRATOR_DATABASE_URL has port {number!r}; a port is a number in 0-65535"
+            )
+    return url
+
+
 @dataclass(frozen=True)
 class Settings:
     """Process-wide configuration.
@@ -38,6 +68,10 @@ class Settings:
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
     statement_timeout_seconds: float = 30.0
     connect_timeout_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.database_url is not None:
+            check_database_url(self.database_url)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

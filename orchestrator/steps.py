@@ -27,6 +27,7 @@ from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
 from orchestrator.jsontext import compact, utf8_size
 from orchestrator.models import JSON
+from orchestrator.storable import check_json, needs_full_check
 
 if TYPE_CHECKING:
     from orchestrator.effects.model import Effect, EffectRecord
@@ -136,6 +137,8 @@ def encode_json(value: JSON, *, what: str, max_bytes: int) -> str:
         text = compact(value)
     except (TypeError, ValueError) as error:
         raise InvalidInput(f"{what} is not JSON-serialisable: {error}") from None
+    if needs_full_check(text):
+        check_json(value, what)
     size = utf8_size(text)
     if size > max_bytes:
         raise InvalidInput(f"{what} is {size:,} bytes, over the {max_bytes:,}-byte limit")

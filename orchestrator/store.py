@@ -40,6 +40,7 @@ from orchestrator.models import (
 )
 from orchestrator.queries import query
 from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES
+from orchestrator.storable import check_json, check_text
 
 MAX_LIST_LIMIT = 10_000
 MAX_ATTEMPTS_LIMIT = 1_000
@@ -120,6 +121,7 @@ def encode_input(value: JSON, *, max_bytes: int) -> JSON:
             f'input must be a JSON object (for example {{"topic": "..."}}), '
             f"not a {type(value).__name__}"
         )
+    check_json(value, "input")
     try:
         size = utf8_size(compact(value))
     except (TypeError, ValueError) as error:
@@ -208,8 +210,10 @@ class RunStore:
             validate_run_id(run_id)
         if not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
             raise InvalidInput(f"max attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}")
-        if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
-            raise InvalidInput("an idempotency key must be 1-200 characters")
+        if idempotency_key is not None:
+            check_text(idempotency_key, "the idempotency key")
+            if not 1 <= len(idempotency_key) <= 200:
+                raise InvalidInput("an idempotency key must be 1-200 characters")
         record = await self.pool.fetchrow(
             query("submit_run"),
             run_id or new_run_id(),
@@ -511,6 +515,8 @@ class RunStore:
     async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
         """Cancel an unfinished run and raise its fence, so its owner can no longer act."""
         validate_run_id(run_id)
+        if reason is not None:
+            check_text(reason, "the cancel reason")
         record = await self.pool.fetchrow(query("cancel_run"), run_id, reason)
         if record is None:
             run = await self.get(run_id)
@@ -534,6 +540,9 @@ class RunStore:
 
 
 LIVENESS_LOCK_NAMESPACE = 0x6F72  # "or": the first key of every worker's liveness lock
+REREGISTER_GRACE_SECONDS = 10.0
+"""After a PostgreSQL restart, how long workers registered before it have to register again
+before a reaper judges them dead (every worker checks its liveness session each second)."""
 
 
 @dataclass(frozen=True)
@@ -574,7 +583,11 @@ class WorkerRegistry:
     async def unregister(self, db: Executor, worker_id: str) -> None:
         await db.execute(query("unregister_worker"), worker_id)
 
-    async def expire_dead_owners(self, db: Executor) -> list[ExpiredLease]:
+    async def expire_dead_owners(
+        self, db: Executor, *, reregister_grace_seconds: float = REREGISTER_GRACE_SECONDS
+    ) -> list[ExpiredLease]:
         """End the leases of workers whose session is gone, so their runs are claimable now."""
-        records = await db.fetch(query("expire_dead_owners"), LIVENESS_LOCK_NAMESPACE)
+        records = await db.fetch(
+            query("expire_dead_owners"), LIVENESS_LOCK_NAMESPACE, reregister_grace_seconds
+        )
         return [ExpiredLease(r["run_id"], r["fence"], r["lease_owner"]) for r in records]

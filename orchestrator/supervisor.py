@@ -19,7 +19,6 @@ its lock, so its lease is honoured until it expires.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import socket
@@ -41,6 +40,7 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffects
 from orchestrator.group_commit import GroupCommitter
 from orchestrator.heartbeat import LeaseKeeper
+from orchestrator.liveness import Liveness
 from orchestrator.run_tasks import RunTasks
 from orchestrator.runner import LOST, SETTLING, RunnerConfig, RunScope, RunServices
 from orchestrator.settings import Settings
@@ -86,6 +86,8 @@ class WorkerConfig:
     dead_session_takeover: bool = True
     effect_adapters: dict[str, Adapter] = field(default_factory=dict)
     """Vendors this worker's built-in dispatcher sends effects to (none: no dispatching)."""
+    dispatch_lease_seconds: float = 60.0
+    """The built-in dispatcher's lease on an effect it sends (see ``serve --help``)."""
 
     def validate(self) -> None:
         if self.concurrency < 1:
@@ -202,6 +204,7 @@ class Supervisor:
             pool,
             self.config.effect_adapters,
             dispatcher_id=self.worker_id + ":dispatch",
+            lease_seconds=self.config.dispatch_lease_seconds,
             poll_seconds=self.config.poll_seconds,
             statement_seconds=self.runner_config.statement_seconds,
         )
@@ -218,9 +221,16 @@ class Supervisor:
             draining=self._is_draining,
             ended=self._ended,
         )
-        liveness: asyncpg.Connection | None = None
+        self.liveness = Liveness(
+            self.settings,
+            dsn,
+            self.worker_id,
+            self.config.agents.names,
+            check_seconds=min(1.0, self.config.reap_seconds),
+            statement_seconds=self.runner_config.statement_seconds,
+        )
         try:
-            liveness = await self._register(dsn)
+            await self.liveness.register()
             self.log.info(
                 "serving",
                 agents=self.config.agents.names,
@@ -230,6 +240,7 @@ class Supervisor:
                 heartbeat_seconds=self.config.heartbeat_seconds,
             )
             async with anyio.create_task_group() as group:
+                group.start_soon(self.liveness.run)
                 group.start_soon(self.keeper.run)
                 group.start_soon(self.committer.run)
                 group.start_soon(self.dispatcher.run)
@@ -247,25 +258,11 @@ class Supervisor:
                 group.cancel_scope.cancel()
         finally:
             with anyio.move_on_after(5, shield=True):
-                if liveness is not None:
-                    with contextlib.suppress(*DATABASE_ERRORS):
-                        await WorkerRegistry().unregister(liveness, self.worker_id)
-                    liveness.terminate()
+                await self.liveness.close()
                 await heartbeat_connection.close()
                 await self.claim_pool.close()
                 await pool.close()
             self.log.info("stopped", **self._summary())
-
-    async def _register(self, dsn: str) -> asyncpg.Connection:
-        connection = await connect(self.settings, dsn=dsn, application_name=self.worker_id)
-        await WorkerRegistry().register(
-            connection,
-            worker_id=self.worker_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            agents=self.config.agents.names,
-        )
-        return connection
 
     # -- claiming -----------------------------------------------------------------------------
     async def _claim_loop(self) -> None:

@@ -194,7 +194,12 @@ class RunLogger:
 
 
 def configure_logging(*, json_logs: bool | None = None, level: str | None = None) -> None:
-    """structlog to stderr: JSON when not on a terminal (or when asked), readable otherwise."""
+    """structlog to stderr: JSON when not on a terminal (or when asked), readable otherwise.
+
+    Libraries' own ``logging`` records (asyncpg's pool, uvicorn, asyncio) are rendered the same
+    way through the root logger, so with JSON logs on, every line on stderr is one JSON object,
+    a traceback included (as the ``exception`` field).
+    """
     global _MIN_LEVEL
     if json_logs is None:
         json_logs = not sys.stderr.isatty()
@@ -205,12 +210,15 @@ def configure_logging(*, json_logs: bool | None = None, level: str | None = None
         if json_logs
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    shared: list[Any] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_trace_ids,
+    ]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            _add_trace_ids,
+            *shared,
             structlog.processors.format_exc_info,
             renderer,
         ],
@@ -218,6 +226,25 @@ def configure_logging(*, json_logs: bool | None = None, level: str | None = None
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info if json_logs else _keep,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(max(_MIN_LEVEL, logging.INFO))
+
+
+def _keep(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """The console renderer formats ``exc_info`` itself (readable, with colours)."""
+    return event
 
 
 def install_sdk_from_env() -> None:

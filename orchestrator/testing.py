@@ -14,6 +14,7 @@ embedded PostgreSQL in a temporary directory, tuned for tests (no fsync).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -382,6 +383,8 @@ class LocalVendor(LoopbackHttpServer):
         self.delay = 0.0
         self.deliveries: dict[str, dict[str, Any]] = {}
         self.requests = 0
+        self.requests_by_key: collections.Counter[str] = collections.Counter()
+        """Raw ``POST /send`` requests per idempotency key, repeats included."""
 
     @property
     def send_url(self) -> str:
@@ -405,6 +408,7 @@ class LocalVendor(LoopbackHttpServer):
         key = headers.get("idempotency-key")
         if not key:
             return 400, {"error": "Idempotency-Key header required"}
+        self.requests_by_key[key] += 1
         if key in self.deliveries:
             return 200, self.deliveries[key]
         if self.mode == "fail_5xx":

@@ -368,12 +368,14 @@ SELECT nextval('worker_session_keys')::integer
 SELECT pg_try_advisory_lock($1, $2)
 
 -- register_worker --
--- Record a live worker: id $1, liveness key $2, host $3, pid $4, agents $5.
-INSERT INTO workers (worker_id, session_key, host, pid, agents)
-VALUES ($1, $2, $3, $4, $5)
+-- Record a live worker: id $1, liveness key $2, host $3, pid $4, agents $5, under this server
+-- instance (a worker registers again, with a new key, when its liveness session was lost).
+INSERT INTO workers (worker_id, session_key, host, pid, agents, server_started_at)
+VALUES ($1, $2, $3, $4, $5, pg_postmaster_start_time())
 ON CONFLICT (worker_id) DO UPDATE
 SET session_key = EXCLUDED.session_key, host = EXCLUDED.host, pid = EXCLUDED.pid,
-    agents = EXCLUDED.agents, started_at = clock_timestamp()
+    agents = EXCLUDED.agents, started_at = clock_timestamp(),
+    server_started_at = EXCLUDED.server_started_at
 
 -- unregister_worker --
 -- Forget a worker that is shutting down cleanly.
@@ -381,7 +383,10 @@ DELETE FROM workers WHERE worker_id = $1
 
 -- expire_dead_owners --
 -- Dead-session takeover: end at once the leases of workers whose liveness lock (namespace $1) is
--- no longer held by any session, i.e. whose process is gone, and forget those workers. The fence
+-- no longer held by any session, i.e. whose process is gone, and forget those workers. A worker
+-- registered under an earlier server instance lost its lock to the restart, not to its death:
+-- it is judged only once the server has been up for $2 seconds, time enough to register again
+-- (migration 0006). The fence
 -- is not raised here; the next claim raises it. This is safe even if the judgement were wrong,
 -- because every commit and effect is fenced: a worker that is somehow still alive can no longer
 -- renew (its lease has expired) and its commits are refused once another worker claims.
@@ -395,6 +400,8 @@ WITH live_locks AS (
     DELETE FROM workers AS w
     WHERE NOT EXISTS (SELECT 1 FROM live_locks AS l WHERE l.session_key = w.session_key)
       AND w.started_at < clock_timestamp() - interval '1 second'
+      AND (w.server_started_at IS NOT DISTINCT FROM pg_postmaster_start_time()
+           OR pg_postmaster_start_time() < clock_timestamp() - make_interval(secs => $2))
     RETURNING w.worker_id
 ), expired AS (
     UPDATE runs AS r
@@ -484,7 +491,7 @@ SELECT run_id FROM finished
 
 -- accept_effect --
 -- The boundary's rule for one effect request (see orchestrator_accept_effect in migration 0003).
-SELECT outcome, accepted_fence, status
+SELECT outcome, accepted_fence, status, run_state, run_fence
 FROM orchestrator_accept_effect($1, $2, $3, $4, $5, $6, $7, $8)
 
 -- get_effect --

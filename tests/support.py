@@ -21,12 +21,23 @@ TESTS_DIR = Path(__file__).parent
 class ServeProcess:
     """`orchestrator serve` in its own process; its JSON log lines are collected as they come."""
 
-    def __init__(self, database_url: str, *args: str, name: str = "worker") -> None:
+    def __init__(
+        self,
+        database_url: str | None,
+        *args: str,
+        name: str = "worker",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``database_url`` None: the embedded server of ``env``'s ORCHESTRATOR_HOME."""
         env = {
             **os.environ,
-            "ORCHESTRATOR_DATABASE_URL": database_url,
+            **(env or {}),
             "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
         }
+        if database_url is None:
+            env.pop("ORCHESTRATOR_DATABASE_URL", None)
+        else:
+            env["ORCHESTRATOR_DATABASE_URL"] = database_url
         self.name = name
         self.lines: list[dict[str, Any]] = []
         self.raw: list[str] = []

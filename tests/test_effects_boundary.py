@@ -8,6 +8,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from orchestrator.backoff import Backoff
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import ClaimedRun
@@ -136,22 +137,116 @@ async def test_a_stale_fence_is_rejected_recorded_and_changes_nothing(
     assert (await accept(pool, b, EMAIL)).outcome == "accepted"
 
 
-async def test_the_high_water_mark_alone_rejects_lower_fences(
+async def boundary_state(pool: asyncpg.Pool) -> tuple[Any, ...]:
+    """Everything an effect request could change."""
+    return (
+        await effect_rows(pool),
+        [dict(r) for r in await pool.fetch("SELECT run_id, fence FROM effect_fences")],
+        await pool.fetchval("SELECT count(*) FROM run_events WHERE kind = 'effect_accepted'"),
+    )
+
+
+async def test_an_unknown_run_gets_nothing_recorded(store: RunStore, pool: asyncpg.Pool) -> None:
+    before = await boundary_state(pool)
+    async with pool.acquire() as db:
+        answer = await EffectStore(pool).accept(db, "r_nobody", 1, EMAIL, worker_id="x")
+    assert answer.outcome == "unknown_run" and answer.outcome.refused
+    assert "no run with id 'r_nobody'" in answer.explain("r_nobody", EMAIL.key)
+    assert await boundary_state(pool) == before
+    assert await pool.fetchval("SELECT count(*) FROM run_events") == 0
+
+
+async def test_a_fence_the_run_never_had_is_refused_and_fences_out_no_one(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    """For a boundary that cannot see the runs table: only effect_fences decides."""
-    other_run = "r_elsewhere"
-    store_e = EffectStore(pool)
-    async with pool.acquire() as db:
-        first = await store_e.accept(db, other_run, 5, EMAIL, worker_id="x")
-        lower = await store_e.accept(
-            db, other_run, 4, Effect("k2", "email", {"to": "b@example.com"}), worker_id="y"
+    """Invariant 8: one request with a fence from the future cannot fence out the owner."""
+    await store.submit("agent", {})
+    owner = await claim(store, "A")
+    before = await boundary_state(pool)
+    future = await accept(pool, owner, EMAIL, fence=1_000_000)
+    assert (future.outcome, future.accepted_fence) == ("future_fence", owner.fence)
+    assert "fence 1000000 was never granted" in future.explain(owner.run_id, EMAIL.key)
+    assert await boundary_state(pool) == before
+    refused = [e for e in await store.events(owner.run_id) if e.kind == "effect_refused"]
+    assert [(e.fence, e.details["reason"], e.details["current_fence"]) for e in refused] == [
+        (1_000_000, "future_fence", 1)
+    ]
+    # The live owner is untouched: its effect and its commit both go through.
+    assert (await accept(pool, owner, EMAIL)).outcome == "accepted"
+    assert await store.commit_step(owner.lease, expected_version=0, next_step="next", checkpoint={})
+
+
+async def test_effects_are_refused_for_a_run_not_running_under_that_fence(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """Waiting (a retry scheduled) and finished runs take no effects, even at their fence."""
+    await store.submit("agent", {})
+    a = await claim(store, "A")
+    patient = RunStore(pool, backoff=Backoff(base_seconds=600))
+    assert await patient.fail_attempt(a.lease, error={"message": "try again"})
+    waiting = await accept(pool, a, EMAIL)
+    assert (waiting.outcome, waiting.run_state) == ("not_running", "waiting")
+    assert "is waiting, not running" in waiting.explain(a.run_id, EMAIL.key)
+
+    await store.submit("agent", {})
+    b = await claim(store, "B")
+    assert b.run_id != a.run_id  # a waits for its retry's backoff
+    assert await store.finish(b.lease, expected_version=0, result={})
+    finished = await accept(pool, b, EMAIL)
+    assert (finished.outcome, finished.run_state) == ("not_running", "succeeded")
+    assert "has already ended (succeeded)" in finished.explain(b.run_id, EMAIL.key)
+    assert await effect_rows(pool) == []
+
+
+async def test_migration_0005_lowers_a_mark_a_fence_from_the_future_had_raised(
+    database_factory: Any,
+) -> None:
+    """A database that took a fence the run never had (the old rule) lets its owner act again."""
+    from orchestrator.database import connect
+    from orchestrator.migrations import available_migrations, migrate
+    from orchestrator.settings import Settings
+    from orchestrator.testing import with_database
+
+    name = "orchestrator_before_0005"
+    admin = await connect(database_factory.settings)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = with_database(database_factory.server_dsn, name)
+    connection = await connect(Settings(database_url=dsn))
+    try:
+        await connection.execute(
+            "CREATE TABLE orchestrator_schema_migrations (version integer PRIMARY KEY, "
+            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
         )
-        higher = await store_e.accept(
-            db, other_run, 6, Effect("k3", "email", {"to": "c@example.com"}), worker_id="z"
+        for migration in available_migrations()[:4]:
+            await connection.execute(migration.sql)
+            await connection.execute(
+                "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, $2)",
+                migration.version,
+                migration.name,
+            )
+        await connection.execute(
+            "INSERT INTO runs (run_id, agent, input, state, fence, lease_owner, lease_until) "
+            "VALUES ('r_1', 'agent', '{}', 'running', 1, 'A', clock_timestamp() + interval '1h')"
         )
-    assert (first.outcome, lower.outcome, higher.outcome) == ("accepted", "stale", "accepted")
-    assert await pool.fetchval("SELECT fence FROM effect_fences WHERE run_id = $1", other_run) == 6
+        old_answer = await connection.fetchval(
+            "SELECT outcome FROM orchestrator_accept_effect('r_1', 'k', 1000000, 'email', "
+            "'irreversible', '{}', 'idem-1', 'attacker')"
+        )
+        assert old_answer == "accepted"  # the defect: the mark is now 1,000,000
+        await migrate(connection)
+        assert await connection.fetchval("SELECT fence FROM effect_fences") == 1
+        answer = await connection.fetchval(
+            "SELECT outcome FROM orchestrator_accept_effect('r_1', 'k2', 1, 'email', "
+            "'irreversible', '{}', 'idem-2', 'A')"
+        )
+        assert answer == "accepted"
+    finally:
+        await connection.close()
+        await database_factory.drop(dsn)
 
 
 async def test_cancel_raises_the_boundary_fence_and_withdraws_undispatched_effects(

@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 from support import ServeProcess
 
-from orchestrator.effects.model import Effect, EffectStatus
+from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.store import RunStore
@@ -199,3 +199,45 @@ async def test_one_email_per_run_through_worker_crashes_and_reclaims(
     assert len(vendor.deliveries) == 2
     # Run 2 resumed at Confirm: its Prepare (and its effect request) ran once, by C.
     assert await events_of(store, committed, "effect_accepted") == [("C", 1), ("C", 1)]
+
+
+async def test_serve_dispatch_lease_setting_bounds_how_long_a_dead_send_waits(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    """serve --dispatch-lease-seconds: a send cut off by its worker's death is reconciled once
+    that lease ends (2 s here), not after the 60 s default."""
+    await store.submit("agent", {})
+    run = (await store.claim("W", ["agent"], limit=1, lease_seconds=60)).claimed[0]
+    effect = Effect("crm-note", "crm", {"note": "hello"})
+    async with pool.acquire() as db, db.transaction():
+        await EffectStore(pool).accept(db, run.run_id, run.fence, effect, worker_id="W")
+    async with LocalVendor() as vendor:
+        with SmtpSink() as sink:
+            config = vendors_config(tmp_path, vendor, sink)
+        vendor.mode = "accept_then_hang"
+        args = [
+            "--agents",
+            "orchestrator.agents.noop",
+            "--poll-seconds",
+            "0.2",
+            "--effects-config",
+            config,
+            "--dispatch-lease-seconds",
+            "2",
+        ]
+        with ServeProcess(database_url, *args, name="A") as worker_a:
+            with anyio.fail_after(20):
+                while not vendor.deliveries:  # noqa: ASYNC110 - vendor state, polled
+                    await anyio.sleep(0.02)
+            worker_a.kill()
+        killed_at = anyio.current_time()
+        vendor.mode = "ok"
+        with ServeProcess(database_url, *args, name="B"):
+            with anyio.fail_after(20):
+                while (  # noqa: ASYNC110 - database state, polled
+                    await EffectStore(pool).get(run.run_id, effect.key)
+                ).status is not EffectStatus.CONFIRMED:
+                    await anyio.sleep(0.05)
+            settled_after = anyio.current_time() - killed_at
+    assert settled_after < 10, settled_after
+    assert vendor.requests_by_key == {idempotency_key(run.run_id, effect.key): 1}

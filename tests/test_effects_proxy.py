@@ -15,6 +15,7 @@ import asyncpg
 import httpx
 import pytest
 
+from orchestrator.backoff import Backoff
 from orchestrator.store import RunStore
 
 TOKEN = "test-token-7f3a"
@@ -26,7 +27,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_proxy(database_url: str, port: int) -> subprocess.Popen[bytes]:
+def start_proxy(
+    database_url: str, port: int, *, stderr: int = subprocess.DEVNULL
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -38,6 +41,7 @@ def start_proxy(database_url: str, port: int) -> subprocess.Popen[bytes]:
             f"127.0.0.1:{port}",
             "--max-body-bytes",
             "2048",
+            "--log-json",
         ],
         env={
             **os.environ,
@@ -45,7 +49,7 @@ def start_proxy(database_url: str, port: int) -> subprocess.Popen[bytes]:
             "ORCHESTRATOR_PROXY_TOKENS": f"other-token,{TOKEN}",
         },
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
     )
 
 
@@ -173,3 +177,68 @@ async def test_bad_requests_get_clear_errors_and_change_nothing(
 async def test_reads_need_a_token_too(proxy: httpx.AsyncClient) -> None:
     assert (await proxy.get("/v1/effects/r_x/k")).status_code == 401
     assert (await proxy.get("/v1/effects/r_x/k", headers=auth("other-token"))).status_code == 404
+
+
+async def test_an_unknown_run_gets_404_and_nothing_is_recorded(
+    proxy: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    response = await proxy.post("/v1/effects", json=request("r_nobody", 1), headers=auth())
+    assert response.status_code == 404, response.text
+    assert response.json()["error"] == "unknown_run"
+    assert await effect_count(pool) == 0
+    assert await pool.fetchval("SELECT count(*) FROM effect_fences") == 0
+
+
+async def test_a_fence_from_the_future_is_refused_and_the_owner_keeps_working(
+    proxy: httpx.AsyncClient, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    await store.submit("agent", {})
+    owner = (await store.claim("A", ["agent"], lease_seconds=30)).claimed[0]
+    forged = await proxy.post("/v1/effects", json=request(owner.run_id, 1_000_000), headers=auth())
+    assert forged.status_code == 409, forged.text
+    body = forged.json()
+    assert (body["error"], body["current_fence"], body["run_state"]) == (
+        "fence_not_granted",
+        1,
+        "running",
+    )
+    assert "never granted" in body["detail"]
+    assert await effect_count(pool) == 0
+    # The owner is not fenced out: its effect is accepted and its commit goes through.
+    own = await proxy.post("/v1/effects", json=request(owner.run_id, owner.fence), headers=auth())
+    assert own.status_code == 201, own.text
+    assert await store.commit_step(owner.lease, expected_version=0, next_step="s", checkpoint={})
+
+
+@pytest.mark.parametrize(
+    ("end", "error", "says"),
+    [
+        ("cancel", "run_cancelled", "was cancelled"),
+        ("finish", "run_finished", "has already ended (succeeded)"),
+        ("wait", "run_not_running", "is waiting, not running"),
+    ],
+)
+async def test_a_run_that_is_not_running_refuses_effects_and_says_why(
+    proxy: httpx.AsyncClient,
+    store: RunStore,
+    pool: asyncpg.Pool,
+    end: str,
+    error: str,
+    says: str,
+) -> None:
+    await store.submit("agent", {})
+    run = (await store.claim("A", ["agent"], lease_seconds=30)).claimed[0]
+    if end == "cancel":
+        await store.cancel(run.run_id)
+    elif end == "finish":
+        assert await store.finish(run.lease, expected_version=0, result={})
+    else:
+        patient = RunStore(pool, backoff=Backoff(base_seconds=600))
+        assert await patient.fail_attempt(run.lease, error={"message": "later"})
+    current = (await store.get(run.run_id)).fence
+    response = await proxy.post("/v1/effects", json=request(run.run_id, run.fence), headers=auth())
+    assert response.status_code == 409, response.text
+    body = response.json()
+    assert (body["error"], body["current_fence"]) == (error, current)
+    assert says in body["detail"] and "another worker owns" not in body["detail"]
+    assert await effect_count(pool) == 0

@@ -5,8 +5,13 @@ Workers are separate OS processes; PostgreSQL is real; partitions go through a l
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -53,6 +58,13 @@ async def wait_for_marker(marker_dir: Path, pattern: str, *, within: float = 30)
             if found:
                 return found[0]
             await anyio.sleep(0.02)
+
+
+def is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def kinds_by_fence(events: list[RunEvent], kind: str) -> list[int | None]:
@@ -252,12 +264,15 @@ async def test_postgres_restart_under_running_workers_loses_no_run() -> None:
             await anyio.to_thread.run_sync(lambda: server.restart(down_seconds=5))
             runs = await wait_all_terminal(settings, run_ids, within=90)
             logs = a.tail() + b.tail()
+            not_json = [line for line in a.raw + b.raw if not is_json_object(line)]
             alive = [a.process.poll(), b.process.poll()]
             lost_logged = a.events("lease lost") + b.events("lease lost")
         assert alive == [None, None], logs
         assert {run.state for run in runs} == {RunState.SUCCEEDED}, logs
         assert all(run.result == {"count": 3} for run in runs)
         assert lost_logged, "runs in flight during the outage must fall into lost ownership"
+        # Every line is JSON with --log-json, the connection pool's own warnings included.
+        assert not_json == [], "".join(not_json[:20])
     finally:
         server.stop(mode="immediate")
         shutil.rmtree(home, ignore_errors=True)
@@ -309,3 +324,152 @@ async def test_a_second_signal_exits_at_once(
         code = await anyio.to_thread.run_sync(lambda: worker.process.wait(10))
     assert code == 130
     assert time.monotonic() - started < 5
+
+
+async def test_after_a_postgres_restart_workers_register_again_and_takeover_still_works(
+    tmp_path: Path,
+) -> None:
+    home = Path(tempfile.mkdtemp(prefix="orchestrator-liveness-"))
+    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    settings = Settings(database_url=server.ensure_running().dsn())
+    dsn = str(settings.database_url)
+    # Room for all six runs on B and C together, whichever worker holds which.
+    args = [*FAST, "--lease-seconds", "10", "--heartbeat-seconds", "2", "--concurrency", "4"]
+    try:
+        connection = await connect(settings)
+        await migrate(connection)
+        await connection.close()
+        pool = await create_pool(settings, application_name="test-liveness")
+        store = RunStore(pool)
+        run_ids = [
+            (
+                await store.submit(
+                    "marked", {"steps": 1, "seconds": 60, "marker_dir": str(tmp_path), "n": n}
+                )
+            ).run.run_id
+            for n in range(6)
+        ]
+        await pool.close()
+        with (
+            ServeProcess(dsn, *args, name="A") as a,
+            ServeProcess(dsn, *args, name="B") as b,
+            ServeProcess(dsn, *args, name="C") as c,
+        ):
+            for worker in (a, b, c):
+                await worker.wait_for_log("serving", within=30)
+            for run_id in run_ids:
+                await wait_for_marker(tmp_path, f"{run_id}.0.*")
+            await anyio.to_thread.run_sync(server.restart)
+            for worker in (a, b, c):
+                await worker.wait_for_log("liveness re-established", within=20)
+            await anyio.sleep(2.5)  # every reaper has looked at least twice since
+            pool = await create_pool(settings, application_name="test-liveness")
+            store = RunStore(pool)
+            try:
+                timelines = {run_id: await store.events(run_id) for run_id in run_ids}
+                gone = [
+                    e
+                    for events in timelines.values()
+                    for e in events
+                    if e.kind in ("owner_session_gone", "lease_lost")
+                ]
+                assert gone == [], gone  # no live worker was judged dead
+                registered = await pool.fetch("SELECT worker_id FROM workers ORDER BY 1")
+                assert [r["worker_id"] for r in registered] == ["A", "B", "C"]
+                held_by_a = [
+                    run_id for run_id in run_ids if (await store.get(run_id)).lease_owner == "A"
+                ]
+                assert held_by_a, "A holds runs"
+                a.kill()
+                killed_at = await store.database_now()
+                for run_id in held_by_a:
+                    claims = await wait_for(
+                        lambda run_id=run_id: store.events(run_id),
+                        lambda events: kinds_by_fence(events, "claimed")[-1:] != [1],
+                        within=15,
+                    )
+                    takeover = [e for e in claims if e.kind == "claimed"][-1]
+                    assert takeover.worker_id in ("B", "C")
+                    assert (takeover.at - killed_at).total_seconds() <= 2.0, takeover
+                    assert "owner_session_gone" in [e.kind for e in claims]
+            finally:
+                await pool.close()
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def embedded_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != "ORCHESTRATOR_DATABASE_URL"}
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        env={**env, "ORCHESTRATOR_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_embedded_server_comes_back_on_the_same_port() -> None:
+    home = Path(tempfile.mkdtemp(prefix="orchestrator-port-"))
+    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    try:
+        first = server.ensure_running().port
+        assert server.stop()
+        assert server.ensure_running().port == first
+        assert server.remembered_port() == first
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.parametrize("port_taken", [False, True], ids=["same-port", "port-taken"])
+async def test_workers_find_the_embedded_server_again_after_db_stop(port_taken: bool) -> None:
+    """`db stop`, then any command starts the server again: running workers reconnect to it,
+    on its old port, or on a new one when something else took the old one meanwhile."""
+    home = Path(tempfile.mkdtemp(prefix="orchestrator-dbstop-"))
+    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    settings = Settings(home=home)
+    squatter: socket.socket | None = None
+    try:
+        server.ensure_running()
+        connection = await connect(settings)
+        await migrate(connection)
+        await connection.close()
+        run_ids = await submit_sleepy(settings, count=10, seconds=1.0)
+        args = [
+            *FAST,
+            "--agents",
+            "orchestrator.agents.sleepy",
+            "--lease-seconds",
+            "3",
+            "--heartbeat-seconds",
+            "1",
+            "--concurrency",
+            "10",
+        ]
+        with ServeProcess(None, *args, name="A", env={"ORCHESTRATOR_HOME": str(home)}) as worker:
+            await worker.wait_for_log("serving", within=30)
+            await anyio.sleep(1.0)
+            stopped = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
+            assert stopped.returncode == 0, stopped.stderr
+            old_port = server.remembered_port()
+            assert old_port is not None
+            if port_taken:
+                squatter = socket.socket()
+                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                squatter.bind(("127.0.0.1", old_port))
+                squatter.listen()
+            listed = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "runs", "list"))
+            assert listed.returncode == 0, listed.stderr
+            assert (server.remembered_port() == old_port) is not port_taken
+            runs = await wait_all_terminal(settings, run_ids, within=60)
+            alive = worker.process.poll()
+        assert alive is None, worker.tail()
+        assert {run.state for run in runs} == {RunState.SUCCEEDED}, worker.tail()
+    finally:
+        if squatter is not None:
+            squatter.close()
+        server.stop(mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)

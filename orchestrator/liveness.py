@@ -1,0 +1,125 @@
+"""A worker's proof of life for dead-session takeover, kept up for as long as the worker runs.
+
+The proof is a session-level advisory lock held on a dedicated connection, plus the worker's
+row in ``workers`` naming the lock. PostgreSQL frees the lock the moment the session ends, so a
+killed worker is known dead within a reaper's interval. But a session also ends when the server
+restarts or the connection is cut while the worker lives on: then its lock is gone too, and the
+worker must take a new one and register again, or no reaper could ever tell it died later. This
+task checks the session every interval and re-establishes both as soon as it can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Sequence
+
+import anyio
+import asyncpg
+import structlog
+
+from orchestrator.database import connect
+from orchestrator.deadlines import DATABASE_ERRORS
+from orchestrator.settings import Settings
+from orchestrator.store import WorkerRegistry
+from orchestrator.telemetry import WORKER_ID
+
+log = structlog.get_logger("orchestrator.liveness")
+
+_REGISTRATION_ERRORS: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, RuntimeError)
+"""A database still down, or (RuntimeError) a lock key another session holds: try again."""
+
+
+class Liveness:
+    """``register()`` once before serving, then ``run()`` in the worker's task group."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        dsn: str,
+        worker_id: str,
+        agents: Sequence[str],
+        *,
+        check_seconds: float,
+        statement_seconds: float,
+    ) -> None:
+        self._settings = settings
+        self._dsn = dsn
+        self.worker_id = worker_id
+        self._agents = list(agents)
+        self._check_seconds = check_seconds
+        self._statement_seconds = statement_seconds
+        self._registry = WorkerRegistry()
+        self._connection: asyncpg.Connection | None = None
+        self.session_key: int | None = None
+        self.registrations = 0
+        """How many times this worker has registered (more than one: its session was lost)."""
+
+    async def register(self) -> None:
+        """Take a fresh liveness lock and record the worker (raises if the database is down)."""
+        self._drop()
+        with anyio.fail_after(self._statement_seconds):
+            connection = await connect(
+                self._settings, dsn=self._dsn, application_name=self.worker_id + ":liveness"
+            )
+            try:
+                self.session_key = await self._registry.register(
+                    connection,
+                    worker_id=self.worker_id,
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    agents=self._agents,
+                )
+            except BaseException:
+                connection.terminate()
+                raise
+        self._connection = connection
+        self.registrations += 1
+
+    async def run(self) -> None:
+        """Check the session every interval; when it is gone, register again until it works."""
+        while True:
+            await anyio.sleep(self._check_seconds)
+            if await self._alive():
+                continue
+            self._drop()
+            log.warning("liveness session lost; registering again", **{WORKER_ID: self.worker_id})
+            while True:
+                try:
+                    await self.register()
+                except _REGISTRATION_ERRORS as error:
+                    log.debug("cannot register yet", error=str(error) or type(error).__name__)
+                    await anyio.sleep(self._check_seconds)
+                    continue
+                log.info(
+                    "liveness re-established",
+                    session_key=self.session_key,
+                    **{WORKER_ID: self.worker_id},
+                )
+                break
+
+    async def _alive(self) -> bool:
+        connection = self._connection
+        if connection is None or connection.is_closed():
+            return False
+        try:
+            with anyio.fail_after(self._statement_seconds):
+                await connection.execute("SELECT 1")
+        except DATABASE_ERRORS:
+            return False
+        return True
+
+    def _drop(self) -> None:
+        if self._connection is not None:
+            self._connection.terminate()
+            self._connection = None
+
+    async def close(self) -> None:
+        """Unregister (a clean stop is not a death) and end the session, bounded."""
+        with anyio.move_on_after(5, shield=True):
+            connection = self._connection
+            if connection is not None and not connection.is_closed():
+                with contextlib.suppress(*DATABASE_ERRORS):
+                    await self._registry.unregister(connection, self.worker_id)
+        self._drop()

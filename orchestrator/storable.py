@@ -1,0 +1,141 @@
+"""What PostgreSQL can store, checked where values enter: JSON documents and free text.
+
+PostgreSQL's ``text`` and ``jsonb`` cannot hold a NUL character (``\\u0000``) nor a lone UTF-16
+surrogate (``\\ud800``, or the surrogate escapes Python uses for undecodable bytes), and a
+``bigint`` holds only 64-bit integers. Python's ``json`` accepts NaN and turns ``1e400`` into an
+infinity, neither of which is JSON that jsonb accepts. Every entry point (the command line, the
+action proxy, ``RunStore.submit``, a step's outcome) checks its values here first, so a bad value
+is refused with a message naming it instead of failing inside the database.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from orchestrator.errors import InvalidInput
+
+MAX_JSON_DEPTH = 200
+"""Arrays and objects nested deeper than this are refused (PostgreSQL's own parser, and
+Python's, fail somewhere past a thousand levels, depending on the stack they run on)."""
+
+BIGINT_MAX = 2**63 - 1
+
+
+def check_text(value: str, what: str) -> str:
+    """``value`` if PostgreSQL text can hold it: no NUL, valid Unicode (no lone surrogates)."""
+    if "\x00" in value:
+        raise InvalidInput(f"{what} contains a NUL character (\\u0000), which cannot be stored")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(
+            f"{what} is not valid UTF-8 text (it holds undecodable bytes or a lone surrogate)"
+        ) from None
+    return value
+
+
+def check_bigint(value: object, what: str, *, minimum: int = 0) -> int:
+    """``value`` if it is an integer (not a bool) that PostgreSQL's bigint holds, >= ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidInput(f"{what} must be an integer")
+    if not minimum <= value <= BIGINT_MAX:
+        raise InvalidInput(f"{what} must be between {minimum} and {BIGINT_MAX}")
+    return value
+
+
+def check_json(value: Any, what: str) -> Any:
+    """``value`` if jsonb can hold it: JSON types only, finite numbers, storable strings, and
+    at most ``MAX_JSON_DEPTH`` levels of nesting. Returns it unchanged."""
+    # An explicit stack, not recursion: a deep value must be refused, not overflow the checker.
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_json_string(item, what)
+        elif isinstance(item, bool) or item is None or isinstance(item, int):
+            continue
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise InvalidInput(f"{what} holds {item!r}, which is not a JSON number")
+        elif isinstance(item, dict | list | tuple):
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidInput(
+                    f"{what} is nested more than {MAX_JSON_DEPTH} levels deep; flatten it"
+                )
+            if isinstance(item, dict):
+                for key, member in item.items():
+                    if isinstance(key, str):
+                        _check_json_string(key, what)
+                    elif not isinstance(key, int | float) and key is not None:
+                        # json writes int, float, bool and None keys as strings, nothing else
+                        raise InvalidInput(f"{what} has an object key of type {type(key).__name__}")
+                    stack.append((member, depth + 1))
+            else:
+                stack.extend((member, depth + 1) for member in item)
+        else:
+            raise InvalidInput(f"{what} holds a {type(item).__name__}, which is not JSON")
+    return value
+
+
+def _check_json_string(value: str, what: str) -> None:
+    if "\x00" in value:
+        raise InvalidInput(
+            f"{what} holds a string with a NUL character (\\u0000), which jsonb cannot store"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(
+            f"{what} holds a string with a lone surrogate (such as \\ud800), which is not "
+            "valid Unicode"
+        ) from None
+
+
+def needs_full_check(encoded: str) -> bool:
+    """Whether compact, ASCII-only JSON text may hold a NUL or a lone surrogate.
+
+    The encoder writes both as ``\\u`` escapes, so text without ``\\u0000`` or ``\\ud`` holds
+    neither, and only the rare rest is walked value by value (an emoji's surrogate pair, or a
+    literal backslash before ``u0000``, also trigger the walk, which then accepts them).
+    """
+    return "\\u0000" in encoded or "\\ud" in encoded
+
+
+class InvalidJson(InvalidInput):
+    """The text is not JSON at all (bad UTF-8, bad syntax, NaN, nesting past any limit)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_document(text: str | bytes, what: str) -> Any:
+    """Parse JSON from outside (a file, standard input, a request body), strictly.
+
+    Bytes must be UTF-8. Refused with ``InvalidJson``: invalid UTF-8, invalid JSON, NaN and
+    infinities, integers of thousands of digits, nesting too deep to parse; with
+    ``InvalidInput``: what ``check_json`` refuses (a float too large, deeper than
+    ``MAX_JSON_DEPTH``, strings PostgreSQL cannot store).
+    """
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidJson(
+                f"{what} is not valid UTF-8 (byte {error.start} cannot be decoded)"
+            ) from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as error:
+        raise InvalidJson(
+            f"{what} is not valid JSON ({error.msg} at line {error.lineno} column {error.colno})"
+        ) from None
+    except RecursionError:
+        raise InvalidJson(
+            f"{what} is nested more than {MAX_JSON_DEPTH} levels deep; flatten it"
+        ) from None
+    except ValueError as error:  # NaN/Infinity above, or an integer of thousands of digits
+        raise InvalidJson(f"{what} is not valid JSON: {error}") from None
+    return check_json(value, what)
