@@ -63,12 +63,12 @@ from serve_harness import (
     run_and_report,
 )
 
-from orchestrator.database import connect, create_pool
-from orchestrator.migrations import migrate
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.migrations import migrate
+from orchestrator.db.queries import query
+from orchestrator.db.store import RunStore
 from orchestrator.models import Lease
-from orchestrator.queries import query
 from orchestrator.settings import Settings
-from orchestrator.store import RunStore
 from orchestrator.testing import with_database
 
 TARGET_RATIO = 0.80

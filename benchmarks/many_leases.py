@@ -69,8 +69,8 @@ from serve_harness import (
     settings_for,
 )
 
-from orchestrator.database import connect
-from orchestrator.migrations import migrate
+from orchestrator.db.connections import connect
+from orchestrator.db.migrations import migrate
 
 LEASE_SECONDS = 45.0
 """``serve --lease-seconds`` default, used unchanged (heartbeat: a third of it)."""

@@ -70,10 +70,10 @@ from serve_harness import (
     settings_for,
 )
 
-from orchestrator.database import connect, create_pool
-from orchestrator.migrations import migrate
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
-from orchestrator.store import RunStore
 
 TARGET_P99_SECONDS = 2.0
 REAP_SECONDS = 1.0

@@ -39,8 +39,8 @@ import anyio
 import asyncpg
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
-from orchestrator.database import connect
-from orchestrator.embedded import EmbeddedPostgres
+from orchestrator.db.connections import connect
+from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.settings import Settings
 from orchestrator.testing import with_database
 

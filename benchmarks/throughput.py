@@ -110,8 +110,8 @@ from serve_harness import (
     spawn,
 )
 
-from orchestrator.database import connect
-from orchestrator.migrations import migrate
+from orchestrator.db.connections import connect
+from orchestrator.db.migrations import migrate
 
 TARGET_VS_PGQUEUER = 1.5
 START_POLL_SECONDS = 0.005

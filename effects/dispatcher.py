@@ -23,7 +23,7 @@ import asyncpg
 import structlog
 
 from orchestrator.backoff import Backoff
-from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.errors import InvalidInput
 from orchestrator.telemetry import RUN_FENCE, RUN_ID, start_span
 

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from orchestrator.deadlines import DATABASE_ERRORS
+from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import RUN_ID_PATTERN
 from orchestrator.presentation import jsonable

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from orchestrator.db.queries import query
+from orchestrator.db.store import Executor
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.ids import validate_run_id
 from orchestrator.models import JSON
-from orchestrator.queries import query
 from orchestrator.storable import check_text
-from orchestrator.store import Executor
 
 from .model import (
     Acceptance,

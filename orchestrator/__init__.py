@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orchestrator.db.store import FailOutcome, RunStore, StepEvent
 from orchestrator.errors import (
     DatabaseUnavailable,
     IdempotencyConflict,
@@ -14,7 +15,6 @@ from orchestrator.errors import (
 )
 from orchestrator.models import ClaimBatch, ClaimedRun, CommitResult, Lease, Run, RunEvent, RunState
 from orchestrator.settings import Settings
-from orchestrator.store import FailOutcome, RunStore, StepEvent
 
 __all__ = [
     "ClaimBatch",

@@ -18,18 +18,18 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from orchestrator.bootstrap import open_store
-from orchestrator.database import connect, redact_dsn, resolve_dsn
+from orchestrator.db.bootstrap import open_store
+from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
+from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.migrations import latest_version, migrate
+from orchestrator.db.store import WorkerRegistry
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
-from orchestrator.embedded import EmbeddedPostgres
 from orchestrator.errors import InvalidInput, OrchestratorError
-from orchestrator.migrations import latest_version, migrate
 from orchestrator.models import RunState
 from orchestrator.presentation import dump_json, effects_table, print_run, runs_table
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
-from orchestrator.store import WorkerRegistry
 
 T = TypeVar("T")
 
@@ -402,10 +402,10 @@ def serve(
 ) -> None:
     """Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once)."""
     from orchestrator.effects.dispatcher import load_adapters
-    from orchestrator.gc_tuning import tune_for_worker
     from orchestrator.steps import AgentRegistry
-    from orchestrator.supervisor import Supervisor, WorkerConfig, default_worker_id
     from orchestrator.telemetry import configure_logging, install_sdk_from_env, shutdown_sdk
+    from orchestrator.worker.gc_tuning import tune_for_worker
+    from orchestrator.worker.worker import Supervisor, WorkerConfig, default_worker_id
 
     settings = _settings(ctx)
     configure_logging(json_logs=log_json)

@@ -26,12 +26,12 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.bootstrap import open_store
-from orchestrator.database import resolve_dsn
+from orchestrator.db.bootstrap import open_store
+from orchestrator.db.connections import resolve_dsn
+from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunEvent
 from orchestrator.settings import Settings
-from orchestrator.store import RunStore
 from orchestrator.testing import LocalVendor, SmtpSink
 
 WORKER_A = "demo-worker-a"

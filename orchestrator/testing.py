@@ -32,14 +32,14 @@ import anyio.abc
 import anyio.streams.buffered
 import asyncpg
 
-from orchestrator.database import connect, create_pool
-from orchestrator.embedded import EmbeddedPostgres
-from orchestrator.migrations import migrate
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
 from orchestrator.models import JSON, TERMINAL_STATES, Run, RunEvent, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, AgentRegistry
-from orchestrator.store import RunStore
-from orchestrator.supervisor import Supervisor, WorkerConfig
+from orchestrator.worker.worker import Supervisor, WorkerConfig
 
 TEST_SERVER_SETTINGS = {
     # Durability is not under test and fsync dominates small transactions on CI disks.

@@ -31,8 +31,8 @@ from typing import IO, TYPE_CHECKING, Any, Self
 if TYPE_CHECKING:
     import asyncpg
 
+    from orchestrator.db.store import RunStore, TransactionConnection
     from orchestrator.models import ClaimBatch, ClaimedRun, CommitResult, Lease
-    from orchestrator.store import RunStore, TransactionConnection
 
 AGENT = "lease-test"
 LEASE_CHOICES = (0.3, 0.5, 0.75, 1.0)
@@ -80,7 +80,7 @@ def apply_sql_mutation() -> None:
     spec = os.environ.get(MUTATION_ENV)
     if not spec:
         return
-    from orchestrator.queries import queries
+    from orchestrator.db.queries import queries
 
     name, old, new = spec.split("|")
     statements = queries()
@@ -296,9 +296,9 @@ class ClaimingTask:
 
 async def run_loop(args: argparse.Namespace, output: IO[str]) -> None:
     from orchestrator.backoff import Backoff
-    from orchestrator.database import create_pool
+    from orchestrator.db.connections import create_pool
+    from orchestrator.db.store import RunStore
     from orchestrator.settings import Settings
-    from orchestrator.store import RunStore
 
     apply_sql_mutation()
     pool = await create_pool(
@@ -331,10 +331,10 @@ async def run_loop(args: argparse.Namespace, output: IO[str]) -> None:
 
 # -- serve mode ---------------------------------------------------------------------------------
 async def serve(args: argparse.Namespace) -> None:
-    from orchestrator.database import create_pool
+    from orchestrator.db.connections import create_pool
+    from orchestrator.db.store import RunStore
     from orchestrator.models import Lease
     from orchestrator.settings import Settings
-    from orchestrator.store import RunStore
 
     apply_sql_mutation()
     pool = await create_pool(Settings.from_env(), application_name=args.worker_id, max_size=2)

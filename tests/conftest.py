@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Iterator
 import asyncpg
 import pytest
 
-from orchestrator.database import create_pool
+from orchestrator.db.connections import create_pool
+from orchestrator.db.store import RunStore
 from orchestrator.settings import Settings
-from orchestrator.store import RunStore
 from orchestrator.testing import DatabaseFactory
 
 

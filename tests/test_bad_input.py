@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from orchestrator.store import RunStore
+from orchestrator.db.store import RunStore
 
 
 def cli(

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from test_effects_proxy import TOKEN, free_port, start_proxy
 
 from orchestrator.cli import main
-from orchestrator.database import create_pool
+from orchestrator.db.connections import create_pool
+from orchestrator.db.store import RunStore
 from orchestrator.settings import Settings
-from orchestrator.store import RunStore
 
 EXAMPLES = settings(
     max_examples=40,

@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from orchestrator.store import RunStore
+from orchestrator.db.store import RunStore
 
 
 def cli(

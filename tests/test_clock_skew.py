@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from orchestrator.store import RunStore
+from orchestrator.db.store import RunStore
 
 CLAIMER = Path(__file__).with_name("claimer_process.py")
 AGENT = "skew-test"

@@ -35,7 +35,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from orchestrator.store import RunStore
+from orchestrator.db.store import RunStore
 
 CLAIMER = Path(__file__).with_name("claimer_process.py")
 AGENT = "lease-test"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
-
 from orchestrator.agents.contract_review import contract_review
+
+from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.store import RunStore
 from orchestrator.testing import LocalModelServer, run_agent, running_worker, wait_for_run
 
 CONTRACT = "The supplier shall deliver 40 units per month at 12 EUR each until 2027."

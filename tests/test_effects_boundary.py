@@ -7,12 +7,12 @@ from typing import Any
 
 import asyncpg
 import pytest
-
-from orchestrator.backoff import Backoff
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
+
+from orchestrator.backoff import Backoff
+from orchestrator.db.store import RunStore
 from orchestrator.models import ClaimedRun
-from orchestrator.store import RunStore
 
 EMAIL = Effect("summary-email", "email", {"to": "a@example.com", "subject": "s", "body": "b"})
 
@@ -202,8 +202,8 @@ async def test_migration_0005_lowers_a_mark_a_fence_from_the_future_had_raised(
     database_factory: Any,
 ) -> None:
     """A database that took a fence the run never had (the old rule) lets its owner act again."""
-    from orchestrator.database import connect
-    from orchestrator.migrations import available_migrations, migrate
+    from orchestrator.db.connections import connect
+    from orchestrator.db.migrations import available_migrations, migrate
     from orchestrator.settings import Settings
     from orchestrator.testing import with_database
 

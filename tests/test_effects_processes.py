@@ -11,12 +11,12 @@ from pathlib import Path
 import anyio
 import asyncpg
 import pytest
-from support import ServeProcess
-
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
+from support import ServeProcess
+
+from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
-from orchestrator.store import RunStore
 from orchestrator.testing import LocalVendor, SmtpSink, wait_for_run
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from orchestrator.backoff import Backoff
-from orchestrator.store import RunStore
+from orchestrator.db.store import RunStore
 
 TOKEN = "test-token-7f3a"
 

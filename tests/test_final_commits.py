@@ -15,12 +15,12 @@ import anyio
 import asyncpg
 from test_runtime import FAST, eventually
 
-from orchestrator.group_commit import GroupCommitter
+from orchestrator.db.store import RunFinish, RunStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Outcome, Step, StepContext
-from orchestrator.store import RunFinish, RunStore
 from orchestrator.testing import running_worker
+from orchestrator.worker.group_commit import GroupCommitter
 
 FINISH_WAITING_FOR_A_LOCK = """
 SELECT pid FROM pg_stat_activity

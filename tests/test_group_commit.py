@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import anyio
 import asyncpg
-from test_runtime import FAST, eventually
-
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
 from orchestrator.effects.store import EffectStore
-from orchestrator.group_commit import EffectRefused, GroupCommitter
+from test_runtime import FAST, eventually
+
+from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
-from orchestrator.store import RunFinish, RunStore, StepCommit
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
+from orchestrator.worker.group_commit import EffectRefused, GroupCommitter
 
 
 def note(key: str = "final-note", kind: str = "crm") -> Effect:

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from orchestrator.bootstrap import SchemaBehind, ensure_schema
-from orchestrator.database import connect
+from orchestrator.db.bootstrap import SchemaBehind, ensure_schema
+from orchestrator.db.connections import connect
+from orchestrator.db.migrations import available_migrations, check_schema, latest_version, migrate
 from orchestrator.errors import DatabaseUnavailable, SchemaTooNew
-from orchestrator.migrations import available_migrations, check_schema, latest_version, migrate
 from orchestrator.settings import Settings
 from orchestrator.testing import DatabaseFactory, with_database
 

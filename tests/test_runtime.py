@@ -13,18 +13,12 @@ from typing import ClassVar
 import anyio
 import asyncpg
 import pytest
-
 from orchestrator.agents.noop import noop
 from orchestrator.agents.sleepy import sleepy
+
+from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput, SchemaTooNew
-from orchestrator.heartbeat import (
-    NO_DEADLINE_CONFIRMATION,
-    LeaseDeadlines,
-    LeaseHandle,
-    safety_margin,
-)
 from orchestrator.models import Lease, RunState
-from orchestrator.run_tasks import RunTasks
 from orchestrator.settings import Settings
 from orchestrator.steps import (
     Agent,
@@ -36,9 +30,15 @@ from orchestrator.steps import (
     Step,
     StepContext,
 )
-from orchestrator.store import RunStore
-from orchestrator.supervisor import Supervisor, WorkerConfig
 from orchestrator.testing import run_agent, running_worker, wait_for_run
+from orchestrator.worker.heartbeat import (
+    NO_DEADLINE_CONFIRMATION,
+    LeaseDeadlines,
+    LeaseHandle,
+    safety_margin,
+)
+from orchestrator.worker.run_tasks import RunTasks
+from orchestrator.worker.worker import Supervisor, WorkerConfig
 
 FAST = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
 

@@ -24,13 +24,13 @@ import anyio
 import pytest
 from support import ServeProcess
 
-from orchestrator.database import connect, create_pool
-from orchestrator.embedded import EmbeddedPostgres
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
 from orchestrator.errors import OrchestratorError
-from orchestrator.migrations import migrate
 from orchestrator.models import Run, RunEvent, RunState
 from orchestrator.settings import Settings
-from orchestrator.store import RunStore
 from orchestrator.testing import TEST_SERVER_SETTINGS, FaultProxy, wait_for_run
 
 pytestmark = pytest.mark.slow

@@ -45,11 +45,11 @@ from hypothesis.stateful import (
 )
 
 from orchestrator.backoff import Backoff
-from orchestrator.database import create_pool
+from orchestrator.db.connections import create_pool
+from orchestrator.db.store import RunFinish, RunStore, StepCommit, StepEvent
 from orchestrator.errors import IdempotencyConflict, InvalidTransition
 from orchestrator.models import JSON, ClaimedRun, CommitResult, Lease, Run, RunState
 from orchestrator.settings import Settings
-from orchestrator.store import RunFinish, RunStore, StepCommit, StepEvent
 from orchestrator.testing import DatabaseFactory
 
 T = TypeVar("T")

@@ -9,7 +9,9 @@ from typing import Any
 import asyncpg
 import pytest
 
-from orchestrator.database import GENERIC_PLANS, create_pool
+from orchestrator.db.connections import GENERIC_PLANS, create_pool
+from orchestrator.db.queries import query
+from orchestrator.db.store import RunStore, StepEvent
 from orchestrator.errors import (
     IdempotencyConflict,
     InvalidInput,
@@ -18,9 +20,7 @@ from orchestrator.errors import (
     RunNotFound,
 )
 from orchestrator.models import ClaimedRun, Lease, RunState
-from orchestrator.queries import query
 from orchestrator.settings import Settings
-from orchestrator.store import RunStore, StepEvent
 
 SHORT = 0.3  # seconds: a lease that a test can outwait
 
@@ -414,7 +414,7 @@ async def test_list_filters_by_state_and_agent(store: RunStore) -> None:
 async def test_group_commit_checks_each_run_and_refuses_only_the_stale_ones(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    from orchestrator.store import RunFinish, StepCommit
+    from orchestrator.db.store import RunFinish, StepCommit
 
     for n in range(4):
         await store.submit("agent", {"n": n})
@@ -468,7 +468,7 @@ async def test_claim_with_a_repeated_agent_name_still_fills_the_limit(store: Run
 
 
 async def test_a_run_is_only_finished_as_succeeded_or_failed(store: RunStore) -> None:
-    from orchestrator.store import RunFinish
+    from orchestrator.db.store import RunFinish
 
     await store.submit("agent", {})
     run = await claim_one(store, "W")

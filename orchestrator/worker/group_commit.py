@@ -27,11 +27,11 @@ from typing import Any
 import anyio
 import structlog
 
-from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import AcceptOutcome
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import CommitResult
-from orchestrator.store import RunFinish, RunStore, StepCommit
 
 log = structlog.get_logger("orchestrator.group_commit")
 

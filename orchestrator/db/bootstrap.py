@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from orchestrator.database import connect, create_pool, resolve_dsn
+from orchestrator.db.connections import connect, create_pool, resolve_dsn
+from orchestrator.db.migrations import check_schema, latest_version, migrate
+from orchestrator.db.store import RunStore
 from orchestrator.errors import OrchestratorError
-from orchestrator.migrations import check_schema, latest_version, migrate
 from orchestrator.settings import Settings
-from orchestrator.store import RunStore
 
 
 class SchemaBehind(OrchestratorError):

@@ -31,21 +31,16 @@ import asyncpg
 import structlog
 from anyio.abc import TaskStatus
 
-from orchestrator.bootstrap import ensure_schema
-from orchestrator.database import GENERIC_PLANS, connect, create_pool, redact_dsn, resolve_dsn
-from orchestrator.deadlines import DATABASE_ERRORS, DedicatedConnection, pooled
+from orchestrator.db.bootstrap import ensure_schema
+from orchestrator.db.connections import GENERIC_PLANS, connect, create_pool, redact_dsn, resolve_dsn
+from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection, pooled
+from orchestrator.db.store import RunStore, WorkerRegistry
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffects
-from orchestrator.group_commit import GroupCommitter
-from orchestrator.heartbeat import LeaseKeeper
-from orchestrator.liveness import Liveness
-from orchestrator.run_tasks import RunTasks
-from orchestrator.runner import LOST, SETTLING, RunnerConfig, RunScope, RunServices
 from orchestrator.settings import Settings
 from orchestrator.steps import AgentRegistry
-from orchestrator.store import RunStore, WorkerRegistry
 from orchestrator.telemetry import (
     RUN_FENCE,
     RUN_ID,
@@ -54,6 +49,11 @@ from orchestrator.telemetry import (
     debug_enabled,
     start_span,
 )
+from orchestrator.worker.execution import LOST, SETTLING, RunnerConfig, RunScope, RunServices
+from orchestrator.worker.group_commit import GroupCommitter
+from orchestrator.worker.heartbeat import LeaseKeeper
+from orchestrator.worker.liveness import Liveness
+from orchestrator.worker.run_tasks import RunTasks
 
 log = structlog.get_logger("orchestrator.supervisor")
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 import asyncpg
 
 from orchestrator.backoff import Backoff
+from orchestrator.db.queries import query
 from orchestrator.errors import (
     IdempotencyConflict,
     InvalidInput,
@@ -38,7 +39,6 @@ from orchestrator.models import (
     RunState,
     Submission,
 )
-from orchestrator.queries import query
 from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES
 from orchestrator.storable import check_json, check_text
 

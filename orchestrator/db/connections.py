@@ -9,7 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from orchestrator.embedded import EmbeddedPostgres
+from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.errors import DatabaseUnavailable, InvalidInput
 from orchestrator.jsontext import compact, parse
 from orchestrator.settings import Settings

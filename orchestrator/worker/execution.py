@@ -27,10 +27,9 @@ from typing import Any, NamedTuple, TypeVar
 import anyio
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
-from orchestrator.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import Effect
-from orchestrator.group_commit import CommitOutcomeUnknown, EffectRefused, GroupCommitter
-from orchestrator.heartbeat import LeaseHandle, LeaseKeeper
 from orchestrator.models import JSON, ClaimedRun, RunState
 from orchestrator.steps import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
@@ -44,7 +43,6 @@ from orchestrator.steps import (
     encode_json,
     validate_json,
 )
-from orchestrator.store import RunFinish, RunStore, StepCommit
 from orchestrator.telemetry import (
     CHECKPOINT_VERSION,
     DISPOSITION,
@@ -61,6 +59,8 @@ from orchestrator.telemetry import (
     start_span,
     tracing_enabled,
 )
+from orchestrator.worker.group_commit import CommitOutcomeUnknown, EffectRefused, GroupCommitter
+from orchestrator.worker.heartbeat import LeaseHandle, LeaseKeeper
 
 T = TypeVar("T")
 

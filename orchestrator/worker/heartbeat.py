@@ -32,9 +32,9 @@ from typing import ClassVar
 import anyio
 import structlog
 
-from orchestrator.deadlines import DATABASE_ERRORS, DedicatedConnection
+from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection
+from orchestrator.db.store import RunStore
 from orchestrator.models import ClaimedRun, Lease
-from orchestrator.store import RunStore
 from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, start_span
 
 log = structlog.get_logger("orchestrator.heartbeat")

@@ -19,10 +19,10 @@ import anyio
 import asyncpg
 import structlog
 
-from orchestrator.database import connect
-from orchestrator.deadlines import DATABASE_ERRORS
+from orchestrator.db.connections import connect
+from orchestrator.db.deadlines import DATABASE_ERRORS
+from orchestrator.db.store import WorkerRegistry
 from orchestrator.settings import Settings
-from orchestrator.store import WorkerRegistry
 from orchestrator.telemetry import WORKER_ID
 
 log = structlog.get_logger("orchestrator.liveness")

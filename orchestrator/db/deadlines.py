@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 import asyncpg
 
-from orchestrator.database import connect
+from orchestrator.db.connections import connect
 from orchestrator.errors import DatabaseUnavailable
 from orchestrator.settings import Settings
 

@@ -1,0 +1,1 @@
+"""The database side: connections, the run store, queries, migrations, the embedded server."""

@@ -1,0 +1,1 @@
+"""The worker runtime: claiming, run executions, heartbeats, group commit (asyncio)."""
