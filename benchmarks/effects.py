@@ -270,7 +270,7 @@ class TimedDispatcher(Dispatcher):
 
 @contextmanager
 def timed_worker_dispatcher() -> Iterator[None]:
-    """Workers started inside build a ``TimedDispatcher`` (``Supervisor.run`` looks the name up
+    """Workers started inside build a ``TimedDispatcher`` (``Worker.run`` looks the name up
     in its module when it starts)."""
     namespace = vars(supervisor_module)
     original = namespace["Dispatcher"]
@@ -696,7 +696,8 @@ async def measure_latency(
                         concurrency=args.worker_concurrency,
                         poll_seconds=args.poll_seconds,
                     ) as supervisor:
-                        dispatcher = supervisor.dispatcher
+                        assert supervisor.running is not None
+                        dispatcher = supervisor.running.dispatcher
                         assert isinstance(dispatcher, TimedDispatcher)
                         for number in range(args.warmup_runs + args.runs):
                             run_id = await one_run(store, agent_name, number)

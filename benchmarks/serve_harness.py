@@ -6,8 +6,9 @@ Used by ``throughput.py``, ``recovery.py`` and ``many_leases.py`` (not a benchma
   default (durable) settings, stopped and deleted on exit, or an existing server (``--dsn``);
 * ``create_database`` / ``drop_database``: scratch databases on that server;
 * ``ServeProcess``: ``python -m orchestrator.cli serve --log-json`` in its own process, its JSON
-  log lines collected by a reader thread; every process started here is killed by
-  ``kill_children`` (the benchmarks call it in a ``finally``);
+  log lines collected by a reader thread (optionally under another virtualenv's interpreter,
+  for an older release); every process started here is killed by ``kill_children`` (the
+  benchmarks call it in a ``finally``);
 * ``CpuMeter``: CPU seconds of one process, of the PostgreSQL server's processes and of the
   whole machine, so that each figure can be read against the load that other programs put on
   this (shared, two-core) machine at the same time;
@@ -182,9 +183,11 @@ def kill_children() -> int:
 
 
 def child_env(database_url: str) -> dict[str, str]:
-    """The children's environment: the database, and no OpenTelemetry SDK (API no-ops only)."""
+    """The children's environment: the database, the default schema (``ORCHESTRATOR_SCHEMA``
+    unset, as on the benchmarks' own connections), and no OpenTelemetry SDK (API no-ops only)."""
+    inherited = {key: value for key, value in os.environ.items() if key != "ORCHESTRATOR_SCHEMA"}
     return {
-        **os.environ,
+        **inherited,
         "ORCHESTRATOR_DATABASE_URL": database_url,
         "OTEL_TRACES_EXPORTER": "none",
         "OTEL_METRICS_EXPORTER": "none",
@@ -267,11 +270,18 @@ class Child:
 
 
 class ServeProcess(Child):
-    """``orchestrator serve --log-json --worker-id NAME ARGS...`` in its own process."""
+    """``orchestrator serve --log-json --worker-id NAME ARGS...`` in its own process.
 
-    def __init__(self, database_url: str, *args: str, name: str) -> None:
+    ``python``: the interpreter and its options (default: this one, so the orchestrator this
+    benchmark imports); another virtualenv's interpreter runs the orchestrator installed there,
+    without this environment's ``PYTHONPATH``.
+    """
+
+    def __init__(
+        self, database_url: str, *args: str, name: str, python: Sequence[str] = ()
+    ) -> None:
         argv = [
-            sys.executable,
+            *(python or [sys.executable]),
             "-m",
             "orchestrator.cli",
             "serve",
@@ -280,7 +290,10 @@ class ServeProcess(Child):
             name,
             *args,
         ]
-        super().__init__(argv, env=child_env(database_url), name=name)
+        env = child_env(database_url)
+        if python:
+            env.pop("PYTHONPATH", None)
+        super().__init__(argv, env=env, name=name)
 
 
 # -- CPU accounting --------------------------------------------------------------------------------

@@ -49,6 +49,27 @@ ratio is the median of those rounds' ratios (the grid round chose the settings a
 reused for the ratio). orchestrator/Procrastinate is the median of orchestrator's rounds over
 Procrastinate's single figure.
 
+``--baseline-python PATH`` adds a fourth system, ``orchestrator@baseline``: an older release
+of orchestrator installed (not editable) in a virtualenv of its own, whose interpreter is PATH.
+Its template database is migrated by that interpreter (``PATH -P -c ...``: ``migrate`` from
+``orchestrator.db.migrations``, or from ``orchestrator.migrations`` in old releases, on that
+release's own ``connect``), and its consumer is ``PATH -P -m orchestrator.cli serve ...`` with
+the current orchestrator's best setting (``-P`` and no ``PYTHONPATH``: the working directory is
+not put on ``sys.path``, so the release installed there is the one that runs; the migration
+step checks where its package was imported from). It is not in the grid. In each round it is
+measured right beside the current orchestrator (order: baseline, orchestrator, PgQueuer,
+reversed every other round), and orchestrator/baseline is the median of the per-round ratios
+(current rate / baseline rate). Worker CPU per run (the consumer's cores / its rate, in µs) is
+reported for every measurement and, as the median of the rounds, for both releases with the
+median of their per-round ratios: on a shared machine it moves less than the rate does.
+
+Schemas: the current tree keeps its tables in the schema ``orchestrator`` (the default of
+``ORCHESTRATOR_SCHEMA``, which the consumers are started without; orchestrator's own connections
+set ``search_path`` to it), older releases keep them in ``public``. The benchmark's own
+connections (queue loading, polls, checks) set ``search_path = orchestrator, public`` and name
+tables unqualified, so the same statements find either layout; each release's migrations run on
+that release's own connection.
+
 ``--profile`` adds one orchestrator measurement (``--profile-jobs``, 30,000 runs, for enough
 samples) at its best setting under a sampling profiler (``py-spy record --nonblocking``, 200
 samples/s, attached to the worker once it claims, if py-spy is installed: ``pip install
@@ -72,6 +93,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import pstats
 import re
@@ -119,6 +141,13 @@ DONE_POLL_SECONDS = 0.1
 STARTUP_SECONDS = 60.0
 """Longest wait for a consumer to claim its first job."""
 HERE = Path(__file__).resolve()
+REPOSITORY = HERE.parents[1]
+SEARCH_PATH = "orchestrator, public"
+"""The benchmark's own connections: orchestrator's tables in schema ``orchestrator`` (the
+current layout) or in ``public`` (older releases, and the peers), unqualified names find both."""
+BASELINE = "orchestrator@baseline"
+BASELINE_SETUP_SECONDS = 120.0
+"""Longest wait for the baseline interpreter to migrate its template database."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +179,7 @@ class Config:
     profile: bool
     profile_rate: int
     profile_jobs: int
+    baseline_python: str | None
 
 
 @dataclass
@@ -170,6 +200,8 @@ class Measurement:
     profile: dict[str, Any] | None = None
     wal_bytes_per_job: float | None = None
     """WAL the server wrote from the consumer's start to its last completion, per job done."""
+    worker_us_per_job: float | None = None
+    """The consumer's CPU per job, µs: its cores over the measured interval / the rate."""
 
 
 # -- the three systems -------------------------------------------------------------------------
@@ -197,6 +229,14 @@ class System(Protocol):
         """Anything wrong with the finished measurement."""
 
 
+async def open_connection(dsn: str, application_name: str) -> asyncpg.Connection:
+    """The benchmark's own connection to a measured database, with ``SEARCH_PATH``: plain
+    asyncpg, so that it does not depend on either release's connection set-up."""
+    return await asyncpg.connect(
+        dsn, server_settings={"application_name": application_name, "search_path": SEARCH_PATH}
+    )
+
+
 LOAD_RUNS_SQL = """
 WITH inserted AS (
     INSERT INTO runs (run_id, agent, input)
@@ -213,6 +253,8 @@ FROM inserted
 
 
 class Orchestrator:
+    """The orchestrator this benchmark imports (the current tree)."""
+
     name = "orchestrator"
     waiting_sql = "SELECT count(*) FROM runs WHERE state = 'queued'"
     done_sql = "SELECT count(*) FROM runs WHERE state = 'succeeded'"
@@ -230,7 +272,7 @@ class Orchestrator:
             await connection.close()
 
     async def load(self, dsn: str, jobs: int) -> None:
-        connection = await connect(settings_for(dsn), application_name="bench-setup")
+        connection = await open_connection(dsn, "bench-setup")
         try:
             await connection.execute(LOAD_RUNS_SQL, jobs)
         finally:
@@ -238,14 +280,7 @@ class Orchestrator:
 
     def start(self, dsn: str, setting: Setting, *, profile_to: Path | None = None) -> Child:
         self.counter += 1
-        args = [
-            "--agents",
-            "orchestrator.agents.noop",
-            "--concurrency",
-            str(setting.concurrency),
-            "--claim-batch",
-            str(setting.batch),
-        ]
+        args = serve_args(setting)
         name = f"bench-{self.counter}"
         if profile_to is None:
             return ServeProcess(dsn, *args, name=name)
@@ -267,6 +302,119 @@ class Orchestrator:
         if warnings:
             problems.append(f"{len(warnings)} warning log lines, e.g. {warnings[0]}")
         return problems
+
+
+def serve_args(setting: Setting) -> list[str]:
+    """``orchestrator serve`` options for a setting (the same for every release)."""
+    return [
+        "--agents",
+        "orchestrator.agents.noop",
+        "--concurrency",
+        str(setting.concurrency),
+        "--claim-batch",
+        str(setting.batch),
+    ]
+
+
+BASELINE_MIGRATE = """
+import asyncio, json, platform, sys
+from importlib.metadata import packages_distributions, version
+
+import orchestrator
+from orchestrator.settings import Settings
+
+try:
+    from orchestrator.db.migrations import migrate
+except ModuleNotFoundError:
+    from orchestrator.migrations import migrate
+try:
+    from orchestrator.db.connections import connect
+except ModuleNotFoundError:
+    from orchestrator.database import connect
+
+
+async def main(dsn):
+    connection = await connect(Settings(database_url=dsn), application_name="bench-setup")
+    try:
+        applied = await migrate(connection)
+    finally:
+        await connection.close()
+    return len(applied)
+
+
+migrations = asyncio.run(main(sys.argv[1]))
+distribution = (packages_distributions().get("orchestrator") or ["orchestrator"])[0]
+print(json.dumps({
+    "distribution": distribution,
+    "orchestrator_version": version(distribution),
+    "package": orchestrator.__file__,
+    "python": platform.python_version(),
+    "migrations": migrations,
+}))
+"""
+"""Run by the baseline interpreter: migrate the database ``argv[1]`` with that release's own
+code, and say which orchestrator it imported."""
+
+
+def check_installed(python: str, installed: dict[str, Any]) -> None:
+    """Refuse a baseline that imports the current tree (an editable install, or the working
+    directory on its path): it would measure the current code twice."""
+    package = Path(installed["package"]).resolve()
+    if package.is_relative_to(REPOSITORY):
+        raise RuntimeError(
+            f"{python} imports the current tree ({package}), not an installed release: "
+            "install the baseline non-editable in a virtualenv of its own"
+        )
+    log(
+        f"baseline: {installed['distribution']} {installed['orchestrator_version']} at {package} "
+        f"(Python {installed['python']}), {installed['migrations']} migrations applied"
+    )
+
+
+class Baseline(Orchestrator):
+    """An older orchestrator release, installed in another virtualenv, run by its interpreter.
+
+    The same queue, polls and checks as the current orchestrator (the runs and run_events rows
+    of both releases have the same shape); only its migrations and its consumer differ.
+    """
+
+    name = BASELINE
+
+    def __init__(self, python: str) -> None:
+        super().__init__()
+        self.python = [python, "-P"]
+        self.installed: dict[str, Any] = {}
+
+    async def prepare(self, dsn: str) -> None:
+        process = await asyncio.create_subprocess_exec(
+            *self.python,
+            "-c",
+            BASELINE_MIGRATE,
+            dsn,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={key: value for key, value in child_env(dsn).items() if key != "PYTHONPATH"},
+        )
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), BASELINE_SETUP_SECONDS)
+        except TimeoutError:
+            raise RuntimeError(
+                f"the baseline's migrations took over {BASELINE_SETUP_SECONDS:.0f}s"
+            ) from None
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        if process.returncode != 0:
+            raise RuntimeError(f"the baseline's migrations failed:\n{err.decode()[-2000:]}")
+        self.installed = json.loads(out.decode().strip().splitlines()[-1])
+        check_installed(self.python[0], self.installed)
+
+    def start(self, dsn: str, setting: Setting, *, profile_to: Path | None = None) -> Child:
+        self.counter += 1
+        name = f"bench-baseline-{self.counter}"
+        return ServeProcess(dsn, *serve_args(setting), name=name, python=self.python)
 
 
 class PgQueuer:
@@ -399,10 +547,11 @@ class Bench:
 
 async def prepare_templates(bench: Bench, systems: Sequence[System]) -> None:
     for system in systems:
-        name = f"bench_tp_{os.getpid()}_{system.name}_template"
+        slug = re.sub(r"\W", "_", system.name)
+        name = f"bench_tp_{os.getpid()}_{slug}_template"
+        bench.templates[system.name] = name  # dropped at the end even if prepare fails
         dsn = await create_database(bench.server.dsn, name)
         await system.prepare(dsn)
-        bench.templates[system.name] = name
 
 
 async def drop_templates(bench: Bench) -> None:
@@ -432,7 +581,7 @@ async def measure(
     use_py_spy = py_spy is not None
     try:
         await system.load(dsn, jobs)
-        connection = await connect(settings_for(dsn), application_name="bench-poll")
+        connection = await open_connection(dsn, "bench-poll")
         await connection.execute("ANALYZE")
         await connection.execute("CHECKPOINT")
         profile_to = workdir / "worker.pstats" if workdir and not use_py_spy else None
@@ -467,6 +616,8 @@ async def measure(
         problems = await system.check(connection, jobs, child)
         if timed_out:
             problems.append(f"stopped after {bench.config.max_seconds:.0f}s: {done} of {jobs} done")
+        rate = done / seconds if seconds > 0 else 0.0
+        cpu = cpu_shares(first, last)
         result = Measurement(
             system=system.name,
             setting=setting,
@@ -474,12 +625,13 @@ async def measure(
             jobs=jobs,
             completed=done,
             seconds=seconds,
-            rate=done / seconds if seconds > 0 else 0.0,
+            rate=rate,
             exact_rate=exact,
-            cpu=cpu_shares(first, last),
+            cpu=cpu,
             timed_out=timed_out,
             problems=problems,
             wal_bytes_per_job=float(wal_bytes) / done if done else None,
+            worker_us_per_job=cpu_per_job(cpu["process"], rate),
         )
         if workdir is not None:
             result.profile = read_profile(workdir, use_py_spy, bench.config.profile_rate, seconds)
@@ -501,6 +653,11 @@ async def measure(
         await drop_database(bench.server.dsn, name)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def cpu_per_job(cores: float | None, rate: float) -> float | None:
+    """µs of CPU per job of a process that used ``cores`` while ``rate`` jobs/s were done."""
+    return cores / rate * 1e6 if cores is not None and rate > 0 else None
 
 
 def find_py_spy() -> str | None:
@@ -669,6 +826,7 @@ def pgqueuer_grid(grid: Sequence[Setting]) -> list[Setting]:
 
 async def benchmark(server: Server, config: Config) -> dict[str, Any]:
     orchestrator, pgqueuer, procrastinate = Orchestrator(), PgQueuer(), Procrastinate()
+    baseline = Baseline(config.baseline_python) if config.baseline_python else None
     bench = Bench(server=server, config=config)
     admin = await connect(settings_for(server.dsn), application_name="bench-admin")
     try:
@@ -681,7 +839,8 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
     )
     measurements: list[Measurement] = []
     try:
-        await prepare_templates(bench, [orchestrator, pgqueuer, procrastinate])
+        systems: list[System] = [orchestrator, pgqueuer, procrastinate]
+        await prepare_templates(bench, systems + ([baseline] if baseline else []))
         log("grid: each setting once")
         for setting in config.grid:
             measurements.append(await measure(bench, orchestrator, setting, "grid"))
@@ -695,15 +854,16 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
         log(
             f"best settings: orchestrator {best_orchestrator.label()}, "
             f"PgQueuer {best_pgqueuer.label()}; {config.rounds} rounds of each"
+            + (" and of the baseline at orchestrator's" if baseline else "")
         )
+        order: list[tuple[System, Setting]] = [
+            (orchestrator, best_orchestrator),
+            (pgqueuer, best_pgqueuer),
+        ]
+        if baseline is not None:
+            order.insert(0, (baseline, best_orchestrator))
         for index in range(1, config.rounds + 1):
-            pair: list[tuple[System, Setting]] = [
-                (orchestrator, best_orchestrator),
-                (pgqueuer, best_pgqueuer),
-            ]
-            if index % 2 == 0:
-                pair.reverse()
-            for system, setting in pair:
+            for system, setting in order if index % 2 else reversed(order):
                 measurements.append(await measure(bench, system, setting, f"round {index}"))
         if config.profile:
             log(f"profiling orchestrator at {best_orchestrator.label()}")
@@ -719,7 +879,10 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
             )
     finally:
         await drop_templates(bench)
-    return build_report(config, server, facts, measurements, best_orchestrator, best_pgqueuer)
+    installed = baseline.installed if baseline else None
+    return build_report(
+        config, server, facts, measurements, best_orchestrator, best_pgqueuer, installed
+    )
 
 
 def best_setting(measurements: Sequence[Measurement], system: str) -> Setting:
@@ -734,17 +897,14 @@ def build_report(
     measurements: Sequence[Measurement],
     best_orchestrator: Setting,
     best_pgqueuer: Setting,
+    baseline: dict[str, Any] | None,
 ) -> dict[str, Any]:
     def rounds(system: str) -> list[Measurement]:
         return [m for m in measurements if m.system == system and m.phase.startswith("round")]
 
     orchestrator_rounds, pgqueuer_rounds = rounds("orchestrator"), rounds("pgqueuer")
     procrastinate = [m for m in measurements if m.system == "procrastinate"]
-    paired = [
-        o.rate / p.rate
-        for o, p in zip(orchestrator_rounds, pgqueuer_rounds, strict=True)
-        if p.rate > 0
-    ]
+    paired = rate_ratios(orchestrator_rounds, pgqueuer_rounds)
     orchestrator_median = statistics.median(m.rate for m in orchestrator_rounds)
     pgqueuer_median = statistics.median(m.rate for m in pgqueuer_rounds)
     procrastinate_rate = procrastinate[0].rate if procrastinate else 0.0
@@ -763,6 +923,7 @@ def build_report(
             "orchestrator": asdict(best_orchestrator),
             "pgqueuer": asdict(best_pgqueuer),
             "procrastinate": {"concurrency": config.procrastinate_concurrency},
+            **({BASELINE: asdict(best_orchestrator)} if baseline is not None else {}),
         },
         "summary": {
             "orchestrator_runs_per_s": orchestrator_median,
@@ -775,12 +936,52 @@ def build_report(
             ),
             "target_vs_pgqueuer": TARGET_VS_PGQUEUER,
             "target_met": vs_pgqueuer >= TARGET_VS_PGQUEUER,
+            "orchestrator_worker_us_per_run": median_cpu_per_job(orchestrator_rounds),
+            "pgqueuer_worker_us_per_job": median_cpu_per_job(pgqueuer_rounds),
+            "baseline": (
+                baseline_summary(orchestrator_rounds, rounds(BASELINE), baseline)
+                if baseline is not None
+                else None
+            ),
         },
         "measurements": [asdict(m) for m in measurements],
         "profile": profiles[0] if profiles else None,
         "problems": [f"{m.system} {m.phase}: {p}" for m in measurements for p in m.problems],
         "versions": peer_versions(),
         "elapsed_seconds": elapsed(),
+    }
+
+
+def rate_ratios(current: Sequence[Measurement], other: Sequence[Measurement]) -> list[float]:
+    """Per-round ratios of two systems' rates (the lists are in round order)."""
+    return [c.rate / o.rate for c, o in zip(current, other, strict=True) if o.rate > 0]
+
+
+def median_cpu_per_job(measurements: Sequence[Measurement]) -> float | None:
+    """The median of the measurements' worker µs per job (None if none was measured)."""
+    values = [m.worker_us_per_job for m in measurements if m.worker_us_per_job is not None]
+    return statistics.median(values) if values else None
+
+
+def baseline_summary(
+    current: Sequence[Measurement], baseline: Sequence[Measurement], installed: dict[str, Any]
+) -> dict[str, Any]:
+    """orchestrator against its baseline release: rates, per-round ratios, worker CPU per run."""
+    ratios = rate_ratios(current, baseline)
+    cpu_ratios = [
+        c.worker_us_per_job / b.worker_us_per_job
+        for c, b in zip(current, baseline, strict=True)
+        if c.worker_us_per_job is not None and b.worker_us_per_job
+    ]
+    return {
+        "installed": installed,
+        "runs_per_s": statistics.median(m.rate for m in baseline),
+        "orchestrator_vs_baseline": statistics.median(ratios) if ratios else None,
+        "orchestrator_vs_baseline_rounds": ratios,
+        "worker_us_per_run": median_cpu_per_job(baseline),
+        "orchestrator_worker_us_per_run": median_cpu_per_job(current),
+        "worker_cpu_vs_baseline": statistics.median(cpu_ratios) if cpu_ratios else None,
+        "worker_cpu_vs_baseline_rounds": cpu_ratios,
     }
 
 
@@ -802,8 +1003,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['config']['jobs']:,} no-op jobs per measurement, queued beforehand; one consumer "
         "process; jobs/s from the first claim to the last completion (database clock)",
         "cores: CPU used during the measurement by the consumer, by PostgreSQL, and by other "
-        "programs on the machine; WAL B/job: write-ahead log the server wrote per job (full-page "
-        "images after the CHECKPOINT included)",
+        "programs on the machine; worker µs/job: the consumer's CPU per job; WAL B/job: "
+        "write-ahead log the server wrote per job (full-page images after the CHECKPOINT "
+        "included)",
         "",
     ]
     rows = []
@@ -820,13 +1022,14 @@ def format_report(report: dict[str, Any]) -> str:
                 fmt(cpu["process"], ".2f"),
                 fmt(cpu["postgres"], ".2f"),
                 fmt(cpu["other"], ".2f"),
+                fmt(m.get("worker_us_per_job"), ",.0f"),
                 fmt(m.get("wal_bytes_per_job"), ",.0f"),
                 "yes" if m["problems"] else "",
             )
         )
     header = [
         *("system", "setting", "phase", "jobs/s", "seconds"),
-        *("worker", "postgres", "other", "WAL B/job", "problems"),
+        *("worker", "postgres", "other", "worker µs/job", "WAL B/job", "problems"),
     ]
     out += render_table(header, rows)
     best = report["best"]
@@ -856,7 +1059,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"orchestrator/Procrastinate: {fmt(vs_pro, '.2f')}",
         f"target: orchestrator >= {summary['target_vs_pgqueuer']}x PgQueuer: "
         + ("met" if summary["target_met"] else "NOT met"),
+        f"worker CPU per run: orchestrator {fmt(summary['orchestrator_worker_us_per_run'])} µs, "
+        f"PgQueuer {fmt(summary['pgqueuer_worker_us_per_job'])} µs (medians of the rounds)",
     ]
+    if summary["baseline"] is not None:
+        out += format_baseline(summary["baseline"], report["config"]["rounds"])
     if report["problems"]:
         out += ["", "PROBLEMS:", *(f"  {problem}" for problem in report["problems"])]
     profile = report["profile"]
@@ -865,6 +1072,24 @@ def format_report(report: dict[str, Any]) -> str:
         out += ["", f"(the profile row: {jobs:,} runs with py-spy attached; not in any ratio)"]
         out += format_profile(profile)
     return "\n".join(out)
+
+
+def format_baseline(baseline: dict[str, Any], rounds: int) -> list[str]:
+    installed = baseline["installed"]
+    release = f"{installed['distribution']} {installed['orchestrator_version']}"
+    return [
+        f"orchestrator@baseline ({release}, Python {installed['python']}, same setting): "
+        f"{baseline['runs_per_s']:,.0f} runs/s (median of {rounds} rounds)",
+        f"orchestrator/baseline: {fmt(baseline['orchestrator_vs_baseline'], '.2f')} (median of "
+        "per-round ratios: "
+        + ", ".join(f"{r:.2f}" for r in baseline["orchestrator_vs_baseline_rounds"])
+        + ")",
+        f"worker CPU per run: orchestrator {fmt(baseline['orchestrator_worker_us_per_run'])} µs, "
+        f"baseline {fmt(baseline['worker_us_per_run'])} µs; orchestrator/baseline "
+        f"{fmt(baseline['worker_cpu_vs_baseline'], '.2f')} (median of per-round ratios: "
+        + ", ".join(f"{r:.2f}" for r in baseline["worker_cpu_vs_baseline_rounds"])
+        + ")",
+    ]
 
 
 def format_profile(profile: dict[str, Any]) -> list[str]:
@@ -943,7 +1168,15 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     parser.add_argument(
         "--profile-jobs", type=int, default=30_000, help="runs in the profiled measurement"
     )
+    parser.add_argument(
+        "--baseline-python",
+        metavar="PATH",
+        help="the Python of a virtualenv with an older orchestrator release installed: "
+        "measure it beside the current one (orchestrator@baseline)",
+    )
     config = Config(**vars(parser.parse_args(argv)))
+    if config.baseline_python and not os.access(config.baseline_python, os.X_OK):
+        parser.error(f"--baseline-python {config.baseline_python}: not an executable file")
     if config.procrastinate_concurrency < 0:
         parser.error("--procrastinate-concurrency must be 0 (leave it out) or more")
     if config.jobs < 100 or config.rounds < 1 or config.max_seconds <= 0 or not config.grid:

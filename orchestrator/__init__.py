@@ -1,8 +1,15 @@
-"""orchestrator: long-running AI agent runs on PostgreSQL with run leases and fencing tokens."""
+"""orchestrator: long-running AI agent runs on PostgreSQL with run leases and fencing tokens.
+
+What agent authors import::
+
+    from orchestrator import Agent, Step, StepContext, Next, Finish, Fail, Outcome, Effect, chat
+"""
 
 from __future__ import annotations
 
-from orchestrator.db.store import FailOutcome, RunStore, StepEvent
+from importlib.metadata import PackageNotFoundError, version
+
+from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.errors import (
     DatabaseUnavailable,
     IdempotencyConflict,
@@ -13,27 +20,52 @@ from orchestrator.errors import (
     RunNotFound,
     SchemaTooNew,
 )
-from orchestrator.models import ClaimBatch, ClaimedRun, CommitResult, Lease, Run, RunEvent, RunState
+from orchestrator.llm import ModelNotConfigured, chat
 from orchestrator.settings import Settings
+from orchestrator.steps import (
+    Agent,
+    Fail,
+    Finish,
+    Next,
+    Outcome,
+    Step,
+    StepContext,
+    UnknownAgent,
+    UnknownStep,
+)
+
+
+def _version() -> str:
+    try:
+        return version("fenced-orchestrator")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
-    "ClaimBatch",
-    "ClaimedRun",
-    "CommitResult",
+    "Agent",
     "DatabaseUnavailable",
-    "FailOutcome",
+    "Effect",
+    "EffectPolicy",
+    "Fail",
+    "Finish",
     "IdempotencyConflict",
     "InvalidInput",
     "InvalidTransition",
-    "Lease",
+    "ModelNotConfigured",
+    "Next",
     "OrchestratorError",
-    "Run",
+    "Outcome",
     "RunAlreadyExists",
-    "RunEvent",
     "RunNotFound",
-    "RunState",
-    "RunStore",
     "SchemaTooNew",
     "Settings",
-    "StepEvent",
+    "Step",
+    "StepContext",
+    "UnknownAgent",
+    "UnknownStep",
+    "__version__",
+    "chat",
 ]

@@ -11,13 +11,14 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import click
 from rich.console import Console
 from rich.text import Text
 
+from orchestrator import __version__
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.embedded import EmbeddedPostgres
@@ -31,12 +32,23 @@ from orchestrator.presentation import dump_json, effects_table, print_run, runs_
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
 
+if TYPE_CHECKING:
+    from orchestrator.worker.worker import Worker
+
 T = TypeVar("T")
 
 # Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
-stdout = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+# Data is printed as it is: no markup, no :emoji: codes (a worker id such as host:1234:ab holds
+# one).
+stdout = Console(
+    highlight=False,
+    markup=False,
+    emoji=False,
+    soft_wrap=False,
+    width=None if sys.stdout.isatty() else 200,
+)
 # Messages are never wrapped: a script reading stderr's first line gets the whole sentence.
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
 
 
 def print_error(error: BaseException) -> None:
@@ -93,6 +105,7 @@ def read_input(raw: str) -> Any:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="orchestrator")
 @click.option(
     "--database-url",
     envvar="ORCHESTRATOR_DATABASE_URL",
@@ -405,7 +418,7 @@ def serve(
     from orchestrator.steps import AgentRegistry
     from orchestrator.telemetry import configure_logging, install_sdk_from_env, shutdown_sdk
     from orchestrator.worker.gc_tuning import tune_for_worker
-    from orchestrator.worker.worker import Supervisor, WorkerConfig, default_worker_id
+    from orchestrator.worker.worker import Worker, WorkerConfig, default_worker_id
 
     settings = _settings(ctx)
     configure_logging(json_logs=log_json)
@@ -434,15 +447,15 @@ def serve(
             dispatch_lease_seconds=dispatch_lease_seconds,
         )
         try:
-            supervisor = Supervisor(settings, config)
+            worker = Worker(settings, config)
         except ValueError as error:
             raise InvalidInput(str(error)) from None
         install_sdk_from_env()
         tune_for_worker()  # start-up is done: see orchestrator/gc_tuning.py
         try:
             async with anyio.create_task_group() as group:
-                group.start_soon(_watch_signals, supervisor)
-                await supervisor.run()
+                group.start_soon(_watch_signals, worker)
+                await worker.run()
                 group.cancel_scope.cancel()
         finally:
             shutdown_sdk()
@@ -450,15 +463,15 @@ def serve(
     run_async(body)
 
 
-async def _watch_signals(supervisor: Any) -> None:
+async def _watch_signals(worker: Worker) -> None:
     """First SIGTERM/SIGINT: drain gracefully. Second: exit at once."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for received in signals:
-            if supervisor.draining:
+            if worker.stop_requested:
                 stderr.print(f"second {signal.Signals(received).name}: exiting now")
                 os._exit(130)
             stderr.print(f"{signal.Signals(received).name}: draining (send again to exit at once)")
-            supervisor.request_stop()
+            worker.request_stop()
 
 
 # -- effects ----------------------------------------------------------------------------------

@@ -30,9 +30,9 @@ from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import resolve_dsn
 from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
+from orchestrator.loopback import LocalVendor, SmtpSink
 from orchestrator.models import RunEvent
 from orchestrator.settings import Settings
-from orchestrator.testing import LocalVendor, SmtpSink
 
 WORKER_A = "demo-worker-a"
 WORKER_B = "demo-worker-b"

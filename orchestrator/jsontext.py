@@ -1,12 +1,11 @@
 """Compact, strict JSON text in and out, through the C parts of ``json`` called directly.
 
-``json.dumps`` with any non-default argument (``separators``, ``allow_nan``) builds a new
-``JSONEncoder`` on every call, and even a shared encoder's ``encode`` builds a new C encoder
-per call; ``json.loads`` runs two regular-expression matches and three Python-level calls around
-its C scanner. For the small documents a worker moves for every run (a run's input, a step's
-result) that wrapping was most of the cost: 1.3 µs against 0.4 to encode ``{"ok": true}``,
-0.9 against 0.2 to decode ``{}`` (benchmarks/README.md, throughput.py). So one C encoder and
-one C scanner are built once and called directly; anything unusual falls back to ``json``.
+``json.dumps`` with any non-default argument builds a new encoder on every call, and
+``json.loads`` wraps its C scanner in Python-level checks; for the small documents a worker
+moves for every run (a run's input, a step's result) that wrapping is most of the cost
+(docs/performance.md). So one C encoder and one C scanner are built once and called directly,
+and every use falls back to ``json`` itself when the interpreter has no C accelerator (tested in
+tests/test_jsontext.py).
 
 Strict: NaN and infinities are refused, as PostgreSQL's jsonb refuses them too, so the error
 comes early and names the value's owner.

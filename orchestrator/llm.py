@@ -1,25 +1,40 @@
 """Model calls for steps: the OpenAI client (or any OpenAI-compatible server), traced.
 
-Configuration comes from the environment of the worker, never from run input: ``OPENAI_API_KEY``,
-``ORCHESTRATOR_MODEL_BASE_URL`` (an OpenAI-compatible endpoint; unset means OpenAI's) and
-``ORCHESTRATOR_MODEL`` (default ``gpt-4o-mini``). Each call is a span named ``chat MODEL`` with
-the OpenTelemetry gen_ai attributes; prompts and completions are not recorded (they may hold
-customer data), only sizes and token counts.
+Configuration comes from the environment of the worker, never from run input:
+
+- ``OPENAI_BASE_URL``: an OpenAI-compatible endpoint (vLLM, Ollama, a gateway), the variable the
+  OpenAI SDK itself reads; unset means OpenAI's. ``ORCHESTRATOR_MODEL_BASE_URL`` is an alias
+  kept for existing setups; when both are set, ``OPENAI_BASE_URL`` wins, as the standard name.
+- ``OPENAI_API_KEY``: required for OpenAI's own endpoint; with a base URL and no key, a
+  placeholder key is sent (the client requires one and local servers ignore it).
+- ``ORCHESTRATOR_MODEL`` (default ``gpt-4o-mini``) and ``ORCHESTRATOR_MODEL_TIMEOUT_SECONDS``
+  (default 60, per request).
+
+The client does not retry: a failed call fails its step, and the step's retry policy is the one
+retry layer. Each call is a span named ``chat MODEL`` with the OpenTelemetry gen_ai attributes;
+prompts and completions are not recorded (they may hold customer data), only sizes and token
+counts.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
-import openai
-
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.telemetry import start_span
 
+if TYPE_CHECKING:
+    import openai
+
 DEFAULT_MODEL = "gpt-4o-mini"
+DEFAULT_TIMEOUT_SECONDS = 60.0
+PLACEHOLDER_API_KEY = "unused"
+"""Sent to an OpenAI-compatible server when no key is set: the client refuses to start without."""
 
 
 class ModelNotConfigured(OrchestratorError):
@@ -36,21 +51,41 @@ class Completion:
 
 @cache
 def _client(base_url: str | None, api_key: str, timeout: float) -> openai.AsyncOpenAI:
-    # One client per configuration and process: it pools its HTTP connections.
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=1)
+    # One client per configuration and process: it pools its HTTP connections. No retries of
+    # its own, since the step's retry policy already retries a failed call. Imported here:
+    # loading the client is slow, and `import orchestrator` must not pay for it.
+    import openai
+
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
 
 
 def model_client(environ: Mapping[str, str] | None = None) -> tuple[openai.AsyncOpenAI, str]:
+    """The client and model name this worker's environment configures (see the module doc)."""
     env = os.environ if environ is None else environ
-    base_url = env.get("ORCHESTRATOR_MODEL_BASE_URL") or None
-    api_key = env.get("OPENAI_API_KEY") or ("local" if base_url else None)
+    base_url = env.get("OPENAI_BASE_URL") or env.get("ORCHESTRATOR_MODEL_BASE_URL") or None
+    api_key = env.get("OPENAI_API_KEY") or (PLACEHOLDER_API_KEY if base_url else None)
     if api_key is None:
         raise ModelNotConfigured(
-            "no model configured for this worker: set OPENAI_API_KEY, or "
-            "ORCHESTRATOR_MODEL_BASE_URL for an OpenAI-compatible server"
+            "no model configured for this worker: set OPENAI_API_KEY, or OPENAI_BASE_URL "
+            "for an OpenAI-compatible server (vLLM, Ollama)"
         )
-    timeout = float(env.get("ORCHESTRATOR_MODEL_TIMEOUT_SECONDS") or 60)
-    return _client(base_url, api_key, timeout), env.get("ORCHESTRATOR_MODEL") or DEFAULT_MODEL
+    return _client(base_url, api_key, _timeout(env)), env.get("ORCHESTRATOR_MODEL") or DEFAULT_MODEL
+
+
+def _timeout(env: Mapping[str, str]) -> float:
+    raw = env.get("ORCHESTRATOR_MODEL_TIMEOUT_SECONDS", "")
+    if not raw.strip():
+        return DEFAULT_TIMEOUT_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidInput(
+            f"ORCHESTRATOR_MODEL_TIMEOUT_SECONDS={raw!r} is not a number of seconds above 0; "
+            f"set it to e.g. {DEFAULT_TIMEOUT_SECONDS:g} or unset it"
+        )
+    return seconds
 
 
 async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) -> Completion:
@@ -60,7 +95,7 @@ async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) 
         f"chat {model}",
         attributes={
             "gen_ai.operation.name": "chat",
-            "gen_ai.system": "openai",
+            "gen_ai.provider.name": "openai",
             "gen_ai.request.model": model,
             "gen_ai.request.max_tokens": max_tokens,
         },

@@ -55,6 +55,17 @@ def _compact(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _details(details: Any) -> str:
+    """An event's details in full, as ``key=value`` pairs (``--json`` gives them as JSON)."""
+    if not isinstance(details, dict):
+        return _compact(details, limit=10_000)
+    return ", ".join(
+        f"{key}={_compact(value, limit=10_000)}"
+        for key, value in details.items()
+        if value is not None
+    )
+
+
 def runs_table(runs: Sequence[Run]) -> Table:
     table = Table(show_edge=False, header_style="bold")
     for column in ("run id", "agent", "state", "fence", "attempt", "step", "owner", "created"):
@@ -81,6 +92,10 @@ def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datet
     lease = ""
     if run.lease_until is not None:
         lease = f"{_time(run.lease_until)} ({_relative(run.lease_until, now)}, database clock)"
+    claims = sum(1 for event in events if event.kind == "claimed")
+    attempt = f"{run.attempt} of {run.max_attempts} since the last checkpoint"
+    if claims:
+        attempt += f" ({claims} claim{'s' if claims != 1 else ''} in all)"
     rows = [
         ("run id", run.run_id),
         ("agent", run.agent),
@@ -88,8 +103,8 @@ def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datet
         ("fence", str(run.fence)),
         ("owner", run.lease_owner or ""),
         ("lease until", lease),
-        ("attempt", f"{run.attempt} of {run.max_attempts}"),
-        ("next step", run.step or ""),
+        ("attempt", "" if run.state.terminal else attempt),
+        ("next step", "" if run.state.terminal else run.step or ""),
         ("checkpoint", f"version {run.checkpoint_version}: {_compact(run.checkpoint)}"),
         ("input", _compact(run.input)),
         ("result", _compact(run.result)),
@@ -111,7 +126,7 @@ def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datet
             event.kind,
             "" if event.fence is None else str(event.fence),
             event.worker_id or "",
-            _compact(event.details),
+            _details(event.details),
         )
     console.print(timeline)
 

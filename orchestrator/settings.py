@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +28,18 @@ def _positive_number(environ: Mapping[str, str], name: str, default: float) -> f
 
 
 DSN_SCHEMES = ("postgresql", "postgres")
+DEFAULT_SCHEMA = "orchestrator"
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def check_schema_name(name: str) -> str:
+    """``name`` if it is a plain lower-case PostgreSQL identifier (no quoting ever needed)."""
+    if not _SCHEMA_NAME.fullmatch(name) or name.startswith("pg_"):
+        raise InvalidInput(
+            f"ORCHESTRATOR_SCHEMA={name!r} is not a usable schema name: 1-63 lower-case letters, "
+            "digits and _, starting with a letter or _, and not pg_..."
+        )
+    return name
 
 
 def check_database_url(url: str) -> str:
@@ -68,10 +81,13 @@ class Settings:
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
     statement_timeout_seconds: float = 30.0
     connect_timeout_seconds: float = 10.0
+    schema: str = DEFAULT_SCHEMA
+    """The PostgreSQL schema holding every table, function and index of orchestrator."""
 
     def __post_init__(self) -> None:
         if self.database_url is not None:
             check_database_url(self.database_url)
+        check_schema_name(self.schema)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -88,6 +104,7 @@ class Settings:
             connect_timeout_seconds=_positive_number(
                 env, "ORCHESTRATOR_CONNECT_TIMEOUT_SECONDS", 10.0
             ),
+            schema=env.get("ORCHESTRATOR_SCHEMA") or DEFAULT_SCHEMA,
         )
 
     def with_overrides(self, **changes: object) -> Settings:

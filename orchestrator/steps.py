@@ -21,13 +21,14 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
 from orchestrator.jsontext import compact, utf8_size
 from orchestrator.models import JSON
 from orchestrator.storable import check_json, needs_full_check
+from orchestrator.telemetry import RunLogger
 
 if TYPE_CHECKING:
     from orchestrator.effects.model import Effect, EffectRecord
@@ -36,11 +37,13 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
 _STEP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 
 
-class StepContext(NamedTuple):
+@dataclass(slots=True)
+class StepContext:
     """What a step may read. Everything here came from the database at claim time.
 
-    Immutable. A NamedTuple rather than a frozen dataclass: a worker builds one per step,
-    thousands per second, and a frozen dataclass of this size costs about three times as much.
+    Read-only by contract (changing a field changes nothing that is committed). Not a frozen
+    dataclass: one is built per step, and a frozen one's constructor costs several times as much
+    (docs/performance.md).
     """
 
     run_id: str
@@ -54,9 +57,9 @@ class StepContext(NamedTuple):
     checkpoint: JSON
     checkpoint_version: int
     lease_until: datetime
-    log: Any = None
+    log: RunLogger
     """A structlog logger bound with run.id, run.fence, worker.id and the step name."""
-    effects: EffectView | None = None
+    effects: EffectView
     """Read and await the outcomes of effects that earlier steps of this run requested."""
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import structlog
 from opentelemetry import metrics, trace
 
+from orchestrator.errors import InvalidInput
+
 TRACER_NAME = "orchestrator"
 
 # Attribute names carried by every span and log line about a run.
@@ -30,7 +32,7 @@ DISPOSITION = "run.disposition"
 
 def tracer() -> trace.Tracer:
     """The orchestrator tracer. ``get_tracer`` returns a proxy that follows a provider installed
-    later, so one instance serves the process (creating one per span cost ~3% of a busy worker).
+    later, so one instance serves the process (creating one per span is measurably slower).
     """
     global _TRACER
     if _TRACER is None:
@@ -49,7 +51,7 @@ def start_span(
     """``tracer().start_as_current_span``, or nothing at all while no provider is installed.
 
     With only the API present every span is a no-op, yet creating and entering one per run and
-    per step cost 13-17% of a saturated worker; a non-recording span costs nothing. Checked on
+    per step is a visible share of a saturated worker's time; returning nothing is free. Checked on
     every call, so a provider installed later (``serve``, ``capture_spans``) takes effect.
     ``attributes`` may be a function, called only when there is a span to carry them.
     """
@@ -85,23 +87,24 @@ def as_current(span: trace.Span) -> AbstractContextManager[Any]:
 
 _UNKNOWN = object()
 _ENVIRONMENT_CHECKED = False
+_PROVIDER_GLOBAL = "_TRACER_PROVIDER"
+"""The API's private global holding the installed tracer provider, ``None`` until one is set."""
 
 
 def tracing_enabled() -> bool:
-    """Whether a real tracer provider is installed (spans are recorded), in about 0.1 µs.
+    """Whether a tracer provider is installed (spans are recorded).
 
     Hot paths use it to skip even formatting a span's name when nothing would record it.
-
-    ``trace.get_tracer_provider()`` looks ``OTEL_PYTHON_TRACER_PROVIDER`` up in ``os.environ``
-    on every call until a provider is set, about 5 µs, 9% of a saturated worker. So it is
-    called once (which loads a provider named by that variable) and afterwards the API's
-    global is read directly; should a future API version rename it, the public check is used.
     """
     global _ENVIRONMENT_CHECKED
     if not _ENVIRONMENT_CHECKED:
+        # Once, so that the API loads a provider named by OTEL_PYTHON_TRACER_PROVIDER.
         _ENVIRONMENT_CHECKED = True
         trace.get_tracer_provider()
-    installed = getattr(trace, "_TRACER_PROVIDER", _UNKNOWN)
+    # The private global is read because get_tracer_provider() looks an environment variable up
+    # on every call until a provider is set, too slow for a check made per step; the public check
+    # serves should a future API rename it (tests/test_telemetry.py pins both).
+    installed = getattr(trace, _PROVIDER_GLOBAL, _UNKNOWN)
     if installed is _UNKNOWN:
         return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     return installed is not None
@@ -156,9 +159,9 @@ def debug_enabled() -> bool:
 class RunLogger:
     """A structlog logger for one run, bound only when something is logged.
 
-    Binding a structlog logger costs about 5 µs; a busy worker starts thousands of runs a
-    second and logs nothing about most of them, so the ids are kept here and bound on first
-    use. Debug lines below the configured level cost nothing.
+    A busy worker starts thousands of runs a second and logs nothing about most of them, so the
+    ids are kept here and bound to a structlog logger (not free) only on first use. Debug lines
+    below the configured level cost nothing.
     """
 
     __slots__ = ("_bound", "_context", "_more", "_name")
@@ -247,49 +250,126 @@ def _keep(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableM
     return event
 
 
+EXPORTERS = ("none", "console", "otlp")
+"""The values ``OTEL_TRACES_EXPORTER`` and ``OTEL_METRICS_EXPORTER`` accept."""
+
+_INSTALLED: list[Any] = []
+"""The SDK providers ``install_sdk_from_env`` installed, the only ones ``shutdown_sdk`` ends."""
+
+
 def install_sdk_from_env() -> None:
     """Install SDK tracer/meter providers as the ``OTEL_*`` variables ask, unless one is set.
 
-    ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER``: ``console`` or ``otlp`` (the latter
-    needs the ``opentelemetry-exporter-otlp`` package). Unset or ``none``: nothing is installed.
+    ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER``: ``none`` (or unset: nothing is
+    installed), ``console`` (stderr) or ``otlp`` (OTLP/HTTP protobuf to
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``, which needs the ``otel`` extra). The service name comes
+    from ``OTEL_SERVICE_NAME`` or ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, else
+    ``orchestrator``. A provider the host already installed is left alone. Raises
+    ``InvalidInput`` for any other value or a missing exporter, before installing anything.
     """
-    from opentelemetry.sdk.resources import Resource
+    traces = _exporter_setting("OTEL_TRACES_EXPORTER")
+    exported_metrics = _exporter_setting("OTEL_METRICS_EXPORTER")
+    # Exporters are built first so that a missing package fails before anything is installed.
+    span_exporter = None
+    if traces != "none" and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        span_exporter = _span_exporter(traces)
+    metric_exporter = None
+    if exported_metrics != "none" and not _meter_provider_set():
+        metric_exporter = _metric_exporter(exported_metrics)
+    if span_exporter is None and metric_exporter is None:
+        return
 
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", TRACER_NAME)})
-    traces = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
-    if traces not in ("", "none") and isinstance(
-        trace.get_tracer_provider(), trace.ProxyTracerProvider
-    ):
+    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
+
+    # Resource.create() reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, but an attribute
+    # passed to it overrides them, so the default name is passed only when they give none.
+    named = OTELResourceDetector().detect().attributes.get(SERVICE_NAME)
+    resource = Resource.create(None if named else {SERVICE_NAME: TRACER_NAME})
+    if span_exporter is not None:
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        provider = TracerProvider(resource=resource)
-        exporter: Any
-        if traces == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found]
-                OTLPSpanExporter,
-            )
-
-            exporter = OTLPSpanExporter()
-        else:
-            exporter = ConsoleSpanExporter(out=sys.stderr)
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-        trace.set_tracer_provider(provider)
-    exported = os.environ.get("OTEL_METRICS_EXPORTER", "none").strip().lower()
-    if exported == "console":
+        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+        trace.set_tracer_provider(tracer_provider)
+        _INSTALLED.append(tracer_provider)
+    if metric_exporter is not None:
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import (
-            ConsoleMetricExporter,
-            PeriodicExportingMetricReader,
-        )
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-        reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr))
-        metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+        reader = PeriodicExportingMetricReader(metric_exporter)
+        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        metrics.set_meter_provider(meter_provider)
+        if metrics.get_meter_provider() is meter_provider:
+            _INSTALLED.append(meter_provider)
+        else:  # a host's, which _meter_provider_set could not see: the API kept it
+            meter_provider.shutdown()
+
+
+def _exporter_setting(variable: str) -> str:
+    raw = os.environ.get(variable, "")
+    value = raw.strip().lower() or "none"
+    if value not in EXPORTERS:
+        raise InvalidInput(
+            f"{variable}={raw!r} is not supported: use one of {', '.join(EXPORTERS)}"
+        )
+    return value
+
+
+def _span_exporter(kind: str) -> Any:
+    if kind == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter(out=sys.stderr)
+    try:
+        # Typed when the otel extra is installed; the ignore covers environments without it.
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found, unused-ignore]
+            OTLPSpanExporter,
+        )
+    except ModuleNotFoundError as error:
+        raise _exporter_missing("OTEL_TRACES_EXPORTER", error) from None
+    return OTLPSpanExporter()
+
+
+def _metric_exporter(kind: str) -> Any:
+    if kind == "console":
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+        return ConsoleMetricExporter(out=sys.stderr)
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (  # type: ignore[import-not-found, unused-ignore]
+            OTLPMetricExporter,
+        )
+    except ModuleNotFoundError as error:
+        raise _exporter_missing("OTEL_METRICS_EXPORTER", error) from None
+    return OTLPMetricExporter()
+
+
+def _exporter_missing(variable: str, error: ModuleNotFoundError) -> InvalidInput:
+    from importlib.metadata import packages_distributions
+
+    # Named as installed, since the distribution's name may differ from the package's.
+    distribution = (packages_distributions().get(__name__.partition(".")[0]) or [TRACER_NAME])[0]
+    return InvalidInput(
+        f"{variable}=otlp needs the OTLP/HTTP exporter, which is not installed (no module "
+        f"{error.name!r}): install the otel extra, pip install '{distribution}[otel]'"
+    )
+
+
+def _meter_provider_set() -> bool:
+    """Whether a meter provider is installed.
+
+    The API's stand-in for none has no public class (unlike ``trace.ProxyTracerProvider``), so
+    its private one is compared; without it, a host's provider is still kept because the API
+    sets one only once, which ``install_sdk_from_env`` checks afterwards.
+    """
+    from opentelemetry.metrics import _internal
+
+    proxy = getattr(_internal, "_ProxyMeterProvider", None)
+    return isinstance(proxy, type) and not isinstance(metrics.get_meter_provider(), proxy)
 
 
 def shutdown_sdk() -> None:
-    """Flush spans and metrics on exit (no-op for API-only providers)."""
-    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
-        shutdown = getattr(provider, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+    """Flush and end the providers ``install_sdk_from_env`` installed; a host's are its own."""
+    while _INSTALLED:
+        _INSTALLED.pop().shutdown()

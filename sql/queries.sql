@@ -1,24 +1,20 @@
--- Named queries used by orchestrator.store. Each block: a "-- name --" header, comment lines that
--- say what it does, then one statement. Lease checks use clock_timestamp(), the database clock at
--- the moment of the check: never a worker's clock, and never the transaction's start time.
+-- Named queries used by orchestrator.db.store and orchestrator.effects.store. Each block: a
+-- "-- name --" header, a "-- params:" line, comment lines saying what the statement guarantees,
+-- then one statement. Tables are unqualified: every connection's search_path names the
+-- orchestrator schema (ORCHESTRATOR_SCHEMA). Lease checks use clock_timestamp(), the database
+-- clock at the moment of the check: never a worker's clock, and never the transaction's start.
 --
 -- BATCHED WRITES. renew_leases, commit_steps and finish_runs join a batch (unnest of array
--- parameters) to runs and must reach each run through runs_pkey, one lookup per batch row. So
--- the batch is a MATERIALIZED CTE that also carries the owner, and every condition on the run
--- compares it with a batch column: the planner then has no condition on runs alone to
+-- parameters) to runs and must reach each run through runs_pkey, one lookup per batch row,
+-- whatever the planner's statistics say. So the batch is a MATERIALIZED CTE that also carries
+-- the owner and `now` (clock_timestamp() as the statement reads its batch), and every condition
+-- on a run compares it with a batch column, leaving the planner no condition on runs alone to
 -- misjudge. "Running" is said as `lease_owner = owner AND lease_until > now`, which the
--- runs_lease_matches_state CHECK makes equivalent to state = 'running' plus those conditions;
--- `now` is the batch's column holding clock_timestamp() as the statement reads its batch, a
--- moment before it reaches the rows (a race with a claimer is decided by the row lock and the
--- fence, as for every write). Written the plain way (`lease_owner = $1 AND state = 'running'`),
--- the planner estimated one matching run from statistics taken before this worker existed,
--- drove the join from the runs_running index or a sequential scan, and re-read the whole batch
--- once per running run: 89 µs per finished run instead of 36. With `lease_until >
--- clock_timestamp()` still on runs alone, statistics taken while every lease was NULL said no
--- lease is unexpired, and each batch hashed a sequential scan of the whole table: 2-3 ms per
--- batch at 20,000 runs (benchmarks/README.md, throughput.py).
+-- runs_lease_matches_state CHECK makes equivalent to state = 'running' plus those conditions
+-- (docs/performance.md tells what the plain form cost; tests/test_store.py checks the plans).
 
 -- submit_run --
+-- params: $1 run_id text, $2 agent text, $3 input jsonb, $4 max_attempts int, $5 idempotency_key text
 -- Insert a queued run and its "submitted" event, and wake claimers, in one statement. Returns no
 -- row when the run id or the idempotency key is already taken.
 WITH inserted AS (
@@ -38,28 +34,33 @@ WITH inserted AS (
 SELECT inserted.*, (SELECT count(*) FROM woken) AS notified FROM inserted
 
 -- get_run --
+-- params: $1 run_id text
 -- One run by id.
 SELECT * FROM runs WHERE run_id = $1
 
 -- get_run_by_idempotency_key --
+-- params: $1 idempotency_key text
 -- The run a submit idempotency key already created.
 SELECT * FROM runs WHERE idempotency_key = $1
 
--- claim_due --
--- Claim up to $3 runs of the agents $2 for worker $1, each with a lease of $4 seconds: runs that
+-- claim --
+-- params: $1 worker_id text, $2 agents text[], $3 max_runs int, $4 lease_seconds float8,
+--         $5 include_expired bool, $6 run_id text (NULL: any due run of $2)
+-- Claim up to $3 runs for worker $1, each with a lease of $4 seconds: runs of the agents $2 that
 -- are due (queued, or waiting and past available_at) and, if $5, running runs whose lease has
--- expired by the database clock (finding those reads every running run of the agents: there is
--- deliberately no index on lease_until, which would make renewals non-HOT; with $5 false the
--- scan is skipped altogether, and a busy claimer looks only now and then). Each claim raises the fence by exactly one and counts an attempt. An expired
--- run that already used its last attempt is dead-lettered instead (a poison run must not crash
--- workers forever). SKIP LOCKED lets concurrent claimers pass each other; after taking a row lock
--- PostgreSQL re-checks the WHERE clause on the newest row version, so a run another worker has just
--- claimed is skipped, never claimed twice.
+-- expired by the database clock; or, when $6 names a run, that run alone if it is due or its
+-- lease expired. Finding expired leases reads every running run of the agents (there is
+-- deliberately no index on lease_until, which would make renewals non-HOT), so a busy claimer
+-- passes $5 false most of the time. Each claim raises the fence by exactly one and counts an
+-- attempt; an expired run that already used its last attempt is dead-lettered instead (a poison
+-- run must not crash workers forever). SKIP LOCKED lets concurrent claimers pass each other;
+-- after taking a row lock PostgreSQL re-checks the WHERE clause on the newest row version, so a
+-- run another worker has just claimed is skipped, never claimed twice.
 WITH expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
            attempt >= max_attempts AS exhausted
     FROM runs
-    WHERE $5::boolean AND state = 'running' AND agent = ANY($2::text[])
+    WHERE $6::text IS NULL AND $5::boolean AND state = 'running' AND agent = ANY($2::text[])
       AND lease_until < clock_timestamp()
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -72,7 +73,7 @@ WITH expired AS (
     CROSS JOIN LATERAL (
         SELECT run_id, available_at
         FROM runs
-        WHERE state IN ('queued', 'waiting') AND agent = a.agent
+        WHERE $6::text IS NULL AND state IN ('queued', 'waiting') AND agent = a.agent
           AND available_at <= clock_timestamp()
         ORDER BY available_at
         LIMIT $3
@@ -80,8 +81,21 @@ WITH expired AS (
     ) AS d
     ORDER BY d.available_at
     LIMIT $3
+), named AS (
+    SELECT run_id,
+           CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
+           CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
+           state = 'running' AND attempt >= max_attempts AS exhausted
+    FROM runs
+    WHERE run_id = $6::text
+      AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
+           OR (state = 'running' AND lease_until < clock_timestamp()))
+    FOR UPDATE SKIP LOCKED
 ), picked AS (
-    SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS candidates LIMIT $3
+    SELECT *
+    FROM (SELECT * FROM expired UNION ALL SELECT * FROM due UNION ALL SELECT * FROM named)
+        AS candidates
+    LIMIT $3
 ), claimed AS (
     UPDATE runs AS r
     SET state = 'running', lease_owner = $1,
@@ -126,64 +140,8 @@ SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NU
        previous_owner, previous_lease_until, NULL
 FROM dead
 
--- claim_run --
--- Claim one specific run $2 for worker $1 with a lease of $3 seconds, under the same rules and
--- with the same result shape as claim_due.
-WITH picked AS (
-    SELECT run_id,
-           CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
-           CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
-           state = 'running' AND attempt >= max_attempts AS exhausted
-    FROM runs
-    WHERE run_id = $2
-      AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
-           OR (state = 'running' AND lease_until < clock_timestamp()))
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
-    UPDATE runs AS r
-    SET state = 'running', lease_owner = $1,
-        lease_until = clock_timestamp() + make_interval(secs => $3),
-        fence = r.fence + 1, attempt = r.attempt + 1, updated_at = clock_timestamp()
-    FROM picked AS p
-    WHERE r.run_id = p.run_id AND NOT p.exhausted
-    RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
-              r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
-              p.previous_lease_until, clock_timestamp() AS claimed_at
-), dead AS (
-    UPDATE runs AS r
-    SET state = 'dead', lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
-        finished_at = clock_timestamp(),
-        error = jsonb_build_object(
-            'type', 'LeaseExpired',
-            'message', format('the lease of %s expired during attempt %s of %s',
-                              p.previous_owner, r.attempt, r.max_attempts))
-    FROM picked AS p
-    WHERE r.run_id = p.run_id AND p.exhausted
-    RETURNING r.run_id, r.fence, r.attempt, p.previous_owner, p.previous_lease_until
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
-    SELECT run_id, 'claimed', fence, $1,
-           jsonb_build_object('lease_until', lease_until, 'attempt', attempt,
-                              'checkpoint_version', checkpoint_version,
-                              'previous_owner', previous_owner,
-                              'previous_lease_until', previous_lease_until)
-    FROM claimed
-    UNION ALL
-    SELECT run_id, 'dead_lettered', fence, $1,
-           jsonb_build_object('reason', 'lease expired on the last attempt', 'attempt', attempt,
-                              'previous_owner', previous_owner,
-                              'previous_lease_until', previous_lease_until)
-    FROM dead
-)
-SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
-       checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at
-FROM claimed
-UNION ALL
-SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
-       previous_owner, previous_lease_until, NULL
-FROM dead
-
 -- renew_lease --
+-- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 lease_seconds float8
 -- Extend one lease by $4 seconds, only for the same owner ($2) and fence ($3) of a running run
 -- whose lease has not yet expired: a renewal must never revive an owner that was replaced.
 UPDATE runs
@@ -193,6 +151,7 @@ WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
 RETURNING run_id, lease_until
 
 -- renew_leases --
+-- params: $1 run_ids text[], $2 fences bigint[], $3 lease_seconds float8[], $4 worker_id text
 -- Extend many leases of owner $4 in one statement: $1 run ids, $2 their fences, $3 their lease
 -- seconds. Each run's own owner, fence, running state and expiry conditions are checked (see
 -- BATCHED WRITES); the rows returned are the leases that held.
@@ -209,6 +168,8 @@ WHERE r.run_id = ANY($1::text[]) AND r.run_id = l.run_id AND r.lease_owner = l.o
 RETURNING r.run_id, r.lease_until
 
 -- commit_step --
+-- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 expected_version bigint,
+--         $5 next_step text, $6 checkpoint jsonb, $7 events jsonb
 -- Commit a step: next step $5, checkpoint $6, checkpoint version + 1, and the events $7 (a JSON
 -- array of {kind, details}), only while worker $2 still owns run $1 with fence $3, the lease is
 -- unexpired and the stored checkpoint version is still $4. No row returned: nothing committed.
@@ -228,6 +189,8 @@ WITH committed AS (
 SELECT checkpoint_version, lease_until FROM committed
 
 -- fail_attempt --
+-- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 error jsonb,
+--         $5 backoff_base_seconds float8, $6 backoff_max_seconds float8
 -- Record a failed attempt of run $1 by owner $2 with fence $3: error $4. While attempts remain
 -- the run waits (exponential backoff from $5 seconds, capped at $6, with full jitter so runs that
 -- failed together do not retry together) and then becomes claimable again; after the last
@@ -255,6 +218,7 @@ WITH failed AS (
 SELECT state, available_at, attempt FROM failed
 
 -- release_lease --
+-- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 reason text
 -- Give a run back on graceful shutdown: queued again at once, fence unchanged, and the attempt
 -- not counted (the run did not fail; its worker is leaving). Only the current, unexpired owner.
 WITH released AS (
@@ -274,6 +238,7 @@ WITH released AS (
 SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM released
 
 -- cancel_run --
+-- params: $1 run_id text, $2 reason text
 -- Cancel a run that has not finished: state cancelled, fence + 1 (so the owner's renewals,
 -- commits and effect requests with the old fence are all rejected, at the boundary too), lease
 -- cleared, undispatched effects withdrawn, the owner told through NOTIFY. Returns no row when
@@ -317,6 +282,7 @@ SELECT run_id, fence, previous_state, previous_owner, (SELECT count(*) FROM told
 FROM cancelled
 
 -- requeue_dead --
+-- params: $1 run_id text
 -- Put a dead-lettered run back in the queue with a fresh set of attempts.
 WITH requeued AS (
     UPDATE runs
@@ -333,12 +299,14 @@ WITH requeued AS (
 SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM requeued
 
 -- record_event --
+-- params: $1 run_id text, $2 kind text, $3 fence bigint, $4 worker_id text, $5 details jsonb
 -- Append one event. Safe for any worker, even one that lost its lease: it changes no run state.
 INSERT INTO run_events (run_id, kind, fence, worker_id, details)
 VALUES ($1, $2, $3, $4, $5)
 RETURNING event_id
 
 -- list_runs --
+-- params: $1 state text (NULL: any), $2 agent text (NULL: any), $3 limit int
 -- Runs, newest first, optionally filtered by state and agent. "Newest" is submission order: each
 -- run's "submitted" event, written with the run (see migration 0004: there is no index on
 -- runs.created_at, which every claim and finish would have had to write).
@@ -349,6 +317,7 @@ ORDER BY e.event_id DESC
 LIMIT $3
 
 -- run_events --
+-- params: $1 run_id text
 -- The timeline of one run, oldest first.
 SELECT event_id, run_id, at, kind, fence, worker_id, details
 FROM run_events
@@ -356,18 +325,22 @@ WHERE run_id = $1
 ORDER BY event_id
 
 -- database_now --
+-- params: none
 -- The database clock: the only clock lease expiry is judged by.
 SELECT clock_timestamp()
 
 -- next_session_key --
+-- params: none
 -- A fresh advisory-lock key for a worker's liveness session.
 SELECT nextval('worker_session_keys')::integer
 
 -- hold_session_lock --
+-- params: $1 lock_namespace int, $2 session_key int
 -- Take the liveness lock (namespace $1, key $2) for the life of this session.
 SELECT pg_try_advisory_lock($1, $2)
 
 -- register_worker --
+-- params: $1 worker_id text, $2 session_key int, $3 host text, $4 pid int, $5 agents text[]
 -- Record a live worker: id $1, liveness key $2, host $3, pid $4, agents $5, under this server
 -- instance (a worker registers again, with a new key, when its liveness session was lost).
 INSERT INTO workers (worker_id, session_key, host, pid, agents, server_started_at)
@@ -378,10 +351,12 @@ SET session_key = EXCLUDED.session_key, host = EXCLUDED.host, pid = EXCLUDED.pid
     server_started_at = EXCLUDED.server_started_at
 
 -- unregister_worker --
+-- params: $1 worker_id text
 -- Forget a worker that is shutting down cleanly.
 DELETE FROM workers WHERE worker_id = $1
 
 -- expire_dead_owners --
+-- params: $1 lock_namespace int, $2 reregister_grace_seconds float8
 -- Dead-session takeover: end at once the leases of workers whose liveness lock (namespace $1) is
 -- no longer held by any session, i.e. whose process is gone, and forget those workers. A worker
 -- registered under an earlier server instance lost its lock to the restart, not to its death:
@@ -422,6 +397,9 @@ SELECT run_id, fence, lease_owner, (SELECT count(*) FROM woken) AS notified FROM
 
 
 -- commit_steps --
+-- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[],
+--         $4 expected_versions bigint[], $5 next_steps text[], $6 checkpoints text[] (JSON),
+--         $7 events text[] (JSON arrays)
 -- Group commit: commit_step for many runs of owner $1 in one statement. Arrays: $2 run ids,
 -- $3 fences, $4 expected checkpoint versions, $5 next steps, $6 checkpoints, $7 events (each a
 -- JSON array of {kind, details}). JSON arrays travel as text and are cast here: a JSON list
@@ -451,6 +429,9 @@ WITH input AS MATERIALIZED (
 SELECT run_id, checkpoint_version, lease_until FROM committed
 
 -- finish_runs --
+-- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[],
+--         $4 expected_versions bigint[], $5 states text[], $6 results text[] (JSON),
+--         $7 errors text[] (JSON), $8 checkpoints text[] (JSON)
 -- Group commit of final commits: finish each run of owner $1 as $5 ('succeeded' or 'failed')
 -- with result $6, error $7 and final checkpoint $8 (NULL keeps the last one), only while the
 -- worker still owns it with fence $3, the lease is unexpired and the stored checkpoint version is
@@ -490,15 +471,19 @@ WITH input AS MATERIALIZED (
 SELECT run_id FROM finished
 
 -- accept_effect --
+-- params: $1 run_id text, $2 effect_key text, $3 fence bigint, $4 kind text, $5 policy text,
+--         $6 payload jsonb, $7 idempotency_key text, $8 worker_id text
 -- The boundary's rule for one effect request (see orchestrator_accept_effect in migration 0003).
 SELECT outcome, accepted_fence, status, run_state, run_fence
 FROM orchestrator_accept_effect($1, $2, $3, $4, $5, $6, $7, $8)
 
 -- get_effect --
+-- params: $1 run_id text, $2 effect_key text
 -- One effect record.
 SELECT * FROM effects WHERE run_id = $1 AND effect_key = $2
 
 -- list_effects --
+-- params: $1 run_id text (NULL: any), $2 status text (NULL: any), $3 limit int
 -- Effect records, newest first, optionally of one run and/or in one status.
 SELECT * FROM effects
 WHERE ($1::text IS NULL OR run_id = $1) AND ($2::text IS NULL OR status = $2)
@@ -506,6 +491,7 @@ ORDER BY created_at DESC, run_id, effect_key
 LIMIT $3
 
 -- claim_effects --
+-- params: $1 dispatcher_id text, $2 kinds text[], $3 limit int, $4 lease_seconds float8
 -- A dispatcher ($1) claims up to $3 effects of the kinds $2 it has vendors for, with its own
 -- lease of $4 seconds: new or uncertain effects that are due, and dispatches whose dispatcher
 -- lease expired (that dispatcher may have died after the vendor accepted). previous_status and
@@ -529,6 +515,7 @@ WHERE e.run_id = p.run_id AND e.effect_key = p.effect_key
 RETURNING e.*, p.previous_status, p.sent_before
 
 -- effect_may_dispatch --
+-- params: $1 run_id text, $2 effect_key text, $3 dispatcher_id text, $4 fence bigint
 -- The re-check right before a vendor call: the effect is still dispatching under this
 -- dispatcher ($3) with the fence it claimed ($4) and an unexpired dispatcher lease, and its
 -- run has not been cancelled.
@@ -540,6 +527,8 @@ LEFT JOIN runs AS r ON r.run_id = e.run_id
 WHERE e.run_id = $1 AND e.effect_key = $2
 
 -- settle_effect --
+-- params: $1 run_id text, $2 effect_key text, $3 dispatcher_id text, $4 status text,
+--         $5 external_id text, $6 result jsonb, $7 error jsonb, $8 retry_after_seconds float8
 -- Record what happened at the vendor, only if dispatcher $3 still holds the effect: status $4
 -- (confirmed, failed, uncertain, parked, rejected or accepted for a later retry), external id
 -- $5, result $6, error $7, next attempt not before $8 seconds from now. Logs the event and
@@ -566,6 +555,7 @@ WITH settled AS (
 SELECT status, (SELECT count(*) FROM told) AS notified FROM settled
 
 -- resolve_parked_effect --
+-- params: $1 run_id text, $2 effect_key text, $3 decision text, $4 external_id text
 -- A person decided a parked effect: $3 'confirmed' (it was sent; external id $4) or 'accepted'
 -- (it was not sent: send it again with the same idempotency key).
 WITH resolved AS (
@@ -590,5 +580,6 @@ WITH resolved AS (
 SELECT status, (SELECT count(*) FROM told) AS notified FROM resolved
 
 -- served_agents --
+-- params: none
 -- The agents that live workers serve right now.
 SELECT DISTINCT unnest(agents) AS agent FROM workers ORDER BY 1

@@ -13,11 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
 
 from orchestrator.db.store import RunStore
+
+pytestmark = pytest.mark.slow
 
 
 def cli(
@@ -140,6 +143,8 @@ def test_a_bad_database_url_is_refused_on_one_line(url: str, says: str) -> None:
         ("ORCHESTRATOR_STATEMENT_TIMEOUT_SECONDS", "soon", "is not a number"),
         ("ORCHESTRATOR_CONNECT_TIMEOUT_SECONDS", "-1", "must be greater than zero"),
         ("ORCHESTRATOR_MAX_INPUT_BYTES", "lots", "is not a number"),
+        ("ORCHESTRATOR_SCHEMA", "Robert'); DROP TABLE runs;--", "not a usable schema name"),
+        ("ORCHESTRATOR_SCHEMA", "pg_temp", "not a usable schema name"),
     ],
 )
 def test_a_bad_setting_is_refused_on_one_line(
@@ -167,3 +172,21 @@ def test_serve_with_an_unreachable_database_exits_1_on_one_line() -> None:
     )
     one_line_refusal(result, "cannot reach PostgreSQL at postgresql://app:***@127.0.0.1:1/")
     assert b"hunter2" not in result.stderr
+
+
+def test_libpq_environment_fills_in_what_the_url_leaves_out(database_url: str) -> None:
+    """PGHOST, PGPORT, PGUSER and PGDATABASE complete `postgresql://`, as libpq tools do."""
+    parts = urlsplit(database_url)
+    env = {
+        "PGHOST": parts.hostname or "",
+        "PGPORT": str(parts.port),
+        "PGUSER": parts.username or "",
+        "PGDATABASE": parts.path.lstrip("/"),
+    }
+    result = cli("postgresql://", "runs", "list", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+    disabled = cli(database_url + "?sslmode=disable", "runs", "list", "--json")
+    assert disabled.returncode == 0, disabled.stderr
+    # The embedded test server has no TLS: sslmode=require is refused, and says so on one line.
+    one_line_refusal(cli(database_url + "?sslmode=require", "runs", "list"), "cannot reach")

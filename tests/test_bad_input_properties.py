@@ -29,6 +29,8 @@ from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
 from orchestrator.settings import Settings
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = settings(
     max_examples=40,
     deadline=None,
@@ -74,7 +76,7 @@ def run_sync(function: Any, *args: Any) -> Any:
 
 
 async def snapshot(dsn: str) -> tuple[Any, ...]:
-    connection = await asyncpg.connect(dsn)
+    connection = await asyncpg.connect(dsn, server_settings={"search_path": "orchestrator"})
     try:
         return (
             [tuple(r) for r in await connection.fetch("SELECT run_id, state, fence FROM runs")],

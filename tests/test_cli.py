@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import asyncpg
 import pytest
 
 from orchestrator.db.store import RunStore
+
+pytestmark = pytest.mark.slow
 
 
 def cli(
@@ -204,3 +207,24 @@ def test_dispatch_refuses_a_bad_vendor_config(database_url: str, tmp_path: Path)
     for path, message in ((bad_json, "not valid JSON"), (wrong_adapter, "adapter must be")):
         result = cli(database_url, "effects", "dispatch", "--effects-config", str(path))
         assert result.returncode == 1 and message in result.stderr, result.stderr
+
+
+async def test_runs_show_keeps_a_takeovers_previous_owner_and_says_what_attempt_means(
+    database_url: str, store: RunStore
+) -> None:
+    run_id = (await store.submit("summarise", {"doc": "a" * 300})).run.run_id
+    first = (
+        await store.claim("worker-a-with-a-long-name:1234:abcdef", ["summarise"], lease_seconds=0.2)
+    ).claimed[0]
+    await anyio.sleep(0.3)
+    second = (await store.claim("worker-b", ["summarise"], lease_seconds=30)).claimed[0]
+    assert second.previous_owner == first.lease.worker_id
+    assert await store.commit_step(second.lease, expected_version=0, next_step="Two", checkpoint={})
+    shown = cli(database_url, "runs", "show", run_id)
+    assert shown.returncode == 0, shown.stderr
+    assert 'previous_owner="worker-a-with-a-long-name:1234:abcdef"' in shown.stdout
+    assert "1 of 5 since the last checkpoint (2 claims in all)" in shown.stdout
+    assert "Two" in shown.stdout
+    assert await store.finish(second.lease, expected_version=1, result={"done": True})
+    finished = cli(database_url, "runs", "show", run_id)
+    assert "next step" not in finished.stdout and "since the last checkpoint" not in finished.stdout

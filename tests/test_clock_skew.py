@@ -20,7 +20,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from orchestrator.db.store import RunStore
+
+pytestmark = pytest.mark.slow
 
 CLAIMER = Path(__file__).with_name("claimer_process.py")
 AGENT = "skew-test"

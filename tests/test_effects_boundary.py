@@ -215,7 +215,8 @@ async def test_migration_0005_lowers_a_mark_a_fence_from_the_future_had_raised(
     finally:
         await admin.close()
     dsn = with_database(database_factory.server_dsn, name)
-    connection = await connect(Settings(database_url=dsn))
+    # A database of a release before 0.2: its objects in public, at version 4.
+    connection = await connect(Settings(database_url=dsn, schema="public"))
     try:
         await connection.execute(
             "CREATE TABLE orchestrator_schema_migrations (version integer PRIMARY KEY, "
@@ -237,6 +238,8 @@ async def test_migration_0005_lowers_a_mark_a_fence_from_the_future_had_raised(
             "'irreversible', '{}', 'idem-1', 'attacker')"
         )
         assert old_answer == "accepted"  # the defect: the mark is now 1,000,000
+        await connection.close()
+        connection = await connect(Settings(database_url=dsn))
         await migrate(connection)
         assert await connection.fetchval("SELECT fence FROM effect_fences") == 1
         answer = await connection.fetchval(

@@ -18,6 +18,8 @@ import pytest
 from orchestrator.backoff import Backoff
 from orchestrator.db.store import RunStore
 
+pytestmark = pytest.mark.slow
+
 TOKEN = "test-token-7f3a"
 
 

@@ -7,6 +7,8 @@ lease lost and no extra attempt; the refused run is told why and nothing of it i
 
 from __future__ import annotations
 
+import functools
+
 import anyio
 import asyncpg
 from orchestrator.effects.adapters import HttpAdapter
@@ -57,12 +59,12 @@ async def test_a_batch_with_a_refused_effect_commits_every_other_run_once(
             for run in ordinary:
                 committer.finish(
                     RunFinish(run.lease, 0, RunState.SUCCEEDED, {"ok": True}),
-                    lambda answer, run_id=run.run_id: answers.setdefault(run_id, answer),
+                    functools.partial(answers.setdefault, run.run_id),
                 )
             for run in [*with_effects, conflicting[0]]:
                 committer.finish(
                     RunFinish(run.lease, 0, RunState.SUCCEEDED, {"ok": True}, effects=(note(),)),
-                    lambda answer, run_id=run.run_id: answers.setdefault(run_id, answer),
+                    functools.partial(answers.setdefault, run.run_id),
                 )
             group.start_soon(commit_step)
             await anyio.sleep(0.05)  # all of them queued: one batch

@@ -40,7 +40,7 @@ async def test_migrating_an_empty_database_reaches_the_latest_schema(empty_datab
         tables = {
             r["tablename"]
             for r in await connection.fetch(
-                "SELECT tablename FROM pg_tables WHERE schemaname='public'"
+                "SELECT tablename FROM pg_tables WHERE schemaname='orchestrator'"
             )
         }
         assert {"runs", "run_events", "orchestrator_schema_migrations"} <= tables

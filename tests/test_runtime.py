@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import subprocess
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import anyio
 import asyncpg
@@ -38,9 +40,9 @@ from orchestrator.worker.heartbeat import (
     safety_margin,
 )
 from orchestrator.worker.run_tasks import RunTasks
-from orchestrator.worker.worker import Supervisor, WorkerConfig
+from orchestrator.worker.worker import Worker, WorkerConfig
 
-FAST = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
+FAST: dict[str, Any] = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
 
 
 def fresh_handle(*, lease_seconds: float, confirmed_at: float) -> LeaseHandle:
@@ -111,12 +113,11 @@ class RecordsItsContext(Step):
     seen: ClassVar[dict[str, object]] = {}
 
     async def run(self, ctx: StepContext) -> Outcome:
-        RecordsItsContext.seen = ctx._asdict()
+        RecordsItsContext.seen = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)}
         return Finish(result=None)
 
 
 async def test_a_step_reads_each_field_of_its_context(settings: Settings, store: RunStore) -> None:
-    # The runtime builds StepContext positionally (a hot path): each field must be its own.
     agent = Agent("introspective", first=RecordsItsContext)
     run, _ = await run_agent(settings, agent, {"question": 42}, worker_id="w-ctx", **FAST)
     seen = RecordsItsContext.seen
@@ -333,7 +334,7 @@ async def test_a_failing_cancel_does_not_keep_other_runs_past_their_deadline() -
     cancelled: list[LeaseHandle] = []
     for handle, cancel in ((first, broken_cancel), (second, None), (later, None)):
         handle.deadlines = deadlines
-        handle.guard(cancel or (lambda handle=handle: cancelled.append(handle)))
+        handle.guard(cancel or functools.partial(cancelled.append, handle))
     await anyio.sleep(1.2)
     assert cancelled == [second, later]
     assert {h.lost_reason for h in (first, second, later)} == {NO_DEADLINE_CONFIRMATION}
@@ -353,13 +354,13 @@ def test_registry_loading_errors_are_clear() -> None:
 def test_worker_config_refuses_a_heartbeat_too_slow_for_the_lease() -> None:
     config = WorkerConfig(agents=AgentRegistry([noop]), lease_seconds=10, heartbeat_seconds=6)
     with pytest.raises(ValueError, match="renew at least twice per lease"):
-        Supervisor(Settings(), config)
+        Worker(Settings(), config)
 
 
 def test_worker_config_refuses_a_reaper_interval_that_is_not_positive() -> None:
     config = WorkerConfig(agents=AgentRegistry([noop]), reap_seconds=0)
     with pytest.raises(ValueError, match="reaper interval must be positive"):
-        Supervisor(Settings(), config)
+        Worker(Settings(), config)
 
 
 async def test_serve_refuses_a_schema_newer_than_its_code(
@@ -368,7 +369,7 @@ async def test_serve_refuses_a_schema_newer_than_its_code(
     await store.pool.execute(
         "INSERT INTO orchestrator_schema_migrations (version, name) VALUES (999, 'future')"
     )
-    supervisor = Supervisor(settings, WorkerConfig(agents=AgentRegistry([noop])))
+    supervisor = Worker(settings, WorkerConfig(agents=AgentRegistry([noop])))
     with pytest.raises(SchemaTooNew):
         await supervisor.run()
 
@@ -436,7 +437,7 @@ async def test_a_worker_cancelled_as_a_whole_still_ends_its_run_tasks(
 ) -> None:
     # The run scope takes back only its own cancellation; the worker's must go through.
     run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 30})).run.run_id
-    supervisor = Supervisor(settings, WorkerConfig(agents=AgentRegistry([sleepy]), **FAST))
+    supervisor = Worker(settings, WorkerConfig(agents=AgentRegistry([sleepy]), **FAST))
     with anyio.fail_after(20):
         async with anyio.create_task_group() as group:
             group.start_soon(supervisor.run)

@@ -5,6 +5,7 @@ Workers are separate OS processes; PostgreSQL is real; partitions go through a l
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -384,7 +385,7 @@ async def test_after_a_postgres_restart_workers_register_again_and_takeover_stil
                 killed_at = await store.database_now()
                 for run_id in held_by_a:
                     claims = await wait_for(
-                        lambda run_id=run_id: store.events(run_id),
+                        functools.partial(store.events, run_id),
                         lambda events: kinds_by_fence(events, "claimed")[-1:] != [1],
                         within=15,
                     )

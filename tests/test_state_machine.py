@@ -52,6 +52,8 @@ from orchestrator.models import JSON, ClaimedRun, CommitResult, Lease, Run, RunS
 from orchestrator.settings import Settings
 from orchestrator.testing import DatabaseFactory
 
+pytestmark = pytest.mark.slow
+
 T = TypeVar("T")
 
 LEASE_SECONDS = 600.0

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.db.connections import GENERIC_PLANS, create_pool
 from orchestrator.db.queries import query
-from orchestrator.db.store import RunStore, StepEvent
+from orchestrator.db.store import RunStore, StepEvent, TransactionConnection
 from orchestrator.errors import (
     IdempotencyConflict,
     InvalidInput,
@@ -19,7 +19,7 @@ from orchestrator.errors import (
     RunAlreadyExists,
     RunNotFound,
 )
-from orchestrator.models import ClaimedRun, Lease, RunState
+from orchestrator.models import ClaimedRun, CommitResult, Lease, RunState
 from orchestrator.settings import Settings
 
 SHORT = 0.3  # seconds: a lease that a test can outwait
@@ -180,7 +180,7 @@ async def test_commit_with_stale_fence_or_version_commits_nothing(
 
     calls: list[str] = []
 
-    async def extra_write(connection: asyncpg.Connection, result: object) -> None:
+    async def extra_write(connection: TransactionConnection, result: CommitResult) -> None:
         calls.append("ran")
 
     # Stale fence (A was replaced), right version.
@@ -245,7 +245,7 @@ async def test_extra_writes_roll_back_with_the_commit(store: RunStore, pool: asy
     a = await claim_one(store, "A")
     before = await snapshot(pool, a.run_id)
 
-    async def failing_write(connection: asyncpg.Connection, result: object) -> None:
+    async def failing_write(connection: TransactionConnection, result: CommitResult) -> None:
         raise RuntimeError("effect record rejected")
 
     with pytest.raises(RuntimeError):
@@ -585,11 +585,11 @@ async def test_the_claim_statements_generic_plan_reads_runs_only_through_indexes
     try:
         async with claims.acquire() as connection:
             assert await connection.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
-            await connection.execute("PREPARE claim AS " + query("claim_due"))
+            await connection.execute("PREPARE claim AS " + query("claim"))
             for include_expired in ("true", "false"):
                 text = await connection.fetchval(
                     "EXPLAIN (FORMAT JSON) EXECUTE claim('w1', '{noop}', 200, 45.0, "
-                    f"{include_expired})"
+                    f"{include_expired}, NULL)"
                 )
                 plan = json.loads(text) if isinstance(text, str) else text
                 assert _scans_of_runs(plan) == {
@@ -598,7 +598,7 @@ async def test_the_claim_statements_generic_plan_reads_runs_only_through_indexes
                     ("Index Scan", "runs_pkey"),
                     ("ModifyTable", None),
                 }, plan
-            claimed = await connection.fetch(query("claim_due"), "w1", ["noop"], 200, 45.0, True)
+            claimed = await connection.fetch(query("claim"), "w1", ["noop"], 200, 45.0, True, None)
             assert len(claimed) == 200
     finally:
         await claims.close()

@@ -71,9 +71,8 @@ async def _keep_session(connection: asyncpg.Connection) -> None:
 GENERIC_PLANS = {"plan_cache_mode": "force_generic_plan"}
 """Session settings for a connection that runs only statements with one good plan whatever
 their parameters (the claim statement: tests/test_store.py checks its generic plan). PostgreSQL
-then plans each prepared statement once per connection. Left to choose, it planned the claim
-statement afresh on every execution: 2.5 µs of the server's time per claimed run, a tenth of the
-claim (benchmarks/README.md, throughput.py)."""
+then plans each prepared statement once per connection; left to choose, it planned the claim
+afresh on every execution (docs/performance.md)."""
 
 
 def server_settings(settings: Settings, application_name: str) -> dict[str, str]:
@@ -85,6 +84,8 @@ def server_settings(settings: Settings, application_name: str) -> dict[str, str]
     statement_ms = int(settings.statement_timeout_seconds * 1000)
     return {
         "application_name": application_name[:63],
+        # Every statement names its tables unqualified: they live in this schema.
+        "search_path": settings.schema,
         "statement_timeout": str(statement_ms),
         "idle_in_transaction_session_timeout": str(max(statement_ms * 2, 1000)),
     }

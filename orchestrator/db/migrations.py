@@ -1,7 +1,17 @@
 """Schema migrations: numbered SQL files applied in order, once, under an advisory lock.
 
+Everything lives in one PostgreSQL schema (``ORCHESTRATOR_SCHEMA``, default ``orchestrator``),
+so orchestrator can share an application's database. Migrations name their objects
+unqualified and run on a connection whose ``search_path`` is that schema (every connection made
+by ``orchestrator.db.connections`` has it); the schema is created first if need be.
+
 Several processes may start at once (``serve`` on three machines after a deploy); the advisory
-lock makes one of them migrate while the others wait and then find nothing to do.
+lock (one per schema) makes one of them migrate while the others wait and then find nothing to
+do.
+
+Databases migrated by releases before 0.2 keep their tables in ``public``. The first migration
+run against such a database moves them, with the version table, into the schema (in one
+transaction, before migration 0007), so nothing of their history is lost.
 """
 
 from __future__ import annotations
@@ -12,11 +22,18 @@ from importlib import resources
 
 import asyncpg
 
-from orchestrator.errors import SchemaTooNew
+from orchestrator.errors import InvalidInput, SchemaTooNew
+from orchestrator.settings import check_schema_name
 
-# An arbitrary constant: "orchestrator migrations" as a 64-bit advisory lock key.
-MIGRATION_LOCK_KEY = 0x6F72_6368_6D69_6772
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+VERSION_TABLE = "orchestrator_schema_migrations"
+
+LEGACY_TABLES = ("runs", "run_events", "workers", "effects", "effect_fences")
+LEGACY_SEQUENCES = ("worker_session_keys",)
+LEGACY_FUNCTIONS = (
+    "orchestrator_accept_effect(text, text, bigint, text, text, jsonb, text, text)",
+)
+"""What releases before 0.2 created in ``public`` (each moved only if it is there)."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +61,8 @@ def latest_version() -> int:
     return len(available_migrations())
 
 
-_CREATE_VERSION_TABLE = """
-CREATE TABLE IF NOT EXISTS orchestrator_schema_migrations (
+_CREATE_VERSION_TABLE = f"""
+CREATE TABLE IF NOT EXISTS {VERSION_TABLE} (
     version    integer     PRIMARY KEY,
     name       text        NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
@@ -53,16 +70,35 @@ CREATE TABLE IF NOT EXISTS orchestrator_schema_migrations (
 """
 
 
-async def current_version(connection: asyncpg.Connection) -> int:
-    exists = await connection.fetchval(
-        "SELECT to_regclass('orchestrator_schema_migrations') IS NOT NULL"
-    )
-    if not exists:
-        return 0
-    version = await connection.fetchval(
-        "SELECT coalesce(max(version), 0) FROM orchestrator_schema_migrations"
-    )
+async def schema_of(connection: asyncpg.Connection) -> str:
+    """The schema the connection works in: the first entry of its ``search_path``."""
+    path = str(await connection.fetchval("SELECT current_setting('search_path')"))
+    first = path.split(",")[0].strip().strip('"')
+    try:
+        return check_schema_name(first)
+    except InvalidInput:
+        raise RuntimeError(
+            f"this connection's search_path is {path!r}: open it with "
+            "orchestrator.db.connections.connect, which sets it to the orchestrator schema"
+        ) from None
+
+
+async def _version_in(connection: asyncpg.Connection, schema: str) -> int | None:
+    table = f'"{schema}".{VERSION_TABLE}'
+    if not await connection.fetchval("SELECT to_regclass($1) IS NOT NULL", table):
+        return None
+    version = await connection.fetchval(f"SELECT coalesce(max(version), 0) FROM {table}")
     return int(version)
+
+
+async def current_version(connection: asyncpg.Connection) -> int:
+    """The schema's version; a database of a release before 0.2 (tables still in ``public``)
+    reports its version there, so that it reads as behind and gets migrated."""
+    schema = await schema_of(connection)
+    version = await _version_in(connection, schema)
+    if version is None and schema != "public":
+        version = await _version_in(connection, "public")
+    return version or 0
 
 
 def _too_new(found: int, known: int) -> SchemaTooNew:
@@ -83,8 +119,13 @@ async def check_schema(connection: asyncpg.Connection) -> int:
 
 async def migrate(connection: asyncpg.Connection) -> list[Migration]:
     """Apply pending migrations, each in its own transaction; return those applied."""
-    await connection.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
+    schema = await schema_of(connection)
+    lock = f"orchestrator migrations of schema {schema}"
+    await connection.execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", lock)
     try:
+        if not await connection.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", schema):
+            await connection.execute(f'CREATE SCHEMA "{schema}"')
+        await _adopt_public_objects(connection, schema)
         await connection.execute(_CREATE_VERSION_TABLE)
         version = await check_schema(connection)
         applied: list[Migration] = []
@@ -94,11 +135,33 @@ async def migrate(connection: asyncpg.Connection) -> list[Migration]:
             async with connection.transaction():
                 await connection.execute(migration.sql)
                 await connection.execute(
-                    "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, $2)",
+                    f"INSERT INTO {VERSION_TABLE} (version, name) VALUES ($1, $2)",
                     migration.version,
                     migration.name,
                 )
             applied.append(migration)
         return applied
     finally:
-        await connection.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
+        await connection.execute("SELECT pg_advisory_unlock(hashtextextended($1, 0))", lock)
+
+
+async def _adopt_public_objects(connection: asyncpg.Connection, schema: str) -> None:
+    """Move a pre-0.2 database's objects from ``public`` into ``schema``, all or nothing.
+
+    Only when ``public`` holds orchestrator's version table and ``schema`` does not: an
+    application's own tables that happen to share a name are never touched otherwise.
+    """
+    if schema == "public" or await _version_in(connection, schema) is not None:
+        return
+    if await _version_in(connection, "public") is None:
+        return
+    async with connection.transaction():
+        for table in (VERSION_TABLE, *LEGACY_TABLES):
+            if await connection.fetchval("SELECT to_regclass($1)", f"public.{table}"):
+                await connection.execute(f'ALTER TABLE public.{table} SET SCHEMA "{schema}"')
+        for sequence in LEGACY_SEQUENCES:
+            if await connection.fetchval("SELECT to_regclass($1)", f"public.{sequence}"):
+                await connection.execute(f'ALTER SEQUENCE public.{sequence} SET SCHEMA "{schema}"')
+        for function in LEGACY_FUNCTIONS:
+            if await connection.fetchval("SELECT to_regprocedure($1)", f"public.{function}"):
+                await connection.execute(f'ALTER FUNCTION public.{function} SET SCHEMA "{schema}"')

@@ -8,6 +8,7 @@ treats that as lost ownership.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from orchestrator.models import (
     RunState,
     Submission,
 )
-from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES
+from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA
 from orchestrator.storable import check_json, check_text
 
 MAX_LIST_LIMIT = 10_000
@@ -281,12 +282,12 @@ class RunStore:
         """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement.
 
         ``include_expired=False`` claims due runs only, without reading the running set to find
-        expired leases (see claim_due in sql/queries.sql).
+        expired leases (see claim in sql/queries.sql).
         """
         # Each agent is probed once; a repeated name would fill the limit with duplicates.
         unique_agents = list(dict.fromkeys(agents))
         records = await (db or self.pool).fetch(
-            query("claim_due"), worker_id, unique_agents, limit, lease_seconds, include_expired
+            query("claim"), worker_id, unique_agents, limit, lease_seconds, include_expired, None
         )
         return self._claim_batch(records, worker_id)
 
@@ -301,7 +302,7 @@ class RunStore:
         """Claim one specific run if it is due or its lease expired; ``None`` otherwise."""
         validate_run_id(run_id)
         records = await (db or self.pool).fetch(
-            query("claim_run"), worker_id, run_id, lease_seconds
+            query("claim"), worker_id, [], 1, lease_seconds, True, run_id
         )
         batch = self._claim_batch(records, worker_id)
         return batch.claimed[0] if batch.claimed else None
@@ -552,8 +553,19 @@ class ExpiredLease:
     previous_owner: str
 
 
+def liveness_namespace(schema: str) -> int:
+    """The first key of the liveness locks of one schema's workers. Advisory locks belong to
+    the database, not to a schema: two schemas in one database must not share key spaces."""
+    if schema == DEFAULT_SCHEMA:
+        return LIVENESS_LOCK_NAMESPACE
+    return 0x10000 + zlib.crc32(schema.encode()) % 0x7FFE0000
+
+
 class WorkerRegistry:
     """Worker liveness for dead-session takeover (see sql/migrations/0002_workers.sql)."""
+
+    def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
+        self.namespace = liveness_namespace(schema)
 
     async def register(
         self,
@@ -571,7 +583,7 @@ class WorkerRegistry:
         nothing else, for as long as the worker lives.
         """
         key = int(await connection.fetchval(query("next_session_key")))
-        locked = await connection.fetchval(query("hold_session_lock"), LIVENESS_LOCK_NAMESPACE, key)
+        locked = await connection.fetchval(query("hold_session_lock"), self.namespace, key)
         if not locked:
             raise RuntimeError(f"liveness lock {key} is held by another session")
         await connection.execute(query("register_worker"), worker_id, key, host, pid, list(agents))
@@ -588,6 +600,6 @@ class WorkerRegistry:
     ) -> list[ExpiredLease]:
         """End the leases of workers whose session is gone, so their runs are claimable now."""
         records = await db.fetch(
-            query("expire_dead_owners"), LIVENESS_LOCK_NAMESPACE, reregister_grace_seconds
+            query("expire_dead_owners"), self.namespace, reregister_grace_seconds
         )
         return [ExpiredLease(r["run_id"], r["fence"], r["lease_owner"]) for r in records]

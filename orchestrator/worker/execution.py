@@ -1,28 +1,31 @@
-"""One claimed run's scope: the step task, guarded by the run's heartbeat.
+"""One claimed run's execution: its steps, guarded by the run's heartbeat, then its end.
 
-The scope is the run's own task: its steps, then a bounded, shielded cleanup. The run's
-``LeaseHandle`` (see ``heartbeat``) cancels the steps the moment ownership is lost or can no
-longer be proven: a refused renewal, a cancel, a refused commit, or the local deadline passing
-without a confirmed renewal. The step then stops wherever it is awaiting (a model or tool call
-in flight is cancelled) and nothing more is committed. Every commit is fenced in the database
-as well, so even a step that ignored cancellation could not commit after losing its lease.
+A ``RunExecution`` is the body of the run's own task: the steps, then a bounded, shielded
+wrap-up. The run's ``LeaseHandle`` (see ``heartbeat``) cancels the steps the moment ownership is
+lost or can no longer be proven: a refused renewal, a cancel, a refused commit, or the local
+deadline passing without a confirmed renewal. The step then stops wherever it is awaiting (a
+model or tool call in flight is cancelled) and nothing more is committed. Every commit is fenced
+in the database as well, so even a step that ignored cancellation could not commit after losing
+its lease.
 
-A run's last commit (finish or fail) is the one thing its task does not wait for: the task
-hands it to the group committer and ends, and the committer's answer settles the run
-(``RunScope._settle``): finished, or lost and then the same bounded cleanup, in a task of its
-own. Nothing of the run is left to cancel by then (its steps are over), and the database's
-answer, not the local view, decides how the run ended.
+A run's last commit (finish or fail) is the one thing its task does not wait for: the task hands
+it to the group committer and ends (``execute`` returns ``None``), and the committer's answer
+settles the run (``_settle``): the host is told ``run_ended`` with the disposition, or, when the
+commit did not finish the run, ``run_needs_cleanup``, and it runs ``clean_up`` as the run's
+task. Nothing of the run is left to cancel by then, and the database's answer, not the local
+view, decides how the run ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
@@ -64,13 +67,45 @@ from orchestrator.worker.heartbeat import LeaseHandle, LeaseKeeper
 
 T = TypeVar("T")
 
-_new_tuple = tuple.__new__
 
-LOST = "lost"
-RELEASED = "released"
-SETTLING = "settling"
-"""What ``execute`` returns once the run's final commit is with the group committer: the run
-is not over yet, and ``RunServices.ended`` will be told how it ends."""
+class Disposition(enum.StrEnum):
+    """How one execution of a run ended, as this worker saw it (the run's state is in the row)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    """The step returned ``Fail``: failed for good."""
+    RETRY_SCHEDULED = "retry_scheduled"
+    """The step raised: the run waits for its retry's backoff."""
+    DEAD = "dead"
+    """The step raised on its last attempt: dead-lettered."""
+    RELEASED = "released"
+    """Given back at shutdown, fence unchanged, attempt not counted."""
+    LOST = "lost"
+    """Ownership was lost or could not be proven: nothing more was committed."""
+    CRASHED = "crashed"
+    """A bug in the runtime ended the execution (logged); the lease is left to expire."""
+
+
+_FINAL_DISPOSITIONS = {
+    RunState.SUCCEEDED: Disposition.SUCCEEDED,
+    RunState.FAILED: Disposition.FAILED,
+}
+
+
+class RunHost(Protocol):
+    """The worker, as an execution whose final commit was with the group committer sees it."""
+
+    def draining(self) -> bool:
+        """Whether the worker is shutting down (no new step then: the lease is given back)."""
+        ...
+
+    def run_ended(self, execution: RunExecution, disposition: Disposition) -> None:
+        """The final commit finished the run: it is over."""
+        ...
+
+    def run_needs_cleanup(self, execution: RunExecution) -> None:
+        """The final commit did not finish the run: run ``execution.clean_up()`` as its task."""
+        ...
 
 
 def describe_error(error: BaseException) -> dict[str, JSON]:
@@ -95,23 +130,17 @@ class RunnerConfig:
 _OUTCOME_ATTRIBUTES: dict[type, dict[str, str]] = {
     kind: {"outcome": kind.__name__.lower()} for kind in (Next, Finish, Fail)
 }
-"""Metric attributes per outcome type, built once (not a dict and a string per step)."""
+"""Metric attributes per outcome type, built once."""
 
-_FINAL_STATES = {state: state.value for state in (RunState.SUCCEEDED, RunState.FAILED)}
-"""A final commit's disposition (an enum's ``value`` is a Python-level property: 1 µs a read)."""
-
-_DISPOSITION_ATTRIBUTES: dict[str, dict[str, str]] = {
-    disposition: {DISPOSITION: disposition} for disposition in (*_FINAL_STATES.values(), LOST)
+_DISPOSITION_ATTRIBUTES = {
+    disposition: {DISPOSITION: disposition.value} for disposition in Disposition
 }
 
 
 def _outcome_attributes(outcome: Outcome) -> dict[str, str]:
-    attributes = _OUTCOME_ATTRIBUTES.get(type(outcome))
-    if attributes is not None:
-        return attributes
-    for kind in (Next, Finish, Fail):  # a subclass of an outcome counts as that outcome
+    for kind, attributes in _OUTCOME_ATTRIBUTES.items():  # a subclass counts as its outcome
         if isinstance(outcome, kind):
-            return _OUTCOME_ATTRIBUTES[kind]
+            return attributes
     return {"outcome": type(outcome).__name__.lower()}
 
 
@@ -144,7 +173,7 @@ def _log_context(claimed: ClaimedRun, worker_id: str) -> dict[str, str | int]:
 
 @dataclass(frozen=True, slots=True)
 class RunServices:
-    """What every run scope of one worker shares: built once, handed to each scope."""
+    """What every execution of one worker shares: built once, handed to each."""
 
     store: RunStore
     committer: GroupCommitter
@@ -152,34 +181,23 @@ class RunServices:
     registry: AgentRegistry
     config: RunnerConfig
     metrics: Metrics
-    draining: Callable[[], bool]
-    """Whether the worker is shutting down (no new step then: the lease is given back)."""
-    ended: Callable[[RunScope, str | Coroutine[Any, Any, str]], None]
-    """How a run whose ``execute`` returned ``SETTLING`` ends, called once when the final
-    commit's answer is in: its disposition, or, if it was lost, the cleanup still to run,
-    which the worker runs as the run's task (it returns the disposition)."""
+    host: RunHost
 
 
-class RunScope:
+class RunExecution:
     """Executes one claimed run until it finishes, fails, is released, or ownership is lost."""
 
     __slots__ = (
         "_cancel_requested",
         "_in_steps",
+        "_refusal",
         "claimed",
-        "committer",
-        "config",
-        "draining",
         "effects",
-        "ended",
         "handle",
-        "keeper",
         "log",
-        "metrics",
-        "registry",
+        "services",
         "shutdown_requested",
         "span",
-        "store",
         "task",
     )
 
@@ -188,37 +206,32 @@ class RunScope:
         claimed: ClaimedRun,
         handle: LeaseHandle,
         services: RunServices,
-        effects: EffectView | None = None,
+        effects: EffectView,
     ) -> None:
         self.claimed = claimed
         self.handle = handle
         self.effects = effects
-        self.store = services.store
-        self.committer = services.committer
-        self.keeper = services.keeper
-        self.registry = services.registry
-        self.config = services.config
-        self.metrics = services.metrics
-        self.draining = services.draining
-        self.ended = services.ended
+        self.services = services
         self.span: Span = INVALID_SPAN
         """The run's span (opened by ``execute``, ended when the run ends)."""
         self.shutdown_requested = False
         self.task: asyncio.Task[None] | None = None
-        """The run's own task, which this scope cancels; set by whoever starts it (or found
+        """The run's own task, which ``cancel`` cancels; set by whoever starts it (or found
         when ``execute`` starts)."""
         self._in_steps = False
         self._cancel_requested = False
-        # A function of the claim, not a method: a bound method would tie the scope into a
+        self._refusal: EffectRefused | None = None
+        """Why the final commit was refused its effect, for ``clean_up``."""
+        # A function of the claim, not a method: a bound method would tie the execution into a
         # reference cycle, left for the garbage collector instead of freed when the run ends.
         self.log = RunLogger(
-            "orchestrator.run", functools.partial(_log_context, claimed, self.config.worker_id)
+            "orchestrator.run", functools.partial(_log_context, claimed, services.config.worker_id)
         )
 
     @property
     def ids(self) -> dict[str, str | int]:
         """The ids every span and log line about this run carries (built only when needed)."""
-        return _ids(self.claimed, self.config.worker_id)
+        return _ids(self.claimed, self.services.config.worker_id)
 
     def stop_now(self) -> None:
         """Shutdown grace is over: cancel the step and give the lease back."""
@@ -228,12 +241,12 @@ class RunScope:
     def cancel(self) -> None:
         """Cancel the run's steps wherever they are awaiting; called by the lease handle.
 
-        The scope is the run's own task, cancelled natively: an anyio cancel scope per run cost
-        about 10% of a saturated worker. Only the steps are cancelled (never the cleanup that
-        follows them), at most once, and ``execute`` takes back exactly its own cancellation,
-        so a cancellation of the whole worker still propagates. Nothing is cancelled when the
-        run's own task declares the loss (a refused commit): it returns at once by itself, and a
-        cancellation it never awaited would instead cut its cleanup short.
+        The execution is the run's own task, cancelled natively (no cancel scope per run). Only
+        the steps are cancelled (never the wrap-up that follows them), at most once, and
+        ``execute`` takes back exactly its own cancellation, so a cancellation of the whole
+        worker still propagates. Nothing is cancelled when the run's own task declares the loss
+        (a refused commit): it returns at once by itself, and a cancellation it never awaited
+        would instead cut its cleanup short.
         """
         if (
             self._in_steps
@@ -242,57 +255,63 @@ class RunScope:
             and asyncio.current_task() is not self.task
         ):
             self._cancel_requested = True
-            self.task.cancel("the run's scope was cancelled")
+            self.task.cancel("the run's execution was cancelled")
 
-    async def execute(self) -> str:
-        """Run the steps; returns the disposition, or ``SETTLING`` (see ``RunServices.ended``)."""
-        disposition = LOST
+    async def execute(self) -> Disposition | None:
+        """Run the steps and wrap up; the disposition, or ``None`` while the run's final commit
+        is with the group committer (the host then hears how the run ended)."""
         if self.task is None:
             self.task = asyncio.current_task()
         self.span = open_span(f"run {self.claimed.agent}", attributes=self._run_attributes)
+        disposition: Disposition | None = Disposition.LOST
         try:
             with as_current(self.span):
                 try:
-                    self._in_steps = True
-                    try:
-                        # Lost already (a cancel that arrived before this task started)? Then
-                        # the cancellation is delivered at the first await; _steps checks too.
-                        self.handle.guard(self.cancel)
-                        disposition = await self._steps()
-                    except asyncio.CancelledError:
-                        if not self._cancel_requested or self._cancelling() > 1:
-                            raise  # not (only) ours: the worker itself is being cancelled
-                    finally:
-                        self._in_steps = False
-                        if self._cancel_requested and self.task is not None:
-                            self.task.uncancel()
+                    disposition = await self._guarded_steps()
                 finally:
-                    if disposition != SETTLING:
-                        self.keeper.untrack(self.handle)
-                        if self.shutdown_requested and not self.handle.lost and disposition == LOST:
-                            disposition = await self._cleanup(self._release)
-                        elif self.handle.lost:
-                            disposition = LOST
-                            await self._cleanup(self._record_lost)
+                    if disposition is not None:  # also when the worker itself is cancelled
+                        disposition = await self._wrap_up(disposition)
         finally:
-            if disposition != SETTLING:
-                self._end_span(disposition)
-        if disposition != SETTLING:
-            self._count(disposition)
+            if disposition is not None:
+                self._conclude(disposition)
         return disposition
 
-    def _end_span(self, disposition: str) -> None:
+    async def _guarded_steps(self) -> Disposition | None:
+        """The steps, cancelled by the lease handle on a loss; the worker's cancellation passes."""
+        self._in_steps = True
+        try:
+            # Lost already (a cancel that arrived before this task started)? Then the
+            # cancellation is delivered at the first await; _steps checks too.
+            self.handle.guard(self.cancel)
+            return await self._steps()
+        except asyncio.CancelledError:
+            if not self._cancel_requested or self._cancelling() > 1:
+                raise  # not (only) ours: the worker itself is being cancelled
+            return Disposition.LOST
+        finally:
+            self._in_steps = False
+            if self._cancel_requested and self.task is not None:
+                self.task.uncancel()
+
+    async def _wrap_up(self, disposition: Disposition) -> Disposition:
+        """Stop renewing; give the lease back at shutdown, or record a loss (bounded)."""
+        self.services.keeper.untrack(self.handle)
+        if self.shutdown_requested and not self.handle.lost and disposition is Disposition.LOST:
+            return await self._cleanup(self._release)
+        if self.handle.lost:
+            await self._cleanup(self._record_lost)
+            return Disposition.LOST
+        return disposition
+
+    def _conclude(self, disposition: Disposition) -> None:
+        """The one place an execution's end is recorded: its span and the metric."""
         span = self.span
         if span.is_recording():
-            span.set_attribute(DISPOSITION, disposition)
-            if disposition == LOST:
+            span.set_attribute(DISPOSITION, disposition.value)
+            if disposition is Disposition.LOST:
                 span.set_status(Status(StatusCode.ERROR, self.handle.lost_reason or "lost"))
             span.end()
-
-    def _count(self, disposition: str) -> None:
-        self.metrics.runs_finished.add(
-            1, _DISPOSITION_ATTRIBUTES.get(disposition) or {DISPOSITION: disposition}
-        )
+        self.services.metrics.runs_finished.add(1, _DISPOSITION_ATTRIBUTES[disposition])
 
     def _ownership_lost(self) -> bool:
         # A call, not the attribute: the handle changes under every await (mypy must not
@@ -310,56 +329,53 @@ class RunScope:
 
     # -- steps --------------------------------------------------------------------------------
     async def _db(self, function: Callable[[Any], Awaitable[T]]) -> T:
-        async with pooled(self.store.pool, within=self.config.statement_seconds) as connection:
+        pool = self.services.store.pool
+        async with pooled(pool, within=self.services.config.statement_seconds) as connection:
             return await function(connection)
 
-    async def _steps(self) -> str:
+    async def _steps(self) -> Disposition | None:
         claimed = self.claimed
-        agent = self.registry.get(claimed.agent)
+        services = self.services
+        agent = services.registry.get(claimed.agent)
         step_name = claimed.step
         checkpoint = claimed.checkpoint
         version = claimed.checkpoint_version
         lease = claimed.lease
         while True:
             if self._ownership_lost():
-                return LOST  # no step starts without ownership
-            if self.draining():
+                return Disposition.LOST  # no step starts without ownership
+            if services.host.draining():
                 self.handle.finishing = True
                 released = await self._guarded(
-                    lambda db: self.store.release(lease, reason="worker shutting down", db=db),
+                    lambda db: services.store.release(lease, reason="worker shutting down", db=db),
                     "release",
                 )
-                return RELEASED if released else LOST
+                return Disposition.RELEASED if released else Disposition.LOST
             try:
                 step_class = agent.step(step_name)
             except Exception as error:
                 return await self._fail_attempt(error)
-            wanted = step_class.lease_seconds or self.config.lease_seconds
-            if wanted != self.handle.lease_seconds and not await self.keeper.renew_now(
+            wanted = step_class.lease_seconds or services.config.lease_seconds
+            if wanted != self.handle.lease_seconds and not await services.keeper.renew_now(
                 self.handle, wanted
             ):
                 self.handle.lose("could not extend the lease for the step's own duration")
-                return LOST
+                return Disposition.LOST
             this_step = step_class.step_name()
-            # Positional, in StepContext's field order (a NamedTuple's keyword __new__ is a
-            # Python function: 0.9 µs a step instead of 0.2). test_runtime checks each field.
-            context: StepContext = _new_tuple(
-                StepContext,
-                (
-                    lease.run_id,
-                    agent.name,
-                    this_step,
-                    lease.fence,
-                    claimed.attempt,
-                    claimed.max_attempts,
-                    lease.worker_id,
-                    claimed.input,
-                    checkpoint,
-                    version,
-                    self.handle.lease_until,
-                    self.log.bind(step=this_step),
-                    self.effects,
-                ),
+            context = StepContext(
+                run_id=lease.run_id,
+                agent=agent.name,
+                step=this_step,
+                fence=lease.fence,
+                attempt=claimed.attempt,
+                max_attempts=claimed.max_attempts,
+                worker_id=lease.worker_id,
+                input=claimed.input,
+                checkpoint=checkpoint,
+                checkpoint_version=version,
+                lease_until=self.handle.lease_until,
+                log=self.log.bind(step=this_step),
+                effects=self.effects,
             )
             started = time.monotonic()
             with (
@@ -376,29 +392,25 @@ class RunScope:
                 except Exception as error:
                     span.record_exception(error)
                     span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-                    self.metrics.steps.add(1, {"outcome": "error"})
+                    services.metrics.steps.add(1, {"outcome": "error"})
                     return await self._fail_attempt(error)
-                self.metrics.steps.add(1, _outcome_attributes(outcome))
+                services.metrics.steps.add(1, _outcome_attributes(outcome))
                 if self._ownership_lost():
                     # Lost while the step ran (it ignored the cancellation): commit nothing.
-                    return LOST
-                if isinstance(outcome, Next):
-                    try:
-                        committed = await self._commit_next(outcome, version, encoded)
-                    except EffectRefused as error:  # nothing of the step was committed
-                        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-                        return await self._fail_attempt(error)
-                    self.metrics.step_seconds.record(time.monotonic() - started)
-                    if committed is None:
-                        return self._lost("commit refused: not the owner any more")
-                    span.set_attribute(CHECKPOINT_VERSION, committed)
-                    version, checkpoint, step_name = (
-                        committed,
-                        outcome.checkpoint,
-                        outcome.step_name,
-                    )
-                    continue
-                return self._finish(outcome, version, encoded, started)
+                    return Disposition.LOST
+                if not isinstance(outcome, Next):
+                    self._finish(outcome, version, encoded, started)
+                    return None
+                try:
+                    committed = await self._commit_next(outcome, version, encoded)
+                except EffectRefused as error:  # nothing of the step was committed
+                    span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                    return await self._fail_attempt(error)
+                services.metrics.step_seconds.record(time.monotonic() - started)
+                if committed is None:
+                    return self._lost("commit refused: not the owner any more")
+                span.set_attribute(CHECKPOINT_VERSION, committed)
+                version, checkpoint, step_name = committed, outcome.checkpoint, outcome.step_name
 
     async def _commit_next(self, outcome: Next, version: int, encoded: Encoded) -> int | None:
         """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
@@ -411,7 +423,7 @@ class RunScope:
             checkpoint_text=encoded.checkpoint,
         )
         try:
-            committed = await self.committer.commit_step(commit)
+            committed = await self.services.committer.commit_step(commit)
         except CommitOutcomeUnknown as error:
             self.handle.lose(f"commit outcome unknown ({error})")
             return None
@@ -419,7 +431,7 @@ class RunScope:
 
     def _finish(
         self, outcome: Finish | Fail, version: int, encoded: Encoded, started: float
-    ) -> str:
+    ) -> None:
         """Hand the final commit to the group committer; ``_settle`` takes its answer."""
         self.handle.finishing = True
         lease = self.claimed.lease
@@ -440,65 +452,59 @@ class RunScope:
             if outcome.details is not None:
                 failure["details"] = outcome.details
             finish = RunFinish(lease, version, RunState.FAILED, None, failure, None)
-        self.committer.finish(
-            finish, functools.partial(self._settle, _FINAL_STATES[finish.state], started)
+        self.services.committer.finish(
+            finish, functools.partial(self._settle, _FINAL_DISPOSITIONS[finish.state], started)
         )
-        return SETTLING
 
     def _settle(
-        self, final: str, started: float, answer: bool | CommitOutcomeUnknown | EffectRefused
+        self,
+        final: Disposition,
+        started: float,
+        answer: bool | CommitOutcomeUnknown | EffectRefused,
     ) -> None:
         """The final commit's answer, from the group committer: how the run ends.
 
         The database decides: a run it finished has succeeded (or failed) even if the local
         view lost it meanwhile (a cancel or the local deadline while the batch was in flight:
         the fenced statement could only finish it while this worker still held the lease). A
-        refused or unknown outcome is a loss, recorded by the bounded cleanup.
+        refused effect fails the attempt; a refused or unknown outcome is a loss. Both are
+        wrapped up by ``clean_up``, bounded, in a task the host starts.
         """
-        self.metrics.step_seconds.record(time.monotonic() - started)
-        self.keeper.untrack(self.handle)
+        services = self.services
+        services.metrics.step_seconds.record(time.monotonic() - started)
+        services.keeper.untrack(self.handle)
         if answer is True:
             if debug_enabled():
-                self.log.debug("run finished", disposition=final)
-            self._end_span(final)
-            self._count(final)
-            self.ended(self, final)
+                self.log.debug("run finished", disposition=final.value)
+            self._conclude(final)
+            services.host.run_ended(self, final)
             return
-        if isinstance(answer, EffectRefused):  # nothing was written: the attempt failed
-            self.ended(self, self._after_refusal(answer))
-            return
-        if isinstance(answer, CommitOutcomeUnknown):
-            self.handle.lose(f"{final} outcome unknown ({answer})")
+        if isinstance(answer, EffectRefused):
+            self._refusal = answer
+        elif isinstance(answer, CommitOutcomeUnknown):
+            self.handle.lose(f"{final.value} outcome unknown ({answer})")
         else:
-            self.handle.lose(f"{final} refused: not the owner any more")
-        self.ended(self, self._after_loss())
+            self.handle.lose(f"{final.value} refused: not the owner any more")
+        services.host.run_needs_cleanup(self)
 
-    async def _after_loss(self) -> str:
-        """A settled run's cleanup after its final commit was refused or its outcome unknown."""
+    async def clean_up(self) -> Disposition:
+        """After a final commit that did not finish the run: fail the attempt if its effect was
+        refused, record the loss otherwise (bounded and shielded)."""
+        disposition = Disposition.LOST
         try:
             with as_current(self.span):
-                await self._cleanup(self._record_lost)
-        finally:
-            self._end_span(LOST)
-        self._count(LOST)
-        return LOST
-
-    async def _after_refusal(self, error: EffectRefused) -> str:
-        """A settled run whose final commit's effect was refused: the attempt failed."""
-        disposition = LOST
-        try:
-            with as_current(self.span):
-                disposition = await self._fail_attempt(error)
+                if self._refusal is not None:
+                    disposition = await self._fail_attempt(self._refusal)
                 if self.handle.lost:
+                    disposition = Disposition.LOST
                     await self._cleanup(self._record_lost)
         finally:
-            self._end_span(disposition)
-        self._count(disposition)
+            self._conclude(disposition)
         return disposition
 
     def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> Encoded:
         """Check the step's outcome; returns its JSON, encoded once here for the commit."""
-        limit = self.config.max_checkpoint_bytes
+        limit = self.services.config.max_checkpoint_bytes
         if isinstance(outcome, Finish):
             _validate_effects(outcome.effects, limit)
             return Encoded(
@@ -518,17 +524,20 @@ class RunScope:
             return Encoded(None, None)
         raise TypeError(f"a step must return Next, Finish or Fail, not {type(outcome).__name__}")
 
-    async def _fail_attempt(self, error: BaseException) -> str:
+    async def _fail_attempt(self, error: BaseException) -> Disposition:
         self.handle.finishing = True
         described = describe_error(error)
         self.log.warning("step raised", error=described["message"], error_type=described["type"])
+        store = self.services.store
         outcome = await self._guarded(
-            lambda db: self.store.fail_attempt(self.claimed.lease, error=described, db=db),
+            lambda db: store.fail_attempt(self.claimed.lease, error=described, db=db),
             "fail_attempt",
         )
         if outcome is None:
             return self._lost("failure record refused: not the owner any more")
-        return outcome.state.value if outcome.state is RunState.DEAD else "retry_scheduled"
+        if outcome.state is RunState.DEAD:
+            return Disposition.DEAD
+        return Disposition.RETRY_SCHEDULED
 
     async def _guarded(self, function: Callable[[Any], Awaitable[T]], what: str) -> T | None:
         """A fenced write. A database error means its outcome is unknown: ownership is unproven."""
@@ -538,39 +547,41 @@ class RunScope:
             self._lost(f"{what} outcome unknown ({type(error).__name__}: {error})")
             return None
 
-    def _lost(self, reason: str) -> str:
+    def _lost(self, reason: str) -> Disposition:
         self.handle.lose(reason)
-        return LOST
+        return Disposition.LOST
 
     # -- cleanup (shielded, bounded) ----------------------------------------------------------
-    async def _cleanup(self, action: Callable[[], Awaitable[str]]) -> str:
-        with anyio.move_on_after(self.config.cleanup_seconds, shield=True):
+    async def _cleanup(self, action: Callable[[], Awaitable[Disposition]]) -> Disposition:
+        with anyio.move_on_after(self.services.config.cleanup_seconds, shield=True):
             try:
                 return await action()
             except DATABASE_ERRORS as error:
                 self.log.warning("cleanup write failed", error=str(error))
-        return LOST
+        return Disposition.LOST
 
-    async def _release(self) -> str:
+    async def _release(self) -> Disposition:
+        store = self.services.store
         released = await self._db(
-            lambda db: self.store.release(self.claimed.lease, reason="worker shutting down", db=db)
+            lambda db: store.release(self.claimed.lease, reason="worker shutting down", db=db)
         )
         self.log.info("lease released at shutdown", released=released)
-        return RELEASED if released else LOST
+        return Disposition.RELEASED if released else Disposition.LOST
 
-    async def _record_lost(self) -> str:
+    async def _record_lost(self) -> Disposition:
         reason = self.handle.lost_reason or "unknown"
-        self.metrics.lost_leases.add(1, {WORKER_ID: self.config.worker_id})
+        worker_id = self.services.config.worker_id
+        self.services.metrics.lost_leases.add(1, {WORKER_ID: worker_id})
         with start_span("lease_lost", attributes={**self.ids, "reason": reason}):
             self.log.warning("lease lost", reason=reason)
             await self._db(
-                lambda db: self.store.record_event(
+                lambda db: self.services.store.record_event(
                     self.claimed.run_id,
                     "lease_lost",
                     fence=self.claimed.fence,
-                    worker_id=self.config.worker_id,
+                    worker_id=worker_id,
                     details={"reason": reason},
                     db=db,
                 )
             )
-        return LOST
+        return Disposition.LOST

@@ -1,20 +1,17 @@
 """Garbage-collector settings for the long-running ``serve`` process.
 
-At saturation CPython's cyclic collector took about a quarter of a worker's CPU (benchmarks/
-README.md, throughput.py: 0.98 s of collections over a 4 s, 40,000-run measurement). Two
-standard remedies, applied only by the ``serve`` entry point (a process-wide decision, like
-installing telemetry providers; a host application embedding ``Supervisor`` keeps its own):
+At saturation CPython's cyclic collector took a large share of a worker's CPU while finding
+almost nothing to collect (docs/performance.md). Two standard remedies, applied only by the
+``serve`` entry point (a process-wide decision, like installing telemetry providers; a host
+application embedding ``Worker`` keeps its own):
 
 - ``gc.freeze()`` once start-up is done: modules, classes and configuration live for the whole
-  process, and without it every full collection walked all of them again (about 30 ms each).
+  process, and without it every full collection walked all of them again.
 - A first-generation threshold above the number of objects a worker's in-flight runs hold at
   once. The collector counts allocations minus deallocations, so hundreds of runs in flight,
   whose objects are freed by reference counting moments later, set it off every few runs
   although it found almost nothing to collect. Real cyclic garbage still triggers a collection,
   only after more of it has accumulated.
-
-Measured in-process over 40,000 no-op runs: 10,000 -> 14,300 runs/s, 84 -> 53 µs of worker CPU
-per run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Group commit: many runs' fenced commits in one transaction.
 
-Run scopes hand their step commits and final commits to one ``GroupCommitter`` per worker and
-wait for their own answer. While a batch is being written, the next accumulates; it is
+Run executions hand their step commits and final commits to one ``GroupCommitter`` per worker
+and wait for their own answer. While a batch is being written, the next accumulates; it is
 written as soon as a writer is free (no added delay when the worker is quiet; ``WRITERS``
 batches may be in flight at once). Each run's ownership conditions are checked row by row in
 the batched statements, so batching never lets a stale run's write through, and a refused run
@@ -12,9 +12,8 @@ is told why.
 
 A step commit is awaited (the run goes on with the next step). A final commit is not: its
 answer is handed to a callback as soon as the batch's transaction has ended, and the run's task
-has long ended by then (see ``RunScope.execute``). Waking a task to read the answer, and
-resuming it through its frames only to return, cost about 8% of the worker's CPU per run
-(benchmarks/README.md, throughput.py).
+has long ended by then (see ``RunExecution.execute``): waking a task only to read the answer
+and return would cost a resumption through its frames per run.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ MAX_BATCH = 500
 WRITERS = 2
 """Batches written at once, each in its own transaction on its own connection. With one, the
 worker idled while PostgreSQL wrote a batch and PostgreSQL idled while the worker ran the next
-steps; two keep both busy (about +20% runs/s at saturation, benchmarks/README.md). A run has at
-most one commit in flight, so two batches never hold the same run."""
+steps; two keep both busy. A run has at most one commit in flight, so two batches never hold
+the same run."""
 
 
 class EffectRefused(Exception):
@@ -64,7 +63,7 @@ class _LeaveOut(Exception):
         self.answers = answers
 
 
-FinishAnswer = Callable[[bool | CommitOutcomeUnknown | EffectRefused], None]
+FinishAnswer = Callable[[bool | CommitOutcomeUnknown | EffectRefused], object]
 """Receives a final commit's answer: whether the run was finished (``False``: not the owner
 any more), the batch's failure (the outcome is unknown), or the refusal of one of its effects
 (nothing was written)."""
@@ -74,8 +73,7 @@ any more), the batch's failure (the outcome is unknown), or the refusal of one o
 class _Pending:
     request: StepCommit | RunFinish
     done: asyncio.Future[Any] | None
-    """A step commit's answer: a bare future, not an anyio Event (one per commit, and an Event
-    costs 8x as much)."""
+    """A step commit's answer: a bare future (one per commit; an anyio Event is much dearer)."""
     answer: FinishAnswer | None = None
     """A final commit's answer goes to this callback instead."""
 
@@ -90,7 +88,7 @@ class _Pending:
                     run_id=self.request.lease.run_id,
                     error=repr(error),
                 )
-        elif self.done is not None and not self.done.done():  # done: its scope was cancelled
+        elif self.done is not None and not self.done.done():  # done: its run was cancelled
             if isinstance(outcome, Exception):
                 self.done.set_exception(outcome)
             else:
@@ -123,7 +121,7 @@ class GroupCommitter:
 
     def _submit(self, request: StepCommit) -> asyncio.Future[Any]:
         # The future itself is what the run awaits (no coroutine around it: one per commit,
-        # thousands per second). If the run's scope is cancelled while waiting, the future is
+        # thousands per second). If the run's steps are cancelled while waiting, the future is
         # cancelled with it; the batch still commits or refuses the request, and the
         # fenced-safe cleanup follows.
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

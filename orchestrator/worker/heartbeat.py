@@ -2,8 +2,8 @@
 
 Two parts make up each run's heartbeat. One ``LeaseKeeper`` per worker renews every tracked
 lease in one batched statement per interval (each run's own owner, fence, state and expiry
-conditions are still checked). And each run's ``LeaseHandle`` guards the run's scope: it
-cancels the scope the moment the handle is lost (a refused renewal, a cancel, a refused commit),
+conditions are still checked). And each run's ``LeaseHandle`` guards the run's execution:
+it cancels the steps the moment the handle is lost (a refused renewal, a cancel, a refused commit),
 and a timer on the event loop cancels it when the local deadline passes without a confirmed
 renewal: monotonic time when the last *confirmed* renewal was *sent*, plus the lease, minus a
 safety margin. The database sets ``lease_until`` no earlier than it receives that renewal, so
@@ -11,11 +11,8 @@ the local deadline always falls before the database's. A renewal that returns no
 times out or never answers confirms nothing.
 
 All the deadlines of one event loop share one loop timer (``LeaseDeadlines``), armed for the
-earliest of them: a timer per run cost about 5 µs per run, a fifth of a busy worker's own work,
-because asyncio keeps cancelled timers in its heap and compares them in Python
-(benchmarks/README.md, throughput.py). Before that it was a watcher task per run, with its own
-task group and cancel scopes, at about 100 µs per run. The deadline fires at the same moment
-either way.
+earliest of them: asyncio keeps cancelled timers in its heap and compares them in Python, so a
+timer per run grows that heap with every run that ends early (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -62,8 +59,8 @@ class LeaseHandle:
     lost_reason: str | None = None
     finishing: bool = False
     """A terminal statement (finish, fail, release) is in flight: it settles ownership itself."""
-    cancel: Callable[[], None] | None = None
-    """Cancels the run's scope; called when ownership is lost or can no longer be proven."""
+    cancel: Callable[[], object] | None = None
+    """Cancels the run's steps; called when ownership is lost or can no longer be proven."""
     scheduled_at: float | None = None
     """The deadline this handle is filed under in its loop's ``LeaseDeadlines`` (None: not
     guarded). An entry filed under another time is an outdated one, and is dropped."""
@@ -82,7 +79,7 @@ class LeaseHandle:
     def guarded(self) -> bool:
         return self.cancel is not None
 
-    def guard(self, cancel: Callable[[], None]) -> None:
+    def guard(self, cancel: Callable[[], object]) -> None:
         """Call ``cancel`` on loss or at the local deadline, until ``unguard``."""
         self.cancel = cancel
         if self.lost:
@@ -93,7 +90,7 @@ class LeaseHandle:
             self.deadlines.file(self)
 
     def unguard(self) -> None:
-        """The run's scope is over: stop watching the deadline and let go of the scope."""
+        """The run's steps are over: stop watching the deadline and let go of them."""
         if self.cancel is not None:
             self.cancel = None
             if self.scheduled_at is not None and self.deadlines is not None:

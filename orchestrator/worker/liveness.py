@@ -50,7 +50,7 @@ class Liveness:
         self._agents = list(agents)
         self._check_seconds = check_seconds
         self._statement_seconds = statement_seconds
-        self._registry = WorkerRegistry()
+        self._registry = WorkerRegistry(settings.schema)
         self._connection: asyncpg.Connection | None = None
         self.session_key: int | None = None
         self.registrations = 0

@@ -1,12 +1,12 @@
-"""The supervisor's per-run tasks: a task group's structured end, at a sixth of its cost.
+"""The worker's per-run tasks: a task group's structured end, without a task group's cost.
 
-Starting a task with anyio's ``TaskGroup.start_soon`` costs about 40 µs on this project's
-machine, ``loop.create_task`` about 6 µs, and a worker starts one task per run, thousands per
-second (benchmarks/README.md, throughput.py). ``RunTasks`` keeps the guarantee that matters
-from the task group: it lives as a task *in* the supervisor's group, and when that group ends,
-for whatever reason, every run task still going is cancelled and awaited before the group
-exits, so no run outlives its worker. A run task must not raise: ``Supervisor._execute``
-catches and logs everything below ``BaseException``, and calls ``done`` as it ends.
+A worker starts one task per run, thousands per second, and anyio's ``TaskGroup.start_soon``
+costs several times ``loop.create_task`` (docs/performance.md). ``RunTasks`` keeps the
+guarantee that matters from the task group: it lives as a task *in* the worker's group, and
+when that group ends, for whatever reason, every run task still going is cancelled and awaited
+before the group exits, so no run outlives its worker. A run task must not raise:
+``Worker._execute`` catches and logs everything below ``BaseException``, and calls ``done`` as
+it ends.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if sys.version_info >= (3, 12):
     # Eager start: the run's task runs its first step at once, inside start(), as a task of its
     # own (asyncio.current_task() is the run's task there, so anyio works as usual). A step
     # that does not suspend (a short agent step) reaches its commit without a turn of the event
-    # loop; about 7% more runs/s at saturation (benchmarks/README.md, throughput.py).
+    # loop.
     _start_task = asyncio.eager_task_factory
 else:
 
@@ -54,9 +54,9 @@ class RunTasks:
 
         No wrapper coroutine and no done callback: each would cost a frame on every resume or
         an event-loop turn per run. On Python 3.12+ the task has already run up to its first
-        suspension when it is returned (the run's scope finds its task itself then), and may
+        suspension when it is returned (the run's execution finds its task itself then), and may
         even have ended; before 3.12 it is returned before it first runs. Either way its owner
-        hands it to the run's scope, which cancels it when ownership is lost.
+        hands it to the run's execution, which cancels it when ownership is lost.
         """
         if self._closed:
             coroutine.close()
@@ -71,7 +71,7 @@ class RunTasks:
         self._tasks.discard(task)
 
     async def host(self) -> None:
-        """Run in the supervisor's task group until it ends; then end every run task."""
+        """Run in the worker's task group until it ends; then end every run task."""
         try:
             await anyio.sleep_forever()
         finally:

@@ -1,9 +1,12 @@
-"""The worker process: one task group that claims runs and gives each its own scope.
+"""The worker process: one task group that claims runs and gives each its own task.
 
-Tasks in the supervisor's group: the claim loop, the lease keeper (batched renewals), the
-reaper (dead-session takeover), the listener (LISTEN/NOTIFY wake-ups and cancels), a status
-line, and the host of the run tasks (``RunTasks``): one task per claimed run, each executing
-that run's ``RunScope``, all ended before the group ends. Nothing in this process's memory is
+``Worker._started`` builds the pools, connections, keeper, committer, dispatcher and liveness in
+one place and tears them down together; ``run`` only starts tasks, claims and drains. Tasks in
+the worker's group: the liveness check, the lease keeper (batched renewals), the group
+committer, the dispatcher, the reaper (dead-session takeover), the listener (LISTEN/NOTIFY
+wake-ups and cancels), a status line, the claim loop, and the host of the run tasks
+(``RunTasks``): one task per claimed run, each running that run's ``RunExecution``, all ended
+before the group ends. Nothing in this process's memory is
 authoritative: every decision that matters is a fenced statement in PostgreSQL.
 
 Dead-session takeover, and why it is safe: each worker holds a session-level advisory lock on a
@@ -22,7 +25,8 @@ import asyncio
 import os
 import secrets
 import socket
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,21 +53,21 @@ from orchestrator.telemetry import (
     debug_enabled,
     start_span,
 )
-from orchestrator.worker.execution import LOST, SETTLING, RunnerConfig, RunScope, RunServices
+from orchestrator.worker.execution import Disposition, RunExecution, RunnerConfig, RunServices
 from orchestrator.worker.group_commit import GroupCommitter
 from orchestrator.worker.heartbeat import LeaseKeeper
 from orchestrator.worker.liveness import Liveness
 from orchestrator.worker.run_tasks import RunTasks
 
-log = structlog.get_logger("orchestrator.supervisor")
+log = structlog.get_logger("orchestrator.worker")
 
 RUNS_CHANNEL = "orchestrator_runs"
 COALESCE_SECONDS = 0.005
 EXPIRED_LOOK_SECONDS = 1.0
-"""Finding expired leases reads every running run of the worker's agents (claim_due). A claim
-loop looks when it was idle, when a notification says leases may have ended (a reaper's
+"""Finding expired leases reads every running run of the worker's agents (the claim query). A
+claim loop looks when it was idle, when a notification says leases may have ended (a reaper's
 takeover, a release: the runs channel), and otherwise at least this often; a loop that claims
-batch after batch skips the scan in between (0.1-1.4 ms per claim at 1,000-10,000 running)."""
+batch after batch skips the scan in between, whose cost grows with the running set."""
 CANCEL_CHANNEL = "orchestrator_cancel"
 
 
@@ -115,11 +119,34 @@ class WorkerConfig:
 class Counters:
     claimed: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+    """Executions ended, by ``Disposition``."""
     taken_over: int = 0
 
 
-class Supervisor:
-    """Run with ``await supervisor.run()``; stop with ``request_stop()`` (graceful)."""
+@dataclass(frozen=True, slots=True)
+class Running:
+    """What a running worker built, in one place (``Worker._started``), torn down with it."""
+
+    dsn: str
+    store: RunStore
+    claim_pool: asyncpg.Pool
+    keeper: LeaseKeeper
+    committer: GroupCommitter
+    dispatcher: Dispatcher
+    liveness: Liveness
+    effect_store: EffectStore
+    services: RunServices
+    statement_seconds: float
+
+
+async def _bounded(close: Callable[[], Awaitable[None]]) -> None:
+    # Shielded and bounded: teardown must finish even when the worker is being cancelled.
+    with anyio.move_on_after(5, shield=True):
+        await close()
+
+
+class Worker:
+    """Run with ``await worker.run()``; stop with ``request_stop()`` (graceful)."""
 
     def __init__(self, settings: Settings, config: WorkerConfig, *, metrics: Metrics | None = None):
         config.validate()
@@ -128,10 +155,11 @@ class Supervisor:
         self.metrics = metrics or Metrics()
         self.worker_id = config.worker_id
         self.counters = Counters()
-        self.active: dict[str, RunScope] = {}
+        self.active: dict[str, RunExecution] = {}
         self.run_tasks = RunTasks()
-        self.draining = False
-        self._stop = anyio.Event()
+        self.stop_requested = False
+        self.running: Running | None = None
+        """What ``run`` built, while it runs (None before and after)."""
         self._wake = anyio.Event()
         self._look_for_expired = True
         self._idle = anyio.Event()
@@ -139,17 +167,16 @@ class Supervisor:
         self.effect_waiters = EffectWaiters()
         self.log = log.bind(**{WORKER_ID: self.worker_id})
         self._agent_attributes = {name: {"agent": name} for name in config.agents.names}
-        """Metric attributes per agent, built once (not a dict per claimed run)."""
+        """Metric attributes per agent, built once."""
 
     # -- control ------------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Stop claiming, let running steps finish within the grace period, release the rest."""
-        self.draining = True
-        self._stop.set()
+        self.stop_requested = True
         self.wake()
 
-    def _is_draining(self) -> bool:
-        return self.draining
+    def draining(self) -> bool:
+        return self.stop_requested
 
     def wake(self, *, leases_may_have_ended: bool = False) -> None:
         """Wake the claim loop; ``leases_may_have_ended``: its next claim looks for expired
@@ -160,116 +187,131 @@ class Supervisor:
 
     # -- main ---------------------------------------------------------------------------------
     async def run(self) -> None:
-        dsn = resolve_dsn(self.settings)
-        await ensure_schema(self.settings, dsn, auto_migrate=True)
-        pool = await create_pool(
-            self.settings,
-            dsn=dsn,
-            application_name=self.worker_id,
-            min_size=2,
-            max_size=max(4, min(self.config.concurrency, 20)),
-            keep_session_state=True,
-        )
-        try:
+        async with self._started() as running:
+            self.running = running
+            try:
+                await self._serve(running)
+            finally:
+                self.running = None
+        self.log.info("stopped", **self._summary(running))
+
+    @asynccontextmanager
+    async def _started(self) -> AsyncIterator[Running]:
+        """Connect, register and build the worker's parts; close them all on the way out."""
+        settings, config, worker_id = self.settings, self.config, self.worker_id
+        statement_seconds = max(1.0, config.heartbeat_seconds)
+        async with AsyncExitStack() as stack:
+            dsn = resolve_dsn(settings)
+            await ensure_schema(settings, dsn, auto_migrate=True)
+            pool = await create_pool(
+                settings,
+                dsn=dsn,
+                application_name=worker_id,
+                min_size=2,
+                max_size=max(4, min(config.concurrency, 20)),
+                keep_session_state=True,
+            )
+            stack.push_async_callback(_bounded, pool.close)
             # Claims are serial (one claim loop) and on the path of every run: one connection
             # of their own, on which the claim statement is planned once, not on every claim.
-            self.claim_pool = await create_pool(
-                self.settings,
+            claim_pool = await create_pool(
+                settings,
                 dsn=dsn,
-                application_name=self.worker_id,
+                application_name=worker_id,
                 min_size=1,
                 max_size=1,
                 keep_session_state=True,
                 session_settings=GENERIC_PLANS,
             )
-        except BaseException:
-            await pool.close()
-            raise
-        self.store = RunStore(pool, max_input_bytes=self.settings.max_input_bytes)
-        heartbeat_connection = DedicatedConnection(self.settings, dsn, self.worker_id)
-        self.keeper = LeaseKeeper(
-            self.store,
-            self.worker_id,
-            heartbeat_connection,
-            heartbeat_seconds=self.config.heartbeat_seconds,
-            metrics=self.metrics,
-        )
-        self.runner_config = RunnerConfig(
-            worker_id=self.worker_id,
-            lease_seconds=self.config.lease_seconds,
-            statement_seconds=max(1.0, self.config.heartbeat_seconds),
-        )
-        self.effect_store = EffectStore(pool)
-        self.dispatcher = Dispatcher(
-            pool,
-            self.config.effect_adapters,
-            dispatcher_id=self.worker_id + ":dispatch",
-            lease_seconds=self.config.dispatch_lease_seconds,
-            poll_seconds=self.config.poll_seconds,
-            statement_seconds=self.runner_config.statement_seconds,
-        )
-        self.committer = GroupCommitter(
-            self.store, self.worker_id, statement_seconds=self.runner_config.statement_seconds
-        )
-        self.run_services = RunServices(
-            store=self.store,
-            committer=self.committer,
-            keeper=self.keeper,
-            registry=self.config.agents,
-            config=self.runner_config,
-            metrics=self.metrics,
-            draining=self._is_draining,
-            ended=self._ended,
-        )
-        self.liveness = Liveness(
-            self.settings,
-            dsn,
-            self.worker_id,
-            self.config.agents.names,
-            check_seconds=min(1.0, self.config.reap_seconds),
-            statement_seconds=self.runner_config.statement_seconds,
-        )
-        try:
-            await self.liveness.register()
-            self.log.info(
-                "serving",
-                agents=self.config.agents.names,
-                database=redact_dsn(dsn),
-                concurrency=self.config.concurrency,
-                lease_seconds=self.config.lease_seconds,
-                heartbeat_seconds=self.config.heartbeat_seconds,
+            stack.push_async_callback(_bounded, claim_pool.close)
+            heartbeat_connection = DedicatedConnection(settings, dsn, worker_id)
+            stack.push_async_callback(_bounded, heartbeat_connection.close)
+            store = RunStore(pool, max_input_bytes=settings.max_input_bytes)
+            keeper = LeaseKeeper(
+                store,
+                worker_id,
+                heartbeat_connection,
+                heartbeat_seconds=config.heartbeat_seconds,
+                metrics=self.metrics,
             )
-            async with anyio.create_task_group() as group:
-                group.start_soon(self.liveness.run)
-                group.start_soon(self.keeper.run)
-                group.start_soon(self.committer.run)
-                group.start_soon(self.dispatcher.run)
-                group.start_soon(self._status)
-                group.start_soon(self.run_tasks.host)
-                if self.config.dead_session_takeover:
-                    group.start_soon(self._reap)
-                # Claim only once listening (or once listening has failed, bounded by the
-                # statement deadline): a cancel NOTIFYed for a run this worker claimed before
-                # it listened would reach it only at its next heartbeat.
-                await group.start(self._listen, dsn)
-                self.ready.set()
-                await self._claim_loop()
-                await self._drain()
-                group.cancel_scope.cancel()
-        finally:
-            with anyio.move_on_after(5, shield=True):
-                await self.liveness.close()
-                await heartbeat_connection.close()
-                await self.claim_pool.close()
-                await pool.close()
-            self.log.info("stopped", **self._summary())
+            committer = GroupCommitter(store, worker_id, statement_seconds=statement_seconds)
+            services = RunServices(
+                store=store,
+                committer=committer,
+                keeper=keeper,
+                registry=config.agents,
+                config=RunnerConfig(
+                    worker_id=worker_id,
+                    lease_seconds=config.lease_seconds,
+                    statement_seconds=statement_seconds,
+                ),
+                metrics=self.metrics,
+                host=self,
+            )
+            liveness = Liveness(
+                settings,
+                dsn,
+                worker_id,
+                config.agents.names,
+                check_seconds=min(1.0, config.reap_seconds),
+                statement_seconds=statement_seconds,
+            )
+            await liveness.register()
+            stack.push_async_callback(liveness.close)
+            yield Running(
+                dsn=dsn,
+                store=store,
+                claim_pool=claim_pool,
+                keeper=keeper,
+                committer=committer,
+                dispatcher=Dispatcher(
+                    pool,
+                    config.effect_adapters,
+                    dispatcher_id=worker_id + ":dispatch",
+                    lease_seconds=config.dispatch_lease_seconds,
+                    poll_seconds=config.poll_seconds,
+                    statement_seconds=statement_seconds,
+                ),
+                liveness=liveness,
+                effect_store=EffectStore(pool),
+                services=services,
+                statement_seconds=statement_seconds,
+            )
+
+    async def _serve(self, running: Running) -> None:
+        """Start the background tasks, claim until asked to stop, drain."""
+        self.log.info(
+            "serving",
+            agents=self.config.agents.names,
+            database=redact_dsn(running.dsn),
+            concurrency=self.config.concurrency,
+            lease_seconds=self.config.lease_seconds,
+            heartbeat_seconds=self.config.heartbeat_seconds,
+        )
+        async with anyio.create_task_group() as group:
+            group.start_soon(running.liveness.run)
+            group.start_soon(running.keeper.run)
+            group.start_soon(running.committer.run)
+            group.start_soon(running.dispatcher.run)
+            group.start_soon(self._status, running)
+            group.start_soon(self.run_tasks.host)
+            if self.config.dead_session_takeover:
+                group.start_soon(self._reap, running)
+            # Claim only once listening (or once listening has failed, bounded by the
+            # statement deadline): a cancel NOTIFYed for a run this worker claimed before
+            # it listened would reach it only at its next heartbeat.
+            await group.start(self._listen, running)
+            self.ready.set()
+            await self._claim_loop(running)
+            await self._drain()
+            group.cancel_scope.cancel()
 
     # -- claiming -----------------------------------------------------------------------------
-    async def _claim_loop(self) -> None:
+    async def _claim_loop(self, running: Running) -> None:
         failures = 0
         full_batch = min(self.config.concurrency, self.config.claim_batch)
         expired_looked_at = -EXPIRED_LOOK_SECONDS
-        while not self.draining:
+        while not self.stop_requested:
             self._wake = anyio.Event()
             capacity = self.config.concurrency - len(self.active)
             if 0 < capacity < full_batch // 2:
@@ -277,7 +319,7 @@ class Supervisor:
                 # Let a few more slots free up (a few milliseconds at most) and claim together.
                 await anyio.sleep(COALESCE_SECONDS)
                 capacity = self.config.concurrency - len(self.active)
-            claimed: list[RunScope] = []
+            claimed: list[RunExecution] = []
             if capacity > 0:
                 now = anyio.current_time()
                 look_for_expired = (
@@ -289,7 +331,9 @@ class Supervisor:
                     expired_looked_at, self._look_for_expired = now, False
                 try:
                     claimed = await self._claim(
-                        min(capacity, self.config.claim_batch), include_expired=look_for_expired
+                        running,
+                        min(capacity, self.config.claim_batch),
+                        include_expired=look_for_expired,
                     )
                     if failures:
                         self.log.info("database reachable again; claiming resumed")
@@ -305,18 +349,20 @@ class Supervisor:
                 # Started from the next turn of the event loop, once the next claim is on its
                 # way: run tasks may start eagerly (see run_tasks), running their first steps
                 # at once, and the claim statement is the serial part of the pipeline.
-                asyncio.get_running_loop().call_soon(self._start_runs, claimed)
+                asyncio.get_running_loop().call_soon(self._start_runs, running, claimed)
             if claimed and len(claimed) == min(capacity, self.config.claim_batch):
                 continue  # there may be more due runs: claim again before sleeping
             with anyio.move_on_after(self.config.poll_seconds):
                 await self._wake.wait()
             self._look_for_expired = True  # idle until now: the look costs nothing in a lull
 
-    async def _claim(self, limit: int, *, include_expired: bool = True) -> list[RunScope]:
+    async def _claim(
+        self, running: Running, limit: int, *, include_expired: bool = True
+    ) -> list[RunExecution]:
         sent_at = anyio.current_time()
         with start_span("claim", attributes={WORKER_ID: self.worker_id}) as span:
-            async with pooled(self.claim_pool, within=self.runner_config.statement_seconds) as db:
-                batch = await self.store.claim(
+            async with pooled(running.claim_pool, within=running.statement_seconds) as db:
+                batch = await running.store.claim(
                     self.worker_id,
                     self.config.agents.names,
                     limit=limit,
@@ -327,10 +373,10 @@ class Supervisor:
             span.set_attribute("claimed", len(batch.claimed))
         for run_id in batch.dead_lettered:
             self.log.warning("dead-lettered: lease expired on the last attempt", **{RUN_ID: run_id})
-        result: list[RunScope] = []
+        executions: list[RunExecution] = []
         debug = debug_enabled()
         for run in batch.claimed:
-            handle = self.keeper.track(
+            handle = running.keeper.track(
                 run, sent_at=sent_at, lease_seconds=self.config.lease_seconds
             )
             self.counters.claimed += 1
@@ -346,85 +392,82 @@ class Supervisor:
                     step=run.step,
                     previous_owner=run.previous_owner,
                 )
-            scope = RunScope(
-                run,
-                handle,
-                self.run_services,
-                RunEffects(
-                    self.effect_store,
-                    run.run_id,
-                    self.effect_waiters,
-                    poll_seconds=self.config.poll_seconds,
-                ),
+            effects = RunEffects(
+                running.effect_store,
+                run.run_id,
+                self.effect_waiters,
+                poll_seconds=self.config.poll_seconds,
             )
-            self.active[run.run_id] = scope
-            result.append(scope)
-        return result
+            execution = RunExecution(run, handle, running.services, effects)
+            self.active[run.run_id] = execution
+            executions.append(execution)
+        return executions
 
-    def _start_runs(self, scopes: list[RunScope]) -> None:
-        for scope in scopes:
+    def _start_runs(self, running: Running, executions: list[RunExecution]) -> None:
+        for execution in executions:
             if self.run_tasks.closed:
                 # The worker is ending: these runs never started. Their leases are dropped
                 # from the keeper and expire (or are taken over at once when this process's
                 # session ends), so another worker claims them.
-                self.keeper.untrack(scope.handle)
-                if self.active.get(scope.claimed.run_id) is scope:
-                    del self.active[scope.claimed.run_id]
+                running.keeper.untrack(execution.handle)
+                self._forget(execution)
                 continue
-            scope.task = self.run_tasks.start(self._execute(scope, scope.execute()))
+            execution.task = self.run_tasks.start(self._execute(execution, execution.execute()))
         if not self.active:
             self._idle.set()
 
-    async def _execute(self, scope: RunScope, body: Coroutine[Any, Any, str]) -> None:
-        """The body of a run's task (see ``RunTasks``): the scope, then the worker's accounts.
+    async def _execute(
+        self, execution: RunExecution, body: Coroutine[Any, Any, Disposition | None]
+    ) -> None:
+        """The body of a run's task (see ``RunTasks``): the execution, then the accounts.
 
-        ``body`` is the scope's ``execute``, or the cleanup of a run lost at its final commit.
-        A run whose final commit is with the group committer (``SETTLING``) stays active, with
-        no task, until ``_ended`` hears how it ended.
+        ``body`` is ``execution.execute()``, or ``execution.clean_up()`` after a final commit
+        that did not finish the run. A run whose final commit is with the group committer
+        (``execute`` returned ``None``) stays active, with no task, until ``run_ended`` or
+        ``run_needs_cleanup`` hears how it ended.
         """
+        disposition: Disposition | None = None
         settling = False
         try:
             disposition = await body
-            settling = disposition == SETTLING
+            settling = disposition is None
         except Exception as error:  # a bug in the runtime must not take the worker down
             self.log.exception(
-                "run scope crashed", **{RUN_ID: scope.claimed.run_id}, error=str(error)
+                "run execution crashed", **{RUN_ID: execution.claimed.run_id}, error=str(error)
             )
-            disposition = "crashed"
+            disposition = Disposition.CRASHED
         finally:
-            if scope.task is not None:
-                self.run_tasks.done(scope.task)
+            if execution.task is not None:
+                self.run_tasks.done(execution.task)
             if not settling:  # also when the worker itself is being cancelled
-                self._forget(scope)
-        if not settling:
+                self._forget(execution)
+        if disposition is not None:
             self._count(disposition)
 
-    def _ended(self, scope: RunScope, outcome: str | Coroutine[Any, Any, str]) -> None:
-        """A settling run's end: its disposition, or the cleanup to run first (``RunServices``)."""
-        if isinstance(outcome, str):
-            self._forget(scope)
-            self._count(outcome)
-            return
-        scope.task = None
-        try:
-            task = self.run_tasks.start(self._execute(scope, outcome))
-        except RuntimeError:  # the worker is ending: no task can start any more
-            outcome.close()
-            self._forget(scope)
-            self._count(LOST)
-            return
-        if scope.task is None:
-            scope.task = task
+    # -- RunHost: how executions whose final commit was with the committer end ---------------
+    def run_ended(self, execution: RunExecution, disposition: Disposition) -> None:
+        self._forget(execution)
+        self._count(disposition)
 
-    def _forget(self, scope: RunScope) -> None:
-        run_id = scope.claimed.run_id
-        if self.active.get(run_id) is scope:
+    def run_needs_cleanup(self, execution: RunExecution) -> None:
+        execution.task = None
+        if self.run_tasks.closed:  # the worker is ending: no task can start any more
+            self._forget(execution)
+            self._count(Disposition.LOST)
+            return
+        task = self.run_tasks.start(self._execute(execution, execution.clean_up()))
+        if execution.task is None:  # not set by an eager start that already ran it
+            execution.task = task
+
+    def _forget(self, execution: RunExecution) -> None:
+        run_id = execution.claimed.run_id
+        if self.active.get(run_id) is execution:
             del self.active[run_id]
         if not self.active:
             self._idle.set()
         self.wake()
 
-    def _count(self, disposition: str) -> None:
+    def _count(self, disposition: Disposition) -> None:
         self.counters.finished[disposition] = self.counters.finished.get(disposition, 0) + 1
 
     # -- shutdown -----------------------------------------------------------------------------
@@ -436,22 +479,20 @@ class Supervisor:
             while self.active:
                 self._idle = anyio.Event()
                 await self._idle.wait()
-        for scope in list(self.active.values()):
-            scope.stop_now()
+        for execution in list(self.active.values()):
+            execution.stop_now()
         with anyio.move_on_after(10):
             while self.active:
                 self._idle = anyio.Event()
                 await self._idle.wait()
 
     # -- background tasks ---------------------------------------------------------------------
-    async def _reap(self) -> None:
-        registry = WorkerRegistry()
+    async def _reap(self, running: Running) -> None:
+        registry = WorkerRegistry(self.settings.schema)
         while True:
             await anyio.sleep(self.config.reap_seconds)
             try:
-                async with pooled(
-                    self.store.pool, within=self.runner_config.statement_seconds
-                ) as db:
+                async with pooled(running.store.pool, within=running.statement_seconds) as db:
                     expired = await registry.expire_dead_owners(db)
             except DATABASE_ERRORS:
                 continue
@@ -466,9 +507,9 @@ class Supervisor:
                 self.wake(leases_may_have_ended=True)
 
     async def _listen(
-        self, dsn: str, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+        self, running: Running, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Wake on submits and due runs; cut a run's scope short when it is cancelled.
+        """Wake on submits and due runs; cut a run's execution short when it is cancelled.
 
         Reports started after its first attempt to listen, whether that succeeded or not (a
         worker that cannot listen still claims, by polling). While not listening, a cancel
@@ -484,17 +525,17 @@ class Supervisor:
             elif channel == SETTLED_CHANNEL:
                 self.effect_waiters.notify(str(payload))
             elif channel == CANCEL_CHANNEL:
-                scope = self.active.get(str(payload))
-                if scope is not None:
-                    scope.handle.lose("the run was cancelled")
+                execution = self.active.get(str(payload))
+                if execution is not None:
+                    execution.handle.lose("the run was cancelled")
 
         first_attempt = True
         while True:
             connection: asyncpg.Connection | None = None
             try:
-                with anyio.fail_after(self.runner_config.statement_seconds):
+                with anyio.fail_after(running.statement_seconds):
                     connection = await connect(
-                        self.settings, dsn=dsn, application_name=self.worker_id + ":listen"
+                        self.settings, dsn=running.dsn, application_name=self.worker_id + ":listen"
                     )
                     await connection.add_listener(RUNS_CHANNEL, on_notify)
                     await connection.add_listener(CANCEL_CHANNEL, on_notify)
@@ -505,7 +546,7 @@ class Supervisor:
                     task_status.started()
                 while not connection.is_closed():
                     await anyio.sleep(self.config.poll_seconds)
-                    with anyio.fail_after(self.runner_config.statement_seconds):
+                    with anyio.fail_after(running.statement_seconds):
                         await connection.execute("SELECT 1")
             except DATABASE_ERRORS:
                 pass
@@ -517,17 +558,17 @@ class Supervisor:
                 task_status.started()
             await anyio.sleep(self.config.poll_seconds)
 
-    async def _status(self) -> None:
+    async def _status(self, running: Running) -> None:
         while True:
             await anyio.sleep(self.config.status_seconds)
-            self.log.info("status", **self._summary())
+            self.log.info("status", **self._summary(running))
 
-    def _summary(self) -> dict[str, Any]:
+    def _summary(self, running: Running) -> dict[str, Any]:
         return {
             "active": len(self.active),
             "claimed": self.counters.claimed,
             "finished": dict(self.counters.finished),
             "taken_over": self.counters.taken_over,
-            "renewal_failures": self.keeper.failures if hasattr(self, "keeper") else 0,
-            "commit_batches": self.committer.batches if hasattr(self, "committer") else 0,
+            "renewal_failures": running.keeper.failures,
+            "commit_batches": running.committer.batches,
         }

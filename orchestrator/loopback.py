@@ -1,0 +1,318 @@
+"""Servers on loopback that stand in for the world: vendors, a model, SMTP, a faulty network.
+
+Shared by ``orchestrator demo`` and by tests (``orchestrator.testing`` re-exports them). Each
+listens on 127.0.0.1 only, for the life of an ``async with`` (``SmtpSink``: a ``with``):
+
+- ``LocalVendor``: an HTTP vendor that honours ``Idempotency-Key`` and misbehaves on demand;
+- ``SmtpSink``: a real SMTP server that keeps what it receives;
+- ``LocalModelServer``: an OpenAI-compatible chat-completions server;
+- ``FaultProxy``: a TCP proxy in front of PostgreSQL that partitions on demand.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import anyio.abc
+import anyio.streams.buffered
+
+
+class LoopbackService:
+    """A TCP service on 127.0.0.1 for the life of an ``async with``; subclasses ``handle``."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._group: anyio.abc.TaskGroup | None = None
+        self._listener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
+
+    async def __aenter__(self) -> Any:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
+        self._listener = listener
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(listener.serve, self.handle)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._group is not None and self._listener is not None
+        self._group.cancel_scope.cancel()
+        await self._group.__aexit__(None, None, None)
+        await self._listener.aclose()
+
+    async def handle(self, stream: anyio.abc.SocketStream) -> None:
+        raise NotImplementedError
+
+
+# -- a loopback TCP proxy that injects network faults ------------------------------------------
+class FaultProxy(LoopbackService):
+    """A TCP proxy on 127.0.0.1 between a client and PostgreSQL, for partition tests.
+
+    ``mode`` may be changed at any time:
+    - ``forward``: pass bytes both ways;
+    - ``blackhole``: pass nothing either way, keep every socket open (a partition: the server
+      keeps the client's session, so its locks and leases stay held);
+    - ``drop_replies``: pass client→server, discard server→client (requests are processed,
+      their answers are lost).
+    Traffic only ever goes to the loopback target it was given.
+    """
+
+    MODES = ("forward", "blackhole", "drop_replies")
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        if target_host not in ("127.0.0.1", "::1", "localhost"):
+            raise ValueError("FaultProxy only forwards to loopback")
+        super().__init__()
+        self.target = (target_host, target_port)
+        self._mode = "forward"
+        self._flowing = anyio.Event()
+        self._flowing.set()
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}")
+        self._mode = mode
+        if mode == "blackhole":
+            self._flowing = anyio.Event()
+        else:
+            self._flowing.set()
+
+    def dsn_for(self, dsn: str) -> str:
+        parts = urlsplit(dsn)
+        netloc = parts.netloc.rsplit("@", 1)
+        userinfo = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit(parts._replace(netloc=f"{userinfo}127.0.0.1:{self.port}"))
+
+    async def handle(self, client: anyio.abc.SocketStream) -> None:
+        async with (
+            client,
+            await anyio.connect_tcp(*self.target) as server,
+            anyio.create_task_group() as pipes,
+        ):
+            pipes.start_soon(self._pipe, client, server, "to_server")
+            pipes.start_soon(self._pipe, server, client, "to_client")
+
+    async def _pipe(
+        self, source: anyio.abc.SocketStream, sink: anyio.abc.SocketStream, direction: str
+    ) -> None:
+        with contextlib.suppress(
+            anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError
+        ):
+            while True:
+                data = await source.receive()
+                await self._flowing.wait()
+                if self.mode == "drop_replies" and direction == "to_client":
+                    continue
+                await sink.send(data)
+        with contextlib.suppress(Exception):
+            await sink.aclose()
+
+
+# -- small loopback HTTP servers for tests ---------------------------------------------------
+class LoopbackHttpServer(LoopbackService):
+    """A minimal HTTP/1.1 JSON server on 127.0.0.1 (keep-alive, Content-Length bodies only).
+
+    Subclasses implement ``respond``; tests use them as real vendors and model servers.
+    """
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def respond(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, Any]:
+        raise NotImplementedError
+
+    async def handle(self, stream: anyio.abc.SocketStream) -> None:
+        buffered = anyio.streams.buffered.BufferedByteReceiveStream(stream)
+        with contextlib.suppress(
+            anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead
+        ):
+            async with stream:
+                while True:
+                    head = await buffered.receive_until(b"\r\n\r\n", 65536)
+                    request_line, *header_lines = head.decode("latin-1").split("\r\n")
+                    headers = {
+                        name.strip().lower(): value.strip()
+                        for name, _, value in (line.partition(":") for line in header_lines)
+                    }
+                    length = int(headers.get("content-length", "0"))
+                    body = await buffered.receive_exactly(length) if length else b""
+                    method, path, _ = request_line.split(" ", 2)
+                    status, payload = await self.respond(method, path, headers, body)
+                    data = json.dumps(payload).encode()
+                    await stream.send(
+                        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
+                        f"content-length: {len(data)}\r\n\r\n".encode()
+                        + data
+                    )
+
+
+class LocalModelServer(LoopbackHttpServer):
+    """A tiny OpenAI-compatible chat-completions server on 127.0.0.1, for tests and demos.
+
+    It answers ``POST .../chat/completions`` with ``reply(messages)`` (by default a summary made
+    of the last message's first words), after ``delay`` seconds; ``requests`` records every
+    request body. Point a worker at it with ``ORCHESTRATOR_MODEL_BASE_URL=server.base_url``.
+    """
+
+    def __init__(self, *, delay: float = 0.0, reply: Any = None) -> None:
+        super().__init__()
+        self.delay = delay
+        self.reply = reply or (
+            lambda messages: (
+                "Summary: " + " ".join(str(messages[-1].get("content", "")).split()[:12])
+            )
+        )
+        self.requests: list[dict[str, Any]] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    async def respond(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, Any]:
+        if method != "POST" or not path.endswith("/chat/completions"):
+            return 404, {"error": {"message": f"no route {method} {path}"}}
+        request = json.loads(body or b"{}")
+        self.requests.append(request)
+        if self.delay:
+            await anyio.sleep(self.delay)
+        text = self.reply(request.get("messages", []))
+        return 200, {
+            "id": f"chatcmpl-{len(self.requests)}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": request.get("model", "local"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(body) // 4,
+                "completion_tokens": len(text) // 4,
+                "total_tokens": (len(body) + len(text)) // 4,
+            },
+        }
+
+
+class LocalVendor(LoopbackHttpServer):
+    """An HTTP vendor that honours ``Idempotency-Key`` the way Stripe does, for tests and demos.
+
+    ``POST /send`` delivers once per key (a repeat returns the first answer) and
+    ``GET /requests/{key}`` looks a delivery up (404 if it never arrived). ``mode``:
+    ``ok``; ``accept_then_hang`` (deliver, then never answer: the client times out after the
+    vendor accepted); ``fail_5xx`` (answer 500 without delivering); ``busy`` (429);
+    ``reject`` (422). ``delay`` slows every answer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = "ok"
+        self.delay = 0.0
+        self.deliveries: dict[str, dict[str, Any]] = {}
+        self.requests = 0
+        self.requests_by_key: collections.Counter[str] = collections.Counter()
+        """Raw ``POST /send`` requests per idempotency key, repeats included."""
+
+    @property
+    def send_url(self) -> str:
+        return f"{self.url}/send"
+
+    @property
+    def lookup_url(self) -> str:
+        return f"{self.url}/requests/{{idempotency_key}}"
+
+    async def respond(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, Any]:
+        if self.delay:
+            await anyio.sleep(self.delay)
+        if method == "GET" and path.startswith("/requests/"):
+            found = self.deliveries.get(path.removeprefix("/requests/"))
+            return (200, found) if found else (404, {"error": "no such request"})
+        if method != "POST" or path != "/send":
+            return 404, {"error": f"no route {method} {path}"}
+        self.requests += 1
+        key = headers.get("idempotency-key")
+        if not key:
+            return 400, {"error": "Idempotency-Key header required"}
+        self.requests_by_key[key] += 1
+        if key in self.deliveries:
+            return 200, self.deliveries[key]
+        if self.mode == "fail_5xx":
+            return 500, {"error": "internal error"}
+        if self.mode == "busy":
+            return 429, {"error": "slow down"}
+        if self.mode == "reject":
+            return 422, {"error": "invalid payload"}
+        self.deliveries[key] = {
+            "id": f"op_{len(self.deliveries) + 1}",
+            "payload": json.loads(body or b"null"),
+        }
+        if self.mode == "accept_then_hang":
+            await anyio.sleep(3600)
+        return 200, self.deliveries[key]
+
+
+class SmtpSink:
+    """A real SMTP server on 127.0.0.1 (aiosmtpd, a test extra) that keeps what it receives.
+
+    ``messages`` holds every message accepted, as ``email.message.EmailMessage``. With
+    ``mode = "hang_after_data"`` it stores the message and then does not answer the end of DATA
+    for ``hang_seconds``: the client cannot know whether the email went out.
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.mode = "ok"
+        self.hang_seconds = 30.0
+        self.port = 0
+        self._controller: Any = None
+
+    def __enter__(self) -> SmtpSink:
+        import asyncio
+        import email
+        import email.policy
+        import socket
+
+        from aiosmtpd.controller import Controller
+
+        sink = self
+
+        class Handler:
+            async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+                raw = envelope.original_content or envelope.content
+                sink.messages.append(email.message_from_bytes(raw, policy=email.policy.default))
+                if sink.mode == "hang_after_data":
+                    await asyncio.sleep(sink.hang_seconds)
+                return "250 OK"
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self._controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
+        self._controller.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._controller is not None:
+            self._controller.stop()
+
+    def message_ids(self) -> list[str]:
+        return [str(message["Message-ID"]) for message in self.messages]

@@ -1,0 +1,197 @@
+-- The orchestrator schema as migrations 0001..N produce it (generated: do not edit).
+-- Regenerate: python -m orchestrator.db.schema_snapshot > sql/schema.sql
+CREATE SCHEMA orchestrator;
+CREATE FUNCTION orchestrator.orchestrator_accept_effect(p_run_id text, p_effect_key text, p_fence bigint, p_kind text, p_policy text, p_payload jsonb, p_idempotency_key text, p_worker_id text, OUT outcome text, OUT accepted_fence bigint, OUT status text, OUT run_state text, OUT run_fence bigint) RETURNS record
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    high_water bigint;
+    existing effects%ROWTYPE;
+BEGIN
+    SELECT r.fence, r.state INTO run_fence, run_state
+    FROM runs AS r WHERE r.run_id = p_run_id FOR SHARE;
+    IF NOT FOUND THEN
+        outcome := 'unknown_run';
+        RETURN;
+    END IF;
+    SELECT f.fence INTO high_water FROM effect_fences AS f WHERE f.run_id = p_run_id FOR UPDATE;
+    accepted_fence := greatest(coalesce(high_water, run_fence), run_fence);
+    IF p_fence < accepted_fence THEN
+        outcome := 'stale';
+        INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+        VALUES (p_run_id, 'stale_fence_rejected', p_fence, p_worker_id,
+                jsonb_build_object('effect_key', p_effect_key, 'accepted_fence', accepted_fence,
+                                   'run_state', run_state));
+        RETURN;
+    END IF;
+    IF p_fence > accepted_fence OR run_state <> 'running' THEN
+        outcome := CASE WHEN p_fence > accepted_fence THEN 'future_fence' ELSE 'not_running' END;
+        INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+        VALUES (p_run_id, 'effect_refused', p_fence, p_worker_id,
+                jsonb_build_object('effect_key', p_effect_key, 'reason', outcome,
+                                   'current_fence', run_fence, 'run_state', run_state));
+        RETURN;
+    END IF;
+    IF high_water IS NULL THEN
+        INSERT INTO effect_fences (run_id, fence) VALUES (p_run_id, p_fence);
+    ELSIF p_fence > high_water THEN
+        UPDATE effect_fences SET fence = p_fence, updated_at = clock_timestamp()
+        WHERE run_id = p_run_id;
+    END IF;
+    SELECT * INTO existing FROM effects AS e
+    WHERE e.run_id = p_run_id AND e.effect_key = p_effect_key FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO effects (run_id, effect_key, kind, policy, fence, status, payload,
+                             idempotency_key)
+        VALUES (p_run_id, p_effect_key, p_kind, p_policy, p_fence, 'accepted', p_payload,
+                p_idempotency_key);
+        INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+        VALUES (p_run_id, 'effect_accepted', p_fence, p_worker_id,
+                jsonb_build_object('effect_key', p_effect_key, 'kind', p_kind,
+                                   'policy', p_policy));
+        PERFORM pg_notify('orchestrator_effects_due', p_kind);
+        outcome := 'accepted';
+        status := 'accepted';
+        RETURN;
+    END IF;
+    IF existing.kind <> p_kind OR existing.policy <> p_policy THEN
+        outcome := 'conflict';
+        status := existing.status;
+        RETURN;
+    END IF;
+    IF existing.policy = 'replaceable' AND existing.status = 'accepted'
+       AND NOT existing.ever_dispatched AND existing.fence < p_fence THEN
+        UPDATE effects AS e
+        SET fence = p_fence, payload = p_payload, updated_at = clock_timestamp()
+        WHERE e.run_id = p_run_id AND e.effect_key = p_effect_key;
+        INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+        VALUES (p_run_id, 'effect_superseded', existing.fence, p_worker_id,
+                jsonb_build_object('effect_key', p_effect_key, 'by_fence', p_fence,
+                                   'superseded_payload', existing.payload));
+        outcome := 'replaced';
+        status := 'accepted';
+        RETURN;
+    END IF;
+    outcome := 'existing';
+    status := existing.status;
+END
+$$;
+CREATE TABLE orchestrator.effect_fences (
+    run_id text NOT NULL,
+    fence bigint NOT NULL,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+);
+CREATE TABLE orchestrator.effects (
+    run_id text NOT NULL,
+    effect_key text NOT NULL,
+    kind text NOT NULL,
+    policy text NOT NULL,
+    fence bigint NOT NULL,
+    status text NOT NULL,
+    payload jsonb NOT NULL,
+    idempotency_key text NOT NULL,
+    external_id text,
+    result jsonb,
+    error jsonb,
+    attempts integer DEFAULT 0 NOT NULL,
+    available_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    dispatcher text,
+    dispatcher_until timestamp with time zone,
+    ever_dispatched boolean DEFAULT false NOT NULL,
+    created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    settled_at timestamp with time zone,
+    CONSTRAINT effects_policy_check CHECK ((policy = ANY (ARRAY['irreversible'::text, 'replaceable'::text]))),
+    CONSTRAINT effects_status_check CHECK ((status = ANY (ARRAY['accepted'::text, 'dispatching'::text, 'uncertain'::text, 'confirmed'::text, 'failed'::text, 'rejected'::text, 'parked'::text])))
+);
+CREATE TABLE orchestrator.orchestrator_schema_migrations (
+    version integer NOT NULL,
+    name text NOT NULL,
+    applied_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+);
+CREATE TABLE orchestrator.run_events (
+    event_id bigint NOT NULL,
+    run_id text NOT NULL,
+    at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    kind text NOT NULL,
+    fence bigint,
+    worker_id text,
+    details jsonb DEFAULT '{}'::jsonb NOT NULL
+);
+ALTER TABLE orchestrator.run_events ALTER COLUMN event_id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME orchestrator.run_events_event_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+CREATE TABLE orchestrator.runs (
+    run_id text NOT NULL,
+    agent text NOT NULL,
+    state text DEFAULT 'queued'::text NOT NULL,
+    input jsonb NOT NULL,
+    fence bigint DEFAULT 0 NOT NULL,
+    lease_owner text,
+    lease_until timestamp with time zone,
+    attempt integer DEFAULT 0 NOT NULL,
+    max_attempts integer DEFAULT 5 NOT NULL,
+    available_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    step text,
+    checkpoint jsonb,
+    checkpoint_version bigint DEFAULT 0 NOT NULL,
+    result jsonb,
+    error jsonb,
+    idempotency_key text,
+    created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    finished_at timestamp with time zone,
+    CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
+    CONSTRAINT runs_fence_check CHECK ((fence >= 0)),
+    CONSTRAINT runs_lease_matches_state CHECK (((state = 'running'::text) = ((lease_owner IS NOT NULL) AND (lease_until IS NOT NULL)))),
+    CONSTRAINT runs_max_attempts_check CHECK ((max_attempts >= 1)),
+    CONSTRAINT runs_state_check CHECK ((state = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])))
+)
+WITH (fillfactor='70');
+CREATE SEQUENCE orchestrator.worker_session_keys
+    AS integer
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+    CYCLE;
+CREATE TABLE orchestrator.workers (
+    worker_id text NOT NULL,
+    session_key integer NOT NULL,
+    host text NOT NULL,
+    pid integer NOT NULL,
+    agents text[] NOT NULL,
+    started_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    server_started_at timestamp with time zone
+);
+ALTER TABLE ONLY orchestrator.effect_fences
+    ADD CONSTRAINT effect_fences_pkey PRIMARY KEY (run_id);
+ALTER TABLE ONLY orchestrator.effects
+    ADD CONSTRAINT effects_idempotency_key_key UNIQUE (idempotency_key);
+ALTER TABLE ONLY orchestrator.effects
+    ADD CONSTRAINT effects_pkey PRIMARY KEY (run_id, effect_key);
+ALTER TABLE ONLY orchestrator.orchestrator_schema_migrations
+    ADD CONSTRAINT orchestrator_schema_migrations_pkey PRIMARY KEY (version);
+ALTER TABLE ONLY orchestrator.run_events
+    ADD CONSTRAINT run_events_pkey PRIMARY KEY (event_id);
+ALTER TABLE ONLY orchestrator.runs
+    ADD CONSTRAINT runs_pkey PRIMARY KEY (run_id);
+ALTER TABLE ONLY orchestrator.workers
+    ADD CONSTRAINT workers_pkey PRIMARY KEY (worker_id);
+ALTER TABLE ONLY orchestrator.workers
+    ADD CONSTRAINT workers_session_key_key UNIQUE (session_key);
+CREATE INDEX effects_dispatching ON orchestrator.effects USING btree (dispatcher_until) WHERE (status = 'dispatching'::text);
+CREATE INDEX effects_due ON orchestrator.effects USING btree (available_at) WHERE (status = ANY (ARRAY['accepted'::text, 'uncertain'::text]));
+CREATE INDEX run_events_run ON orchestrator.run_events USING btree (run_id, event_id);
+CREATE INDEX run_events_submitted ON orchestrator.run_events USING btree (event_id) WHERE (kind = 'submitted'::text);
+CREATE INDEX runs_due ON orchestrator.runs USING btree (agent, available_at) WHERE (state = ANY (ARRAY['queued'::text, 'waiting'::text]));
+CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);
+CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (state = 'running'::text);
+CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state = 'running'::text);

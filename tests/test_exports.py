@@ -1,0 +1,63 @@
+"""What agent authors import: one place, pinned (a name leaving it breaks their code)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orchestrator
+
+AUTHOR_API = {
+    "Agent",
+    "Step",
+    "StepContext",
+    "Next",
+    "Finish",
+    "Fail",
+    "Outcome",
+    "Effect",
+    "EffectPolicy",
+    "chat",
+    "Settings",
+}
+ERRORS = {
+    "OrchestratorError",
+    "InvalidInput",
+    "InvalidTransition",
+    "IdempotencyConflict",
+    "RunAlreadyExists",
+    "RunNotFound",
+    "DatabaseUnavailable",
+    "SchemaTooNew",
+    "ModelNotConfigured",
+    "UnknownAgent",
+    "UnknownStep",
+}
+
+
+def test_the_top_level_exports_exactly_the_author_api_and_its_errors() -> None:
+    assert set(orchestrator.__all__) == AUTHOR_API | ERRORS | {"__version__"}
+    for name in orchestrator.__all__:
+        assert getattr(orchestrator, name) is not None, name
+    for name in ERRORS:
+        assert issubclass(getattr(orchestrator, name), orchestrator.OrchestratorError), name
+
+
+def test_store_internals_are_not_in_the_top_level() -> None:
+    for name in ("RunStore", "ClaimedRun", "Lease", "ClaimBatch", "CommitResult", "StepEvent"):
+        assert name not in orchestrator.__all__
+
+
+def test_importing_orchestrator_is_cheap() -> None:
+    """`from orchestrator import ...` must not load the OpenAI client (about a second)."""
+    code = "import sys, orchestrator; print('openai' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_the_version_is_the_distribution_s() -> None:
+    from importlib.metadata import version
+
+    assert orchestrator.__version__ == version("fenced-orchestrator")
