@@ -3,6 +3,7 @@
 What agent authors import::
 
     from orchestrator import Agent, Step, StepContext, Next, Finish, Fail, Outcome, Effect, chat
+    from orchestrator import ToolAgent, ToolContext, tool
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from orchestrator.steps import (
     UnknownAgent,
     UnknownStep,
 )
+from orchestrator.tool_agent import ToolAgent
+from orchestrator.tools import ToolContext, tool
+from orchestrator.transcript import Message
 
 
 def _version() -> str:
@@ -54,6 +58,7 @@ __all__ = [
     "IdempotencyConflict",
     "InvalidInput",
     "InvalidTransition",
+    "Message",
     "ModelNotConfigured",
     "Next",
     "OrchestratorError",
@@ -64,8 +69,11 @@ __all__ = [
     "Settings",
     "Step",
     "StepContext",
+    "ToolAgent",
+    "ToolContext",
     "UnknownAgent",
     "UnknownStep",
     "__version__",
     "chat",
+    "tool",
 ]

@@ -28,7 +28,13 @@ from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.models import RunState
-from orchestrator.presentation import dump_json, effects_table, print_run, runs_table
+from orchestrator.presentation import (
+    conversation_table,
+    dump_json,
+    effects_table,
+    print_run,
+    runs_table,
+)
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
 
@@ -276,21 +282,37 @@ def runs_list(
 
 @runs.command("show")
 @click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True, help="Print the run and its timeline as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the run, its timeline and transcript as JSON."
+)
 @click.pass_context
 def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
-    """Show a run: state, fence, owner, lease expiry, checkpoint and timeline."""
+    """Show a run: state, fence, owner, lease expiry, checkpoint, timeline and conversation."""
     settings = _settings(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
             run = await store.get(run_id)
             events = await store.events(run_id)
+            messages = await store.messages(run_id)
+            effects = await EffectStore(store.pool).list_effects(run_id=run_id, limit=10_000)
             now = await store.database_now()
         if as_json:
-            stdout.print_json(dump_json({"run": run, "events": events, "database_now": now}))
+            stdout.print_json(
+                dump_json(
+                    {
+                        "run": run,
+                        "events": events,
+                        "messages": messages,
+                        "effects": effects,
+                        "database_now": now,
+                    }
+                )
+            )
         else:
             print_run(stdout, run, events, now)
+            if messages:
+                stdout.print(conversation_table(messages, effects))
 
     run_async(body)
 

@@ -1,12 +1,17 @@
-"""``orchestrator demo``: the seed's failure played out with real processes and real vendors.
+"""``orchestrator demo``: the seed's failure played out with real processes, real vendors and
+a model that chooses the side effects.
 
-On the configured database (the embedded PostgreSQL by default) it starts a local HTTP vendor
-and a local SMTP server, two `serve` worker processes (each also dispatching effects), and
-submits a batch of ``contract_notice`` runs: each sends one irreversible email and one
-replaceable CRM update. Mid-run it SIGSTOPs worker A until its leases expire, so worker B
-claims A's runs with a higher fence; then it resumes A, which wakes up believing it still owns
-them. At the end it checks, and prints, that every run succeeded, each effect reached its vendor
-exactly once, A committed nothing after losing its leases, and nothing is left running.
+On the configured database (the embedded PostgreSQL by default) it starts a local HTTP vendor,
+a local SMTP server, two `serve` worker processes (each also dispatching effects), and submits
+a batch of ``contract_summary`` runs: a tool agent whose model reads a contract, then emails a
+summary (an irreversible effect) and updates the CRM (a replaceable one), as tool calls it
+chose. With no ``OPENAI_API_KEY`` and no ``OPENAI_BASE_URL`` the model is the local scripted
+one (``orchestrator.loopback.ScriptedModelServer``), which the demo says; with either set, the
+workers use that model. Mid-run it SIGSTOPs worker A until its leases expire, so worker B claims
+A's runs with a higher fence and replays their turns; then it resumes A, which wakes up
+believing it still owns them. At the end it checks, and prints, that every run succeeded, each
+effect reached its vendor exactly once, A committed nothing after losing its leases, and
+nothing is left running.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.agents.contract_summary import LOCAL_SCRIPT
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import resolve_dsn
 from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
-from orchestrator.loopback import LocalVendor, SmtpSink
+from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.models import RunEvent
 from orchestrator.settings import Settings
 
@@ -38,8 +44,19 @@ WORKER_A = "demo-worker-a"
 WORKER_B = "demo-worker-b"
 
 
+LOCAL_MODEL_LATENCY_SECONDS = 0.8
+"""How long the scripted model takes per answer: long enough that the paused worker is caught
+between a turn's model call and its commit."""
+
+
 def _start_worker(
-    name: str, dsn: str, config: Path, lease: float, log_dir: Path, concurrency: int
+    name: str,
+    dsn: str,
+    config: Path,
+    lease: float,
+    log_dir: Path,
+    concurrency: int,
+    model_env: dict[str, str],
 ) -> subprocess.Popen[bytes]:
     log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child process
     return subprocess.Popen(
@@ -49,7 +66,7 @@ def _start_worker(
             "orchestrator.cli",
             "serve",
             "--agents",
-            "orchestrator.agents.contract_notice",
+            "orchestrator.agents.contract_summary",
             "--worker-id",
             name,
             "--effects-config",
@@ -69,7 +86,7 @@ def _start_worker(
             "--claim-batch",
             "1",
         ],
-        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": dsn},
+        env={**os.environ, **model_env, "ORCHESTRATOR_DATABASE_URL": dsn},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=log,
@@ -112,7 +129,24 @@ async def _demo(
     )
     dsn = resolve_dsn(settings)
     work = Path(tempfile.mkdtemp(prefix="orchestrator-demo-"))
-    async with LocalVendor() as vendor, open_store(settings, application_name="demo") as store:
+    configured = os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL")
+    async with (
+        LocalVendor() as vendor,
+        ScriptedModelServer(LOCAL_SCRIPT, latency=LOCAL_MODEL_LATENCY_SECONDS) as local_model,
+        open_store(settings, application_name="demo") as store,
+    ):
+        if configured:
+            model_env: dict[str, str] = {}
+            where = os.environ.get("OPENAI_BASE_URL") or "OpenAI"
+            console.print(
+                f"model: {os.environ.get('ORCHESTRATOR_MODEL', 'gpt-4o-mini')} at {where}"
+            )
+        else:
+            model_env = {"OPENAI_BASE_URL": local_model.base_url, "OPENAI_API_KEY": ""}
+            console.print(
+                "model: the local scripted model (no OPENAI_API_KEY or OPENAI_BASE_URL set), "
+                f"at {local_model.base_url}"
+            )
         with SmtpSink() as sink:
             config = work / "vendors.json"
             config.write_text(
@@ -138,24 +172,29 @@ async def _demo(
             console.print(f"vendors: HTTP CRM at {vendor.url}, SMTP at 127.0.0.1:{sink.port}")
             console.print(f"worker logs: {work}")
             workers = {
-                name: _start_worker(name, dsn, config, lease_seconds, work, max(1, runs // 2))
+                name: _start_worker(
+                    name, dsn, config, lease_seconds, work, max(1, runs // 2), model_env
+                )
                 for name in (WORKER_A, WORKER_B)
             }
             try:
                 run_ids = [
                     (
                         await store.submit(
-                            "contract_notice",
+                            "contract_summary",
                             {
-                                "customer": f"customer-{n}",
+                                "contract_id": "c-1001",
                                 "to": f"legal{n}@customer.test",
-                                "think_seconds": 1.5,
+                                "account": f"customer-{n}",
                             },
                         )
                     ).run.run_id
                     for n in range(runs)
                 ]
-                console.print(f"submitted {runs} contract_notice runs; two workers are claiming")
+                console.print(
+                    f"submitted {runs} contract_summary runs; two workers are claiming, and the "
+                    "model chooses the email and the CRM update as tool calls"
+                )
                 with anyio.fail_after(30):
                     while True:
                         owners = {
@@ -225,18 +264,16 @@ async def _demo(
     emails_per_run = [
         email_ids.get(f"<{e.idempotency_key}@orchestrator>", 0)
         for e in effects
-        if e.effect_key == "notice-email"
+        if e.kind == "email"
     ]
     crm_per_run = [
-        1 if e.idempotency_key in vendor.deliveries else 0
-        for e in effects
-        if e.effect_key == "crm-status"
+        vendor.requests_by_key.get(e.idempotency_key, 0) for e in effects if e.kind == "crm"
     ]
     a_late_commits = [
         e
         for timeline in timelines.values()
         for e in timeline
-        if e.kind in ("checkpoint", "succeeded")
+        if e.kind in ("checkpoint", "succeeded", "effect_accepted")
         and e.worker_id == WORKER_A
         and any(
             x.kind == "lease_lost"
@@ -248,6 +285,11 @@ async def _demo(
     ]
     checks = [
         ("every run succeeded", states == Counter({"succeeded": runs})),
+        (
+            "each run's model chose one email and one CRM update",
+            Counter(e.run_id for e in effects if e.kind == "email") == Counter(run_ids)
+            and Counter(e.run_id for e in effects if e.kind == "crm") == Counter(run_ids),
+        ),
         ("worker A's runs were taken over with a higher fence", bool(taken_over)),
         (
             "each email reached the SMTP server exactly once",
@@ -257,7 +299,7 @@ async def _demo(
         ),
         (
             "each CRM update reached the vendor exactly once",
-            len(crm_per_run) == runs and set(crm_per_run) == {1} and len(vendor.deliveries) == runs,
+            len(crm_per_run) == runs and set(crm_per_run) == {1} and vendor.requests == runs,
         ),
         ("worker A committed nothing after losing its leases", not a_late_commits),
         ("nothing left running", not leftover),

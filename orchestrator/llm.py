@@ -18,14 +18,21 @@ counts.
 
 from __future__ import annotations
 
+import email.utils
 import math
 import os
+import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.models import JSON
 from orchestrator.telemetry import start_span
 
 if TYPE_CHECKING:
@@ -118,3 +125,244 @@ async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) 
         if completion.output_tokens is not None:
             span.set_attribute("gen_ai.usage.output_tokens", completion.output_tokens)
         return completion
+
+
+# -- model turns with tools (ToolAgent) -----------------------------------------------------
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model proposed: its id, the tool's name, its arguments as raw JSON text
+    (the model does not always produce valid JSON; the caller validates)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ModelAttempt:
+    """One HTTP request of a model call, and what it cost (each attempt is billed)."""
+
+    outcome: str
+    """``ok``, ``rate_limited``, ``server_error``, ``timeout`` or ``connection_error``."""
+    status: int | None
+    input_tokens: int | None
+    output_tokens: int | None
+    seconds: float
+
+    def as_json(self) -> dict[str, JSON]:
+        return {
+            "outcome": self.outcome,
+            "status": self.status,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """The model's answer to one turn: text, tool calls, and every attempt it took."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]
+    model: str
+    finish_reason: str | None
+    attempts: tuple[ModelAttempt, ...]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(a.input_tokens or 0 for a in self.attempts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(a.output_tokens or 0 for a in self.attempts)
+
+    def usage(self) -> dict[str, JSON]:
+        """What the turn cost, for the transcript: totals and each attempt."""
+        return {
+            "model": self.model,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "attempts": [attempt.as_json() for attempt in self.attempts],
+        }
+
+
+class ModelCallFailed(OrchestratorError):
+    """The model could not be reached, or kept refusing, within the turn's attempts and time."""
+
+    def __init__(self, message: str, attempts: Sequence[ModelAttempt]) -> None:
+        super().__init__(message)
+        self.attempts = tuple(attempts)
+
+
+MODEL_ATTEMPTS = 4
+BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0)
+
+
+def _retry_after(error: Exception) -> float | None:
+    """The server's Retry-After, in seconds (a number or an HTTP date), if it gave one."""
+    response = getattr(error, "response", None)
+    value = response.headers.get("retry-after") if response is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+async def complete(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] = (),
+    model: str | None = None,
+    stream: bool = False,
+    budget_seconds: float | None = None,
+    response_format: Mapping[str, Any] | None = None,
+    span_attributes: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ModelReply:
+    """One model turn, with this layer as the only retry: 429, 5xx, timeouts and dropped
+    connections are retried with backoff (honouring ``Retry-After``), up to ``MODEL_ATTEMPTS``
+    attempts and never past ``budget_seconds``; other errors are not retried. Each attempt is a
+    ``chat MODEL`` span and is counted in the reply's usage. Cancellable: a lost lease cancels
+    the request in flight. Prompts and outputs are never put on spans."""
+    import openai
+
+    client, default_model = model_client(environ)
+    model = model or default_model
+    started = time.monotonic()
+    attempts: list[ModelAttempt] = []
+    for number in range(1, MODEL_ATTEMPTS + 1):
+        remaining = (
+            None if budget_seconds is None else budget_seconds - (time.monotonic() - started)
+        )
+        if remaining is not None and remaining <= 0.05:
+            break
+        attributes = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": model,
+            "orchestrator.model.attempt": number,
+            **(span_attributes or {}),
+        }
+        began = time.monotonic()
+        delay: float | None = None
+        with start_span(f"chat {model}", attributes=attributes) as span:
+            try:
+                reply = await _request(
+                    client, model, messages, tools, stream, remaining, response_format
+                )
+            except openai.RateLimitError as error:
+                attempt = ModelAttempt("rate_limited", 429, None, None, time.monotonic() - began)
+                delay = _retry_after(error)
+            except openai.InternalServerError as error:
+                status = error.status_code
+                attempt = ModelAttempt("server_error", status, None, None, time.monotonic() - began)
+            except openai.APITimeoutError:
+                attempt = ModelAttempt("timeout", None, None, None, time.monotonic() - began)
+            except openai.APIConnectionError:
+                attempt = ModelAttempt(
+                    "connection_error", None, None, None, time.monotonic() - began
+                )
+            except openai.APIStatusError as error:  # a 4xx: asking again will not help
+                attempts.append(
+                    ModelAttempt("refused", error.status_code, None, None, time.monotonic() - began)
+                )
+                raise ModelCallFailed(
+                    f"the model endpoint refused the request (HTTP {error.status_code})", attempts
+                ) from None
+            else:
+                content, calls, response_model, finish, input_tokens, output_tokens = reply
+                attempts.append(
+                    ModelAttempt("ok", 200, input_tokens, output_tokens, time.monotonic() - began)
+                )
+                span.set_attribute("gen_ai.response.model", response_model)
+                if finish:
+                    span.set_attribute("gen_ai.response.finish_reasons", [finish])
+                if input_tokens is not None:
+                    span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+                if output_tokens is not None:
+                    span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+                return ModelReply(content, calls, response_model, finish, tuple(attempts))
+            span.set_attribute("error.type", attempt.outcome)
+            attempts.append(attempt)
+        if number == MODEL_ATTEMPTS:
+            break
+        wait = delay if delay is not None else BACKOFF_SECONDS[number - 1] * random.uniform(0.5, 1)
+        if budget_seconds is not None and time.monotonic() - started + wait >= budget_seconds:
+            break
+        await anyio.sleep(wait)
+    raise ModelCallFailed(
+        f"no answer from the model after {len(attempts)} attempts "
+        f"({', '.join(a.outcome for a in attempts) or 'no time left'})",
+        attempts,
+    )
+
+
+async def _request(
+    client: openai.AsyncOpenAI,
+    model: str,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    stream: bool,
+    request_seconds: float | None,
+    response_format: Mapping[str, Any] | None,
+) -> tuple[str | None, tuple[ToolCall, ...], str, str | None, int | None, int | None]:
+    # The client's own per-request timeout (its connection pool is aborted cleanly on it).
+    options: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages]}
+    if tools:
+        options["tools"] = [dict(t) for t in tools]
+    if response_format is not None:
+        options["response_format"] = dict(response_format)
+    if request_seconds is not None:
+        options["timeout"] = request_seconds
+    if not stream:
+        response = await client.chat.completions.create(**options)
+        choice = response.choices[0]
+        calls = tuple(
+            ToolCall(call.id, call.function.name, call.function.arguments or "")
+            for call in choice.message.tool_calls or ()
+            if call.type == "function"
+        )
+        usage = response.usage
+        return (
+            choice.message.content,
+            calls,
+            response.model,
+            choice.finish_reason,
+            usage.prompt_tokens if usage else None,
+            usage.completion_tokens if usage else None,
+        )
+    chunks = await client.chat.completions.create(
+        **options, stream=True, stream_options={"include_usage": True}
+    )
+    text: list[str] = []
+    parts: dict[int, dict[str, Any]] = {}
+    response_model, finish = model, None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    async for chunk in chunks:
+        response_model = chunk.model or response_model
+        if chunk.usage is not None:
+            input_tokens, output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            if choice.delta.content:
+                text.append(choice.delta.content)
+            for delta in choice.delta.tool_calls or ():
+                part = parts.setdefault(delta.index, {"id": "", "name": "", "arguments": []})
+                part["id"] = delta.id or part["id"]
+                if delta.function is not None:
+                    part["name"] = delta.function.name or part["name"]
+                    part["arguments"].append(delta.function.arguments or "")
+    calls = tuple(
+        ToolCall(part["id"], part["name"], "".join(part["arguments"]))
+        for _, part in sorted(parts.items())
+    )
+    return "".join(text) or None, calls, response_model, finish, input_tokens, output_tokens

@@ -5,7 +5,8 @@ listens on 127.0.0.1 only, for the life of an ``async with`` (``SmtpSink``: a ``
 
 - ``LocalVendor``: an HTTP vendor that honours ``Idempotency-Key`` and misbehaves on demand;
 - ``SmtpSink``: a real SMTP server that keeps what it receives;
-- ``LocalModelServer``: an OpenAI-compatible chat-completions server;
+- ``LocalModelServer``: an OpenAI-compatible chat-completions server answering text;
+- ``ScriptedModelServer``: one answering from a script, with tool calls, streaming and faults;
 - ``FaultProxy``: a TCP proxy in front of PostgreSQL that partitions on demand.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -316,3 +319,316 @@ class SmtpSink:
 
     def message_ids(self) -> list[str]:
         return [str(message["Message-ID"]) for message in self.messages]
+
+
+# -- a scripted OpenAI-compatible model ------------------------------------------------------
+@dataclass(frozen=True)
+class ScriptedCall:
+    """A tool call the scripted model makes. ``arguments`` as text is sent as it is (to send
+    malformed JSON); ``id`` defaults to one that differs on every replay of the turn."""
+
+    name: str
+    arguments: dict[str, Any] | str = field(default_factory=dict)
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class ScriptedTurn:
+    """What the model answers on one turn: text, tool calls, or both."""
+
+    content: str | None = None
+    calls: tuple[ScriptedCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScriptRequest:
+    """What a script sees of a request. ``conversation`` identifies the run (its first user
+    message); ``turn`` counts the assistant messages already in the request; ``replay`` counts
+    the earlier answers the server gave for this same turn (a replayed turn sees 1, 2, ...)."""
+
+    conversation: str
+    turn: int
+    replay: int
+    messages: list[dict[str, Any]]
+    tools: list[str]
+
+
+@dataclass(frozen=True)
+class RateLimited:
+    """Answer 429 with ``Retry-After``."""
+
+    retry_after: float = 1.0
+
+
+@dataclass(frozen=True)
+class ServerError:
+    """Answer a 5xx."""
+
+    status: int = 500
+
+
+@dataclass(frozen=True)
+class Slow:
+    """Answer only after ``seconds`` (a call that outlasts a lease); a client that gives up
+    meanwhile is counted in ``disconnects``."""
+
+    seconds: float
+
+
+Fault = RateLimited | ServerError | Slow
+Script = Callable[[ScriptRequest], ScriptedTurn]
+
+
+def turns(*scripted: ScriptedTurn, replays: dict[int, ScriptedTurn] | None = None) -> Script:
+    """A script answering turn N with ``scripted[N]`` (the last one once they run out), and a
+    replayed turn N with ``replays[N]`` when given (different arguments on a replay)."""
+
+    def script(request: ScriptRequest) -> ScriptedTurn:
+        if replays and request.replay > 0 and request.turn in replays:
+            return replays[request.turn]
+        return scripted[min(request.turn, len(scripted) - 1)]
+
+    return script
+
+
+class ScriptedModelServer(LoopbackService):
+    """An OpenAI-compatible ``/v1/chat/completions`` on 127.0.0.1 that answers from a script:
+    tool calls, usage, and SSE streaming (``stream=True``), deterministic per conversation, with
+    faults on demand (``fail_next``). ``requests`` records every request (conversation, turn,
+    replay, stream, what was answered); ``disconnects`` counts clients that gave up on a slow
+    answer. Point a worker at it with ``OPENAI_BASE_URL=server.base_url``."""
+
+    def __init__(self, script: Script, *, latency: float = 0.0) -> None:
+        super().__init__()
+        self.script = script
+        self.latency = latency
+        self.requests: list[dict[str, Any]] = []
+        self.disconnects = 0
+        self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._faults: list[tuple[Fault, int | None, str | None]] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def fail_next(
+        self,
+        fault: Fault,
+        *,
+        times: int = 1,
+        turn: int | None = None,
+        conversation: str | None = None,
+    ) -> None:
+        """The next ``times`` requests (of ``turn``, of a conversation containing
+        ``conversation``, when given) meet ``fault``."""
+        self._faults.extend([(fault, turn, conversation)] * times)
+
+    def answered(self, conversation: str, turn: int) -> int:
+        """How many answers the server gave for this turn of this conversation."""
+        return self._answered[(conversation, turn)]
+
+    @staticmethod
+    def conversation_of(messages: list[dict[str, Any]]) -> str:
+        for message in messages:
+            if message.get("role") == "user":
+                return str(message.get("content", ""))
+        return ""
+
+    def _take_fault(self, conversation: str, turn: int) -> Fault | None:
+        for index, (fault, for_turn, for_conversation) in enumerate(self._faults):
+            if (for_turn is None or for_turn == turn) and (
+                for_conversation is None or for_conversation in conversation
+            ):
+                del self._faults[index]
+                return fault
+        return None
+
+    async def handle(self, stream: anyio.abc.SocketStream) -> None:
+        buffered = anyio.streams.buffered.BufferedByteReceiveStream(stream)
+        with contextlib.suppress(
+            anyio.EndOfStream,
+            anyio.BrokenResourceError,
+            anyio.IncompleteRead,
+            anyio.ClosedResourceError,
+        ):
+            async with stream:
+                while True:
+                    head = await buffered.receive_until(b"\r\n\r\n", 65536)
+                    request_line, *header_lines = head.decode("latin-1").split("\r\n")
+                    headers = {
+                        name.strip().lower(): value.strip()
+                        for name, _, value in (line.partition(":") for line in header_lines)
+                    }
+                    length = int(headers.get("content-length", "0"))
+                    body = await buffered.receive_exactly(length) if length else b""
+                    method, path, _ = request_line.split(" ", 2)
+                    if not await self._respond(stream, buffered, method, path, body):
+                        return
+
+    async def _respond(
+        self,
+        stream: anyio.abc.SocketStream,
+        buffered: anyio.streams.buffered.BufferedByteReceiveStream,
+        method: str,
+        path: str,
+        body: bytes,
+    ) -> bool:
+        """Answer one request; whether the connection stays open."""
+        if method != "POST" or not path.endswith("/chat/completions"):
+            await _send_json(stream, 404, {"error": {"message": f"no route {method} {path}"}})
+            return True
+        request = json.loads(body or b"{}")
+        messages = list(request.get("messages", []))
+        conversation = self.conversation_of(messages)
+        turn = sum(1 for m in messages if m.get("role") == "assistant")
+        record: dict[str, Any] = {
+            "conversation": conversation,
+            "turn": turn,
+            "stream": bool(request.get("stream")),
+            "model": request.get("model"),
+            "tools": [t.get("function", {}).get("name") for t in request.get("tools", [])],
+            "messages": len(messages),
+        }
+        self.requests.append(record)
+        fault = self._take_fault(conversation, turn)
+        if self.latency:
+            await anyio.sleep(self.latency)
+        if isinstance(fault, RateLimited):
+            record["answer"] = "429"
+            await _send_json(
+                stream,
+                429,
+                {"error": {"message": "rate limited", "type": "rate_limit_exceeded"}},
+                {"retry-after": f"{fault.retry_after:g}"},
+            )
+            return True
+        if isinstance(fault, ServerError):
+            record["answer"] = str(fault.status)
+            await _send_json(stream, fault.status, {"error": {"message": "scripted failure"}})
+            return True
+        if isinstance(fault, Slow):
+            gone = await _client_leaves_within(buffered, fault.seconds)
+            if gone:
+                self.disconnects += 1
+                record["answer"] = "client gave up"
+                return False
+        replay = self._answered[(conversation, turn)]
+        scripted = self.script(ScriptRequest(conversation, turn, replay, messages, record["tools"]))
+        self._answered[(conversation, turn)] += 1
+        calls = [
+            {
+                "id": call.id or f"call_{turn}_{replay}_{index}",
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": call.arguments
+                    if isinstance(call.arguments, str)
+                    else json.dumps(call.arguments),
+                },
+            }
+            for index, call in enumerate(scripted.calls)
+        ]
+        record["answer"] = "tool_calls" if calls else "text"
+        record["calls"] = calls
+        usage = {
+            "prompt_tokens": max(1, len(body) // 4),
+            "completion_tokens": max(1, len(json.dumps(calls) + (scripted.content or "")) // 4),
+        }
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        model = request.get("model", "scripted")
+        finish = "tool_calls" if calls else "stop"
+        if not request.get("stream"):
+            message: dict[str, Any] = {"role": "assistant", "content": scripted.content}
+            if calls:
+                message["tool_calls"] = calls
+            await _send_json(
+                stream,
+                200,
+                {
+                    "id": f"chatcmpl-{len(self.requests)}",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": model,
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": usage,
+                },
+            )
+            return True
+        await _send_stream(stream, model, scripted.content, calls, finish, usage, request)
+        return False
+
+
+async def _send_json(
+    stream: anyio.abc.SocketStream,
+    status: int,
+    payload: Any,
+    headers: dict[str, str] | None = None,
+) -> None:
+    data = json.dumps(payload).encode()
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    await stream.send(
+        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n{extra}"
+        f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+
+
+async def _send_stream(
+    stream: anyio.abc.SocketStream,
+    model: str,
+    content: str | None,
+    calls: list[dict[str, Any]],
+    finish: str,
+    usage: dict[str, int],
+    request: dict[str, Any],
+) -> None:
+    """Server-sent events as the chat completions API streams them, then the connection ends."""
+    await stream.send(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+        b"connection: close\r\n\r\n"
+    )
+
+    async def event(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
+        chunk = {
+            "id": "chatcmpl-stream",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": model,
+            "choices": choices,
+            **(extra or {}),
+        }
+        await stream.send(f"data: {json.dumps(chunk)}\n\n".encode())
+
+    await event([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
+    text = content or ""
+    for start in range(0, len(text), 8):
+        piece = text[start : start + 8]
+        await event([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
+    for index, call in enumerate(calls):
+        opening = {
+            "index": index,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["function"]["name"], "arguments": ""},
+        }
+        await event([{"index": 0, "delta": {"tool_calls": [opening]}, "finish_reason": None}])
+        arguments = call["function"]["arguments"]
+        for start in range(0, len(arguments), 16):
+            part = {"index": index, "function": {"arguments": arguments[start : start + 16]}}
+            await event([{"index": 0, "delta": {"tool_calls": [part]}, "finish_reason": None}])
+    await event([{"index": 0, "delta": {}, "finish_reason": finish}])
+    if (request.get("stream_options") or {}).get("include_usage"):
+        await event([], {"usage": usage})
+    await stream.send(b"data: [DONE]\n\n")
+
+
+async def _client_leaves_within(
+    buffered: anyio.streams.buffered.BufferedByteReceiveStream, seconds: float
+) -> bool:
+    """Wait ``seconds``; whether the client closed the connection meanwhile."""
+    with anyio.move_on_after(seconds):
+        try:
+            await buffered.receive(1)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return True
+    return False

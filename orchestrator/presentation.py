@@ -14,6 +14,8 @@ from rich.table import Table
 
 from orchestrator.effects.model import EffectRecord
 from orchestrator.models import Run, RunEvent
+from orchestrator.tool_agent import effect_key
+from orchestrator.transcript import Message
 
 
 def jsonable(value: Any) -> Any:
@@ -161,4 +163,42 @@ def effects_table(effects: Sequence[EffectRecord], *, wide: bool = False) -> Tab
         if wide:
             row += [effect.idempotency_key, _compact(effect.payload), _compact(effect.error)]
         table.add_row(*row)
+    return table
+
+
+def _excerpt(text: Any, limit: int = 90) -> str:
+    flat = " ".join(str(text or "").split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def conversation_table(messages: Sequence[Message], effects: Sequence[EffectRecord]) -> Table:
+    """A tool agent's conversation, a line per message: what was said or called, each effect
+    call with its record's status, and each turn's tokens (``--json`` has every message whole)."""
+    status = {effect.effect_key: effect.status.value for effect in effects}
+    table = Table(title="conversation", show_edge=False, header_style="bold", title_justify="left")
+    for column in ("turn", "role", "tokens in/out", "message"):
+        table.add_column(column)
+    for message in messages:
+        body = message.body
+        tokens = ""
+        if isinstance(message.usage, dict):
+            attempts = len(message.usage.get("attempts") or [])
+            tokens = (
+                f"{message.usage.get('input_tokens', 0)}/{message.usage.get('output_tokens', 0)}"
+            )
+            if attempts > 1:
+                tokens += f" ({attempts} attempts)"
+        parts: list[str] = []
+        if body.get("content"):
+            parts.append(_excerpt(body["content"]))
+        for call in body.get("tool_calls") or []:
+            function = call.get("function", {})
+            key = effect_key(message.turn, str(call.get("id", "")))
+            shown = f"→ {function.get('name')}({_excerpt(function.get('arguments'), 60)})"
+            if key in status:
+                shown += f" [effect {status[key]}]"
+            parts.append(shown)
+        if message.role == "tool":
+            parts = [f"{body.get('tool_call_id', '')}: {_excerpt(body.get('content'))}"]
+        table.add_row(str(message.turn), message.role, tokens, "\n".join(parts))
     return table

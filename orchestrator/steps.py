@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
@@ -32,6 +32,7 @@ from orchestrator.telemetry import RunLogger
 
 if TYPE_CHECKING:
     from orchestrator.effects.model import Effect, EffectRecord
+    from orchestrator.transcript import Message, TranscriptView
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
 _STEP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
@@ -61,6 +62,10 @@ class StepContext:
     """A structlog logger bound with run.id, run.fence, worker.id and the step name."""
     effects: EffectView
     """Read and await the outcomes of effects that earlier steps of this run requested."""
+    transcript: TranscriptView
+    """The run's committed conversation (messages earlier steps appended)."""
+    database_now: Callable[[], datetime]
+    """The database clock now, as this worker estimates it (leases are judged by it)."""
 
 
 class EffectView(Protocol):
@@ -83,6 +88,16 @@ class Step:
     def step_name(cls) -> str:
         return cls.name or cls.__name__
 
+    @classmethod
+    def span(cls, agent: str) -> str:
+        """The name of the span each execution of this step is traced under."""
+        return f"step {agent}.{cls.step_name()}"
+
+    @classmethod
+    def span_attributes(cls, agent: str) -> dict[str, Any]:
+        """Attributes of this step's span beyond the run's ids (none by default)."""
+        return {}
+
     async def run(self, ctx: StepContext) -> Outcome:
         raise NotImplementedError(f"{type(self).__name__}.run is not implemented")
 
@@ -94,6 +109,8 @@ class Next:
     step: type[Step] | str
     checkpoint: JSON
     effects: Sequence[Effect] = ()
+    messages: Sequence[Message] = ()
+    """Appended to the run's transcript in the same commit."""
 
     @property
     def step_name(self) -> str:
@@ -110,6 +127,7 @@ class Finish:
     result: JSON = None
     checkpoint: JSON = None
     effects: Sequence[Effect] = ()
+    messages: Sequence[Message] = ()
 
 
 @dataclass(frozen=True)

@@ -470,6 +470,27 @@ WITH input AS MATERIALIZED (
 )
 SELECT run_id FROM finished
 
+-- append_messages --
+-- params: $1 run_ids text[], $2 seqs int[], $3 turns int[], $4 roles text[],
+--         $5 bodies text[] (JSON), $6 usages text[] (JSON), $7 fences bigint[]
+-- Append transcript messages, in the transaction of the commits that produced them (only runs
+-- whose commit took effect get theirs). Returns the rows written: a message whose (run, seq) is
+-- taken is not written, and its commit is refused by the caller (the transcript is append-only).
+INSERT INTO run_messages (run_id, seq, turn, role, body, usage, fence)
+SELECT m.run_id, m.seq, m.turn, m.role, m.body::jsonb, m.usage::jsonb, m.fence
+FROM unnest($1::text[], $2::int[], $3::int[], $4::text[], $5::text[], $6::text[], $7::bigint[])
+    AS m(run_id, seq, turn, role, body, usage, fence)
+ON CONFLICT DO NOTHING
+RETURNING run_id, seq
+
+-- run_messages --
+-- params: $1 run_id text, $2 after_seq int
+-- A run's transcript after message $2 (-1: all of it), in order.
+SELECT seq, turn, role, body, usage, fence, at
+FROM run_messages
+WHERE run_id = $1 AND seq > $2
+ORDER BY seq
+
 -- accept_effect --
 -- params: $1 run_id text, $2 effect_key text, $3 fence bigint, $4 kind text, $5 policy text,
 --         $6 payload jsonb, $7 idempotency_key text, $8 worker_id text

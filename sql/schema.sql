@@ -127,6 +127,19 @@ ALTER TABLE orchestrator.run_events ALTER COLUMN event_id ADD GENERATED ALWAYS A
     NO MAXVALUE
     CACHE 1
 );
+CREATE TABLE orchestrator.run_messages (
+    run_id text NOT NULL,
+    seq integer NOT NULL,
+    turn integer NOT NULL,
+    role text NOT NULL,
+    body jsonb NOT NULL,
+    usage jsonb,
+    fence bigint NOT NULL,
+    at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT run_messages_role_check CHECK ((role = ANY (ARRAY['system'::text, 'user'::text, 'assistant'::text, 'tool'::text]))),
+    CONSTRAINT run_messages_seq_check CHECK ((seq >= 0)),
+    CONSTRAINT run_messages_turn_check CHECK ((turn >= 0))
+);
 CREATE TABLE orchestrator.runs (
     run_id text NOT NULL,
     agent text NOT NULL,
@@ -181,6 +194,8 @@ ALTER TABLE ONLY orchestrator.orchestrator_schema_migrations
     ADD CONSTRAINT orchestrator_schema_migrations_pkey PRIMARY KEY (version);
 ALTER TABLE ONLY orchestrator.run_events
     ADD CONSTRAINT run_events_pkey PRIMARY KEY (event_id);
+ALTER TABLE ONLY orchestrator.run_messages
+    ADD CONSTRAINT run_messages_pkey PRIMARY KEY (run_id, seq);
 ALTER TABLE ONLY orchestrator.runs
     ADD CONSTRAINT runs_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.workers

@@ -19,6 +19,10 @@ AUTHOR_API = {
     "EffectPolicy",
     "chat",
     "Settings",
+    "ToolAgent",
+    "ToolContext",
+    "tool",
+    "Message",
 }
 ERRORS = {
     "OrchestratorError",

@@ -353,48 +353,15 @@ async def test_after_a_postgres_restart_workers_register_again_and_takeover_stil
         await pool.close()
         with (
             ServeProcess(dsn, *args, name="A") as a,
-            ServeProcess(dsn, *args, name="B") as b,
-            ServeProcess(dsn, *args, name="C") as c,
         ):
-            for worker in (a, b, c):
-                await worker.wait_for_log("serving", within=30)
-            for run_id in run_ids:
-                await wait_for_marker(tmp_path, f"{run_id}.0.*")
-            await anyio.to_thread.run_sync(server.restart)
-            for worker in (a, b, c):
-                await worker.wait_for_log("liveness re-established", within=20)
-            await anyio.sleep(2.5)  # every reaper has looked at least twice since
-            pool = await create_pool(settings, application_name="test-liveness")
-            store = RunStore(pool)
-            try:
-                timelines = {run_id: await store.events(run_id) for run_id in run_ids}
-                gone = [
-                    e
-                    for events in timelines.values()
-                    for e in events
-                    if e.kind in ("owner_session_gone", "lease_lost")
-                ]
-                assert gone == [], gone  # no live worker was judged dead
-                registered = await pool.fetch("SELECT worker_id FROM workers ORDER BY 1")
-                assert [r["worker_id"] for r in registered] == ["A", "B", "C"]
-                held_by_a = [
-                    run_id for run_id in run_ids if (await store.get(run_id)).lease_owner == "A"
-                ]
-                assert held_by_a, "A holds runs"
-                a.kill()
-                killed_at = await store.database_now()
-                for run_id in held_by_a:
-                    claims = await wait_for(
-                        functools.partial(store.events, run_id),
-                        lambda events: kinds_by_fence(events, "claimed")[-1:] != [1],
-                        within=15,
-                    )
-                    takeover = [e for e in claims if e.kind == "claimed"][-1]
-                    assert takeover.worker_id in ("B", "C")
-                    assert (takeover.at - killed_at).total_seconds() <= 2.0, takeover
-                    assert "owner_session_gone" in [e.kind for e in claims]
-            finally:
-                await pool.close()
+            await a.wait_for_log("serving", within=30)
+            await wait_for_marker(tmp_path, f"*.0.{a.process.pid}.*")  # A holds runs
+            with (
+                ServeProcess(dsn, *args, name="B") as b,
+                ServeProcess(dsn, *args, name="C") as c,
+            ):
+                await restart_then_kill_a(a, b, c, tmp_path, run_ids, server, settings)
+
     finally:
         server.stop(mode="immediate")
         shutil.rmtree(home, ignore_errors=True)
@@ -474,3 +441,52 @@ async def test_workers_find_the_embedded_server_again_after_db_stop(port_taken: 
             squatter.close()
         server.stop(mode="immediate")
         shutil.rmtree(home, ignore_errors=True)
+
+
+async def restart_then_kill_a(
+    a: ServeProcess,
+    b: ServeProcess,
+    c: ServeProcess,
+    tmp_path: Path,
+    run_ids: list[str],
+    server: EmbeddedPostgres,
+    settings: Settings,
+) -> None:
+    """After a restart, no live worker is judged dead; then A is killed and taken over fast."""
+    for worker in (b, c):
+        await worker.wait_for_log("serving", within=30)
+    for run_id in run_ids:
+        await wait_for_marker(tmp_path, f"{run_id}.0.*")
+    await anyio.to_thread.run_sync(server.restart)
+    for worker in (a, b, c):
+        await worker.wait_for_log("liveness re-established", within=20)
+    await anyio.sleep(2.5)  # every reaper has looked at least twice since
+    pool = await create_pool(settings, application_name="test-liveness")
+    store = RunStore(pool)
+    try:
+        timelines = {run_id: await store.events(run_id) for run_id in run_ids}
+        gone = [
+            e
+            for events in timelines.values()
+            for e in events
+            if e.kind in ("owner_session_gone", "lease_lost")
+        ]
+        assert gone == [], gone  # no live worker was judged dead
+        registered = await pool.fetch("SELECT worker_id FROM workers ORDER BY 1")
+        assert [r["worker_id"] for r in registered] == ["A", "B", "C"]
+        held_by_a = [run_id for run_id in run_ids if (await store.get(run_id)).lease_owner == "A"]
+        assert held_by_a, "A holds runs"
+        a.kill()
+        killed_at = await store.database_now()
+        for run_id in held_by_a:
+            claims = await wait_for(
+                functools.partial(store.events, run_id),
+                lambda events: kinds_by_fence(events, "claimed")[-1:] != [1],
+                within=15,
+            )
+            takeover = [e for e in claims if e.kind == "claimed"][-1]
+            assert takeover.worker_id in ("B", "C")
+            assert (takeover.at - killed_at).total_seconds() <= 2.0, takeover
+            assert "owner_session_gone" in [e.kind for e in claims]
+    finally:
+        await pool.close()

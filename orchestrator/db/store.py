@@ -42,6 +42,7 @@ from orchestrator.models import (
 )
 from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA
 from orchestrator.storable import check_json, check_text
+from orchestrator.transcript import Message
 
 MAX_LIST_LIMIT = 10_000
 MAX_ATTEMPTS_LIMIT = 1_000
@@ -83,6 +84,8 @@ class StepCommit(NamedTuple):
     """Recorded at the effect boundary in the same transaction (by the group committer)."""
     checkpoint_text: str | None = None
     """``checkpoint`` already encoded as compact JSON (the runtime validates by encoding)."""
+    messages: Sequence[Message] = ()
+    """Transcript messages (numbered) appended in the same transaction."""
 
 
 class RunFinish(NamedTuple):
@@ -98,6 +101,7 @@ class RunFinish(NamedTuple):
     result_text: str | None = None
     """``result`` already encoded as compact JSON, if the caller has it (see StepCommit)."""
     checkpoint_text: str | None = None
+    messages: Sequence[Message] = ()
 
 
 def _checkpoint_events(commit: StepCommit) -> list[dict[str, JSON]]:
@@ -267,6 +271,44 @@ class RunStore:
         validate_run_id(run_id)
         records = await self.pool.fetch(query("run_events"), run_id)
         return [RunEvent.from_record(record) for record in records]
+
+    async def messages(
+        self, run_id: str, *, after_seq: int = -1, db: Executor | None = None
+    ) -> list[Message]:
+        """A run's committed transcript after message ``after_seq``, oldest first."""
+        validate_run_id(run_id)
+        records = await (db or self.pool).fetch(query("run_messages"), run_id, after_seq)
+        return [
+            Message(r["turn"], r["role"], r["body"], r["usage"], r["seq"], r["fence"], r["at"])
+            for r in records
+        ]
+
+    async def append_messages(
+        self, messages_by_run: Mapping[str, Sequence[Message]], *, db: Executor
+    ) -> set[str]:
+        """Append committed runs' messages in the caller's transaction; returns the runs whose
+        messages could not all be written (a sequence number already taken)."""
+        rows = [(run_id, m) for run_id, messages in messages_by_run.items() for m in messages]
+        if not rows:
+            return set()
+        written = await db.fetch(
+            query("append_messages"),
+            [run_id for run_id, _ in rows],
+            [m.seq for _, m in rows],
+            [m.turn for _, m in rows],
+            [m.role for _, m in rows],
+            [compact(m.body) for _, m in rows],
+            [None if m.usage is None else compact(m.usage) for _, m in rows],
+            [m.fence for _, m in rows],
+        )
+        counts: dict[str, int] = {}
+        for record in written:
+            counts[record["run_id"]] = counts.get(record["run_id"], 0) + 1
+        return {
+            run_id
+            for run_id, messages in messages_by_run.items()
+            if counts.get(run_id, 0) != len(messages)
+        }
 
     # -- leases -------------------------------------------------------------------------------
     async def claim(

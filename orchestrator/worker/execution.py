@@ -42,6 +42,7 @@ from orchestrator.steps import (
     Finish,
     Next,
     Outcome,
+    Step,
     StepContext,
     encode_json,
     validate_json,
@@ -50,7 +51,6 @@ from orchestrator.telemetry import (
     CHECKPOINT_VERSION,
     DISPOSITION,
     LEASE_UNTIL,
-    NO_SPAN,
     RUN_FENCE,
     RUN_ID,
     WORKER_ID,
@@ -60,12 +60,15 @@ from orchestrator.telemetry import (
     debug_enabled,
     open_span,
     start_span,
-    tracing_enabled,
 )
-from orchestrator.worker.group_commit import CommitOutcomeUnknown, EffectRefused, GroupCommitter
+from orchestrator.transcript import DEFAULT_MAX_MESSAGE_BYTES, ROLES, Message, Transcript
+from orchestrator.worker.group_commit import CommitOutcomeUnknown, CommitRefused, GroupCommitter
 from orchestrator.worker.heartbeat import LeaseHandle, LeaseKeeper
 
 T = TypeVar("T")
+COMMITTED = "orchestrator.committed"
+"""On every step's span: whether the step's commit took effect (a refused or replayed step is
+labelled, not hidden)."""
 
 
 class Disposition(enum.StrEnum):
@@ -125,6 +128,7 @@ class RunnerConfig:
     statement_seconds: float
     cleanup_seconds: float = 5.0
     max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 _OUTCOME_ATTRIBUTES: dict[type, dict[str, str]] = {
@@ -163,6 +167,16 @@ def _validate_effects(effects: Sequence[Effect], limit: int) -> None:
         validate_json(effect.payload, what=f"effect {effect.key} payload", max_bytes=limit)
 
 
+def _validate_messages(messages: Sequence[Message], limit: int) -> None:
+    for message in messages:
+        if not isinstance(message, Message) or message.role not in ROLES:
+            raise TypeError("messages must be Message objects with a role of " + "/".join(ROLES))
+        what = f"the {message.role} message of turn {message.turn}"
+        validate_json(message.body, what=what, max_bytes=limit)
+        if message.usage is not None:
+            validate_json(message.usage, what=f"{what}'s usage", max_bytes=limit)
+
+
 def _ids(claimed: ClaimedRun, worker_id: str) -> dict[str, str | int]:
     return {RUN_ID: claimed.run_id, RUN_FENCE: claimed.fence, WORKER_ID: worker_id}
 
@@ -199,6 +213,7 @@ class RunExecution:
         "shutdown_requested",
         "span",
         "task",
+        "transcript",
     )
 
     def __init__(
@@ -212,6 +227,7 @@ class RunExecution:
         self.handle = handle
         self.effects = effects
         self.services = services
+        self.transcript = Transcript(services.store, claimed.run_id)
         self.span: Span = INVALID_SPAN
         """The run's span (opened by ``execute``, ended when the run ends)."""
         self.shutdown_requested = False
@@ -220,7 +236,7 @@ class RunExecution:
         when ``execute`` starts)."""
         self._in_steps = False
         self._cancel_requested = False
-        self._refusal: EffectRefused | None = None
+        self._refusal: CommitRefused | None = None
         """Why the final commit was refused its effect, for ``clean_up``."""
         # A function of the claim, not a method: a bound method would tie the execution into a
         # reference cycle, left for the garbage collector instead of freed when the run ends.
@@ -321,8 +337,18 @@ class RunExecution:
     def _cancelling(self) -> int:
         return self.task.cancelling() if self.task is not None else 0
 
-    def _step_attributes(self, version: int, step: str) -> dict[str, str | int]:
-        return {**self.ids, CHECKPOINT_VERSION: version, "step.name": step}
+    def _step_attributes(
+        self, version: int, step: str, step_class: type[Step], agent: str
+    ) -> dict[str, Any]:
+        return {
+            **self.ids,
+            CHECKPOINT_VERSION: version,
+            "step.name": step,
+            "orchestrator.run.id": self.claimed.run_id,
+            "orchestrator.run.fence": self.claimed.fence,
+            "orchestrator.attempt": self.claimed.attempt,
+            **step_class.span_attributes(agent),
+        }
 
     def _run_attributes(self) -> dict[str, str | int]:
         return {**self.ids, LEASE_UNTIL: self.claimed.lease_until.isoformat()}
@@ -376,43 +402,64 @@ class RunExecution:
                 lease_until=self.handle.lease_until,
                 log=self.log.bind(step=this_step),
                 effects=self.effects,
+                transcript=self.transcript,
+                database_now=self.handle.database_now,
             )
             started = time.monotonic()
-            with (
-                start_span(
-                    f"step {agent.name}.{this_step}",
-                    attributes=functools.partial(self._step_attributes, version, this_step),
-                )
-                if tracing_enabled()
-                else NO_SPAN
-            ) as span:
-                try:
-                    outcome = await step_class().run(context)
-                    encoded = self._validate(outcome, agent_steps=agent.steps)
-                except Exception as error:
-                    span.record_exception(error)
-                    span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-                    services.metrics.steps.add(1, {"outcome": "error"})
-                    return await self._fail_attempt(error)
-                services.metrics.steps.add(1, _outcome_attributes(outcome))
-                if self._ownership_lost():
-                    # Lost while the step ran (it ignored the cancellation): commit nothing.
-                    return Disposition.LOST
-                if not isinstance(outcome, Next):
-                    self._finish(outcome, version, encoded, started)
-                    return None
-                try:
-                    committed = await self._commit_next(outcome, version, encoded)
-                except EffectRefused as error:  # nothing of the step was committed
-                    span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-                    return await self._fail_attempt(error)
-                services.metrics.step_seconds.record(time.monotonic() - started)
-                if committed is None:
-                    return self._lost("commit refused: not the owner any more")
-                span.set_attribute(CHECKPOINT_VERSION, committed)
-                version, checkpoint, step_name = committed, outcome.checkpoint, outcome.step_name
+            # A span its owner ends: a final commit's span ends with the committer's answer, so
+            # that every step's span says whether the step was committed.
+            span = open_span(
+                step_class.span(agent.name),
+                attributes=functools.partial(
+                    self._step_attributes, version, this_step, step_class, agent.name
+                ),
+            )
+            handed_over = committed_here = False
+            try:
+                with as_current(span):
+                    try:
+                        outcome = await step_class().run(context)
+                        encoded = self._validate(outcome, agent_steps=agent.steps)
+                    except Exception as error:
+                        span.record_exception(error)
+                        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                        services.metrics.steps.add(1, {"outcome": "error"})
+                        return await self._fail_attempt(error)
+                    services.metrics.steps.add(1, _outcome_attributes(outcome))
+                    if self._ownership_lost():
+                        # Lost while the step ran (it ignored the cancellation): commit nothing.
+                        return Disposition.LOST
+                    messages: Sequence[Message] = ()
+                    if not isinstance(outcome, Fail) and outcome.messages:
+                        messages = await self.transcript.numbered(outcome.messages, lease.fence)
+                    if not isinstance(outcome, Next):
+                        self._finish(outcome, version, encoded, started, messages, span)
+                        handed_over = True
+                        return None
+                    try:
+                        committed = await self._commit_next(outcome, version, encoded, messages)
+                    except CommitRefused as error:  # nothing of the step was committed
+                        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                        return await self._fail_attempt(error)
+                    services.metrics.step_seconds.record(time.monotonic() - started)
+                    if committed is None:
+                        return self._lost("commit refused: not the owner any more")
+                    self.transcript.committed(messages)
+                    committed_here = True
+                    span.set_attribute(CHECKPOINT_VERSION, committed)
+                    version, checkpoint, step_name = (
+                        committed,
+                        outcome.checkpoint,
+                        outcome.step_name,
+                    )
+            finally:
+                if not handed_over:
+                    span.set_attribute(COMMITTED, committed_here)
+                    span.end()
 
-    async def _commit_next(self, outcome: Next, version: int, encoded: Encoded) -> int | None:
+    async def _commit_next(
+        self, outcome: Next, version: int, encoded: Encoded, messages: Sequence[Message]
+    ) -> int | None:
         """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
         commit = StepCommit(
             self.claimed.lease,
@@ -421,6 +468,7 @@ class RunExecution:
             outcome.checkpoint,
             effects=tuple(outcome.effects),
             checkpoint_text=encoded.checkpoint,
+            messages=messages,
         )
         try:
             committed = await self.services.committer.commit_step(commit)
@@ -430,7 +478,13 @@ class RunExecution:
         return None if committed is None else committed.checkpoint_version
 
     def _finish(
-        self, outcome: Finish | Fail, version: int, encoded: Encoded, started: float
+        self,
+        outcome: Finish | Fail,
+        version: int,
+        encoded: Encoded,
+        started: float,
+        messages: Sequence[Message],
+        span: Span,
     ) -> None:
         """Hand the final commit to the group committer; ``_settle`` takes its answer."""
         self.handle.finishing = True
@@ -446,6 +500,7 @@ class RunExecution:
                 effects=tuple(outcome.effects),
                 result_text=encoded.result,
                 checkpoint_text=encoded.checkpoint,
+                messages=messages,
             )
         else:
             failure: dict[str, JSON] = {"type": "Fail", "message": outcome.message}
@@ -453,14 +508,16 @@ class RunExecution:
                 failure["details"] = outcome.details
             finish = RunFinish(lease, version, RunState.FAILED, None, failure, None)
         self.services.committer.finish(
-            finish, functools.partial(self._settle, _FINAL_DISPOSITIONS[finish.state], started)
+            finish,
+            functools.partial(self._settle, _FINAL_DISPOSITIONS[finish.state], started, span),
         )
 
     def _settle(
         self,
         final: Disposition,
         started: float,
-        answer: bool | CommitOutcomeUnknown | EffectRefused,
+        step_span: Span,
+        answer: bool | CommitOutcomeUnknown | CommitRefused,
     ) -> None:
         """The final commit's answer, from the group committer: how the run ends.
 
@@ -473,13 +530,16 @@ class RunExecution:
         services = self.services
         services.metrics.step_seconds.record(time.monotonic() - started)
         services.keeper.untrack(self.handle)
+        if step_span.is_recording():
+            step_span.set_attribute(COMMITTED, answer is True)
+            step_span.end()
         if answer is True:
             if debug_enabled():
                 self.log.debug("run finished", disposition=final.value)
             self._conclude(final)
             services.host.run_ended(self, final)
             return
-        if isinstance(answer, EffectRefused):
+        if isinstance(answer, CommitRefused):
             self._refusal = answer
         elif isinstance(answer, CommitOutcomeUnknown):
             self.handle.lose(f"{final.value} outcome unknown ({answer})")
@@ -507,12 +567,14 @@ class RunExecution:
         limit = self.services.config.max_checkpoint_bytes
         if isinstance(outcome, Finish):
             _validate_effects(outcome.effects, limit)
+            _validate_messages(outcome.messages, self.services.config.max_message_bytes)
             return Encoded(
                 _encoded(outcome.result, "result", limit),
                 _encoded(outcome.checkpoint, "checkpoint", limit),
             )
         if isinstance(outcome, Next):
             _validate_effects(outcome.effects, limit)
+            _validate_messages(outcome.messages, self.services.config.max_message_bytes)
             if outcome.step_name not in agent_steps:
                 raise LookupError(
                     f"Next names step {outcome.step_name!r}, which agent "

@@ -42,10 +42,19 @@ steps; two keep both busy. A run has at most one commit in flight, so two batche
 the same run."""
 
 
-class EffectRefused(Exception):
-    """The boundary refused an effect of a run that still held its lease (its key is already
-    used with another kind or policy): a bug in the step, raised to it as the step's error.
-    Nothing of that commit was written; the other runs of its batch are not affected."""
+class CommitRefused(Exception):
+    """Part of a commit of a run that still held its lease could not be written: a bug in the
+    step, raised to it as the step's error. Nothing of that commit was written; the other runs
+    of its batch are not affected."""
+
+
+class EffectRefused(CommitRefused):
+    """The boundary refused an effect of the commit (its key is already used with another kind
+    or policy)."""
+
+
+class TranscriptConflict(CommitRefused):
+    """A message of the commit would take a transcript position already taken."""
 
 
 class CommitOutcomeUnknown(Exception):
@@ -63,7 +72,7 @@ class _LeaveOut(Exception):
         self.answers = answers
 
 
-FinishAnswer = Callable[[bool | CommitOutcomeUnknown | EffectRefused], object]
+FinishAnswer = Callable[[bool | CommitOutcomeUnknown | CommitRefused], object]
 """Receives a final commit's answer: whether the run was finished (``False``: not the owner
 any more), the batch's failure (the outcome is unknown), or the refusal of one of its effects
 (nothing was written)."""
@@ -206,6 +215,17 @@ class GroupCommitter:
                     refusal = await self._accept_effects(db, commit)
                     if refusal is not _ACCEPTED:
                         leave_out[commit.lease.run_id] = refusal
+            transcripts = {
+                r.lease.run_id: r.messages
+                for r in members
+                if r.messages
+                and (r.lease.run_id in committed or r.lease.run_id in finished)
+                and r.lease.run_id not in leave_out
+            }
+            for run_id in await self.store.append_messages(transcripts, db=db):
+                leave_out[run_id] = TranscriptConflict(
+                    f"run {run_id}: a message would take a transcript position already taken"
+                )
             if leave_out:
                 raise _LeaveOut(leave_out)
             # A stale owner asked for effects: say so in the timeline, send nothing.

@@ -23,7 +23,7 @@ import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import ClassVar
 
 import anyio
@@ -70,6 +70,12 @@ class LeaseHandle:
     @property
     def deadline(self) -> float:
         return self.confirmed_sent_at + self.lease_seconds - safety_margin(self.lease_seconds)
+
+    def database_now(self) -> datetime:
+        """The database clock now, as estimated from the last confirmed renewal (early by the
+        renewal's network delay, never late)."""
+        elapsed = asyncio.get_running_loop().time() - self.confirmed_sent_at
+        return self.lease_until + timedelta(seconds=elapsed - self.lease_seconds)
 
     @property
     def lost(self) -> bool:

@@ -1,0 +1,526 @@
+"""``ToolAgent``: a model chooses tool calls; the fenced commit decides; the dispatcher acts.
+
+A tool agent is an ``Agent`` whose one step, ``turn``, is one model turn:
+
+1. The effect calls of the previous turn are settled first: the step waits for their records to
+   be confirmed, failed or rejected (never tells the model of an uncertain or parked outcome)
+   and turns each into the tool message the model reads.
+2. One model call (``llm.complete``: its own retries, each attempt's usage counted), with the
+   committed transcript and the tools' schemas.
+3. Each tool call is checked: an unknown tool, malformed JSON or arguments that fail the schema
+   go back to the model as a tool error, counted. A read-only call runs now, with its timeout.
+   An effect call only builds its payload: an ``Effect`` keyed ``call:TURN:CALL_ID``.
+4. One fenced commit holds it all: the messages of the turn (tool results, the assistant message
+   and its usage), the effect records, and a small checkpoint. If the commit is refused nothing
+   of the turn exists: a replayed turn proposes new calls, and nothing was sent for the old ones.
+
+An answer without tool calls ends the loop: checked against ``output`` when one is given (a bad
+answer goes back to the model, up to ``output_retries`` times), then ``Finish`` (or ``Next(then)``
+when the loop is one stage of a larger step graph, see ``stage``). ``max_turns`` and
+``deadline_seconds`` (from the loop's first turn, on the database clock) bound it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import anyio
+import pydantic
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from orchestrator.effects.model import Effect
+from orchestrator.errors import InvalidInput
+from orchestrator.llm import ModelReply, complete
+from orchestrator.models import JSON
+from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
+from orchestrator.telemetry import start_span
+from orchestrator.tools import (
+    SETTLED_FOR_THE_MODEL,
+    EffectTool,
+    ReadOnlyTool,
+    Tool,
+    ToolArgumentsInvalid,
+    ToolContext,
+)
+from orchestrator.transcript import Message
+
+LOOP_KEY = "tool_loop"
+"""The checkpoint key holding the loop's own state (other keys belong to the step graph)."""
+_CALL_ID = re.compile(r"[^A-Za-z0-9_.-]")
+EFFECT_WAIT_SLICE_SECONDS = 30.0
+
+
+def effect_key(turn: int, call_id: str) -> str:
+    """The effect key of an effect call: stable, because the call id is committed with it."""
+    return f"call:{turn}:{_CALL_ID.sub('_', call_id)[:150]}"
+
+
+def default_prompt(run_input: JSON) -> str:
+    """The first user message: the input's ``prompt`` or ``message``, else the input as JSON."""
+    if isinstance(run_input, dict):
+        for key in ("prompt", "message"):
+            if isinstance(run_input.get(key), str):
+                return str(run_input[key])
+    return json.dumps(run_input, ensure_ascii=False)
+
+
+class ToolAgent(Agent):
+    """An agent whose steps are model turns with tools (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        instructions: str,
+        tools: Sequence[Tool] = (),
+        model: str | None = None,
+        output: Any = None,
+        max_turns: int = 20,
+        deadline_seconds: float | None = None,
+        output_retries: int = 2,
+        max_invalid_calls: int = 10,
+        stream: bool = False,
+        lease_seconds: float | None = None,
+        prompt: Callable[[JSON], str] = default_prompt,
+        description: str = "",
+    ) -> None:
+        self.loop = ToolLoop(
+            agent=name,
+            instructions=instructions,
+            tools=tools,
+            model=model,
+            output=output,
+            max_turns=max_turns,
+            deadline_seconds=deadline_seconds,
+            output_retries=output_retries,
+            max_invalid_calls=max_invalid_calls,
+            stream=stream,
+            prompt=prompt,
+        )
+        super().__init__(
+            name, first=self.loop.step_class(lease_seconds=lease_seconds), description=description
+        )
+
+    def stage(
+        self, name: str, *, then: type[Step], lease_seconds: float | None = None
+    ) -> type[Step]:
+        """This agent's loop as a step of another agent: it continues with ``then``, whose
+        checkpoint holds the loop's ``output``."""
+        return self.loop.step_class(name=name, then=then, lease_seconds=lease_seconds)
+
+
+class ToolLoop:
+    """The loop's configuration and its one turn."""
+
+    def __init__(
+        self,
+        *,
+        agent: str,
+        instructions: str,
+        tools: Sequence[Tool],
+        model: str | None,
+        output: Any,
+        max_turns: int,
+        deadline_seconds: float | None,
+        output_retries: int,
+        max_invalid_calls: int,
+        stream: bool,
+        prompt: Callable[[JSON], str],
+    ) -> None:
+        if max_turns < 1 or output_retries < 0 or max_invalid_calls < 0:
+            raise InvalidInput(
+                f"agent {agent}: max_turns must be at least 1, output_retries and "
+                "max_invalid_calls at least 0"
+            )
+        if deadline_seconds is not None and not deadline_seconds > 0:
+            raise InvalidInput(f"agent {agent}: deadline_seconds must be above 0")
+        self.agent = agent
+        self.instructions = instructions
+        self.tools: dict[str, Tool] = {}
+        for candidate in tools:
+            if not isinstance(candidate, ReadOnlyTool | EffectTool):
+                raise InvalidInput(
+                    f"agent {agent}: {candidate!r} is not a tool; label each with "
+                    "@tool.read_only or @tool.effect(kind)"
+                )
+            if candidate.name in self.tools:
+                raise InvalidInput(f"agent {agent}: two tools are named {candidate.name!r}")
+            self.tools[candidate.name] = candidate
+        self.definitions = [t.definition() for t in self.tools.values()]
+        self.model = model
+        self.output = None if output is None else pydantic.TypeAdapter(output)
+        self.max_turns = max_turns
+        self.deadline_seconds = deadline_seconds
+        self.output_retries = output_retries
+        self.max_invalid_calls = max_invalid_calls
+        self.stream = stream
+        self.prompt = prompt
+
+    def step_class(
+        self,
+        *,
+        name: str = "turn",
+        then: type[Step] | None = None,
+        lease_seconds: float | None = None,
+    ) -> type[Step]:
+        loop = self
+
+        class Turn(Step):
+            """One model turn of the tool loop, traced as the GenAI ``invoke_agent`` span."""
+
+            @classmethod
+            def span(cls, agent: str) -> str:
+                return f"invoke_agent {loop.agent}"
+
+            @classmethod
+            def span_attributes(cls, agent: str) -> dict[str, Any]:
+                return {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": loop.agent}
+
+            async def run(self, ctx: StepContext) -> Outcome:
+                return await loop.turn(ctx, self_step=type(self), then=then)
+
+        Turn.name = name
+        Turn.lease_seconds = lease_seconds
+        Turn.__qualname__ = f"{self.agent}.{name}"
+        return Turn
+
+    # -- the turn ---------------------------------------------------------------------------
+    async def turn(
+        self, ctx: StepContext, *, self_step: type[Step], then: type[Step] | None
+    ) -> Outcome:
+        rest = dict(ctx.checkpoint) if isinstance(ctx.checkpoint, dict) else {}
+        state = _LoopState.load(rest.pop(LOOP_KEY, None), self, ctx)
+        new: list[Message] = []
+        if state.turn == 0 and not state.started:
+            state.started = True
+            if self.instructions:
+                new.append(Message(0, "system", {"role": "system", "content": self.instructions}))
+            new.append(Message(0, "user", {"role": "user", "content": self.prompt(ctx.input)}))
+        if state.deadline is not None and ctx.database_now() >= state.deadline:
+            return Fail("the agent's deadline passed", details=state.summary())
+        new += await self._settled_effect_results(ctx, state)
+        if state.turn >= self.max_turns:
+            return Fail(f"the turn limit of {self.max_turns} was reached", details=state.summary())
+        committed = [m.body for m in await ctx.transcript.messages()]
+        span = trace.get_current_span()  # the turn's own span (see step_class)
+        span.set_attribute("gen_ai.conversation.id", ctx.run_id)
+        span.set_attribute("orchestrator.turn", state.turn)
+        reply = await complete(
+            [*committed, *(m.body for m in new)],
+            tools=self.definitions,
+            model=self.model,
+            stream=self.stream,
+            budget_seconds=self._budget(ctx, state),
+            response_format=self._response_format(),
+            span_attributes=_our_attributes(ctx, state.turn),
+        )
+        state.add_usage(reply)
+        assistant = _assistant_message(state.turn, reply)
+        new.append(assistant)
+        if reply.tool_calls:
+            effects = await self._tool_calls(ctx, state, assistant, new)
+            if state.invalid_calls > self.max_invalid_calls:
+                span.set_status(Status(StatusCode.ERROR, "too many invalid tool calls"))
+                return Fail(
+                    f"the model made {state.invalid_calls} invalid tool calls, more than "
+                    f"the {self.max_invalid_calls} allowed",
+                    details=state.summary(),
+                )
+            state.turn += 1
+            return Next(
+                self_step,
+                checkpoint={**rest, LOOP_KEY: state.dump()},
+                effects=effects,
+                messages=new,
+            )
+        return self._answer(ctx, state, reply, rest, new, self_step, then)
+
+    def _answer(
+        self,
+        ctx: StepContext,
+        state: _LoopState,
+        reply: ModelReply,
+        rest: dict[str, Any],
+        new: list[Message],
+        self_step: type[Step],
+        then: type[Step] | None,
+    ) -> Outcome:
+        output: JSON = reply.content
+        if self.output is not None:
+            try:
+                output = self.output.dump_python(
+                    self.output.validate_json(reply.content or ""), mode="json"
+                )
+            except pydantic.ValidationError as error:
+                if state.output_retries >= self.output_retries:
+                    return Fail(
+                        f"the model's answer did not match the required output after "
+                        f"{state.output_retries + 1} tries: {_problems(error)}",
+                        details=state.summary(),
+                    )
+                state.output_retries += 1
+                new.append(
+                    Message(
+                        state.turn,
+                        "user",
+                        {
+                            "role": "user",
+                            "content": "Your answer does not match the required output "
+                            f"({_problems(error)}). Answer again with JSON matching this "
+                            f"schema: {json.dumps(self.output.json_schema())}",
+                        },
+                    )
+                )
+                state.turn += 1
+                return Next(self_step, checkpoint={**rest, LOOP_KEY: state.dump()}, messages=new)
+        result = {"output": output, **state.summary(), "turns": state.turn + 1}
+        if then is not None:
+            return Next(then, checkpoint={**rest, "output": output}, messages=new)
+        return Finish(result=result, messages=new)
+
+    async def _tool_calls(
+        self, ctx: StepContext, state: _LoopState, assistant: Message, new: list[Message]
+    ) -> list[Effect]:
+        effects: list[Effect] = []
+        calls = assistant.body["tool_calls"]
+        for call in calls:
+            call_id, name, arguments = call["id"], call["function"]["name"], call["function"]
+            arguments = arguments["arguments"]
+            found = self.tools.get(name)
+            with start_span(
+                f"execute_tool {name}",
+                attributes={
+                    "gen_ai.operation.name": "execute_tool",
+                    "gen_ai.tool.name": name,
+                    "gen_ai.tool.call.id": call_id,
+                    "gen_ai.tool.type": "function"
+                    if isinstance(found, ReadOnlyTool)
+                    else "extension",
+                    **_our_attributes(ctx, state.turn),
+                },
+            ) as span:
+                if found is None:
+                    state.invalid_calls += 1
+                    span.set_status(Status(StatusCode.ERROR, "unknown tool"))
+                    new.append(
+                        _tool_error(
+                            state.turn,
+                            call_id,
+                            f"there is no tool named "
+                            f"{name!r}; the tools are: {', '.join(self.tools) or 'none'}",
+                        )
+                    )
+                    continue
+                try:
+                    parsed = found.parse(arguments)
+                except ToolArgumentsInvalid as error:
+                    state.invalid_calls += 1
+                    span.set_status(Status(StatusCode.ERROR, "invalid arguments"))
+                    new.append(
+                        _tool_error(state.turn, call_id, f"invalid arguments for {name}: {error}")
+                    )
+                    continue
+                if isinstance(found, ReadOnlyTool):
+                    new.append(await self._read_only(ctx, state, found, call_id, parsed))
+                    continue
+                assert isinstance(found, EffectTool)
+                key = effect_key(state.turn, call_id)
+                effects.append(Effect(key, found.kind, await found.payload(parsed), found.policy))
+                span.set_attribute("orchestrator.effect.key", key)
+                state.pending.append({"call_id": call_id, "tool": name, "effect_key": key})
+        return effects
+
+    async def _read_only(
+        self,
+        ctx: StepContext,
+        state: _LoopState,
+        found: ReadOnlyTool,
+        call_id: str,
+        arguments: dict[str, Any],
+    ) -> Message:
+        tool_ctx = ToolContext(
+            ctx.run_id,
+            ctx.fence,
+            ctx.attempt,
+            state.turn,
+            call_id,
+            ctx.input,
+            ctx.log.bind(tool=found.name, tool_call_id=call_id),
+        )
+        try:
+            with anyio.fail_after(found.timeout):
+                result = await found.call(tool_ctx, arguments)
+        except TimeoutError:
+            state.tool_errors += 1
+            return _tool_error(
+                state.turn, call_id, f"{found.name} did not answer within {found.timeout:g}s"
+            )
+        except Exception as error:  # told to the model; the author's bug is logged
+            state.tool_errors += 1
+            ctx.log.warning("read-only tool raised", tool=found.name, error=repr(error))
+            return _tool_error(state.turn, call_id, f"{found.name} failed: {error}")
+        return Message(
+            state.turn,
+            "tool",
+            {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)},
+        )
+
+    async def _settled_effect_results(self, ctx: StepContext, state: _LoopState) -> list[Message]:
+        """The previous turn's effect calls, as tool messages, once each record has settled."""
+        results: list[Message] = []
+        for pending in state.pending:
+            found = self.tools[pending["tool"]]
+            assert isinstance(found, EffectTool)
+            record = await ctx.effects.get(pending["effect_key"])
+            while record.status not in SETTLED_FOR_THE_MODEL:
+                slice_seconds = EFFECT_WAIT_SLICE_SECONDS
+                if state.deadline is not None:
+                    left = (state.deadline - ctx.database_now()).total_seconds()
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"effect {pending['effect_key']} had not settled by the deadline"
+                        )
+                    slice_seconds = min(slice_seconds, left)
+                try:
+                    record = await ctx.effects.wait(pending["effect_key"], within=slice_seconds)
+                except TimeoutError:
+                    record = await ctx.effects.get(pending["effect_key"])
+                if record.status not in SETTLED_FOR_THE_MODEL:
+                    await anyio.sleep(min(1.0, slice_seconds))  # parked: a person decides
+            results.append(
+                Message(
+                    state.turn,
+                    "tool",
+                    {
+                        "role": "tool",
+                        "tool_call_id": pending["call_id"],
+                        "content": json.dumps(found.told(record)),
+                    },
+                )
+            )
+        state.pending = []
+        return results
+
+    def _budget(self, ctx: StepContext, state: _LoopState) -> float:
+        """How long the model call may take, its retries included: never past what was left of
+        the step's lease when the step started, nor past the loop's deadline."""
+        now = ctx.database_now()
+        budget = (ctx.lease_until - now).total_seconds()
+        if state.deadline is not None:
+            budget = min(budget, (state.deadline - now).total_seconds())
+        return max(0.0, budget)
+
+    def _response_format(self) -> dict[str, Any] | None:
+        if self.output is None:
+            return None
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": self.output.json_schema()},
+        }
+
+
+class _LoopState:
+    """The loop's checkpoint: small and bounded, whatever the conversation's length."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+        self.started = False
+        self.deadline: datetime | None = None
+        self.pending: list[dict[str, str]] = []
+        self.output_retries = 0
+        self.invalid_calls = 0
+        self.tool_errors = 0
+        self.input_tokens = 0
+        self.output_tokens = 0
+        self.model_attempts = 0
+
+    @classmethod
+    def load(cls, stored: Any, loop: ToolLoop, ctx: StepContext) -> _LoopState:
+        state = cls()
+        if isinstance(stored, dict):
+            for key in (
+                "turn",
+                "output_retries",
+                "invalid_calls",
+                "tool_errors",
+                "input_tokens",
+                "output_tokens",
+                "model_attempts",
+            ):
+                setattr(state, key, int(stored.get(key, 0)))
+            state.started = True
+            state.pending = list(stored.get("pending", []))
+            deadline = stored.get("deadline")
+            state.deadline = datetime.fromisoformat(deadline) if deadline else None
+        elif loop.deadline_seconds is not None:
+            state.deadline = ctx.database_now() + timedelta(seconds=loop.deadline_seconds)
+        return state
+
+    def add_usage(self, reply: ModelReply) -> None:
+        self.input_tokens += reply.input_tokens
+        self.output_tokens += reply.output_tokens
+        self.model_attempts += len(reply.attempts)
+
+    def summary(self) -> dict[str, JSON]:
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "model_attempts": self.model_attempts,
+            "invalid_calls": self.invalid_calls,
+            "tool_errors": self.tool_errors,
+        }
+
+    def dump(self) -> dict[str, JSON]:
+        return {
+            "turn": self.turn,
+            "pending": list(self.pending),
+            "deadline": None if self.deadline is None else self.deadline.isoformat(),
+            "output_retries": self.output_retries,
+            **self.summary(),
+        }
+
+
+def _our_attributes(ctx: StepContext, turn: int) -> dict[str, str | int]:
+    return {
+        "orchestrator.run.id": ctx.run_id,
+        "orchestrator.run.fence": ctx.fence,
+        "orchestrator.attempt": ctx.attempt,
+        "orchestrator.turn": turn,
+    }
+
+
+def _assistant_message(turn: int, reply: ModelReply) -> Message:
+    body: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        body["tool_calls"] = [
+            {
+                "id": call.id or f"call_{turn}_{index}",
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for index, call in enumerate(reply.tool_calls)
+        ]
+    return Message(turn, "assistant", body, reply.usage())
+
+
+def _tool_error(turn: int, call_id: str, text: str) -> Message:
+    return Message(
+        turn,
+        "tool",
+        {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"error": text})},
+    )
+
+
+def _problems(error: pydantic.ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'answer'}: {e['msg']}"
+        for e in error.errors(include_url=False)[:10]
+    )
+
+
+__all__ = ["LOOP_KEY", "ToolAgent", "effect_key"]

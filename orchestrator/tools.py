@@ -1,0 +1,290 @@
+"""Tools a model may call, each labelled where it is defined: read-only, or an effect.
+
+``@tool.read_only`` runs in the worker while the turn is in progress; it may run again if the
+worker dies before the turn commits, and its result is committed with the turn. ``@tool.effect``
+never acts: its function only builds the payload, which becomes a fenced ``Effect`` recorded in
+the turn's commit and sent once by the dispatcher; the model is told the settled record. There is
+no unlabelled tool. The argument schema comes from the function's type hints and docstring
+(``Args:`` lines describe the parameters) and calls are validated with pydantic::
+
+    @tool.read_only(timeout=10)
+    async def find_invoice(ctx: ToolContext, invoice_id: str) -> dict:
+        \"\"\"Look up an invoice by id.\"\"\"
+
+    @tool.effect("email")
+    def reply_to_customer(to: str, subject: str, body: str) -> dict:
+        \"\"\"Email the customer.\"\"\"
+        return {"to": to, "subject": subject, "body": body}
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, overload
+
+import pydantic
+from pydantic_core import to_jsonable_python
+
+from orchestrator.effects.model import (
+    EffectPolicy,
+    EffectRecord,
+    EffectStatus,
+    validate_effect_key,
+)
+from orchestrator.errors import InvalidInput
+from orchestrator.models import JSON
+from orchestrator.telemetry import RunLogger
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+DEFAULT_TOOL_TIMEOUT_SECONDS = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """What a read-only tool may read about the call it serves."""
+
+    run_id: str
+    fence: int
+    attempt: int
+    turn: int
+    call_id: str
+    input: JSON
+    log: RunLogger
+
+
+class ToolArgumentsInvalid(Exception):
+    """The model's arguments do not fit the tool's schema (told back to the model)."""
+
+
+def default_result(record: EffectRecord) -> JSON:
+    """What the model is told of a settled effect: its status, the vendor's id and answer."""
+    return {
+        "status": record.status.value,
+        "external_id": record.external_id,
+        "result": record.result,
+        "error": record.error,
+    }
+
+
+def _description_and_args(function: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """The docstring's first paragraph, and the ``name: text`` lines under ``Args:``."""
+    text = inspect.getdoc(function) or ""
+    head, _, rest = text.partition("\nArgs:")
+    described: dict[str, str] = {}
+    name = None
+    for line in rest.splitlines():
+        match = re.match(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.*)$", line)
+        if match:
+            name = match[1]
+            described[name] = match[2].strip()
+        elif name and line.strip() and line.startswith("        "):
+            described[name] += " " + line.strip()
+        elif not line.strip():
+            name = None
+    return " ".join(head.strip().split("\n\n")[0].split()), described
+
+
+class Tool:
+    """A tool's definition: its name, description and argument schema (built from the function)."""
+
+    kind_label: str = ""
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        *,
+        name: str | None,
+        description: str | None,
+        takes_context: bool,
+    ) -> None:
+        self.function = function
+        self.name = name or function.__name__
+        if not _TOOL_NAME.fullmatch(self.name):
+            raise InvalidInput(
+                f"tool name {self.name!r}: 1-64 letters, digits, _ and - (the model API's rule)"
+            )
+        doc, arg_docs = _description_and_args(function)
+        self.description = description or doc
+        if not self.description:
+            raise InvalidInput(
+                f"tool {self.name}: give it a docstring (or description=): the model reads it "
+                "to decide when to call the tool"
+            )
+        hints = typing.get_type_hints(function, include_extras=True)
+        parameters = list(inspect.signature(function).parameters.values())
+        if takes_context and parameters and hints.get(parameters[0].name) is ToolContext:
+            parameters = parameters[1:]
+            self.takes_context = True
+        else:
+            self.takes_context = False
+        fields: dict[str, Any] = {}
+        for parameter in parameters:
+            if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+                raise InvalidInput(f"tool {self.name}: *args and **kwargs cannot be described")
+            if parameter.name not in hints:
+                raise InvalidInput(
+                    f"tool {self.name}: parameter {parameter.name!r} has no type hint (the "
+                    "model's arguments are validated against the hints)"
+                )
+            default = ... if parameter.default is parameter.empty else parameter.default
+            fields[parameter.name] = (
+                hints[parameter.name],
+                pydantic.Field(default, description=arg_docs.get(parameter.name)),
+            )
+        self.arguments: type[pydantic.BaseModel] = pydantic.create_model(
+            f"{self.name}_arguments",
+            __config__=pydantic.ConfigDict(extra="forbid"),
+            **fields,
+        )
+        schema = self.arguments.model_json_schema()
+        schema.pop("title", None)
+        self.parameters: dict[str, Any] = schema
+
+    def definition(self) -> dict[str, Any]:
+        """The tool as the chat completions API takes it."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+    def parse(self, arguments: str) -> dict[str, Any]:
+        """The model's raw JSON arguments, validated (``ToolArgumentsInvalid``: what is wrong)."""
+        try:
+            model = self.arguments.model_validate_json(arguments.strip() or "{}")
+        except pydantic.ValidationError as error:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}"
+                for e in error.errors(include_url=False)[:10]
+            )
+            raise ToolArgumentsInvalid(problems) from None
+        return {name: getattr(model, name) for name in type(model).model_fields}
+
+
+class ReadOnlyTool(Tool):
+    """Runs in the worker, may run again after a crash; its result is committed with the turn."""
+
+    kind_label = "read_only"
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        *,
+        timeout: float,
+        name: str | None = None,
+        description: str | None = None,
+    ) -> None:
+        if not timeout > 0:
+            raise InvalidInput("a read-only tool's timeout must be above 0 seconds")
+        super().__init__(function, name=name, description=description, takes_context=True)
+        self.timeout = timeout
+
+    async def call(self, ctx: ToolContext, arguments: dict[str, Any]) -> JSON:
+        result = (
+            self.function(ctx, **arguments) if self.takes_context else self.function(**arguments)
+        )
+        if inspect.isawaitable(result):
+            result = await result
+        return to_jsonable_python(result)
+
+
+class EffectTool(Tool):
+    """Builds an effect's payload; the dispatcher sends it, once, after the turn commits."""
+
+    kind_label = "effect"
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        *,
+        kind: str,
+        policy: EffectPolicy,
+        result: Callable[[EffectRecord], JSON] | None = None,
+        name: str | None = None,
+        description: str | None = None,
+    ) -> None:
+        super().__init__(function, name=name, description=description, takes_context=False)
+        validate_effect_key(kind)  # kinds follow the effect key rule
+        self.kind = kind
+        self.policy = policy
+        self.result = result or default_result
+
+    async def payload(self, arguments: dict[str, Any]) -> JSON:
+        value = self.function(**arguments)
+        if inspect.isawaitable(value):
+            value = await value
+        return to_jsonable_python(value)
+
+    def told(self, record: EffectRecord) -> JSON:
+        """What the model is told once the effect has settled."""
+        return to_jsonable_python(self.result(record))
+
+
+SETTLED_FOR_THE_MODEL = frozenset(
+    (EffectStatus.CONFIRMED, EffectStatus.FAILED, EffectStatus.REJECTED)
+)
+"""Outcomes the model may be told; uncertain and parked ones are waited out, never reported."""
+
+
+class _ToolDecorators:
+    """``tool.read_only`` and ``tool.effect``."""
+
+    @overload
+    def read_only(self, function: Callable[..., Any], /) -> ReadOnlyTool: ...
+
+    @overload
+    def read_only(
+        self,
+        function: None = None,
+        /,
+        *,
+        timeout: float = DEFAULT_TOOL_TIMEOUT_SECONDS,
+        name: str | None = None,
+        description: str | None = None,
+    ) -> Callable[[Callable[..., Any]], ReadOnlyTool]: ...
+
+    def read_only(
+        self,
+        function: Callable[..., Any] | None = None,
+        /,
+        *,
+        timeout: float = DEFAULT_TOOL_TIMEOUT_SECONDS,
+        name: str | None = None,
+        description: str | None = None,
+    ) -> ReadOnlyTool | Callable[[Callable[..., Any]], ReadOnlyTool]:
+        """A tool without side effects, run by the worker (it may run more than once)."""
+
+        def wrap(f: Callable[..., Any]) -> ReadOnlyTool:
+            return ReadOnlyTool(f, timeout=timeout, name=name, description=description)
+
+        return wrap(function) if function is not None else wrap
+
+    def effect(
+        self,
+        kind: str,
+        *,
+        policy: EffectPolicy = EffectPolicy.IRREVERSIBLE,
+        result: Callable[[EffectRecord], JSON] | None = None,
+        name: str | None = None,
+        description: str | None = None,
+    ) -> Callable[[Callable[..., Awaitable[JSON] | JSON]], EffectTool]:
+        """A tool that changes the world: its function builds the payload of a fenced effect
+        of ``kind`` (a vendor in the dispatcher's configuration), sent once after the turn
+        commits; ``result`` turns the settled record into what the model is told."""
+
+        def wrap(f: Callable[..., Any]) -> EffectTool:
+            return EffectTool(
+                f, kind=kind, policy=policy, result=result, name=name, description=description
+            )
+
+        return wrap
+
+
+tool = _ToolDecorators()

@@ -1,0 +1,75 @@
+"""A run's transcript: the messages of its conversation with a model, append-only, fenced.
+
+A step appends messages by returning them with its outcome (``Next(..., messages=[...])``); they
+are written in the step's own fenced commit, numbered after the last committed one, or not at all.
+``ctx.transcript.messages()`` reads the committed transcript. One execution keeps what it has
+read and committed, so a long conversation is read from the database once per claim, not once
+per turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from orchestrator.models import JSON
+
+if TYPE_CHECKING:
+    from orchestrator.db.store import RunStore
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message. ``body`` is the chat message as the model API takes it (``role``,
+    ``content``, ``tool_calls``, ``tool_call_id``); ``usage``, on an assistant message, is what its
+    model call cost. ``seq`` and ``fence`` are set when it is committed."""
+
+    turn: int
+    role: Role
+    body: dict[str, Any]
+    usage: JSON = None
+    seq: int = -1
+    fence: int = 0
+    at: datetime | None = None
+
+
+class TranscriptView(Protocol):
+    async def messages(self) -> list[Message]:
+        """The committed transcript, oldest first."""
+        ...
+
+
+class Transcript:
+    """``ctx.transcript`` for one execution: the committed messages, read once, then kept."""
+
+    __slots__ = ("_loaded", "_messages", "run_id", "store")
+
+    def __init__(self, store: RunStore, run_id: str) -> None:
+        self.store = store
+        self.run_id = run_id
+        self._messages: list[Message] = []
+        self._loaded = False
+
+    async def messages(self) -> list[Message]:
+        if not self._loaded:
+            self._messages = await self.store.messages(self.run_id)
+            self._loaded = True
+        return list(self._messages)
+
+    async def numbered(self, new: Sequence[Message], fence: int) -> list[Message]:
+        """``new`` as they will be committed: numbered after the committed ones, under ``fence``."""
+        if not new:
+            return []
+        start = len(await self.messages())
+        return [replace(message, seq=start + i, fence=fence) for i, message in enumerate(new)]
+
+    def committed(self, messages: Sequence[Message]) -> None:
+        """The step's commit took effect: its messages are part of the transcript now."""
+        if self._loaded:
+            self._messages.extend(messages)

@@ -1,0 +1,77 @@
+"""The tool agents shipped in agents/, on the local scripted model, real vendors on loopback."""
+
+from __future__ import annotations
+
+import pytest
+from orchestrator.agents.contract_summary import LOCAL_SCRIPT as SUMMARY_SCRIPT
+from orchestrator.agents.contract_summary import contract_summary
+from orchestrator.agents.support import LOCAL_SCRIPT as SUPPORT_SCRIPT
+from orchestrator.agents.support import support
+from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
+from orchestrator.effects.model import EffectStatus
+from orchestrator.effects.store import EffectStore
+from test_runtime import FAST
+
+from orchestrator.db.store import RunStore
+from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import running_worker, wait_for_run
+
+
+async def test_contract_summary_emails_once_and_updates_the_crm(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ScriptedModelServer(SUMMARY_SCRIPT) as model, LocalVendor() as crm:
+        with SmtpSink() as sink:
+            monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+            adapters = {
+                "crm": HttpAdapter("crm", url=crm.send_url, reconcile="replay"),
+                "email": SmtpAdapter("email", host="127.0.0.1", port=sink.port, sender="a@o.test"),
+            }
+            run_id = (
+                await store.submit(
+                    "contract_summary",
+                    {"contract_id": "c-1001", "to": "legal@acme.test", "account": "ACME"},
+                )
+            ).run.run_id
+            async with running_worker(
+                settings, [contract_summary], effect_adapters=adapters, **FAST
+            ):
+                run = await wait_for_run(store, run_id, within=30)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert run.result is not None and "ACME Corp and Northwind" in run.result["output"]
+    assert [str(m["To"]) for m in sink.messages] == ["legal@acme.test"]
+    assert "Master services agreement" in sink.messages[0].get_content()
+    assert [d["payload"]["status"] for d in crm.deliveries.values()] == ["summarised"]
+    records = await EffectStore(store.pool).list_effects(run_id=run_id)
+    assert {(r.kind, r.status) for r in records} == {
+        ("email", EffectStatus.CONFIRMED),
+        ("crm", EffectStatus.CONFIRMED),
+    }
+
+
+async def test_support_opens_a_ticket_and_replies_quoting_its_id(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ScriptedModelServer(SUPPORT_SCRIPT) as model, LocalVendor() as tickets:
+        with SmtpSink() as sink:
+            monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+            adapters = {
+                "tickets": HttpAdapter("tickets", url=tickets.send_url, reconcile="replay"),
+                "email": SmtpAdapter("email", host="127.0.0.1", port=sink.port, sender="s@o.test"),
+            }
+            run_id = (
+                await store.submit(
+                    "support", {"customer": "ana@example.com", "order_id": "o-17", "message": "?"}
+                )
+            ).run.run_id
+            async with running_worker(settings, [support], effect_adapters=adapters, **FAST):
+                run = await wait_for_run(store, run_id, within=30)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert sorted(tickets.requests_by_key.values()) == [1]
+    ticket_id = next(iter(tickets.deliveries.values()))["id"]
+    assert len(sink.messages) == 1 and ticket_id in str(sink.messages[0]["Subject"])
+    assert ticket_id in sink.messages[0].get_content()
+    lookups = [r for r in model.requests if r["turn"] == 0]
+    assert len(lookups) == 1  # both lookups were one turn: two calls in one answer

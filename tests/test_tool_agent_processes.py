@@ -1,0 +1,234 @@
+"""The tool loop under real faults: `serve` processes SIGKILLed or SIGSTOPped mid-loop, and
+renewals blocked while a model call is in flight. The scripted model server, the HTTP vendor
+(counting raw requests per idempotency key) and PostgreSQL are real, on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import anyio
+import pytest
+from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.model import Effect, EffectStatus
+from orchestrator.effects.store import EffectStore
+from support import ServeProcess
+from test_runtime import FAST, eventually
+from tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
+
+from orchestrator.db.store import RunStore
+from orchestrator.loopback import FaultProxy, LocalVendor, ScriptedModelServer, Slow
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import capture_spans, running_worker, wait_for_run
+
+pytestmark = pytest.mark.slow
+AGENTS = ["--agents", "tool_agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
+
+
+def vendor_config(tmp_path: Path, vendor: LocalVendor) -> str:
+    path = tmp_path / "vendors.json"
+    path.write_text(
+        json.dumps(
+            {
+                "kinds": {
+                    "crm": {
+                        "adapter": "http",
+                        "url": vendor.send_url,
+                        "reconcile": "lookup",
+                        "lookup_url": vendor.lookup_url,
+                    }
+                }
+            }
+        )
+    )
+    return str(path)
+
+
+def model_env(model: ScriptedModelServer, **more: str) -> dict[str, str]:
+    return {"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "", **more}
+
+
+async def until(condition: Callable[[], bool], within: float = 30) -> None:
+    await eventually(condition, within=within)
+
+
+async def effect_rows(store: RunStore, run_id: str) -> list[tuple[str, dict[str, object], int]]:
+    records = await EffectStore(store.pool).list_effects(run_id=run_id)
+    return [(r.effect_key, r.payload, r.fence) for r in records]
+
+
+async def test_killed_between_the_model_answer_and_the_commit_the_replayed_turn_alone_acts(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    """The replacement replays turn 1 and the model answers differently: only the committed
+    call is ever dispatched; nothing was sent for the killed worker's call."""
+    async with ScriptedModelServer(SLOW_TURN_1) as model, LocalVendor() as vendor:
+        args = [
+            *AGENTS,
+            "--effects-config",
+            vendor_config(tmp_path, vendor),
+            "--lease-seconds",
+            "10",
+            "--heartbeat-seconds",
+            "2",
+        ]
+        env = model_env(model, ORDERS_LOOKUP_SECONDS="60")
+        run_id = (await store.submit("orders", {"prompt": "Where is o-17?"})).run.run_id
+        conversation = "Where is o-17?"
+        with ServeProcess(database_url, *args, name="A", env=env) as a:
+            await until(lambda: model.answered(conversation, 1) == 1)
+            await anyio.sleep(0.3)  # A is in the slow lookup: turn 1 is answered, not committed
+            a.kill()
+        with ServeProcess(database_url, *args, name="B", env=env):
+            final = await wait_for_run(store, run_id, within=40)
+            await until(lambda: len(vendor.requests_by_key) == 1, within=20)
+    assert final.state is RunState.SUCCEEDED, final.error
+    rows = await effect_rows(store, run_id)
+    assert [(key, payload) for key, payload, _ in rows] == [
+        ("call:1:call_1_1_0", {"order_id": "o-17", "note": "REPLAYED answer"})
+    ]
+    assert sorted(vendor.requests_by_key.values()) == [1]
+    assert [d["payload"]["note"] for d in vendor.deliveries.values()] == ["REPLAYED answer"]
+    assistant_turns = [m.turn for m in await store.messages(run_id) if m.role == "assistant"]
+    assert assistant_turns == [0, 1, 2]  # the conversation resumed from the last commit
+
+
+async def test_killed_between_the_commit_and_the_dispatch_the_effect_is_sent_once(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    async with ScriptedModelServer(ORDERS_TURNS) as model, LocalVendor() as vendor:
+        config = vendor_config(tmp_path, vendor)
+        base = [*AGENTS, "--lease-seconds", "10", "--heartbeat-seconds", "2"]
+        run_id = (await store.submit("orders", {"prompt": "o-17, please"})).run.run_id
+        with ServeProcess(
+            database_url, *base, "--no-dispatch", name="A", env=model_env(model)
+        ) as a:
+            await until(lambda: model.answered("o-17, please", 1) == 1)
+            await anyio.sleep(0.5)
+            assert (await effect_rows(store, run_id)) != []  # turn 1 committed its effect
+            a.kill()
+        with ServeProcess(
+            database_url, *base, "--effects-config", config, name="B", env=model_env(model)
+        ):
+            final = await wait_for_run(store, run_id, within=40)
+    assert final.state is RunState.SUCCEEDED, final.error
+    assert sorted(vendor.requests_by_key.values()) == [1]
+    assert model.answered("o-17, please", 1) == 1  # turn 1 was not asked again
+    told = [
+        json.loads(m.body["content"])
+        for m in await store.messages(run_id)
+        if m.turn == 2 and m.role == "tool"
+    ]
+    assert told[0]["status"] == "confirmed"
+
+
+async def test_a_paused_owner_resumes_after_a_replacement_and_its_stale_fence_is_refused(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    async with ScriptedModelServer(ORDERS_TURNS) as model, LocalVendor() as vendor:
+        args = [
+            *AGENTS,
+            "--effects-config",
+            vendor_config(tmp_path, vendor),
+            "--lease-seconds",
+            "2",
+            "--heartbeat-seconds",
+            "0.5",
+        ]
+        conversation = "stop and go"
+        model.fail_next(Slow(2.5), turn=2, conversation=conversation)
+        run_id = (await store.submit("orders", {"prompt": conversation})).run.run_id
+        with ServeProcess(database_url, *args, name="A", env=model_env(model)) as a:
+            await until(
+                lambda: any(r["turn"] == 2 for r in model.requests)
+            )  # after turn 1's commit
+            a.signal(signal.SIGSTOP)
+            with ServeProcess(database_url, *args, name="B", env=model_env(model)):
+                final = await wait_for_run(store, run_id, within=40)
+            a.signal(signal.SIGCONT)
+            await until(lambda: bool(a.events("lease lost")), within=20)
+            await anyio.sleep(1)
+        # A still holds credentials and a live connection: its request is refused at the boundary.
+        async with store.pool.acquire() as db:
+            stale = await EffectStore(store.pool).accept(
+                db, run_id, 1, Effect("late-note", "crm", {"note": "late"}), worker_id="A"
+            )
+    assert final.state is RunState.SUCCEEDED, final.error
+    assert (stale.outcome, stale.accepted_fence) == ("stale", 2)
+    assert sorted(vendor.requests_by_key.values()) == [1]  # one request per tool call
+    events = await store.events(run_id)
+    claims = [(e.worker_id, e.fence) for e in events if e.kind == "claimed"]
+    assert claims == [("A", 1), ("B", 2)]
+    assert ("A", 1) in [(e.worker_id, e.fence) for e in events if e.kind == "stale_fence_rejected"]
+    assert [e.worker_id for e in events if e.kind == "lease_lost"] == ["A"]
+
+
+async def test_a_model_call_outlasting_the_lease_while_renewals_are_blocked_commits_nothing(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local deadline cancels the call in flight; the turn commits nothing; only the turn
+    committed after the lease was recovered acts."""
+    exporter = capture_spans()
+    assert exporter is not None
+    exporter.clear()
+    conversation = "partitioned"
+    async with (
+        ScriptedModelServer(ORDERS_TURNS) as model,
+        LocalVendor() as vendor,
+        FaultProxy("127.0.0.1", int(urlsplit(str(settings.database_url)).port or 0)) as proxy,
+    ):
+        model.fail_next(Slow(6), turn=1, conversation=conversation)
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        proxied = Settings(database_url=proxy.dsn_for(str(settings.database_url)))
+        run_id = (await store.submit("orders", {"prompt": conversation})).run.run_id
+        adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}
+        options = {**FAST, "lease_seconds": 2.0, "heartbeat_seconds": 0.5}
+        async with running_worker(proxied, [orders], effect_adapters=adapters, **options):
+            await until(lambda: any(r["turn"] == 1 for r in model.requests))
+            proxy.mode = "blackhole"  # renewals (and every other statement) get no answer
+            await until(lambda: model.disconnects == 1, within=10)
+            proxy.mode = "forward"
+            final = await wait_for_run(store, run_id, within=40)
+            await until(lambda: len(vendor.requests_by_key) == 1, within=20)
+    assert final.state is RunState.SUCCEEDED, final.error
+    events = await store.events(run_id)
+    first_turn_commits = [e for e in events if e.kind == "checkpoint" and e.fence == 1]
+    assert len(first_turn_commits) == 1  # turn 0 only: the stalled turn 1 committed nothing
+    rows = await effect_rows(store, run_id)
+    assert len(rows) == 1 and rows[0][2] == 2  # the effect was requested by the new claim
+    assert "lease_lost" in [e.kind for e in events]
+    record = await EffectStore(store.pool).get(run_id, rows[0][0])
+    assert record.status is EffectStatus.CONFIRMED
+    # The stalled turn is in the trace, labelled as never committed.
+    turns_ = [
+        (s.attributes["orchestrator.run.fence"], s.attributes["orchestrator.committed"])
+        for s in exporter.get_finished_spans()
+        if s.name == "invoke_agent orders" and s.attributes["orchestrator.run.id"] == run_id
+    ]
+    assert (1, False) in turns_ and (2, True) in turns_, turns_
+
+
+async def test_runs_show_prints_the_conversation_and_json_gives_it_whole(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_cli import cli
+
+    async with ScriptedModelServer(ORDERS_TURNS) as model, LocalVendor() as vendor:
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}
+        run_id = (await store.submit("orders", {"prompt": "show me o-17"})).run.run_id
+        async with running_worker(settings, [orders], effect_adapters=adapters, **FAST):
+            await wait_for_run(store, run_id, within=30)
+    shown = cli(str(settings.database_url), "runs", "show", run_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "conversation" in shown.stdout
+    assert "→ lookup_order(" in shown.stdout and "→ notify(" in shown.stdout
+    assert "[effect confirmed]" in shown.stdout
+    whole = json.loads(cli(str(settings.database_url), "runs", "show", run_id, "--json").stdout)
+    assert [m["role"] for m in whole["messages"]][:3] == ["system", "user", "assistant"]
+    assert whole["messages"][1]["body"]["content"] == "show me o-17"
+    assert whole["effects"][0]["status"] == "confirmed"
