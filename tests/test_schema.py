@@ -128,7 +128,8 @@ async def test_a_database_of_an_earlier_release_moves_into_the_schema_with_its_h
         await pool.close()
 
     settings = Settings(database_url=empty_database)
-    with pytest.raises(SchemaBehind, match=f"version 6, this orchestrator needs {latest_version()}"):
+    behind = f"version 6, this orchestrator needs {latest_version()}"
+    with pytest.raises(SchemaBehind, match=behind):
         await ensure_schema(settings, empty_database, auto_migrate=False)
     connection = await connect(settings)
     try:

@@ -34,7 +34,7 @@ from orchestrator.tools import tool
 async def serve_one(
     settings: Settings,
     store: RunStore,
-    agent: ToolAgent,
+    agent: Agent,
     model: ScriptedModelServer,
     monkeypatch: pytest.MonkeyPatch,
     run_input: dict[str, Any],
