@@ -3,7 +3,7 @@
 What is measured, in one run, on one PostgreSQL server and with the same concurrency (``--tasks``
 asyncio tasks sharing one pool of as many connections):
 
-* claims/s through ``RunStore.claim`` with ``limit=1`` and ``limit=50`` (the ``claim_due``
+* claims/s through ``RunStore.claim`` with ``limit=1`` and ``limit=50`` (the ``claim``
   statement; a claim is one run handed to a worker),
 * renewals/s through ``RunStore.renew`` (``renew_lease``, one statement per lease) and through
   ``RunStore.renew_many`` (``renew_leases``, 1,000 leases per statement),
@@ -82,42 +82,63 @@ LEASE_SECONDS = 600.0
 # Kept textually identical (comments aside) to the store's; `check_sql_copies` warns when
 # queries.sql changed and these copies no longer measure the same statement.
 
-CLAIM_DUE_SQL = """
+CLAIM_SQL = """
 WITH expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
-           attempt >= max_attempts AS exhausted
+           attempt >= max_attempts AS exhausted, wait
     FROM runs
-    WHERE $5::boolean AND state = 'running' AND agent = ANY($2::text[])
+    WHERE $6::text IS NULL AND $5::boolean AND state = 'running' AND agent = ANY($2::text[])
       AND lease_until < clock_timestamp()
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), due AS (
     SELECT d.run_id, NULL::text AS previous_owner, NULL::timestamptz AS previous_lease_until,
-           false AS exhausted
+           false AS exhausted, d.wait
     FROM unnest($2::text[]) AS a(agent)
     CROSS JOIN LATERAL (
-        SELECT run_id, available_at
+        SELECT run_id, available_at, wait
         FROM runs
-        WHERE state IN ('queued', 'waiting') AND agent = a.agent
-          AND available_at <= clock_timestamp()
+        WHERE $6::text IS NULL AND state IN ('queued', 'waiting') AND agent = a.agent
+          AND available_at <= (SELECT clock_timestamp())
         ORDER BY available_at
         LIMIT $3
         FOR UPDATE SKIP LOCKED
     ) AS d
     ORDER BY d.available_at
     LIMIT $3
+), named AS (
+    SELECT run_id,
+           CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
+           CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
+           state = 'running' AND attempt >= max_attempts AS exhausted, wait
+    FROM runs
+    WHERE run_id = $6::text
+      AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
+           OR (state = 'running' AND lease_until < clock_timestamp()))
+    FOR UPDATE SKIP LOCKED
 ), picked AS (
-    SELECT * FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS candidates LIMIT $3
+    SELECT *
+    FROM (SELECT * FROM expired UNION ALL SELECT * FROM due UNION ALL SELECT * FROM named)
+        AS candidates
+    LIMIT $3
 ), claimed AS (
     UPDATE runs AS r
     SET state = 'running', lease_owner = $1,
         lease_until = clock_timestamp() + make_interval(secs => $4),
-        fence = r.fence + 1, attempt = r.attempt + 1, updated_at = clock_timestamp()
+        fence = r.fence + 1, attempt = r.attempt + 1, wait = NULL,
+        updated_at = clock_timestamp()
     FROM picked AS p
     WHERE r.run_id = p.run_id AND NOT p.exhausted
     RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
               r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
-              p.previous_lease_until, clock_timestamp() AS claimed_at
+              p.previous_lease_until, clock_timestamp() AS claimed_at, p.wait,
+              CASE WHEN r.signals_pending > 0 THEN (
+                  SELECT jsonb_agg(jsonb_build_object(
+                             'seq', s.seq, 'name', s.name, 'data', s.data,
+                             'idempotency_key', s.idempotency_key, 'sent_at', s.sent_at)
+                         ORDER BY s.seq)
+                  FROM run_signals AS s WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
+              ) END AS signals
 ), dead AS (
     UPDATE runs AS r
     SET state = 'dead', lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
@@ -128,7 +149,7 @@ WITH expired AS (
                               p.previous_owner, r.attempt, r.max_attempts))
     FROM picked AS p
     WHERE r.run_id = p.run_id AND p.exhausted
-    RETURNING r.run_id, r.fence, r.attempt, p.previous_owner, p.previous_lease_until
+    RETURNING r.run_id, r.fence, r.attempt, p.previous_owner, p.previous_lease_until, r.watched
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT run_id, 'claimed', fence, $1,
@@ -143,14 +164,18 @@ WITH expired AS (
                               'previous_owner', previous_owner,
                               'previous_lease_until', previous_lease_until)
     FROM dead
+), finished_told AS (
+    SELECT pg_notify('orchestrator_finished', run_id) FROM dead WHERE watched
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
-       checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at
+       checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
+       signals
 FROM claimed
 UNION ALL
 SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
-       previous_owner, previous_lease_until, NULL
+       previous_owner, previous_lease_until, NULL, NULL, NULL
 FROM dead
+WHERE (SELECT count(*) FROM finished_told) >= 0
 """
 
 RENEW_LEASE_SQL = """
@@ -192,7 +217,7 @@ SELECT checkpoint_version, lease_until FROM committed
 """
 
 INLINE_COPIES = {
-    "claim_due": CLAIM_DUE_SQL,
+    "claim": CLAIM_SQL,
     "renew_lease": RENEW_LEASE_SQL,
     "renew_leases": RENEW_LEASES_SQL,
     "commit_step": COMMIT_STEP_SQL,
@@ -402,7 +427,7 @@ def claim_case(ctx: Context, limit: int, total: int) -> Case:
                     if claimed[0] >= wanted or time.perf_counter() > deadline:
                         break
                     records = await pool.fetch(
-                        CLAIM_DUE_SQL, me, agents, limit, LEASE_SECONDS, True
+                        CLAIM_SQL, me, agents, limit, LEASE_SECONDS, True, None
                     )
                     statements += 1
                     got = sum(1 for record in records if record["outcome"] == "claimed")

@@ -13,6 +13,9 @@ from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, Row
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+DEFAULT_APPROVAL_SECONDS = 24 * 3600.0
+"""How long an approval request waits for a person before it is denied by expiry."""
+MAX_APPROVAL_SECONDS = 366 * 24 * 3600.0
 
 
 class EffectPolicy(enum.StrEnum):
@@ -30,6 +33,8 @@ class EffectStatus(enum.StrEnum):
     FAILED = "failed"
     REJECTED = "rejected"
     PARKED = "parked"
+    AWAITING_APPROVAL = "awaiting_approval"
+    """Recorded, not sendable: a person must approve this very payload first."""
 
     @property
     def settled(self) -> bool:
@@ -62,6 +67,11 @@ class Effect:
     kind: str
     payload: JSON
     policy: EffectPolicy = EffectPolicy.IRREVERSIBLE
+    requires_approval: bool = False
+    """Recorded ``awaiting_approval`` with its payload's hash; sent only once a person approves
+    that payload (``orchestrator approvals approve``)."""
+    approval_seconds: float = DEFAULT_APPROVAL_SECONDS
+    """How long the approval may wait; then it is denied by expiry."""
 
     def __post_init__(self) -> None:
         validate_effect_key(self.key)
@@ -69,6 +79,10 @@ class Effect:
             raise InvalidInput(f"malformed effect kind {self.kind!r}")
         if self.payload is None:
             raise InvalidInput(f"effect {self.key!r} has no payload: give the vendor a JSON value")
+        if not 0 < self.approval_seconds <= MAX_APPROVAL_SECONDS:
+            raise InvalidInput(
+                f"effect {self.key!r}: approval_seconds must be above 0 and at most a year"
+            )
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,14 @@ class EffectRecord:
     created_at: datetime
     updated_at: datetime
     settled_at: datetime | None
+    payload_sha256: str | None = None
+    """The SHA-256 of the payload as stored: what an approval is bound to."""
+    requires_approval: bool = False
+    approval_expires_at: datetime | None = None
+    approved_sha256: str | None = None
+    decided_by: str | None = None
+    decided_at: datetime | None = None
+    decision_note: str | None = None
 
     @classmethod
     def from_record(cls, record: Row) -> EffectRecord:

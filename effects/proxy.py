@@ -1,8 +1,8 @@
 """The action proxy: the effect boundary over HTTP, for workers in other processes or languages.
 
 ``POST /v1/effects`` with ``{"run_id", "effect_key", "fence", "kind", "payload"}`` (and optional
-``"policy"``, ``"worker_id"``) applies exactly the rules a step's commit applies, in one
-transaction, and answers:
+``"policy"``, ``"worker_id"``, ``"requires_approval"``, ``"approval_seconds"``) applies exactly
+the rules a step's commit applies, in one transaction, and answers:
 
 - 201 ``accepted`` (new record) or 200 ``existing`` / ``replaced`` (the record and its status);
 - 404 ``unknown_run`` when no run has that id (nothing is recorded);
@@ -35,7 +35,7 @@ from orchestrator.ids import RUN_ID_PATTERN
 from orchestrator.presentation import jsonable
 from orchestrator.storable import InvalidJson, check_bigint, check_text, parse_document
 
-from .model import Acceptance, AcceptOutcome, Effect, EffectPolicy
+from .model import DEFAULT_APPROVAL_SECONDS, Acceptance, AcceptOutcome, Effect, EffectPolicy
 from .store import EffectNotFound, EffectStore
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
@@ -170,6 +170,8 @@ def _parse_request(document: Any) -> tuple[str, int, Effect, str | None]:
         "payload",
         "policy",
         "worker_id",
+        "requires_approval",
+        "approval_seconds",
     }
     if unknown:
         raise InvalidInput(f"unknown fields: {', '.join(sorted(unknown))}")
@@ -191,5 +193,18 @@ def _parse_request(document: Any) -> tuple[str, int, Effect, str | None]:
         if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= MAX_WORKER_ID:
             raise InvalidInput(f"worker_id must be a string of 1-{MAX_WORKER_ID} characters")
         check_text(worker_id, "worker_id")
-    effect = Effect(document["effect_key"], document["kind"], document["payload"], policy)
+    approval = document.get("requires_approval", False)
+    if not isinstance(approval, bool):
+        raise InvalidInput("requires_approval must be true or false")
+    seconds = document.get("approval_seconds", DEFAULT_APPROVAL_SECONDS)
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise InvalidInput("approval_seconds must be a number of seconds")
+    effect = Effect(
+        document["effect_key"],
+        document["kind"],
+        document["payload"],
+        policy,
+        requires_approval=approval,
+        approval_seconds=float(seconds),
+    )
     return run_id, fence, effect, worker_id

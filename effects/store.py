@@ -63,6 +63,8 @@ class EffectStore:
             effect.payload,
             idempotency_key(run_id, effect.key),
             worker_id,
+            effect.requires_approval,
+            effect.approval_seconds,
         )
         assert record is not None
         status = record["status"]

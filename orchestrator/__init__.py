@@ -2,14 +2,19 @@
 
 What agent authors import::
 
-    from orchestrator import Agent, Step, StepContext, Next, Finish, Fail, Outcome, Effect, chat
-    from orchestrator import ToolAgent, ToolContext, tool
+    from orchestrator import Agent, Step, StepContext, Next, Finish, Fail, Wait, Outcome, Effect
+    from orchestrator import ToolAgent, ToolContext, tool, Budget, chat
+
+What applications import: ``from orchestrator import Client`` (or ``SyncClient``).
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from orchestrator.budgets import Budget, BudgetExhausted
+from orchestrator.client import Client, SyncClient
+from orchestrator.effects.approvals import DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.errors import (
     DatabaseUnavailable,
@@ -23,6 +28,7 @@ from orchestrator.errors import (
 )
 from orchestrator.llm import ModelNotConfigured, chat
 from orchestrator.settings import Settings
+from orchestrator.signals import Signal
 from orchestrator.steps import (
     Agent,
     Fail,
@@ -33,6 +39,8 @@ from orchestrator.steps import (
     StepContext,
     UnknownAgent,
     UnknownStep,
+    Wait,
+    WaitState,
 )
 from orchestrator.tool_agent import ToolAgent
 from orchestrator.tools import ToolContext, tool
@@ -50,7 +58,11 @@ __version__ = _version()
 
 __all__ = [
     "Agent",
+    "Budget",
+    "BudgetExhausted",
+    "Client",
     "DatabaseUnavailable",
+    "DecisionRefused",
     "Effect",
     "EffectPolicy",
     "Fail",
@@ -67,12 +79,16 @@ __all__ = [
     "RunNotFound",
     "SchemaTooNew",
     "Settings",
+    "Signal",
     "Step",
     "StepContext",
+    "SyncClient",
     "ToolAgent",
     "ToolContext",
     "UnknownAgent",
     "UnknownStep",
+    "Wait",
+    "WaitState",
     "__version__",
     "chat",
     "tool",

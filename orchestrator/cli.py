@@ -9,16 +9,25 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import anyio
 import click
-from rich.console import Console
-from rich.text import Text
 
 from orchestrator import __version__
+from orchestrator.budgets import BudgetStore
+from orchestrator.cli_support import (
+    parse_time,
+    print_error,
+    read_input,
+    run_async,
+    settings_of,
+    stderr,
+    stdout,
+)
+from orchestrator.cli_waits import approvals, runs_budget, runs_signal
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.embedded import EmbeddedPostgres
@@ -29,85 +38,20 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.models import RunState
 from orchestrator.presentation import (
+    budget_table,
     conversation_table,
     dump_json,
     effects_table,
+    jsonable,
     print_run,
     runs_table,
+    signals_table,
 )
 from orchestrator.settings import Settings
-from orchestrator.storable import check_text, parse_document
+from orchestrator.signals import SignalStore
 
 if TYPE_CHECKING:
     from orchestrator.worker.worker import Worker
-
-T = TypeVar("T")
-
-# Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
-# Data is printed as it is: no markup, no :emoji: codes (a worker id such as host:1234:ab holds
-# one).
-stdout = Console(
-    highlight=False,
-    markup=False,
-    emoji=False,
-    soft_wrap=False,
-    width=None if sys.stdout.isatty() else 200,
-)
-# Messages are never wrapped: a script reading stderr's first line gets the whole sentence.
-stderr = Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
-
-
-def print_error(error: BaseException) -> None:
-    """``error`` as one line on stderr: its text with any line breaks folded into spaces."""
-    line = " ".join(str(error).split())
-    stderr.print(Text.assemble(("error:", "red"), " ", line))
-
-
-def _settings(ctx: click.Context) -> Settings:
-    settings = ctx.find_object(Settings)
-    assert settings is not None
-    return settings
-
-
-def run_async(function: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine, turning user errors into one line on stderr and exit code 1."""
-    try:
-        return anyio.run(function)
-    except OrchestratorError as error:
-        print_error(error)
-        sys.exit(1)
-    except BaseExceptionGroup as group:  # a task group's (serve's): a user error inside?
-        matched, rest = group.split(OrchestratorError)
-        if matched is None or rest is not None:
-            raise
-        print_error(_first_leaf(matched))
-        sys.exit(1)
-    except KeyboardInterrupt:
-        stderr.print("interrupted")
-        sys.exit(130)
-
-
-def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
-    first = group.exceptions[0]
-    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
-
-
-def read_input(raw: str) -> Any:
-    """``--input`` as inline JSON, ``@path`` for a file, or ``@-`` for standard input."""
-    if not raw.startswith("@"):
-        check_text(raw, "--input")
-        try:
-            return parse_document(raw, "--input")
-        except InvalidInput as error:
-            raise InvalidInput(
-                f'{error}; pass an object such as \'{{"topic": "leases"}}\' or @file.json'
-            ) from None
-    path = raw[1:]
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except OSError as error:
-        raise InvalidInput(f"cannot read input file {path!r}: {error.strerror}") from None
-    return parse_document(data, "standard input" if path == "-" else f"input file {path!r}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -144,7 +88,7 @@ def db() -> None:
 @click.pass_context
 def db_migrate(ctx: click.Context) -> None:
     """Apply pending schema migrations (safe to run from several processes at once)."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         dsn = resolve_dsn(settings)
@@ -166,7 +110,7 @@ def db_migrate(ctx: click.Context) -> None:
 @click.pass_context
 def db_url(ctx: click.Context, show_password: bool) -> None:
     """Print the DSN in use (starting the embedded server if it is the default)."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         dsn = resolve_dsn(settings)
@@ -179,7 +123,7 @@ def db_url(ctx: click.Context, show_password: bool) -> None:
 @click.pass_context
 def db_stop(ctx: click.Context) -> None:
     """Stop the embedded PostgreSQL server (no effect with ORCHESTRATOR_DATABASE_URL set)."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         if settings.database_url:
@@ -205,6 +149,10 @@ def db_stop(ctx: click.Context) -> None:
 @click.option("--run-id", help="Use this run id instead of a generated one.")
 @click.option("--idempotency-key", help="Submitting the same key again returns the same run.")
 @click.option("--max-attempts", type=click.IntRange(1, 1000), default=5, show_default=True)
+@click.option(
+    "--at", "at", help="Start at this time (ISO 8601 with a zone, e.g. 2026-12-24T09:00Z)."
+)
+@click.option("--delay", type=click.FloatRange(0), help="Start this many seconds from now.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
 @click.pass_context
 def submit(
@@ -214,20 +162,28 @@ def submit(
     run_id: str | None,
     idempotency_key: str | None,
     max_attempts: int,
+    at: str | None,
+    delay: float | None,
     as_json: bool,
 ) -> None:
-    """Queue a run of AGENT and print its run id."""
-    settings = _settings(ctx)
+    """Queue a run of AGENT (now, --at a time or after --delay) and print its run id."""
+    settings = settings_of(ctx)
+    if at is not None and delay is not None:
+        raise click.UsageError("give --at or --delay, not both")
 
     async def body() -> None:
         payload = read_input(input_)
+        start = parse_time(at, "--at") if at is not None else None
         async with open_store(settings) as store:
+            if delay is not None:
+                start = await store.database_now() + timedelta(seconds=delay)
             submission = await store.submit(
                 agent,
                 payload,
                 run_id=run_id,
                 idempotency_key=idempotency_key,
                 max_attempts=max_attempts,
+                not_before=start,
             )
             served = await WorkerRegistry().served_agents(store.pool)
         if agent not in served:
@@ -250,7 +206,7 @@ def submit(
 # -- runs -------------------------------------------------------------------------------------
 @main.group()
 def runs() -> None:
-    """List, inspect, cancel and retry runs."""
+    """List, inspect, cancel, retry and signal runs; show and top up their budgets."""
 
 
 @runs.command("list")
@@ -263,7 +219,7 @@ def runs_list(
     ctx: click.Context, state: str | None, agent: str | None, limit: int, as_json: bool
 ) -> None:
     """List runs, newest first."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
@@ -288,7 +244,7 @@ def runs_list(
 @click.pass_context
 def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
     """Show a run: state, fence, owner, lease expiry, checkpoint, timeline and conversation."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
@@ -296,6 +252,8 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
             events = await store.events(run_id)
             messages = await store.messages(run_id)
             effects = await EffectStore(store.pool).list_effects(run_id=run_id, limit=10_000)
+            signals = await SignalStore(store.pool).history(run_id)
+            budget = await BudgetStore(store.pool).get(run_id)
             now = await store.database_now()
         if as_json:
             stdout.print_json(
@@ -305,12 +263,21 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
                         "events": events,
                         "messages": messages,
                         "effects": effects,
+                        "signals": [
+                            {**jsonable(signal), "consumed_at": at, "consumed_fence": fence}
+                            for signal, at, fence in signals
+                        ],
+                        "budget": None if budget is None else budget.as_json(),
                         "database_now": now,
                     }
                 )
             )
         else:
             print_run(stdout, run, events, now)
+            if budget is not None:
+                stdout.print(budget_table(budget))
+            if signals:
+                stdout.print(signals_table(signals))
             if messages:
                 stdout.print(conversation_table(messages, effects))
 
@@ -324,7 +291,7 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
 @click.pass_context
 def runs_cancel(ctx: click.Context, run_id: str, reason: str | None, as_json: bool) -> None:
     """Cancel a run and raise its fence, so its current owner can no longer act."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
@@ -343,7 +310,7 @@ def runs_cancel(ctx: click.Context, run_id: str, reason: str | None, as_json: bo
 @click.pass_context
 def runs_retry(ctx: click.Context, run_id: str, as_json: bool) -> None:
     """Requeue a dead-lettered run with a fresh set of attempts."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
@@ -354,6 +321,11 @@ def runs_retry(ctx: click.Context, run_id: str, as_json: bool) -> None:
             stdout.print(f"requeued {run.run_id}", markup=False)
 
     run_async(body)
+
+
+runs.add_command(runs_signal)
+runs.add_command(runs_budget)
+main.add_command(approvals)
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -442,7 +414,7 @@ def serve(
     from orchestrator.worker.gc_tuning import tune_for_worker
     from orchestrator.worker.worker import Worker, WorkerConfig, default_worker_id
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     configure_logging(json_logs=log_json)
     modules = _split_modules(agent_modules)
     if not modules:
@@ -512,7 +484,7 @@ def effects_list(
     ctx: click.Context, run_id: str | None, status: str | None, limit: int, as_json: bool
 ) -> None:
     """List effect records, newest first."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
@@ -536,7 +508,7 @@ def effects_list(
 @click.pass_context
 def effects_show(ctx: click.Context, run_id: str, effect_key: str, as_json: bool) -> None:
     """Show one effect record."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
@@ -566,7 +538,7 @@ def effects_resolve(
     """Decide a parked effect after checking with the vendor by hand."""
     if decision is None:
         raise click.UsageError("say what you found: --sent or --not-sent")
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
@@ -601,7 +573,7 @@ def effects_serve(
     from orchestrator.effects.proxy import create_app
     from orchestrator.telemetry import configure_logging
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     configure_logging(json_logs=log_json)
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
@@ -667,7 +639,7 @@ def effects_dispatch(
     from orchestrator.effects.dispatcher import Dispatcher, load_adapters
     from orchestrator.telemetry import configure_logging
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     configure_logging(json_logs=log_json)
 
     async def body() -> None:
@@ -706,7 +678,7 @@ def demo(ctx: click.Context, lease_seconds: float, runs: int) -> None:
     """Two workers, a paused one, real vendors: each effect still happens exactly once."""
     from orchestrator.demo import run_demo
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     # Leave nothing running: stop the embedded server afterwards if the demo started it.
     embedded = None if settings.database_url else EmbeddedPostgres(settings.home)
     started_here = embedded is not None and embedded.running() is None

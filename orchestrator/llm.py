@@ -23,7 +23,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
@@ -226,12 +226,16 @@ async def complete(
     response_format: Mapping[str, Any] | None = None,
     span_attributes: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    max_tokens: int | None = None,
+    before_attempt: Callable[[str, Sequence[ModelAttempt]], Awaitable[None]] | None = None,
 ) -> ModelReply:
     """One model turn, with this layer as the only retry: 429, 5xx, timeouts and dropped
     connections are retried with backoff (honouring ``Retry-After``), up to ``MODEL_ATTEMPTS``
     attempts and never past ``budget_seconds``; other errors are not retried. Each attempt is a
-    ``chat MODEL`` span and is counted in the reply's usage. Cancellable: a lost lease cancels
-    the request in flight. Prompts and outputs are never put on spans."""
+    ``chat MODEL`` span and is counted in the reply's usage. ``before_attempt(model, attempts so
+    far)`` runs before each request (a budget's reservation; what it raises ends the call).
+    Cancellable: a lost lease cancels the request in flight. Prompts and outputs are never put
+    on spans."""
     import openai
 
     client, default_model = model_client(environ)
@@ -244,6 +248,8 @@ async def complete(
         )
         if remaining is not None and remaining <= 0.05:
             break
+        if before_attempt is not None:
+            await before_attempt(model, tuple(attempts))
         attributes = {
             "gen_ai.operation.name": "chat",
             "gen_ai.provider.name": "openai",
@@ -256,7 +262,7 @@ async def complete(
         with start_span(f"chat {model}", attributes=attributes) as span:
             try:
                 reply = await _request(
-                    client, model, messages, tools, stream, remaining, response_format
+                    client, model, messages, tools, stream, remaining, response_format, max_tokens
                 )
             except openai.RateLimitError as error:
                 attempt = ModelAttempt("rate_limited", 429, None, None, time.monotonic() - began)
@@ -313,9 +319,12 @@ async def _request(
     stream: bool,
     request_seconds: float | None,
     response_format: Mapping[str, Any] | None,
+    max_tokens: int | None = None,
 ) -> tuple[str | None, tuple[ToolCall, ...], str, str | None, int | None, int | None]:
     # The client's own per-request timeout (its connection pool is aborted cleanly on it).
     options: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages]}
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
     if tools:
         options["tools"] = [dict(t) for t in tools]
     if response_format is not None:

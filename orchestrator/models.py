@@ -59,6 +59,10 @@ class Run:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    wait: JSON = None
+    """While waiting for something (signals, effects, a time, budget): what, as committed."""
+    signals_pending: int = 0
+    """Signals sent to the run and not yet consumed by a committed step."""
 
     @classmethod
     def from_record(cls, record: Row) -> Run:
@@ -99,6 +103,10 @@ class ClaimedRun(NamedTuple):
     claimed_at: datetime
     previous_owner: str | None
     previous_lease_until: datetime | None
+    wait: JSON
+    """What the run waited for before this claim woke it (``None``: it was not waiting)."""
+    signals: JSON
+    """The run's unconsumed signals (a JSON list, oldest first), or ``None``: it has none."""
 
     @property
     def run_id(self) -> str:
@@ -125,6 +133,8 @@ class ClaimedRun(NamedTuple):
             record["claimed_at"],
             record["previous_owner"],
             record["previous_lease_until"],
+            record["wait"],
+            record["signals"],
         )
 
 

@@ -12,8 +12,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.budgets import BudgetState
 from orchestrator.effects.model import EffectRecord
-from orchestrator.models import Run, RunEvent
+from orchestrator.models import Run, RunEvent, RunState
+from orchestrator.signals import Signal
 from orchestrator.tool_agent import effect_key
 from orchestrator.transcript import Message
 
@@ -107,6 +109,8 @@ def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datet
         ("lease until", lease),
         ("attempt", "" if run.state.terminal else attempt),
         ("next step", "" if run.state.terminal else run.step or ""),
+        ("waiting for", _waiting_for(run, now)),
+        ("signals pending", str(run.signals_pending) if run.signals_pending else ""),
         ("checkpoint", f"version {run.checkpoint_version}: {_compact(run.checkpoint)}"),
         ("input", _compact(run.input)),
         ("result", _compact(run.result)),
@@ -131,6 +135,74 @@ def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datet
             _details(event.details),
         )
     console.print(timeline)
+
+
+def _waiting_for(run: Run, now: datetime) -> str:
+    """What a waiting run waits for, in words (``--json`` has ``run.wait`` as stored)."""
+    wait = run.wait
+    if run.state is not RunState.WAITING:
+        return ""
+    if not isinstance(wait, dict):
+        return f"a retry, {_relative(run.available_at, now)}"
+    parts = []
+    if wait.get("signals"):
+        parts.append("a signal " + " or ".join(wait["signals"]))
+    if wait.get("effects"):
+        parts.append("effects " + ", ".join(wait["effects"]) + " to settle")
+    if wait.get("reason") == "budget":
+        parts.append("a budget top-up (`orchestrator runs budget RUN --add-...`)")
+    if wait.get("until"):
+        parts.append(f"until {wait['until']}")
+    due = run.available_at.year < 9999 and run.available_at <= now
+    return " or ".join(parts) + (" (woken: due now)" if due else "")
+
+
+def budget_table(state: BudgetState) -> Table:
+    """A run's budget, per dimension: spent, reserved by the attempt in flight, and the limit."""
+    table = Table(title="budget", show_edge=False, header_style="bold", title_justify="left")
+    for column in ("", "spent", "reserved", "limit"):
+        table.add_column(column)
+    for name, limit in state.limit.items():
+        reserved = state.reserved.get(name)
+        table.add_row(
+            name,
+            str(state.spent.get(name, "")),
+            "" if reserved in (None, 0, "0") else str(reserved),
+            "unlimited" if limit is None else str(limit),
+        )
+    return table
+
+
+def signals_table(signals: Sequence[tuple[Signal, datetime | None, int | None]]) -> Table:
+    table = Table(title="signals", show_edge=False, header_style="bold", title_justify="left")
+    for column in ("seq", "name", "sent", "consumed by fence", "data"):
+        table.add_column(column)
+    for signal, _, fence in signals:
+        table.add_row(
+            str(signal.seq),
+            signal.name,
+            _time(signal.sent_at),
+            "pending" if fence is None else str(fence),
+            _compact(signal.data),
+        )
+    return table
+
+
+def approvals_table(effects: Sequence[EffectRecord]) -> Table:
+    table = Table(show_edge=False, header_style="bold")
+    for column in ("run id", "effect key", "kind", "fence", "expires", "payload sha256", "payload"):
+        table.add_column(column)
+    for effect in effects:
+        table.add_row(
+            effect.run_id,
+            effect.effect_key,
+            effect.kind,
+            str(effect.fence),
+            _time(effect.approval_expires_at),
+            (effect.payload_sha256 or "")[:16] + "…",
+            _compact(effect.payload, limit=80),
+        )
+    return table
 
 
 def effects_table(effects: Sequence[EffectRecord], *, wide: bool = False) -> Table:

@@ -23,15 +23,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from orchestrator.effects.model import Effect, validate_effect_key
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
 from orchestrator.jsontext import compact, utf8_size
 from orchestrator.models import JSON
+from orchestrator.signals import validate_signal_name
 from orchestrator.storable import check_json, needs_full_check
 from orchestrator.telemetry import RunLogger
 
 if TYPE_CHECKING:
-    from orchestrator.effects.model import Effect, EffectRecord
+    from orchestrator.budgets import Budget, RunBudget
+    from orchestrator.effects.model import EffectRecord
+    from orchestrator.signals import Signal
     from orchestrator.transcript import Message, TranscriptView
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
@@ -66,6 +70,28 @@ class StepContext:
     """The run's committed conversation (messages earlier steps appended)."""
     database_now: Callable[[], datetime]
     """The database clock now, as this worker estimates it (leases are judged by it)."""
+    signals: tuple[Signal, ...] = ()
+    """Signals sent to the run and not yet consumed, in the order they came: this step's commit
+    consumes them (a step that dies before committing leaves them for its replay)."""
+    wait: WaitState | None = None
+    """Set on the first step after a ``Wait``: what the run waited for, and whether its time
+    ran out before that happened."""
+    budget: RunBudget | None = None
+    """The run's budget (``ctx.budget.reserve`` before spending, ``.spend`` after); ``None``
+    when the agent declares no ``Budget``."""
+
+
+@dataclass(frozen=True, slots=True)
+class WaitState:
+    """What a run waited for before this claim woke it."""
+
+    signals: tuple[str, ...]
+    effects: tuple[str, ...]
+    until: datetime | None
+    reason: str
+    timed_out: bool
+    """The time given by ``until`` passed before a listed signal came or the listed effects
+    all settled."""
 
 
 class EffectView(Protocol):
@@ -138,7 +164,78 @@ class Fail:
     details: JSON = None
 
 
-Outcome = Next | Finish | Fail
+@dataclass(frozen=True)
+class Wait:
+    """Commit, give the lease and the worker slot back, and continue with ``then`` once woken.
+
+    The run is woken by a signal named in ``signals``, by every effect in ``effects`` having
+    settled (confirmed, failed or rejected: a denied or expired approval is a rejection), or by
+    ``until`` passing, whichever comes first; it is then claimed like any run (a new fence) and
+    ``ctx.wait`` tells the step what it waited for and whether it timed out. ``effects`` may name
+    effects requested earlier (their keys) and hold new ``Effect`` objects, recorded with this
+    commit. ``checkpoint`` left ``None`` keeps the current one.
+    """
+
+    then: type[Step] | str
+    signals: Sequence[str] = ()
+    effects: Sequence[Effect | str] = ()
+    until: datetime | None = None
+    checkpoint: JSON = None
+    messages: Sequence[Message] = ()
+    reason: str = ""
+    """Why, in the timeline; ``budget`` (used by the runtime) waits for a top-up instead."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.signals, str) or isinstance(self.effects, str):
+            raise InvalidInput("Wait signals and effects are lists (of names and keys)")
+        for name in self.signals:
+            validate_signal_name(name)
+        for effect in self.effects:
+            if isinstance(effect, str):
+                validate_effect_key(effect)
+            elif not isinstance(effect, Effect):
+                raise InvalidInput(
+                    f"Wait effects are Effect objects or effect keys, not {type(effect).__name__}"
+                )
+        if self.until is not None and (
+            not isinstance(self.until, datetime) or self.until.utcoffset() is None
+        ):
+            raise InvalidInput(
+                "Wait until must be a timezone-aware datetime (e.g. ctx.database_now() + "
+                "timedelta(hours=1))"
+            )
+        if len(self.reason) > 200:
+            raise InvalidInput("a Wait reason is at most 200 characters")
+        if not (self.signals or self.effects or self.until) and self.reason != "budget":
+            raise InvalidInput(
+                "a Wait needs something to wake it: signals, effects or until (a run waiting "
+                "for nothing would wait forever)"
+            )
+
+    @property
+    def step_name(self) -> str:
+        return self.then if isinstance(self.then, str) else self.then.step_name()
+
+    @property
+    def effect_keys(self) -> list[str]:
+        return [e if isinstance(e, str) else e.key for e in self.effects]
+
+    @property
+    def new_effects(self) -> list[Effect]:
+        return [e for e in self.effects if not isinstance(e, str)]
+
+    def as_json(self) -> dict[str, JSON]:
+        """What the run waits for, as stored in ``runs.wait`` (and in the timeline)."""
+        return {
+            "step": self.step_name,
+            "signals": list(dict.fromkeys(self.signals)),
+            "effects": list(dict.fromkeys(self.effect_keys)),
+            "until": None if self.until is None else self.until.isoformat(),
+            "reason": self.reason or None,
+        }
+
+
+Outcome = Next | Finish | Fail | Wait
 
 
 class UnknownStep(OrchestratorError):
@@ -181,10 +278,13 @@ class Agent:
         first: type[Step],
         steps: Iterable[type[Step]] = (),
         description: str = "",
+        budget: Budget | None = None,
     ) -> None:
         self.name = validate_agent_name(name)
         self.first = first
         self.description = description
+        self.budget = budget
+        """Each run's limits (see ``orchestrator.budgets``); ``None``: no budget."""
         self.steps: dict[str, type[Step]] = {}
         for step in (first, *steps):
             step_name = step.step_name()

@@ -26,6 +26,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -33,11 +34,12 @@ import pydantic
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from orchestrator.effects.model import Effect
+from orchestrator.budgets import Budget, BudgetExhausted
+from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.errors import InvalidInput
-from orchestrator.llm import ModelReply, complete
+from orchestrator.llm import ModelAttempt, ModelReply, complete
 from orchestrator.models import JSON
-from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
+from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.telemetry import start_span
 from orchestrator.tools import (
     SETTLED_FOR_THE_MODEL,
@@ -49,10 +51,13 @@ from orchestrator.tools import (
 )
 from orchestrator.transcript import Message
 
+DEFAULT_SETTLE_GRACE_SECONDS = 2.0
+"""How long a turn waits, holding its lease, for the previous turn's effects to settle before
+it parks the run (``Wait``) until they do."""
+_PERSON_DECIDES = frozenset((EffectStatus.AWAITING_APPROVAL, EffectStatus.PARKED))
 LOOP_KEY = "tool_loop"
 """The checkpoint key holding the loop's own state (other keys belong to the step graph)."""
 _CALL_ID = re.compile(r"[^A-Za-z0-9_.-]")
-EFFECT_WAIT_SLICE_SECONDS = 30.0
 
 
 def effect_key(turn: int, call_id: str) -> str:
@@ -88,6 +93,9 @@ class ToolAgent(Agent):
         lease_seconds: float | None = None,
         prompt: Callable[[JSON], str] = default_prompt,
         description: str = "",
+        budget: Budget | None = None,
+        max_output_tokens: int | None = None,
+        settle_grace_seconds: float = DEFAULT_SETTLE_GRACE_SECONDS,
     ) -> None:
         self.loop = ToolLoop(
             agent=name,
@@ -101,9 +109,14 @@ class ToolAgent(Agent):
             max_invalid_calls=max_invalid_calls,
             stream=stream,
             prompt=prompt,
+            max_output_tokens=max_output_tokens,
+            settle_grace_seconds=settle_grace_seconds,
         )
         super().__init__(
-            name, first=self.loop.step_class(lease_seconds=lease_seconds), description=description
+            name,
+            first=self.loop.step_class(lease_seconds=lease_seconds),
+            description=description,
+            budget=budget,
         )
 
     def stage(
@@ -131,7 +144,13 @@ class ToolLoop:
         max_invalid_calls: int,
         stream: bool,
         prompt: Callable[[JSON], str],
+        max_output_tokens: int | None = None,
+        settle_grace_seconds: float = DEFAULT_SETTLE_GRACE_SECONDS,
     ) -> None:
+        if max_output_tokens is not None and max_output_tokens < 1:
+            raise InvalidInput(f"agent {agent}: max_output_tokens must be at least 1")
+        if not settle_grace_seconds >= 0:
+            raise InvalidInput(f"agent {agent}: settle_grace_seconds must be 0 or more")
         if max_turns < 1 or output_retries < 0 or max_invalid_calls < 0:
             raise InvalidInput(
                 f"agent {agent}: max_turns must be at least 1, output_retries and "
@@ -160,6 +179,8 @@ class ToolLoop:
         self.max_invalid_calls = max_invalid_calls
         self.stream = stream
         self.prompt = prompt
+        self.max_output_tokens = max_output_tokens
+        self.settle_grace_seconds = settle_grace_seconds
 
     def step_class(
         self,
@@ -203,27 +224,45 @@ class ToolLoop:
             new.append(Message(0, "user", {"role": "user", "content": self.prompt(ctx.input)}))
         if state.deadline is not None and ctx.database_now() >= state.deadline:
             return Fail("the agent's deadline passed", details=state.summary())
-        new += await self._settled_effect_results(ctx, state)
+        results = await self._settled_effect_results(ctx, state)
+        if isinstance(results, Wait):
+            return results
+        new += results
         if state.turn >= self.max_turns:
             return Fail(f"the turn limit of {self.max_turns} was reached", details=state.summary())
         committed = [m.body for m in await ctx.transcript.messages()]
         span = trace.get_current_span()  # the turn's own span (see step_class)
         span.set_attribute("gen_ai.conversation.id", ctx.run_id)
         span.set_attribute("orchestrator.turn", state.turn)
-        reply = await complete(
-            [*committed, *(m.body for m in new)],
-            tools=self.definitions,
-            model=self.model,
-            stream=self.stream,
-            budget_seconds=self._budget(ctx, state),
-            response_format=self._response_format(),
-            span_attributes=_our_attributes(ctx, state.turn),
-        )
+        request = [*committed, *(m.body for m in new)]
+        spending = _Spending(ctx, self, request)
+        try:
+            reply = await complete(
+                request,
+                tools=self.definitions,
+                model=self.model,
+                stream=self.stream,
+                budget_seconds=self._budget(ctx, state),
+                response_format=self._response_format(),
+                span_attributes=_our_attributes(ctx, state.turn),
+                max_tokens=self.max_output_tokens,
+                before_attempt=spending.reserve if ctx.budget is not None else None,
+            )
+        except BudgetExhausted as exhausted:
+            spending.spent(spending.attempts, calls=0)
+            span.set_attribute("orchestrator.budget.exhausted", exhausted.dimension)
+            checkpoint = {**rest, LOOP_KEY: state.dump()}
+            limits = ctx.budget.limits if ctx.budget is not None else None
+            if limits is not None and limits.on_exhausted == "fail":
+                return Fail(str(exhausted), details=state.summary())
+            return Wait(self_step, reason="budget", checkpoint=checkpoint, messages=new)
         state.add_usage(reply)
         assistant = _assistant_message(state.turn, reply)
         new.append(assistant)
         if reply.tool_calls:
-            effects = await self._tool_calls(ctx, state, assistant, new)
+            allowed = ctx.budget.tool_calls_left if ctx.budget is not None else None
+            effects = await self._tool_calls(ctx, state, assistant, new, allowed)
+            spending.spent(reply.attempts, calls=len(reply.tool_calls))
             if state.invalid_calls > self.max_invalid_calls:
                 span.set_status(Status(StatusCode.ERROR, "too many invalid tool calls"))
                 return Fail(
@@ -232,12 +271,19 @@ class ToolLoop:
                     details=state.summary(),
                 )
             state.turn += 1
-            return Next(
-                self_step,
-                checkpoint={**rest, LOOP_KEY: state.dump()},
-                effects=effects,
-                messages=new,
-            )
+            checkpoint = {**rest, LOOP_KEY: state.dump()}
+            if any(effect.requires_approval for effect in effects):
+                # A person decides: wait without the lease, in the same commit.
+                return Wait(
+                    self_step,
+                    effects=effects,
+                    until=state.deadline,
+                    checkpoint=checkpoint,
+                    messages=new,
+                    reason="approval",
+                )
+            return Next(self_step, checkpoint=checkpoint, effects=effects, messages=new)
+        spending.spent(reply.attempts, calls=0)
         return self._answer(ctx, state, reply, rest, new, self_step, then)
 
     def _answer(
@@ -284,11 +330,26 @@ class ToolLoop:
         return Finish(result=result, messages=new)
 
     async def _tool_calls(
-        self, ctx: StepContext, state: _LoopState, assistant: Message, new: list[Message]
+        self,
+        ctx: StepContext,
+        state: _LoopState,
+        assistant: Message,
+        new: list[Message],
+        allowed: int | None,
     ) -> list[Effect]:
+        """Run the read-only calls, build the effect calls; at most ``allowed`` calls (the
+        run's tool-call budget), the rest told to the model as refused."""
         effects: list[Effect] = []
         calls = assistant.body["tool_calls"]
-        for call in calls:
+        for index, call in enumerate(calls):
+            if allowed is not None and index >= allowed:
+                state.tool_errors += 1
+                new.append(
+                    _tool_error(
+                        state.turn, call["id"], "not run: the run's tool-call budget is exhausted"
+                    )
+                )
+                continue
             call_id, name, arguments = call["id"], call["function"]["name"], call["function"]
             arguments = arguments["arguments"]
             found = self.tools.get(name)
@@ -330,8 +391,12 @@ class ToolLoop:
                     continue
                 assert isinstance(found, EffectTool)
                 key = effect_key(state.turn, call_id)
-                effects.append(Effect(key, found.kind, await found.payload(parsed), found.policy))
+                effect = found.effect(key, await found.payload(parsed), parsed)
+                effects.append(effect)
                 span.set_attribute("orchestrator.effect.key", key)
+                span.set_attribute(
+                    "orchestrator.effect.requires_approval", effect.requires_approval
+                )
                 state.pending.append({"call_id": call_id, "tool": name, "effect_key": key})
         return effects
 
@@ -370,28 +435,39 @@ class ToolLoop:
             {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)},
         )
 
-    async def _settled_effect_results(self, ctx: StepContext, state: _LoopState) -> list[Message]:
-        """The previous turn's effect calls, as tool messages, once each record has settled."""
+    async def _settled_effect_results(
+        self, ctx: StepContext, state: _LoopState
+    ) -> list[Message] | Wait:
+        """The previous turn's effect calls, as tool messages, once each record has settled; or,
+        while some have not, a ``Wait`` for them (after a short grace holding the lease: a fast
+        vendor answers in milliseconds, a person or a parked effect takes longer)."""
+        if not state.pending:
+            return []
+        keys = [pending["effect_key"] for pending in state.pending]
+        records = {key: await ctx.effects.get(key) for key in keys}
+        unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
+        grace = self.settle_grace_seconds
+        if state.deadline is not None:
+            grace = min(grace, (state.deadline - ctx.database_now()).total_seconds())
+        if (
+            unsettled
+            and grace > 0
+            and not any(records[k].status in _PERSON_DECIDES for k in unsettled)
+        ):
+            with anyio.move_on_after(grace):
+                for key in unsettled:
+                    records[key] = await ctx.effects.wait(key, within=grace)
+            for key in unsettled:
+                if records[key].status not in SETTLED_FOR_THE_MODEL:
+                    records[key] = await ctx.effects.get(key)
+            unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
+        if unsettled:
+            return Wait(ctx.step, effects=unsettled, until=state.deadline, reason="effects")
         results: list[Message] = []
         for pending in state.pending:
             found = self.tools[pending["tool"]]
             assert isinstance(found, EffectTool)
-            record = await ctx.effects.get(pending["effect_key"])
-            while record.status not in SETTLED_FOR_THE_MODEL:
-                slice_seconds = EFFECT_WAIT_SLICE_SECONDS
-                if state.deadline is not None:
-                    left = (state.deadline - ctx.database_now()).total_seconds()
-                    if left <= 0:
-                        raise TimeoutError(
-                            f"effect {pending['effect_key']} had not settled by the deadline"
-                        )
-                    slice_seconds = min(slice_seconds, left)
-                try:
-                    record = await ctx.effects.wait(pending["effect_key"], within=slice_seconds)
-                except TimeoutError:
-                    record = await ctx.effects.get(pending["effect_key"])
-                if record.status not in SETTLED_FOR_THE_MODEL:
-                    await anyio.sleep(min(1.0, slice_seconds))  # parked: a person decides
+            record = records[pending["effect_key"]]
             results.append(
                 Message(
                     state.turn,
@@ -483,6 +559,67 @@ class _LoopState:
             "output_retries": self.output_retries,
             **self.summary(),
         }
+
+
+class _Spending:
+    """A turn's model call against the run's budget: the worst case reserved before each
+    attempt, what was spent recorded after (an attempt that may have been billed without
+    saying what it cost counts its worst case)."""
+
+    UNBILLED = frozenset(("rate_limited", "server_error", "refused"))
+
+    def __init__(self, ctx: StepContext, loop: ToolLoop, request: list[Any]) -> None:
+        self.budget = ctx.budget
+        self.loop = loop
+        # Every token is at least one byte of the request: its size bounds the input tokens.
+        self.worst_input = len(json.dumps([request, loop.definitions]).encode())
+        self.worst_output = loop.max_output_tokens or DEFAULT_WORST_OUTPUT_TOKENS
+        self.model = ""
+        self.attempts: tuple[ModelAttempt, ...] = ()
+
+    def _cost(self, input_tokens: int, output_tokens: int) -> Decimal:
+        assert self.budget is not None
+        limits = self.budget.limits
+        if limits is None or (
+            limits.cost_usd is None and self.model not in self.budget.prices.models
+        ):
+            return Decimal(0)
+        return self.budget.prices.cost(self.model, input_tokens, output_tokens)
+
+    async def reserve(self, model: str, attempts: Sequence[ModelAttempt]) -> None:
+        assert self.budget is not None
+        self.model, self.attempts = model, tuple(attempts)
+        await self.budget.reserve(
+            turns=0 if attempts else 1,
+            input_tokens=self.worst_input,
+            output_tokens=self.worst_output,
+            cost_usd=self._cost(self.worst_input, self.worst_output),
+        )
+
+    def spent(self, attempts: Sequence[ModelAttempt], *, calls: int) -> None:
+        if self.budget is None:
+            return
+        input_tokens = output_tokens = 0
+        for attempt in attempts:
+            if attempt.outcome in self.UNBILLED:
+                continue
+            if attempt.input_tokens is None and attempt.output_tokens is None:
+                input_tokens += self.worst_input  # a timeout or a cut connection
+                output_tokens += self.worst_output
+            else:
+                input_tokens += attempt.input_tokens or 0
+                output_tokens += attempt.output_tokens or 0
+        self.budget.spend(
+            turns=1 if any(a.outcome == "ok" for a in attempts) else 0,
+            tool_calls=calls,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cost_usd=self._cost(input_tokens, output_tokens) if self.model else Decimal(0),
+        )
+
+
+DEFAULT_WORST_OUTPUT_TOKENS = 4096
+"""The output reserved per model call when the agent sets no ``max_output_tokens``."""
 
 
 def _our_attributes(ctx: StepContext, turn: int) -> dict[str, str | int]:

@@ -15,6 +15,11 @@ no unlabelled tool. The argument schema comes from the function's type hints and
     def reply_to_customer(to: str, subject: str, body: str) -> dict:
         \"\"\"Email the customer.\"\"\"
         return {"to": to, "subject": subject, "body": body}
+
+    @tool.effect("payments", approve=lambda amount, **_: amount > 100)
+    def refund(order_id: str, amount: float) -> dict:
+        \"\"\"Refund an order (a person approves refunds above 100).\"\"\"
+        return {"order_id": order_id, "amount": amount}
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import pydantic
 from pydantic_core import to_jsonable_python
 
 from orchestrator.effects.model import (
+    DEFAULT_APPROVAL_SECONDS,
+    MAX_APPROVAL_SECONDS,
+    Effect,
     EffectPolicy,
     EffectRecord,
     EffectStatus,
@@ -61,7 +69,11 @@ class ToolArgumentsInvalid(Exception):
 
 
 def default_result(record: EffectRecord) -> JSON:
-    """What the model is told of a settled effect: its status, the vendor's id and answer."""
+    """What the model is told of a settled effect: its status, the vendor's id and answer; for
+    one a person (or expiry) denied, "denied by reviewer: NOTE"."""
+    if record.status is EffectStatus.REJECTED and record.decided_by is not None:
+        message = record.error.get("message") if isinstance(record.error, dict) else None
+        return {"status": "denied", "error": message or "denied by reviewer"}
     return {
         "status": record.status.value,
         "external_id": record.external_id,
@@ -209,12 +221,44 @@ class EffectTool(Tool):
         result: Callable[[EffectRecord], JSON] | None = None,
         name: str | None = None,
         description: str | None = None,
+        approve: Callable[..., bool] | bool = False,
+        approval_seconds: float = DEFAULT_APPROVAL_SECONDS,
     ) -> None:
         super().__init__(function, name=name, description=description, takes_context=False)
         validate_effect_key(kind)  # kinds follow the effect key rule
+        if not (isinstance(approve, bool) or callable(approve)):
+            raise InvalidInput(
+                f"tool {self.name}: approve= takes True, or a predicate on the call's arguments"
+            )
+        if not 0 < approval_seconds <= MAX_APPROVAL_SECONDS:
+            raise InvalidInput(
+                f"tool {self.name}: approval_seconds must be above 0, at most a year"
+            )
         self.kind = kind
         self.policy = policy
         self.result = result or default_result
+        self.approve = approve
+        self.approval_seconds = approval_seconds
+
+    def needs_approval(self, arguments: dict[str, Any]) -> bool:
+        """Whether this call must wait for a person (the ``approve`` predicate on its arguments;
+        a predicate that raises asks for approval: when unsure, a person decides)."""
+        if isinstance(self.approve, bool):
+            return self.approve
+        try:
+            return bool(self.approve(**arguments))
+        except Exception:
+            return True
+
+    def effect(self, key: str, payload: JSON, arguments: dict[str, Any]) -> Effect:
+        return Effect(
+            key,
+            self.kind,
+            payload,
+            self.policy,
+            requires_approval=self.needs_approval(arguments),
+            approval_seconds=self.approval_seconds,
+        )
 
     async def payload(self, arguments: dict[str, Any]) -> JSON:
         value = self.function(**arguments)
@@ -274,14 +318,25 @@ class _ToolDecorators:
         result: Callable[[EffectRecord], JSON] | None = None,
         name: str | None = None,
         description: str | None = None,
+        approve: Callable[..., bool] | bool = False,
+        approval_seconds: float = DEFAULT_APPROVAL_SECONDS,
     ) -> Callable[[Callable[..., Awaitable[JSON] | JSON]], EffectTool]:
         """A tool that changes the world: its function builds the payload of a fenced effect
         of ``kind`` (a vendor in the dispatcher's configuration), sent once after the turn
-        commits; ``result`` turns the settled record into what the model is told."""
+        commits; ``result`` turns the settled record into what the model is told. ``approve``
+        (``True``, or a predicate called with the call's arguments) makes a call wait for a
+        person's approval of its payload, denied by expiry after ``approval_seconds``."""
 
         def wrap(f: Callable[..., Any]) -> EffectTool:
             return EffectTool(
-                f, kind=kind, policy=policy, result=result, name=name, description=description
+                f,
+                kind=kind,
+                policy=policy,
+                result=result,
+                name=name,
+                description=description,
+                approve=approve,
+                approval_seconds=approval_seconds,
             )
 
         return wrap

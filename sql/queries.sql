@@ -12,21 +12,31 @@
 -- misjudge. "Running" is said as `lease_owner = owner AND lease_until > now`, which the
 -- runs_lease_matches_state CHECK makes equivalent to state = 'running' plus those conditions
 -- (docs/performance.md tells what the plain form cost; tests/test_store.py checks the plans).
+--
+-- WAKING A WAITING RUN. A run parks (park_runs) in the transaction of its step's commit, which
+-- locks the run's row first. Whatever wakes a run (a signal, an effect settling, a decision, a
+-- top-up) updates the run's row whether it is waiting or still running, and computes the wake
+-- from the row it updates: an UPDATE whose WHERE only matched waiting rows would not see a run
+-- whose park is not yet committed, and the wake would be lost. Updating the row instead waits for
+-- the park's transaction and re-reads the row as parked; a wake that commits first is seen by
+-- park_runs, which runs later in its transaction and finds the signal or settled effect.
 
 -- submit_run --
--- params: $1 run_id text, $2 agent text, $3 input jsonb, $4 max_attempts int, $5 idempotency_key text
--- Insert a queued run and its "submitted" event, and wake claimers, in one statement. Returns no
--- row when the run id or the idempotency key is already taken.
+-- params: $1 run_id text, $2 agent text, $3 input jsonb, $4 max_attempts int, $5 idempotency_key text,
+--         $6 not_before timestamptz (NULL: now)
+-- Insert a queued run and its "submitted" event, and wake claimers, in one statement; the run is
+-- due at $6 (a scheduled run) or at once. Returns no row when the run id or the idempotency key
+-- is already taken.
 WITH inserted AS (
-    INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key)
-    VALUES ($1, $2, $3, $4, $5)
+    INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key, available_at)
+    VALUES ($1, $2, $3, $4, $5, coalesce($6::timestamptz, clock_timestamp()))
     ON CONFLICT DO NOTHING
     RETURNING *
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, details)
     SELECT run_id, 'submitted', fence,
            jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
-                              'idempotency_key', idempotency_key)
+                              'idempotency_key', idempotency_key, 'not_before', $6::timestamptz)
     FROM inserted
 ), woken AS (
     SELECT pg_notify('orchestrator_runs', agent) FROM inserted
@@ -55,10 +65,13 @@ SELECT * FROM runs WHERE idempotency_key = $1
 -- attempt; an expired run that already used its last attempt is dead-lettered instead (a poison
 -- run must not crash workers forever). SKIP LOCKED lets concurrent claimers pass each other;
 -- after taking a row lock PostgreSQL re-checks the WHERE clause on the newest row version, so a
--- run another worker has just claimed is skipped, never claimed twice.
+-- run another worker has just claimed is skipped, never claimed twice. Due runs are found by
+-- an index range on runs_due up to the clock read once (`(SELECT clock_timestamp())`: a value
+-- the index can use, where a volatile call is only a filter): the runs waiting for later (a
+-- timer, a signal: due at 'infinity') lie past that range and are never read.
 WITH expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
-           attempt >= max_attempts AS exhausted
+           attempt >= max_attempts AS exhausted, wait
     FROM runs
     WHERE $6::text IS NULL AND $5::boolean AND state = 'running' AND agent = ANY($2::text[])
       AND lease_until < clock_timestamp()
@@ -68,13 +81,13 @@ WITH expired AS (
     -- One index-ordered probe of runs_due per agent (a single `agent = ANY(...)` scan would
     -- read and sort every due run of those agents on every claim), then the oldest overall.
     SELECT d.run_id, NULL::text AS previous_owner, NULL::timestamptz AS previous_lease_until,
-           false AS exhausted
+           false AS exhausted, d.wait
     FROM unnest($2::text[]) AS a(agent)
     CROSS JOIN LATERAL (
-        SELECT run_id, available_at
+        SELECT run_id, available_at, wait
         FROM runs
         WHERE $6::text IS NULL AND state IN ('queued', 'waiting') AND agent = a.agent
-          AND available_at <= clock_timestamp()
+          AND available_at <= (SELECT clock_timestamp())
         ORDER BY available_at
         LIMIT $3
         FOR UPDATE SKIP LOCKED
@@ -85,7 +98,7 @@ WITH expired AS (
     SELECT run_id,
            CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
            CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
-           state = 'running' AND attempt >= max_attempts AS exhausted
+           state = 'running' AND attempt >= max_attempts AS exhausted, wait
     FROM runs
     WHERE run_id = $6::text
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
@@ -100,12 +113,21 @@ WITH expired AS (
     UPDATE runs AS r
     SET state = 'running', lease_owner = $1,
         lease_until = clock_timestamp() + make_interval(secs => $4),
-        fence = r.fence + 1, attempt = r.attempt + 1, updated_at = clock_timestamp()
+        fence = r.fence + 1, attempt = r.attempt + 1, wait = NULL,
+        updated_at = clock_timestamp()
     FROM picked AS p
     WHERE r.run_id = p.run_id AND NOT p.exhausted
     RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
               r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
-              p.previous_lease_until, clock_timestamp() AS claimed_at
+              p.previous_lease_until, clock_timestamp() AS claimed_at, p.wait,
+              -- The run's unconsumed signals, for its first step (only runs that have some).
+              CASE WHEN r.signals_pending > 0 THEN (
+                  SELECT jsonb_agg(jsonb_build_object(
+                             'seq', s.seq, 'name', s.name, 'data', s.data,
+                             'idempotency_key', s.idempotency_key, 'sent_at', s.sent_at)
+                         ORDER BY s.seq)
+                  FROM run_signals AS s WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
+              ) END AS signals
 ), dead AS (
     UPDATE runs AS r
     SET state = 'dead', lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
@@ -116,7 +138,7 @@ WITH expired AS (
                               p.previous_owner, r.attempt, r.max_attempts))
     FROM picked AS p
     WHERE r.run_id = p.run_id AND p.exhausted
-    RETURNING r.run_id, r.fence, r.attempt, p.previous_owner, p.previous_lease_until
+    RETURNING r.run_id, r.fence, r.attempt, p.previous_owner, p.previous_lease_until, r.watched
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT run_id, 'claimed', fence, $1,
@@ -131,14 +153,18 @@ WITH expired AS (
                               'previous_owner', previous_owner,
                               'previous_lease_until', previous_lease_until)
     FROM dead
+), finished_told AS (
+    SELECT pg_notify('orchestrator_finished', run_id) FROM dead WHERE watched
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
-       checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at
+       checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
+       signals
 FROM claimed
 UNION ALL
 SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
-       previous_owner, previous_lease_until, NULL
+       previous_owner, previous_lease_until, NULL, NULL, NULL
 FROM dead
+WHERE (SELECT count(*) FROM finished_told) >= 0
 
 -- renew_lease --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 lease_seconds float8
@@ -205,7 +231,10 @@ WITH failed AS (
         finished_at = CASE WHEN attempt >= max_attempts THEN clock_timestamp() END
     WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
       AND lease_until > clock_timestamp()
-    RETURNING run_id, fence, state, attempt, max_attempts, available_at, agent
+    RETURNING run_id, fence, state, attempt, max_attempts, available_at, agent, watched
+), told AS (
+    SELECT pg_notify('orchestrator_finished', run_id) FROM failed
+    WHERE watched AND state = 'dead'
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT run_id, CASE WHEN state = 'dead' THEN 'dead_lettered' ELSE 'retry_scheduled' END,
@@ -215,7 +244,7 @@ WITH failed AS (
                               CASE WHEN state = 'waiting' THEN available_at END)
     FROM failed
 )
-SELECT state, available_at, attempt FROM failed
+SELECT state, available_at, attempt FROM failed WHERE (SELECT count(*) FROM told) >= 0
 
 -- release_lease --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 reason text
@@ -251,10 +280,10 @@ WITH target AS (
 ), cancelled AS (
     UPDATE runs AS r
     SET state = 'cancelled', fence = r.fence + 1, lease_owner = NULL, lease_until = NULL,
-        updated_at = clock_timestamp(), finished_at = clock_timestamp()
+        wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp()
     FROM target AS t
     WHERE r.run_id = t.run_id
-    RETURNING r.run_id, r.fence, t.previous_state, t.previous_owner
+    RETURNING r.run_id, r.fence, t.previous_state, t.previous_owner, r.watched
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, details)
     SELECT run_id, 'cancelled', fence,
@@ -268,15 +297,25 @@ WITH target AS (
     ON CONFLICT (run_id) DO UPDATE
     SET fence = greatest(effect_fences.fence, EXCLUDED.fence), updated_at = clock_timestamp()
 ), withdrawn AS (
-    -- Accepted effects not yet handed to a vendor are withdrawn: nobody will send them now.
+    -- Effects not yet handed to a vendor, and approvals still pending, are withdrawn: nobody
+    -- will send them now, and approving one afterwards is refused.
     UPDATE effects AS e
     SET status = 'rejected', settled_at = clock_timestamp(), updated_at = clock_timestamp(),
         error = jsonb_build_object('type', 'RunCancelled',
                                    'message', 'the run was cancelled before this was sent')
     FROM cancelled AS c
-    WHERE e.run_id = c.run_id AND e.status = 'accepted'
+    WHERE e.run_id = c.run_id AND e.status IN ('accepted', 'awaiting_approval')
+    RETURNING e.run_id, e.effect_key, e.fence, e.requires_approval AND e.decided_at IS NULL
+        AS pending_approval
+), withdrawn_logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'approval_withdrawn', fence,
+           jsonb_build_object('effect_key', effect_key, 'reason', 'the run was cancelled')
+    FROM withdrawn WHERE pending_approval
 ), told AS (
     SELECT pg_notify('orchestrator_cancel', run_id) FROM cancelled
+    UNION ALL
+    SELECT pg_notify('orchestrator_finished', run_id) FROM cancelled WHERE watched
 )
 SELECT run_id, fence, previous_state, previous_owner, (SELECT count(*) FROM told) AS notified
 FROM cancelled
@@ -459,7 +498,7 @@ WITH input AS MATERIALIZED (
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
       AND r.checkpoint_version = u.expected_version
-    RETURNING r.run_id, r.fence, r.state, r.checkpoint_version, u.error
+    RETURNING r.run_id, r.fence, r.state, r.checkpoint_version, u.error, r.watched
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT f.run_id, f.state, f.fence, $1,
@@ -467,8 +506,11 @@ WITH input AS MATERIALIZED (
            || CASE WHEN f.error IS NULL THEN '{}'::jsonb
                    ELSE jsonb_build_object('error', f.error) END
     FROM finished AS f
+), told AS (
+    -- Only runs a client waits for (Client.wait): a NOTIFY per run would be work for nobody.
+    SELECT pg_notify('orchestrator_finished', run_id) FROM finished WHERE watched
 )
-SELECT run_id FROM finished
+SELECT run_id FROM finished WHERE (SELECT count(*) FROM told) >= 0
 
 -- append_messages --
 -- params: $1 run_ids text[], $2 seqs int[], $3 turns int[], $4 roles text[],
@@ -493,10 +535,11 @@ ORDER BY seq
 
 -- accept_effect --
 -- params: $1 run_id text, $2 effect_key text, $3 fence bigint, $4 kind text, $5 policy text,
---         $6 payload jsonb, $7 idempotency_key text, $8 worker_id text
+--         $6 payload jsonb, $7 idempotency_key text, $8 worker_id text,
+--         $9 requires_approval bool, $10 approval_seconds float8
 -- The boundary's rule for one effect request (see orchestrator_accept_effect in migration 0003).
 SELECT outcome, accepted_fence, status, run_state, run_fence
-FROM orchestrator_accept_effect($1, $2, $3, $4, $5, $6, $7, $8)
+FROM orchestrator_accept_effect($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
 
 -- get_effect --
 -- params: $1 run_id text, $2 effect_key text
@@ -515,14 +558,16 @@ LIMIT $3
 -- params: $1 dispatcher_id text, $2 kinds text[], $3 limit int, $4 lease_seconds float8
 -- A dispatcher ($1) claims up to $3 effects of the kinds $2 it has vendors for, with its own
 -- lease of $4 seconds: new or uncertain effects that are due, and dispatches whose dispatcher
--- lease expired (that dispatcher may have died after the vendor accepted). previous_status and
--- ever_dispatched tell the dispatcher whether it may send, or must reconcile first.
+-- lease expired (that dispatcher may have died after the vendor accepted); an effect that needs
+-- approval only once approved for its very payload. previous_status and ever_dispatched tell the
+-- dispatcher whether it may send, or must reconcile first.
 WITH picked AS (
     SELECT run_id, effect_key, status AS previous_status, ever_dispatched AS sent_before
     FROM effects
     WHERE kind = ANY($2::text[])
       AND ((status IN ('accepted', 'uncertain') AND available_at <= clock_timestamp())
            OR (status = 'dispatching' AND dispatcher_until < clock_timestamp()))
+      AND (NOT requires_approval OR approved_sha256 = payload_sha256)
     ORDER BY available_at
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -541,7 +586,8 @@ RETURNING e.*, p.previous_status, p.sent_before
 -- dispatcher ($3) with the fence it claimed ($4) and an unexpired dispatcher lease, and its
 -- run has not been cancelled.
 SELECT e.status = 'dispatching' AND e.dispatcher = $3 AND e.fence = $4
-       AND e.dispatcher_until > clock_timestamp() AS dispatcher_ok,
+       AND e.dispatcher_until > clock_timestamp()
+       AND (NOT e.requires_approval OR e.approved_sha256 = e.payload_sha256) AS dispatcher_ok,
        coalesce(r.state, '') <> 'cancelled' AS run_ok
 FROM effects AS e
 LEFT JOIN runs AS r ON r.run_id = e.run_id
@@ -570,8 +616,20 @@ WITH settled AS (
                               'attempt', attempts, 'error', $7::jsonb)
     FROM settled
     WHERE EXISTS (SELECT 1 FROM runs WHERE runs.run_id = settled.run_id)
+), woken AS (
+    -- A run parked on this effect is due again (it parks again by itself if others are still
+    -- unsettled). See WAKING A WAITING RUN for why the row of a running run is updated too.
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? s.effect_key
+                            THEN clock_timestamp() ELSE r.available_at END
+    FROM settled AS s
+    WHERE r.run_id = s.run_id AND r.state IN ('running', 'waiting')
+      AND s.status IN ('confirmed', 'failed', 'rejected')
+    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
 ), told AS (
     SELECT pg_notify('orchestrator_effects', run_id) FROM settled
+    UNION ALL
+    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
 )
 SELECT status, (SELECT count(*) FROM told) AS notified FROM settled
 
@@ -593,10 +651,19 @@ WITH resolved AS (
     SELECT run_id, 'effect_resolved', fence,
            jsonb_build_object('effect_key', effect_key, 'decision', status)
     FROM resolved
+), woken AS (
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? x.effect_key
+                            THEN clock_timestamp() ELSE r.available_at END
+    FROM resolved AS x
+    WHERE r.run_id = x.run_id AND r.state IN ('running', 'waiting') AND x.status = 'confirmed'
+    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
 ), told AS (
     SELECT pg_notify('orchestrator_effects', run_id) FROM resolved
     UNION ALL
     SELECT pg_notify('orchestrator_effects_due', kind) FROM resolved WHERE status = 'accepted'
+    UNION ALL
+    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
 )
 SELECT status, (SELECT count(*) FROM told) AS notified FROM resolved
 
@@ -604,3 +671,335 @@ SELECT status, (SELECT count(*) FROM told) AS notified FROM resolved
 -- params: none
 -- The agents that live workers serve right now.
 SELECT DISTINCT unnest(agents) AS agent FROM workers ORDER BY 1
+
+-- park_runs --
+-- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[], $4 waits text[] (JSON),
+--         $5 untils timestamptz[]
+-- The runs of owner $1 whose step commit took effect in this transaction wait: no lease, no
+-- worker, state waiting, what they wait for in runs.wait. Each is due again at once if what it
+-- waits for has already happened (a listed signal unconsumed, every listed effect settled), else
+-- at its time $5, else never until woken. The rows are locked by the step commit just before,
+-- so a signal or a settlement racing this statement wakes the run after it (they update the run
+-- after this transaction ends) or is seen by it.
+WITH input AS MATERIALIZED (
+    SELECT u.run_id, u.fence, u.wait::jsonb AS wait, u.until, $1::text AS owner,
+           clock_timestamp() AS now
+    FROM unnest($2::text[], $3::bigint[], $4::text[], $5::timestamptz[])
+        AS u(run_id, fence, wait, until)
+), parked AS (
+    UPDATE runs AS r
+    SET state = 'waiting', lease_owner = NULL, lease_until = NULL, wait = u.wait, attempt = 0,
+        available_at = CASE
+            WHEN jsonb_array_length(coalesce(u.wait -> 'signals', '[]'::jsonb)) > 0
+                 AND EXISTS (SELECT 1 FROM run_signals AS s
+                             WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
+                               AND u.wait -> 'signals' ? s.name) THEN u.now
+            WHEN jsonb_array_length(coalesce(u.wait -> 'effects', '[]'::jsonb)) > 0
+                 AND NOT EXISTS (SELECT 1 FROM effects AS e
+                                 WHERE e.run_id = r.run_id AND u.wait -> 'effects' ? e.effect_key
+                                   AND e.status NOT IN ('confirmed', 'failed', 'rejected'))
+                 THEN u.now
+            ELSE coalesce(u.until, 'infinity'::timestamptz)
+        END,
+        updated_at = clock_timestamp()
+    FROM input AS u
+    WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
+      AND r.fence = u.fence
+    RETURNING r.run_id, r.fence, r.agent, r.available_at, u.wait, u.now
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'waiting', fence, $1,
+           wait || jsonb_build_object('due_at', CASE WHEN available_at < 'infinity'
+                                                     THEN available_at END)
+    FROM parked
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM parked WHERE available_at <= now
+)
+SELECT run_id FROM parked WHERE (SELECT count(*) FROM woken) >= 0
+
+-- pending_signals --
+-- params: $1 run_id text
+-- The signals sent to run $1 and not yet consumed by a committed step, in the order they came.
+SELECT seq, name, data, idempotency_key, sent_at
+FROM run_signals
+WHERE run_id = $1 AND consumed_at IS NULL
+ORDER BY seq
+
+-- consume_signals --
+-- params: $1 run_ids text[], $2 up_to_seqs bigint[], $3 fences bigint[]
+-- The signals a committed step was given are consumed with its commit, in its transaction (only
+-- runs whose commit took effect): exactly once into the run, however many times the step ran.
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS u(run_id, up_to, fence)
+), consumed AS (
+    UPDATE run_signals AS s
+    SET consumed_at = clock_timestamp(), consumed_fence = u.fence
+    FROM input AS u
+    WHERE s.run_id = u.run_id AND s.seq <= u.up_to AND s.consumed_at IS NULL
+    RETURNING s.run_id, s.seq, s.name, u.fence
+), counted AS (
+    UPDATE runs AS r
+    SET signals_pending = greatest(r.signals_pending - c.n, 0)
+    FROM (SELECT run_id, count(*)::integer AS n FROM consumed GROUP BY run_id) AS c
+    WHERE r.run_id = c.run_id
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'signals_consumed', max(fence),
+           jsonb_build_object('seqs', jsonb_agg(seq ORDER BY seq),
+                              'names', jsonb_agg(name ORDER BY seq))
+    FROM consumed GROUP BY run_id
+)
+SELECT run_id, count(*) AS consumed FROM consumed GROUP BY run_id
+
+-- send_signal --
+-- params: $1 run_id text, $2 name text, $3 data jsonb, $4 idempotency_key text
+-- A signal to run $1, stored durably (once per idempotency key), counted on the run, and the run
+-- woken if it waits for a signal of that name. The run's row is locked first, as parking locks
+-- it, so a signal and a park never miss each other. Returns the run's state (NULL: no such run)
+-- and the new signal's seq (NULL: not stored, the run is finished or the key was used).
+WITH target AS (
+    SELECT run_id, state, agent FROM runs WHERE run_id = $1 FOR UPDATE
+), inserted AS (
+    INSERT INTO run_signals (run_id, name, data, idempotency_key)
+    SELECT run_id, $2, $3, $4 FROM target WHERE state IN ('queued', 'running', 'waiting')
+    ON CONFLICT DO NOTHING
+    RETURNING run_id, seq, sent_at
+), bumped AS (
+    UPDATE runs AS r
+    SET signals_pending = r.signals_pending + 1,
+        available_at = CASE
+            WHEN r.state = 'waiting' AND r.wait IS NOT NULL
+                 AND coalesce(r.wait -> 'signals', '[]'::jsonb) ? $2 THEN clock_timestamp()
+            ELSE r.available_at END,
+        updated_at = clock_timestamp()
+    FROM inserted AS i
+    WHERE r.run_id = i.run_id
+    RETURNING r.agent, r.fence, r.state = 'waiting' AND r.available_at <= clock_timestamp()
+        AS woken
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT i.run_id, 'signal_received', b.fence,
+           jsonb_build_object('name', $2::text, 'seq', i.seq, 'idempotency_key', $4::text,
+                              'woke_the_run', b.woken)
+    FROM inserted AS i, bumped AS b
+), told AS (
+    SELECT pg_notify('orchestrator_signals', run_id) FROM inserted
+    UNION ALL
+    SELECT pg_notify('orchestrator_runs', agent) FROM bumped WHERE woken
+)
+SELECT (SELECT state FROM target) AS state, (SELECT seq FROM inserted) AS seq,
+       (SELECT sent_at FROM inserted) AS sent_at, (SELECT count(*) FROM told) AS notified
+
+-- get_signal_by_key --
+-- params: $1 run_id text, $2 idempotency_key text
+-- The signal an idempotency key already stored for run $1.
+SELECT seq, name, data, idempotency_key, sent_at, consumed_at
+FROM run_signals WHERE run_id = $1 AND idempotency_key = $2
+
+-- run_signals --
+-- params: $1 run_id text
+-- Every signal of run $1, in order, with when and by which fence it was consumed.
+SELECT seq, name, data, idempotency_key, sent_at, consumed_at, consumed_fence
+FROM run_signals WHERE run_id = $1 ORDER BY seq
+
+-- watch_run --
+-- params: $1 run_id text
+-- A client waits for run $1's end: its final statement will NOTIFY orchestrator_finished. The
+-- update locks the row, and a claim running meanwhile skips it (SKIP LOCKED): so claimers are
+-- woken again for a run that is due.
+WITH watched AS (
+    UPDATE runs SET watched = true WHERE run_id = $1 AND NOT watched
+    RETURNING agent, state IN ('queued', 'waiting') AND available_at <= clock_timestamp() AS due
+)
+SELECT pg_notify('orchestrator_runs', agent) FROM watched WHERE due
+
+-- list_approvals --
+-- params: $1 run_id text (NULL: any), $2 limit int
+-- Effects awaiting a person's decision, of runs still live (a run that ended, say past its
+-- deadline, left nothing to decide: its requests only wait for their expiry), oldest first.
+SELECT e.* FROM effects AS e JOIN runs AS r ON r.run_id = e.run_id
+WHERE e.status = 'awaiting_approval' AND ($1::text IS NULL OR e.run_id = $1)
+  AND r.state IN ('queued', 'running', 'waiting')
+ORDER BY e.created_at, e.run_id, e.effect_key
+LIMIT $2
+
+-- decide_approval --
+-- params: $1 run_id text, $2 effect_key text, $3 decision text ('approved' | 'denied'),
+--         $4 decided_by text, $5 note text, $6 payload_sha256 text (NULL: the current payload),
+--         $7 run_fence bigint (NULL: any; else the run's fence when the person looked)
+-- A person's decision on an effect awaiting approval, bound to the payload they saw: refused (no
+-- row decided) when it is not awaiting approval (already decided, withdrawn, or never needed
+-- one), its run is no longer live, it has expired, its payload is not the one $6 names, or the
+-- run's fence has moved on from $7 (another attempt owns it now: look again).
+-- Approved: dispatchable, for this payload's hash only. Denied: rejected, the run woken.
+WITH target AS (
+    SELECT e.run_id, e.effect_key, e.status, e.payload_sha256, e.approval_expires_at, e.kind,
+           e.fence, e.decided_by, e.decided_at, e.requires_approval, r.state AS run_state,
+           r.fence AS run_fence
+    FROM effects AS e JOIN runs AS r ON r.run_id = e.run_id
+    WHERE e.run_id = $1 AND e.effect_key = $2
+    FOR UPDATE OF e
+), decided AS (
+    UPDATE effects AS e
+    SET status = CASE WHEN $3 = 'approved' THEN 'accepted' ELSE 'rejected' END,
+        approved_sha256 = CASE WHEN $3 = 'approved' THEN e.payload_sha256 END,
+        decided_by = $4, decided_at = clock_timestamp(), decision_note = $5,
+        settled_at = CASE WHEN $3 = 'denied' THEN clock_timestamp() END,
+        error = CASE WHEN $3 = 'denied' THEN jsonb_build_object(
+            'type', 'Denied', 'by', $4::text,
+            'message', 'denied by reviewer' || coalesce(': ' || $5::text, '')) END,
+        available_at = clock_timestamp(), updated_at = clock_timestamp()
+    FROM target AS t
+    WHERE e.run_id = t.run_id AND e.effect_key = t.effect_key
+      AND t.status = 'awaiting_approval' AND t.run_state IN ('queued', 'running', 'waiting')
+      AND ($6::text IS NULL OR t.payload_sha256 = $6)
+      AND ($7::bigint IS NULL OR t.run_fence = $7)
+      AND (t.approval_expires_at IS NULL OR t.approval_expires_at > clock_timestamp())
+    RETURNING e.run_id, e.effect_key, e.status, e.kind, e.fence, e.payload_sha256
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT d.run_id, CASE WHEN $3 = 'approved' THEN 'approval_granted' ELSE 'approval_denied' END,
+           d.fence, NULL,
+           jsonb_build_object('effect_key', d.effect_key, 'by', $4::text, 'note', $5::text,
+                              'payload_sha256', d.payload_sha256,
+                              'run_fence', (SELECT run_fence FROM target))
+    FROM decided AS d
+), woken AS (
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? d.effect_key
+                            THEN clock_timestamp() ELSE r.available_at END
+    FROM decided AS d
+    WHERE r.run_id = d.run_id AND d.status = 'rejected' AND r.state IN ('running', 'waiting')
+    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
+), told AS (
+    SELECT pg_notify('orchestrator_effects_due', kind) FROM decided WHERE status = 'accepted'
+    UNION ALL
+    SELECT pg_notify('orchestrator_effects', run_id) FROM decided
+    UNION ALL
+    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
+)
+SELECT t.*, (SELECT count(*) FROM decided) = 1 AS decided, clock_timestamp() AS now,
+       (SELECT count(*) FROM told) AS notified
+FROM target AS t
+
+-- expire_approvals --
+-- params: $1 limit int
+-- Approvals nobody gave in time are denied by expiry (at most $1 per call); their runs woken.
+WITH expired AS (
+    UPDATE effects AS e
+    SET status = 'rejected', decided_by = 'expiry', decided_at = clock_timestamp(),
+        settled_at = clock_timestamp(), updated_at = clock_timestamp(),
+        error = jsonb_build_object('type', 'ApprovalExpired', 'message',
+                                   'denied: nobody approved it before it expired')
+    FROM (SELECT run_id, effect_key FROM effects
+          WHERE status = 'awaiting_approval' AND approval_expires_at <= clock_timestamp()
+          ORDER BY approval_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) AS due
+    WHERE e.run_id = due.run_id AND e.effect_key = due.effect_key
+    RETURNING e.run_id, e.effect_key, e.fence, e.approval_expires_at
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'approval_expired', fence,
+           jsonb_build_object('effect_key', effect_key, 'expired_at', approval_expires_at)
+    FROM expired
+), woken AS (
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? x.effect_key
+                            THEN clock_timestamp() ELSE r.available_at END
+    FROM expired AS x
+    WHERE r.run_id = x.run_id AND r.state IN ('running', 'waiting')
+    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
+), told AS (
+    SELECT pg_notify('orchestrator_effects', run_id) FROM expired
+    UNION ALL
+    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
+)
+SELECT run_id, effect_key, (SELECT count(*) FROM told) AS notified FROM expired
+
+-- reserve_budget --
+-- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 limits jsonb, $5 turns bigint,
+--         $6 input_tokens bigint, $7 output_tokens bigint, $8 cost numeric
+-- Reserve a model turn's worst case, fenced (see orchestrator_reserve_budget in migration 0009).
+SELECT outcome, exhausted_by, tool_calls_left
+FROM orchestrator_reserve_budget($1, $2, $3, $4, $5, $6, $7, $8)
+
+-- settle_budgets --
+-- params: $1 run_ids text[], $2 fences bigint[], $3 turns bigint[], $4 tool_calls bigint[],
+--         $5 input_tokens bigint[], $6 output_tokens bigint[], $7 costs numeric[]
+-- In the turn's commit (only runs whose commit took effect): the reservation of that fence is
+-- replaced by what the turn actually cost.
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[],
+                         $6::bigint[], $7::numeric[])
+        AS u(run_id, fence, turns, tool_calls, input_tokens, output_tokens, cost)
+), settled AS (
+    UPDATE run_budgets AS b
+    SET turns_spent = b.turns_spent + u.turns, tool_calls_spent = b.tool_calls_spent + u.tool_calls,
+        input_tokens_spent = b.input_tokens_spent + u.input_tokens,
+        output_tokens_spent = b.output_tokens_spent + u.output_tokens,
+        cost_spent = b.cost_spent + u.cost,
+        turns_reserved = 0, input_tokens_reserved = 0, output_tokens_reserved = 0,
+        cost_reserved = 0, reserved_fence = NULL, updated_at = clock_timestamp()
+    FROM input AS u
+    WHERE b.run_id = u.run_id AND b.reserved_fence = u.fence
+    RETURNING u.*
+)
+INSERT INTO budget_ledger (run_id, kind, fence, turns, tool_calls, input_tokens, output_tokens,
+                           cost)
+SELECT run_id, 'settle', fence, turns, tool_calls, input_tokens, output_tokens, cost
+FROM settled
+RETURNING run_id
+
+-- top_up_budget --
+-- params: $1 run_id text, $2 added jsonb ({turns, tool_calls, input_tokens, output_tokens,
+--         cost_usd})
+-- Raise run $1's limits by $2 (a dimension without a limit stays without one) and wake the run if
+-- it waits for budget. No row: the run has no budget.
+WITH raised AS (
+    UPDATE run_budgets AS b
+    SET turns_limit = b.turns_limit + coalesce(($2::jsonb ->> 'turns')::bigint, 0),
+        tool_calls_limit = b.tool_calls_limit + coalesce(($2::jsonb ->> 'tool_calls')::bigint, 0),
+        input_tokens_limit = b.input_tokens_limit
+                             + coalesce(($2::jsonb ->> 'input_tokens')::bigint, 0),
+        output_tokens_limit = b.output_tokens_limit
+                              + coalesce(($2::jsonb ->> 'output_tokens')::bigint, 0),
+        cost_limit = b.cost_limit + coalesce(($2::jsonb ->> 'cost_usd')::numeric, 0),
+        updated_at = clock_timestamp()
+    WHERE b.run_id = $1
+    RETURNING b.run_id
+), ledger AS (
+    INSERT INTO budget_ledger (run_id, kind, turns, tool_calls, input_tokens, output_tokens, cost,
+                               details)
+    SELECT run_id, 'top_up', coalesce(($2::jsonb ->> 'turns')::bigint, 0),
+           coalesce(($2::jsonb ->> 'tool_calls')::bigint, 0),
+           coalesce(($2::jsonb ->> 'input_tokens')::bigint, 0),
+           coalesce(($2::jsonb ->> 'output_tokens')::bigint, 0),
+           coalesce(($2::jsonb ->> 'cost_usd')::numeric, 0), $2::jsonb
+    FROM raised
+), woken AS (
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait ->> 'reason' = 'budget'
+                            THEN clock_timestamp() ELSE r.available_at END
+    FROM raised AS x
+    WHERE r.run_id = x.run_id AND r.state IN ('running', 'waiting')
+    RETURNING r.run_id, r.agent, r.fence,
+              r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT x.run_id, 'budget_topped_up', w.fence,
+           $2::jsonb || jsonb_build_object('woke_the_run', w.due)
+    FROM raised AS x LEFT JOIN woken AS w ON w.run_id = x.run_id
+), told AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
+)
+SELECT run_id, (SELECT count(*) FROM told) AS notified FROM raised
+
+-- get_budget --
+-- params: $1 run_id text
+-- Run $1's budget: limits, spent, reserved.
+SELECT * FROM run_budgets WHERE run_id = $1
+
+-- budget_ledger --
+-- params: $1 run_id text
+-- Every reservation, settlement, forfeit, refusal and top-up of run $1's budget, in order.
+SELECT entry, kind, fence, turns, tool_calls, input_tokens, output_tokens, cost, details, at
+FROM budget_ledger WHERE run_id = $1 ORDER BY entry

@@ -1,13 +1,19 @@
 -- The orchestrator schema as migrations 0001..N produce it (generated: do not edit).
 -- Regenerate: python -m orchestrator.db.schema_snapshot > sql/schema.sql
 CREATE SCHEMA orchestrator;
-CREATE FUNCTION orchestrator.orchestrator_accept_effect(p_run_id text, p_effect_key text, p_fence bigint, p_kind text, p_policy text, p_payload jsonb, p_idempotency_key text, p_worker_id text, OUT outcome text, OUT accepted_fence bigint, OUT status text, OUT run_state text, OUT run_fence bigint) RETURNS record
+CREATE FUNCTION orchestrator.orchestrator_accept_effect(p_run_id text, p_effect_key text, p_fence bigint, p_kind text, p_policy text, p_payload jsonb, p_idempotency_key text, p_worker_id text, p_requires_approval boolean, p_approval_seconds double precision, OUT outcome text, OUT accepted_fence bigint, OUT status text, OUT run_state text, OUT run_fence bigint) RETURNS record
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator'
     AS $$
 DECLARE
     high_water bigint;
     existing effects%ROWTYPE;
+    digest text := encode(sha256(convert_to(p_payload::text, 'UTF8')), 'hex');
+    first_status text := CASE WHEN p_requires_approval THEN 'awaiting_approval'
+                              ELSE 'accepted' END;
+    expires timestamptz := CASE WHEN p_requires_approval
+                                THEN clock_timestamp() + make_interval(secs => p_approval_seconds)
+                           END;
 BEGIN
     SELECT r.fence, r.state INTO run_fence, run_state
     FROM runs AS r WHERE r.run_id = p_run_id FOR SHARE;
@@ -43,16 +49,24 @@ BEGIN
     WHERE e.run_id = p_run_id AND e.effect_key = p_effect_key FOR UPDATE;
     IF NOT FOUND THEN
         INSERT INTO effects (run_id, effect_key, kind, policy, fence, status, payload,
-                             idempotency_key)
-        VALUES (p_run_id, p_effect_key, p_kind, p_policy, p_fence, 'accepted', p_payload,
-                p_idempotency_key);
+                             idempotency_key, payload_sha256, requires_approval,
+                             approval_expires_at)
+        VALUES (p_run_id, p_effect_key, p_kind, p_policy, p_fence, first_status, p_payload,
+                p_idempotency_key, digest, p_requires_approval, expires);
         INSERT INTO run_events (run_id, kind, fence, worker_id, details)
         VALUES (p_run_id, 'effect_accepted', p_fence, p_worker_id,
                 jsonb_build_object('effect_key', p_effect_key, 'kind', p_kind,
                                    'policy', p_policy));
-        PERFORM pg_notify('orchestrator_effects_due', p_kind);
+        IF p_requires_approval THEN
+            INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+            VALUES (p_run_id, 'approval_requested', p_fence, p_worker_id,
+                    jsonb_build_object('effect_key', p_effect_key, 'payload_sha256', digest,
+                                       'expires_at', expires));
+        ELSE
+            PERFORM pg_notify('orchestrator_effects_due', p_kind);
+        END IF;
         outcome := 'accepted';
-        status := 'accepted';
+        status := first_status;
         RETURN;
     END IF;
     IF existing.kind <> p_kind OR existing.policy <> p_policy THEN
@@ -60,23 +74,121 @@ BEGIN
         status := existing.status;
         RETURN;
     END IF;
-    IF existing.policy = 'replaceable' AND existing.status = 'accepted'
+    IF existing.policy = 'replaceable' AND existing.status IN ('accepted', 'awaiting_approval')
        AND NOT existing.ever_dispatched AND existing.fence < p_fence THEN
         UPDATE effects AS e
-        SET fence = p_fence, payload = p_payload, updated_at = clock_timestamp()
+        SET fence = p_fence, payload = p_payload, payload_sha256 = digest,
+            status = first_status, requires_approval = p_requires_approval,
+            approval_expires_at = expires, approved_sha256 = NULL, decided_by = NULL,
+            decided_at = NULL, decision_note = NULL, updated_at = clock_timestamp()
         WHERE e.run_id = p_run_id AND e.effect_key = p_effect_key;
         INSERT INTO run_events (run_id, kind, fence, worker_id, details)
         VALUES (p_run_id, 'effect_superseded', existing.fence, p_worker_id,
                 jsonb_build_object('effect_key', p_effect_key, 'by_fence', p_fence,
                                    'superseded_payload', existing.payload));
         outcome := 'replaced';
-        status := 'accepted';
+        status := first_status;
         RETURN;
     END IF;
     outcome := 'existing';
     status := existing.status;
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_reserve_budget(p_run_id text, p_worker_id text, p_fence bigint, p_limits jsonb, p_turns bigint, p_input_tokens bigint, p_output_tokens bigint, p_cost numeric, OUT outcome text, OUT exhausted_by text, OUT tool_calls_left bigint) RETURNS record
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    b run_budgets%ROWTYPE;
+BEGIN
+    PERFORM 1 FROM runs
+    WHERE run_id = p_run_id AND lease_owner = p_worker_id AND fence = p_fence
+      AND state = 'running' AND lease_until > clock_timestamp()
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        outcome := 'not_owner';
+        RETURN;
+    END IF;
+    INSERT INTO run_budgets (run_id, turns_limit, tool_calls_limit, input_tokens_limit,
+                             output_tokens_limit, cost_limit)
+    VALUES (p_run_id, (p_limits ->> 'turns')::bigint, (p_limits ->> 'tool_calls')::bigint,
+            (p_limits ->> 'input_tokens')::bigint, (p_limits ->> 'output_tokens')::bigint,
+            (p_limits ->> 'cost_usd')::numeric)
+    ON CONFLICT (run_id) DO NOTHING;
+    SELECT * INTO b FROM run_budgets WHERE run_id = p_run_id FOR UPDATE;
+    IF b.reserved_fence IS NOT NULL AND b.reserved_fence < p_fence THEN
+        INSERT INTO budget_ledger (run_id, kind, fence, turns, input_tokens, output_tokens, cost,
+                                   details)
+        VALUES (p_run_id, 'forfeit', b.reserved_fence, b.turns_reserved, b.input_tokens_reserved,
+                b.output_tokens_reserved, b.cost_reserved,
+                jsonb_build_object('reason', 'the attempt that reserved it never settled'));
+        UPDATE run_budgets
+        SET turns_spent = turns_spent + turns_reserved,
+            input_tokens_spent = input_tokens_spent + input_tokens_reserved,
+            output_tokens_spent = output_tokens_spent + output_tokens_reserved,
+            cost_spent = cost_spent + cost_reserved,
+            turns_reserved = 0, input_tokens_reserved = 0, output_tokens_reserved = 0,
+            cost_reserved = 0, reserved_fence = NULL
+        WHERE run_id = p_run_id
+        RETURNING * INTO b;
+    END IF;
+    exhausted_by := CASE
+        WHEN b.turns_limit IS NOT NULL
+             AND b.turns_spent + b.turns_reserved + p_turns > b.turns_limit THEN 'turns'
+        WHEN b.input_tokens_limit IS NOT NULL
+             AND b.input_tokens_spent + b.input_tokens_reserved + p_input_tokens
+                 > b.input_tokens_limit THEN 'input_tokens'
+        WHEN b.output_tokens_limit IS NOT NULL
+             AND b.output_tokens_spent + b.output_tokens_reserved + p_output_tokens
+                 > b.output_tokens_limit THEN 'output_tokens'
+        WHEN b.cost_limit IS NOT NULL
+             AND b.cost_spent + b.cost_reserved + p_cost > b.cost_limit THEN 'cost_usd'
+        WHEN b.tool_calls_limit IS NOT NULL
+             AND b.tool_calls_spent >= b.tool_calls_limit THEN 'tool_calls'
+    END;
+    IF exhausted_by IS NOT NULL THEN
+        INSERT INTO budget_ledger (run_id, kind, fence, turns, input_tokens, output_tokens, cost,
+                                   details)
+        VALUES (p_run_id, 'refused', p_fence, p_turns, p_input_tokens, p_output_tokens, p_cost,
+                jsonb_build_object('exhausted_by', exhausted_by));
+        outcome := 'exhausted';
+        RETURN;
+    END IF;
+    UPDATE run_budgets
+    SET turns_reserved = turns_reserved + p_turns,
+        input_tokens_reserved = input_tokens_reserved + p_input_tokens,
+        output_tokens_reserved = output_tokens_reserved + p_output_tokens,
+        cost_reserved = cost_reserved + p_cost, reserved_fence = p_fence,
+        updated_at = clock_timestamp()
+    WHERE run_id = p_run_id;
+    INSERT INTO budget_ledger (run_id, kind, fence, turns, input_tokens, output_tokens, cost)
+    VALUES (p_run_id, 'reserve', p_fence, p_turns, p_input_tokens, p_output_tokens, p_cost);
+    tool_calls_left := b.tool_calls_limit - b.tool_calls_spent;
+    outcome := 'reserved';
+END
+$$;
+CREATE TABLE orchestrator.budget_ledger (
+    run_id text NOT NULL,
+    entry bigint NOT NULL,
+    kind text NOT NULL,
+    fence bigint,
+    turns bigint DEFAULT 0 NOT NULL,
+    tool_calls bigint DEFAULT 0 NOT NULL,
+    input_tokens bigint DEFAULT 0 NOT NULL,
+    output_tokens bigint DEFAULT 0 NOT NULL,
+    cost numeric DEFAULT 0 NOT NULL,
+    details jsonb DEFAULT '{}'::jsonb NOT NULL,
+    at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT budget_ledger_kind_check CHECK ((kind = ANY (ARRAY['reserve'::text, 'settle'::text, 'forfeit'::text, 'top_up'::text, 'refused'::text])))
+);
+ALTER TABLE orchestrator.budget_ledger ALTER COLUMN entry ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME orchestrator.budget_ledger_entry_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
 CREATE TABLE orchestrator.effect_fences (
     run_id text NOT NULL,
     fence bigint NOT NULL,
@@ -102,13 +214,39 @@ CREATE TABLE orchestrator.effects (
     created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     settled_at timestamp with time zone,
+    payload_sha256 text,
+    requires_approval boolean DEFAULT false NOT NULL,
+    approval_expires_at timestamp with time zone,
+    approved_sha256 text,
+    decided_by text,
+    decided_at timestamp with time zone,
+    decision_note text,
     CONSTRAINT effects_policy_check CHECK ((policy = ANY (ARRAY['irreversible'::text, 'replaceable'::text]))),
-    CONSTRAINT effects_status_check CHECK ((status = ANY (ARRAY['accepted'::text, 'dispatching'::text, 'uncertain'::text, 'confirmed'::text, 'failed'::text, 'rejected'::text, 'parked'::text])))
+    CONSTRAINT effects_status_check CHECK ((status = ANY (ARRAY['accepted'::text, 'dispatching'::text, 'uncertain'::text, 'confirmed'::text, 'failed'::text, 'rejected'::text, 'parked'::text, 'awaiting_approval'::text])))
 );
 CREATE TABLE orchestrator.orchestrator_schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
     applied_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+);
+CREATE TABLE orchestrator.run_budgets (
+    run_id text NOT NULL,
+    turns_limit bigint,
+    tool_calls_limit bigint,
+    input_tokens_limit bigint,
+    output_tokens_limit bigint,
+    cost_limit numeric,
+    turns_spent bigint DEFAULT 0 NOT NULL,
+    tool_calls_spent bigint DEFAULT 0 NOT NULL,
+    input_tokens_spent bigint DEFAULT 0 NOT NULL,
+    output_tokens_spent bigint DEFAULT 0 NOT NULL,
+    cost_spent numeric DEFAULT 0 NOT NULL,
+    turns_reserved bigint DEFAULT 0 NOT NULL,
+    input_tokens_reserved bigint DEFAULT 0 NOT NULL,
+    output_tokens_reserved bigint DEFAULT 0 NOT NULL,
+    cost_reserved numeric DEFAULT 0 NOT NULL,
+    reserved_fence bigint,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
 );
 CREATE TABLE orchestrator.run_events (
     event_id bigint NOT NULL,
@@ -140,6 +278,24 @@ CREATE TABLE orchestrator.run_messages (
     CONSTRAINT run_messages_seq_check CHECK ((seq >= 0)),
     CONSTRAINT run_messages_turn_check CHECK ((turn >= 0))
 );
+CREATE TABLE orchestrator.run_signals (
+    run_id text NOT NULL,
+    seq bigint NOT NULL,
+    name text NOT NULL,
+    data jsonb NOT NULL,
+    idempotency_key text,
+    sent_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    consumed_at timestamp with time zone,
+    consumed_fence bigint
+);
+ALTER TABLE orchestrator.run_signals ALTER COLUMN seq ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME orchestrator.run_signals_seq_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
 CREATE TABLE orchestrator.runs (
     run_id text NOT NULL,
     agent text NOT NULL,
@@ -160,10 +316,14 @@ CREATE TABLE orchestrator.runs (
     created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     finished_at timestamp with time zone,
+    wait jsonb,
+    signals_pending integer DEFAULT 0 NOT NULL,
+    watched boolean DEFAULT false NOT NULL,
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT runs_fence_check CHECK ((fence >= 0)),
     CONSTRAINT runs_lease_matches_state CHECK (((state = 'running'::text) = ((lease_owner IS NOT NULL) AND (lease_until IS NOT NULL)))),
     CONSTRAINT runs_max_attempts_check CHECK ((max_attempts >= 1)),
+    CONSTRAINT runs_signals_pending_check CHECK ((signals_pending >= 0)),
     CONSTRAINT runs_state_check CHECK ((state = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])))
 )
 WITH (fillfactor='70');
@@ -184,6 +344,8 @@ CREATE TABLE orchestrator.workers (
     started_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     server_started_at timestamp with time zone
 );
+ALTER TABLE ONLY orchestrator.budget_ledger
+    ADD CONSTRAINT budget_ledger_pkey PRIMARY KEY (run_id, entry);
 ALTER TABLE ONLY orchestrator.effect_fences
     ADD CONSTRAINT effect_fences_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.effects
@@ -192,20 +354,26 @@ ALTER TABLE ONLY orchestrator.effects
     ADD CONSTRAINT effects_pkey PRIMARY KEY (run_id, effect_key);
 ALTER TABLE ONLY orchestrator.orchestrator_schema_migrations
     ADD CONSTRAINT orchestrator_schema_migrations_pkey PRIMARY KEY (version);
+ALTER TABLE ONLY orchestrator.run_budgets
+    ADD CONSTRAINT run_budgets_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.run_events
     ADD CONSTRAINT run_events_pkey PRIMARY KEY (event_id);
 ALTER TABLE ONLY orchestrator.run_messages
     ADD CONSTRAINT run_messages_pkey PRIMARY KEY (run_id, seq);
+ALTER TABLE ONLY orchestrator.run_signals
+    ADD CONSTRAINT run_signals_pkey PRIMARY KEY (run_id, seq);
 ALTER TABLE ONLY orchestrator.runs
     ADD CONSTRAINT runs_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.workers
     ADD CONSTRAINT workers_pkey PRIMARY KEY (worker_id);
 ALTER TABLE ONLY orchestrator.workers
     ADD CONSTRAINT workers_session_key_key UNIQUE (session_key);
+CREATE INDEX effects_awaiting_approval ON orchestrator.effects USING btree (approval_expires_at) WHERE (status = 'awaiting_approval'::text);
 CREATE INDEX effects_dispatching ON orchestrator.effects USING btree (dispatcher_until) WHERE (status = 'dispatching'::text);
 CREATE INDEX effects_due ON orchestrator.effects USING btree (available_at) WHERE (status = ANY (ARRAY['accepted'::text, 'uncertain'::text]));
 CREATE INDEX run_events_run ON orchestrator.run_events USING btree (run_id, event_id);
 CREATE INDEX run_events_submitted ON orchestrator.run_events USING btree (event_id) WHERE (kind = 'submitted'::text);
+CREATE UNIQUE INDEX run_signals_key ON orchestrator.run_signals USING btree (run_id, idempotency_key) WHERE (idempotency_key IS NOT NULL);
 CREATE INDEX runs_due ON orchestrator.runs USING btree (agent, available_at) WHERE (state = ANY (ARRAY['queued'::text, 'waiting'::text]));
 CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);
 CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (state = 'running'::text);

@@ -3,15 +3,19 @@
 ``marked``: like ``sleepy``, but each step execution first drops a marker file
 ``<run_id>.<count>.<pid>.<fence>`` in ``input["marker_dir"]``, so a test can see which worker
 process ran which step, and how often, independently of the database.
+
+``inbox``: waits for a ``reply`` signal (see ``AwaitSignal``).
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import anyio
 
+from orchestrator import Effect, Wait
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 
 
@@ -34,3 +38,30 @@ class Explode(Step):
 
 marked = Agent("marked", first=MarkedNap)
 exploding = Agent("exploding", first=Explode)
+
+
+class AwaitSignal(Step):
+    """``inbox``: waits (without a lease) for a ``reply`` signal or ``input["seconds"]``; once
+    it has one, drops a marker, sleeps ``input["work_seconds"]`` (a window to kill the worker in
+    mid-step), then finishes and records a ``crm`` effect keyed by the signal's seq."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        replies = [signal for signal in ctx.signals if signal.name == "reply"]
+        if not replies:
+            if ctx.wait is not None and ctx.wait.timed_out:
+                return Finish({"timed_out": True})
+            seconds = ctx.input.get("seconds")
+            until = None if seconds is None else ctx.database_now() + timedelta(seconds=seconds)
+            return Wait(then=AwaitSignal, signals=["reply"], until=until)
+        marker_dir = ctx.input.get("marker_dir")
+        if marker_dir:
+            (Path(marker_dir) / f"{ctx.run_id}.{os.getpid()}.{ctx.fence}").touch()
+        await anyio.sleep(float(ctx.input.get("work_seconds", 0)))
+        first = replies[0]
+        return Finish(
+            {"replies": [s.data for s in replies], "fence": ctx.fence},
+            effects=[Effect(f"answer-{first.seq}", "crm", {"reply": first.data})],
+        )
+
+
+inbox = Agent("inbox", first=AwaitSignal)

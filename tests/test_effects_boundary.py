@@ -244,7 +244,7 @@ async def test_migration_0005_lowers_a_mark_a_fence_from_the_future_had_raised(
         assert await connection.fetchval("SELECT fence FROM effect_fences") == 1
         answer = await connection.fetchval(
             "SELECT outcome FROM orchestrator_accept_effect('r_1', 'k2', 1, 'email', "
-            "'irreversible', '{}', 'idem-2', 'A')"
+            "'irreversible', '{}', 'idem-2', 'A', false, 86400)"
         )
         assert answer == "accepted"
     finally:

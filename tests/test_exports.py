@@ -23,7 +23,12 @@ AUTHOR_API = {
     "ToolContext",
     "tool",
     "Message",
+    "Wait",
+    "WaitState",
+    "Signal",
+    "Budget",
 }
+APPLICATION_API = {"Client", "SyncClient"}
 ERRORS = {
     "OrchestratorError",
     "InvalidInput",
@@ -36,11 +41,13 @@ ERRORS = {
     "ModelNotConfigured",
     "UnknownAgent",
     "UnknownStep",
+    "BudgetExhausted",
+    "DecisionRefused",
 }
 
 
-def test_the_top_level_exports_exactly_the_author_api_and_its_errors() -> None:
-    assert set(orchestrator.__all__) == AUTHOR_API | ERRORS | {"__version__"}
+def test_the_top_level_exports_exactly_the_author_and_application_api_and_its_errors() -> None:
+    assert set(orchestrator.__all__) == AUTHOR_API | APPLICATION_API | ERRORS | {"__version__"}
     for name in orchestrator.__all__:
         assert getattr(orchestrator, name) is not None, name
     for name in ERRORS:

@@ -117,15 +117,18 @@ async def test_a_database_of_an_earlier_release_moves_into_the_schema_with_its_h
                 migration.version,
                 migration.name,
             )
+        # A run and its timeline as that release wrote them (today's store speaks today's
+        # schema, so the rows are written by hand).
+        await connection.execute(
+            "INSERT INTO runs (run_id, agent, input, idempotency_key, state, finished_at) "
+            "VALUES ('r_legacy', 'agent', '{\"kept\": true}', 'k-1', 'cancelled', now())"
+        )
+        await connection.execute(
+            "INSERT INTO run_events (run_id, kind, fence, details) VALUES "
+            "('r_legacy', 'submitted', 0, '{}'), ('r_legacy', 'cancelled', 1, '{}')"
+        )
     finally:
         await connection.close()
-    pool = await create_pool(legacy)
-    try:
-        old_store = RunStore(pool)
-        run = (await old_store.submit("agent", {"kept": True}, idempotency_key="k-1")).run
-        assert await old_store.cancel(run.run_id)
-    finally:
-        await pool.close()
 
     settings = Settings(database_url=empty_database)
     behind = f"version 6, this orchestrator needs {latest_version()}"
@@ -142,13 +145,13 @@ async def test_a_database_of_an_earlier_release_moves_into_the_schema_with_its_h
     pool = await create_pool(settings)
     try:
         store = RunStore(pool)
-        moved = await store.get(run.run_id)
+        moved = await store.get("r_legacy")
         assert (moved.state, moved.input, moved.idempotency_key) == (
             RunState.CANCELLED,
             {"kept": True},
             "k-1",
         )
-        assert [e.kind for e in await store.events(run.run_id)] == ["submitted", "cancelled"]
+        assert [e.kind for e in await store.events("r_legacy")] == ["submitted", "cancelled"]
         versions = await pool.fetchval("SELECT count(*) FROM orchestrator_schema_migrations")
         assert versions == latest_version()
     finally:

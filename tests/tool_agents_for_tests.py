@@ -12,7 +12,7 @@ import os
 
 import anyio
 
-from orchestrator import EffectPolicy
+from orchestrator import Budget, EffectPolicy
 from orchestrator.loopback import ScriptedCall, ScriptedTurn, turns
 from orchestrator.tool_agent import ToolAgent
 from orchestrator.tools import ToolContext, tool
@@ -74,3 +74,54 @@ SLOW_TURN_1 = turns(
 )
 """Turn 1 holds a slow lookup beside its effect call; a replay of turn 1 proposes other
 arguments (and no slow lookup)."""
+
+
+@tool.effect("crm", approve=lambda amount, **_: amount > 100)
+def refund(order_id: str, amount: float) -> dict[str, object]:
+    """Refund an order (refunds above 100 wait for a person's approval).
+
+    Args:
+        order_id: The order's id.
+        amount: How much to refund, in euros.
+    """
+    return {"order_id": order_id, "amount": amount}
+
+
+refunds = ToolAgent(
+    "refunds",
+    instructions="You handle refund requests. Look the order up, then refund it.",
+    tools=[lookup_order, refund],
+    max_turns=6,
+)
+
+REFUND_TURNS = turns(
+    ScriptedTurn(
+        calls=(
+            ScriptedCall("lookup_order", {"order_id": "slow"}),
+            ScriptedCall("refund", {"order_id": "o-17", "amount": 150}),
+        )
+    ),
+    ScriptedTurn(content="The refund is done."),
+    replays={0: ScriptedTurn(calls=(ScriptedCall("refund", {"order_id": "o-17", "amount": 180}),))},
+)
+"""Turn 0 holds a slow lookup beside a refund that needs approval; its replay asks for another
+amount (and no slow lookup)."""
+
+
+budgeted = ToolAgent(
+    "budgeted",
+    instructions="Look up every order you are asked about, one per turn.",
+    tools=[lookup_order],
+    max_turns=20,
+    max_output_tokens=200,
+    budget=Budget(turns=4, cost_usd="5.00"),
+)
+
+BUDGET_TURNS = turns(
+    *(
+        ScriptedTurn(calls=(ScriptedCall("lookup_order", {"order_id": f"o-{n}"}),))
+        for n in range(6)
+    ),
+    ScriptedTurn(content="All six orders have shipped."),
+)
+"""Six lookups, one per turn, then an answer: seven turns, more than the budget's four."""

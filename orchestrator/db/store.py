@@ -50,6 +50,7 @@ MAX_ATTEMPTS_LIMIT = 1_000
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
+    from orchestrator.budgets import Spend
     from orchestrator.effects.model import Effect
 
 Executor: TypeAlias = "asyncpg.Pool | asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"
@@ -86,6 +87,19 @@ class StepCommit(NamedTuple):
     """``checkpoint`` already encoded as compact JSON (the runtime validates by encoding)."""
     messages: Sequence[Message] = ()
     """Transcript messages (numbered) appended in the same transaction."""
+    park: Park | None = None
+    """The run waits after this commit (no lease, no worker) for what ``park`` says."""
+    signals_upto: int | None = None
+    """The step was given the run's signals up to this seq: the commit consumes them."""
+    spend: Spend | None = None
+    """What the step spent of the run's budget: settles its reservation."""
+
+
+class Park(NamedTuple):
+    """What a run waits for once its step commit parks it (see ``park_runs``)."""
+
+    wait: Mapping[str, JSON]
+    until: datetime | None
 
 
 class RunFinish(NamedTuple):
@@ -102,6 +116,8 @@ class RunFinish(NamedTuple):
     """``result`` already encoded as compact JSON, if the caller has it (see StepCommit)."""
     checkpoint_text: str | None = None
     messages: Sequence[Message] = ()
+    signals_upto: int | None = None
+    spend: Spend | None = None
 
 
 def _checkpoint_events(commit: StepCommit) -> list[dict[str, JSON]]:
@@ -207,9 +223,13 @@ class RunStore:
         run_id: str | None = None,
         idempotency_key: str | None = None,
         max_attempts: int = 5,
+        not_before: datetime | None = None,
     ) -> Submission:
-        """Queue a run. The same idempotency key returns the run it first created."""
+        """Queue a run (due at ``not_before``, or now). The same idempotency key returns the run
+        it first created."""
         validate_agent_name(agent)
+        if not_before is not None and not_before.utcoffset() is None:
+            raise InvalidInput("a run's start time must be timezone-aware (e.g. 2026-12-24T09:00Z)")
         encode_input(input, max_bytes=self.max_input_bytes)
         if run_id is not None:
             validate_run_id(run_id)
@@ -226,6 +246,7 @@ class RunStore:
             input,
             max_attempts,
             idempotency_key,
+            not_before,
         )
         if record is not None:
             return Submission(Run.from_record(record), created=True)
@@ -515,6 +536,44 @@ class RunStore:
             _unless_all_null([_json_text(f.checkpoint, f.checkpoint_text) for f in finishes]),
         )
         return {record["run_id"] for record in records}
+
+    async def park_many(
+        self, worker_id: str, parks: Sequence[tuple[Lease, Park]], *, db: Executor
+    ) -> set[str]:
+        """After their step commits, in the same transaction: these runs wait (see park_runs).
+        Returns the runs parked."""
+        _same_worker(worker_id, [lease for lease, _ in parks])
+        records = await db.fetch(
+            query("park_runs"),
+            worker_id,
+            [lease.run_id for lease, _ in parks],
+            [lease.fence for lease, _ in parks],
+            [compact(dict(park.wait)) for _, park in parks],
+            [park.until for _, park in parks],
+        )
+        return {record["run_id"] for record in records}
+
+    async def consume_signals(self, consumed: Sequence[tuple[Lease, int]], *, db: Executor) -> None:
+        """In a commit's transaction: the signals its step was given are consumed."""
+        await db.execute(
+            query("consume_signals"),
+            [lease.run_id for lease, _ in consumed],
+            [upto for _, upto in consumed],
+            [lease.fence for lease, _ in consumed],
+        )
+
+    async def settle_budgets(self, spends: Sequence[tuple[str, Spend]], *, db: Executor) -> None:
+        """In a commit's transaction: each step's reservation becomes what it spent."""
+        await db.execute(
+            query("settle_budgets"),
+            [run_id for run_id, _ in spends],
+            [spend.fence for _, spend in spends],
+            [spend.turns for _, spend in spends],
+            [spend.tool_calls for _, spend in spends],
+            [spend.input_tokens for _, spend in spends],
+            [spend.output_tokens for _, spend in spends],
+            [spend.cost for _, spend in spends],
+        )
 
     async def fail_attempt(
         self, lease: Lease, *, error: Mapping[str, JSON], db: Executor | None = None

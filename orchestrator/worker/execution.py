@@ -24,18 +24,23 @@ import functools
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
+from orchestrator.budgets import NO_BUDGET, Prices, RunBudget, Spend
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
-from orchestrator.db.store import RunFinish, RunStore, StepCommit
+from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import Effect
+from orchestrator.effects.store import EffectNotFound
 from orchestrator.models import JSON, ClaimedRun, RunState
+from orchestrator.signals import Signal, SignalStore
 from orchestrator.steps import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
+    Agent,
     AgentRegistry,
     EffectView,
     Fail,
@@ -44,6 +49,8 @@ from orchestrator.steps import (
     Outcome,
     Step,
     StepContext,
+    Wait,
+    WaitState,
     encode_json,
     validate_json,
 )
@@ -81,6 +88,8 @@ class Disposition(enum.StrEnum):
     """The step raised: the run waits for its retry's backoff."""
     DEAD = "dead"
     """The step raised on its last attempt: dead-lettered."""
+    WAITING = "waiting"
+    """The step returned ``Wait``: committed, lease and slot given back until woken."""
     RELEASED = "released"
     """Given back at shutdown, fence unchanged, attempt not counted."""
     LOST = "lost"
@@ -132,7 +141,7 @@ class RunnerConfig:
 
 
 _OUTCOME_ATTRIBUTES: dict[type, dict[str, str]] = {
-    kind: {"outcome": kind.__name__.lower()} for kind in (Next, Finish, Fail)
+    kind: {"outcome": kind.__name__.lower()} for kind in (Next, Finish, Fail, Wait)
 }
 """Metric attributes per outcome type, built once."""
 
@@ -146,6 +155,14 @@ def _outcome_attributes(outcome: Outcome) -> dict[str, str]:
         if isinstance(outcome, kind):
             return attributes
     return {"outcome": type(outcome).__name__.lower()}
+
+
+class _Extras(NamedTuple):
+    """What a step's commit settles besides its checkpoint: the signals it was given (up to
+    this seq) and what it spent of the run's budget."""
+
+    signals_upto: int | None
+    spend: Spend | None
 
 
 class Encoded(NamedTuple):
@@ -196,6 +213,7 @@ class RunServices:
     config: RunnerConfig
     metrics: Metrics
     host: RunHost
+    prices: Prices = field(default_factory=Prices)
 
 
 class RunExecution:
@@ -211,6 +229,7 @@ class RunExecution:
         "log",
         "services",
         "shutdown_requested",
+        "signalled",
         "span",
         "task",
         "transcript",
@@ -234,6 +253,8 @@ class RunExecution:
         self.task: asyncio.Task[None] | None = None
         """The run's own task, which ``cancel`` cancels; set by whoever starts it (or found
         when ``execute`` starts)."""
+        self.signalled = False
+        """Signals may be waiting for the next step (set by the worker on a signal's NOTIFY)."""
         self._in_steps = False
         self._cancel_requested = False
         self._refusal: CommitRefused | None = None
@@ -367,6 +388,13 @@ class RunExecution:
         checkpoint = claimed.checkpoint
         version = claimed.checkpoint_version
         lease = claimed.lease
+        budget = self._budget(agent)
+        signals = tuple(Signal.from_json(value) for value in claimed.signals or ())
+        woken: WaitState | None = None
+        if claimed.wait is not None:
+            woken, still_waiting = await self._wait_state(claimed.wait, signals)
+            if still_waiting:  # woken by one of several awaited effects: wait on
+                return await self._wait_again(claimed.wait, woken)
         while True:
             if self._ownership_lost():
                 return Disposition.LOST  # no step starts without ownership
@@ -388,6 +416,9 @@ class RunExecution:
                 self.handle.lose("could not extend the lease for the step's own duration")
                 return Disposition.LOST
             this_step = step_class.step_name()
+            if self.signalled:
+                signals = await self._signals()
+            budget.reset()
             context = StepContext(
                 run_id=lease.run_id,
                 agent=agent.name,
@@ -404,7 +435,11 @@ class RunExecution:
                 effects=self.effects,
                 transcript=self.transcript,
                 database_now=self.handle.database_now,
+                signals=signals,
+                wait=woken,
+                budget=None if budget is NO_BUDGET else budget,
             )
+            woken = None
             started = time.monotonic()
             # A span its owner ends: a final commit's span ends with the committer's answer, so
             # that every step's span says whether the step was committed.
@@ -432,12 +467,22 @@ class RunExecution:
                     messages: Sequence[Message] = ()
                     if not isinstance(outcome, Fail) and outcome.messages:
                         messages = await self.transcript.numbered(outcome.messages, lease.fence)
-                    if not isinstance(outcome, Next):
-                        self._finish(outcome, version, encoded, started, messages, span)
+                    extras = _Extras(signals[-1].seq if signals else None, budget.settlement())
+                    if isinstance(outcome, Finish | Fail):
+                        self._finish(outcome, version, encoded, started, messages, span, extras)
                         handed_over = True
                         return None
                     try:
-                        committed = await self._commit_next(outcome, version, encoded, messages)
+                        if isinstance(outcome, Wait):
+                            self.handle.finishing = True  # the park ends the lease itself
+                            kept = encoded.checkpoint if outcome.checkpoint is not None else None
+                            committed = await self._commit_wait(
+                                outcome, version, kept, checkpoint, messages, extras
+                            )
+                        else:
+                            committed = await self._commit_next(
+                                outcome, version, encoded, messages, extras
+                            )
                     except CommitRefused as error:  # nothing of the step was committed
                         span.set_status(Status(StatusCode.ERROR, type(error).__name__))
                         return await self._fail_attempt(error)
@@ -447,6 +492,9 @@ class RunExecution:
                     self.transcript.committed(messages)
                     committed_here = True
                     span.set_attribute(CHECKPOINT_VERSION, committed)
+                    if isinstance(outcome, Wait):
+                        return Disposition.WAITING
+                    signals = ()  # consumed; a NOTIFY since then set self.signalled
                     version, checkpoint, step_name = (
                         committed,
                         outcome.checkpoint,
@@ -458,7 +506,12 @@ class RunExecution:
                     span.end()
 
     async def _commit_next(
-        self, outcome: Next, version: int, encoded: Encoded, messages: Sequence[Message]
+        self,
+        outcome: Next,
+        version: int,
+        encoded: Encoded,
+        messages: Sequence[Message],
+        extras: _Extras,
     ) -> int | None:
         """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
         commit = StepCommit(
@@ -469,7 +522,50 @@ class RunExecution:
             effects=tuple(outcome.effects),
             checkpoint_text=encoded.checkpoint,
             messages=messages,
+            signals_upto=extras.signals_upto,
+            spend=extras.spend,
         )
+        return await self._commit(commit)
+
+    async def _commit_wait(
+        self,
+        outcome: Wait,
+        version: int,
+        checkpoint_text: str | None,
+        current: JSON,
+        messages: Sequence[Message],
+        extras: _Extras,
+    ) -> int | None:
+        """Commit and park: the run waits without a lease for what ``outcome`` names."""
+        commit = StepCommit(
+            self.claimed.lease,
+            version,
+            outcome.step_name,
+            current if checkpoint_text is None else outcome.checkpoint,
+            effects=tuple(outcome.new_effects),
+            checkpoint_text=checkpoint_text,
+            messages=messages,
+            park=Park(outcome.as_json(), outcome.until),
+            signals_upto=extras.signals_upto,
+            spend=extras.spend,
+        )
+        return await self._commit(commit)
+
+    async def _wait_again(self, wait: JSON, state: WaitState) -> Disposition:
+        """Woken before what the run waits for has all happened (one of several effects
+        settled): park it again as it was, without running its step."""
+        self.handle.finishing = True
+        commit = StepCommit(
+            self.claimed.lease,
+            self.claimed.checkpoint_version,
+            self.claimed.step or self.services.registry.get(self.claimed.agent).first.step_name(),
+            self.claimed.checkpoint,
+            park=Park(wait, state.until),
+        )
+        committed = await self._commit(commit)
+        return Disposition.LOST if committed is None else Disposition.WAITING
+
+    async def _commit(self, commit: StepCommit) -> int | None:
         try:
             committed = await self.services.committer.commit_step(commit)
         except CommitOutcomeUnknown as error:
@@ -485,6 +581,7 @@ class RunExecution:
         started: float,
         messages: Sequence[Message],
         span: Span,
+        extras: _Extras,
     ) -> None:
         """Hand the final commit to the group committer; ``_settle`` takes its answer."""
         self.handle.finishing = True
@@ -501,12 +598,23 @@ class RunExecution:
                 result_text=encoded.result,
                 checkpoint_text=encoded.checkpoint,
                 messages=messages,
+                signals_upto=extras.signals_upto,
+                spend=extras.spend,
             )
         else:
             failure: dict[str, JSON] = {"type": "Fail", "message": outcome.message}
             if outcome.details is not None:
                 failure["details"] = outcome.details
-            finish = RunFinish(lease, version, RunState.FAILED, None, failure, None)
+            finish = RunFinish(
+                lease,
+                version,
+                RunState.FAILED,
+                None,
+                failure,
+                None,
+                signals_upto=extras.signals_upto,
+                spend=extras.spend,
+            )
         self.services.committer.finish(
             finish,
             functools.partial(self._settle, _FINAL_DISPOSITIONS[finish.state], started, span),
@@ -581,10 +689,60 @@ class RunExecution:
                     f"{self.claimed.agent} does not have"
                 )
             return Encoded(None, _encoded(outcome.checkpoint, "checkpoint", limit))
+        if isinstance(outcome, Wait):
+            _validate_effects(outcome.new_effects, limit)
+            _validate_messages(outcome.messages, self.services.config.max_message_bytes)
+            if outcome.step_name not in agent_steps:
+                raise LookupError(
+                    f"Wait names step {outcome.step_name!r}, which agent "
+                    f"{self.claimed.agent} does not have"
+                )
+            return Encoded(None, _encoded(outcome.checkpoint, "checkpoint", limit))
         if isinstance(outcome, Fail):
             _encoded(outcome.details, "failure details", limit)
             return Encoded(None, None)
-        raise TypeError(f"a step must return Next, Finish or Fail, not {type(outcome).__name__}")
+        raise TypeError(
+            f"a step must return Next, Finish, Fail or Wait, not {type(outcome).__name__}"
+        )
+
+    # -- waits, signals, budgets --------------------------------------------------------------
+    def _budget(self, agent: Agent) -> RunBudget:
+        if agent.budget is None:
+            return NO_BUDGET
+        return RunBudget(
+            agent.budget,
+            self.claimed.lease,
+            self.services.store.pool,
+            self.services.prices,
+            statement_seconds=self.services.config.statement_seconds,
+        )
+
+    async def _signals(self) -> tuple[Signal, ...]:
+        """The run's unconsumed signals (read when the claim or a NOTIFY says there are)."""
+        self.signalled = False
+        run_id = self.claimed.run_id
+        return await self._db(lambda db: SignalStore(db).pending(run_id))
+
+    async def _wait_state(self, wait: JSON, signals: tuple[Signal, ...]) -> tuple[WaitState, bool]:
+        """What the run waited for; and whether it must wait on (nothing it waits for has
+        happened yet, and its time has not come)."""
+        names = tuple(wait.get("signals") or ())
+        keys = tuple(wait.get("effects") or ())
+        until = datetime.fromisoformat(wait["until"]) if wait.get("until") else None
+        reason = str(wait.get("reason") or "")
+        signalled = any(signal.name in names for signal in signals)
+        settled = bool(keys) and all([await self._settled(key) for key in keys])
+        happened = signalled or settled or reason == "budget"
+        due = until is not None and self.claimed.claimed_at >= until  # the database's clock
+        state = WaitState(names, keys, until, reason, timed_out=due and not happened)
+        return state, not happened and not due and bool(names or keys)
+
+    async def _settled(self, effect_key: str) -> bool:
+        try:
+            record = await self.effects.get(effect_key)
+        except EffectNotFound:  # never recorded: nothing to wait for
+            return True
+        return record.status.settled
 
     async def _fail_attempt(self, error: BaseException) -> Disposition:
         self.handle.finishing = True

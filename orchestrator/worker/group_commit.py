@@ -228,6 +228,7 @@ class GroupCommitter:
                 )
             if leave_out:
                 raise _LeaveOut(leave_out)
+            await self._after_commit(db, members, committed, finished)
             # A stale owner asked for effects: say so in the timeline, send nothing.
             for request in requests:
                 if not request.effects:
@@ -251,6 +252,40 @@ class GroupCommitter:
                         db=db,
                     )
         return committed, finished
+
+    async def _after_commit(
+        self,
+        db: Any,
+        members: list[StepCommit | RunFinish],
+        committed: dict[str, CommitResult],
+        finished: set[str],
+    ) -> None:
+        """What else the committed runs' steps asked for, in the same transaction: consume the
+        signals they were given, settle their budgets, park the runs that wait."""
+        took_effect = [
+            r for r in members if r.lease.run_id in committed or r.lease.run_id in finished
+        ]
+        consumed = [(r.lease, r.signals_upto) for r in took_effect if r.signals_upto is not None]
+        if consumed:
+            await self.store.consume_signals(consumed, db=db)
+        spends = [(r.lease.run_id, r.spend) for r in took_effect if r.spend is not None]
+        if spends:
+            await self.store.settle_budgets(spends, db=db)
+        parks = [
+            (r.lease, r.park)
+            for r in took_effect
+            if isinstance(r, StepCommit) and r.park is not None
+        ]
+        if parks:
+            parked = await self.store.park_many(self.worker_id, parks, db=db)
+            if len(parked) != len(parks):  # the commit just took effect: only a bug gets here
+                raise _LeaveOut(
+                    {
+                        lease.run_id: CommitRefused(f"run {lease.run_id} could not be parked")
+                        for lease, _ in parks
+                        if lease.run_id not in parked
+                    }
+                )
 
     async def _accept_effects(self, db: Any, request: StepCommit | RunFinish) -> Any:
         """Record ``request``'s effects: ``_ACCEPTED``, or the answer its run gets instead."""

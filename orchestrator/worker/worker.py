@@ -4,9 +4,9 @@
 one place and tears them down together; ``run`` only starts tasks, claims and drains. Tasks in
 the worker's group: the liveness check, the lease keeper (batched renewals), the group
 committer, the dispatcher, the reaper (dead-session takeover), the listener (LISTEN/NOTIFY
-wake-ups and cancels), a status line, the claim loop, and the host of the run tasks
-(``RunTasks``): one task per claimed run, each running that run's ``RunExecution``, all ended
-before the group ends. Nothing in this process's memory is
+wake-ups, signals and cancels), approval expiry, a status line, the claim loop, and the host of
+the run tasks (``RunTasks``): one task per claimed run, each running that run's
+``RunExecution``, all ended before the group ends. Nothing in this process's memory is
 authoritative: every decision that matters is a fenced statement in PostgreSQL.
 
 Dead-session takeover, and why it is safe: each worker holds a session-level advisory lock on a
@@ -35,15 +35,18 @@ import asyncpg
 import structlog
 from anyio.abc import TaskStatus
 
+from orchestrator.budgets import Prices
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import GENERIC_PLANS, connect, create_pool, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection, pooled
 from orchestrator.db.store import RunStore, WorkerRegistry
 from orchestrator.effects.adapters import Adapter
+from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffects
 from orchestrator.settings import Settings
+from orchestrator.signals import SIGNALS_CHANNEL
 from orchestrator.steps import AgentRegistry
 from orchestrator.telemetry import (
     RUN_FENCE,
@@ -69,6 +72,8 @@ claim loop looks when it was idle, when a notification says leases may have ende
 takeover, a release: the runs channel), and otherwise at least this often; a loop that claims
 batch after batch skips the scan in between, whose cost grows with the running set."""
 CANCEL_CHANNEL = "orchestrator_cancel"
+APPROVAL_EXPIRY_SECONDS = 1.0
+"""How often a worker denies expired approvals (an expiry is late by at most this)."""
 
 
 def default_worker_id() -> str:
@@ -247,6 +252,7 @@ class Worker:
                 ),
                 metrics=self.metrics,
                 host=self,
+                prices=Prices.from_env(),
             )
             liveness = Liveness(
                 settings,
@@ -295,6 +301,7 @@ class Worker:
             group.start_soon(running.dispatcher.run)
             group.start_soon(self._status, running)
             group.start_soon(self.run_tasks.host)
+            group.start_soon(self._expire_approvals, running)
             if self.config.dead_session_takeover:
                 group.start_soon(self._reap, running)
             # Claim only once listening (or once listening has failed, bounded by the
@@ -506,6 +513,16 @@ class Worker:
             if expired:
                 self.wake(leases_may_have_ended=True)
 
+    async def _expire_approvals(self, running: Running) -> None:
+        """Deny, by expiry, approvals nobody gave in time (any worker may; each row once)."""
+        while True:
+            await anyio.sleep(max(self.config.poll_seconds, APPROVAL_EXPIRY_SECONDS))
+            try:
+                async with pooled(running.store.pool, within=running.statement_seconds) as db:
+                    await ApprovalStore(db).expire(limit=100)
+            except DATABASE_ERRORS as error:
+                self.log.warning("cannot expire approvals", error=str(error))
+
     async def _listen(
         self, running: Running, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
@@ -524,6 +541,10 @@ class Worker:
                 self.wake(leases_may_have_ended=True)
             elif channel == SETTLED_CHANNEL:
                 self.effect_waiters.notify(str(payload))
+            elif channel == SIGNALS_CHANNEL:
+                signalled = self.active.get(str(payload))
+                if signalled is not None:
+                    signalled.signalled = True
             elif channel == CANCEL_CHANNEL:
                 execution = self.active.get(str(payload))
                 if execution is not None:
@@ -540,6 +561,7 @@ class Worker:
                     await connection.add_listener(RUNS_CHANNEL, on_notify)
                     await connection.add_listener(CANCEL_CHANNEL, on_notify)
                     await connection.add_listener(SETTLED_CHANNEL, on_notify)
+                    await connection.add_listener(SIGNALS_CHANNEL, on_notify)
                 self.wake(leases_may_have_ended=True)  # whatever happened while not listening
                 if first_attempt:
                     first_attempt = False

@@ -1,0 +1,421 @@
+"""Budgets in the database: what a run may spend on models, reserved before it is spent.
+
+An agent declares its limits (``Budget(turns=..., cost_usd=...)``); a run's budget row is created
+with them at its first reservation. Before each model call the worst case is reserved by a fenced
+statement that refuses when spent + reserved + asked would pass a limit, and the step's commit
+settles the reservation to what was actually spent, in the same transaction. A reservation that
+was never settled (its attempt crashed or lost its lease) is counted as spent when the next
+attempt reserves: that call may have been billed. ``orchestrator runs budget RUN --add-usd X``
+raises the limits and wakes a run that waits for budget.
+
+Prices per model come from the operator (``ORCHESTRATOR_PRICES``: a JSON object, or the path of
+a JSON file, mapping a model name to ``{"input_per_million": USD, "output_per_million": USD}``),
+never from agent code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import asyncpg
+import pydantic
+
+from orchestrator.db.deadlines import pooled
+from orchestrator.db.queries import query
+from orchestrator.db.store import Executor
+from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
+from orchestrator.ids import validate_run_id
+from orchestrator.models import JSON, Lease, Row
+
+DIMENSIONS = ("turns", "tool_calls", "input_tokens", "output_tokens", "cost_usd")
+PRICES_VARIABLE = "ORCHESTRATOR_PRICES"
+_MILLION = Decimal(1_000_000)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """An agent's limits per run; ``None`` leaves a dimension unlimited."""
+
+    turns: int | None = None
+    tool_calls: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cost_usd: Decimal | float | str | None = None
+    on_exhausted: Literal["wait", "fail"] = "wait"
+    """``wait``: the run waits (reason ``budget``) until an operator tops it up; ``fail``: the
+    run fails."""
+
+    def __post_init__(self) -> None:
+        for name in ("turns", "tool_calls", "input_tokens", "output_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InvalidInput(f"Budget {name} must be a whole number, not {value!r}")
+            if value is not None and value < 0:
+                raise InvalidInput(f"Budget {name} must be 0 or more, not {value}")
+        if self.cost_usd is not None:
+            cost = _decimal(self.cost_usd, "Budget cost_usd")
+            object.__setattr__(self, "cost_usd", cost)
+        if self.on_exhausted not in ("wait", "fail"):
+            raise InvalidInput(
+                f"Budget on_exhausted must be 'wait' or 'fail', not {self.on_exhausted!r}"
+            )
+        if all(getattr(self, name) is None for name in DIMENSIONS):
+            raise InvalidInput("a Budget needs at least one limit (turns, tokens or cost_usd)")
+
+    def limits(self) -> dict[str, JSON]:
+        """The limits as the budget row is created with (numbers as JSON)."""
+        return {
+            name: (str(value) if isinstance(value, Decimal) else value)
+            for name in DIMENSIONS
+            if (value := getattr(self, name)) is not None
+        }
+
+
+def _decimal(value: object, what: str) -> Decimal:
+    try:
+        number = Decimal(str(value))
+    except ArithmeticError:
+        raise InvalidInput(f"{what} must be a number of US dollars, not {value!r}") from None
+    if not number.is_finite() or number < 0:
+        raise InvalidInput(f"{what} must be a finite number of US dollars, 0 or more")
+    return number
+
+
+class BudgetExhausted(OrchestratorError):
+    """A reservation was refused: the run's limit on ``dimension`` would be passed."""
+
+    def __init__(self, run_id: str, dimension: str) -> None:
+        super().__init__(
+            f"run {run_id} has exhausted its {dimension} budget; `orchestrator runs budget "
+            f"{run_id} --add-...` raises the limit"
+        )
+        self.run_id = run_id
+        self.dimension = dimension
+
+
+class NotOwner(OrchestratorError):
+    """A reservation was refused: the attempt does not own the run any more."""
+
+
+# -- prices ---------------------------------------------------------------------------------
+class ModelPrice(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    input_per_million: Decimal = pydantic.Field(ge=0, allow_inf_nan=False)
+    output_per_million: Decimal = pydantic.Field(ge=0, allow_inf_nan=False)
+
+
+_PRICE_TABLE = pydantic.TypeAdapter(dict[str, ModelPrice])
+
+
+@dataclass(frozen=True)
+class Prices:
+    """US dollars per million input and output tokens, per model, from the operator."""
+
+    models: Mapping[str, ModelPrice] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Prices:
+        raw = (os.environ if environ is None else environ).get(PRICES_VARIABLE, "").strip()
+        if not raw:
+            return cls()
+        text = raw
+        if not raw.startswith("{"):
+            try:
+                text = Path(raw).read_text(encoding="utf-8")
+            except OSError as error:
+                raise InvalidInput(
+                    f"{PRICES_VARIABLE}={raw!r} is neither a JSON object nor a readable file "
+                    f"({error.strerror})"
+                ) from None
+        try:
+            return cls(_PRICE_TABLE.validate_json(text))
+        except pydantic.ValidationError as error:
+            first = error.errors(include_url=False)[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise InvalidInput(
+                f"{PRICES_VARIABLE}: {where or 'value'}: {first['msg']}; expected "
+                '{"MODEL": {"input_per_million": USD, "output_per_million": USD}}'
+            ) from None
+
+    def cost(self, model: str, input_tokens: int, output_tokens: int) -> Decimal:
+        price = self.models.get(model)
+        if price is None:
+            raise InvalidInput(
+                f"no price for model {model!r} in {PRICES_VARIABLE} (it prices: "
+                f"{', '.join(sorted(self.models)) or 'nothing'}); a cost budget needs one"
+            )
+        return (
+            price.input_per_million * input_tokens + price.output_per_million * output_tokens
+        ) / _MILLION
+
+
+# -- a step's view: ctx.budget --------------------------------------------------------------
+class Spend(NamedTuple):
+    """What a step spent, settled in its commit in place of its reservation."""
+
+    fence: int
+    turns: int
+    tool_calls: int
+    input_tokens: int
+    output_tokens: int
+    cost: Decimal
+
+
+class RunBudget:
+    """``ctx.budget``: reserve before spending, record what was spent; both fenced."""
+
+    __slots__ = (
+        "_cost",
+        "_pool",
+        "_reserved",
+        "_spent",
+        "_statement_seconds",
+        "lease",
+        "limits",
+        "prices",
+        "tool_calls_left",
+    )
+
+    def __init__(
+        self,
+        limits: Budget | None,
+        lease: Lease,
+        pool: asyncpg.Pool | None,
+        prices: Prices,
+        *,
+        statement_seconds: float = 30.0,
+    ) -> None:
+        self.limits = limits
+        self.lease = lease
+        self.prices = prices
+        self.tool_calls_left: int | None = None
+        """After a reservation: how many tool calls the run may still make (None: no limit)."""
+        self._pool = pool
+        self._statement_seconds = statement_seconds
+        self._reserved = False
+        self._spent = [0, 0, 0, 0]
+        self._cost = Decimal(0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.limits is not None
+
+    async def reserve(
+        self,
+        *,
+        turns: int = 0,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        cost_usd: Decimal = Decimal(0),
+    ) -> None:
+        """Reserve a worst case before spending it; ``BudgetExhausted`` when a limit would be
+        passed, ``NotOwner`` when this attempt no longer owns the run. No-op without limits."""
+        if self.limits is None or self._pool is None:
+            return
+        lease = self.lease
+        async with pooled(self._pool, within=self._statement_seconds) as db:
+            record = await db.fetchrow(
+                query("reserve_budget"),
+                lease.run_id,
+                lease.worker_id,
+                lease.fence,
+                self.limits.limits(),
+                turns,
+                input_tokens,
+                output_tokens,
+                cost_usd,
+            )
+        assert record is not None
+        outcome = record["outcome"]
+        if outcome == "not_owner":
+            raise NotOwner(f"run {lease.run_id}: fence {lease.fence} no longer owns the run")
+        self._reserved = True
+        if outcome == "exhausted":
+            raise BudgetExhausted(lease.run_id, record["exhausted_by"])
+        self.tool_calls_left = record["tool_calls_left"]
+
+    def spend(
+        self,
+        *,
+        turns: int = 0,
+        tool_calls: int = 0,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        cost_usd: Decimal = Decimal(0),
+    ) -> None:
+        """Record what was actually spent; the step's commit settles it."""
+        if self.limits is None:
+            return
+        spent = self._spent
+        spent[0] += turns
+        spent[1] += tool_calls
+        spent[2] += input_tokens
+        spent[3] += output_tokens
+        self._cost += cost_usd
+
+    def settlement(self) -> Spend | None:
+        """What the step's commit settles (``None``: this step neither reserved nor spent)."""
+        if self.limits is None or not (self._reserved or any(self._spent) or self._cost):
+            return None
+        turns, tool_calls, input_tokens, output_tokens = self._spent
+        return Spend(self.lease.fence, turns, tool_calls, input_tokens, output_tokens, self._cost)
+
+    def reset(self) -> None:
+        """A new step starts: nothing reserved or spent by it yet."""
+        self._reserved = False
+        self._spent = [0, 0, 0, 0]
+        self._cost = Decimal(0)
+
+
+NO_BUDGET = RunBudget(None, Lease("", "", 0), None, Prices())
+"""``ctx.budget`` of agents without limits: reserving and spending do nothing."""
+
+
+# -- reading and topping up -----------------------------------------------------------------
+@dataclass(frozen=True)
+class BudgetState:
+    """A run's budget: per dimension its limit (None: unlimited), spent and reserved."""
+
+    run_id: str
+    limit: dict[str, JSON]
+    spent: dict[str, JSON]
+    reserved: dict[str, JSON]
+    reserved_fence: int | None
+    updated_at: datetime
+
+    @classmethod
+    def from_record(cls, record: Row) -> BudgetState:
+        def column(name: str, suffix: str) -> JSON:
+            key = ("cost" if name == "cost_usd" else name) + suffix
+            try:
+                value = record[key]
+            except KeyError:
+                return None
+            return str(value) if isinstance(value, Decimal) else value
+
+        return cls(
+            record["run_id"],
+            {name: column(name, "_limit") for name in DIMENSIONS},
+            {name: column(name, "_spent") for name in DIMENSIONS},
+            {name: column(name, "_reserved") for name in DIMENSIONS if name != "tool_calls"},
+            record["reserved_fence"],
+            record["updated_at"],
+        )
+
+    def as_json(self) -> dict[str, JSON]:
+        return {
+            "limit": self.limit,
+            "spent": self.spent,
+            "reserved": self.reserved,
+            "reserved_fence": self.reserved_fence,
+            "updated_at": self.updated_at.isoformat(),
+        }
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    entry: int
+    kind: str
+    fence: int | None
+    amounts: dict[str, JSON]
+    details: JSON
+    at: datetime
+
+    def as_json(self) -> dict[str, JSON]:
+        return {
+            "entry": self.entry,
+            "kind": self.kind,
+            "fence": self.fence,
+            **self.amounts,
+            "details": self.details,
+            "at": self.at.isoformat(),
+        }
+
+
+class BudgetStore:
+    def __init__(self, db: Executor) -> None:
+        self.db = db
+
+    async def get(self, run_id: str) -> BudgetState | None:
+        validate_run_id(run_id)
+        record = await self.db.fetchrow(query("get_budget"), run_id)
+        return None if record is None else BudgetState.from_record(record)
+
+    async def ledger(self, run_id: str) -> list[LedgerEntry]:
+        validate_run_id(run_id)
+        return [
+            LedgerEntry(
+                r["entry"],
+                r["kind"],
+                r["fence"],
+                {
+                    "turns": r["turns"],
+                    "tool_calls": r["tool_calls"],
+                    "input_tokens": r["input_tokens"],
+                    "output_tokens": r["output_tokens"],
+                    "cost_usd": str(r["cost"]),
+                },
+                r["details"],
+                r["at"],
+            )
+            for r in await self.db.fetch(query("budget_ledger"), run_id)
+        ]
+
+    async def top_up(
+        self,
+        run_id: str,
+        *,
+        turns: int = 0,
+        tool_calls: int = 0,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        cost_usd: Decimal | float | str = 0,
+    ) -> BudgetState:
+        """Raise the run's limits (and wake it if it waits for budget)."""
+        validate_run_id(run_id)
+        added: dict[str, JSON] = {}
+        for name, value in (
+            ("turns", turns),
+            ("tool_calls", tool_calls),
+            ("input_tokens", input_tokens),
+            ("output_tokens", output_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInput(f"--add-{name.replace('_', '-')} must be a whole number >= 0")
+            if value:
+                added[name] = value
+        cost = _decimal(cost_usd, "--add-usd")
+        if cost:
+            added["cost_usd"] = str(cost)
+        if not added:
+            raise InvalidInput("nothing to add: give --add-usd, --add-turns, --add-tokens ...")
+        record = await self.db.fetchrow(query("top_up_budget"), run_id, added)
+        if record is None:
+            raise InvalidTransition(
+                f"run {run_id} has no budget (its agent declares none, or it has not made a "
+                "model call yet); nothing to top up"
+            )
+        state = await self.get(run_id)
+        assert state is not None
+        return state
+
+
+__all__ = [
+    "NO_BUDGET",
+    "Budget",
+    "BudgetExhausted",
+    "BudgetState",
+    "BudgetStore",
+    "LedgerEntry",
+    "ModelPrice",
+    "NotOwner",
+    "Prices",
+    "RunBudget",
+    "Spend",
+]

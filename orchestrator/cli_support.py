@@ -1,0 +1,106 @@
+"""What every command shares: the consoles, one-line errors, running a command's body."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import click
+from rich.console import Console
+from rich.text import Text
+
+from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.settings import Settings
+from orchestrator.storable import check_text, parse_document
+
+T = TypeVar("T")
+
+# Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
+# Data is printed as it is: no markup, no :emoji: codes (a worker id such as host:1234:ab holds
+# one).
+stdout = Console(
+    highlight=False,
+    markup=False,
+    emoji=False,
+    soft_wrap=False,
+    width=None if sys.stdout.isatty() else 200,
+)
+# Messages are never wrapped: a script reading stderr's first line gets the whole sentence.
+stderr = Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
+
+
+def print_error(error: BaseException) -> None:
+    """``error`` as one line on stderr: its text with any line breaks folded into spaces."""
+    line = " ".join(str(error).split())
+    stderr.print(Text.assemble(("error:", "red"), " ", line))
+
+
+def settings_of(ctx: click.Context) -> Settings:
+    settings = ctx.find_object(Settings)
+    assert settings is not None
+    return settings
+
+
+def run_async(function: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine, turning user errors into one line on stderr and exit code 1."""
+    try:
+        return anyio.run(function)
+    except OrchestratorError as error:
+        print_error(error)
+        sys.exit(1)
+    except BaseExceptionGroup as group:  # a task group's (serve's): a user error inside?
+        matched, rest = group.split(OrchestratorError)
+        if matched is None or rest is not None:
+            raise
+        print_error(_first_leaf(matched))
+        sys.exit(1)
+    except KeyboardInterrupt:
+        stderr.print("interrupted")
+        sys.exit(130)
+
+
+def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+def read_input(raw: str) -> Any:
+    """``--input`` as inline JSON, ``@path`` for a file, or ``@-`` for standard input."""
+    return read_json_option(
+        raw, "--input", example='pass an object such as \'{"topic": "leases"}\' or @file.json'
+    )
+
+
+def read_json_option(raw: str, option: str, *, example: str = "or @file.json") -> Any:
+    """An option's JSON: inline, ``@path`` for a file, or ``@-`` for standard input."""
+    if not raw.startswith("@"):
+        check_text(raw, option)
+        try:
+            return parse_document(raw, option)
+        except InvalidInput as error:
+            raise InvalidInput(f"{error}; {example}") from None
+    path, noun = raw[1:], option.lstrip("-")
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as error:
+        raise InvalidInput(f"cannot read {noun} file {path!r}: {error.strerror}") from None
+    return parse_document(data, "standard input" if path == "-" else f"{noun} file {path!r}")
+
+
+def parse_time(raw: str, option: str) -> datetime:
+    """An ISO 8601 time with a zone (``Z`` or ``+01:00``): a run's start is never ambiguous."""
+    try:
+        moment = datetime.fromisoformat(raw.strip())
+    except ValueError:
+        raise InvalidInput(
+            f"{option} {raw!r} is not an ISO 8601 time; write e.g. 2026-12-24T09:00:00Z"
+        ) from None
+    if moment.utcoffset() is None:
+        raise InvalidInput(
+            f"{option} {raw!r} has no time zone; add Z for UTC or an offset such as +01:00"
+        )
+    return moment

@@ -1,0 +1,315 @@
+"""``orchestrator.Client``: what an application uses to start runs and talk to them.
+
+Submit a run (an idempotency key makes a retried request safe), read it, wait for its result
+(woken by NOTIFY when its final statement commits, never by busy polling), cancel it, send it a
+signal, and record a person's decision on an effect that awaits approval::
+
+    async with await Client.connect() as client:
+        run = await client.submit("support", {"message": "refund order 42"}, idempotency_key=k)
+        done = await client.wait(run.run_id, within=60)
+
+``SyncClient`` offers the same from synchronous code (a WSGI handler, a script): it runs one
+``Client`` on an event loop of its own thread. See docs/client.md for a web handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from decimal import Decimal
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import asyncpg
+
+from orchestrator.budgets import BudgetState, BudgetStore
+from orchestrator.db.bootstrap import ensure_schema
+from orchestrator.db.connections import connect, create_pool, resolve_dsn
+from orchestrator.db.queries import query
+from orchestrator.db.store import RunStore
+from orchestrator.effects.approvals import ApprovalStore, Decision
+from orchestrator.effects.model import EffectRecord
+from orchestrator.errors import InvalidInput
+from orchestrator.ids import validate_run_id
+from orchestrator.models import JSON, Run
+from orchestrator.settings import Settings
+from orchestrator.signals import Signal, SignalStore
+
+FINISHED_CHANNEL = "orchestrator_finished"
+RECHECK_SECONDS = 5.0
+"""While waiting, the run is read again this often in case a notification was lost (the
+listening connection dropped): a safety net, not the mechanism."""
+
+
+class Client:
+    """An application's handle on orchestrator (async). Create with ``await Client.connect()``."""
+
+    def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.store = RunStore(pool, max_input_bytes=settings.max_input_bytes)
+        self._listener: asyncpg.Connection | None = None
+        self._listening = asyncio.Lock()
+        self._finished: dict[str, set[asyncio.Event]] = {}
+
+    @classmethod
+    async def connect(
+        cls, settings: Settings | None = None, *, max_connections: int = 10
+    ) -> Client:
+        """Connect to the database ``settings`` names (default: the environment's). The schema
+        must be current (the embedded default is migrated on first use)."""
+        settings = settings or Settings.from_env()
+        dsn = resolve_dsn(settings)
+        await ensure_schema(settings, dsn, auto_migrate=settings.database_url is None)
+        pool = await create_pool(
+            settings,
+            dsn=dsn,
+            application_name="orchestrator-client",
+            min_size=1,
+            max_size=max_connections,
+        )
+        return cls(pool, settings)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.terminate()
+            self._listener = None
+        await self.pool.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- runs -----------------------------------------------------------------------------------
+    async def submit(
+        self,
+        agent: str,
+        input: JSON,
+        *,
+        idempotency_key: str | None = None,
+        run_id: str | None = None,
+        max_attempts: int = 5,
+        at: datetime | None = None,
+        delay_seconds: float | None = None,
+    ) -> Run:
+        """Queue a run of ``agent``, due now, ``at`` a time or after ``delay_seconds``. The same
+        idempotency key returns the run it first created."""
+        not_before = await self._start_time(at, delay_seconds)
+        submission = await self.store.submit(
+            agent,
+            input,
+            run_id=run_id,
+            idempotency_key=idempotency_key,
+            max_attempts=max_attempts,
+            not_before=not_before,
+        )
+        return submission.run
+
+    async def get(self, run_id: str) -> Run:
+        return await self.store.get(run_id)
+
+    async def wait(self, run_id: str, *, within: float) -> Run:
+        """The run once it has ended (succeeded, failed, cancelled or dead); ``TimeoutError``
+        if it has not within ``within`` seconds. Woken by the run's final commit."""
+        validate_run_id(run_id)
+        if not within > 0:
+            raise InvalidInput("wait timeout must be above 0 seconds")
+        await self._listen()
+        event = asyncio.Event()
+        self._finished.setdefault(run_id, set()).add(event)
+        try:
+            # Watched before it is read: a final commit after the read will notify.
+            await self.pool.execute(query("watch_run"), run_id)
+            with anyio.fail_after(within):
+                while True:
+                    run = await self.store.get(run_id)
+                    if run.state.terminal:
+                        return run
+                    with anyio.move_on_after(RECHECK_SECONDS):
+                        await event.wait()
+                    event.clear()
+                    if self._listener is None or self._listener.is_closed():
+                        await self._listen()
+        finally:
+            waiting = self._finished.get(run_id)
+            if waiting is not None:
+                waiting.discard(event)
+                if not waiting:
+                    del self._finished[run_id]
+
+    async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
+        return await self.store.cancel(run_id, reason=reason)
+
+    # -- signals and approvals ------------------------------------------------------------------
+    async def signal(
+        self, run_id: str, name: str, data: JSON = None, *, idempotency_key: str | None = None
+    ) -> Signal:
+        """Send ``run_id`` a signal (stored durably; the same key twice is one signal)."""
+        return (
+            await SignalStore(self.pool).send(run_id, name, data, idempotency_key=idempotency_key)
+        ).signal
+
+    async def approvals(self, *, run_id: str | None = None, limit: int = 100) -> list[EffectRecord]:
+        """Effects awaiting a person's decision, oldest first."""
+        return await ApprovalStore(self.pool).pending(run_id=run_id, limit=limit)
+
+    async def approve(
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        by: str,
+        payload_sha256: str,
+        note: str | None = None,
+        run_fence: int | None = None,
+    ) -> EffectRecord:
+        """Approve the payload the person saw (its ``payload_sha256``); refused if it changed."""
+        return await ApprovalStore(self.pool).decide(
+            run_id,
+            effect_key,
+            Decision.APPROVED,
+            by=by,
+            note=note,
+            payload_sha256=payload_sha256,
+            run_fence=run_fence,
+        )
+
+    async def deny(
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        by: str,
+        note: str | None = None,
+        payload_sha256: str | None = None,
+        run_fence: int | None = None,
+    ) -> EffectRecord:
+        """Deny it; the model is told "denied by reviewer: NOTE"."""
+        return await ApprovalStore(self.pool).decide(
+            run_id,
+            effect_key,
+            Decision.DENIED,
+            by=by,
+            note=note,
+            payload_sha256=payload_sha256,
+            run_fence=run_fence,
+        )
+
+    # -- budgets --------------------------------------------------------------------------------
+    async def budget(self, run_id: str) -> BudgetState | None:
+        return await BudgetStore(self.pool).get(run_id)
+
+    async def top_up(self, run_id: str, **added: int | Decimal | float | str) -> BudgetState:
+        """Raise a run's budget (``cost_usd=``, ``turns=``, ...) and wake it if it waits."""
+        return await BudgetStore(self.pool).top_up(run_id, **added)  # type: ignore[arg-type]
+
+    # -- internals ------------------------------------------------------------------------------
+    async def _start_time(self, at: datetime | None, delay: float | None) -> datetime | None:
+        if at is not None and delay is not None:
+            raise InvalidInput("give a start time or a delay, not both")
+        if delay is not None:
+            if not 0 <= delay <= 10 * 366 * 86400:
+                raise InvalidInput("a delay is 0 or more seconds, at most ten years")
+            return await self.store.database_now() + timedelta(seconds=delay)
+        return at
+
+    async def _listen(self) -> None:
+        """One LISTEN connection per client, (re)opened when needed."""
+        async with self._listening:
+            if self._listener is not None and not self._listener.is_closed():
+                return
+            connection = await connect(
+                self.settings, dsn=resolve_dsn(self.settings), application_name="orchestrator-wait"
+            )
+            await connection.add_listener(FINISHED_CHANNEL, self._on_finished)
+            self._listener = connection
+            for events in self._finished.values():  # what ended while not listening
+                for event in events:
+                    event.set()
+
+    def _on_finished(self, connection: object, pid: int, channel: str, run_id: object) -> None:
+        for event in self._finished.get(str(run_id), ()):
+            event.set()
+
+
+class SyncClient:
+    """``Client`` for synchronous code: the same methods, blocking, safe from many threads."""
+
+    def __init__(self, settings: Settings | None = None, *, max_connections: int = 10) -> None:
+        self._portal_manager = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_manager.__enter__()
+        try:
+            self._client = self._portal.call(
+                lambda: Client.connect(settings, max_connections=max_connections)
+            )
+        except BaseException:
+            self._portal_manager.__exit__(None, None, None)
+            raise
+
+    def _call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._portal.call(lambda: method(*args, **kwargs))
+
+    def submit(self, agent: str, input: JSON, **options: Any) -> Run:
+        result: Run = self._call(self._client.submit, agent, input, **options)
+        return result
+
+    def get(self, run_id: str) -> Run:
+        result: Run = self._call(self._client.get, run_id)
+        return result
+
+    def wait(self, run_id: str, *, within: float) -> Run:
+        result: Run = self._call(self._client.wait, run_id, within=within)
+        return result
+
+    def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
+        result: Run = self._call(self._client.cancel, run_id, reason=reason)
+        return result
+
+    def signal(self, run_id: str, name: str, data: JSON = None, **options: Any) -> Signal:
+        result: Signal = self._call(self._client.signal, run_id, name, data, **options)
+        return result
+
+    def approvals(self, **options: Any) -> list[EffectRecord]:
+        result: list[EffectRecord] = self._call(self._client.approvals, **options)
+        return result
+
+    def approve(self, run_id: str, effect_key: str, **options: Any) -> EffectRecord:
+        result: EffectRecord = self._call(self._client.approve, run_id, effect_key, **options)
+        return result
+
+    def deny(self, run_id: str, effect_key: str, **options: Any) -> EffectRecord:
+        result: EffectRecord = self._call(self._client.deny, run_id, effect_key, **options)
+        return result
+
+    def budget(self, run_id: str) -> BudgetState | None:
+        result: BudgetState | None = self._call(self._client.budget, run_id)
+        return result
+
+    def top_up(self, run_id: str, **added: Any) -> BudgetState:
+        result: BudgetState = self._call(self._client.top_up, run_id, **added)
+        return result
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._client.close)
+        finally:
+            self._portal_manager.__exit__(None, None, None)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+__all__ = ["Client", "SyncClient"]

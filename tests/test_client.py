@@ -1,0 +1,182 @@
+"""``orchestrator.Client`` and ``SyncClient`` as an application uses them, and the documented
+web handler (examples/refund_desk.py) end to end: a real HTTP server, worker, model and vendor."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from orchestrator.agents.noop import noop
+from orchestrator.effects.adapters import HttpAdapter
+from test_waits import FAST, replies
+from tool_agents_for_tests import REFUND_TURNS, refunds
+
+import orchestrator.client
+from orchestrator import Client, InvalidInput, RunNotFound, SyncClient
+from orchestrator.loopback import LocalVendor, ScriptedModelServer
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import running_worker
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "refund_desk.py"
+
+
+async def test_submit_is_idempotent_and_wait_is_woken_by_the_final_commit(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With the safety-net re-read pushed out of reach, only the NOTIFY can end the wait.
+    monkeypatch.setattr(orchestrator.client, "RECHECK_SECONDS", 3600.0)
+    async with await Client.connect(settings) as client:
+        first = await client.submit("noop", {"n": 1}, idempotency_key="order-17")
+        again = await client.submit("noop", {"n": 1}, idempotency_key="order-17")
+        assert again.run_id == first.run_id
+        async with running_worker(settings, [noop], **FAST):
+            done = await client.wait(first.run_id, within=20)
+            assert done.state is RunState.SUCCEEDED
+            assert (await client.wait(first.run_id, within=1)).state is RunState.SUCCEEDED
+
+
+async def test_wait_times_out_cancel_ends_it_and_errors_are_clear(settings: Settings) -> None:
+    async with await Client.connect(settings) as client:
+        run = await client.submit("nobody_serves_this", {})
+        with pytest.raises(TimeoutError):
+            await client.wait(run.run_id, within=0.3)
+        async with anyio.create_task_group() as group:
+            ended: list[Any] = []
+
+            async def waiter() -> None:
+                ended.append(await client.wait(run.run_id, within=20))
+
+            group.start_soon(waiter)
+            await anyio.sleep(0.2)
+            await client.cancel(run.run_id, reason="no longer needed")
+        assert ended[0].state is RunState.CANCELLED
+        with pytest.raises(RunNotFound):
+            await client.get("r_missing")
+        with pytest.raises(InvalidInput, match="not both"):
+            await client.submit("noop", {}, at=ended[0].created_at, delay_seconds=1)
+
+
+async def test_a_signal_from_the_client_wakes_the_run(settings: Settings) -> None:
+    async with (
+        await Client.connect(settings) as client,
+        running_worker(settings, [replies], **FAST),
+    ):
+        run = await client.submit("replies", {})
+        with anyio.fail_after(10):
+            while (await client.get(run.run_id)).state is not RunState.WAITING:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        signal = await client.signal(run.run_id, "reply", {"ok": True}, idempotency_key="k")
+        assert signal.seq >= 1
+        done = await client.wait(run.run_id, within=20)
+    assert done.result["replies"] == [{"ok": True}]
+
+
+def test_the_sync_client_serves_synchronous_code(settings: Settings) -> None:
+    with SyncClient(settings) as client:
+        run = client.submit("noop", {"n": 2}, idempotency_key="sync-1")
+        assert client.get(run.run_id).state is RunState.QUEUED
+        results: list[str] = []
+        threads = [
+            threading.Thread(target=lambda: results.append(client.get(run.run_id).run_id))
+            for _ in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert results == [run.run_id] * 4
+        assert client.cancel(run.run_id).state is RunState.CANCELLED
+
+
+# -- the documented web handler ----------------------------------------------------------------
+def load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("refund_desk", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Http:
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def call(
+        self, method: str, path: str, body: Any = None, user: str | None = None
+    ) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base + path, data=data, method=method)
+        request.add_header("Content-Type", "application/json")
+        if user:
+            request.add_header("X-User", user)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+        return await anyio.to_thread.run_sync(lambda: self.call(*args, **kwargs))
+
+
+@pytest.fixture
+def refund_desk(settings: Settings) -> Iterator[Http]:
+    module = load_example()
+    with SyncClient(settings) as client:
+        server = module.ThreadingHTTPServer(
+            ("127.0.0.1", 0), module.make_handler(client, "refunds")
+        )
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield Http(f"http://127.0.0.1:{server.server_port}")
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+async def test_the_web_handler_submits_a_run_and_records_a_person_s_approval(
+    settings: Settings, refund_desk: Http, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="none")}
+        async with running_worker(settings, [refunds], effect_adapters=adapters, **FAST):
+            request = {"request_id": "req-1", "message": "Refund order o-17, please."}
+            status, started = await refund_desk("POST", "/refunds", request)
+            assert status == 202
+            status, retried = await refund_desk("POST", "/refunds", request)
+            assert retried["run_id"] == started["run_id"]  # a retried POST is the same run
+            with anyio.fail_after(20):
+                while not (await refund_desk("GET", "/approvals"))[1]:  # noqa: ASYNC110
+                    await anyio.sleep(0.1)
+            _, [shown] = await refund_desk("GET", "/approvals")
+            assert shown["payload"] == {"order_id": "o-17", "amount": 150}
+            path = f"/approvals/{shown['run_id']}/{shown['effect_key']}"
+            decision = {"decision": "approve", "payload_sha256": shown["payload_sha256"]}
+            assert (await refund_desk("POST", path, decision))[0] == 401  # who?
+            stale = {**decision, "payload_sha256": "f" * 64}
+            status, refused = await refund_desk("POST", path, stale, user="ana")
+            assert status == 409 and "is not the one you saw" in refused["error"]
+            moved = {**decision, "fence": shown["fence"] + 1}
+            assert (await refund_desk("POST", path, moved, user="ana"))[0] == 409
+            approved = {**decision, "fence": shown["fence"]}
+            status, effect = await refund_desk("POST", path, approved, user="ana")
+            assert status == 200 and effect["decided_by"] == "ana"
+            with anyio.fail_after(20):
+                while (await refund_desk("GET", f"/runs/{started['run_id']}"))[1][  # noqa: ASYNC110
+                    "state"
+                ] != "succeeded":
+                    await anyio.sleep(0.1)
+    assert vendor.requests == 1
+    assert [d["payload"]["amount"] for d in vendor.deliveries.values()] == [150]

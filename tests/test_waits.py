@@ -1,0 +1,431 @@
+"""Waiting without a lease, in-process: signals, timers, effects, approvals, scheduled runs."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, ClassVar
+
+import anyio
+import asyncpg
+import pytest
+from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
+from orchestrator.effects.model import EffectStatus
+from orchestrator.effects.store import EffectStore
+
+from orchestrator import Agent, Effect, Finish, Next, Outcome, Step, StepContext, Wait
+from orchestrator.client import Client
+from orchestrator.db.store import RunStore
+from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.signals import SignalStore
+from orchestrator.testing import LocalVendor, running_worker, wait_for_run
+
+FAST: dict[str, Any] = {"lease_seconds": 5.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
+
+
+class AwaitReply(Step):
+    """Waits for a ``reply`` signal (up to ``seconds`` from the input), then reports it."""
+
+    runs: ClassVar[int] = 0
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        type(self).runs += 1
+        replies = [s for s in ctx.signals if s.name == "reply"]
+        if replies:
+            return Finish(
+                {
+                    "replies": [s.data for s in replies],
+                    "others": [s.name for s in ctx.signals if s.name != "reply"],
+                    "fence": ctx.fence,
+                }
+            )
+        if ctx.wait is not None and ctx.wait.timed_out:
+            return Finish({"timed_out": True, "fence": ctx.fence})
+        seconds = ctx.input.get("seconds")
+        until = None if seconds is None else ctx.database_now() + timedelta(seconds=seconds)
+        return Wait(then=AwaitReply, signals=["reply"], until=until)
+
+
+replies = Agent("replies", first=AwaitReply)
+
+
+class Sleep(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        if ctx.wait is None:
+            until = ctx.database_now() + timedelta(seconds=ctx.input["seconds"])
+            return Wait(then=Sleep, until=until, checkpoint={"until": until.isoformat()})
+        return Finish({"woke_at": ctx.database_now().isoformat(), **ctx.checkpoint})
+
+
+sleeper = Agent("sleeper", first=Sleep)
+
+
+class Request(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        effect = Effect(
+            "refund",
+            "crm",
+            {"order": ctx.input["order"], "amount": ctx.input["amount"]},
+            requires_approval=ctx.input.get("approval", False),
+            approval_seconds=ctx.input.get("approval_seconds", 3600),
+        )
+        return Wait(then=Report, effects=[effect])
+
+
+class Report(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        record = await ctx.effects.get("refund")
+        return Finish({"status": record.status.value, "error": record.error})
+
+
+refunds = Agent("refunds", first=Request, steps=[Report])
+
+
+class TwoEffects(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Wait(
+            then=BothSettled,
+            effects=[Effect("first", "crm", {"n": 1}), Effect("second", "slow", {"n": 2})],
+        )
+
+
+class BothSettled(Step):
+    runs: ClassVar[int] = 0
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        type(self).runs += 1
+        statuses = [(await ctx.effects.get(key)).status.value for key in ("first", "second")]
+        return Finish({"statuses": statuses})
+
+
+pair = Agent("pair", first=TwoEffects, steps=[BothSettled])
+
+
+def crm(vendor: LocalVendor, kind: str = "crm") -> HttpAdapter:
+    return HttpAdapter(kind, url=vendor.send_url, lookup_url=vendor.lookup_url, reconcile="lookup")
+
+
+async def parked(store: RunStore, run_id: str) -> None:
+    run = await wait_for_run(store, run_id, states={RunState.WAITING}, within=10)
+    assert run.wait is not None
+    assert (run.lease_owner, run.lease_until) == (None, None)
+
+
+# -- signals ----------------------------------------------------------------------------------
+async def test_a_signal_wakes_a_waiting_run_and_is_consumed_once(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    async with running_worker(settings, [replies], **FAST) as worker:
+        run_id = (await store.submit("replies", {})).run.run_id
+        await parked(store, run_id)
+        assert run_id not in worker.active  # the slot is free
+        signals = SignalStore(pool)
+        await signals.send(run_id, "note", {"text": "fyi"})  # not awaited: does not wake it
+        await anyio.sleep(0.3)
+        assert (await store.get(run_id)).state is RunState.WAITING
+        sent = await signals.send(run_id, "reply", {"text": "yes"}, idempotency_key="mail-1")
+        again = await signals.send(run_id, "reply", {"text": "yes"}, idempotency_key="mail-1")
+        assert (again.created, again.signal.seq) == (False, sent.signal.seq)
+        run = await wait_for_run(store, run_id)
+    assert run.state is RunState.SUCCEEDED
+    assert run.result == {"replies": [{"text": "yes"}], "others": ["note"], "fence": 2}
+    history = await signals.history(run_id)
+    assert [(s.name, fence) for s, _, fence in history] == [("note", 2), ("reply", 2)]
+    kinds = [e.kind for e in await store.events(run_id)]
+    assert kinds.count("claimed") == 2
+    assert "waiting" in kinds and "signals_consumed" in kinds
+    assert (await store.get(run_id)).signals_pending == 0
+
+
+async def test_signal_errors_are_clear_and_change_nothing(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    signals = SignalStore(pool)
+    with pytest.raises(RunNotFound):
+        await signals.send("r_missing", "reply", {})
+    with pytest.raises(InvalidInput, match="malformed signal name"):
+        await signals.send("r_missing", "no spaces", {})
+    run_id = (await store.submit("replies", {})).run.run_id
+    await signals.send(run_id, "reply", {"n": 1}, idempotency_key="k")
+    with pytest.raises(IdempotencyConflict, match="already used for signal 'reply'"):
+        await signals.send(run_id, "reply", {"n": 2}, idempotency_key="k")
+    await store.cancel(run_id)
+    with pytest.raises(InvalidTransition, match="is cancelled"):
+        await signals.send(run_id, "reply", {"n": 3})
+    assert [s.data for s, _, _ in await signals.history(run_id)] == [{"n": 1}]
+
+
+async def test_a_signal_sent_before_the_wait_wakes_it_at_once(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """Queued with a signal already stored: the first step reads it and never waits."""
+    run_id = (await store.submit("replies", {})).run.run_id
+    await SignalStore(pool).send(run_id, "reply", "early")
+    async with running_worker(settings, [replies], **FAST):
+        run = await wait_for_run(store, run_id)
+    assert run.result == {"replies": ["early"], "others": [], "fence": 1}
+
+
+async def test_a_wait_with_a_deadline_resumes_with_a_timeout_it_can_see(
+    settings: Settings, store: RunStore
+) -> None:
+    async with running_worker(settings, [replies], **FAST):
+        run_id = (await store.submit("replies", {"seconds": 0.5})).run.run_id
+        run = await wait_for_run(store, run_id, within=10)
+    assert run.result == {"timed_out": True, "fence": 2}
+
+
+async def test_a_timer_fires_within_a_poll_interval_of_its_time(
+    settings: Settings, store: RunStore
+) -> None:
+    async with running_worker(settings, [sleeper], **FAST):
+        run_id = (await store.submit("sleeper", {"seconds": 1.0})).run.run_id
+        run = await wait_for_run(store, run_id, within=10)
+    woke = datetime.fromisoformat(run.result["woke_at"])
+    due = datetime.fromisoformat(run.result["until"])
+    assert timedelta(0) <= woke - due < timedelta(seconds=FAST["poll_seconds"] + 0.4)
+
+
+async def test_a_scheduled_run_starts_at_its_time(settings: Settings, store: RunStore) -> None:
+    async with await Client.connect(settings) as client:
+        run = await client.submit("sleeper", {"seconds": 0.01}, delay_seconds=1.0)
+        assert run.state is RunState.QUEUED and run.available_at > run.created_at
+        async with running_worker(settings, [sleeper], **FAST):
+            await anyio.sleep(0.5)
+            assert (await client.get(run.run_id)).state is RunState.QUEUED
+            done = await client.wait(run.run_id, within=10)
+    claimed = next(e for e in await store.events(run.run_id) if e.kind == "claimed")
+    assert claimed.at >= run.available_at
+    assert done.state is RunState.SUCCEEDED
+
+
+async def test_waiting_runs_do_not_hold_worker_slots(settings: Settings, store: RunStore) -> None:
+    async with running_worker(settings, [replies, sleeper], concurrency=1, **FAST):
+        waiting = [(await store.submit("replies", {})).run.run_id for _ in range(3)]
+        for run_id in waiting:
+            await parked(store, run_id)
+        other = (await store.submit("sleeper", {"seconds": 0.01})).run.run_id
+        assert (await wait_for_run(store, other, within=10)).state is RunState.SUCCEEDED
+
+
+# -- effects and approvals ------------------------------------------------------------------
+async def test_a_run_waits_for_its_effect_to_settle_without_a_lease(
+    settings: Settings, store: RunStore
+) -> None:
+    async with (
+        LocalVendor() as vendor,
+        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
+    ):
+        run_id = (await store.submit("refunds", {"order": 42, "amount": 10})).run.run_id
+        run = await wait_for_run(store, run_id, within=10)
+    assert run.result == {"status": "confirmed", "error": None}
+    assert vendor.requests == 1
+
+
+async def test_woken_by_one_of_two_effects_the_run_waits_on_without_running_its_step(
+    settings: Settings, store: RunStore
+) -> None:
+    BothSettled.runs = 0
+    async with LocalVendor() as fast, LocalVendor() as slow:
+        slow.delay = 1.5
+        adapters = {"crm": crm(fast), "slow": crm(slow, "slow")}
+        async with running_worker(settings, [pair], effect_adapters=adapters, **FAST):
+            run_id = (await store.submit("pair", {})).run.run_id
+            run = await wait_for_run(store, run_id, within=15)
+    assert run.result == {"statuses": ["confirmed", "confirmed"]}
+    assert BothSettled.runs == 1
+    kinds = [e.kind for e in await store.events(run_id)]
+    assert kinds.count("waiting") == 2  # parked, woken by the first, parked again
+
+
+async def test_an_approved_effect_is_sent_once_and_only_for_the_payload_shown(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    approvals = ApprovalStore(pool)
+    async with (
+        LocalVendor() as vendor,
+        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
+    ):
+        input = {"order": 42, "amount": 120, "approval": True}
+        run_id = (await store.submit("refunds", input)).run.run_id
+        await parked(store, run_id)
+        [pending] = await approvals.pending(run_id=run_id)
+        assert pending.status is EffectStatus.AWAITING_APPROVAL
+        assert pending.payload == {"order": 42, "amount": 120}
+        assert pending.payload_sha256 is not None
+        await anyio.sleep(0.5)
+        assert vendor.requests == 0  # the dispatcher never sends it unapproved
+        with pytest.raises(DecisionRefused, match="is not the one you saw"):
+            await approvals.decide(
+                run_id, "refund", Decision.APPROVED, by="ana", payload_sha256="0" * 64
+            )
+        run = await store.get(run_id)
+        with pytest.raises(DecisionRefused, match="moved on from fence"):
+            await approvals.decide(
+                run_id, "refund", Decision.APPROVED, by="ana", run_fence=run.fence - 1
+            )
+        approved = await approvals.decide(
+            run_id,
+            "refund",
+            Decision.APPROVED,
+            by="ana",
+            note="ok",
+            payload_sha256=pending.payload_sha256,
+            run_fence=run.fence,
+        )
+        assert approved.approved_sha256 == pending.payload_sha256
+        with pytest.raises(DecisionRefused, match="already decided by ana"):
+            await approvals.decide(run_id, "refund", Decision.DENIED, by="bo")
+        run = await wait_for_run(store, run_id, within=10)
+    assert run.result == {"status": "confirmed", "error": None}
+    assert vendor.requests == 1
+    granted = [e for e in await store.events(run_id) if e.kind == "approval_granted"]
+    assert [(e.details["by"], e.details["note"]) for e in granted] == [("ana", "ok")]
+
+
+async def test_a_denied_effect_is_never_sent_and_the_step_sees_why(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    async with (
+        LocalVendor() as vendor,
+        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
+    ):
+        run_id = (await store.submit("refunds", {"order": 7, "amount": 5, "approval": True})).run
+        await parked(store, run_id.run_id)
+        await ApprovalStore(pool).decide(
+            run_id.run_id, "refund", Decision.DENIED, by="ana", note="not eligible"
+        )
+        run = await wait_for_run(store, run_id.run_id, within=10)
+    assert run.result["status"] == "rejected"
+    assert run.result["error"]["message"] == "denied by reviewer: not eligible"
+    assert vendor.requests == 0
+
+
+async def test_an_approval_nobody_gives_expires_as_a_denial(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    async with (
+        LocalVendor() as vendor,
+        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
+    ):
+        input = {"order": 1, "amount": 1, "approval": True, "approval_seconds": 0.5}
+        run_id = (await store.submit("refunds", input)).run.run_id
+        run = await wait_for_run(store, run_id, within=15)
+        with pytest.raises(DecisionRefused, match="already decided by expiry"):
+            await ApprovalStore(pool).decide(run_id, "refund", Decision.APPROVED, by="late")
+    assert run.result["status"] == "rejected"
+    assert run.result["error"]["type"] == "ApprovalExpired"
+    assert vendor.requests == 0
+    assert "approval_expired" in [e.kind for e in await store.events(run_id)]
+
+
+async def test_cancel_withdraws_a_pending_approval(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    async with (
+        LocalVendor() as vendor,
+        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
+    ):
+        input = {"order": 9, "amount": 99, "approval": True}
+        run_id = (await store.submit("refunds", input)).run.run_id
+        await parked(store, run_id)
+        await store.cancel(run_id, reason="customer withdrew")
+        with pytest.raises(DecisionRefused, match="withdrawn"):
+            await ApprovalStore(pool).decide(run_id, "refund", Decision.APPROVED, by="ana")
+        assert await ApprovalStore(pool).pending(run_id=run_id) == []
+        await anyio.sleep(0.5)
+    assert vendor.requests == 0
+    effect = await EffectStore(pool).get(run_id, "refund")
+    assert effect.status is EffectStatus.REJECTED
+    assert "approval_withdrawn" in [e.kind for e in await store.events(run_id)]
+
+
+async def test_a_newer_fence_replacing_the_payload_never_consumes_the_old_approval(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """A replaceable effect approved for one payload and replaced (a replayed step asked
+    for another) needs a new approval: the first one is not carried over."""
+    from orchestrator.effects.model import EffectPolicy
+
+    effects = EffectStore(pool)
+    run_id = (await store.submit("agent", {})).run.run_id
+    first = (await store.claim("A", ["agent"], lease_seconds=0.2)).claimed[0]
+
+    async def request(fence: int, amount: int) -> None:
+        effect = Effect(
+            "refund",
+            "crm",
+            {"amount": amount},
+            EffectPolicy.REPLACEABLE,
+            requires_approval=True,
+        )
+        async with pool.acquire() as db:
+            answer = await effects.accept(db, run_id, fence, effect, worker_id="w")
+        assert not answer.outcome.refused, answer
+
+    await request(first.fence, 100)
+    approved = await ApprovalStore(pool).decide(run_id, "refund", Decision.APPROVED, by="ana")
+    assert approved.status is EffectStatus.ACCEPTED
+    await anyio.sleep(0.3)
+    second = (await store.claim("B", ["agent"], lease_seconds=30)).claimed[0]
+    assert second.fence == first.fence + 1
+    await request(second.fence, 120)
+    record = await effects.get(run_id, "refund")
+    assert record.status is EffectStatus.AWAITING_APPROVAL
+    assert (record.payload, record.approved_sha256) == ({"amount": 120}, None)
+    assert record.payload_sha256 != approved.payload_sha256
+
+
+def test_a_wait_needs_something_to_wake_it() -> None:
+    with pytest.raises(InvalidInput, match="something to wake it"):
+        Wait(then=AwaitReply)
+    with pytest.raises(InvalidInput, match="timezone-aware"):
+        Wait(then=AwaitReply, until=datetime(2030, 1, 1))
+    with pytest.raises(InvalidInput, match="lists"):
+        Wait(then=AwaitReply, signals="reply")
+
+
+class BadWait(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Wait(then="nowhere", signals=["x"])
+
+
+async def test_a_wait_naming_a_missing_step_fails_the_attempt(
+    settings: Settings, store: RunStore
+) -> None:
+    agent = Agent("bad_wait", first=BadWait)
+    async with running_worker(settings, [agent], **FAST):
+        run_id = (await store.submit("bad_wait", {}, max_attempts=1)).run.run_id
+        run = await wait_for_run(store, run_id, within=10)
+    assert run.state is RunState.DEAD
+    assert "Wait names step 'nowhere'" in run.error["message"]
+
+
+class Busy(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        await anyio.sleep(float(ctx.input["seconds"]))
+        return Next(Collect, checkpoint={"busy_saw": [s.name for s in ctx.signals]})
+
+
+class Collect(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Finish({**ctx.checkpoint, "collect_saw": [s.data for s in ctx.signals]})
+
+
+collector = Agent("collector", first=Busy, steps=[Collect])
+
+
+async def test_a_signal_sent_while_a_step_runs_reaches_the_next_step(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    async with running_worker(settings, [collector], **FAST) as worker:
+        run_id = (await store.submit("collector", {"seconds": 1.0})).run.run_id
+        with anyio.fail_after(10):
+            while run_id not in worker.active:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        await SignalStore(pool).send(run_id, "note", {"n": 1})
+        run = await wait_for_run(store, run_id, within=10)
+    assert run.result == {"busy_saw": [], "collect_saw": [{"n": 1}]}
+    assert [fence for _, _, fence in await SignalStore(pool).history(run_id)] == [1]
