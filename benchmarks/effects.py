@@ -79,6 +79,10 @@ from typing import Any
 import anyio
 import asyncpg
 import httpx
+
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import (
     Confirmed,
     HttpAdapter,
@@ -97,22 +101,18 @@ from orchestrator.effects.model import (
     idempotency_key,
 )
 from orchestrator.effects.store import ClaimedEffect, EffectStore
-from serve_harness import (
-    elapsed,
-    log,
-    machine_facts,
-    run_and_report,
-)
-
-from orchestrator.db.connections import connect, create_pool
-from orchestrator.db.migrations import migrate
-from orchestrator.db.store import RunStore
 from orchestrator.models import RunEvent, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import LocalVendor, running_worker, with_database
 from orchestrator.worker import worker as supervisor_module
+from serve_harness import (
+    elapsed,
+    log,
+    machine_facts,
+    run_and_report,
+)
 
 KIND = "crm"
 EFFECT_KEY = "crm-update"

@@ -56,12 +56,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from serve_harness import (
-    elapsed,
-    log,
-    machine_facts,
-    run_and_report,
-)
 
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
@@ -70,6 +64,12 @@ from orchestrator.db.store import RunStore
 from orchestrator.models import Lease
 from orchestrator.settings import Settings
 from orchestrator.testing import with_database
+from serve_harness import (
+    elapsed,
+    log,
+    machine_facts,
+    run_and_report,
+)
 
 TARGET_RATIO = 0.80
 MIN_ROUNDS = 3
@@ -125,8 +125,7 @@ WITH expired AS (
     UPDATE runs AS r
     SET state = 'running', lease_owner = $1,
         lease_until = clock_timestamp() + make_interval(secs => $4),
-        fence = r.fence + 1, attempt = r.attempt + 1, wait = NULL,
-        updated_at = clock_timestamp()
+        fence = r.fence + 1, attempt = r.attempt + 1, updated_at = clock_timestamp()
     FROM picked AS p
     WHERE r.run_id = p.run_id AND NOT p.exhausted
     RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
@@ -137,8 +136,10 @@ WITH expired AS (
                              'seq', s.seq, 'name', s.name, 'data', s.data,
                              'idempotency_key', s.idempotency_key, 'sent_at', s.sent_at)
                          ORDER BY s.seq)
-                  FROM run_signals AS s WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
-              ) END AS signals
+                  FROM (SELECT * FROM run_signals AS s
+                        WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
+                        ORDER BY s.seq LIMIT 100) AS s
+              ) END AS signals, r.signals_pending
 ), dead AS (
     UPDATE runs AS r
     SET state = 'dead', lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
@@ -169,11 +170,11 @@ WITH expired AS (
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
        checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
-       signals
+       signals, signals_pending
 FROM claimed
 UNION ALL
 SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
-       previous_owner, previous_lease_until, NULL, NULL, NULL
+       previous_owner, previous_lease_until, NULL, NULL, NULL, NULL
 FROM dead
 WHERE (SELECT count(*) FROM finished_told) >= 0
 """

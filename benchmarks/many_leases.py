@@ -51,6 +51,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
+
+from orchestrator.db.connections import connect
+from orchestrator.db.migrations import migrate
 from serve_harness import (
     CpuMeter,
     CpuSample,
@@ -68,9 +71,6 @@ from serve_harness import (
     server_facts,
     settings_for,
 )
-
-from orchestrator.db.connections import connect
-from orchestrator.db.migrations import migrate
 
 LEASE_SECONDS = 45.0
 """``serve --lease-seconds`` default, used unchanged (heartbeat: a third of it)."""

@@ -54,6 +54,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
+
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
+from orchestrator.models import RunState
 from serve_harness import (
     ServeProcess,
     Server,
@@ -69,11 +74,6 @@ from serve_harness import (
     server_facts,
     settings_for,
 )
-
-from orchestrator.db.connections import connect, create_pool
-from orchestrator.db.migrations import migrate
-from orchestrator.db.store import RunStore
-from orchestrator.models import RunState
 
 TARGET_P99_SECONDS = 2.0
 REAP_SECONDS = 1.0

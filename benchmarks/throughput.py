@@ -112,6 +112,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import asyncpg
+
+from orchestrator.db.connections import connect
+from orchestrator.db.migrations import migrate
 from serve_harness import (
     Child,
     CpuMeter,
@@ -131,9 +134,6 @@ from serve_harness import (
     settings_for,
     spawn,
 )
-
-from orchestrator.db.connections import connect
-from orchestrator.db.migrations import migrate
 
 TARGET_VS_PGQUEUER = 1.5
 START_POLL_SECONDS = 0.005

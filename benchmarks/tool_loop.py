@@ -35,6 +35,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from orchestrator import Agent, Finish, Next, Outcome, Step, StepContext, ToolAgent, tool
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
+from orchestrator.llm import complete
+from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, ScriptRequest
+from orchestrator.testing import running_worker, wait_for_run
 from serve_harness import (
     Server,
     create_database,
@@ -48,14 +55,6 @@ from serve_harness import (
     run_and_report,
     settings_for,
 )
-
-from orchestrator import Agent, Finish, Next, Outcome, Step, StepContext, ToolAgent, tool
-from orchestrator.db.connections import connect, create_pool
-from orchestrator.db.migrations import migrate
-from orchestrator.db.store import RunStore
-from orchestrator.llm import complete
-from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, ScriptRequest
-from orchestrator.testing import running_worker, wait_for_run
 
 PAYLOAD = "x"
 

@@ -29,6 +29,16 @@ import time
 from typing import Any
 
 import anyio
+
+from orchestrator import Agent, Finish, Outcome, Step, StepContext, Wait
+from orchestrator.client import Client
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
+from orchestrator.models import RunState
+from orchestrator.signals import SignalStore
+from orchestrator.telemetry import configure_logging
+from orchestrator.testing import running_worker
 from serve_harness import (
     Server,
     create_database,
@@ -42,16 +52,6 @@ from serve_harness import (
     run_and_report,
     settings_for,
 )
-
-from orchestrator import Agent, Finish, Outcome, Step, StepContext, Wait
-from orchestrator.client import Client
-from orchestrator.db.connections import connect, create_pool
-from orchestrator.db.migrations import migrate
-from orchestrator.db.store import RunStore
-from orchestrator.models import RunState
-from orchestrator.signals import SignalStore
-from orchestrator.telemetry import configure_logging
-from orchestrator.testing import running_worker
 
 CLAIM_TARGET = 0.9
 SIGNAL_TARGET_MS = 5.0

@@ -34,6 +34,11 @@ from orchestrator.ids import validate_run_id
 from orchestrator.models import JSON, Lease, Row
 
 DIMENSIONS = ("turns", "tool_calls", "input_tokens", "output_tokens", "cost_usd")
+MAX_AMOUNT = 2**62
+"""The largest limit or top-up of a count (turns, tokens): far from bigint's end, so sums stay
+in range."""
+MAX_USD = Decimal(10**12)
+USD_STEP = Decimal("1e-12")
 PRICES_VARIABLE = "ORCHESTRATOR_PRICES"
 _MILLION = Decimal(1_000_000)
 
@@ -56,8 +61,8 @@ class Budget:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise InvalidInput(f"Budget {name} must be a whole number, not {value!r}")
-            if value is not None and value < 0:
-                raise InvalidInput(f"Budget {name} must be 0 or more, not {value}")
+            if value is not None and not 0 <= value <= MAX_AMOUNT:
+                raise InvalidInput(f"Budget {name} must be between 0 and {MAX_AMOUNT:,}")
         if self.cost_usd is not None:
             cost = _decimal(self.cost_usd, "Budget cost_usd")
             object.__setattr__(self, "cost_usd", cost)
@@ -82,8 +87,10 @@ def _decimal(value: object, what: str) -> Decimal:
         number = Decimal(str(value))
     except ArithmeticError:
         raise InvalidInput(f"{what} must be a number of US dollars, not {value!r}") from None
-    if not number.is_finite() or number < 0:
-        raise InvalidInput(f"{what} must be a finite number of US dollars, 0 or more")
+    if not number.is_finite() or not 0 <= number <= MAX_USD:
+        raise InvalidInput(f"{what} must be a number of US dollars between 0 and {MAX_USD:,}")
+    if number != number.quantize(USD_STEP):
+        raise InvalidInput(f"{what} has more than 12 decimal places")
     return number
 
 
@@ -184,9 +191,9 @@ class RunBudget:
 
     def __init__(
         self,
-        limits: Budget | None,
+        limits: Budget,
         lease: Lease,
-        pool: asyncpg.Pool | None,
+        pool: asyncpg.Pool,
         prices: Prices,
         *,
         statement_seconds: float = 30.0,
@@ -202,10 +209,6 @@ class RunBudget:
         self._spent = [0, 0, 0, 0]
         self._cost = Decimal(0)
 
-    @property
-    def enabled(self) -> bool:
-        return self.limits is not None
-
     async def reserve(
         self,
         *,
@@ -215,9 +218,7 @@ class RunBudget:
         cost_usd: Decimal = Decimal(0),
     ) -> None:
         """Reserve a worst case before spending it; ``BudgetExhausted`` when a limit would be
-        passed, ``NotOwner`` when this attempt no longer owns the run. No-op without limits."""
-        if self.limits is None or self._pool is None:
-            return
+        passed, ``NotOwner`` when this attempt no longer owns the run."""
         lease = self.lease
         async with pooled(self._pool, within=self._statement_seconds) as db:
             record = await db.fetchrow(
@@ -249,9 +250,12 @@ class RunBudget:
         output_tokens: int = 0,
         cost_usd: Decimal = Decimal(0),
     ) -> None:
-        """Record what was actually spent; the step's commit settles it."""
-        if self.limits is None:
-            return
+        """Record what was actually spent; the step's commit settles it in place of what this
+        step reserved (spending without a reservation would pass a limit unchecked)."""
+        if not self._reserved:
+            raise InvalidTransition(
+                "ctx.budget.spend() before ctx.budget.reserve(): reserve the worst case first"
+            )
         spent = self._spent
         spent[0] += turns
         spent[1] += tool_calls
@@ -261,7 +265,7 @@ class RunBudget:
 
     def settlement(self) -> Spend | None:
         """What the step's commit settles (``None``: this step neither reserved nor spent)."""
-        if self.limits is None or not (self._reserved or any(self._spent) or self._cost):
+        if not (self._reserved or any(self._spent) or self._cost):
             return None
         turns, tool_calls, input_tokens, output_tokens = self._spent
         return Spend(self.lease.fence, turns, tool_calls, input_tokens, output_tokens, self._cost)
@@ -271,10 +275,6 @@ class RunBudget:
         self._reserved = False
         self._spent = [0, 0, 0, 0]
         self._cost = Decimal(0)
-
-
-NO_BUDGET = RunBudget(None, Lease("", "", 0), None, Prices())
-"""``ctx.budget`` of agents without limits: reserving and spending do nothing."""
 
 
 # -- reading and topping up -----------------------------------------------------------------
@@ -386,8 +386,13 @@ class BudgetStore:
             ("input_tokens", input_tokens),
             ("output_tokens", output_tokens),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidInput(f"--add-{name.replace('_', '-')} must be a whole number >= 0")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_AMOUNT
+            ):
+                option = "--add-" + name.replace("_", "-")
+                raise InvalidInput(f"{option} must be a whole number from 0 to {MAX_AMOUNT:,}")
             if value:
                 added[name] = value
         cost = _decimal(cost_usd, "--add-usd")
@@ -407,7 +412,6 @@ class BudgetStore:
 
 
 __all__ = [
-    "NO_BUDGET",
     "Budget",
     "BudgetExhausted",
     "BudgetState",

@@ -28,6 +28,7 @@ from orchestrator.cli_support import (
     stdout,
 )
 from orchestrator.cli_waits import approvals, runs_budget, runs_signal
+from orchestrator.client import MAX_DELAY_SECONDS
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.embedded import EmbeddedPostgres
@@ -152,7 +153,11 @@ def db_stop(ctx: click.Context) -> None:
 @click.option(
     "--at", "at", help="Start at this time (ISO 8601 with a zone, e.g. 2026-12-24T09:00Z)."
 )
-@click.option("--delay", type=click.FloatRange(0), help="Start this many seconds from now.")
+@click.option(
+    "--delay",
+    type=click.FloatRange(0, MAX_DELAY_SECONDS),
+    help="Start this many seconds from now (at most ten years).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
 @click.pass_context
 def submit(

@@ -182,7 +182,9 @@ def _decide(decision: Decision) -> click.Command:
     @click.option(
         "--hash",
         "payload_sha256",
-        help="The payload sha256 you reviewed (from `approvals show`); refused if it changed.",
+        required=decision is Decision.APPROVED,
+        help="The payload sha256 you reviewed (from `approvals show`); refused if it changed"
+        + (" (required: an approval names what was approved)." if verb == "approve" else "."),
     )
     @click.option("--fence", type=int, help="The run fence you saw; refused if it moved on.")
     @click.option("--json", "as_json", is_flag=True)
@@ -222,8 +224,8 @@ def _decide(decision: Decision) -> click.Command:
         run_async(body)
 
     command.help = (
-        f"{verb.capitalize()} RUN_ID's EFFECT_KEY. With --hash, only if its payload is still the "
-        "one you reviewed; without, the payload shown in the output is the one decided."
+        f"{verb.capitalize()} RUN_ID's EFFECT_KEY, only if its payload is still the one whose "
+        "sha256 --hash names (and, with --fence, the run's fence has not moved on)."
     )
     return command
 

@@ -39,6 +39,7 @@ from orchestrator.settings import Settings
 from orchestrator.signals import Signal, SignalStore
 
 FINISHED_CHANNEL = "orchestrator_finished"
+MAX_DELAY_SECONDS = 10 * 366 * 86400.0
 RECHECK_SECONDS = 5.0
 """While waiting, the run is read again this often in case a notification was lost (the
 listening connection dropped): a safety net, not the mechanism."""
@@ -218,7 +219,7 @@ class Client:
         if at is not None and delay is not None:
             raise InvalidInput("give a start time or a delay, not both")
         if delay is not None:
-            if not 0 <= delay <= 10 * 366 * 86400:
+            if not 0 <= delay <= MAX_DELAY_SECONDS:
                 raise InvalidInput("a delay is 0 or more seconds, at most ten years")
             return await self.store.database_now() + timedelta(seconds=delay)
         return at
@@ -231,7 +232,11 @@ class Client:
             connection = await connect(
                 self.settings, dsn=resolve_dsn(self.settings), application_name="orchestrator-wait"
             )
-            await connection.add_listener(FINISHED_CHANNEL, self._on_finished)
+            try:
+                await connection.add_listener(FINISHED_CHANNEL, self._on_finished)
+            except BaseException:
+                connection.terminate()
+                raise
             self._listener = connection
             for events in self._finished.values():  # what ended while not listening
                 for event in events:

@@ -61,11 +61,13 @@ class FaultProxy(LoopbackService):
     - ``blackhole``: pass nothing either way, keep every socket open (a partition: the server
       keeps the client's session, so its locks and leases stay held);
     - ``drop_replies``: pass client→server, discard server→client (requests are processed,
-      their answers are lost).
-    Traffic only ever goes to the loopback target it was given.
+      their answers are lost);
+    - ``latency``: pass both ways, each chunk ``latency_seconds`` late.
+    Traffic only ever goes to the loopback target it was given. ``held``, ``dropped`` and
+    ``delayed`` count the chunks each fault touched, so a caller can tell that it took effect.
     """
 
-    MODES = ("forward", "blackhole", "drop_replies")
+    MODES = ("forward", "blackhole", "drop_replies", "latency")
 
     def __init__(self, target_host: str, target_port: int) -> None:
         if target_host not in ("127.0.0.1", "::1", "localhost"):
@@ -75,6 +77,10 @@ class FaultProxy(LoopbackService):
         self._mode = "forward"
         self._flowing = anyio.Event()
         self._flowing.set()
+        self.latency_seconds = 0.2
+        self.held = 0
+        self.dropped = 0
+        self.delayed = 0
 
     @property
     def mode(self) -> str:
@@ -113,9 +119,15 @@ class FaultProxy(LoopbackService):
         ):
             while True:
                 data = await source.receive()
-                await self._flowing.wait()
+                if not self._flowing.is_set():
+                    self.held += 1
+                    await self._flowing.wait()
                 if self.mode == "drop_replies" and direction == "to_client":
+                    self.dropped += 1
                     continue
+                if self.mode == "latency":
+                    self.delayed += 1
+                    await anyio.sleep(self.latency_seconds)
                 await sink.send(data)
         with contextlib.suppress(Exception):
             await sink.aclose()
@@ -406,6 +418,8 @@ class ScriptedModelServer(LoopbackService):
         self.disconnects = 0
         self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
         self._faults: list[tuple[Fault, int | None, str | None]] = []
+        self.faults_taken: collections.Counter[str] = collections.Counter()
+        """Faults requests met, by class name (``RateLimited``, ``ServerError``, ``Slow``)."""
 
     @property
     def base_url(self) -> str:
@@ -422,6 +436,12 @@ class ScriptedModelServer(LoopbackService):
         """The next ``times`` requests (of ``turn``, of a conversation containing
         ``conversation``, when given) meet ``fault``."""
         self._faults.extend([(fault, turn, conversation)] * times)
+
+    def clear_faults(self) -> int:
+        """Drop the faults no request met yet; returns how many."""
+        left = len(self._faults)
+        self._faults.clear()
+        return left
 
     def answered(self, conversation: str, turn: int) -> int:
         """How many answers the server gave for this turn of this conversation."""
@@ -440,6 +460,7 @@ class ScriptedModelServer(LoopbackService):
                 for_conversation is None or for_conversation in conversation
             ):
                 del self._faults[index]
+                self.faults_taken[type(fault).__name__] += 1
                 return fault
         return None
 

@@ -106,7 +106,9 @@ class ClaimedRun(NamedTuple):
     wait: JSON
     """What the run waited for before this claim woke it (``None``: it was not waiting)."""
     signals: JSON
-    """The run's unconsumed signals (a JSON list, oldest first), or ``None``: it has none."""
+    """The run's first unconsumed signals (a JSON list, oldest first), or ``None``: none."""
+    signals_pending: int | None
+    """How many signals the run has unconsumed (more than ``signals`` holds: later steps)."""
 
     @property
     def run_id(self) -> str:
@@ -135,6 +137,7 @@ class ClaimedRun(NamedTuple):
             record["previous_lease_until"],
             record["wait"],
             record["signals"],
+            record["signals_pending"],
         )
 
 
@@ -157,6 +160,8 @@ class Renewal:
 class CommitResult:
     checkpoint_version: int
     lease_until: datetime
+    signals_pending: int = 0
+    """Signals stored for the run and not consumed before this commit (its own included)."""
 
 
 @dataclass(frozen=True)

@@ -100,14 +100,20 @@ class SignalStore:
             raise RunNotFound(run_id)
         if seq is not None:
             return SentSignal(Signal(seq, name, data, record["sent_at"], idempotency_key), True)
-        if state not in ("queued", "running", "waiting"):
-            raise InvalidTransition(
-                f"run {run_id} is {state}: signals are taken only by queued, running or waiting "
-                "runs"
-            )
-        assert idempotency_key is not None  # only a used key stores nothing for a live run
-        existing = await self.db.fetchrow(query("get_signal_by_key"), run_id, idempotency_key)
-        assert existing is not None
+        # A retried send whose first attempt landed gets that signal back, even if the run has
+        # finished since.
+        existing = (
+            await self.db.fetchrow(query("get_signal_by_key"), run_id, idempotency_key)
+            if idempotency_key is not None
+            else None
+        )
+        if existing is None:
+            if state not in ("queued", "running", "waiting"):
+                raise InvalidTransition(
+                    f"run {run_id} is {state}: signals are taken only by queued, running or "
+                    "waiting runs"
+                )
+            raise AssertionError("a live run stored no signal and had none under its key")
         signal = Signal.from_record(existing)
         if signal.name != name or signal.data != data:
             raise IdempotencyConflict(

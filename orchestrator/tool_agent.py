@@ -245,24 +245,33 @@ class ToolLoop:
                 budget_seconds=self._budget(ctx, state),
                 response_format=self._response_format(),
                 span_attributes=_our_attributes(ctx, state.turn),
-                max_tokens=self.max_output_tokens,
+                # With a budget, the output reserved is the output allowed.
+                max_tokens=spending.worst_output
+                if ctx.budget is not None
+                else self.max_output_tokens,
                 before_attempt=spending.reserve if ctx.budget is not None else None,
             )
         except BudgetExhausted as exhausted:
             spending.spent(spending.attempts, calls=0)
             span.set_attribute("orchestrator.budget.exhausted", exhausted.dimension)
             checkpoint = {**rest, LOOP_KEY: state.dump()}
-            limits = ctx.budget.limits if ctx.budget is not None else None
-            if limits is not None and limits.on_exhausted == "fail":
+            if ctx.budget is not None and ctx.budget.limits.on_exhausted == "fail":
                 return Fail(str(exhausted), details=state.summary())
-            return Wait(self_step, reason="budget", checkpoint=checkpoint, messages=new)
+            return Wait(
+                self_step,
+                reason="budget",
+                until=state.deadline,
+                checkpoint=checkpoint,
+                messages=new,
+            )
         state.add_usage(reply)
         assistant = _assistant_message(state.turn, reply)
         new.append(assistant)
         if reply.tool_calls:
             allowed = ctx.budget.tool_calls_left if ctx.budget is not None else None
             effects = await self._tool_calls(ctx, state, assistant, new, allowed)
-            spending.spent(reply.attempts, calls=len(reply.tool_calls))
+            made = len(reply.tool_calls) if allowed is None else min(len(reply.tool_calls), allowed)
+            spending.spent(reply.attempts, calls=made)
             if state.invalid_calls > self.max_invalid_calls:
                 span.set_status(Status(StatusCode.ERROR, "too many invalid tool calls"))
                 return Fail(
@@ -579,11 +588,8 @@ class _Spending:
 
     def _cost(self, input_tokens: int, output_tokens: int) -> Decimal:
         assert self.budget is not None
-        limits = self.budget.limits
-        if limits is None or (
-            limits.cost_usd is None and self.model not in self.budget.prices.models
-        ):
-            return Decimal(0)
+        if self.budget.limits.cost_usd is None and self.model not in self.budget.prices.models:
+            return Decimal(0)  # no cost limit and no price: nothing to count it against
         return self.budget.prices.cost(self.model, input_tokens, output_tokens)
 
     async def reserve(self, model: str, attempts: Sequence[ModelAttempt]) -> None:

@@ -113,21 +113,23 @@ WITH expired AS (
     UPDATE runs AS r
     SET state = 'running', lease_owner = $1,
         lease_until = clock_timestamp() + make_interval(secs => $4),
-        fence = r.fence + 1, attempt = r.attempt + 1, wait = NULL,
-        updated_at = clock_timestamp()
+        fence = r.fence + 1, attempt = r.attempt + 1, updated_at = clock_timestamp()
     FROM picked AS p
     WHERE r.run_id = p.run_id AND NOT p.exhausted
     RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
               r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
               p.previous_lease_until, clock_timestamp() AS claimed_at, p.wait,
-              -- The run's unconsumed signals, for its first step (only runs that have some).
+              -- The run's first unconsumed signals, for its first step (only runs that have
+              -- some; at most 100, the rest go to the steps after it).
               CASE WHEN r.signals_pending > 0 THEN (
                   SELECT jsonb_agg(jsonb_build_object(
                              'seq', s.seq, 'name', s.name, 'data', s.data,
                              'idempotency_key', s.idempotency_key, 'sent_at', s.sent_at)
                          ORDER BY s.seq)
-                  FROM run_signals AS s WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
-              ) END AS signals
+                  FROM (SELECT * FROM run_signals AS s
+                        WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
+                        ORDER BY s.seq LIMIT 100) AS s
+              ) END AS signals, r.signals_pending
 ), dead AS (
     UPDATE runs AS r
     SET state = 'dead', lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
@@ -158,11 +160,11 @@ WITH expired AS (
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
        checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
-       signals
+       signals, signals_pending
 FROM claimed
 UNION ALL
 SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
-       previous_owner, previous_lease_until, NULL, NULL, NULL
+       previous_owner, previous_lease_until, NULL, NULL, NULL, NULL
 FROM dead
 WHERE (SELECT count(*) FROM finished_told) >= 0
 
@@ -203,7 +205,7 @@ RETURNING r.run_id, r.lease_until
 WITH committed AS (
     UPDATE runs
     SET step = $5, checkpoint = $6, checkpoint_version = checkpoint_version + 1, attempt = 1,
-        updated_at = clock_timestamp()
+        wait = NULL, updated_at = clock_timestamp()
     WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
       AND lease_until > clock_timestamp() AND checkpoint_version = $4
     RETURNING run_id, fence, checkpoint_version, lease_until
@@ -453,19 +455,20 @@ WITH input AS MATERIALIZED (
 ), committed AS (
     UPDATE runs AS r
     SET step = u.next_step, checkpoint = u.checkpoint,
-        checkpoint_version = r.checkpoint_version + 1, attempt = 1,
+        checkpoint_version = r.checkpoint_version + 1, attempt = 1, wait = NULL,
         updated_at = clock_timestamp()
     FROM input AS u
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
       AND r.checkpoint_version = u.expected_version
-    RETURNING r.run_id, r.fence, r.checkpoint_version, r.lease_until, u.events
+    RETURNING r.run_id, r.fence, r.checkpoint_version, r.lease_until, u.events,
+              r.signals_pending
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT c.run_id, e.kind, c.fence, $1, e.details
     FROM committed AS c, jsonb_to_recordset(c.events) AS e(kind text, details jsonb)
 )
-SELECT run_id, checkpoint_version, lease_until FROM committed
+SELECT run_id, checkpoint_version, lease_until, signals_pending FROM committed
 
 -- finish_runs --
 -- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[],
@@ -493,7 +496,7 @@ WITH input AS MATERIALIZED (
         result = u.result, error = u.error,
         checkpoint = coalesce(u.checkpoint, r.checkpoint),
         checkpoint_version = r.checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
-        updated_at = clock_timestamp(), finished_at = clock_timestamp()
+        wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp()
     FROM input AS u
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
@@ -600,7 +603,10 @@ WHERE e.run_id = $1 AND e.effect_key = $2
 -- (confirmed, failed, uncertain, parked, rejected or accepted for a later retry), external id
 -- $5, result $6, error $7, next attempt not before $8 seconds from now. Logs the event and
 -- wakes the run's step that may be waiting for the outcome.
-WITH settled AS (
+WITH locked AS (
+    -- The run's row first, as commits and cancels lock it (the same lock order).
+    SELECT run_id FROM runs WHERE run_id = $1 FOR NO KEY UPDATE
+), settled AS (
     UPDATE effects
     SET status = $4, external_id = coalesce($5, external_id), result = $6, error = $7,
         dispatcher = NULL, dispatcher_until = NULL, updated_at = clock_timestamp(),
@@ -608,6 +614,7 @@ WITH settled AS (
         settled_at = CASE WHEN $4 IN ('confirmed', 'failed', 'rejected')
                           THEN clock_timestamp() END
     WHERE run_id = $1 AND effect_key = $2 AND dispatcher = $3 AND status = 'dispatching'
+      AND (SELECT count(*) FROM locked) >= 0
     RETURNING run_id, effect_key, fence, status, external_id, attempts, kind
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
@@ -637,7 +644,9 @@ SELECT status, (SELECT count(*) FROM told) AS notified FROM settled
 -- params: $1 run_id text, $2 effect_key text, $3 decision text, $4 external_id text
 -- A person decided a parked effect: $3 'confirmed' (it was sent; external id $4) or 'accepted'
 -- (it was not sent: send it again with the same idempotency key).
-WITH resolved AS (
+WITH locked AS (
+    SELECT run_id FROM runs WHERE run_id = $1 FOR NO KEY UPDATE  -- the run first (lock order)
+), resolved AS (
     UPDATE effects
     SET status = $3, external_id = coalesce($4, external_id), updated_at = clock_timestamp(),
         available_at = clock_timestamp(),
@@ -645,6 +654,7 @@ WITH resolved AS (
         result = CASE WHEN $3 = 'confirmed' THEN jsonb_build_object('resolved_by', 'operator')
                       ELSE result END
     WHERE run_id = $1 AND effect_key = $2 AND status = 'parked'
+      AND (SELECT count(*) FROM locked) >= 0
     RETURNING run_id, effect_key, fence, status, kind
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, details)
@@ -699,6 +709,11 @@ WITH input AS MATERIALIZED (
                                  WHERE e.run_id = r.run_id AND u.wait -> 'effects' ? e.effect_key
                                    AND e.status NOT IN ('confirmed', 'failed', 'rejected'))
                  THEN u.now
+            -- Topped up after the reservation that was refused (before this park): try again.
+            WHEN u.wait ->> 'reason' = 'budget'
+                 AND (SELECT max(entry) FILTER (WHERE kind = 'top_up')
+                             > coalesce(max(entry) FILTER (WHERE kind = 'refused'), 0)
+                      FROM budget_ledger AS l WHERE l.run_id = r.run_id) THEN u.now
             ELSE coalesce(u.until, 'infinity'::timestamptz)
         END,
         updated_at = clock_timestamp()
@@ -719,11 +734,13 @@ SELECT run_id FROM parked WHERE (SELECT count(*) FROM woken) >= 0
 
 -- pending_signals --
 -- params: $1 run_id text
--- The signals sent to run $1 and not yet consumed by a committed step, in the order they came.
+-- The signals sent to run $1 and not yet consumed by a committed step, in the order they came
+-- (at most 100: a step is given a bounded number; the next step gets the rest).
 SELECT seq, name, data, idempotency_key, sent_at
 FROM run_signals
 WHERE run_id = $1 AND consumed_at IS NULL
 ORDER BY seq
+LIMIT 100
 
 -- consume_signals --
 -- params: $1 run_ids text[], $2 up_to_seqs bigint[], $3 fences bigint[]
@@ -832,11 +849,15 @@ LIMIT $2
 -- one), its run is no longer live, it has expired, its payload is not the one $6 names, or the
 -- run's fence has moved on from $7 (another attempt owns it now: look again).
 -- Approved: dispatchable, for this payload's hash only. Denied: rejected, the run woken.
-WITH target AS (
+WITH run AS (
+    -- The run's row first, as commits and cancels lock it: the same lock order, and a fence
+    -- that cannot move while the decision is taken.
+    SELECT run_id, state, fence FROM runs WHERE run_id = $1 FOR NO KEY UPDATE
+), target AS (
     SELECT e.run_id, e.effect_key, e.status, e.payload_sha256, e.approval_expires_at, e.kind,
            e.fence, e.decided_by, e.decided_at, e.requires_approval, r.state AS run_state,
            r.fence AS run_fence
-    FROM effects AS e JOIN runs AS r ON r.run_id = e.run_id
+    FROM effects AS e JOIN run AS r ON r.run_id = e.run_id
     WHERE e.run_id = $1 AND e.effect_key = $2
     FOR UPDATE OF e
 ), decided AS (
@@ -891,9 +912,11 @@ WITH expired AS (
         settled_at = clock_timestamp(), updated_at = clock_timestamp(),
         error = jsonb_build_object('type', 'ApprovalExpired', 'message',
                                    'denied: nobody approved it before it expired')
-    FROM (SELECT run_id, effect_key FROM effects
-          WHERE status = 'awaiting_approval' AND approval_expires_at <= clock_timestamp()
-          ORDER BY approval_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) AS due
+    -- The run's row with the effect's (skipping either if locked): never waiting for a lock
+    -- while holding another, so never in a deadlock with a commit or a cancel.
+    FROM (SELECT e.run_id, e.effect_key FROM effects AS e JOIN runs AS r ON r.run_id = e.run_id
+          WHERE e.status = 'awaiting_approval' AND e.approval_expires_at <= clock_timestamp()
+          ORDER BY e.approval_expires_at LIMIT $1 FOR NO KEY UPDATE OF r, e SKIP LOCKED) AS due
     WHERE e.run_id = due.run_id AND e.effect_key = due.effect_key
     RETURNING e.run_id, e.effect_key, e.fence, e.approval_expires_at
 ), logged AS (
@@ -954,7 +977,10 @@ RETURNING run_id
 --         cost_usd})
 -- Raise run $1's limits by $2 (a dimension without a limit stays without one) and wake the run if
 -- it waits for budget. No row: the run has no budget.
-WITH raised AS (
+WITH locked AS (
+    -- The run's row first, as commits and reservations lock it (the same lock order).
+    SELECT run_id FROM runs WHERE run_id = $1 FOR UPDATE
+), raised AS (
     UPDATE run_budgets AS b
     SET turns_limit = b.turns_limit + coalesce(($2::jsonb ->> 'turns')::bigint, 0),
         tool_calls_limit = b.tool_calls_limit + coalesce(($2::jsonb ->> 'tool_calls')::bigint, 0),
@@ -964,7 +990,8 @@ WITH raised AS (
                               + coalesce(($2::jsonb ->> 'output_tokens')::bigint, 0),
         cost_limit = b.cost_limit + coalesce(($2::jsonb ->> 'cost_usd')::numeric, 0),
         updated_at = clock_timestamp()
-    WHERE b.run_id = $1
+    FROM locked
+    WHERE b.run_id = locked.run_id
     RETURNING b.run_id
 ), ledger AS (
     INSERT INTO budget_ledger (run_id, kind, turns, tool_calls, input_tokens, output_tokens, cost,

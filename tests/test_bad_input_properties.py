@@ -22,12 +22,12 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_effects_proxy import TOKEN, free_port, start_proxy
 
 from orchestrator.cli import main
 from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
 from orchestrator.settings import Settings
+from test_effects_proxy import TOKEN, free_port, start_proxy
 
 pytestmark = pytest.mark.slow
 

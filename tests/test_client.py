@@ -14,17 +14,17 @@ from typing import Any
 
 import anyio
 import pytest
-from orchestrator.agents.noop import noop
-from orchestrator.effects.adapters import HttpAdapter
-from test_waits import FAST, replies
-from tool_agents_for_tests import REFUND_TURNS, refunds
 
 import orchestrator.client
 from orchestrator import Client, InvalidInput, RunNotFound, SyncClient
+from orchestrator.agents.noop import noop
+from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.loopback import LocalVendor, ScriptedModelServer
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
+from test_waits import FAST, replies
+from tool_agents_for_tests import REFUND_TURNS, refunds
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "refund_desk.py"
 

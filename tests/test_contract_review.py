@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from orchestrator.agents.contract_review import contract_review
 
+from orchestrator.agents.contract_review import contract_review
 from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings

@@ -7,11 +7,11 @@ from typing import Any
 
 import asyncpg
 import pytest
-from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus, idempotency_key
-from orchestrator.effects.store import EffectStore
 
 from orchestrator.backoff import Backoff
 from orchestrator.db.store import RunStore
+from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus, idempotency_key
+from orchestrator.effects.store import EffectStore
 from orchestrator.models import ClaimedRun
 
 EMAIL = Effect("summary-email", "email", {"to": "a@example.com", "subject": "s", "body": "b"})

@@ -7,13 +7,13 @@ from collections.abc import Mapping
 import anyio
 import asyncpg
 import pytest
+
+from orchestrator.backoff import Backoff
+from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import Adapter, HttpAdapter, SmtpAdapter
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectRecord, EffectStatus
 from orchestrator.effects.store import EffectStore
-
-from orchestrator.backoff import Backoff
-from orchestrator.db.store import RunStore
 from orchestrator.testing import LocalVendor, SmtpSink
 
 CRM = Effect("crm-note", "crm", {"note": "contract reviewed"})

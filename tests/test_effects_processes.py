@@ -11,13 +11,13 @@ from pathlib import Path
 import anyio
 import asyncpg
 import pytest
-from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
-from orchestrator.effects.store import EffectStore
-from support import ServeProcess
 
 from orchestrator.db.store import RunStore
+from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
+from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.testing import LocalVendor, SmtpSink, wait_for_run
+from support import ServeProcess
 
 pytestmark = pytest.mark.slow
 AGENT = ["--agents", "orchestrator.agents.contract_notice", "--poll-seconds", "0.2"]

@@ -13,7 +13,6 @@ from contextlib import asynccontextmanager
 
 import anyio
 import asyncpg
-from test_runtime import FAST, eventually
 
 from orchestrator.db.store import RunFinish, RunStore
 from orchestrator.models import RunState
@@ -21,6 +20,7 @@ from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Outcome, Step, StepContext
 from orchestrator.testing import running_worker
 from orchestrator.worker.group_commit import GroupCommitter
+from test_runtime import FAST, eventually
 
 FINISH_WAITING_FOR_A_LOCK = """
 SELECT pid FROM pg_stat_activity

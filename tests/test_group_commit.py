@@ -11,17 +11,17 @@ import functools
 
 import anyio
 import asyncpg
+
+from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
 from orchestrator.effects.store import EffectStore
-from test_runtime import FAST, eventually
-
-from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 from orchestrator.worker.group_commit import EffectRefused, GroupCommitter
+from test_runtime import FAST, eventually
 
 
 def note(key: str = "final-note", kind: str = "crm") -> Effect:

@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 import anyio
 import asyncpg
 import pytest
+
 from orchestrator.agents.noop import noop
 from orchestrator.agents.sleepy import sleepy
-
 from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput, SchemaTooNew
 from orchestrator.models import Lease, RunState

@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 
 import anyio
 import pytest
-from support import ServeProcess
 
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
@@ -33,6 +32,7 @@ from orchestrator.errors import OrchestratorError
 from orchestrator.models import Run, RunEvent, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import TEST_SERVER_SETTINGS, FaultProxy, wait_for_run
+from support import ServeProcess
 
 pytestmark = pytest.mark.slow
 

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import pytest
+
 from orchestrator.agents.contract_summary import LOCAL_SCRIPT as SUMMARY_SCRIPT
 from orchestrator.agents.contract_summary import contract_summary
 from orchestrator.agents.support import LOCAL_SCRIPT as SUPPORT_SCRIPT
 from orchestrator.agents.support import support
+from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
-from test_runtime import FAST
-
-from orchestrator.db.store import RunStore
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker, wait_for_run
+from test_runtime import FAST
 
 
 async def test_contract_summary_emails_once_and_updates_the_crm(

@@ -21,13 +21,13 @@ from subprocess import CompletedProcess
 from typing import Any
 
 import pytest
-from orchestrator.agents.sleepy import sleepy
-from support import ServeProcess
 
+from orchestrator.agents.sleepy import sleepy
 from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, run_agent, wait_for_run
+from support import ServeProcess
 
 
 async def test_spans_for_claim_run_and_steps_carry_the_ids(settings: Settings) -> None:

@@ -8,13 +8,11 @@ from typing import Any
 
 import pydantic
 import pytest
+
+from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
-from test_runtime import FAST
-from tool_agents_for_tests import ORDERS_TURNS, lookup_order, notify, orders
-
-from orchestrator.db.store import RunStore
 from orchestrator.loopback import (
     LocalVendor,
     RateLimited,
@@ -29,6 +27,8 @@ from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent, effect_key
 from orchestrator.tools import tool
+from test_runtime import FAST
+from tool_agents_for_tests import ORDERS_TURNS, lookup_order, notify, orders
 
 
 async def serve_one(

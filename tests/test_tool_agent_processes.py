@@ -12,18 +12,18 @@ from urllib.parse import urlsplit
 
 import anyio
 import pytest
+
+from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.effects.store import EffectStore
-from support import ServeProcess
-from test_runtime import FAST, eventually
-from tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
-
-from orchestrator.db.store import RunStore
 from orchestrator.loopback import FaultProxy, LocalVendor, ScriptedModelServer, Slow
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
+from support import ServeProcess
+from test_runtime import FAST, eventually
+from tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
 
 pytestmark = pytest.mark.slow
 AGENTS = ["--agents", "tool_agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]

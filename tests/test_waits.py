@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any, ClassVar
 
 import anyio
 import asyncpg
 import pytest
-from orchestrator.effects.adapters import HttpAdapter
-from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
-from orchestrator.effects.model import EffectStatus
-from orchestrator.effects.store import EffectStore
 
 from orchestrator import Agent, Effect, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
+from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
+from orchestrator.effects.model import EffectStatus
+from orchestrator.effects.store import EffectStore
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
@@ -131,6 +132,11 @@ async def test_a_signal_wakes_a_waiting_run_and_is_consumed_once(
         run = await wait_for_run(store, run_id)
     assert run.state is RunState.SUCCEEDED
     assert run.result == {"replies": [{"text": "yes"}], "others": ["note"], "fence": 2}
+    # A retried send after the run finished is answered with the stored signal, not an error.
+    late = await signals.send(run_id, "reply", {"text": "yes"}, idempotency_key="mail-1")
+    assert (late.created, late.signal.seq) == (False, sent.signal.seq)
+    with pytest.raises(InvalidTransition, match="is succeeded"):
+        await signals.send(run_id, "reply", {"text": "yes"}, idempotency_key="mail-2")
     history = await signals.history(run_id)
     assert [(s.name, fence) for s, _, fence in history] == [("note", 2), ("reply", 2)]
     kinds = [e.kind for e in await store.events(run_id)]
@@ -429,3 +435,113 @@ async def test_a_signal_sent_while_a_step_runs_reaches_the_next_step(
         run = await wait_for_run(store, run_id, within=10)
     assert run.result == {"busy_saw": [], "collect_saw": [{"n": 1}]}
     assert [fence for _, _, fence in await SignalStore(pool).history(run_id)] == [1]
+
+
+# -- races the review found: each would fail on the code before its fix ---------------------------
+async def park(store: RunStore, claimed: Any, wait: dict[str, Any]) -> None:
+    """A step commit that parks the run, as the group committer writes it (one transaction)."""
+    from orchestrator.db.store import Park, StepCommit
+
+    async with store.pool.acquire() as db, db.transaction():
+        commit = StepCommit(claimed.lease, claimed.checkpoint_version, "turn", {"k": 1})
+        assert await store.commit_steps(claimed.lease.worker_id, [commit], db=db)
+        until = None
+        assert await store.park_many(
+            claimed.lease.worker_id, [(claimed.lease, Park(wait, until))], db=db
+        )
+
+
+async def test_a_top_up_between_the_refused_reservation_and_the_park_wakes_the_run(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    from orchestrator.budgets import Budget, BudgetExhausted, BudgetStore, Prices, RunBudget
+
+    run_id = (await store.submit("budgeted", {})).run.run_id
+    claimed = (await store.claim("W", ["budgeted"], lease_seconds=30)).claimed[0]
+    budget = RunBudget(Budget(turns=0), claimed.lease, pool, Prices())
+    with pytest.raises(BudgetExhausted):
+        await budget.reserve(turns=1)
+    await BudgetStore(pool).top_up(run_id, turns=5)  # the run is still running: nothing to wake
+    await park(store, claimed, {"step": "turn", "reason": "budget"})
+    run = await store.get(run_id)
+    assert run.state is RunState.WAITING
+    assert run.available_at <= await store.database_now()  # due at once, not at 'infinity'
+
+
+async def test_what_a_woken_run_waited_for_survives_a_crash_before_its_next_commit(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = (await store.submit("replies", {})).run.run_id
+    first = (await store.claim("A", ["replies"], lease_seconds=30)).claimed[0]
+    wait = {"step": "turn", "signals": ["reply"], "effects": [], "until": None, "reason": None}
+    await park(store, first, wait)
+    await SignalStore(pool).send(run_id, "reply", {"n": 1})
+    woken = (await store.claim("B", ["replies"], lease_seconds=0.2)).claimed[0]
+    assert woken.wait == wait and [s["name"] for s in woken.signals] == ["reply"]
+    await anyio.sleep(0.4)  # B dies: its lease expires before it commits anything
+    again = (await store.claim("C", ["replies"], lease_seconds=30)).claimed[0]
+    assert again.fence == woken.fence + 1
+    assert again.wait == wait and [s["name"] for s in again.signals] == ["reply"]
+
+
+async def test_a_top_up_and_a_step_commit_settling_the_budget_do_not_deadlock(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """The commit locks the run, then its budget; the top-up must take them in that order too."""
+    from orchestrator.budgets import Budget, BudgetStore, Prices, RunBudget, Spend
+
+    run_id = (await store.submit("budgeted", {})).run.run_id
+    claimed = (await store.claim("W", ["budgeted"], lease_seconds=30)).claimed[0]
+    await RunBudget(Budget(turns=10), claimed.lease, pool, Prices()).reserve(turns=1)
+    from orchestrator.db.store import StepCommit
+
+    async with pool.acquire() as db:
+        transaction = db.transaction()
+        await transaction.start()
+        commit = StepCommit(claimed.lease, 0, "turn", {})
+        assert await store.commit_steps("W", [commit], db=db)  # the run's row is locked
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: BudgetStore(pool).top_up(run_id, turns=1))
+            await anyio.sleep(0.3)  # the top-up is now waiting for a lock
+            spend = Spend(claimed.fence, 1, 0, 0, 0, Decimal(0))
+            await store.settle_budgets([(run_id, spend)], db=db)  # deadlocked before the fix
+            await transaction.commit()
+    state = await BudgetStore(pool).get(run_id)
+    assert state is not None
+    assert (state.spent["turns"], state.limit["turns"]) == (1, 11)
+
+
+async def test_a_denial_and_a_cancel_racing_do_not_deadlock(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """Cancel locks the run, then its effects; a decision must take them in that order too."""
+    from orchestrator.effects.model import Effect
+
+    run_id = (await store.submit("refunds", {})).run.run_id
+    claimed = (await store.claim("W", ["refunds"], lease_seconds=30)).claimed[0]
+    effect = Effect("refund", "crm", {"amount": 1}, requires_approval=True)
+    async with pool.acquire() as db:
+        assert not (
+            await EffectStore(pool).accept(db, run_id, claimed.fence, effect, worker_id="W")
+        ).outcome.refused
+    async with pool.acquire() as db:
+        transaction = db.transaction()
+        await transaction.start()
+        await db.execute("SELECT 1 FROM runs WHERE run_id = $1 FOR UPDATE", run_id)
+        outcome: list[Any] = []
+
+        async def deny() -> None:
+            try:
+                await ApprovalStore(pool).decide(run_id, "refund", Decision.DENIED, by="ana")
+                outcome.append("denied")
+            except DecisionRefused as refused:
+                outcome.append(str(refused))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(deny)
+            await anyio.sleep(0.3)  # the decision waits for the run's row
+            await db.execute(  # as cancel's withdrawal does, second
+                "UPDATE effects SET status = 'rejected' WHERE run_id = $1", run_id
+            )
+            await transaction.commit()
+    assert len(outcome) == 1 and "was withdrawn" in outcome[0]  # decided after the cancel

@@ -15,23 +15,23 @@ from typing import Any
 import anyio
 import asyncpg
 import pytest
-from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
-from support import ServeProcess
-from test_cli import cli
-from test_serve_faults import wait_all_terminal
-from test_tool_agent_processes import model_env, until, vendor_config
-from tool_agents_for_tests import BUDGET_TURNS, REFUND_TURNS
 
 from orchestrator.budgets import BudgetStore
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
+from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, Slow
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from orchestrator.testing import TEST_SERVER_SETTINGS, wait_for_run
+from support import ServeProcess
+from test_cli import cli
+from test_serve_faults import wait_all_terminal
+from test_tool_agent_processes import model_env, until, vendor_config
+from tool_agents_for_tests import BUDGET_TURNS, REFUND_TURNS
 
 pytestmark = pytest.mark.slow
 TOOL_AGENTS = [
@@ -176,7 +176,15 @@ async def test_cancel_while_an_approval_is_pending_withdraws_it_and_sends_nothin
             cancelled = await run_cli(database_url, "runs", "cancel", run_id)
             assert cancelled.returncode == 0, cancelled.stderr
             late = await run_cli(
-                database_url, "approvals", "approve", run_id, shown["effect_key"], "--by", "ana"
+                database_url,
+                "approvals",
+                "approve",
+                run_id,
+                shown["effect_key"],
+                "--by",
+                "ana",
+                "--hash",
+                shown["payload_sha256"],
             )
             await anyio.sleep(1.0)
     assert late.returncode == 1
@@ -360,7 +368,11 @@ async def test_the_new_commands_refuse_bad_input_in_one_line_and_change_nothing(
         ("submit", "inbox", "--at", "next tuesday"): "is not an ISO 8601 time",
         ("runs", "budget", run_id): "has no budget",
         ("runs", "budget", run_id, "--add-usd", "lots"): "US dollars",
-        ("approvals", "approve", run_id, "refund", "--by", "ana"): "no effect 'refund'",
+        ("approvals", "approve", run_id, "refund", "--by", "ana", "--hash", "0" * 64): (
+            "no effect 'refund'"
+        ),
+        ("runs", "budget", run_id, "--add-turns", "9" * 30): "whole number from 0 to",
+        ("runs", "budget", run_id, "--add-usd", "1e100000000"): "US dollars between 0 and",
         ("approvals", "approve", run_id, "refund", "--by", "ana", "--hash", "xyz"): "64 lower",
         ("approvals", "deny", run_id, "refund", "--by", ""): "--by must name who decides",
     }
@@ -369,10 +381,15 @@ async def test_the_new_commands_refuse_bad_input_in_one_line_and_change_nothing(
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert message in result.stderr, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
-    both = await run_cli(
-        database_url, "submit", "inbox", "--at", "2026-12-24T09:00Z", "--delay", "5"
-    )
-    assert both.returncode == 2 and "not both" in both.stderr
+    usage = {
+        ("submit", "inbox", "--at", "2026-12-24T09:00Z", "--delay", "5"): "not both",
+        ("submit", "inbox", "--delay", "1e300"): "--delay",
+        ("submit", "inbox", "--delay", "inf"): "--delay",
+        ("approvals", "approve", run_id, "refund", "--by", "ana"): "--hash",
+    }
+    for args, message in usage.items():
+        result = await run_cli(database_url, *args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
     assert [r.run_id for r in await store.list_runs()] == [run_id]  # nothing was queued
     assert await SignalStore(store.pool).history(run_id) == []
 

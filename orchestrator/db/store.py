@@ -515,7 +515,10 @@ class RunStore:
             [_json_text(_checkpoint_events(c)) for c in commits],
         )
         return {
-            r["run_id"]: CommitResult(r["checkpoint_version"], r["lease_until"]) for r in records
+            r["run_id"]: CommitResult(
+                r["checkpoint_version"], r["lease_until"], r["signals_pending"]
+            )
+            for r in records
         }
 
     async def finish_many(

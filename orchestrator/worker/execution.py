@@ -31,12 +31,12 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import anyio
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
-from orchestrator.budgets import NO_BUDGET, Prices, RunBudget, Spend
+from orchestrator.budgets import Prices, RunBudget, Spend
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectNotFound
-from orchestrator.models import JSON, ClaimedRun, RunState
+from orchestrator.models import JSON, ClaimedRun, CommitResult, RunState
 from orchestrator.signals import Signal, SignalStore
 from orchestrator.steps import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
@@ -163,6 +163,9 @@ class _Extras(NamedTuple):
 
     signals_upto: int | None
     spend: Spend | None
+
+
+_NOTHING_ELSE = _Extras(None, None)
 
 
 class Encoded(NamedTuple):
@@ -389,7 +392,10 @@ class RunExecution:
         version = claimed.checkpoint_version
         lease = claimed.lease
         budget = self._budget(agent)
-        signals = tuple(Signal.from_json(value) for value in claimed.signals or ())
+        signals: tuple[Signal, ...] = ()
+        if claimed.signals is not None:
+            signals = tuple(Signal.from_json(value) for value in claimed.signals)
+            self.signalled = (claimed.signals_pending or 0) > len(signals)  # more than given
         woken: WaitState | None = None
         if claimed.wait is not None:
             woken, still_waiting = await self._wait_state(claimed.wait, signals)
@@ -418,7 +424,8 @@ class RunExecution:
             this_step = step_class.step_name()
             if self.signalled:
                 signals = await self._signals()
-            budget.reset()
+            if budget is not None:
+                budget.reset()
             context = StepContext(
                 run_id=lease.run_id,
                 agent=agent.name,
@@ -437,7 +444,7 @@ class RunExecution:
                 database_now=self.handle.database_now,
                 signals=signals,
                 wait=woken,
-                budget=None if budget is NO_BUDGET else budget,
+                budget=budget,
             )
             woken = None
             started = time.monotonic()
@@ -467,8 +474,15 @@ class RunExecution:
                     messages: Sequence[Message] = ()
                     if not isinstance(outcome, Fail) and outcome.messages:
                         messages = await self.transcript.numbered(outcome.messages, lease.fence)
-                    extras = _Extras(signals[-1].seq if signals else None, budget.settlement())
-                    if isinstance(outcome, Finish | Fail):
+                    extras = (
+                        _NOTHING_ELSE
+                        if not signals and budget is None
+                        else _Extras(
+                            signals[-1].seq if signals else None,
+                            None if budget is None else budget.settlement(),
+                        )
+                    )
+                    if isinstance(outcome, (Finish, Fail)):
                         self._finish(outcome, version, encoded, started, messages, span, extras)
                         handed_over = True
                         return None
@@ -491,12 +505,14 @@ class RunExecution:
                         return self._lost("commit refused: not the owner any more")
                     self.transcript.committed(messages)
                     committed_here = True
-                    span.set_attribute(CHECKPOINT_VERSION, committed)
+                    span.set_attribute(CHECKPOINT_VERSION, committed.checkpoint_version)
                     if isinstance(outcome, Wait):
                         return Disposition.WAITING
-                    signals = ()  # consumed; a NOTIFY since then set self.signalled
+                    if committed.signals_pending > len(signals):
+                        self.signalled = True  # some came after the step was given its own
+                    signals = ()  # consumed by this commit
                     version, checkpoint, step_name = (
-                        committed,
+                        committed.checkpoint_version,
                         outcome.checkpoint,
                         outcome.step_name,
                     )
@@ -512,8 +528,8 @@ class RunExecution:
         encoded: Encoded,
         messages: Sequence[Message],
         extras: _Extras,
-    ) -> int | None:
-        """Commit the checkpoint; returns the new version, or ``None`` if nothing committed."""
+    ) -> CommitResult | None:
+        """Commit the checkpoint; ``None`` if nothing was committed."""
         commit = StepCommit(
             self.claimed.lease,
             version,
@@ -535,7 +551,7 @@ class RunExecution:
         current: JSON,
         messages: Sequence[Message],
         extras: _Extras,
-    ) -> int | None:
+    ) -> CommitResult | None:
         """Commit and park: the run waits without a lease for what ``outcome`` names."""
         commit = StepCommit(
             self.claimed.lease,
@@ -565,13 +581,13 @@ class RunExecution:
         committed = await self._commit(commit)
         return Disposition.LOST if committed is None else Disposition.WAITING
 
-    async def _commit(self, commit: StepCommit) -> int | None:
+    async def _commit(self, commit: StepCommit) -> CommitResult | None:
         try:
             committed = await self.services.committer.commit_step(commit)
         except CommitOutcomeUnknown as error:
             self.handle.lose(f"commit outcome unknown ({error})")
             return None
-        return None if committed is None else committed.checkpoint_version
+        return committed
 
     def _finish(
         self,
@@ -706,9 +722,9 @@ class RunExecution:
         )
 
     # -- waits, signals, budgets --------------------------------------------------------------
-    def _budget(self, agent: Agent) -> RunBudget:
+    def _budget(self, agent: Agent) -> RunBudget | None:
         if agent.budget is None:
-            return NO_BUDGET
+            return None
         return RunBudget(
             agent.budget,
             self.claimed.lease,

@@ -26,11 +26,12 @@ from typing import Any
 import anyio
 import structlog
 
+from orchestrator.budgets import Spend
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
-from orchestrator.db.store import RunFinish, RunStore, StepCommit
+from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import AcceptOutcome
 from orchestrator.effects.store import EffectStore
-from orchestrator.models import CommitResult
+from orchestrator.models import CommitResult, Lease
 
 log = structlog.get_logger("orchestrator.group_commit")
 
@@ -262,20 +263,27 @@ class GroupCommitter:
     ) -> None:
         """What else the committed runs' steps asked for, in the same transaction: consume the
         signals they were given, settle their budgets, park the runs that wait."""
-        took_effect = [
-            r for r in members if r.lease.run_id in committed or r.lease.run_id in finished
-        ]
-        consumed = [(r.lease, r.signals_upto) for r in took_effect if r.signals_upto is not None]
+        consumed: list[tuple[Lease, int]] = []
+        spends: list[tuple[str, Spend]] = []
+        parks: list[tuple[Lease, Park]] = []
+        for request in members:
+            upto, spend = request.signals_upto, request.spend
+            park = request.park if isinstance(request, StepCommit) else None
+            if upto is None and spend is None and park is None:
+                continue  # most commits: one check each
+            run_id = request.lease.run_id
+            if run_id not in committed and run_id not in finished:
+                continue
+            if upto is not None:
+                consumed.append((request.lease, upto))
+            if spend is not None:
+                spends.append((run_id, spend))
+            if park is not None:
+                parks.append((request.lease, park))
         if consumed:
             await self.store.consume_signals(consumed, db=db)
-        spends = [(r.lease.run_id, r.spend) for r in took_effect if r.spend is not None]
         if spends:
             await self.store.settle_budgets(spends, db=db)
-        parks = [
-            (r.lease, r.park)
-            for r in took_effect
-            if isinstance(r, StepCommit) and r.park is not None
-        ]
         if parks:
             parked = await self.store.park_many(self.worker_id, parks, db=db)
             if len(parked) != len(parks):  # the commit just took effect: only a bug gets here
