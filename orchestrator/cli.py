@@ -18,6 +18,7 @@ import click
 
 from orchestrator import __version__
 from orchestrator.budgets import BudgetStore
+from orchestrator.cli_chaos import chaos
 from orchestrator.cli_support import (
     parse_time,
     print_error,
@@ -331,6 +332,7 @@ def runs_retry(ctx: click.Context, run_id: str, as_json: bool) -> None:
 runs.add_command(runs_signal)
 runs.add_command(runs_budget)
 main.add_command(approvals)
+main.add_command(chaos)
 
 
 # -- serve ------------------------------------------------------------------------------------

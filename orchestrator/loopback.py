@@ -103,11 +103,12 @@ class FaultProxy(LoopbackService):
         return urlunsplit(parts._replace(netloc=f"{userinfo}127.0.0.1:{self.port}"))
 
     async def handle(self, client: anyio.abc.SocketStream) -> None:
-        async with (
-            client,
-            await anyio.connect_tcp(*self.target) as server,
-            anyio.create_task_group() as pipes,
-        ):
+        try:
+            server = await anyio.connect_tcp(*self.target)
+        except OSError:  # the server is down (restarting): the client sees a closed connection
+            await client.aclose()
+            return
+        async with client, server, anyio.create_task_group() as pipes:
             pipes.start_soon(self._pipe, client, server, "to_server")
             pipes.start_soon(self._pipe, server, client, "to_client")
 

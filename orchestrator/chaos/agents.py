@@ -1,0 +1,188 @@
+"""The agents a chaos campaign's workers serve (``serve --agents orchestrator.chaos.agents``).
+
+``chaos_steps`` is a step agent: it emails the customer (irreversible) and notes the CRM
+(replaceable) in one commit, then optionally waits for a ``go`` signal, then works a while
+(``work_seconds``, a window for faults to land in) and optionally asks for a refund a person
+must approve, waiting for it to settle, then finishes. ``chaos_tools`` is a tool agent under a
+budget: the model looks the customer up, emails them and notes the CRM, asks for a refund (above
+100 needs approval), then answers. ``CHAOS_SCRIPT`` is what the campaign's scripted model
+answers; a replayed turn proposes other arguments, as a real model may.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import anyio
+
+from orchestrator import (
+    Agent,
+    Budget,
+    Effect,
+    EffectPolicy,
+    Finish,
+    Next,
+    Outcome,
+    Step,
+    StepContext,
+    ToolAgent,
+    ToolContext,
+    Wait,
+    tool,
+)
+from orchestrator.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
+
+SIGNAL_WAIT_SECONDS = 120.0
+"""How long a step run waits for ``go`` before going on without it."""
+
+
+def _field(ctx: StepContext, name: str) -> object:
+    return ctx.input.get(name) if isinstance(ctx.input, dict) else None
+
+
+class Announce(Step):
+    name = "announce"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        customer = _field(ctx, "customer")
+        return Next(
+            AwaitGo,
+            checkpoint={"announced": True},
+            effects=[
+                Effect("email", "email", {"run": ctx.run_id, "to": f"{customer}@customer.test"}),
+                Effect(
+                    "crm",
+                    "crm",
+                    {"run": ctx.run_id, "account": customer, "stage": "announced"},
+                    EffectPolicy.REPLACEABLE,
+                ),
+            ],
+        )
+
+
+class AwaitGo(Step):
+    name = "await_go"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        woken = ctx.wait is not None
+        if _field(ctx, "signal") and not woken and not any(s.name == "go" for s in ctx.signals):
+            until = ctx.database_now() + timedelta(seconds=SIGNAL_WAIT_SECONDS)
+            return Wait(AwaitGo, signals=["go"], until=until, reason="waiting for go")
+        return Next(AskRefund, checkpoint={"announced": True, "went": True})
+
+
+class AskRefund(Step):
+    name = "ask_refund"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        work = _field(ctx, "work_seconds")
+        if isinstance(work, int | float):
+            await anyio.sleep(work)
+        amount = _field(ctx, "refund")
+        if not isinstance(amount, int | float):
+            return Finish(result={"refund": None})
+        approval = _field(ctx, "approval_seconds")
+        refund = Effect(
+            "refund",
+            "payments",
+            {"run": ctx.run_id, "amount": amount},
+            requires_approval=True,
+            approval_seconds=float(approval) if isinstance(approval, int | float) else 60.0,
+        )
+        return Wait(Close, effects=[refund], reason="refund awaits approval")
+
+
+class Close(Step):
+    name = "close"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        refund = await ctx.effects.get("refund")
+        return Finish(result={"refund": refund.status.value})
+
+
+chaos_steps = Agent(
+    "chaos_steps",
+    first=Announce,
+    steps=[AwaitGo, AskRefund, Close],
+    description="Chaos campaign: email, CRM note, optional signal wait and gated refund.",
+)
+
+
+@tool.read_only(timeout=10)
+def lookup_customer(ctx: ToolContext, customer: str) -> dict[str, str]:
+    """Look a customer up.
+
+    Args:
+        customer: The customer's id.
+    """
+    return {"customer": customer, "email": f"{customer}@customer.test", "tier": "gold"}
+
+
+@tool.effect("email", policy=EffectPolicy.IRREVERSIBLE)
+def send_email(to: str, body: str) -> dict[str, str]:
+    """Email the customer (sent once, never resent).
+
+    Args:
+        to: The recipient's address.
+        body: The message.
+    """
+    return {"to": to, "body": body}
+
+
+@tool.effect("crm", policy=EffectPolicy.REPLACEABLE)
+def note_crm(customer: str, note: str) -> dict[str, str]:
+    """Note the CRM (a newer note may replace an unsent one).
+
+    Args:
+        customer: The customer's id.
+        note: The note.
+    """
+    return {"customer": customer, "note": note}
+
+
+@tool.effect("payments", approve=lambda amount, **_: amount > 100, approval_seconds=60)
+def refund(customer: str, amount: float) -> dict[str, object]:
+    """Refund the customer (above 100, a person approves first).
+
+    Args:
+        customer: The customer's id.
+        amount: The amount, in euros.
+    """
+    return {"customer": customer, "amount": amount}
+
+
+chaos_tools = ToolAgent(
+    "chaos_tools",
+    instructions="Look the customer up, email them, note the CRM, refund what they ask.",
+    tools=[lookup_customer, send_email, note_crm, refund],
+    max_turns=8,
+    max_output_tokens=300,
+    budget=Budget(turns=12, tool_calls=16),
+)
+
+_ASK = re.compile(r"customer (\S+) asks for a refund of (\d+)")
+
+
+def CHAOS_SCRIPT(request: ScriptRequest) -> ScriptedTurn:
+    """``chaos_tools``' model: lookup; email and CRM note; refund; a final answer."""
+    asked = _ASK.search(request.conversation)
+    customer, amount = (asked.group(1), int(asked.group(2))) if asked else ("unknown", 0)
+    note = f"replayed {request.replay}" if request.replay else "first answer"
+    plan = [
+        ScriptedTurn(calls=(ScriptedCall("lookup_customer", {"customer": customer}),)),
+        ScriptedTurn(
+            calls=(
+                ScriptedCall("send_email", {"to": f"{customer}@customer.test", "body": note}),
+                ScriptedCall("note_crm", {"customer": customer, "note": note}),
+            )
+        ),
+        ScriptedTurn(calls=(ScriptedCall("refund", {"customer": customer, "amount": amount}),)),
+        ScriptedTurn(content=f"Done for {customer}."),
+    ]
+    return plan[min(request.turn, len(plan) - 1)]
+
+
+def tools_prompt(customer: str, amount: int) -> str:
+    """The request ``CHAOS_SCRIPT`` understands."""
+    return f"customer {customer} asks for a refund of {amount}"

@@ -1,0 +1,465 @@
+"""A chaos campaign: a cluster on its own embedded PostgreSQL, a steady workload, faults from a
+seeded schedule, then heal, quiescence (bounded) and the checker.
+
+The campaign's own connections go straight to PostgreSQL; every worker and dispatcher goes
+through a ``FaultProxy`` of its own. Everything listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import asyncpg
+
+from orchestrator.chaos.agents import CHAOS_SCRIPT, tools_prompt
+from orchestrator.chaos.checker import TERMINAL, Findings, check
+from orchestrator.chaos.cluster import Cluster, Timing
+from orchestrator.chaos.faults import (
+    CAMPAIGN_APPLICATION,
+    CAMPAIGN_ERRORS,
+    FAULT_KINDS,
+    FaultRecord,
+    Faults,
+    ScheduledFault,
+    schedule,
+)
+from orchestrator.chaos.vendor import ChaosVendor
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
+from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
+from orchestrator.errors import OrchestratorError
+from orchestrator.loopback import FaultProxy, ScriptedModelServer
+from orchestrator.settings import Settings
+from orchestrator.signals import SignalStore
+
+SERVER_SETTINGS = {
+    # Durability across a machine crash is not under test; a restart is a clean shutdown.
+    "fsync": "off",
+    "full_page_writes": "off",
+    "synchronous_commit": "on",
+    "max_connections": "400",
+}
+FAULT_SHARE = 0.85
+
+
+@dataclass(frozen=True)
+class CampaignConfig:
+    seed: int = 1
+    duration: float = 60.0
+    """Seconds of the fault window: the workload is submitted over all of it, the faults are
+    scheduled over its first 85%."""
+    runs: int = 200
+    workers: int = 3
+    dispatchers: int = 2
+    fault_rate: float = 1.0
+    """Faults per second, on average, over the fault window."""
+    kinds: Sequence[str] = FAULT_KINDS
+    """Which faults to schedule (each at least once)."""
+    settle_seconds: float = 180.0
+    """How long quiescence may take after healing before unfinished runs count as lost."""
+    timing: Timing = field(default_factory=Timing)
+    work_dir: Path | None = None
+    """Where the embedded server, configs and process logs live; a temporary directory (removed
+    after a passing campaign) by default."""
+    command: Sequence[str] = (sys.executable, "-m", "orchestrator.cli")
+    """How members are launched (a deliberately broken build is launched another way)."""
+    env: dict[str, str] = field(default_factory=dict)
+    after_migrate: str | None = None
+    """SQL run once after the schema is migrated (a broken build of the database side)."""
+
+
+@dataclass
+class Report:
+    seed: int
+    duration: float
+    runs_submitted: int
+    findings: Findings
+    faults: list[FaultRecord]
+    scheduled: Counter[str]
+    recovery_seconds: list[float]
+    restarts: int
+    exits: list[tuple[str, int | None]]
+    stale_requests_refused: int
+    elapsed: float
+    work_dir: Path
+
+    @property
+    def unfired(self) -> list[FaultRecord]:
+        return [record for record in self.faults if not record.fired]
+
+    @property
+    def passed(self) -> bool:
+        return not self.findings.violations and not self.unfired
+
+    def fired(self) -> Counter[str]:
+        return Counter(record.kind for record in self.faults if record.fired)
+
+    def recovery(self, quantile: float) -> float | None:
+        if not self.recovery_seconds:
+            return None
+        if len(self.recovery_seconds) == 1:
+            return self.recovery_seconds[0]
+        cuts = statistics.quantiles(self.recovery_seconds, n=100, method="inclusive")
+        return cuts[round(quantile * 100) - 1]
+
+    def as_json(self) -> dict[str, Any]:
+        fired = self.fired()
+        return {
+            "passed": self.passed,
+            "seed": self.seed,
+            "duration_seconds": self.duration,
+            "elapsed_seconds": round(self.elapsed, 1),
+            "runs_submitted": self.runs_submitted,
+            **self.findings.as_json(),
+            "faults": {
+                kind: {"scheduled": self.scheduled[kind], "fired": fired[kind]}
+                for kind in FAULT_KINDS
+            },
+            "faults_not_fired": [record.as_json() for record in self.unfired],
+            "stale_requests_refused": self.stale_requests_refused,
+            "process_restarts": self.restarts,
+            "processes_exited_on_their_own": [
+                {"process": name, "status": status} for name, status in self.exits
+            ],
+            "recovery_seconds": {
+                "count": len(self.recovery_seconds),
+                "p50": _round(self.recovery(0.5)),
+                "p99": _round(self.recovery(0.99)),
+            },
+            "work_dir": str(self.work_dir),
+            "replay": f"orchestrator chaos --seed {self.seed} --duration {self.duration:g}",
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the campaign's person does for one run."""
+
+    agent: str
+    input: dict[str, Any]
+    decision: str
+    """``approve``, ``deny`` or ``ignore`` (let the approval expire)."""
+
+
+def plans(seed: int, count: int) -> list[Plan]:
+    rng = random.Random(seed * 7919 + 1)
+    made = []
+    for n in range(count):
+        customer = f"c{n}"
+        if n % 2 == 0:
+            decision = rng.choices(("approve", "deny", "ignore"), (6, 3, 1))[0]
+            refund = rng.choice((None, 40, 150, 250))
+            made.append(
+                Plan(
+                    "chaos_steps",
+                    {
+                        "customer": customer,
+                        "signal": rng.random() < 0.4,
+                        "refund": refund,
+                        "work_seconds": round(rng.uniform(0.1, 1.5), 2),
+                        "approval_seconds": 3 if decision == "ignore" else 60,
+                    },
+                    decision,
+                )
+            )
+        else:
+            decision = rng.choices(("approve", "deny"), (3, 1))[0]
+            amount = rng.choice((30, 80, 150, 260))
+            made.append(Plan("chaos_tools", {"prompt": tools_prompt(customer, amount)}, decision))
+    return made
+
+
+Progress = Callable[[str], None]
+
+
+async def run_campaign(config: CampaignConfig, progress: Progress = lambda line: None) -> Report:
+    started = time.monotonic()
+    progress = _stamped(progress, started)
+    # Faults stop before the workload does, so the last ones still meet traffic.
+    timetable = schedule(
+        config.seed, config.duration * FAULT_SHARE, config.fault_rate, config.kinds
+    )
+    work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="orchestrator-chaos-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    embedded = EmbeddedPostgres(work_dir / "home", server_settings=SERVER_SETTINGS)
+    server = await anyio.to_thread.run_sync(embedded.ensure_running)
+    try:
+        report = await _campaign(
+            config, timetable, progress, work_dir, embedded, server.dsn(), started
+        )
+    finally:
+        await anyio.to_thread.run_sync(lambda: embedded.stop(mode="immediate"))
+    if report.passed and config.work_dir is None:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return report
+
+
+def _stamped(progress: Progress, started: float) -> Progress:
+    def stamped(line: str) -> None:
+        progress(f"[{time.monotonic() - started:6.1f}s] {line}")
+
+    return stamped
+
+
+async def _campaign(
+    config: CampaignConfig,
+    timetable: list[ScheduledFault],
+    progress: Progress,
+    work_dir: Path,
+    embedded: EmbeddedPostgres,
+    dsn: str,
+    started: float,
+) -> Report:
+    settings = Settings(database_url=dsn)
+    connection = await connect(settings, application_name=CAMPAIGN_APPLICATION, dsn=dsn)
+    try:
+        await migrate(connection)
+        if config.after_migrate:
+            await connection.execute(config.after_migrate)
+    finally:
+        await connection.close()
+    async with AsyncExitStack() as stack:
+        pool = await create_pool(
+            settings, dsn=dsn, application_name=CAMPAIGN_APPLICATION, min_size=0, max_size=8
+        )
+        stack.push_async_callback(pool.close)
+        vendor = await stack.enter_async_context(ChaosVendor(hang_seconds=20))
+        model = await stack.enter_async_context(ScriptedModelServer(CHAOS_SCRIPT, latency=0.02))
+        effects_config = work_dir / "vendors.json"
+        effects_config.write_text(json.dumps(_vendors(vendor)))
+        cluster = Cluster(
+            database_dsn=dsn,
+            effects_config=effects_config,
+            work_dir=work_dir,
+            timing=config.timing,
+            model_env={"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "chaos"},
+            command=config.command,
+            env=config.env,
+        )
+        port = int(dsn.rsplit(":", 1)[1].split("/", 1)[0])
+        for role, count in (("worker", config.workers), ("dispatcher", config.dispatchers)):
+            for _ in range(count):
+                proxy = await stack.enter_async_context(FaultProxy("127.0.0.1", port))
+                cluster.add(role, proxy)
+        for member in cluster.members:
+            cluster.start(member)
+        stack.callback(cluster.stop_all)
+        await _until_registered(pool, config.workers, cluster)
+        progress(
+            f"cluster up: {config.workers} workers, {config.dispatchers} dispatchers, each "
+            f"behind its own proxy; logs in {work_dir}"
+        )
+        faults = Faults(cluster, vendor, model, pool, embedded, time.monotonic())
+        workload = plans(config.seed, config.runs)
+        submitted: dict[str, Plan] = {}
+        progress(
+            f"seed {config.seed}: {len(timetable)} faults over {config.duration:g}s, "
+            f"{config.runs} runs"
+        )
+        async with anyio.create_task_group() as people:
+            people.start_soon(_person, pool, submitted)
+            people.start_soon(cluster.supervise)
+            async with anyio.create_task_group() as window:
+                window.start_soon(_submit, pool, workload, submitted, config.duration)
+                window.start_soon(_inject, faults, timetable, window)
+                window.start_soon(_report_progress, progress, pool, faults, submitted, config)
+                await anyio.sleep(config.duration)
+                if not await faults.over(len(timetable), within=max(60, config.duration / 4)):
+                    progress("some faults were still acting long after the window: cut short")
+                window.cancel_scope.cancel()
+            vendor.clear()
+            model.clear_faults()
+            await anyio.to_thread.run_sync(cluster.heal)
+            progress("healed: every proxy forwards, every process runs; waiting for quiescence")
+            await _quiescence(pool, progress, config.settle_seconds)
+            people.cancel_scope.cancel()
+        await anyio.to_thread.run_sync(cluster.stop_all)
+        progress("cluster stopped; checking")
+        findings = await check(
+            pool, vendor, dispatch_lease_seconds=config.timing.dispatch_lease_seconds
+        )
+        recovery = await _recovery(pool, faults.victims)
+        return Report(
+            seed=config.seed,
+            duration=config.duration,
+            runs_submitted=len(submitted),
+            findings=findings,
+            faults=faults.records,
+            scheduled=Counter(fault.kind for fault in timetable),
+            recovery_seconds=recovery,
+            restarts=cluster.restarts,
+            exits=cluster.exits,
+            stale_requests_refused=faults.stale_refused,
+            elapsed=time.monotonic() - started,
+            work_dir=work_dir,
+        )
+
+
+def _vendors(vendor: ChaosVendor) -> dict[str, Any]:
+    http = {
+        "adapter": "http",
+        "url": vendor.send_url,
+        "reconcile": "lookup",
+        "lookup_url": vendor.lookup_url,
+    }
+    return {"kinds": dict.fromkeys(("email", "crm", "payments"), http)}
+
+
+async def _until_registered(pool: asyncpg.Pool, workers: int, cluster: Cluster) -> None:
+    with anyio.fail_after(60):
+        while await pool.fetchval("SELECT count(*) FROM orchestrator.workers") < workers:
+            dead = [member.name for member in cluster.members if not member.alive]
+            if dead:
+                raise OrchestratorError(
+                    f"{', '.join(dead)} exited at start; see their logs in {cluster.work_dir}"
+                )
+            await anyio.sleep(0.1)
+
+
+async def _submit(
+    pool: asyncpg.Pool, workload: list[Plan], submitted: dict[str, Plan], over: float
+) -> None:
+    store = RunStore(pool)
+    gap = over / max(1, len(workload))
+    begun = time.monotonic()
+    for index, plan in enumerate(workload):
+        await anyio.sleep(max(0.0, begun + index * gap - time.monotonic()))
+        for _ in range(100):  # bounded: the database may be restarting
+            try:
+                submission = await store.submit(
+                    plan.agent, plan.input, idempotency_key=f"chaos-{index}", max_attempts=100
+                )
+                submitted[submission.run.run_id] = plan
+                break
+            except CAMPAIGN_ERRORS:
+                await anyio.sleep(0.2)
+
+
+async def _inject(faults: Faults, timetable: list[Any], window: anyio.abc.TaskGroup) -> None:
+    for fault in timetable:
+        await anyio.sleep(max(0.0, faults.started + fault.at - time.monotonic()))
+        window.start_soon(faults.inject, fault)
+
+
+async def _person(pool: asyncpg.Pool, submitted: dict[str, Plan]) -> None:
+    """Decides approvals as each run's plan says, and sends ``go`` to runs waiting for it."""
+    approvals = ApprovalStore(pool)
+    signals = SignalStore(pool)
+    told: set[str] = set()
+    while True:
+        await anyio.sleep(0.3)
+        try:
+            for effect in await approvals.pending(limit=100):
+                plan = submitted.get(effect.run_id)
+                if plan is None or plan.decision == "ignore":
+                    continue
+                decision = Decision.APPROVED if plan.decision == "approve" else Decision.DENIED
+                try:
+                    await approvals.decide(
+                        effect.run_id,
+                        effect.effect_key,
+                        decision,
+                        by="chaos-person",
+                        payload_sha256=effect.payload_sha256,
+                    )
+                except DecisionRefused:
+                    continue
+            waiting = await pool.fetch(
+                "SELECT run_id FROM orchestrator.runs WHERE state = 'waiting' "
+                "AND wait->'signals' ? 'go' AND updated_at < clock_timestamp() - interval '1s'"
+            )
+            for row in waiting:
+                if row["run_id"] not in told:
+                    await signals.send(row["run_id"], "go", {"by": "person"}, idempotency_key="go")
+                    told.add(row["run_id"])
+        except CAMPAIGN_ERRORS:
+            continue
+
+
+async def _report_progress(
+    progress: Progress,
+    pool: asyncpg.Pool,
+    faults: Faults,
+    submitted: dict[str, Plan],
+    config: CampaignConfig,
+) -> None:
+    while True:
+        await anyio.sleep(10)
+        try:
+            finished = await pool.fetchval(
+                "SELECT count(*) FROM orchestrator.runs WHERE state = ANY($1::text[])",
+                list(TERMINAL),
+            )
+        except CAMPAIGN_ERRORS:
+            finished = "?"
+        elapsed = time.monotonic() - faults.started
+        fired = sum(1 for record in faults.records if record.fired)
+        progress(
+            f"{elapsed:5.0f}/{config.duration:g}s  runs {finished} finished of "
+            f"{len(submitted)} submitted  faults {fired} fired of {len(faults.records)} injected"
+        )
+
+
+async def _quiescence(pool: asyncpg.Pool, progress: Progress, within: float) -> None:
+    deadline = time.monotonic() + within
+    last = 0.0
+    while time.monotonic() < deadline:
+        try:
+            unfinished = await pool.fetchval(
+                "SELECT count(*) FROM orchestrator.runs WHERE state <> ALL($1::text[])",
+                list(TERMINAL),
+            )
+            unsettled = await pool.fetchval(
+                "SELECT count(*) FROM orchestrator.effects "
+                "WHERE status IN ('accepted', 'dispatching', 'uncertain')"
+            )
+        except CAMPAIGN_ERRORS:
+            await anyio.sleep(0.5)
+            continue
+        if unfinished == 0 and unsettled == 0:
+            progress("quiescent: every run finished, every effect settled")
+            return
+        if time.monotonic() - last > 10:
+            progress(f"settling: {unfinished} runs unfinished, {unsettled} effects in flight")
+            last = time.monotonic()
+        await anyio.sleep(0.5)
+    progress(f"not quiescent after {within:g}s: the checker counts what is left as lost")
+
+
+async def _recovery(pool: asyncpg.Pool, victims: list[tuple[str, int, float]]) -> list[float]:
+    """For each run a faulted worker held: from the fault to the next claim by a newer fence."""
+    if not victims:
+        return []
+    rows = await pool.fetch(
+        "SELECT run_id, fence, at FROM orchestrator.run_events WHERE kind = 'claimed' "
+        "AND run_id = ANY($1::text[]) ORDER BY event_id",
+        list({run_id for run_id, _, _ in victims}),
+    )
+    claims: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        claims.setdefault(row["run_id"], []).append((row["fence"], row["at"].timestamp()))
+    seconds = []
+    for run_id, fence, at in victims:
+        later = [when for claimed_fence, when in claims.get(run_id, []) if claimed_fence > fence]
+        if later and later[0] >= at:
+            seconds.append(later[0] - at)
+    return sorted(seconds)

@@ -1,0 +1,236 @@
+"""The campaign's checker: after the cluster is stopped it reads the database and the vendor's own
+records, and names every broken promise. It trusts neither the workers' logs nor the boundary's
+bookkeeping: fences come from the timeline, deliveries from the vendor."""
+
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from orchestrator.chaos.vendor import ChaosVendor
+
+TERMINAL = ("succeeded", "failed", "cancelled", "dead")
+CLOCK_TOLERANCE_SECONDS = 0.25
+"""Transaction timestamps against claim times: a claim's transaction is this short at most."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    subject: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.subject}: {self.detail}"
+
+
+@dataclass
+class Findings:
+    violations: list[Violation] = field(default_factory=list)
+    runs_by_state: dict[str, int] = field(default_factory=dict)
+    deliveries: int = 0
+    duplicate_posts: int = 0
+    lost_runs: int = 0
+    stale_fence_rejections: int = 0
+    lost_leases: int = 0
+    takeovers: int = 0
+    effects_by_status: dict[str, int] = field(default_factory=dict)
+
+    def add(self, rule: str, subject: str, detail: str) -> None:
+        self.violations.append(Violation(rule, subject, detail))
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "violations": [
+                {"rule": v.rule, "subject": v.subject, "detail": v.detail} for v in self.violations
+            ],
+            "runs_by_state": self.runs_by_state,
+            "effects_by_status": self.effects_by_status,
+            "deliveries": self.deliveries,
+            "duplicate_posts": self.duplicate_posts,
+            "lost_runs": self.lost_runs,
+            "stale_fence_rejections": self.stale_fence_rejections,
+            "lost_leases": self.lost_leases,
+            "takeovers": self.takeovers,
+        }
+
+
+async def check(
+    pool: asyncpg.Pool, vendor: ChaosVendor, *, dispatch_lease_seconds: float
+) -> Findings:
+    found = Findings()
+    runs = {row["run_id"]: row for row in await pool.fetch("SELECT * FROM orchestrator.runs")}
+    effects = await pool.fetch("SELECT * FROM orchestrator.effects")
+    events: dict[str, list[asyncpg.Record]] = collections.defaultdict(list)
+    for event in await pool.fetch("SELECT * FROM orchestrator.run_events ORDER BY event_id"):
+        events[event["run_id"]].append(event)
+    found.runs_by_state = dict(collections.Counter(row["state"] for row in runs.values()))
+    found.effects_by_status = dict(collections.Counter(row["status"] for row in effects))
+    _check_runs(found, runs)
+    _check_timelines(found, events)
+    _check_deliveries(found, runs, effects, events, vendor, dispatch_lease_seconds)
+    await _check_budgets(found, pool)
+    return found
+
+
+def _check_runs(found: Findings, runs: dict[str, asyncpg.Record]) -> None:
+    """After quiescence nothing may be left in flight: every run reached an end."""
+    for run_id, run in runs.items():
+        if run["state"] not in TERMINAL:
+            found.lost_runs += 1
+            found.add(
+                "run not finished",
+                run_id,
+                f"{run['state']} (wait {_text(run['wait'])}, available {run['available_at']}, "
+                f"lease {run['lease_owner']} until {run['lease_until']})",
+            )
+
+
+def _check_timelines(found: Findings, events: dict[str, list[asyncpg.Record]]) -> None:
+    """Claims raise the fence; a checkpoint is committed only by the latest claim's fence, and
+    versions go up by one."""
+    for run_id, timeline in events.items():
+        fence = 0
+        version = 0
+        for event in timeline:
+            kind = event["kind"]
+            details = _details(event)
+            if kind == "claimed":
+                if event["fence"] <= fence:
+                    found.add("fence not raised", run_id, f"claim with {event['fence']}≤{fence}")
+                fence = max(fence, event["fence"])
+                if details.get("previous_owner"):
+                    found.takeovers += 1
+            elif kind == "cancelled":
+                fence = max(fence, event["fence"] or 0)
+            elif kind == "checkpoint":
+                if event["fence"] != fence:
+                    found.add(
+                        "checkpoint by a stale fence",
+                        run_id,
+                        f"version {details.get('version')} by fence {event['fence']}, current "
+                        f"{fence}",
+                    )
+                if details.get("version") != version + 1:
+                    found.add(
+                        "checkpoint version skipped",
+                        run_id,
+                        f"version {details.get('version')} after {version}",
+                    )
+                version = int(details.get("version") or version)
+            elif kind == "lease_lost":
+                found.lost_leases += 1
+            elif kind == "stale_fence_rejected":
+                found.stale_fence_rejections += 1
+
+
+def _check_deliveries(
+    found: Findings,
+    runs: dict[str, asyncpg.Record],
+    effects: list[asyncpg.Record],
+    events: dict[str, list[asyncpg.Record]],
+    vendor: ChaosVendor,
+    dispatch_lease_seconds: float,
+) -> None:
+    by_key = {row["idempotency_key"]: row for row in effects}
+    found.deliveries = len(vendor.deliveries)
+    found.duplicate_posts = sum(vendor.resent.values())
+    for key, resent in vendor.resent.items():
+        effect = by_key.get(key)
+        subject = f"{effect['run_id']}/{effect['effect_key']}" if effect else key
+        found.add("sent twice", subject, f"{resent + 1} POSTs reached the vendor for one key")
+    for key, delivery in vendor.deliveries.items():
+        effect = by_key.get(key)
+        if effect is None:
+            found.add("delivery without a record", key, "the vendor got an effect nobody asked for")
+            continue
+        subject = f"{effect['run_id']}/{effect['effect_key']}"
+        if effect["status"] != "confirmed":
+            found.add(
+                "record disagrees", subject, f"delivered, but the record is {effect['status']}"
+            )
+        if delivery.payload != _json(effect["payload"]):
+            found.add("payload differs", subject, "the vendor got another payload than recorded")
+        claims = [e for e in events[effect["run_id"]] if e["kind"] in ("claimed", "cancelled")]
+        newer = [
+            e
+            for e in claims
+            if e["fence"] > effect["fence"]
+            and _seconds(effect["created_at"], e["at"]) > CLOCK_TOLERANCE_SECONDS
+        ]
+        if newer:
+            found.add(
+                "stale fence dispatched",
+                subject,
+                f"accepted with fence {effect['fence']} after fence {newer[0]['fence']} was "
+                "granted",
+            )
+        cancel = next((e for e in claims if e["kind"] == "cancelled"), None)
+        if cancel is not None and delivery.at > cancel["at"].timestamp() + dispatch_lease_seconds:
+            found.add(
+                "sent after cancel",
+                subject,
+                f"{delivery.at - cancel['at'].timestamp():.1f}s after the run was cancelled",
+            )
+        if effect["requires_approval"]:
+            approved = effect["approved_sha256"]
+            if approved is None or approved != effect["payload_sha256"]:
+                found.add("sent without approval", subject, f"approved hash {approved}")
+            elif effect["decided_at"] is None or effect["decided_at"].timestamp() > delivery.at:
+                found.add("sent before approval", subject, f"decided at {effect['decided_at']}")
+    for effect in effects:
+        if effect["status"] == "confirmed" and effect["idempotency_key"] not in vendor.deliveries:
+            found.add(
+                "confirmed but never delivered",
+                f"{effect['run_id']}/{effect['effect_key']}",
+                "the record says confirmed; the vendor never got it",
+            )
+    irreversible = collections.defaultdict(list)
+    for effect in effects:
+        if effect["policy"] == "irreversible":
+            irreversible[effect["run_id"]].append(effect)
+    for run_id, run in runs.items():
+        if run["state"] != "succeeded":
+            continue
+        if run["agent"] == "chaos_steps" and not any(
+            effect["effect_key"] == "email" for effect in irreversible[run_id]
+        ):
+            found.add("succeeded without its email", run_id, "no email effect was recorded")
+        for effect in irreversible[run_id]:
+            if effect["status"] == "confirmed" and vendor.posts[effect["idempotency_key"]] < 1:
+                found.add("succeeded but not delivered", run_id, effect["effect_key"])
+
+
+async def _check_budgets(found: Findings, pool: asyncpg.Pool) -> None:
+    dimensions = ("turns", "input_tokens", "output_tokens", "cost")
+    for row in await pool.fetch("SELECT * FROM orchestrator.run_budgets"):
+        for dimension in dimensions:
+            limit = row[f"{dimension}_limit"]
+            used = row[f"{dimension}_spent"] + row[f"{dimension}_reserved"]
+            if limit is not None and used > limit:
+                found.add("over budget", row["run_id"], f"{dimension}: {used} of {limit}")
+        limit = row["tool_calls_limit"]
+        if limit is not None and row["tool_calls_spent"] > limit:
+            found.add("over budget", row["run_id"], f"tool calls: {row['tool_calls_spent']}")
+
+
+def _details(event: asyncpg.Record) -> dict[str, Any]:
+    value = _json(event["details"])
+    return value if isinstance(value, dict) else {}
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _seconds(later: datetime, earlier: datetime) -> float:
+    return (later - earlier).total_seconds()

@@ -1,0 +1,210 @@
+"""The campaign's processes: ``serve`` workers and ``effects dispatch`` dispatchers, each an OS
+process talking to PostgreSQL through its own ``FaultProxy``, restartable after a kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from orchestrator.loopback import FaultProxy
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The leases the cluster runs with; faults are sized from them."""
+
+    lease_seconds: float = 2.0
+    dispatch_lease_seconds: float = 4.0
+    poll_seconds: float = 0.2
+
+
+@dataclass
+class Member:
+    """One worker or dispatcher slot: its proxy stays, its process is replaced after a kill."""
+
+    role: str
+    """``worker`` or ``dispatcher``."""
+    index: int
+    proxy: FaultProxy
+    log_dir: Path
+    generation: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    """Held by the fault acting on this member: one fault per process at a time."""
+
+    @property
+    def name(self) -> str:
+        return f"chaos-{self.role[0]}{self.index}.g{self.generation}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stopped(self) -> bool:
+        """Whether the kernel shows the process stopped (SIGSTOP took effect)."""
+        if not self.alive:
+            return False
+        assert self.process is not None
+        try:
+            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+class Cluster:
+    """Starts, kills and restarts the members. ``command`` is how a member is launched (a
+    deliberately broken build may be launched another way); ``env`` is added to each."""
+
+    def __init__(
+        self,
+        *,
+        database_dsn: str,
+        effects_config: Path,
+        work_dir: Path,
+        timing: Timing,
+        model_env: dict[str, str],
+        command: Sequence[str] = (sys.executable, "-m", "orchestrator.cli"),
+        env: dict[str, str] | None = None,
+        worker_concurrency: int = 20,
+    ) -> None:
+        self.database_dsn = database_dsn
+        self.effects_config = effects_config
+        self.work_dir = work_dir
+        self.timing = timing
+        self.model_env = model_env
+        self.command = list(command)
+        self.env = env or {}
+        self.worker_concurrency = worker_concurrency
+        self.members: list[Member] = []
+        self.restarts = 0
+        self.exits: list[tuple[str, int | None]] = []
+        """Processes that exited on their own (name, status), restarted by ``supervise``."""
+
+    def add(self, role: str, proxy: FaultProxy) -> Member:
+        index = sum(1 for member in self.members if member.role == role) + 1
+        member = Member(role, index, proxy, self.work_dir)
+        self.members.append(member)
+        return member
+
+    def of(self, role: str) -> list[Member]:
+        return [member for member in self.members if member.role == role]
+
+    def by_name(self, name: str) -> Member | None:
+        return next((member for member in self.members if member.name == name), None)
+
+    def start(self, member: Member) -> None:
+        member.generation += 1
+        timing = self.timing
+        if member.role == "worker":
+            arguments = [
+                "serve",
+                "--agents",
+                "orchestrator.chaos.agents",
+                "--no-dispatch",
+                "--worker-id",
+                member.name,
+                "--concurrency",
+                str(self.worker_concurrency),
+                "--claim-batch",
+                "5",
+                "--lease-seconds",
+                str(timing.lease_seconds),
+                "--heartbeat-seconds",
+                str(timing.lease_seconds / 4),
+                "--poll-seconds",
+                str(timing.poll_seconds),
+                "--reap-seconds",
+                "0.5",
+                "--grace-seconds",
+                "1",
+                "--status-seconds",
+                "5",
+                "--log-json",
+            ]
+        else:
+            arguments = [
+                "effects",
+                "dispatch",
+                "--effects-config",
+                str(self.effects_config),
+                "--dispatcher-id",
+                member.name,
+                "--lease-seconds",
+                str(timing.dispatch_lease_seconds),
+                "--poll-seconds",
+                str(timing.poll_seconds),
+                "--log-json",
+            ]
+        log = open(member.log_dir / f"{member.name}.log", "wb")  # noqa: SIM115 - the child's
+        try:
+            member.process = subprocess.Popen(
+                [*self.command, *arguments],
+                env={
+                    **os.environ,
+                    **self.model_env,
+                    **self.env,
+                    "ORCHESTRATOR_DATABASE_URL": member.proxy.dsn_for(self.database_dsn),
+                },
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the campaign, not them
+            )
+        finally:
+            log.close()
+
+    def kill(self, member: Member) -> int | None:
+        """SIGKILL and reap; the exit status (``-9`` when the kill took it)."""
+        if member.process is None:
+            return None
+        if member.process.poll() is None:
+            member.process.send_signal(signal.SIGKILL)
+        return member.process.wait(10)
+
+    def restart(self, member: Member) -> None:
+        self.kill(member)
+        self.restarts += 1
+        self.start(member)
+
+    async def supervise(self) -> None:
+        """Restart a process that exited on its own, as systemd's ``Restart=on-failure`` would
+        (``serve`` and ``effects dispatch`` exit 1 when PostgreSQL is unreachable at start)."""
+        while True:
+            await anyio.sleep(0.5)
+            for member in self.members:
+                if member.process is not None and not member.alive and not member.lock.locked():
+                    self.exits.append((member.name, member.process.returncode))
+                    self.restart(member)
+
+    def heal(self) -> None:
+        """Every proxy forwarding, every process running and not stopped."""
+        for member in self.members:
+            member.proxy.mode = "forward"
+            if member.alive:
+                assert member.process is not None
+                member.process.send_signal(signal.SIGCONT)
+            else:
+                self.restart(member)
+
+    def stop_all(self, timeout: float = 15) -> None:
+        for member in self.members:
+            if member.alive:
+                assert member.process is not None
+                member.process.send_signal(signal.SIGCONT)
+                member.process.send_signal(signal.SIGTERM)
+        for member in self.members:
+            if member.process is None:
+                continue
+            try:
+                member.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                member.process.kill()
+                member.process.wait(5)

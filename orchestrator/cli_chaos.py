@@ -1,0 +1,137 @@
+"""``orchestrator chaos``: run a seeded fault campaign and print what the checker found."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from orchestrator.chaos.faults import FAULT_KINDS
+from orchestrator.cli_support import run_async, stderr, stdout
+from orchestrator.presentation import dump_json
+
+
+@click.command("chaos")
+@click.option("--seed", type=click.IntRange(0), default=1, show_default=True)
+@click.option(
+    "--duration",
+    type=click.FloatRange(10, 86_400),
+    default=60.0,
+    show_default=True,
+    help="Seconds of faults; then heal, quiescence and the checker.",
+)
+@click.option("--runs", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
+@click.option("--workers", type=click.IntRange(1, 32), default=3, show_default=True)
+@click.option("--dispatchers", type=click.IntRange(1, 32), default=2, show_default=True)
+@click.option(
+    "--fault-rate",
+    type=click.FloatRange(0.01, 50),
+    default=1.0,
+    show_default=True,
+    help="Faults per second on average (every kind at least once).",
+)
+@click.option(
+    "--faults",
+    "kinds",
+    default=",".join(FAULT_KINDS),
+    show_default="every kind",
+    help="Comma-separated fault kinds to schedule.",
+)
+@click.option(
+    "--settle-seconds",
+    type=click.FloatRange(10, 3600),
+    default=180.0,
+    show_default=True,
+    help="How long quiescence may take after healing.",
+)
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep the embedded server, configs and process logs here (default: a temporary "
+    "directory, removed when the campaign passes).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def chaos(
+    seed: int,
+    duration: float,
+    runs: int,
+    workers: int,
+    dispatchers: int,
+    fault_rate: float,
+    kinds: str,
+    settle_seconds: float,
+    work_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Start a cluster on its own embedded PostgreSQL, inject faults from the seeded schedule,
+    heal, wait for quiescence and check every promise; exit 1 on any violation or on a fault
+    that did not fire. The same --seed replays the same schedule."""
+    from orchestrator.chaos import CampaignConfig, run_campaign
+
+    config = CampaignConfig(
+        seed=seed,
+        duration=duration,
+        runs=runs,
+        workers=workers,
+        dispatchers=dispatchers,
+        fault_rate=fault_rate,
+        kinds=tuple(kind.strip() for kind in kinds.split(",") if kind.strip()),
+        settle_seconds=settle_seconds,
+        work_dir=work_dir,
+    )
+    report = run_async(lambda: run_campaign(config, lambda line: stderr.print(line)))
+    if as_json:
+        click.echo(dump_json(report.as_json()))
+    else:
+        _print(report.as_json())
+    if not report.passed:
+        stderr.print(
+            f"[red]campaign failed[/red]: replay with orchestrator chaos --seed {seed} "
+            f"--duration {duration:g}; logs in {report.work_dir}"
+        )
+        sys.exit(1)
+
+
+def _print(report: dict[str, object]) -> None:
+    summary = Table(title=f"chaos campaign, seed {report['seed']}")
+    summary.add_column("measure")
+    summary.add_column("value")
+    recovery = report["recovery_seconds"]
+    assert isinstance(recovery, dict)
+    for measure, value in (
+        ("runs submitted", report["runs_submitted"]),
+        ("runs by state", report["runs_by_state"]),
+        ("deliveries", report["deliveries"]),
+        ("duplicate sends (must be 0)", report["duplicate_posts"]),
+        ("lost runs (must be 0)", report["lost_runs"]),
+        ("stale-fence rejections", report["stale_fence_rejections"]),
+        ("stale requests refused at the boundary", report["stale_requests_refused"]),
+        ("lost leases", report["lost_leases"]),
+        ("takeovers", report["takeovers"]),
+        ("recovery p50 / p99", f"{recovery['p50']}s / {recovery['p99']}s"),
+        ("process restarts", report["process_restarts"]),
+        ("elapsed", f"{report['elapsed_seconds']}s"),
+    ):
+        summary.add_row(measure, str(value))
+    stdout.print(summary)
+    faults = Table(title="faults")
+    faults.add_column("kind")
+    faults.add_column("scheduled", justify="right")
+    faults.add_column("fired", justify="right")
+    by_kind = report["faults"]
+    assert isinstance(by_kind, dict)
+    for kind in FAULT_KINDS:
+        faults.add_row(kind, str(by_kind[kind]["scheduled"]), str(by_kind[kind]["fired"]))
+    stdout.print(faults)
+    violations = report["violations"]
+    assert isinstance(violations, list)
+    for violation in violations[:50]:
+        stdout.print(
+            f"[red]violation[/red] {violation['rule']}: {violation['subject']}: "
+            f"{violation['detail']}"
+        )
+    for record in report["faults_not_fired"][:20]:  # type: ignore[index]
+        stdout.print(f"[red]did not fire[/red] {record}")
+    stdout.print("[green]passed[/green]" if report["passed"] else "[red]failed[/red]")

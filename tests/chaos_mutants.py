@@ -1,0 +1,42 @@
+"""Deliberately broken builds, for ``tests/test_chaos.py``: the chaos checker must catch each.
+
+``python tests/chaos_mutants.py MUTANT ARGS...`` runs ``orchestrator ARGS...`` with the mutant
+applied. The database-side mutant (``BOUNDARY_WITHOUT_FENCE_CHECK``) is SQL the campaign runs
+after migrating.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def resend_uncertain() -> None:
+    """The dispatcher sends an effect whose last send may have reached the vendor again without
+    looking it up first."""
+    from orchestrator.effects.store import ClaimedEffect
+
+    ClaimedEffect.must_reconcile = property(lambda self: False)  # type: ignore[assignment,method-assign]
+
+
+MUTANTS = {"resend-uncertain": resend_uncertain}
+
+BOUNDARY_WITHOUT_FENCE_CHECK = """
+DO $$
+DECLARE definition text;
+BEGIN
+    definition := pg_get_functiondef('orchestrator.orchestrator_accept_effect'::regproc);
+    IF position('IF p_fence < accepted_fence THEN' IN definition) = 0 THEN
+        RAISE EXCEPTION 'the boundary function changed: update this mutant';
+    END IF;
+    EXECUTE replace(definition, 'IF p_fence < accepted_fence THEN', 'IF false THEN');
+END $$;
+"""
+"""The effect boundary no longer refuses a fence below its high-water mark."""
+
+
+if __name__ == "__main__":
+    MUTANTS[sys.argv[1]]()
+    from orchestrator.cli import main
+
+    sys.argv = ["orchestrator", *sys.argv[2:]]
+    main()

@@ -1,0 +1,112 @@
+"""The chaos campaign: a short seeded one keeps every promise, and deliberately broken builds make
+the checker fail (so a passing campaign means something)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from chaos_mutants import BOUNDARY_WITHOUT_FENCE_CHECK
+from orchestrator.chaos import CampaignConfig, Report, run_campaign
+from orchestrator.chaos.faults import FAULT_KINDS
+
+pytestmark = pytest.mark.slow
+
+TESTS_DIR = Path(__file__).parent
+
+
+def test_a_short_campaign_with_every_fault_keeps_every_promise(tmp_path: Path) -> None:
+    """Through the CLI, as a user runs it: progress on stderr, the report as JSON on stdout."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "chaos",
+            "--seed",
+            "7",
+            "--duration",
+            "45",
+            "--runs",
+            "90",
+            "--fault-rate",
+            "1.2",
+            "--work-dir",
+            str(tmp_path / "campaign"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert report["passed"] and report["violations"] == [] and report["faults_not_fired"] == []
+    for kind in FAULT_KINDS:
+        assert report["faults"][kind]["fired"] >= 1, kind
+    assert report["runs_submitted"] == 90
+    assert report["lost_runs"] == 0 and report["duplicate_posts"] == 0
+    assert report["deliveries"] > 90  # every run emails; most note the CRM and refund
+    assert report["stale_requests_refused"] >= 1
+    assert "quiescent" in done.stderr and "healed" in done.stderr
+
+
+def campaign(tmp_path: Path, **options: Any) -> Report:
+    config = CampaignConfig(
+        seed=3, duration=30, runs=60, fault_rate=1.0, work_dir=tmp_path / "campaign", **options
+    )
+    return anyio.run(run_campaign, config)
+
+
+def test_the_checker_catches_a_boundary_that_lost_its_fence_check(tmp_path: Path) -> None:
+    report = campaign(
+        tmp_path,
+        kinds=("stale_request", "sigstop_worker"),
+        after_migrate=BOUNDARY_WITHOUT_FENCE_CHECK,
+    )
+    rules = {violation.rule for violation in report.findings.violations}
+    assert "stale fence dispatched" in rules, report.findings.violations
+    assert not report.passed
+
+
+def test_the_checker_catches_a_dispatcher_that_resends_without_reconciling(
+    tmp_path: Path,
+) -> None:
+    report = campaign(
+        tmp_path,
+        kinds=("vendor_accept_timeout", "kill_on_accept"),
+        command=(sys.executable, str(TESTS_DIR / "chaos_mutants.py"), "resend-uncertain"),
+    )
+    rules = {violation.rule for violation in report.findings.violations}
+    assert "sent twice" in rules, report.findings.violations
+    assert report.findings.duplicate_posts >= 1
+    assert not report.passed
+
+
+def test_chaos_bad_input_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "chaos",
+            "--faults",
+            "sigstop_worker,meteor",
+            "--work-dir",
+            str(tmp_path / "never"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "unknown fault kinds ['meteor']" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "never").exists()
