@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import structlog
 from orchestrator.backoff import Backoff
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.errors import InvalidInput
-from orchestrator.telemetry import RUN_FENCE, RUN_ID, start_span
+from orchestrator.telemetry import RUN_FENCE, RUN_ID, EffectMetrics, start_span
 
 from .adapters import (
     Adapter,
@@ -103,6 +104,7 @@ class Dispatcher:
         self._in_flight = 0
         self._wake = anyio.Event()
         self.outcomes: dict[str, int] = {}
+        self.metrics = EffectMetrics()
         self.log = log.bind(dispatcher=self.dispatcher_id)
 
     def wake(self) -> None:
@@ -186,6 +188,7 @@ class Dispatcher:
                     "dispatcher.id": self.dispatcher_id,
                 },
             ) as span:
+                began = time.monotonic()
                 try:
                     status = await self._dispatch(claimed, adapter)
                 except DATABASE_ERRORS as error:
@@ -203,6 +206,9 @@ class Dispatcher:
                     self.wake()  # a slot is free: claim more without waiting for a poll
                 span.set_attribute("effect.outcome", status)
         self.outcomes[status] = self.outcomes.get(status, 0) + 1
+        kind = {"kind": effect.kind}
+        self.metrics.outcomes.add(1, {**kind, "outcome": status})
+        self.metrics.send_seconds.record(time.monotonic() - began, kind)
 
     async def _dispatch(self, claimed: ClaimedEffect, adapter: Adapter) -> str:
         effect = claimed.record

@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 a user error (one line on stderr saying what was wrong and w
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -17,8 +18,20 @@ import anyio
 import click
 
 from orchestrator import __version__
+from orchestrator.attempts import attempts_of
 from orchestrator.budgets import BudgetStore
 from orchestrator.cli_chaos import chaos
+from orchestrator.cli_ops import (
+    bulk,
+    db_status,
+    filter_options,
+    queue_stats,
+    refuse_filters,
+    runs_purge,
+    select_runs,
+    watch,
+    workers_list,
+)
 from orchestrator.cli_support import (
     parse_time,
     print_error,
@@ -38,6 +51,7 @@ from orchestrator.db.store import WorkerRegistry
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.metrics_endpoint import MetricsEndpoint, sample_gauges, serving_metrics
 from orchestrator.models import RunState
 from orchestrator.presentation import (
     budget_table,
@@ -49,6 +63,7 @@ from orchestrator.presentation import (
     runs_table,
     signals_table,
 )
+from orchestrator.retention import DEFAULT_RETENTION, parse_retention
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 
@@ -216,22 +231,34 @@ def runs() -> None:
 
 
 @runs.command("list")
-@click.option("--state", type=click.Choice([state.value for state in RunState]))
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice([state.value for state in RunState]),
+    help="Only runs in this state (repeatable).",
+)
 @click.option("--agent", help="Only runs of this agent.")
+@click.option("--since", help="Submitted at or after: an ISO 8601 time, or an age (2h, 7d).")
+@click.option("--until", help="Submitted before: an ISO 8601 time, or an age (2h, 7d).")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print runs as a JSON array.")
 @click.pass_context
 def runs_list(
-    ctx: click.Context, state: str | None, agent: str | None, limit: int, as_json: bool
+    ctx: click.Context,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+    as_json: bool,
 ) -> None:
     """List runs, newest first."""
     settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
-            found = await store.list_runs(
-                state=RunState(state) if state else None, agent=agent, limit=limit
-            )
+            found = await select_runs(store, states, agent, since, until, limit)
         if as_json:
             stdout.print_json(dump_json(found))
         elif found:
@@ -267,6 +294,7 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
                     {
                         "run": run,
                         "events": events,
+                        "attempts": [attempt.as_json() for attempt in attempts_of(events)],
                         "messages": messages,
                         "effects": effects,
                         "signals": [
@@ -279,7 +307,7 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
                 )
             )
         else:
-            print_run(stdout, run, events, now)
+            print_run(stdout, run, events, now, attempts_of(events))
             if budget is not None:
                 stdout.print(budget_table(budget))
             if signals:
@@ -291,46 +319,144 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
 
 
 @runs.command("cancel")
-@click.argument("run_id")
+@click.argument("run_id", required=False)
+@filter_options
 @click.option("--reason", help="Recorded in the run's timeline.")
+@click.option("--dry-run", is_flag=True, help="With filters: list the runs, cancel nothing.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def runs_cancel(ctx: click.Context, run_id: str, reason: str | None, as_json: bool) -> None:
-    """Cancel a run and raise its fence, so its current owner can no longer act."""
+def runs_cancel(
+    ctx: click.Context,
+    run_id: str | None,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+    reason: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Cancel a run (or, with filters instead of RUN_ID, every matching unfinished run) and raise
+    its fence, so its current owner can no longer act."""
     settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
-            run = await store.cancel(run_id, reason=reason)
-        if as_json:
-            stdout.print_json(dump_json(run))
-        else:
-            stdout.print(f"cancelled {run.run_id} (fence now {run.fence})", markup=False)
+            if run_id is not None:
+                refuse_filters(states, agent, since, until, dry_run)
+                run = await store.cancel(run_id, reason=reason)
+                if as_json:
+                    stdout.print_json(dump_json(run))
+                else:
+                    stdout.print(f"cancelled {run.run_id} (fence now {run.fence})", markup=False)
+                return
+            wanted = states or ("queued", "running", "waiting")
+            unfinished = [state for state in wanted if not RunState(state).terminal]
+            if not unfinished:
+                raise InvalidInput("only queued, running or waiting runs can be cancelled")
+            await bulk(
+                store,
+                tuple(unfinished),
+                agent,
+                since,
+                until,
+                limit,
+                dry_run=dry_run,
+                as_json=as_json,
+                verb="cancel",
+                act=lambda target: store.cancel(target, reason=reason),
+            )
 
     run_async(body)
 
 
 @runs.command("retry")
-@click.argument("run_id")
+@click.argument("run_id", required=False)
+@filter_options
+@click.option("--dry-run", is_flag=True, help="With filters: list the runs, requeue nothing.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def runs_retry(ctx: click.Context, run_id: str, as_json: bool) -> None:
-    """Requeue a dead-lettered run with a fresh set of attempts."""
+def runs_retry(
+    ctx: click.Context,
+    run_id: str | None,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Requeue a dead-lettered run (or, with filters instead of RUN_ID, every matching dead run)
+    with a fresh set of attempts."""
     settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
-            run = await store.retry(run_id)
-        if as_json:
-            stdout.print_json(dump_json(run))
-        else:
-            stdout.print(f"requeued {run.run_id}", markup=False)
+            if run_id is not None:
+                refuse_filters(states, agent, since, until, dry_run)
+                run = await store.retry(run_id)
+                if as_json:
+                    stdout.print_json(dump_json(run))
+                else:
+                    stdout.print(f"requeued {run.run_id}", markup=False)
+                return
+            if states and set(states) != {"dead"}:
+                raise InvalidInput("only dead runs can be retried: drop --state or use dead")
+            await bulk(
+                store,
+                ("dead",),
+                agent,
+                since,
+                until,
+                limit,
+                dry_run=dry_run,
+                as_json=as_json,
+                verb="requeue",
+                act=store.retry,
+            )
+
+    run_async(body)
+
+
+@runs.command("watch")
+@click.argument("run_id")
+@click.option("--timeout", type=click.FloatRange(0.1), help="Give up after this many seconds.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per event (JSON lines).")
+@click.pass_context
+def runs_watch(ctx: click.Context, run_id: str, timeout: float | None, as_json: bool) -> None:
+    """Print a run's timeline as it happens; end when the run ends (exit 0), or at --timeout
+    (exit 1)."""
+    settings = settings_of(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            await watch(store, run_id, give_up_after=timeout, as_json=as_json)
 
     run_async(body)
 
 
 runs.add_command(runs_signal)
 runs.add_command(runs_budget)
+runs.add_command(runs_purge)
+db.add_command(db_status)
+
+
+@main.group()
+def workers() -> None:
+    """Workers registered with the database: alive or dead, and the runs they hold."""
+
+
+workers.add_command(workers_list)
+
+
+@main.group()
+def queue() -> None:
+    """Queue depth per agent."""
+
+
+queue.add_command(queue_stats)
 main.add_command(approvals)
 main.add_command(chaos)
 
@@ -394,6 +520,16 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     "flight when its worker dies is reconciled sooner. It must outlast the slowest vendor "
     "call: a call still unanswered at 80%% of it is given up as uncertain.",
 )
+@click.option(
+    "--metrics-listen",
+    help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
+)
+@click.option(
+    "--retention",
+    default=DEFAULT_RETENTION,
+    show_default=True,
+    help="Delete finished runs older than this in the background (30d, 12h, ...; off: keep).",
+)
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
 def serve(
@@ -412,12 +548,19 @@ def serve(
     effects_config: str | None,
     dispatch: bool,
     dispatch_lease_seconds: float,
+    metrics_listen: str | None,
+    retention: str,
     log_json: bool | None,
 ) -> None:
     """Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once)."""
     from orchestrator.effects.dispatcher import load_adapters
     from orchestrator.steps import AgentRegistry
-    from orchestrator.telemetry import configure_logging, install_sdk_from_env, shutdown_sdk
+    from orchestrator.telemetry import (
+        QueueGauges,
+        configure_logging,
+        install_sdk_from_env,
+        shutdown_sdk,
+    )
     from orchestrator.worker.gc_tuning import tune_for_worker
     from orchestrator.worker.worker import Worker, WorkerConfig, default_worker_id
 
@@ -446,12 +589,19 @@ def serve(
             reap_seconds=reap_seconds,
             effect_adapters=adapters,
             dispatch_lease_seconds=dispatch_lease_seconds,
+            retention=parse_retention(retention),
+            gauges=QueueGauges() if metrics_listen else None,
         )
         try:
             worker = Worker(settings, config)
         except ValueError as error:
             raise InvalidInput(str(error)) from None
-        install_sdk_from_env()
+        install_sdk_from_env(prometheus=metrics_listen is not None)
+        endpoint = (
+            None
+            if metrics_listen is None
+            else MetricsEndpoint(metrics_listen, worker.readiness, asyncio.get_running_loop())
+        )
         tune_for_worker()  # start-up is done: see orchestrator/gc_tuning.py
         try:
             async with anyio.create_task_group() as group:
@@ -459,6 +609,8 @@ def serve(
                 await worker.run()
                 group.cancel_scope.cancel()
         finally:
+            if endpoint is not None:
+                endpoint.close()
             shutdown_sdk()
 
     run_async(body)
@@ -565,6 +717,10 @@ def effects_resolve(
     help="Comma-separated bearer tokens callers must present (ORCHESTRATOR_PROXY_TOKENS).",
 )
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
+@click.option(
+    "--metrics-listen",
+    help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
+)
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
 def effects_serve(
@@ -572,6 +728,7 @@ def effects_serve(
     listen: str,
     tokens: str | None,
     max_body_bytes: int,
+    metrics_listen: str | None,
     log_json: bool | None,
 ) -> None:
     """Serve the effect boundary over HTTP (the action proxy) until SIGTERM/SIGINT."""
@@ -600,7 +757,8 @@ def effects_serve(
             )
             server = uvicorn.Server(config)
             stderr.print(f"action proxy listening on http://{listen}")
-            await server.serve()
+            with serving_metrics(metrics_listen, store.pool, gauges=False):
+                await server.serve()
 
     run_async(body)
 
@@ -630,6 +788,10 @@ def effects_serve(
     help="Effects claimed per statement.",
 )
 @click.option("--dispatcher-id", help="Default: dispatch:host:pid:random.")
+@click.option(
+    "--metrics-listen",
+    help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
+)
 @click.option("--log-json/--log-console", default=None)
 @click.pass_context
 def effects_dispatch(
@@ -640,6 +802,7 @@ def effects_dispatch(
     concurrency: int,
     batch: int,
     dispatcher_id: str | None,
+    metrics_listen: str | None,
     log_json: bool | None,
 ) -> None:
     """Run only the effect dispatcher (outbox relay) until SIGTERM/SIGINT."""
@@ -665,9 +828,14 @@ def effects_dispatch(
                 concurrency=concurrency,
                 batch=batch,
             )
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with (
+                serving_metrics(metrics_listen, store.pool) as gauges,
+                anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+            ):
                 async with anyio.create_task_group() as group:
                     group.start_soon(dispatcher.run)
+                    if gauges is not None:
+                        group.start_soon(sample_gauges, store.pool, gauges, dispatcher.log)
                     async for _ in signals:
                         group.cancel_scope.cancel()
                         break

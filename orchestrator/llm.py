@@ -33,7 +33,7 @@ import anyio
 
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.models import JSON
-from orchestrator.telemetry import start_span
+from orchestrator.telemetry import model_metrics, start_span
 
 if TYPE_CHECKING:
     import openai
@@ -288,6 +288,13 @@ async def complete(
                 attempts.append(
                     ModelAttempt("ok", 200, input_tokens, output_tokens, time.monotonic() - began)
                 )
+                model_metrics().record(
+                    model,
+                    attempts[-1].seconds,
+                    error=None,
+                    input_tokens=input_tokens,
+                    output_tokens=output_tokens,
+                )
                 span.set_attribute("gen_ai.response.model", response_model)
                 if finish:
                     span.set_attribute("gen_ai.response.finish_reasons", [finish])
@@ -298,6 +305,9 @@ async def complete(
                 return ModelReply(content, calls, response_model, finish, tuple(attempts))
             span.set_attribute("error.type", attempt.outcome)
             attempts.append(attempt)
+            model_metrics().record(
+                model, attempt.seconds, error=attempt.outcome, input_tokens=None, output_tokens=None
+            )
         if number == MODEL_ATTEMPTS:
             break
         wait = delay if delay is not None else BACKOFF_SECONDS[number - 1] * random.uniform(0.5, 1)

@@ -184,3 +184,26 @@ class RunEvent:
     @classmethod
     def from_record(cls, record: Row) -> RunEvent:
         return cls(**{name: record[name] for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A registered worker, as ``orchestrator workers list`` shows it."""
+
+    worker_id: str
+    host: str
+    pid: int
+    agents: list[str]
+    started_at: datetime
+    alive: bool
+    """Its database session still holds its liveness lock."""
+    runs_held: int
+    last_renewal: datetime | None
+    """The latest renewal or commit among the runs it holds."""
+    leases_until: datetime | None
+
+    @classmethod
+    def from_record(cls, record: Row) -> WorkerInfo:
+        values = {name: record[name] for name in cls.__dataclass_fields__}
+        values["agents"] = list(values["agents"])
+        return cls(**values)

@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.attempts import Attempt
 from orchestrator.budgets import BudgetState
 from orchestrator.effects.model import EffectRecord
 from orchestrator.models import Run, RunEvent, RunState
@@ -88,7 +89,21 @@ def runs_table(runs: Sequence[Run]) -> Table:
     return table
 
 
-def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datetime) -> None:
+def event_line(event: RunEvent) -> str:
+    """One timeline event on one line (``runs watch``)."""
+    fence = "" if event.fence is None else f" fence {event.fence}"
+    worker = f" by {event.worker_id}" if event.worker_id else ""
+    details = _details(event.details)
+    return f"{_time(event.at)} {event.kind}{fence}{worker}" + (f" {details}" if details else "")
+
+
+def print_run(
+    console: Console,
+    run: Run,
+    events: Sequence[RunEvent],
+    now: datetime,
+    attempts: Sequence[Attempt] = (),
+) -> None:
     """State, fence, owner, lease expiry (judged by the database clock), checkpoint, timeline."""
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
@@ -123,6 +138,8 @@ def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datet
         if value:
             facts.add_row(label, value)
     console.print(facts)
+    if attempts:
+        console.print(attempts_table(attempts, now))
     timeline = Table(title="timeline", show_edge=False, header_style="bold", title_justify="left")
     for column in ("at", "event", "fence", "worker", "details"):
         timeline.add_column(column)
@@ -135,6 +152,72 @@ def print_run(console: Console, run: Run, events: Sequence[RunEvent], now: datet
             _details(event.details),
         )
     console.print(timeline)
+
+
+def attempts_table(attempts: Sequence[Attempt], now: datetime) -> Table:
+    """Each attempt: fence, worker, when it was claimed, how long it held the run, how it ended."""
+    table = Table(title="attempts", show_edge=False, header_style="bold", title_justify="left")
+    for column in (
+        "fence",
+        "worker",
+        "claimed",
+        "held",
+        "ended",
+        "checkpoints",
+        "effects",
+        "stale refused",
+    ):
+        table.add_column(column)
+    for attempt in attempts:
+        held = attempt.seconds
+        if held is None:
+            held = (now - attempt.claimed_at).total_seconds()
+        table.add_row(
+            str(attempt.fence),
+            attempt.worker_id or "",
+            _time(attempt.claimed_at),
+            f"{held:.2f}s",
+            attempt.ending,
+            str(attempt.checkpoints),
+            str(attempt.effects_requested),
+            str(attempt.stale_refusals) if attempt.stale_refusals else "",
+        )
+    return table
+
+
+def workers_table(workers: Sequence[Any], now: datetime) -> Table:
+    table = Table(show_edge=False, header_style="bold")
+    for column in ("worker", "alive", "host", "pid", "agents", "runs held", "last renewal"):
+        table.add_column(column)
+    for worker in workers:
+        renewal = worker.last_renewal
+        table.add_row(
+            worker.worker_id,
+            "alive" if worker.alive else "dead",
+            worker.host,
+            str(worker.pid),
+            ", ".join(worker.agents),
+            str(worker.runs_held),
+            "" if renewal is None else _relative(renewal, now),
+        )
+    return table
+
+
+def queue_table(rows: Sequence[dict[str, Any]]) -> Table:
+    table = Table(show_edge=False, header_style="bold")
+    for column in ("agent", "queued", "due", "running", "waiting", "oldest due"):
+        table.add_column(column)
+    for row in rows:
+        oldest = row["oldest_due_seconds"]
+        table.add_row(
+            row["agent"],
+            str(row["queued"]),
+            str(row["due"]),
+            str(row["running"]),
+            str(row["waiting"]),
+            "" if oldest is None else f"{oldest:.1f}s",
+        )
+    return table
 
 
 def _waiting_for(run: Run, now: datetime) -> str:

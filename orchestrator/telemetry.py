@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -133,8 +133,121 @@ class Metrics:
             description="from a previous owner's lease end (or takeover) to the next claim",
         )
         self.runs_finished = meter.create_counter(
-            "orchestrator.runs.finished", description="runs ended, by disposition"
+            "orchestrator.runs.finished", unit="{run}", description="runs ended, by disposition"
         )
+        self.stale_rejections = meter.create_counter(
+            "orchestrator.effects.stale_rejections",
+            unit="{request}",
+            description="effect requests refused at the boundary: a newer fence owns the run",
+        )
+
+
+class EffectMetrics:
+    """The dispatcher's: effects by outcome (confirmed, failed, rejected, uncertain, parked,
+    retry) and vendor call time."""
+
+    def __init__(self, meter: metrics.Meter | None = None) -> None:
+        meter = meter or metrics.get_meter(TRACER_NAME)
+        self.outcomes = meter.create_counter(
+            "orchestrator.effects.outcomes",
+            unit="{effect}",
+            description="vendor calls' outcomes, by kind and outcome",
+        )
+        self.send_seconds = meter.create_histogram(
+            "orchestrator.effects.send.duration", unit="s", description="vendor call time"
+        )
+
+
+class ModelMetrics:
+    """The GenAI semantic conventions' client metrics: operation duration and token usage."""
+
+    def __init__(self, meter: metrics.Meter | None = None) -> None:
+        meter = meter or metrics.get_meter(TRACER_NAME)
+        self.duration = meter.create_histogram(
+            "gen_ai.client.operation.duration", unit="s", description="model call time"
+        )
+        self.tokens = meter.create_histogram(
+            "gen_ai.client.token.usage", unit="{token}", description="tokens per model call"
+        )
+
+    def record(
+        self,
+        model: str,
+        seconds: float,
+        *,
+        error: str | None,
+        input_tokens: int | None,
+        output_tokens: int | None,
+    ) -> None:
+        attributes: dict[str, str] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": model,
+        }
+        if error is not None:
+            attributes["error.type"] = error
+        self.duration.record(seconds, attributes)
+        if input_tokens is not None:
+            self.tokens.record(input_tokens, {**attributes, "gen_ai.token.type": "input"})
+        if output_tokens is not None:
+            self.tokens.record(output_tokens, {**attributes, "gen_ai.token.type": "output"})
+
+
+_MODEL_METRICS: list[ModelMetrics] = []
+
+
+def model_metrics() -> ModelMetrics:
+    """One set per process (the API's meters follow a provider installed later)."""
+    if not _MODEL_METRICS:
+        _MODEL_METRICS.append(ModelMetrics())
+    return _MODEL_METRICS[0]
+
+
+class QueueGauges:
+    """Gauges read from the database by a sampler every ``SAMPLE_SECONDS`` (a scrape cannot wait
+    for a query): runs queued, due, running, waiting and the oldest due age per agent; effects
+    parked for a person or awaiting approval."""
+
+    SAMPLE_SECONDS = 10.0
+
+    def __init__(self, meter: metrics.Meter | None = None) -> None:
+        meter = meter or metrics.get_meter(TRACER_NAME)
+        self.queue: list[dict[str, Any]] = []
+        self.effects: dict[str, int] = {}
+        for state in ("queued", "due", "running", "waiting"):
+            meter.create_observable_gauge(
+                f"orchestrator.runs.{state}",
+                callbacks=[self._per_agent(state)],
+                unit="{run}",
+                description=f"runs {state}, per agent",
+            )
+        meter.create_observable_gauge(
+            "orchestrator.runs.oldest_due_age",
+            callbacks=[self._per_agent("oldest_due_seconds")],
+            unit="s",
+            description="how long the oldest due run has waited to be claimed, per agent",
+        )
+        for status in ("parked", "awaiting_approval"):
+            meter.create_observable_gauge(
+                f"orchestrator.effects.{status}",
+                callbacks=[self._effects(status)],
+                unit="{effect}",
+                description=f"effects {status.replace('_', ' ')}: a person must act",
+            )
+
+    def _per_agent(self, column: str) -> Callable[[Any], Iterable[metrics.Observation]]:
+        def observe(options: Any) -> Iterable[metrics.Observation]:
+            return [
+                metrics.Observation(row[column] or 0, {"agent": row["agent"]}) for row in self.queue
+            ]
+
+        return observe
+
+    def _effects(self, status: str) -> Callable[[Any], Iterable[metrics.Observation]]:
+        def observe(options: Any) -> Iterable[metrics.Observation]:
+            return [metrics.Observation(self.effects.get(status, 0))]
+
+        return observe
 
 
 def _add_trace_ids(
@@ -257,15 +370,17 @@ _INSTALLED: list[Any] = []
 """The SDK providers ``install_sdk_from_env`` installed, the only ones ``shutdown_sdk`` ends."""
 
 
-def install_sdk_from_env() -> None:
+def install_sdk_from_env(*, prometheus: bool = False) -> None:
     """Install SDK tracer/meter providers as the ``OTEL_*`` variables ask, unless one is set.
 
     ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER``: ``none`` (or unset: nothing is
     installed), ``console`` (stderr) or ``otlp`` (OTLP/HTTP protobuf to
     ``OTEL_EXPORTER_OTLP_ENDPOINT``, which needs the ``otel`` extra). The service name comes
     from ``OTEL_SERVICE_NAME`` or ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, else
-    ``orchestrator``. A provider the host already installed is left alone. Raises
-    ``InvalidInput`` for any other value or a missing exporter, before installing anything.
+    ``orchestrator``. A provider the host already installed is left alone. ``prometheus``
+    (``--metrics-listen``) adds the OpenTelemetry Prometheus reader to the meter provider.
+    Raises ``InvalidInput`` for any other value or a missing exporter, before installing
+    anything.
     """
     traces = _exporter_setting("OTEL_TRACES_EXPORTER")
     exported_metrics = _exporter_setting("OTEL_METRICS_EXPORTER")
@@ -276,7 +391,12 @@ def install_sdk_from_env() -> None:
     metric_exporter = None
     if exported_metrics != "none" and not _meter_provider_set():
         metric_exporter = _metric_exporter(exported_metrics)
-    if span_exporter is None and metric_exporter is None:
+    if prometheus and _meter_provider_set():
+        raise InvalidInput(
+            "--metrics-listen needs orchestrator's own meter provider, and this process has "
+            "one installed already: export its metrics the host's way instead"
+        )
+    if span_exporter is None and metric_exporter is None and not prometheus:
         return
 
     from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
@@ -293,12 +413,18 @@ def install_sdk_from_env() -> None:
         tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
         trace.set_tracer_provider(tracer_provider)
         _INSTALLED.append(tracer_provider)
-    if metric_exporter is not None:
+    if metric_exporter is not None or prometheus:
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 
-        reader = PeriodicExportingMetricReader(metric_exporter)
-        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        readers: list[MetricReader] = []
+        if metric_exporter is not None:
+            readers.append(PeriodicExportingMetricReader(metric_exporter))
+        if prometheus:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+            readers.append(PrometheusMetricReader())
+        meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         metrics.set_meter_provider(meter_provider)
         if metrics.get_meter_provider() is meter_provider:
             _INSTALLED.append(meter_provider)

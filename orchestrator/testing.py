@@ -59,6 +59,7 @@ __all__ = [
     "LoopbackHttpServer",
     "LoopbackService",
     "SmtpSink",
+    "capture_metrics",
     "capture_spans",
     "run_agent",
     "running_worker",
@@ -229,3 +230,27 @@ def capture_spans() -> Any:
     trace.set_tracer_provider(provider)
     _SPAN_EXPORTER = exporter
     return exporter
+
+
+_METRIC_READER: Any = None
+
+
+def capture_metrics() -> Any:
+    """An in-memory metric reader on a global SDK meter provider, installed once per process
+    (as ``capture_spans``): ``reader.get_metrics_data()`` holds every instrument's points.
+    ``None`` when the host already installed a meter provider."""
+    global _METRIC_READER
+    if _METRIC_READER is not None:
+        return _METRIC_READER
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    metrics.set_meter_provider(provider)
+    if metrics.get_meter_provider() is not provider:
+        provider.shutdown()
+        return None
+    _METRIC_READER = reader
+    return reader

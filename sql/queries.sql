@@ -347,13 +347,15 @@ VALUES ($1, $2, $3, $4, $5)
 RETURNING event_id
 
 -- list_runs --
--- params: $1 state text (NULL: any), $2 agent text (NULL: any), $3 limit int
--- Runs, newest first, optionally filtered by state and agent. "Newest" is submission order: each
--- run's "submitted" event, written with the run (see migration 0004: there is no index on
--- runs.created_at, which every claim and finish would have had to write).
+-- params: $1 states text[] (NULL: any), $2 agent text (NULL: any), $3 limit int,
+--         $4 submitted_after timestamptz (NULL: any), $5 submitted_before timestamptz (NULL: any)
+-- Runs, newest first, optionally filtered by state, agent and submission time. "Newest" is
+-- submission order: each run's "submitted" event, written with the run (see migration 0004:
+-- there is no index on runs.created_at, which every claim and finish would have had to write).
 SELECT r.* FROM run_events AS e JOIN runs AS r ON r.run_id = e.run_id
 WHERE e.kind = 'submitted'
-  AND ($1::text IS NULL OR r.state = $1) AND ($2::text IS NULL OR r.agent = $2)
+  AND ($1::text[] IS NULL OR r.state = ANY($1::text[])) AND ($2::text IS NULL OR r.agent = $2)
+  AND ($4::timestamptz IS NULL OR e.at >= $4) AND ($5::timestamptz IS NULL OR e.at < $5)
 ORDER BY e.event_id DESC
 LIMIT $3
 
@@ -1030,3 +1032,100 @@ SELECT * FROM run_budgets WHERE run_id = $1
 -- Every reservation, settlement, forfeit, refusal and top-up of run $1's budget, in order.
 SELECT entry, kind, fence, turns, tool_calls, input_tokens, output_tokens, cost, details, at
 FROM budget_ledger WHERE run_id = $1 ORDER BY entry
+
+-- purge_finished --
+-- params: $1 cutoff timestamptz, $2 batch int
+-- Delete up to $2 runs that finished before $1, oldest first, with everything kept for them
+-- (events, transcript, effects, signals, budget and ledger, the boundary's fence). A run that
+-- still has an effect not settled (accepted, dispatching, uncertain, parked, awaiting approval)
+-- is kept: deleting it would lose a side effect in flight. Rows another transaction holds are
+-- skipped (SKIP LOCKED), so a purge never waits on a worker. Returns the runs deleted.
+WITH doomed AS MATERIALIZED (
+    SELECT r.run_id FROM runs AS r
+    WHERE r.state IN ('succeeded', 'failed', 'cancelled', 'dead') AND r.finished_at < $1
+      AND NOT EXISTS (
+          SELECT 1 FROM effects AS e
+          WHERE e.run_id = r.run_id AND e.status NOT IN ('confirmed', 'failed', 'rejected'))
+    ORDER BY r.finished_at
+    LIMIT $2
+    FOR UPDATE OF r SKIP LOCKED
+), events AS (
+    DELETE FROM run_events WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), messages AS (
+    DELETE FROM run_messages WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), effects_gone AS (
+    DELETE FROM effects WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), fences AS (
+    DELETE FROM effect_fences WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), signals AS (
+    DELETE FROM run_signals WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), budgets AS (
+    DELETE FROM run_budgets WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), ledger AS (
+    DELETE FROM budget_ledger WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), gone AS (
+    DELETE FROM runs WHERE run_id IN (SELECT run_id FROM doomed) RETURNING run_id
+)
+SELECT (SELECT count(*) FROM gone) AS runs,
+       (SELECT count(*) FROM events) + (SELECT count(*) FROM messages)
+       + (SELECT count(*) FROM effects_gone) + (SELECT count(*) FROM fences)
+       + (SELECT count(*) FROM signals) + (SELECT count(*) FROM budgets)
+       + (SELECT count(*) FROM ledger) AS other_rows
+
+-- count_purgeable --
+-- params: $1 cutoff timestamptz
+-- How many runs purge_finished would delete before $1 (for a dry run).
+SELECT count(*) FROM runs AS r
+WHERE r.state IN ('succeeded', 'failed', 'cancelled', 'dead') AND r.finished_at < $1
+  AND NOT EXISTS (
+      SELECT 1 FROM effects AS e
+      WHERE e.run_id = r.run_id AND e.status NOT IN ('confirmed', 'failed', 'rejected'))
+
+-- list_workers --
+-- params: $1 lock_namespace int
+-- Registered workers, each alive when its liveness lock (namespace $1) is held by a session,
+-- with the runs it holds and when it last renewed or committed one of them.
+WITH live_locks AS (
+    SELECT objid::bigint AS session_key
+    FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND classid::bigint = $1::bigint
+      AND objsubid = 2
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+)
+SELECT w.worker_id, w.host, w.pid, w.agents, w.started_at,
+       EXISTS (SELECT 1 FROM live_locks AS l WHERE l.session_key = w.session_key) AS alive,
+       count(r.run_id) AS runs_held, max(r.updated_at) AS last_renewal,
+       max(r.lease_until) AS leases_until
+FROM workers AS w
+LEFT JOIN runs AS r ON r.lease_owner = w.worker_id AND r.state = 'running'
+GROUP BY w.worker_id
+ORDER BY w.worker_id
+
+-- queue_stats --
+-- params: (none)
+-- Per agent: runs queued, due now (queued or waiting with available_at passed), running,
+-- waiting, and how long the oldest due run has been due. Reads only the partial indexes of live
+-- runs (runs_due, runs_running), never the finished history.
+WITH pending AS (
+    SELECT agent,
+           count(*) FILTER (WHERE state = 'queued') AS queued,
+           count(*) FILTER (WHERE available_at <= clock_timestamp()) AS due,
+           count(*) FILTER (WHERE state = 'waiting') AS waiting,
+           extract(epoch FROM clock_timestamp() - min(available_at))::float8 AS oldest_due_seconds
+    FROM runs
+    WHERE state IN ('queued', 'waiting')
+    GROUP BY agent
+), running AS (
+    SELECT agent, count(*) AS running FROM runs WHERE state = 'running' GROUP BY agent
+)
+SELECT agent, coalesce(p.queued, 0) AS queued, coalesce(p.due, 0) AS due,
+       coalesce(r.running, 0) AS running, coalesce(p.waiting, 0) AS waiting,
+       CASE WHEN p.due > 0 THEN p.oldest_due_seconds END AS oldest_due_seconds
+FROM pending AS p FULL JOIN running AS r USING (agent)
+ORDER BY agent
+
+-- effects_needing_people --
+-- params: (none)
+-- How many effects are parked for a person or awaiting an approval (partial indexes only).
+SELECT (SELECT count(*) FROM effects WHERE status = 'parked') AS parked,
+       (SELECT count(*) FROM effects WHERE status = 'awaiting_approval') AS awaiting_approval

@@ -371,10 +371,12 @@ ALTER TABLE ONLY orchestrator.workers
 CREATE INDEX effects_awaiting_approval ON orchestrator.effects USING btree (approval_expires_at) WHERE (status = 'awaiting_approval'::text);
 CREATE INDEX effects_dispatching ON orchestrator.effects USING btree (dispatcher_until) WHERE (status = 'dispatching'::text);
 CREATE INDEX effects_due ON orchestrator.effects USING btree (available_at) WHERE (status = ANY (ARRAY['accepted'::text, 'uncertain'::text]));
+CREATE INDEX effects_parked ON orchestrator.effects USING btree (run_id) WHERE (status = 'parked'::text);
 CREATE INDEX run_events_run ON orchestrator.run_events USING btree (run_id, event_id);
 CREATE INDEX run_events_submitted ON orchestrator.run_events USING btree (event_id) WHERE (kind = 'submitted'::text);
 CREATE UNIQUE INDEX run_signals_key ON orchestrator.run_signals USING btree (run_id, idempotency_key) WHERE (idempotency_key IS NOT NULL);
 CREATE INDEX runs_due ON orchestrator.runs USING btree (agent, available_at) WHERE (state = ANY (ARRAY['queued'::text, 'waiting'::text]));
+CREATE INDEX runs_finished ON orchestrator.runs USING btree (finished_at) WHERE (state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]));
 CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);
 CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (state = 'running'::text);
 CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state = 'running'::text);

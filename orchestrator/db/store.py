@@ -39,6 +39,7 @@ from orchestrator.models import (
     RunEvent,
     RunState,
     Submission,
+    WorkerInfo,
 )
 from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA
 from orchestrator.storable import check_json, check_text
@@ -274,12 +275,28 @@ class RunStore:
         return Run.from_record(record)
 
     async def list_runs(
-        self, *, state: RunState | None = None, agent: str | None = None, limit: int = 100
+        self,
+        *,
+        state: RunState | Sequence[RunState] | None = None,
+        agent: str | None = None,
+        limit: int = 100,
+        submitted_after: datetime | None = None,
+        submitted_before: datetime | None = None,
     ) -> list[Run]:
+        """Runs newest first, filtered by state(s), agent and submission time."""
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise InvalidInput(f"limit must be between 1 and {MAX_LIST_LIMIT}")
+        for bound in (submitted_after, submitted_before):
+            if bound is not None and bound.utcoffset() is None:
+                raise InvalidInput("a time filter must be timezone-aware (e.g. 2026-12-24T09:00Z)")
+        states = [state] if isinstance(state, RunState) else state
         records = await self.pool.fetch(
-            query("list_runs"), state.value if state else None, agent, limit
+            query("list_runs"),
+            None if states is None else [s.value for s in states],
+            agent,
+            limit,
+            submitted_after,
+            submitted_before,
         )
         return [Run.from_record(record) for record in records]
 
@@ -670,6 +687,12 @@ class WorkerRegistry:
 
     def __init__(self, schema: str = DEFAULT_SCHEMA) -> None:
         self.namespace = liveness_namespace(schema)
+
+    async def list_workers(self, db: Executor) -> list[WorkerInfo]:
+        """Registered workers, alive or dead, with the runs each holds."""
+        return [
+            WorkerInfo.from_record(r) for r in await db.fetch(query("list_workers"), self.namespace)
+        ]
 
     async def register(
         self,

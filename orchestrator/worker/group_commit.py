@@ -32,6 +32,7 @@ from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import AcceptOutcome
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import CommitResult, Lease
+from orchestrator.telemetry import Metrics
 
 log = structlog.get_logger("orchestrator.group_commit")
 
@@ -106,7 +107,15 @@ class _Pending:
 
 
 class GroupCommitter:
-    def __init__(self, store: RunStore, worker_id: str, *, statement_seconds: float) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        worker_id: str,
+        *,
+        statement_seconds: float,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.metrics = metrics or Metrics()
         self.store = store
         self.worker_id = worker_id
         self.statement_seconds = statement_seconds
@@ -241,6 +250,7 @@ class GroupCommitter:
                     else run_id not in committed and run_id not in finished
                 )
                 if not_owner:
+                    self.metrics.stale_rejections.add(len(request.effects))
                     await self.store.record_event(
                         run_id,
                         "stale_fence_rejected",
@@ -304,6 +314,8 @@ class GroupCommitter:
             if acceptance.outcome is AcceptOutcome.CONFLICT:
                 return EffectRefused(acceptance.explain(request.lease.run_id, effect.key))
             if acceptance.outcome.refused:  # not the running run's owner any more
+                if acceptance.outcome is AcceptOutcome.STALE:
+                    self.metrics.stale_rejections.add(1)
                 return None if isinstance(request, StepCommit) else False
         return _ACCEPTED
 

@@ -286,7 +286,7 @@ class LeaseKeeper:
             )
         except DATABASE_ERRORS as error:
             self.failures += 1
-            self.metrics.renewal_failures.add(1, {WORKER_ID: self.worker_id})
+            self.metrics.renewal_failures.add(1)
             with start_span(
                 "renew_failed", attributes={WORKER_ID: self.worker_id, "leases": len(handles)}
             ):
@@ -323,7 +323,7 @@ class LeaseKeeper:
                 within=max(0.1, min(self.heartbeat_seconds, handle.deadline - sent_at)),
             )
         except DATABASE_ERRORS:
-            self.metrics.renewal_failures.add(1, {WORKER_ID: self.worker_id})
+            self.metrics.renewal_failures.add(1)
             return False
         if lease_until is None:
             handle.lose("renewal refused: the run was reclaimed, cancelled or its lease expired")

@@ -25,9 +25,11 @@ import asyncio
 import os
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -45,6 +47,8 @@ from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffects
+from orchestrator.metrics_endpoint import Probe, sample_gauges
+from orchestrator.retention import PURGE_INTERVAL_SECONDS, purge_round
 from orchestrator.settings import Settings
 from orchestrator.signals import SIGNALS_CHANNEL
 from orchestrator.steps import AgentRegistry
@@ -53,6 +57,7 @@ from orchestrator.telemetry import (
     RUN_ID,
     WORKER_ID,
     Metrics,
+    QueueGauges,
     debug_enabled,
     start_span,
 )
@@ -76,6 +81,10 @@ APPROVAL_EXPIRY_SECONDS = 1.0
 """How often a worker denies expired approvals (an expiry is late by at most this)."""
 
 
+READINESS_SECONDS = 2.0
+"""How long the readiness probe's ``SELECT 1`` may take."""
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
@@ -97,6 +106,12 @@ class WorkerConfig:
     """Vendors this worker's built-in dispatcher sends effects to (none: no dispatching)."""
     dispatch_lease_seconds: float = 60.0
     """The built-in dispatcher's lease on an effect it sends (see ``serve --help``)."""
+    gauges: QueueGauges | None = None
+    """Sampled from the database every ``QueueGauges.SAMPLE_SECONDS`` when set (``serve
+    --metrics-listen``)."""
+    retention: timedelta | None = None
+    """Finished runs older than this are deleted in the background (``orchestrator.retention``);
+    ``None`` keeps them."""
 
     def validate(self) -> None:
         if self.concurrency < 1:
@@ -169,6 +184,9 @@ class Worker:
         self._look_for_expired = True
         self._idle = anyio.Event()
         self.ready = anyio.Event()
+        self._claim_loop_beat: float | None = None
+        """When the claim loop last went round (``readiness``)."""
+        self._claim_failures = 0
         self.effect_waiters = EffectWaiters()
         self.log = log.bind(**{WORKER_ID: self.worker_id})
         self._agent_attributes = {name: {"agent": name} for name in config.agents.names}
@@ -189,6 +207,27 @@ class Worker:
         if leases_may_have_ended:
             self._look_for_expired = True
         self._wake.set()
+
+    async def readiness(self) -> Probe:
+        """Whether this worker can do work now: it reaches the database (a ``SELECT 1`` within
+        ``READINESS_SECONDS``) and its claim loop went round within a few poll intervals."""
+        running = self.running
+        if running is None or not self.ready.is_set():
+            return Probe(False, "starting")
+        if self.stop_requested:
+            return Probe(False, "draining")
+        try:
+            with anyio.fail_after(READINESS_SECONDS):
+                await running.store.pool.fetchval("SELECT 1")
+        except DATABASE_ERRORS as error:
+            return Probe(False, f"database unreachable: {error or type(error).__name__}")
+        if self._claim_failures:
+            return Probe(False, "claims are failing: the database refuses or times out")
+        beat = self._claim_loop_beat
+        stale = max(3 * self.config.poll_seconds, 10.0)
+        if beat is None or time.monotonic() - beat > stale:
+            return Probe(False, f"the claim loop has not gone round for over {stale:g}s")
+        return Probe(True, "ready")
 
     # -- main ---------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -239,7 +278,9 @@ class Worker:
                 heartbeat_seconds=config.heartbeat_seconds,
                 metrics=self.metrics,
             )
-            committer = GroupCommitter(store, worker_id, statement_seconds=statement_seconds)
+            committer = GroupCommitter(
+                store, worker_id, statement_seconds=statement_seconds, metrics=self.metrics
+            )
             services = RunServices(
                 store=store,
                 committer=committer,
@@ -302,6 +343,10 @@ class Worker:
             group.start_soon(self._status, running)
             group.start_soon(self.run_tasks.host)
             group.start_soon(self._expire_approvals, running)
+            if self.config.gauges is not None:
+                group.start_soon(sample_gauges, running.store.pool, self.config.gauges, self.log)
+            if self.config.retention is not None:
+                group.start_soon(self._purge, running, self.config.retention)
             if self.config.dead_session_takeover:
                 group.start_soon(self._reap, running)
             # Claim only once listening (or once listening has failed, bounded by the
@@ -319,6 +364,8 @@ class Worker:
         full_batch = min(self.config.concurrency, self.config.claim_batch)
         expired_looked_at = -EXPIRED_LOOK_SECONDS
         while not self.stop_requested:
+            self._claim_loop_beat = time.monotonic()
+            self._claim_failures = failures
             self._wake = anyio.Event()
             capacity = self.config.concurrency - len(self.active)
             if 0 < capacity < full_batch // 2:
@@ -344,7 +391,7 @@ class Worker:
                     )
                     if failures:
                         self.log.info("database reachable again; claiming resumed")
-                    failures = 0
+                    failures = self._claim_failures = 0
                 except DATABASE_ERRORS as error:
                     self._look_for_expired |= look_for_expired
                     failures += 1
@@ -522,6 +569,20 @@ class Worker:
                     await ApprovalStore(db).expire(limit=100)
             except DATABASE_ERRORS as error:
                 self.log.warning("cannot expire approvals", error=str(error))
+
+    async def _purge(self, running: Running, age: timedelta) -> None:
+        """Delete finished runs past their retention, a bounded round at a time."""
+        while True:
+            await anyio.sleep(PURGE_INTERVAL_SECONDS)
+            try:
+                purged = await purge_round(running.store.pool, age)
+            except DATABASE_ERRORS as error:
+                self.log.warning("cannot purge finished runs", error=str(error))
+                continue
+            if purged is not None and purged.runs:
+                self.log.info(
+                    "purged finished runs", runs=purged.runs, other_rows=purged.other_rows
+                )
 
     async def _listen(
         self, running: Running, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED

@@ -1,0 +1,162 @@
+"""``--metrics-listen HOST:PORT``: Prometheus text on ``/metrics`` (the OpenTelemetry Prometheus
+exporter, reading orchestrator's meter provider) and readiness on ``/ready``, served from a daemon
+thread so that a scrape never waits for the event loop and a busy loop never stalls a scrape.
+
+The HTTP glue is ``wsgiref`` plus ``prometheus_client``'s WSGI app: the readiness route and the
+loop hand-off are all it adds, which no library offers for an asyncio process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socketserver
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import anyio
+import asyncpg
+from prometheus_client import REGISTRY, make_wsgi_app
+
+from orchestrator.db.deadlines import DATABASE_ERRORS
+from orchestrator.db.queries import query
+from orchestrator.errors import InvalidInput
+from orchestrator.telemetry import QueueGauges, install_sdk_from_env, shutdown_sdk
+
+READINESS_TIMEOUT_SECONDS = 5.0
+
+
+class Probe(NamedTuple):
+    ready: bool
+    reason: str
+
+
+def parse_listen(raw: str, option: str = "--metrics-listen") -> tuple[str, int]:
+    host, _, port = raw.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInput(f"{option} takes HOST:PORT, such as 127.0.0.1:9464, not {raw!r}")
+    return host, int(port)
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
+        return
+
+
+class MetricsEndpoint:
+    """Serve ``/metrics`` and ``/ready`` until ``close()``. ``probe`` is a coroutine function run
+    on ``loop`` for each readiness request."""
+
+    def __init__(
+        self,
+        listen: str,
+        probe: Callable[[], Awaitable[Probe]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.host, self.port = parse_listen(listen)
+        self._probe = probe
+        self._loop = loop
+        self._metrics = make_wsgi_app(REGISTRY)
+        try:
+            self._server = make_server(
+                self.host, self.port, self._app, _ThreadingServer, handler_class=_QuietHandler
+            )
+        except OSError as error:
+            raise InvalidInput(
+                f"cannot listen on {listen} for metrics: {error.strerror or error}"
+            ) from None
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="metrics-endpoint", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/ready":
+            probe = self._ready()
+            body = json.dumps({"ready": probe.ready, "reason": probe.reason}).encode()
+            start_response(
+                "200 OK" if probe.ready else "503 Service Unavailable",
+                [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
+        if path == "/metrics":
+            result: Iterable[bytes] = self._metrics(environ, start_response)
+            return result
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"/metrics or /ready\n"]
+
+    def _ready(self) -> Probe:
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._call_probe(), self._loop)
+            return future.result(READINESS_TIMEOUT_SECONDS)
+        except Exception as error:  # a stopped loop, a timeout: not ready, and why
+            return Probe(False, f"no answer from the worker: {error or type(error).__name__}")
+
+    async def _call_probe(self) -> Probe:
+        return await self._probe()
+
+
+async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, log: Any) -> None:
+    """Refresh the queue and effect gauges from the database, now and then every
+    ``QueueGauges.SAMPLE_SECONDS`` (two index-only reads of live rows)."""
+    while True:
+        try:
+            with anyio.fail_after(QueueGauges.SAMPLE_SECONDS):
+                gauges.queue = [dict(row) for row in await pool.fetch(query("queue_stats"))]
+                counts = await pool.fetchrow(query("effects_needing_people"))
+                if counts is not None:
+                    gauges.effects = dict(counts)
+        except DATABASE_ERRORS as error:
+            log.warning("cannot sample the queue gauges", error=str(error) or type(error).__name__)
+        await anyio.sleep(QueueGauges.SAMPLE_SECONDS)
+
+
+def pool_probe(pool: asyncpg.Pool) -> Callable[[], Awaitable[Probe]]:
+    """Readiness of a process whose only dependency is the database (dispatcher, proxy)."""
+
+    async def probe() -> Probe:
+        try:
+            with anyio.fail_after(2.0):
+                await pool.fetchval("SELECT 1")
+        except DATABASE_ERRORS as error:
+            return Probe(False, f"database unreachable: {error or type(error).__name__}")
+        return Probe(True, "ready")
+
+    return probe
+
+
+@contextmanager
+def serving_metrics(
+    listen: str | None, pool: asyncpg.Pool, *, gauges: bool = True
+) -> Iterator[QueueGauges | None]:
+    """With ``listen``: the Prometheus reader installed, the endpoint serving (readiness: the
+    database answers), and, with ``gauges``, the queue gauges to sample; torn down after."""
+    if listen is None:
+        yield None
+        return
+    install_sdk_from_env(prometheus=True)
+    sampled = QueueGauges() if gauges else None
+    endpoint = MetricsEndpoint(listen, pool_probe(pool), asyncio.get_running_loop())
+    try:
+        yield sampled
+    finally:
+        endpoint.close()
+        shutdown_sdk()

@@ -1,0 +1,115 @@
+"""Retention: finished runs older than an age are deleted with everything kept for them, in
+small batches (each a short transaction that skips rows others hold), by workers in the
+background and by ``orchestrator runs purge``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import asyncpg
+
+from orchestrator.db.queries import query
+from orchestrator.db.store import Executor
+from orchestrator.errors import InvalidInput
+
+DEFAULT_RETENTION = "30d"
+"""How long ``serve`` keeps finished runs unless told otherwise (``--retention``)."""
+PURGE_BATCH = 500
+"""Runs per delete statement: a batch's transaction stays short and its locks few."""
+PURGE_INTERVAL_SECONDS = 60.0
+"""How often a worker looks for runs past their retention."""
+PURGE_BATCHES_PER_ROUND = 20
+"""A worker's round deletes at most this many batches, then waits for the next round."""
+RETENTION_LOCK = "orchestrator retention"
+"""One worker at a time purges (a transaction-level advisory lock); the others skip the round."""
+
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+MAX_AGE = timedelta(days=36_500)
+
+
+def parse_age(text: str, what: str = "--older-than") -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``3600s`` or ``2w``."""
+    matched = _AGE.fullmatch(text)
+    if matched is None:
+        raise InvalidInput(f"{what} takes an age such as 30d, 12h, 90m or 3600s, not {text!r}")
+    age = timedelta(seconds=float(matched.group(1)) * _UNIT_SECONDS[matched.group(2)])
+    if not timedelta(0) < age <= MAX_AGE:
+        raise InvalidInput(f"{what} must be above 0 and at most 100 years, not {text!r}")
+    return age
+
+
+def parse_retention(text: str) -> timedelta | None:
+    """``serve --retention``: an age, or ``off`` to keep finished runs forever."""
+    if text.strip().lower() in ("off", "none", "forever"):
+        return None
+    return parse_age(text, "--retention")
+
+
+@dataclass(frozen=True)
+class Purged:
+    runs: int
+    other_rows: int
+    """Events, transcript messages, effects, signals, budget rows deleted with them."""
+
+
+async def purgeable(db: Executor, cutoff: datetime) -> int:
+    """How many runs a purge before ``cutoff`` would delete now."""
+    return int(await db.fetchval(query("count_purgeable"), cutoff))
+
+
+async def purge_batch(db: Executor, cutoff: datetime, batch: int = PURGE_BATCH) -> Purged:
+    """Delete one batch of finished runs older than ``cutoff`` (one short transaction)."""
+    record = await db.fetchrow(query("purge_finished"), cutoff, batch)
+    assert record is not None
+    return Purged(record["runs"], record["other_rows"])
+
+
+async def purge(
+    pool: asyncpg.Pool,
+    cutoff: datetime,
+    *,
+    batch: int = PURGE_BATCH,
+    max_batches: int | None = None,
+    progress: Callable[[Purged], None] = lambda total: None,
+) -> Purged:
+    """Batch after batch until none is left (or ``max_batches``); ``progress`` sees the running
+    total after each."""
+    runs = other = 0
+    done = 0
+    while max_batches is None or done < max_batches:
+        purged = await purge_batch(pool, cutoff, batch)
+        done += 1
+        runs, other = runs + purged.runs, other + purged.other_rows
+        progress(Purged(runs, other))
+        if purged.runs < batch:
+            break
+    return Purged(runs, other)
+
+
+async def purge_round(pool: asyncpg.Pool, age: timedelta) -> Purged | None:
+    """A worker's round: if no other worker holds the retention lock, delete up to
+    ``PURGE_BATCHES_PER_ROUND`` batches older than ``age`` by the database clock. ``None``: another
+    worker is purging."""
+    async with pool.acquire() as connection:
+        taken = await connection.fetchval(
+            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))", RETENTION_LOCK
+        )
+        if not taken:
+            return None
+        try:
+            now = await connection.fetchval("SELECT clock_timestamp()")
+            runs = other = 0
+            for _ in range(PURGE_BATCHES_PER_ROUND):
+                purged = await purge_batch(connection, now - age)
+                runs, other = runs + purged.runs, other + purged.other_rows
+                if purged.runs < PURGE_BATCH:
+                    break
+            return Purged(runs, other)
+        finally:
+            await connection.execute(
+                "SELECT pg_advisory_unlock(hashtextextended($1, 0))", RETENTION_LOCK
+            )

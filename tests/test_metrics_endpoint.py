@@ -1,0 +1,204 @@
+"""`serve --metrics-listen`: Prometheus text scraped over real HTTP on loopback, and a readiness
+endpoint that fails while PostgreSQL is down and recovers after."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import anyio
+import asyncpg
+import pytest
+
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
+from orchestrator.effects.model import Effect
+from orchestrator.effects.store import EffectStore
+from orchestrator.errors import InvalidInput
+from orchestrator.loopback import LocalVendor, SmtpSink
+from orchestrator.metrics_endpoint import parse_listen
+from orchestrator.settings import Settings
+from orchestrator.testing import TEST_SERVER_SETTINGS
+from support import ServeProcess
+from test_effects_processes import start, vendors_config
+from test_serve_faults import wait_all_terminal
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+    except urllib.error.URLError as error:  # not listening yet
+        return 0, str(error.reason)
+
+
+async def until_status(url: str, status: int, within: float) -> str:
+    """Poll ``url`` (bounded) until it answers ``status``; its body."""
+    for _ in range(int(within / 0.25)):
+        code, body = await anyio.to_thread.run_sync(get, url)
+        if code == status:
+            return body
+        await anyio.sleep(0.25)
+    raise AssertionError(f"{url} never answered {status}; last {code}: {body}")
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one metric in Prometheus text."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line.rpartition(" ")
+            found[labels[len(name) :]] = float(value)
+    return found
+
+
+def by_agent(found: dict[str, float]) -> dict[str, float]:
+    return {
+        labels.split('agent="', 1)[1].split('"', 1)[0]: value for labels, value in found.items()
+    }
+
+
+async def test_metrics_are_scraped_and_readiness_follows_the_database() -> None:
+    home = Path(tempfile.mkdtemp(prefix="orchestrator-metrics-"))
+    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    settings = Settings(database_url=server.ensure_running().dsn())
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        connection = await connect(settings)
+        await migrate(connection)
+        await connection.close()
+        pool = await create_pool(settings)
+        try:
+            store = RunStore(pool)
+            done = [(await store.submit("noop", {})).run.run_id for _ in range(5)]
+            for _ in range(3):  # a backlog nobody serves: the queue gauges show it
+                await store.submit("backlog", {})
+        finally:
+            await pool.close()
+        with ServeProcess(
+            settings.database_url,
+            "--agents",
+            "orchestrator.agents.noop",
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+            "--poll-seconds",
+            "0.2",
+            name="metrics-worker",
+        ) as worker:
+            await wait_all_terminal(settings, done, within=30)
+            await until_status(f"{base}/ready", 200, within=30)
+            text = await until_status(f"{base}/metrics", 200, within=10)
+            claims = samples(text, "orchestrator_claims_total")
+            assert sum(claims.values()) == 5 and all('agent="noop"' in k for k in claims)
+            finished = samples(text, "orchestrator_runs_finished_total")
+            assert sum(finished.values()) == 5, text
+            assert samples(text, "orchestrator_step_duration_seconds_count")
+            # The gauges are sampled every 10 s: the first sample may predate the claims.
+            for _ in range(100):
+                queued = by_agent(samples(text, "orchestrator_runs_queued"))
+                if queued == {"backlog": 3.0}:
+                    break
+                await anyio.sleep(0.25)
+                text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
+            assert queued == {"backlog": 3.0}, text
+            oldest = by_agent(samples(text, "orchestrator_runs_oldest_due_age_seconds"))
+            assert oldest["backlog"] > 0
+            assert samples(text, "orchestrator_effects_awaiting_approval") == {
+                '{otel_scope_name="orchestrator",otel_scope_schema_url="",otel_scope_version=""}': 0
+            }
+            assert "metrics-worker" not in text  # no series per worker id (a new one per restart)
+            assert (await anyio.to_thread.run_sync(get, f"{base}/nothing"))[0] == 404
+
+            await anyio.to_thread.run_sync(lambda: server.stop(mode="fast"))
+            down = json.loads(await until_status(f"{base}/ready", 503, within=20))
+            assert down["ready"] is False and "database" in down["reason"]
+            assert (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[0] == 200
+            await anyio.to_thread.run_sync(server.ensure_running)
+            up = json.loads(await until_status(f"{base}/ready", 200, within=30))
+            assert up == {"ready": True, "reason": "ready"}
+            assert worker.process.poll() is None
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_bad_listen_address_is_one_line() -> None:
+    for bad in ("9464", "localhost:", "host:99999", ":80x"):
+        with pytest.raises(InvalidInput, match="--metrics-listen takes HOST:PORT"):
+            parse_listen(bad)
+    assert parse_listen("[::1]:9464") == ("::1", 9464)
+
+
+async def test_the_dispatcher_counts_outcomes_and_people_waiting(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    await store.submit("agent", {})
+    await store.submit("agent", {})
+    first, second = (await store.claim("W", ["agent"], limit=2, lease_seconds=60)).claimed
+    async with pool.acquire() as db, db.transaction():
+        effects = EffectStore(pool)
+        await effects.accept(
+            db, first.run_id, first.fence, Effect("note", "crm", {"n": 1}), worker_id="W"
+        )
+        gated = Effect("refund", "crm", {"amount": 500}, requires_approval=True)
+        await effects.accept(db, second.run_id, second.fence, gated, worker_id="W")
+    port = free_port()
+    async with LocalVendor() as vendor:
+        with SmtpSink() as sink:
+            config = vendors_config(tmp_path, vendor, sink)
+        dispatcher = start(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "effects",
+                "dispatch",
+                "--effects-config",
+                config,
+                "--poll-seconds",
+                "0.1",
+                "--metrics-listen",
+                f"127.0.0.1:{port}",
+                "--log-json",
+            ],
+            {"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""},
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            await until_status(f"{base}/ready", 200, within=30)
+            for _ in range(80):
+                text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
+                outcomes = samples(text, "orchestrator_effects_outcomes_total")
+                if outcomes:
+                    break
+                await anyio.sleep(0.25)
+            assert [(k, v) for k, v in outcomes.items() if 'outcome="confirmed"' in k] == [
+                (next(k for k in outcomes if 'kind="crm"' in k), 1.0)
+            ], outcomes
+            waiting = samples(text, "orchestrator_effects_awaiting_approval")
+            assert list(waiting.values()) == [1.0], text
+            assert samples(text, "orchestrator_effects_send_duration_seconds_count")
+        finally:
+            dispatcher.send_signal(signal.SIGTERM)
+            assert dispatcher.wait(15) == 0
+    assert len(vendor.deliveries) == 1

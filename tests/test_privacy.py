@@ -1,0 +1,86 @@
+"""A canary secret in a run's input, the prompt, a tool call's effect payload, the model API key
+and a vendor token appears nowhere in spans, metrics or logs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from orchestrator.db.store import RunStore
+from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.loopback import (
+    LocalVendor,
+    ScriptedCall,
+    ScriptedModelServer,
+    ScriptedTurn,
+    turns,
+)
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run
+from orchestrator.tool_agent import ToolAgent
+from test_runtime import FAST
+from tool_agents_for_tests import lookup_order, notify
+
+CANARY = "canary-5f0c2e91"
+
+private = ToolAgent(
+    "private",
+    instructions=f"Handle the order. Internal note {CANARY}-instructions.",
+    tools=[lookup_order, notify],
+    max_turns=4,
+)
+
+PRIVATE_TURNS = turns(
+    ScriptedTurn(calls=(ScriptedCall("lookup_order", {"order_id": f"o-{CANARY}"}),)),
+    ScriptedTurn(calls=(ScriptedCall("notify", {"order_id": "o-1", "note": f"{CANARY}-payload"}),)),
+    ScriptedTurn(content=f"Done {CANARY}-answer."),
+)
+
+
+def everything_in(spans: Any, reader: Any) -> str:
+    """Every span (name, attributes, events, links, status) and every metric point as text."""
+    parts = [span.to_json() for span in spans.get_finished_spans()]
+    parts.append(reader.get_metrics_data().to_json())
+    return "\n".join(parts)
+
+
+async def test_the_canary_appears_in_no_span_metric_or_log(
+    settings: Settings,
+    store: RunStore,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spans = capture_spans()
+    reader = capture_metrics()
+    assert spans is not None and reader is not None
+    spans.clear()
+    monkeypatch.setenv("OPENAI_API_KEY", f"sk-{CANARY}-key")
+    monkeypatch.setenv("CRM_TOKEN", f"{CANARY}-vendor-token")
+    async with ScriptedModelServer(PRIVATE_TURNS) as model, LocalVendor() as vendor:
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        adapters = {
+            "crm": HttpAdapter(
+                "crm", url=vendor.send_url, token_env="CRM_TOKEN", reconcile="replay"
+            )
+        }
+        run_id = (
+            await store.submit("private", {"prompt": f"Where is my order? {CANARY}-input"})
+        ).run.run_id
+        async with running_worker(settings, [private], effect_adapters=adapters, **FAST):
+            run = await wait_for_run(store, run_id, within=30)
+    assert run.state is RunState.SUCCEEDED, run.error
+    # The secrets did travel where they had to: the model, the vendor, the database.
+    assert any(CANARY in json.dumps(p) for p in [d["payload"] for d in vendor.deliveries.values()])
+    assert model.requests and len(vendor.deliveries) == 1
+    captured = capsys.readouterr()
+    telemetry = everything_in(spans, reader)
+    assert "chat" in telemetry and "orchestrator.claims" in telemetry  # something was recorded
+    for where, text in (
+        ("spans and metrics", telemetry),
+        ("stdout", captured.out),
+        ("stderr", captured.err),
+    ):
+        assert CANARY not in text, f"the canary leaked into {where}"
