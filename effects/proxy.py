@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import asyncpg
+from opentelemetry import metrics
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -34,6 +35,7 @@ from orchestrator.errors import InvalidInput
 from orchestrator.ids import RUN_ID_PATTERN
 from orchestrator.presentation import jsonable
 from orchestrator.storable import InvalidJson, check_bigint, check_text, parse_document
+from orchestrator.telemetry import TRACER_NAME
 
 from .model import DEFAULT_APPROVAL_SECONDS, Acceptance, AcceptOutcome, Effect, EffectPolicy
 from .store import EffectNotFound, EffectStore
@@ -53,6 +55,11 @@ def create_app(
     if not allowed:
         raise InvalidInput("the action proxy needs at least one bearer token")
     store = EffectStore(pool)
+    requests = metrics.get_meter(TRACER_NAME).create_counter(
+        "orchestrator.proxy.requests",
+        unit="{request}",
+        description="effect requests through the action proxy, by the boundary's answer",
+    )
 
     def authorised(request: Request) -> bool:
         header = request.headers.get("authorization", "")
@@ -86,6 +93,7 @@ def create_app(
         try:
             async with pool.acquire() as db, db.transaction():
                 answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
+            requests.add(1, {"outcome": answer.outcome.value})
             record = None if answer.outcome.refused else await store.get(run_id, effect.key)
         except asyncpg.DataError as error:  # a value validation missed: the client's, not ours
             return _error(422, "invalid_request", f"the database refused a value: {error}")

@@ -30,7 +30,7 @@ def free_port() -> int:
 
 
 def start_proxy(
-    database_url: str, port: int, *, stderr: int = subprocess.DEVNULL
+    database_url: str, port: int, *extra: str, stderr: int | None = subprocess.DEVNULL
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
@@ -44,6 +44,7 @@ def start_proxy(
             "--max-body-bytes",
             "2048",
             "--log-json",
+            *extra,
         ],
         env={
             **os.environ,
@@ -244,3 +245,36 @@ async def test_a_run_that_is_not_running_refuses_effects_and_says_why(
     assert (body["error"], body["current_fence"]) == (error, current)
     assert says in body["detail"] and "another worker owns" not in body["detail"]
     assert await effect_count(pool) == 0
+
+
+async def test_the_proxy_serves_metrics_and_readiness(database_url: str) -> None:
+    port, metrics_port = free_port(), free_port()
+    process = start_proxy(
+        database_url, port, "--metrics-listen", f"127.0.0.1:{metrics_port}", stderr=None
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{metrics_port}") as client:
+            ready = None
+            with anyio.fail_after(20):
+                while ready is None or ready.status_code != 200:
+                    try:
+                        ready = await client.get("/ready")
+                    except httpx.TransportError:
+                        await asyncio.sleep(0.1)
+            assert ready.json() == {"ready": True, "reason": "ready"}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as proxy_client:
+                answer = await proxy_client.post(
+                    "/v1/effects", json=request("r_missing", 1), headers=auth()
+                )
+            assert answer.status_code == 404
+            scraped = await client.get("/metrics")
+            assert scraped.status_code == 200
+            (counted,) = [
+                line
+                for line in scraped.text.splitlines()
+                if line.startswith("orchestrator_proxy_requests_total{")
+            ]
+            assert 'outcome="unknown_run"' in counted and counted.endswith(" 1.0")
+    finally:
+        process.terminate()  # uvicorn ends on SIGTERM by re-raising it: no exit status to check
+        process.wait(10)
