@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
+import anyio
 import click
 from rich.table import Table
 
+from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.faults import FAULT_KINDS
 from orchestrator.cli_support import run_async, stderr, stdout
+from orchestrator.errors import OrchestratorError
 from orchestrator.presentation import dump_json
 
 
@@ -68,8 +72,6 @@ def chaos(
     """Start a cluster on its own embedded PostgreSQL, inject faults from the seeded schedule,
     heal, wait for quiescence and check every promise; exit 1 on any violation or on a fault
     that did not fire. The same --seed replays the same schedule."""
-    from orchestrator.chaos import CampaignConfig, run_campaign
-
     config = CampaignConfig(
         seed=seed,
         duration=duration,
@@ -81,7 +83,7 @@ def chaos(
         settle_seconds=settle_seconds,
         work_dir=work_dir,
     )
-    report = run_async(lambda: run_campaign(config, lambda line: stderr.print(line)))
+    report = run_async(lambda: _until_terminated(config))
     if as_json:
         click.echo(dump_json(report.as_json()))
     else:
@@ -92,6 +94,31 @@ def chaos(
             f"--duration {duration:g}; logs in {report.work_dir}"
         )
         sys.exit(1)
+
+
+async def _until_terminated(config: CampaignConfig) -> Report:
+    """The campaign, ended by SIGTERM or SIGINT as by its own end: every process it started and
+    its PostgreSQL are stopped before the command exits."""
+    report: list[Report] = []
+
+    async def campaign(scope: anyio.CancelScope) -> None:
+        report.append(await run_campaign(config, lambda line: stderr.print(line)))
+        scope.cancel()
+
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as group:
+            group.start_soon(campaign, group.cancel_scope)
+            async for received in signals:
+                stderr.print(f"{signal.Signals(received).name}: stopping the campaign")
+                group.cancel_scope.cancel()
+                break
+    if not report:
+        raise CampaignInterrupted("campaign interrupted: its processes and database are stopped")
+    return report[0]
+
+
+class CampaignInterrupted(OrchestratorError):
+    """SIGTERM or SIGINT ended a campaign before its checker ran."""
 
 
 def _print(report: dict[str, object]) -> None:

@@ -207,7 +207,8 @@ async def run_campaign(config: CampaignConfig, progress: Progress = lambda line:
             config, timetable, progress, work_dir, embedded, server.dsn(), started
         )
     finally:
-        await anyio.to_thread.run_sync(lambda: embedded.stop(mode="immediate"))
+        with anyio.CancelScope(shield=True):  # also when the campaign is interrupted
+            await anyio.to_thread.run_sync(lambda: embedded.stop(mode="immediate"))
     if report.passed and config.work_dir is None:
         shutil.rmtree(work_dir, ignore_errors=True)
     return report
@@ -262,7 +263,7 @@ async def _campaign(
                 cluster.add(role, proxy)
         for member in cluster.members:
             cluster.start(member)
-        stack.callback(cluster.stop_all)
+        stack.push_async_callback(_stop, cluster)
         await _until_registered(pool, config.workers, cluster)
         progress(
             f"cluster up: {config.workers} workers, {config.dispatchers} dispatchers, each "
@@ -292,12 +293,19 @@ async def _campaign(
             progress("healed: every proxy forwards, every process runs; waiting for quiescence")
             await _quiescence(pool, progress, config.settle_seconds)
             people.cancel_scope.cancel()
-        await anyio.to_thread.run_sync(cluster.stop_all)
+        await _stop(cluster)
         progress("cluster stopped; checking")
-        findings = await check(
-            pool, vendor, dispatch_lease_seconds=config.timing.dispatch_lease_seconds
+        # A pool of its own: the campaign's may hold connections the faults broke.
+        checking = await create_pool(
+            settings, dsn=dsn, application_name=CAMPAIGN_APPLICATION, min_size=1, max_size=2
         )
-        recovery = await _recovery(pool, faults.victims)
+        try:
+            findings = await check(
+                checking, vendor, dispatch_lease_seconds=config.timing.dispatch_lease_seconds
+            )
+            recovery = await _recovery(checking, faults.victims)
+        finally:
+            await checking.close()
         return Report(
             seed=config.seed,
             duration=config.duration,
@@ -312,6 +320,13 @@ async def _campaign(
             elapsed=time.monotonic() - started,
             work_dir=work_dir,
         )
+
+
+async def _stop(cluster: Cluster) -> None:
+    """Stop every process, in a thread: their connections pass through this event loop's
+    proxies, so it must keep running while they close them."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(cluster.stop_all)
 
 
 def _vendors(vendor: ChaosVendor) -> dict[str, Any]:

@@ -215,29 +215,37 @@ class Faults:
 
         async def on_accept(key: str) -> bool:
             try:
-                holder = await self.pool.fetchval(
-                    "SELECT dispatcher FROM orchestrator.effects WHERE idempotency_key = $1",
-                    key,
-                    timeout=STATEMENT_SECONDS,
-                )
-                member = self.cluster.by_name(holder) if holder else None
-                if member is None:
-                    record.detail = f"no dispatcher holds {key}"
-                    return False
-                with anyio.move_on_after(10):
-                    await member.lock.acquire()
-                if not member.lock.locked():
-                    record.detail = f"{member.name} was busy with another fault"
-                    return False
-                try:
-                    if member.name == holder:
-                        await self._kill(member, record)
-                        record.detail = f"{key} accepted; {record.detail}"
-                finally:
-                    member.lock.release()
-                return record.fired
+                return await kill_holder(key)
+            except CAMPAIGN_ERRORS as error:  # it runs in the vendor's handler: never raise
+                record.detail = f"error: {error}"
+                return False
             finally:
                 done.set()
+
+        async def kill_holder(key: str) -> bool:
+            holder = await self.pool.fetchval(
+                "SELECT dispatcher FROM orchestrator.effects WHERE idempotency_key = $1",
+                key,
+                timeout=STATEMENT_SECONDS,
+            )
+            member = self.cluster.by_name(holder) if holder else None
+            if member is None:
+                record.detail = f"no dispatcher holds {key}"
+                return False
+            acquired = False
+            with anyio.move_on_after(10):
+                await member.lock.acquire()
+                acquired = True
+            if not acquired:
+                record.detail = f"{member.name} was busy with another fault"
+                return False
+            try:
+                if member.name == holder:
+                    await self._kill(member, record)
+                    record.detail = f"{key} accepted; {record.detail}"
+            finally:
+                member.lock.release()
+            return record.fired
 
         self.vendor.queue("kill_on_accept", on_accept)
         record.target = "vendor"
