@@ -78,6 +78,8 @@ def attempts_of(events: Sequence[RunEvent]) -> list[Attempt]:
             by_fence[event.fence] = attempt
             continue
         owner = by_fence.get(event.fence) if event.fence is not None else None
+        if event.kind == "cancelled" and attempts:
+            owner = attempts[-1]  # a cancel raises the fence: it ends the attempt before it
         if owner is None:
             continue
         attempt = owner

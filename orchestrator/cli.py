@@ -23,10 +23,10 @@ from orchestrator.budgets import BudgetStore
 from orchestrator.cli_chaos import chaos
 from orchestrator.cli_ops import (
     bulk,
+    check_target,
     db_status,
     filter_options,
     queue_stats,
-    refuse_filters,
     runs_purge,
     select_runs,
     watch,
@@ -333,6 +333,7 @@ def runs_cancel(
     since: str | None,
     until: str | None,
     limit: int,
+    every: bool,
     reason: str | None,
     dry_run: bool,
     as_json: bool,
@@ -343,8 +344,8 @@ def runs_cancel(
 
     async def body() -> None:
         async with open_store(settings) as store:
+            check_target(run_id, states, agent, since, until, every, dry_run)
             if run_id is not None:
-                refuse_filters(states, agent, since, until, dry_run)
                 run = await store.cancel(run_id, reason=reason)
                 if as_json:
                     stdout.print_json(dump_json(run))
@@ -385,6 +386,7 @@ def runs_retry(
     since: str | None,
     until: str | None,
     limit: int,
+    every: bool,
     dry_run: bool,
     as_json: bool,
 ) -> None:
@@ -394,8 +396,8 @@ def runs_retry(
 
     async def body() -> None:
         async with open_store(settings) as store:
+            check_target(run_id, states, agent, since, until, every, dry_run)
             if run_id is not None:
-                refuse_filters(states, agent, since, until, dry_run)
                 run = await store.retry(run_id)
                 if as_json:
                     stdout.print_json(dump_json(run))

@@ -15,13 +15,14 @@ import click
 from orchestrator.cli_support import parse_time, run_async, settings_of, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
+from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.migrations import available_migrations, current_version, latest_version
 from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore, WorkerRegistry
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.models import Run, RunState
 from orchestrator.presentation import dump_json, event_line, jsonable, queue_table, workers_table
-from orchestrator.retention import PURGE_BATCH, Purged, parse_age, purge, purgeable
+from orchestrator.retention import AGE_PATTERN, PURGE_BATCH, Purged, parse_age, purge, purgeable
 
 
 @click.command("purge")
@@ -185,6 +186,12 @@ def filter_options(command: F) -> F:
             click.option(
                 "--limit", type=click.IntRange(1, 10_000), default=1000, show_default=True
             ),
+            click.option(
+                "--all",
+                "every",
+                is_flag=True,
+                help="With no RUN_ID and no filter: act on every run the command applies to.",
+            ),
         )
     ):
         command = option(command)
@@ -193,15 +200,30 @@ def filter_options(command: F) -> F:
 
 def parse_when(raw: str, option: str, now: datetime) -> datetime:
     """An ISO 8601 time with a zone, or an age back from the database's ``now`` (``2h``)."""
-    if raw.strip()[:1].isdigit() and raw.strip()[-1:].isalpha():
+    if AGE_PATTERN.fullmatch(raw):
         return now - parse_age(raw, option)
     return parse_time(raw, option)
 
 
-def refuse_filters(
-    states: tuple[str, ...], agent: str | None, since: str | None, until: str | None, dry: bool
+def check_target(
+    run_id: str | None,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    every: bool,
+    dry: bool,
 ) -> None:
-    if states or agent or since or until or dry:
+    """One run, or filters (or ``--all``), never both and never neither: a bulk action with an
+    empty RUN_ID variable must not act on every run."""
+    filtered = bool(states or agent or since or until)
+    if run_id is None:
+        if not (filtered or every):
+            raise InvalidInput(
+                "give a RUN_ID, or filters (--state, --agent, --since, --until), or --all"
+            )
+        return
+    if filtered or every or dry:
         raise InvalidInput(
             "give a RUN_ID or filters (--state, --agent, --since, --until), not both"
         )
@@ -243,15 +265,22 @@ async def bulk(
     targets = await select_runs(store, states, agent, since, until, limit)
     done: list[str] = []
     skipped: list[dict[str, str]] = []
+    failed: str | None = None
     if not dry_run:
         for index, run in enumerate(targets, 1):
             try:
                 await act(run.run_id)
                 done.append(run.run_id)
-            except InvalidTransition as error:
+            except OrchestratorError as error:  # moved on meanwhile: finished, gone
                 skipped.append({"run_id": run.run_id, "reason": str(error)})
+            except DATABASE_ERRORS as error:  # stop, but say what was done
+                failed = (
+                    f"the database failed at run {index:,}: {str(error) or type(error).__name__}"
+                )
+                break
             if index % 100 == 0:
                 stderr.print(f"{verb}: {index:,} of {len(targets):,}")
+    more = len(targets) == limit
     if as_json:
         stdout.print_json(
             dump_json(
@@ -260,6 +289,7 @@ async def bulk(
                     "matched": [run.run_id for run in targets],
                     "done": done,
                     "skipped": skipped,
+                    "more_may_match": more,
                 }
             )
         )
@@ -269,6 +299,10 @@ async def bulk(
         stdout.print(f"{len(targets):,} runs match; nothing changed (--dry-run)")
     else:
         stdout.print(f"{verb}: {len(done):,} done, {len(skipped):,} skipped")
+    if more:
+        stderr.print(f"--limit {limit:,} reached: more runs may match; run it again")
+    if failed is not None:
+        raise InvalidTransition(failed)
 
 
 async def watch(
@@ -276,16 +310,17 @@ async def watch(
 ) -> None:
     """Poll the run's timeline (4 times a second) and print what is new until the run ends."""
     started = time.monotonic()
-    seen = 0
+    seen: set[int] = set()  # by id: a lower id may commit after a higher one
     while True:
         run = await store.get(run_id)
-        events = await store.events(run_id)
-        for event in events[seen:]:
+        for event in await store.events(run_id):
+            if event.event_id in seen:
+                continue
+            seen.add(event.event_id)
             if as_json:
                 click.echo(json.dumps(jsonable(event), separators=(",", ":")))
             else:
                 stdout.print(event_line(event), markup=False)
-        seen = len(events)
         if run.state.terminal:
             if not as_json:
                 stdout.print(f"run {run_id} {run.state.value}", markup=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import asyncpg
 import click
 from rich.console import Console
 from rich.text import Text
@@ -57,6 +58,15 @@ def run_async(function: Callable[[], Awaitable[T]]) -> T:
         if matched is None or rest is not None:
             raise
         print_error(_first_leaf(matched))
+        sys.exit(1)
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as error:
+        # The database went away or refused mid-command (a restart, a statement timeout).
+        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+        stderr.print(
+            f"error: the database failed mid-command ({detail}); check it is up, then run the "
+            "command again",
+            markup=False,
+        )
         sys.exit(1)
     except KeyboardInterrupt:
         stderr.print("interrupted")

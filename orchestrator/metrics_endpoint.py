@@ -65,6 +65,7 @@ class MetricsEndpoint:
         self._probe = probe
         self._loop = loop
         self._metrics = make_wsgi_app(REGISTRY)
+        self._scrape_lock = threading.Lock()
         try:
             self._server = make_server(
                 self.host, self.port, self._app, _ThreadingServer, handler_class=_QuietHandler
@@ -98,7 +99,8 @@ class MetricsEndpoint:
             )
             return [body]
         if path == "/metrics":
-            result: Iterable[bytes] = self._metrics(environ, start_response)
+            with self._scrape_lock:  # the exporter's collector is not safe for two at once
+                result: Iterable[bytes] = list(self._metrics(environ, start_response))
             return result
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"/metrics or /ready\n"]
@@ -108,7 +110,7 @@ class MetricsEndpoint:
             future = asyncio.run_coroutine_threadsafe(self._call_probe(), self._loop)
             return future.result(READINESS_TIMEOUT_SECONDS)
         except Exception as error:  # a stopped loop, a timeout: not ready, and why
-            return Probe(False, f"no answer from the worker: {error or type(error).__name__}")
+            return Probe(False, f"no answer from the worker: {str(error) or type(error).__name__}")
 
     async def _call_probe(self) -> Probe:
         return await self._probe()
@@ -125,6 +127,7 @@ async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, log: Any) -> No
                 if counts is not None:
                     gauges.effects = dict(counts)
         except DATABASE_ERRORS as error:
+            gauges.queue, gauges.effects = [], {}  # no series rather than stale ones
             log.warning("cannot sample the queue gauges", error=str(error) or type(error).__name__)
         await anyio.sleep(QueueGauges.SAMPLE_SECONDS)
 
@@ -137,7 +140,7 @@ def pool_probe(pool: asyncpg.Pool) -> Callable[[], Awaitable[Probe]]:
             with anyio.fail_after(2.0):
                 await pool.fetchval("SELECT 1")
         except DATABASE_ERRORS as error:
-            return Probe(False, f"database unreachable: {error or type(error).__name__}")
+            return Probe(False, f"database unreachable: {str(error) or type(error).__name__}")
         return Probe(True, "ready")
 
     return probe

@@ -15,25 +15,27 @@ from orchestrator.db.queries import query
 from orchestrator.db.store import Executor
 from orchestrator.errors import InvalidInput
 
-DEFAULT_RETENTION = "30d"
-"""How long ``serve`` keeps finished runs unless told otherwise (``--retention``)."""
+DEFAULT_RETENTION = "off"
+"""``serve`` keeps finished runs unless told otherwise (``--retention 30d``): a purged run's
+idempotency key is gone with it, so a late resubmission would start a new run."""
 PURGE_BATCH = 500
 """Runs per delete statement: a batch's transaction stays short and its locks few."""
 PURGE_INTERVAL_SECONDS = 60.0
 """How often a worker looks for runs past their retention."""
 PURGE_BATCHES_PER_ROUND = 20
 """A worker's round deletes at most this many batches, then waits for the next round."""
-RETENTION_LOCK = "orchestrator retention"
-"""One worker at a time purges (a transaction-level advisory lock); the others skip the round."""
+RETENTION_LOCK = "orchestrator retention of schema "
+"""One worker at a time purges (a transaction-level advisory lock per schema, taken by each
+batch); the others skip their round."""
 
-_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+AGE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 MAX_AGE = timedelta(days=36_500)
 
 
 def parse_age(text: str, what: str = "--older-than") -> timedelta:
     """``30d``, ``12h``, ``90m``, ``3600s`` or ``2w``."""
-    matched = _AGE.fullmatch(text)
+    matched = AGE_PATTERN.fullmatch(text)
     if matched is None:
         raise InvalidInput(f"{what} takes an age such as 30d, 12h, 90m or 3600s, not {text!r}")
     age = timedelta(seconds=float(matched.group(1)) * _UNIT_SECONDS[matched.group(2)])
@@ -91,25 +93,21 @@ async def purge(
 
 
 async def purge_round(pool: asyncpg.Pool, age: timedelta) -> Purged | None:
-    """A worker's round: if no other worker holds the retention lock, delete up to
-    ``PURGE_BATCHES_PER_ROUND`` batches older than ``age`` by the database clock. ``None``: another
-    worker is purging."""
-    async with pool.acquire() as connection:
-        taken = await connection.fetchval(
-            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))", RETENTION_LOCK
-        )
-        if not taken:
-            return None
-        try:
-            now = await connection.fetchval("SELECT clock_timestamp()")
-            runs = other = 0
-            for _ in range(PURGE_BATCHES_PER_ROUND):
-                purged = await purge_batch(connection, now - age)
-                runs, other = runs + purged.runs, other + purged.other_rows
-                if purged.runs < PURGE_BATCH:
-                    break
-            return Purged(runs, other)
-        finally:
-            await connection.execute(
-                "SELECT pg_advisory_unlock(hashtextextended($1, 0))", RETENTION_LOCK
+    """A worker's round: up to ``PURGE_BATCHES_PER_ROUND`` batches older than ``age`` by the
+    database clock, each in a transaction holding the schema's retention lock; ``None``:
+    another worker holds it (it is purging)."""
+    runs = other = 0
+    for _ in range(PURGE_BATCHES_PER_ROUND):
+        async with pool.acquire() as connection, connection.transaction():
+            taken = await connection.fetchval(
+                "SELECT pg_try_advisory_xact_lock(hashtextextended($1 || current_schema(), 0))",
+                RETENTION_LOCK,
             )
+            if not taken:
+                return None if runs == 0 else Purged(runs, other)
+            now = await connection.fetchval("SELECT clock_timestamp()")
+            purged = await purge_batch(connection, now - age)
+        runs, other = runs + purged.runs, other + purged.other_rows
+        if purged.runs < PURGE_BATCH:
+            break
+    return Purged(runs, other)

@@ -143,8 +143,8 @@ class Metrics:
 
 
 class EffectMetrics:
-    """The dispatcher's: effects by outcome (confirmed, failed, rejected, uncertain, parked,
-    retry) and vendor call time."""
+    """The dispatcher's: what each dispatch left the record as (confirmed, failed, rejected,
+    uncertain, parked, accepted to retry, lost_claim, unknown) and how long a dispatch took."""
 
     def __init__(self, meter: metrics.Meter | None = None) -> None:
         meter = meter or metrics.get_meter(TRACER_NAME)

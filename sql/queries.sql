@@ -1111,7 +1111,8 @@ WITH pending AS (
            count(*) FILTER (WHERE state = 'queued') AS queued,
            count(*) FILTER (WHERE available_at <= clock_timestamp()) AS due,
            count(*) FILTER (WHERE state = 'waiting') AS waiting,
-           extract(epoch FROM clock_timestamp() - min(available_at))::float8 AS oldest_due_seconds
+           extract(epoch FROM clock_timestamp() - min(available_at) FILTER (
+               WHERE available_at <= clock_timestamp()))::float8 AS oldest_due_seconds
     FROM runs
     WHERE state IN ('queued', 'waiting')
     GROUP BY agent

@@ -49,6 +49,14 @@ async def test_runs_show_tells_each_attempt_and_how_it_ended(
     assert [(a["fence"], a["worker_id"]) for a in attempts] == [(1, "worker-a"), (2, "worker-b")]
     assert attempts[0]["ending"] == "lease expired; claimed again"
     assert attempts[1]["ending"] == "succeeded" and attempts[1]["checkpoints"] == 1
+
+    cancelled = (await store.submit("summarise", {})).run.run_id
+    await store.claim("worker-c", ["summarise"], lease_seconds=30)
+    await store.cancel(cancelled)
+    (attempt,) = json.loads(cli(database_url, "runs", "show", cancelled, "--json").stdout)[
+        "attempts"
+    ]
+    assert (attempt["worker_id"], attempt["ending"]) == ("worker-c", "cancelled")
     assert all(event["details"] is not None for event in document["events"])
 
 
@@ -126,6 +134,13 @@ async def test_filters_and_bulk_cancel_and_retry_with_a_dry_run(
     assert (await store.get(old)).state is RunState.QUEUED
     assert (await store.get(other)).state is RunState.QUEUED
 
+    nothing = cli(database_url, "runs", "cancel")  # an empty $RUN must not cancel everything
+    assert nothing.returncode == 1 and "or --all" in nothing.stderr
+    assert (await store.get(old)).state is RunState.QUEUED
+    at = json.loads(
+        cli(database_url, "runs", "list", "--since", "2000-01-01T00:00:00Z", "--json").stdout
+    )
+    assert len(at) == 5
     both = cli(database_url, "runs", "cancel", old, "--agent", "a")
     assert both.returncode == 1 and "not both" in both.stderr
     finished = cli(database_url, "runs", "cancel", "--state", "succeeded")
@@ -154,7 +169,13 @@ async def test_workers_list_queue_stats_and_db_status(
         table = cli(database_url, "workers", "list")
         assert "ops-worker" in table.stdout and "alive" in table.stdout
 
+    parked = (await store.submit("parked", {})).run.run_id  # waiting with no timeout: infinity
+    await store.pool.execute(
+        "UPDATE runs SET state = 'waiting', available_at = 'infinity' WHERE run_id = $1", parked
+    )
     stats = json.loads(cli(database_url, "queue", "stats", "--json").stdout)
+    (waiting,) = [row for row in stats if row["agent"] == "parked"]
+    assert (waiting["waiting"], waiting["due"], waiting["oldest_due_seconds"]) == (1, 0, None)
     (stuck,) = [row for row in stats if row["agent"] == "stuck"]
     assert (stuck["queued"], stuck["due"], stuck["running"]) == (3, 3, 0)
     assert stuck["oldest_due_seconds"] >= 0

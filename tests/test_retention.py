@@ -14,7 +14,14 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.models import RunState
-from orchestrator.retention import parse_age, parse_retention, purge, purge_round, purgeable
+from orchestrator.retention import (
+    RETENTION_LOCK,
+    parse_age,
+    parse_retention,
+    purge,
+    purge_round,
+    purgeable,
+)
 from test_cli import cli
 
 TABLES = (
@@ -37,7 +44,8 @@ async def make_run(
     finished_days_ago: float | None,
     effect_status: str | None = None,
 ) -> str:
-    """A run in ``state`` with an event, a message, a signal, a budget and an effect."""
+    """A run in ``state`` with an event, a message, a signal, a budget and an effect; even a live
+    one gets an old ``finished_at`` when asked, so that only its state keeps it."""
     run_id = (await store.submit("noop", {"n": 1})).run.run_id
     await pool.execute(
         "INSERT INTO run_messages (run_id, seq, turn, role, body, fence) "
@@ -64,7 +72,6 @@ async def make_run(
         await pool.execute(
             "UPDATE effects SET status = $2 WHERE run_id = $1", run_id, effect_status
         )
-    live = state in ("queued", "waiting", "running")
     await pool.execute(
         "UPDATE runs SET state = $2, lease_owner = CASE WHEN $2 = 'running' THEN 'w' END, "
         "lease_until = CASE WHEN $2 = 'running' THEN clock_timestamp() + interval '1 hour' END, "
@@ -73,7 +80,7 @@ async def make_run(
         "created_at = clock_timestamp() - interval '400 days' WHERE run_id = $1",
         run_id,
         state,
-        None if live else finished_days_ago,
+        finished_days_ago,
     )
     return run_id
 
@@ -122,14 +129,12 @@ async def test_only_old_finished_runs_are_deleted_with_everything_kept_for_them(
 
 async def test_one_worker_purges_at_a_time(pool: asyncpg.Pool, store: RunStore) -> None:
     run_id = await make_run(pool, store, "succeeded", finished_days_ago=2)
-    async with pool.acquire() as holder:
+    async with pool.acquire() as holder, holder.transaction():
         await holder.execute(
-            "SELECT pg_advisory_lock(hashtextextended('orchestrator retention', 0))"
+            "SELECT pg_advisory_xact_lock(hashtextextended($1 || current_schema(), 0))",
+            RETENTION_LOCK,
         )
         assert await purge_round(pool, timedelta(days=1)) is None  # another worker purges
-        await holder.execute(
-            "SELECT pg_advisory_unlock(hashtextextended('orchestrator retention', 0))"
-        )
     purged = await purge_round(pool, timedelta(days=1))
     assert purged is not None and purged.runs == 1
     assert (await rows_of(pool, run_id))["runs"] == 0

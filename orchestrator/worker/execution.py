@@ -807,7 +807,7 @@ class RunExecution:
     async def _record_lost(self) -> Disposition:
         reason = self.handle.lost_reason or "unknown"
         worker_id = self.services.config.worker_id
-        self.services.metrics.lost_leases.add(1, {"reason": reason})
+        self.services.metrics.lost_leases.add(1)
         with start_span("lease_lost", attributes={**self.ids, "reason": reason}):
             self.log.warning("lease lost", reason=reason)
             await self._db(

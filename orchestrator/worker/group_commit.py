@@ -314,8 +314,6 @@ class GroupCommitter:
             if acceptance.outcome is AcceptOutcome.CONFLICT:
                 return EffectRefused(acceptance.explain(request.lease.run_id, effect.key))
             if acceptance.outcome.refused:  # not the running run's owner any more
-                if acceptance.outcome is AcceptOutcome.STALE:
-                    self.metrics.stale_rejections.add(1)
                 return None if isinstance(request, StepCommit) else False
         return _ACCEPTED
 

@@ -220,7 +220,7 @@ class Worker:
             with anyio.fail_after(READINESS_SECONDS):
                 await running.store.pool.fetchval("SELECT 1")
         except DATABASE_ERRORS as error:
-            return Probe(False, f"database unreachable: {error or type(error).__name__}")
+            return Probe(False, f"database unreachable: {str(error) or type(error).__name__}")
         if self._claim_failures:
             return Probe(False, "claims are failing: the database refuses or times out")
         beat = self._claim_loop_beat
