@@ -104,6 +104,8 @@ class Dispatcher:
         self._in_flight = 0
         self._wake = anyio.Event()
         self.outcomes: dict[str, int] = {}
+        self.margin = min(1.0, lease_seconds * 0.1)
+        """Kept from the end of each lease: a send starts at least this long before it ends."""
         self.metrics = EffectMetrics()
         self.log = log.bind(dispatcher=self.dispatcher_id)
 
@@ -120,10 +122,13 @@ class Dispatcher:
                 group.start_soon(self._listen)
                 while True:
                     self._wake = anyio.Event()
+                    # The lease is judged from before the claim was sent: its answer may arrive
+                    # late, and by then part of the lease is gone.
+                    deadline = anyio.current_time() + self.lease_seconds - self.margin
                     claimed = await self._claim()
                     for effect in claimed:
                         self._in_flight += 1
-                        group.start_soon(self._handle, effect)
+                        group.start_soon(self._handle, effect, deadline)
                     if claimed and len(claimed) == self.batch:
                         continue
                     with anyio.move_on_after(self.poll_seconds):
@@ -174,7 +179,7 @@ class Dispatcher:
             except DATABASE_ERRORS:
                 await anyio.sleep(self.poll_seconds)
 
-    async def _handle(self, claimed: ClaimedEffect) -> None:
+    async def _handle(self, claimed: ClaimedEffect, deadline: float) -> None:
         effect = claimed.record
         adapter = self.adapters[effect.kind]
         async with self._limiter:
@@ -190,7 +195,7 @@ class Dispatcher:
             ) as span:
                 began = time.monotonic()
                 try:
-                    status = await self._dispatch(claimed, adapter)
+                    status = await self._dispatch(claimed, adapter, deadline)
                 except DATABASE_ERRORS as error:
                     # The record stays 'dispatching' until its lease runs out; whoever claims it
                     # next reconciles before sending. Nothing is sent blind.
@@ -210,7 +215,13 @@ class Dispatcher:
         self.metrics.outcomes.add(1, {**kind, "outcome": status})
         self.metrics.send_seconds.record(time.monotonic() - began, kind)
 
-    async def _dispatch(self, claimed: ClaimedEffect, adapter: Adapter) -> str:
+    async def _dispatch(self, claimed: ClaimedEffect, adapter: Adapter, deadline: float) -> str:
+        """Reconcile if a send may have landed, re-check the claim, send within the lease.
+
+        ``deadline`` is when this dispatcher's lease may end, on its own monotonic clock: an
+        answer that arrives late (a paused process, replies held by the network) says what was
+        true when the database computed it, so past the deadline nothing is sent.
+        """
         effect = claimed.record
         bound = max(1.0, self.lease_seconds * 0.8)
         if claimed.must_reconcile:
@@ -225,13 +236,15 @@ class Dispatcher:
             holds, run_live = await self.store.may_dispatch(db, effect, self.dispatcher_id)
         if not run_live:
             return await self._record(effect, Failed("the run was cancelled"), cancelled=True)
-        if not holds:
+        remaining = deadline - anyio.current_time()
+        if not holds or remaining <= 0:
             return "lost_claim"
+        limit = min(bound, remaining)
         try:
-            with anyio.fail_after(bound):
+            with anyio.fail_after(limit):
                 sent: SendOutcome = await adapter.send(effect)
         except TimeoutError:
-            sent = Uncertain(f"no answer from {effect.kind} within {bound:.0f}s")
+            sent = Uncertain(f"no answer from {effect.kind} within {limit:.1f}s")
         return await self._record(effect, sent)
 
     async def _record(

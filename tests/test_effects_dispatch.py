@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import anyio
 import asyncpg
@@ -160,6 +161,16 @@ async def test_busy_vendor_is_retried_and_a_rejection_fails(
     assert record.error is not None and "HTTP 422" in record.error["message"]
 
 
+async def slow_dispatch_once(dispatcher: Dispatcher) -> None:
+    """Claim and handle one batch as ``Dispatcher.run`` does, then return."""
+    deadline = anyio.current_time() + dispatcher.lease_seconds - dispatcher.margin
+    claimed = await dispatcher._claim()
+    assert claimed
+    for effect in claimed:
+        dispatcher._in_flight += 1
+        await dispatcher._handle(effect, deadline)
+
+
 async def test_the_run_is_rechecked_right_before_the_vendor_call(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
@@ -170,10 +181,38 @@ async def test_the_run_is_rechecked_right_before_the_vendor_call(
         async with pool.acquire() as db:
             (claimed,) = await effects.claim(db, "d1", ["crm"], limit=1, lease_seconds=30)
         await store.cancel(run_id)  # after the claim, before the send
-        outcome = await dispatcher._dispatch(claimed, dispatcher.adapters["crm"])
+        deadline = anyio.current_time() + 29
+        outcome = await dispatcher._dispatch(claimed, dispatcher.adapters["crm"], deadline)
     assert outcome == "rejected"
     assert vendor.requests == 0
     assert (await effects.get(run_id, CRM.key)).status is EffectStatus.REJECTED
+
+
+async def test_a_late_answer_to_the_recheck_sends_nothing_once_the_lease_may_have_ended(
+    store: RunStore, pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the chaos campaign: a dispatcher whose re-check answer came back 14 s late (its
+    replies held by a partition) sent after its 4 s lease, after the run's cancel had withdrawn
+    the effect. An answer says what was true when the database computed it: past the lease the
+    dispatcher sends nothing, and the next dispatcher decides."""
+    run_id = await requested(store, pool, CRM)
+    effects = EffectStore(pool)
+    checked = effects.may_dispatch
+
+    async def late(*args: Any, **kwargs: Any) -> tuple[bool, bool]:
+        answer = await checked(*args, **kwargs)  # computed now, while the lease holds
+        await anyio.sleep(1.5)  # the answer arrives after the 1 s lease
+        return answer
+
+    async with LocalVendor() as vendor:
+        slow = Dispatcher(pool, http(vendor), dispatcher_id="slow", lease_seconds=1)
+        monkeypatch.setattr(slow.store, "may_dispatch", late)
+        with anyio.fail_after(10):
+            await slow_dispatch_once(slow)
+        assert vendor.requests == 0
+        record = await dispatch_until(pool, http(vendor), run_id, CRM.key, {EffectStatus.CONFIRMED})
+    assert vendor.requests == 1 and len(vendor.deliveries) == 1
+    assert record.attempts == 2
 
 
 async def test_smtp_sends_once_with_a_message_id_from_the_key(

@@ -168,6 +168,7 @@ class Faults:
         timing = self.cluster.timing
         lease = timing.lease_seconds if role == "worker" else timing.dispatch_lease_seconds
         async with member.lock:
+            await self._revive(member)
             record.target = member.name
             if not member.alive:
                 record.detail = "not running"
@@ -187,7 +188,17 @@ class Faults:
     async def _sigstop_dispatcher(self, fault: ScheduledFault, record: FaultRecord) -> None:
         await self._stop("dispatcher", fault, record)
 
+    async def _revive(self, member: Member) -> None:
+        """A process that exited on its own (PostgreSQL was down when it started) is the
+        fault's target still: start it again and give it a moment to connect."""
+        for _ in range(3):
+            if member.alive:
+                return
+            self.cluster.restart(member)
+            await anyio.sleep(1.0)
+
     async def _kill(self, member: Member, record: FaultRecord) -> None:
+        await self._revive(member)
         record.target = member.name
         if not member.alive:
             record.detail = "not running"
@@ -215,12 +226,13 @@ class Faults:
 
         async def on_accept(key: str) -> bool:
             try:
-                return await kill_holder(key)
+                killed = await kill_holder(key)
             except CAMPAIGN_ERRORS as error:  # it runs in the vendor's handler: never raise
                 record.detail = f"error: {error}"
-                return False
-            finally:
+                killed = False
+            if killed or not record.detail.endswith("armed again"):
                 done.set()
+            return killed
 
         async def kill_holder(key: str) -> bool:
             holder = await self.pool.fetchval(
@@ -229,8 +241,9 @@ class Faults:
                 timeout=STATEMENT_SECONDS,
             )
             member = self.cluster.by_name(holder) if holder else None
-            if member is None:
-                record.detail = f"no dispatcher holds {key}"
+            if member is None:  # settled or taken over meanwhile: the next new request counts
+                record.detail = f"no dispatcher held {key}; armed again"
+                self.vendor.queue("kill_on_accept", on_accept)
                 return False
             acquired = False
             with anyio.move_on_after(10):
@@ -249,7 +262,7 @@ class Faults:
 
         self.vendor.queue("kill_on_accept", on_accept)
         record.target = "vendor"
-        with anyio.move_on_after(30):
+        with anyio.move_on_after(90):
             await done.wait()
 
     # -- the network in front of PostgreSQL -----------------------------------------------
@@ -259,9 +272,8 @@ class Faults:
         members = self.cluster.members
         member = members[fault.target % len(members)]
         async with member.lock:
+            await self._revive(member)
             record.target = member.name
-            if not member.alive:  # it exited on its own: its slot is the fault's target
-                self.cluster.restart(member)
             proxy = member.proxy
             before = proxy.held + proxy.dropped + proxy.delayed
             if member.role == "worker" and mode != "latency":
