@@ -16,7 +16,7 @@ from chaos_mutants import BOUNDARY_WITHOUT_FENCE_CHECK
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.faults import FAULT_KINDS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # whole campaigns, minutes each
 
 TESTS_DIR = Path(__file__).parent
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import orchestrator
 
@@ -72,3 +73,20 @@ def test_the_version_is_the_distribution_s() -> None:
     from importlib.metadata import version
 
     assert orchestrator.__version__ == version("fenced-orchestrator")
+
+
+def test_the_wheel_lists_every_package() -> None:
+    """setuptools is given the packages one by one: a new subpackage missing from the list
+    installs fine in editable mode and is absent from the wheel."""
+    import tomllib
+
+    root = Path(__file__).parent.parent
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(path.parent.relative_to(root).parts)
+        for path in (root / "orchestrator").rglob("__init__.py")
+        if "__pycache__" not in path.parts
+    }
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
