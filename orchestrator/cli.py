@@ -10,12 +10,14 @@ import asyncio
 import os
 import signal
 import sys
+from contextlib import AsyncExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
 import click
+import structlog
 
 from orchestrator import __version__
 from orchestrator.attempts import attempts_of
@@ -45,6 +47,7 @@ from orchestrator.cli_waits import approvals, runs_budget, runs_signal
 from orchestrator.client import MAX_DELAY_SECONDS
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
+from orchestrator.db.deadlines import enter_when_reachable
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import latest_version, migrate
 from orchestrator.db.store import WorkerRegistry
@@ -527,6 +530,13 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
 )
 @click.option(
+    "--start-retry-seconds",
+    type=click.FloatRange(0, 3600),
+    default=30.0,
+    show_default=True,
+    help="How long to keep trying to reach PostgreSQL at start (0: fail at once).",
+)
+@click.option(
     "--retention",
     default=DEFAULT_RETENTION,
     show_default=True,
@@ -551,6 +561,7 @@ def serve(
     dispatch: bool,
     dispatch_lease_seconds: float,
     metrics_listen: str | None,
+    start_retry_seconds: float,
     retention: str,
     log_json: bool | None,
 ) -> None:
@@ -592,6 +603,7 @@ def serve(
             effect_adapters=adapters,
             dispatch_lease_seconds=dispatch_lease_seconds,
             retention=parse_retention(retention),
+            start_retry_seconds=start_retry_seconds,
             gauges=QueueGauges() if metrics_listen else None,
         )
         try:
@@ -794,6 +806,13 @@ def effects_serve(
     "--metrics-listen",
     help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
 )
+@click.option(
+    "--start-retry-seconds",
+    type=click.FloatRange(0, 3600),
+    default=30.0,
+    show_default=True,
+    help="How long to keep trying to reach PostgreSQL at start (0: fail at once).",
+)
 @click.option("--log-json/--log-console", default=None)
 @click.pass_context
 def effects_dispatch(
@@ -805,6 +824,7 @@ def effects_dispatch(
     batch: int,
     dispatcher_id: str | None,
     metrics_listen: str | None,
+    start_retry_seconds: float,
     log_json: bool | None,
 ) -> None:
     """Run only the effect dispatcher (outbox relay) until SIGTERM/SIGINT."""
@@ -818,9 +838,15 @@ def effects_dispatch(
         adapters = load_adapters(effects_config)
         if not adapters:
             raise InvalidInput(f"{effects_config} configures no effect kinds")
-        async with open_store(
-            settings, application_name="orchestrator-dispatch", max_size=concurrency + 3
-        ) as store:
+        async with AsyncExitStack() as stack:
+            store = await enter_when_reachable(
+                stack,
+                lambda: open_store(
+                    settings, application_name="orchestrator-dispatch", max_size=concurrency + 3
+                ),
+                within=start_retry_seconds,
+                log=structlog.get_logger("orchestrator.dispatch"),
+            )
             dispatcher = Dispatcher(
                 store.pool,
                 adapters,

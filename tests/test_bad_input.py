@@ -168,6 +168,8 @@ def test_serve_with_an_unreachable_database_exits_1_on_one_line() -> None:
         "--agents",
         "orchestrator.agents.noop",
         "--log-json",
+        "--start-retry-seconds",
+        "0",
         env={"ORCHESTRATOR_CONNECT_TIMEOUT_SECONDS": "2"},
     )
     one_line_refusal(result, "cannot reach PostgreSQL at postgresql://app:***@127.0.0.1:1/")

@@ -490,3 +490,29 @@ async def restart_then_kill_a(
             assert "owner_session_gone" in [e.kind for e in claims]
     finally:
         await pool.close()
+
+
+async def test_a_worker_started_while_postgres_is_down_comes_up_with_it() -> None:
+    """A pod that starts during a database restart or failover: `serve` keeps trying (each try
+    logged) for --start-retry-seconds, then serves; `effects dispatch` does the same."""
+    home = Path(tempfile.mkdtemp(prefix="orchestrator-late-db-"))
+    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    settings = Settings(database_url=server.ensure_running().dsn())
+    try:
+        connection = await connect(settings)
+        await migrate(connection)
+        await connection.close()
+        run_ids = await submit_sleepy(settings, count=3, seconds=0.1)
+        await anyio.to_thread.run_sync(lambda: server.stop(mode="fast"))
+        dsn = str(settings.database_url)
+        with ServeProcess(
+            dsn, *FAST, "--agents", "orchestrator.agents.sleepy", "--start-retry-seconds", "60"
+        ) as worker:
+            await worker.wait_for_log("database unavailable at start; retrying", within=30)
+            await anyio.to_thread.run_sync(server.ensure_running)
+            runs = await wait_all_terminal(settings, run_ids, within=60)
+            assert worker.process.poll() is None
+        assert {run.state for run in runs} == {RunState.SUCCEEDED}
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)

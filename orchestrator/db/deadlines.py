@@ -8,8 +8,8 @@ black-holed network waits for an answer that will not come.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, TypeVar
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import asyncpg
@@ -104,3 +104,32 @@ async def pooled(
             await pool.release(connection)
         if scope.cancelled_caught:
             connection.terminate()
+
+
+async def enter_when_reachable(
+    stack: AsyncExitStack,
+    opening: Callable[[], AbstractAsyncContextManager[T]],
+    *,
+    within: float,
+    log: Any,
+) -> T:
+    """Enter ``opening()`` on ``stack``, trying again while PostgreSQL is unreachable, for up to
+    ``within`` seconds (0: once), so that a process started during a database restart or
+    failover comes up when the database does. Each retry is logged with the reason."""
+    began = anyio.current_time()
+    delay = 0.25
+    while True:
+        try:
+            return await stack.enter_async_context(opening())
+        except DATABASE_ERRORS as error:
+            waited = anyio.current_time() - began
+            if waited + delay > within:
+                raise
+            log.warning(
+                "database unavailable at start; retrying",
+                error=str(error) or type(error).__name__,
+                retry_in=delay,
+                gives_up_in=round(within - waited, 1),
+            )
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -40,7 +40,12 @@ from anyio.abc import TaskStatus
 from orchestrator.budgets import Prices
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import GENERIC_PLANS, connect, create_pool, redact_dsn, resolve_dsn
-from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection, pooled
+from orchestrator.db.deadlines import (
+    DATABASE_ERRORS,
+    DedicatedConnection,
+    enter_when_reachable,
+    pooled,
+)
 from orchestrator.db.store import RunStore, WorkerRegistry
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.approvals import ApprovalStore
@@ -106,6 +111,8 @@ class WorkerConfig:
     """Vendors this worker's built-in dispatcher sends effects to (none: no dispatching)."""
     dispatch_lease_seconds: float = 60.0
     """The built-in dispatcher's lease on an effect it sends (see ``serve --help``)."""
+    start_retry_seconds: float = 0.0
+    """How long ``run`` keeps trying to reach PostgreSQL at start (``serve`` sets 30 s)."""
     gauges: QueueGauges | None = None
     """Sampled from the database every ``QueueGauges.SAMPLE_SECONDS`` when set (``serve
     --metrics-listen``)."""
@@ -231,7 +238,10 @@ class Worker:
 
     # -- main ---------------------------------------------------------------------------------
     async def run(self) -> None:
-        async with self._started() as running:
+        async with AsyncExitStack() as stack:
+            running = await enter_when_reachable(
+                stack, self._started, within=self.config.start_retry_seconds, log=self.log
+            )
             self.running = running
             try:
                 await self._serve(running)
