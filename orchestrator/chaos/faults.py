@@ -262,7 +262,7 @@ class Faults:
 
         self.vendor.queue("kill_on_accept", on_accept)
         record.target = "vendor"
-        with anyio.move_on_after(90):
+        with anyio.move_on_after(180):  # behind other vendor faults, while dispatchers recover
             await done.wait()
 
     # -- the network in front of PostgreSQL -----------------------------------------------
