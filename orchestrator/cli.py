@@ -466,6 +466,19 @@ main.add_command(approvals)
 main.add_command(chaos)
 
 
+metrics_listen_option = click.option(
+    "--metrics-listen",
+    help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
+)
+start_retry_option = click.option(
+    "--start-retry-seconds",
+    type=click.FloatRange(0, 3600),
+    default=30.0,
+    show_default=True,
+    help="How long to keep trying to reach PostgreSQL at start (0: fail at once).",
+)
+
+
 # -- serve ------------------------------------------------------------------------------------
 def _split_modules(values: tuple[str, ...]) -> list[str]:
     return [part for value in values for part in value.replace(",", " ").split() if part]
@@ -525,17 +538,8 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     "flight when its worker dies is reconciled sooner. It must outlast the slowest vendor "
     "call: a call still unanswered at 80%% of it is given up as uncertain.",
 )
-@click.option(
-    "--metrics-listen",
-    help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
-)
-@click.option(
-    "--start-retry-seconds",
-    type=click.FloatRange(0, 3600),
-    default=30.0,
-    show_default=True,
-    help="How long to keep trying to reach PostgreSQL at start (0: fail at once).",
-)
+@metrics_listen_option
+@start_retry_option
 @click.option(
     "--retention",
     default=DEFAULT_RETENTION,
@@ -731,10 +735,7 @@ def effects_resolve(
     help="Comma-separated bearer tokens callers must present (ORCHESTRATOR_PROXY_TOKENS).",
 )
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
-@click.option(
-    "--metrics-listen",
-    help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
-)
+@metrics_listen_option
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
 def effects_serve(
@@ -802,17 +803,8 @@ def effects_serve(
     help="Effects claimed per statement.",
 )
 @click.option("--dispatcher-id", help="Default: dispatch:host:pid:random.")
-@click.option(
-    "--metrics-listen",
-    help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
-)
-@click.option(
-    "--start-retry-seconds",
-    type=click.FloatRange(0, 3600),
-    default=30.0,
-    show_default=True,
-    help="How long to keep trying to reach PostgreSQL at start (0: fail at once).",
-)
+@metrics_listen_option
+@start_retry_option
 @click.option("--log-json/--log-console", default=None)
 @click.pass_context
 def effects_dispatch(
