@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import urllib.error
@@ -30,15 +29,10 @@ from orchestrator.settings import Settings
 from orchestrator.testing import TEST_SERVER_SETTINGS
 from support import ServeProcess
 from test_effects_processes import start, vendors_config
+from test_effects_proxy import free_port
 from test_serve_faults import wait_all_terminal
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def get(url: str) -> tuple[int, str]:
