@@ -22,11 +22,24 @@ from typing import Any
 import anyio
 import asyncpg
 import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from orchestrator.backoff import Backoff
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.errors import InvalidInput
-from orchestrator.telemetry import RUN_FENCE, RUN_ID, EffectMetrics, start_span
+from orchestrator.telemetry import (
+    EFFECT_DISPOSITION,
+    EFFECT_KEY,
+    EXTERNAL_ID,
+    IDEMPOTENCY_KEY,
+    RUN_FENCE,
+    RUN_ID,
+    EffectMetrics,
+    parent_from,
+    start_span,
+    tracing_enabled,
+)
 
 from .adapters import (
     Adapter,
@@ -188,10 +201,12 @@ class Dispatcher:
                 attributes={
                     RUN_ID: effect.run_id,
                     RUN_FENCE: effect.fence,
-                    "effect.key": effect.effect_key,
-                    "effect.attempt": effect.attempts,
-                    "dispatcher.id": self.dispatcher_id,
+                    EFFECT_KEY: effect.effect_key,
+                    IDEMPOTENCY_KEY: effect.idempotency_key,
+                    "orchestrator.effect.attempt": effect.attempts,
+                    "orchestrator.dispatcher.id": self.dispatcher_id,
                 },
+                context=await self._requesting_attempt(effect),
             ) as span:
                 began = time.monotonic()
                 try:
@@ -209,11 +224,22 @@ class Dispatcher:
                 finally:
                     self._in_flight -= 1
                     self.wake()  # a slot is free: claim more without waiting for a poll
-                span.set_attribute("effect.outcome", status)
+                span.set_attribute(EFFECT_DISPOSITION, status)
         self.outcomes[status] = self.outcomes.get(status, 0) + 1
         kind = {"kind": effect.kind}
         self.metrics.outcomes.add(1, {**kind, "outcome": status})
         self.metrics.send_seconds.record(time.monotonic() - began, kind)
+
+    async def _requesting_attempt(self, effect: EffectRecord) -> Context | None:
+        """With tracing on, the trace context of the attempt that requested ``effect``, so this
+        dispatch joins that attempt's trace; ``None`` (a trace of its own) if it is not known."""
+        if not tracing_enabled():
+            return None
+        try:
+            async with pooled(self.pool, within=self.statement_seconds) as db:
+                return parent_from(await self.store.requesting_trace(db, effect))
+        except DATABASE_ERRORS:
+            return None  # the dispatch itself will meet the outage and say so
 
     async def _dispatch(self, claimed: ClaimedEffect, adapter: Adapter, deadline: float) -> str:
         """Reconcile if a send may have landed, re-check the claim, send within the lease.
@@ -225,11 +251,13 @@ class Dispatcher:
         effect = claimed.record
         bound = max(1.0, self.lease_seconds * 0.8)
         if claimed.must_reconcile:
-            try:
-                with anyio.fail_after(bound):
-                    found: ReconcileOutcome = await adapter.reconcile(effect)
-            except TimeoutError:
-                found = Uncertain("reconciliation timed out")
+            with start_span(f"reconcile {effect.kind}", attributes=_effect_ids(effect)) as span:
+                try:
+                    with anyio.fail_after(bound):
+                        found: ReconcileOutcome = await adapter.reconcile(effect)
+                except TimeoutError:
+                    found = Uncertain("reconciliation timed out")
+                span.set_attribute("orchestrator.effect.found", type(found).__name__)
             if not isinstance(found, NotSent):
                 return await self._record(effect, found)
         async with pooled(self.pool, within=self.statement_seconds) as db:
@@ -240,11 +268,13 @@ class Dispatcher:
         if not holds or remaining <= 0:
             return "lost_claim"
         limit = min(bound, remaining)
-        try:
-            with anyio.fail_after(limit):
-                sent: SendOutcome = await adapter.send(effect)
-        except TimeoutError:
-            sent = Uncertain(f"no answer from {effect.kind} within {limit:.1f}s")
+        with start_span(f"send {effect.kind}", attributes=_effect_ids(effect)) as span:
+            try:
+                with anyio.fail_after(limit):
+                    sent: SendOutcome = await adapter.send(effect)
+            except TimeoutError:
+                sent = Uncertain(f"no answer from {effect.kind} within {limit:.1f}s")
+            span.set_attribute("orchestrator.effect.answer", type(sent).__name__)
         return await self._record(effect, sent)
 
     async def _record(
@@ -255,6 +285,8 @@ class Dispatcher:
         if isinstance(outcome, Confirmed):
             status = EffectStatus.CONFIRMED
             options = {"external_id": outcome.external_id, "result": outcome.result}
+            if outcome.external_id is not None:
+                trace.get_current_span().set_attribute(EXTERNAL_ID, outcome.external_id)
         elif isinstance(outcome, Failed):
             status = EffectStatus.REJECTED if cancelled else EffectStatus.FAILED
             options = {"error": {"message": outcome.error}}
@@ -283,3 +315,12 @@ class Dispatcher:
             attempt=effect.attempts,
         )
         return status.value
+
+
+def _effect_ids(effect: EffectRecord) -> dict[str, str | int]:
+    return {
+        RUN_ID: effect.run_id,
+        RUN_FENCE: effect.fence,
+        EFFECT_KEY: effect.effect_key,
+        IDEMPOTENCY_KEY: effect.idempotency_key,
+    }

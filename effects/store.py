@@ -128,6 +128,12 @@ class EffectStore:
             return False, False
         return bool(record["dispatcher_ok"]), bool(record["run_ok"])
 
+    async def requesting_trace(self, db: Executor, effect: EffectRecord) -> str | None:
+        """The ``traceparent`` of the attempt that requested ``effect`` (its run and fence), if
+        that attempt was traced."""
+        value = await db.fetchval(query("attempt_trace"), effect.run_id, effect.fence)
+        return None if value is None else str(value)
+
     async def settle(
         self,
         db: Executor,

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from orchestrator.models import JSON, RunEvent
+from orchestrator.models import JSON, RunEvent, TraceRow
+from orchestrator.telemetry import trace_id_of
 
 ENDINGS = {
     "lease_lost": "lost its lease",
@@ -37,6 +38,8 @@ class Attempt:
     stale_refusals: int = 0
     """Effect requests this attempt's fence made after a newer one existed, refused."""
     events: list[int] = field(default_factory=list)
+    trace_id: str | None = None
+    """The trace of this attempt's spans (when the worker was tracing), to open in a tracing UI."""
 
     @property
     def seconds(self) -> float | None:
@@ -56,12 +59,14 @@ class Attempt:
             "checkpoints": self.checkpoints,
             "effects_requested": self.effects_requested,
             "stale_refusals": self.stale_refusals,
+            "trace_id": self.trace_id,
         }
 
 
-def attempts_of(events: Sequence[RunEvent]) -> list[Attempt]:
+def attempts_of(events: Sequence[RunEvent], traces: Sequence[TraceRow] = ()) -> list[Attempt]:
     """One attempt per claim, in order; an attempt still open when the next claim comes lost
-    its lease to expiry."""
+    its lease to expiry. ``traces`` (the run's stored trace contexts) give each its trace id."""
+    trace_ids = {row.fence: trace_id_of(row.traceparent) for row in traces}
     attempts: list[Attempt] = []
     by_fence: dict[int, Attempt] = {}
     for event in events:
@@ -72,7 +77,11 @@ def attempts_of(events: Sequence[RunEvent]) -> list[Attempt]:
                 attempts[-1].ending = "lease expired; claimed again"
             lease = details.get("lease_until")
             attempt = Attempt(
-                event.fence, event.worker_id, event.at, str(lease) if lease is not None else None
+                event.fence,
+                event.worker_id,
+                event.at,
+                str(lease) if lease is not None else None,
+                trace_id=trace_ids.get(event.fence),
             )
             attempts.append(attempt)
             by_fence[event.fence] = attempt

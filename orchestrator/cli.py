@@ -286,6 +286,7 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
         async with open_store(settings) as store:
             run = await store.get(run_id)
             events = await store.events(run_id)
+            attempts = attempts_of(events, await store.traces(run_id))
             messages = await store.messages(run_id)
             effects = await EffectStore(store.pool).list_effects(run_id=run_id, limit=10_000)
             signals = await SignalStore(store.pool).history(run_id)
@@ -297,7 +298,7 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
                     {
                         "run": run,
                         "events": events,
-                        "attempts": [attempt.as_json() for attempt in attempts_of(events)],
+                        "attempts": [attempt.as_json() for attempt in attempts],
                         "messages": messages,
                         "effects": effects,
                         "signals": [
@@ -310,7 +311,7 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
                 )
             )
         else:
-            print_run(stdout, run, events, now, attempts_of(events))
+            print_run(stdout, run, events, now, attempts)
             if budget is not None:
                 stdout.print(budget_table(budget))
             if signals:

@@ -72,6 +72,20 @@ class Run:
 
 
 @dataclass(frozen=True)
+class TraceRow:
+    """A stored trace context: the submitter's (fence 0) or one attempt's root span."""
+
+    run_id: str
+    fence: int
+    traceparent: str
+    worker_id: str | None
+
+    @classmethod
+    def from_record(cls, record: Row) -> TraceRow:
+        return cls(record["run_id"], record["fence"], record["traceparent"], record["worker_id"])
+
+
+@dataclass(frozen=True)
 class Lease:
     """Proof of ownership a worker carries: run id, owner and the fence it was granted.
 

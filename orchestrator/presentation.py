@@ -166,6 +166,7 @@ def attempts_table(attempts: Sequence[Attempt], now: datetime) -> Table:
         "checkpoints",
         "effects",
         "stale refused",
+        "trace",
     ):
         table.add_column(column)
     for attempt in attempts:
@@ -181,6 +182,7 @@ def attempts_table(attempts: Sequence[Attempt], now: datetime) -> Table:
             str(attempt.checkpoints),
             str(attempt.effects_requested),
             str(attempt.stale_refusals) if attempt.stale_refusals else "",
+            attempt.trace_id or "",
         )
     return table
 

@@ -16,18 +16,28 @@ from typing import Any
 
 import structlog
 from opentelemetry import metrics, trace
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from orchestrator.errors import InvalidInput
 
 TRACER_NAME = "orchestrator"
 
-# Attribute names carried by every span and log line about a run.
-RUN_ID = "run.id"
-RUN_FENCE = "run.fence"
-WORKER_ID = "worker.id"
-LEASE_UNTIL = "lease.until"
-CHECKPOINT_VERSION = "checkpoint.version"
-DISPOSITION = "run.disposition"
+# Attribute names carried by every span and log line about a run, in orchestrator's namespace
+# (as OpenTelemetry asks of attributes outside its semantic conventions).
+RUN_ID = "orchestrator.run.id"
+RUN_FENCE = "orchestrator.run.fence"
+WORKER_ID = "orchestrator.worker.id"
+LEASE_UNTIL = "orchestrator.lease.until"
+CHECKPOINT_VERSION = "orchestrator.checkpoint.version"
+DISPOSITION = "orchestrator.run.disposition"
+ATTEMPT = "orchestrator.attempt"
+EFFECT_KEY = "orchestrator.effect.key"
+IDEMPOTENCY_KEY = "orchestrator.effect.idempotency_key"
+EXTERNAL_ID = "orchestrator.effect.external_id"
+EFFECT_DISPOSITION = "orchestrator.effect.disposition"
+LINK_KIND = "orchestrator.link"
+"""On a span link: ``submitted`` (the submitter's span) or ``earlier_attempt``."""
 
 
 def tracer() -> trace.Tracer:
@@ -47,19 +57,21 @@ def start_span(
     name: str,
     *,
     attributes: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+    context: Context | None = None,
 ) -> AbstractContextManager[trace.Span]:
     """``tracer().start_as_current_span``, or nothing at all while no provider is installed.
 
     With only the API present every span is a no-op, yet creating and entering one per run and
     per step is a visible share of a saturated worker's time; returning nothing is free. Checked on
     every call, so a provider installed later (``serve``, ``capture_spans``) takes effect.
-    ``attributes`` may be a function, called only when there is a span to carry them.
+    ``attributes`` may be a function, called only when there is a span to carry them;
+    ``context`` parents the span elsewhere than the current span (see ``parent_from``).
     """
     if not tracing_enabled():
         return NO_SPAN
     if callable(attributes):
         attributes = attributes()  # built only when there is a span to carry them
-    return tracer().start_as_current_span(name, attributes=attributes)
+    return tracer().start_as_current_span(name, context=context, attributes=attributes)
 
 
 NO_SPAN: AbstractContextManager[trace.Span] = nullcontext(trace.INVALID_SPAN)
@@ -67,14 +79,25 @@ NO_SPAN: AbstractContextManager[trace.Span] = nullcontext(trace.INVALID_SPAN)
 
 
 def open_span(
-    name: str, *, attributes: Callable[[], Mapping[str, Any]] | None = None
+    name: str,
+    *,
+    attributes: Callable[[], Mapping[str, Any]] | None = None,
+    root: bool = False,
+    start_time: int | None = None,
 ) -> trace.Span:
     """A span its owner ends itself (``span.end()``), possibly long after the code that opened
     it has returned; ``trace.INVALID_SPAN`` (every call a no-op) while no provider is installed.
-    Enter ``as_current(span)`` around the work it covers so that child spans nest under it."""
+    Enter ``as_current(span)`` around the work it covers so that child spans nest under it.
+    ``root`` starts a new trace whatever span is current; ``start_time`` is in ns since the epoch.
+    """
     if not tracing_enabled():
         return trace.INVALID_SPAN
-    return tracer().start_span(name, attributes=attributes() if attributes else None)
+    return tracer().start_span(
+        name,
+        context=Context() if root else None,
+        attributes=attributes() if attributes else None,
+        start_time=start_time,
+    )
 
 
 def as_current(span: trace.Span) -> AbstractContextManager[Any]:
@@ -83,6 +106,46 @@ def as_current(span: trace.Span) -> AbstractContextManager[Any]:
     if span is trace.INVALID_SPAN:
         return NO_SPAN
     return trace.use_span(span, end_on_exit=False)
+
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def current_traceparent() -> str | None:
+    """The W3C ``traceparent`` of the current span, or ``None`` outside a sampled, valid one."""
+    if not tracing_enabled():
+        return None
+    return traceparent_of(trace.get_current_span())
+
+
+def traceparent_of(span: trace.Span) -> str | None:
+    """``span``'s W3C ``traceparent``, ``None`` if it is not a valid span."""
+    if not span.get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent")
+
+
+def span_context_from(traceparent: str) -> trace.SpanContext | None:
+    """The span context a stored ``traceparent`` names; ``None`` if it is not a valid one."""
+    context = _PROPAGATOR.extract({"traceparent": traceparent})
+    span_context = trace.get_current_span(context).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+def parent_from(traceparent: str | None) -> Context | None:
+    """A context whose current span is the stored ``traceparent`` (for a span started under it);
+    ``None`` when there is none or it is not valid."""
+    if traceparent is None or span_context_from(traceparent) is None:
+        return None
+    return _PROPAGATOR.extract({"traceparent": traceparent})
+
+
+def trace_id_of(traceparent: str) -> str | None:
+    """The trace id a stored ``traceparent`` names, as tracing UIs show it (32 hex digits)."""
+    span_context = span_context_from(traceparent)
+    return None if span_context is None else trace.format_trace_id(span_context.trace_id)
 
 
 _UNKNOWN = object()

@@ -23,10 +23,10 @@
 
 -- submit_run --
 -- params: $1 run_id text, $2 agent text, $3 input jsonb, $4 max_attempts int, $5 idempotency_key text,
---         $6 not_before timestamptz (NULL: now)
+--         $6 not_before timestamptz (NULL: now), $7 traceparent text (NULL: not submitted in a trace)
 -- Insert a queued run and its "submitted" event, and wake claimers, in one statement; the run is
--- due at $6 (a scheduled run) or at once. Returns no row when the run id or the idempotency key
--- is already taken.
+-- due at $6 (a scheduled run) or at once. The submitter's trace context, if any, is kept as the
+-- run's fence-0 trace row. Returns no row when the run id or the idempotency key is already taken.
 WITH inserted AS (
     INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key, available_at)
     VALUES ($1, $2, $3, $4, $5, coalesce($6::timestamptz, clock_timestamp()))
@@ -38,6 +38,9 @@ WITH inserted AS (
            jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
                               'idempotency_key', idempotency_key, 'not_before', $6::timestamptz)
     FROM inserted
+), traced AS (
+    INSERT INTO run_traces (run_id, fence, traceparent)
+    SELECT run_id, 0, $7 FROM inserted WHERE $7::text IS NOT NULL
 ), woken AS (
     SELECT pg_notify('orchestrator_runs', agent) FROM inserted
 )
@@ -345,6 +348,31 @@ SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM requeued
 INSERT INTO run_events (run_id, kind, fence, worker_id, details)
 VALUES ($1, $2, $3, $4, $5)
 RETURNING event_id
+
+-- record_attempt_traces --
+-- params: $1 run_ids text[], $2 fences bigint[], $3 traceparents text[], $4 worker_id text
+-- Keep each new attempt's trace context and return the run's earlier ones (the submitter's,
+-- fence 0, and earlier attempts'), for the new attempt's span links. The read does not see this
+-- statement's own rows. A row already there (a retried statement) is left alone.
+WITH kept AS (
+    INSERT INTO run_traces (run_id, fence, traceparent, worker_id)
+    SELECT t.run_id, t.fence, t.traceparent, $4
+    FROM unnest($1::text[], $2::bigint[], $3::text[]) AS t(run_id, fence, traceparent)
+    ON CONFLICT DO NOTHING
+)
+SELECT run_id, fence, traceparent, worker_id FROM run_traces
+WHERE run_id = ANY($1::text[])
+ORDER BY run_id, fence
+
+-- run_traces --
+-- params: $1 run_id text
+-- A run's trace contexts: the submitter's (fence 0) and each attempt's, in fence order.
+SELECT run_id, fence, traceparent, worker_id FROM run_traces WHERE run_id = $1 ORDER BY fence
+
+-- attempt_trace --
+-- params: $1 run_id text, $2 fence bigint
+-- The trace context of the attempt that held fence $2 (the one that requested an effect).
+SELECT traceparent FROM run_traces WHERE run_id = $1 AND fence = $2
 
 -- list_runs --
 -- params: $1 states text[] (NULL: any), $2 agent text (NULL: any), $3 limit int,
@@ -1036,7 +1064,7 @@ FROM budget_ledger WHERE run_id = $1 ORDER BY entry
 -- purge_finished --
 -- params: $1 cutoff timestamptz, $2 batch int
 -- Delete up to $2 runs that finished before $1, oldest first, with everything kept for them
--- (events, transcript, effects, signals, budget and ledger, the boundary's fence). A run that
+-- (events, transcript, effects, signals, budget and ledger, the boundary's fence, trace contexts). A run that
 -- still has an effect not settled (accepted, dispatching, uncertain, parked, awaiting approval)
 -- is kept: deleting it would lose a side effect in flight. Rows another transaction holds are
 -- skipped (SKIP LOCKED), so a purge never waits on a worker. Returns the runs deleted.
@@ -1063,6 +1091,8 @@ WITH doomed AS MATERIALIZED (
     DELETE FROM run_budgets WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
 ), ledger AS (
     DELETE FROM budget_ledger WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), traces AS (
+    DELETE FROM run_traces WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
 ), gone AS (
     DELETE FROM runs WHERE run_id IN (SELECT run_id FROM doomed) RETURNING run_id
 )
@@ -1070,7 +1100,7 @@ SELECT (SELECT count(*) FROM gone) AS runs,
        (SELECT count(*) FROM events) + (SELECT count(*) FROM messages)
        + (SELECT count(*) FROM effects_gone) + (SELECT count(*) FROM fences)
        + (SELECT count(*) FROM signals) + (SELECT count(*) FROM budgets)
-       + (SELECT count(*) FROM ledger) AS other_rows
+       + (SELECT count(*) FROM ledger) + (SELECT count(*) FROM traces) AS other_rows
 
 -- count_purgeable --
 -- params: $1 cutoff timestamptz

@@ -296,6 +296,15 @@ ALTER TABLE orchestrator.run_signals ALTER COLUMN seq ADD GENERATED ALWAYS AS ID
     NO MAXVALUE
     CACHE 1
 );
+CREATE TABLE orchestrator.run_traces (
+    run_id text NOT NULL,
+    fence bigint NOT NULL,
+    traceparent text NOT NULL,
+    worker_id text,
+    at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT run_traces_fence_check CHECK ((fence >= 0)),
+    CONSTRAINT run_traces_traceparent_check CHECK ((length(traceparent) <= 128))
+);
 CREATE TABLE orchestrator.runs (
     run_id text NOT NULL,
     agent text NOT NULL,
@@ -362,6 +371,8 @@ ALTER TABLE ONLY orchestrator.run_messages
     ADD CONSTRAINT run_messages_pkey PRIMARY KEY (run_id, seq);
 ALTER TABLE ONLY orchestrator.run_signals
     ADD CONSTRAINT run_signals_pkey PRIMARY KEY (run_id, seq);
+ALTER TABLE ONLY orchestrator.run_traces
+    ADD CONSTRAINT run_traces_pkey PRIMARY KEY (run_id, fence);
 ALTER TABLE ONLY orchestrator.runs
     ADD CONSTRAINT runs_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.workers

@@ -40,18 +40,18 @@ async def test_spans_for_claim_run_and_steps_carry_the_ids(settings: Settings) -
     spans = {span.name: span for span in exporter.get_finished_spans()}
     run_span = spans["run sleepy"]
     assert run_span.attributes is not None
-    assert run_span.attributes["run.id"] == run.run_id
-    assert run_span.attributes["run.fence"] == 1
-    assert run_span.attributes["worker.id"] == "w-telemetry"
-    assert "lease.until" in run_span.attributes
-    assert run_span.attributes["run.disposition"] == "succeeded"
+    assert run_span.attributes["orchestrator.run.id"] == run.run_id
+    assert run_span.attributes["orchestrator.run.fence"] == 1
+    assert run_span.attributes["orchestrator.worker.id"] == "w-telemetry"
+    assert "orchestrator.lease.until" in run_span.attributes
+    assert run_span.attributes["orchestrator.run.disposition"] == "succeeded"
     step = spans["step sleepy.Nap"]
     assert step.attributes is not None
-    assert step.attributes["run.id"] == run.run_id
-    assert "checkpoint.version" in step.attributes
+    assert step.attributes["orchestrator.run.id"] == run.run_id
+    assert "orchestrator.checkpoint.version" in step.attributes
     assert step.parent is not None and step.parent.span_id == run_span.context.span_id
     assert spans["claim"].attributes is not None
-    assert spans["claim"].attributes["worker.id"] == "w-telemetry"
+    assert spans["claim"].attributes["orchestrator.worker.id"] == "w-telemetry"
 
 
 # -- `serve` exporting over OTLP/HTTP to a real loopback collector ------------------------------
@@ -184,7 +184,9 @@ async def test_serve_exports_spans_and_metrics_over_otlp_http(
     names = {name for _, name, _ in spans}
     assert {"claim", "run sleepy", "step sleepy.Nap"} <= names, names
     run_span = next(attributes for _, name, attributes in spans if name == "run sleepy")
-    assert run_span["run.id"] == run_id and run_span["worker.id"] == "w-otlp"
+    assert (
+        run_span["orchestrator.run.id"] == run_id and run_span["orchestrator.worker.id"] == "w-otlp"
+    )
     for resource, _, _ in spans:
         assert resource["service.name"] == "orchestrator"
         assert resource["deployment.environment"] == "test"

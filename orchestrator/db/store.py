@@ -39,10 +39,12 @@ from orchestrator.models import (
     RunEvent,
     RunState,
     Submission,
+    TraceRow,
     WorkerInfo,
 )
 from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA
 from orchestrator.storable import check_json, check_text
+from orchestrator.telemetry import current_traceparent
 from orchestrator.transcript import Message
 
 MAX_LIST_LIMIT = 10_000
@@ -248,6 +250,7 @@ class RunStore:
             max_attempts,
             idempotency_key,
             not_before,
+            current_traceparent(),
         )
         if record is not None:
             return Submission(Run.from_record(record), created=True)
@@ -273,6 +276,11 @@ class RunStore:
         if record is None:
             raise RunNotFound(run_id)
         return Run.from_record(record)
+
+    async def fence_of(self, run_id: str, *, db: Executor | None = None) -> int | None:
+        """The run's current fence (``None``: no such run); what a refusal tells a stale owner."""
+        record = await (db or self.pool).fetchrow(query("get_run"), run_id)
+        return None if record is None else int(record["fence"])
 
     async def list_runs(
         self,
@@ -309,6 +317,32 @@ class RunStore:
         validate_run_id(run_id)
         records = await self.pool.fetch(query("run_events"), run_id)
         return [RunEvent.from_record(record) for record in records]
+
+    async def record_attempt_traces(
+        self,
+        worker_id: str,
+        attempts: Sequence[tuple[str, int, str]],
+        *,
+        db: Executor | None = None,
+    ) -> list[TraceRow]:
+        """Keep each new attempt's ``(run_id, fence, traceparent)``; return the earlier trace
+        rows of those runs (the submitter's, fence 0, and earlier attempts'), in fence order."""
+        run_ids, fences, traceparents = zip(*attempts, strict=True) if attempts else ((), (), ())
+        records = await (db or self.pool).fetch(
+            query("record_attempt_traces"),
+            list(run_ids),
+            list(fences),
+            list(traceparents),
+            worker_id,
+        )
+        return [TraceRow.from_record(record) for record in records]
+
+    async def traces(self, run_id: str) -> list[TraceRow]:
+        """A run's trace contexts: the submitter's (fence 0, if it submitted inside a trace) and
+        each traced attempt's."""
+        validate_run_id(run_id)
+        records = await self.pool.fetch(query("run_traces"), run_id)
+        return [TraceRow.from_record(record) for record in records]
 
     async def messages(
         self, run_id: str, *, after_seq: int = -1, db: Executor | None = None

@@ -55,6 +55,7 @@ from orchestrator.steps import (
     validate_json,
 )
 from orchestrator.telemetry import (
+    ATTEMPT,
     CHECKPOINT_VERSION,
     DISPOSITION,
     LEASE_UNTIL,
@@ -251,7 +252,7 @@ class RunExecution:
         self.services = services
         self.transcript = Transcript(services.store, claimed.run_id)
         self.span: Span = INVALID_SPAN
-        """The run's span (opened by ``execute``, ended when the run ends)."""
+        """The attempt's span (see ``open_span``), ended when the attempt ends."""
         self.shutdown_requested = False
         self.task: asyncio.Task[None] | None = None
         """The run's own task, which ``cancel`` cancels; set by whoever starts it (or found
@@ -272,6 +273,17 @@ class RunExecution:
     def ids(self) -> dict[str, str | int]:
         """The ids every span and log line about this run carries (built only when needed)."""
         return _ids(self.claimed, self.services.config.worker_id)
+
+    def open_span(self, start_time: int | None = None) -> Span:
+        """The attempt's span, the root of a trace of its own (the claim's worker opens it at the
+        claim, to link it; ``execute`` otherwise)."""
+        self.span = open_span(
+            f"run {self.claimed.agent}",
+            attributes=self._run_attributes,
+            root=True,
+            start_time=start_time,
+        )
+        return self.span
 
     def stop_now(self) -> None:
         """Shutdown grace is over: cancel the step and give the lease back."""
@@ -302,7 +314,8 @@ class RunExecution:
         is with the group committer (the host then hears how the run ended)."""
         if self.task is None:
             self.task = asyncio.current_task()
-        self.span = open_span(f"run {self.claimed.agent}", attributes=self._run_attributes)
+        if self.span is INVALID_SPAN:
+            self.open_span()
         disposition: Disposition | None = Disposition.LOST
         try:
             with as_current(self.span):
@@ -367,15 +380,19 @@ class RunExecution:
         return {
             **self.ids,
             CHECKPOINT_VERSION: version,
-            "step.name": step,
-            "orchestrator.run.id": self.claimed.run_id,
-            "orchestrator.run.fence": self.claimed.fence,
-            "orchestrator.attempt": self.claimed.attempt,
+            "orchestrator.step.name": step,
+            ATTEMPT: self.claimed.attempt,
+            LEASE_UNTIL: self.handle.lease_until.isoformat(),
             **step_class.span_attributes(agent),
         }
 
     def _run_attributes(self) -> dict[str, str | int]:
-        return {**self.ids, LEASE_UNTIL: self.claimed.lease_until.isoformat()}
+        return {
+            **self.ids,
+            LEASE_UNTIL: self.claimed.lease_until.isoformat(),
+            ATTEMPT: self.claimed.attempt,
+            CHECKPOINT_VERSION: self.claimed.checkpoint_version,
+        }
 
     # -- steps --------------------------------------------------------------------------------
     async def _db(self, function: Callable[[Any], Awaitable[T]]) -> T:

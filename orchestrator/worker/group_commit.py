@@ -25,6 +25,8 @@ from typing import Any
 
 import anyio
 import structlog
+from opentelemetry import context
+from opentelemetry.context import Context
 
 from orchestrator.budgets import Spend
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
@@ -32,7 +34,14 @@ from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import AcceptOutcome
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import CommitResult, Lease
-from orchestrator.telemetry import Metrics
+from orchestrator.telemetry import (
+    RUN_FENCE,
+    RUN_ID,
+    WORKER_ID,
+    Metrics,
+    start_span,
+    tracing_enabled,
+)
 
 log = structlog.get_logger("orchestrator.group_commit")
 
@@ -87,6 +96,8 @@ class _Pending:
     """A step commit's answer: a bare future (one per commit; an anyio Event is much dearer)."""
     answer: FinishAnswer | None = None
     """A final commit's answer goes to this callback instead."""
+    context: Context | None = None
+    """While tracing, the requesting step's trace context, for a refusal of its effects."""
 
     def settle(self, outcome: Any) -> None:
         """Hand over the answer (a result, a ``CommitOutcomeUnknown`` or an ``EffectRefused``)."""
@@ -135,7 +146,7 @@ class GroupCommitter:
         Called as the batch's transaction ends, so it must be quick and must not raise (an
         exception is logged, and the other runs of the batch get their answers regardless).
         """
-        self._queue.append(_Pending(finish, None, answer))
+        self._queue.append(_Pending(finish, None, answer, _step_context(finish)))
         self._ready.set()
 
     def _submit(self, request: StepCommit) -> asyncio.Future[Any]:
@@ -144,7 +155,7 @@ class GroupCommitter:
         # cancelled with it; the batch still commits or refuses the request, and the
         # fenced-safe cleanup follows.
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(request, done))
+        self._queue.append(_Pending(request, done, context=_step_context(request)))
         self._ready.set()
         return done
 
@@ -240,7 +251,8 @@ class GroupCommitter:
                 raise _LeaveOut(leave_out)
             await self._after_commit(db, members, committed, finished)
             # A stale owner asked for effects: say so in the timeline, send nothing.
-            for request in requests:
+            for pending in batch:
+                request = pending.request
                 if not request.effects:
                     continue
                 run_id = request.lease.run_id
@@ -250,19 +262,41 @@ class GroupCommitter:
                     else run_id not in committed and run_id not in finished
                 )
                 if not_owner:
-                    self.metrics.stale_rejections.add(len(request.effects))
-                    await self.store.record_event(
-                        run_id,
-                        "stale_fence_rejected",
-                        fence=request.lease.fence,
-                        worker_id=self.worker_id,
-                        details={
-                            "effect_keys": [effect.key for effect in request.effects],
-                            "reason": "the step's commit was refused: not the owner",
-                        },
-                        db=db,
-                    )
+                    await self._refuse_effects(db, pending)
         return committed, finished
+
+    async def _refuse_effects(self, db: Any, pending: _Pending) -> None:
+        """A stale owner's step asked for effects: the timeline and, while tracing, a span in
+        the step's trace say so with both fences; nothing is sent."""
+        request = pending.request
+        run_id = request.lease.run_id
+        keys = [effect.key for effect in request.effects]
+        accepted_fence = await self.store.fence_of(run_id, db=db)
+        self.metrics.stale_rejections.add(len(keys))
+        await self.store.record_event(
+            run_id,
+            "stale_fence_rejected",
+            fence=request.lease.fence,
+            worker_id=self.worker_id,
+            details={
+                "effect_keys": keys,
+                "reason": "the step's commit was refused: not the owner",
+                "accepted_fence": accepted_fence,
+            },
+            db=db,
+        )
+        if pending.context is not None:
+            attributes = {
+                RUN_ID: run_id,
+                RUN_FENCE: request.lease.fence,
+                WORKER_ID: self.worker_id,
+                "orchestrator.effect.keys": keys,
+                "orchestrator.effect.accepted_fence": -1
+                if accepted_fence is None
+                else accepted_fence,
+            }
+            with start_span("stale_fence_rejected", attributes=attributes, context=pending.context):
+                pass
 
     async def _after_commit(
         self,
@@ -319,3 +353,11 @@ class GroupCommitter:
 
 
 _ACCEPTED = object()
+
+
+def _step_context(request: StepCommit | RunFinish) -> Context | None:
+    """The requesting step's trace context, kept only while tracing and for commits with
+    effects (the only ones a refusal span is about)."""
+    if not request.effects or not tracing_enabled():
+        return None
+    return context.get_current()

@@ -58,13 +58,17 @@ from orchestrator.settings import Settings
 from orchestrator.signals import SIGNALS_CHANNEL
 from orchestrator.steps import AgentRegistry
 from orchestrator.telemetry import (
+    LINK_KIND,
     RUN_FENCE,
     RUN_ID,
     WORKER_ID,
     Metrics,
     QueueGauges,
     debug_enabled,
-    start_span,
+    open_span,
+    span_context_from,
+    traceparent_of,
+    tracing_enabled,
 )
 from orchestrator.worker.execution import Disposition, RunExecution, RunnerConfig, RunServices
 from orchestrator.worker.group_commit import GroupCommitter
@@ -424,17 +428,16 @@ class Worker:
         self, running: Running, limit: int, *, include_expired: bool = True
     ) -> list[RunExecution]:
         sent_at = anyio.current_time()
-        with start_span("claim", attributes={WORKER_ID: self.worker_id}) as span:
-            async with pooled(running.claim_pool, within=running.statement_seconds) as db:
-                batch = await running.store.claim(
-                    self.worker_id,
-                    self.config.agents.names,
-                    limit=limit,
-                    lease_seconds=self.config.lease_seconds,
-                    include_expired=include_expired,
-                    db=db,
-                )
-            span.set_attribute("claimed", len(batch.claimed))
+        sent_at_ns = time.time_ns()
+        async with pooled(running.claim_pool, within=running.statement_seconds) as db:
+            batch = await running.store.claim(
+                self.worker_id,
+                self.config.agents.names,
+                limit=limit,
+                lease_seconds=self.config.lease_seconds,
+                include_expired=include_expired,
+                db=db,
+            )
         for run_id in batch.dead_lettered:
             self.log.warning("dead-lettered: lease expired on the last attempt", **{RUN_ID: run_id})
         executions: list[RunExecution] = []
@@ -462,10 +465,64 @@ class Worker:
                 self.effect_waiters,
                 poll_seconds=self.config.poll_seconds,
             )
-            execution = RunExecution(run, handle, running.services, effects)
-            self.active[run.run_id] = execution
-            executions.append(execution)
+            executions.append(RunExecution(run, handle, running.services, effects))
+        if executions and tracing_enabled():
+            try:
+                await self._trace_attempts(running, executions, sent_at_ns)
+            except BaseException:  # the worker is being cancelled: these runs never start
+                for execution in executions:
+                    running.keeper.untrack(execution.handle)
+                    execution.span.end()
+                raise
+        for execution in executions:
+            self.active[execution.claimed.run_id] = execution
         return executions
+
+    async def _trace_attempts(
+        self, running: Running, executions: list[RunExecution], claim_sent_at_ns: int
+    ) -> None:
+        """A claim span for a batch that claimed runs (an idle poll leaves no span), each
+        attempt's root span, and its links to the run's submitter and earlier attempts.
+
+        The attempts' trace contexts are kept in the database before any of their steps start
+        (a worker that freezes in its first step is still linked from the attempt that takes
+        over): one statement per claimed batch, only while tracing. Its failure costs only the
+        links, never the runs.
+        """
+        claim = open_span(
+            "claim",
+            attributes=lambda: {WORKER_ID: self.worker_id, "orchestrator.claimed": len(executions)},
+            root=True,
+            start_time=claim_sent_at_ns,
+        )
+        claim.end()
+        by_run: dict[str, RunExecution] = {}
+        attempts: list[tuple[str, int, str]] = []
+        for execution in executions:
+            traceparent = traceparent_of(execution.open_span(claim_sent_at_ns))
+            if traceparent is not None:
+                by_run[execution.claimed.run_id] = execution
+                attempts.append((execution.claimed.run_id, execution.claimed.fence, traceparent))
+        if not attempts:
+            return
+        try:
+            async with pooled(running.claim_pool, within=running.statement_seconds) as db:
+                earlier = await running.store.record_attempt_traces(self.worker_id, attempts, db=db)
+        except DATABASE_ERRORS as error:
+            self.log.warning("could not keep the attempts' trace contexts", error=str(error))
+            return
+        for row in earlier:
+            execution = by_run[row.run_id]
+            linked = span_context_from(row.traceparent)
+            if linked is not None and row.fence < execution.claimed.fence:
+                execution.span.add_link(
+                    linked,
+                    {
+                        LINK_KIND: "submitted" if row.fence == 0 else "earlier_attempt",
+                        RUN_FENCE: row.fence,
+                        WORKER_ID: row.worker_id or "",
+                    },
+                )
 
     def _start_runs(self, running: Running, executions: list[RunExecution]) -> None:
         for execution in executions:
