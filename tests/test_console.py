@@ -421,6 +421,7 @@ async def test_without_a_token_the_console_is_read_only(
                 (f"/runs/{run_id}/effects/refund/resolve", {"Origin": running.url}),
                 ("/signin", {"Origin": running.url}),
                 ("/runs", {}),
+                ("/no-such-page", {}),
             ):
                 answer = await client.post(path, headers=headers, data=fields)
                 assert answer.status_code == 403, (path, answer.text)
@@ -572,7 +573,10 @@ async def test_contents_appear_only_with_show_payloads_and_capped(
             run = await wait_for_run(store, run_id, within=30)
     assert run.state is RunState.SUCCEEDED, run.error
     assert any(CANARY in json.dumps(d["payload"]) for d in vendor.deliveries.values())
-    big = (await store.submit("private", {"prompt": f"{CANARY}-big " + "x" * 20_000})).run.run_id
+    markup = "<script>alert('console')</script>"
+    big = (
+        await store.submit("private", {"prompt": f"{CANARY}-big {markup} " + "x" * 20_000})
+    ).run.run_id
     runs = [run_id, big]
 
     async with console(database_url, tmp_path) as running:
@@ -597,6 +601,7 @@ async def test_contents_appear_only_with_show_payloads_and_capped(
     big_page = shown[f"/runs/{big}"]
     assert "truncated: first 4096 of" in big_page
     assert "x" * 5000 not in big_page
+    assert markup not in big_page and "&lt;script&gt;alert" in big_page  # shown, never run
 
 
 # -- the command line -----------------------------------------------------------------------

@@ -305,7 +305,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
-        if status == 405 and request.method == "POST" and not auth.enabled:
+        if request.method == "POST" and not auth.enabled:
             # Read-only: say so for every POST, whatever its path.
             return error_page(request, 403, "this console is read-only: nothing can be changed")
         return error_page(request, status, f"{detail}: {request.url.path}")
