@@ -45,6 +45,7 @@ from orchestrator.cli_support import (
 )
 from orchestrator.cli_waits import approvals, runs_budget, runs_signal
 from orchestrator.client import MAX_DELAY_SECONDS
+from orchestrator.console.command import console
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import enter_when_reachable
@@ -465,6 +466,7 @@ def queue() -> None:
 queue.add_command(queue_stats)
 main.add_command(approvals)
 main.add_command(chaos)
+main.add_command(console)
 
 
 metrics_listen_option = click.option(

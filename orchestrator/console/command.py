@@ -1,0 +1,136 @@
+"""``orchestrator console``: serve the web console until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import click
+import uvicorn
+
+from orchestrator.cli_support import run_async, settings_of, stderr
+from orchestrator.errors import InvalidInput
+from orchestrator.metrics_endpoint import parse_listen
+
+from .auth import TOKEN_ENV, read_token
+
+
+@click.command("console")
+@click.option(
+    "--listen", default="127.0.0.1:8790", show_default=True, help="HOST:PORT to serve on."
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help=f"A file holding the token that allows actions (or set {TOKEN_ENV}). "
+    "Without a token the console is read-only.",
+)
+@click.option(
+    "--show-payloads",
+    is_flag=True,
+    help="Show run inputs, results, messages and effect payloads (each capped at 4 KiB). "
+    "By default only their sizes and SHA-256 are shown.",
+)
+@click.option(
+    "--refresh-seconds",
+    type=click.FloatRange(0.5, 600),
+    default=3.0,
+    show_default=True,
+    help="How often live pages re-fetch themselves.",
+)
+@click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
+@click.pass_context
+def console(
+    ctx: click.Context,
+    listen: str,
+    token_file: Path | None,
+    show_payloads: bool,
+    refresh_seconds: float,
+    log_json: bool | None,
+) -> None:
+    """Serve the web console: runs, attempts, timelines, effects, approvals, workers, queue."""
+    from orchestrator.db.bootstrap import open_store
+    from orchestrator.telemetry import configure_logging
+
+    from .app import ConsoleConfig, create_app
+    from .auth import Auth
+
+    settings = settings_of(ctx)
+
+    async def body() -> None:
+        host, port = parse_listen(listen, "--listen")
+        auth = Auth(read_token(os.environ.get(TOKEN_ENV), token_file))
+        configure_logging(json_logs=log_json)
+        sock = bind(host, port, listen)
+        async with open_store(
+            settings, application_name="orchestrator-console", max_size=5
+        ) as store:
+            app = create_app(
+                store.pool,
+                ConsoleConfig(
+                    auth=auth,
+                    show_payloads=show_payloads,
+                    schema=settings.schema,
+                    refresh_seconds=refresh_seconds,
+                ),
+            )
+            # log_config=None: uvicorn's records go through configure_logging's handler.
+            config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None)
+            server = _Server(config)
+            shown = f"[{host}]" if ":" in host else host
+            mode = "actions allowed with the token" if auth.enabled else "read-only (no token)"
+            if show_payloads:
+                mode += "; contents shown (--show-payloads)"
+            stderr.print(f"console listening on http://{shown}:{port}/ ({mode})", markup=False)
+            with sock:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(_stop_on_signals, server)
+                    await server.serve(sockets=[sock])
+                    group.cancel_scope.cancel()
+        stderr.print("console stopped")
+
+    run_async(body)
+
+
+def bind(host: str, port: int, listen: str) -> socket.socket:
+    """The listening socket, bound before the server starts, so that a port in use or a host
+    that is not this machine's is a one-line error rather than a server's traceback."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as error:
+        raise InvalidInput(f"cannot listen on {listen}: {error.strerror or error}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise InvalidInput(f"cannot listen on {listen}: {error.strerror or error}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # The command handles SIGTERM/SIGINT itself (_stop_on_signals): uvicorn's own handling
+        # re-raises the signal after shutting down, which would end the process by the signal
+        # instead of with exit code 0.
+        yield
+
+
+async def _stop_on_signals(server: uvicorn.Server) -> None:
+    """The first SIGTERM/SIGINT finishes the requests in flight and stops; a second stops now."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for received in signals:
+            name = signal.Signals(received).name
+            if server.should_exit:
+                server.force_exit = True
+                stderr.print(f"second {name}: stopping now")
+            else:
+                server.should_exit = True
+                stderr.print(f"{name}: stopping (send again to stop at once)")

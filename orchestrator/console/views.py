@@ -1,0 +1,221 @@
+"""What each page shows, read with the same store methods and queries the CLI uses."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from orchestrator.attempts import attempts_of
+from orchestrator.budgets import BudgetStore
+from orchestrator.cli_ops import select_runs
+from orchestrator.db.queries import query
+from orchestrator.db.store import RunStore, WorkerRegistry
+from orchestrator.effects.approvals import ApprovalStore
+from orchestrator.effects.model import EffectRecord, EffectStatus
+from orchestrator.effects.store import EffectStore
+from orchestrator.errors import InvalidInput
+from orchestrator.ids import validate_agent_name
+from orchestrator.models import RunState
+from orchestrator.signals import SignalStore
+from orchestrator.tool_agent import effect_key
+from orchestrator.transcript import Message
+
+from .privacy import Shown, event_details, show, text_of
+
+LIST_LIMIT = 200
+
+
+@dataclass(frozen=True)
+class RunFilters:
+    states: tuple[str, ...] = ()
+    agent: str | None = None
+    since: str | None = None
+    until: str | None = None
+
+    @classmethod
+    def from_query(cls, params: Any) -> RunFilters:
+        """The runs list's query string (``?state=running&agent=a&since=2h``), checked the way
+        ``runs list`` checks its options."""
+        states = tuple(value for value in params.getlist("state") if value)
+        known = {state.value for state in RunState}
+        for state in states:
+            if state not in known:
+                raise InvalidInput(
+                    f"unknown state {state!r}; choose from {', '.join(sorted(known))}"
+                )
+        agent = (params.get("agent") or "").strip() or None
+        if agent is not None:
+            validate_agent_name(agent)
+        since = (params.get("since") or "").strip() or None
+        until = (params.get("until") or "").strip() or None
+        return cls(states, agent, since, until)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.states or self.agent or self.since or self.until)
+
+
+async def runs_page(store: RunStore, filters: RunFilters) -> dict[str, Any]:
+    found = await select_runs(
+        store, filters.states, filters.agent, filters.since, filters.until, LIST_LIMIT
+    )
+    return {
+        "runs": found,
+        "filters": filters,
+        "states": [state.value for state in RunState],
+        "more": len(found) == LIST_LIMIT,
+        "limit": LIST_LIMIT,
+    }
+
+
+@dataclass(frozen=True)
+class MessageView:
+    turn: int
+    role: str
+    fence: int
+    at: datetime | None
+    input_tokens: Any
+    output_tokens: Any
+    model_attempts: int
+    content: Shown
+    calls: list[dict[str, Any]]
+    tool_call_id: str | None
+
+
+def message_views(
+    messages: Sequence[Message], effects: Sequence[EffectRecord], *, reveal: bool
+) -> list[MessageView]:
+    """Each message: role, tokens, tool names with their effect's status; contents as ``Shown``
+    (hidden unless ``--show-payloads``), as ``conversation_table`` shows them on a terminal."""
+    status = {effect.effect_key: effect.status.value for effect in effects}
+    views = []
+    for message in messages:
+        body = message.body
+        usage = message.usage if isinstance(message.usage, dict) else {}
+        calls = []
+        for call in body.get("tool_calls") or []:
+            function = call.get("function", {}) if isinstance(call, dict) else {}
+            key = effect_key(message.turn, str(call.get("id", "")))
+            calls.append(
+                {
+                    "name": str(function.get("name", "")),
+                    "arguments": show(function.get("arguments"), reveal=reveal),
+                    "effect_key": key if key in status else None,
+                    "effect_status": status.get(key),
+                }
+            )
+        views.append(
+            MessageView(
+                turn=message.turn,
+                role=message.role,
+                fence=message.fence,
+                at=message.at,
+                input_tokens=usage.get("input_tokens") if usage else None,
+                output_tokens=usage.get("output_tokens") if usage else None,
+                model_attempts=len(usage.get("attempts") or []) if usage else 0,
+                content=show(body.get("content") or None, reveal=reveal),
+                calls=calls,
+                tool_call_id=body.get("tool_call_id"),
+            )
+        )
+    return views
+
+
+def effect_view(effect: EffectRecord, *, reveal: bool) -> dict[str, Any]:
+    return {
+        "record": effect,
+        "payload": show(effect.payload, reveal=reveal),
+        "result": show(effect.result, reveal=reveal),
+        "error": show(effect.error, reveal=reveal),
+    }
+
+
+async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, Any]:
+    run = await store.get(run_id)  # RunNotFound / InvalidInput for a bad id
+    events = await store.events(run_id)
+    messages = await store.messages(run_id)
+    effects = await EffectStore(store.pool).list_effects(run_id=run_id, limit=10_000)
+    signals = await SignalStore(store.pool).history(run_id)
+    budget = await BudgetStore(store.pool).get(run_id)
+    now = await store.database_now()
+    attempts = []
+    for attempt in attempts_of(events):
+        fields = attempt.as_json()  # every field it has, so new ones appear without a change here
+        if attempt.seconds is None:
+            fields["held so far"] = round((now - attempt.claimed_at).total_seconds(), 3)
+        attempts.append(fields)
+    return {
+        "run": run,
+        "now": now,
+        "live": not run.state.terminal,
+        "attempt_columns": _columns(attempts),
+        "attempts": attempts,
+        "events": [
+            {"event": event, "details": event_details(event.details, reveal=reveal)}
+            for event in events
+        ],
+        "stale_refusals": [event for event in events if event.kind == "stale_fence_rejected"],
+        "facts": {
+            "input": show(run.input, reveal=reveal),
+            "checkpoint": show(run.checkpoint, reveal=reveal),
+            "result": show(run.result, reveal=reveal),
+            "error": show(run.error, reveal=reveal),
+        },
+        "messages": message_views(messages, effects, reveal=reveal),
+        "effects": [effect_view(effect, reveal=reveal) for effect in effects],
+        "signals": [
+            {
+                "signal": signal,
+                "consumed_at": at,
+                "fence": fence,
+                "data": show(signal.data, reveal=reveal),
+            }
+            for signal, at, fence in signals
+        ],
+        "budget": None if budget is None else budget.as_json(),
+    }
+
+
+def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every key any row has, in first-seen order."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            seen.setdefault(key, None)
+    return list(seen)
+
+
+async def attention_page(store: RunStore, *, reveal: bool) -> dict[str, Any]:
+    """Effects a person must act on: parked ones (resolve) and those awaiting approval."""
+    parked = await EffectStore(store.pool).list_effects(status=EffectStatus.PARKED, limit=1000)
+    pending = await ApprovalStore(store.pool).pending(limit=1000)
+    fences = {}
+    for run_id in {effect.run_id for effect in pending}:
+        fences[run_id] = (await store.get(run_id)).fence
+    return {
+        "parked": [effect_view(effect, reveal=reveal) for effect in parked],
+        "pending": [
+            {**effect_view(effect, reveal=reveal), "run_fence": fences[effect.run_id]}
+            for effect in pending
+        ],
+        "now": await store.database_now(),
+    }
+
+
+async def cluster_page(store: RunStore, schema: str) -> dict[str, Any]:
+    """``workers list`` and ``queue stats``, on one page."""
+    workers = await WorkerRegistry(schema).list_workers(store.pool)
+    queue = [dict(row) for row in await store.pool.fetch(query("queue_stats"))]
+    return {"workers": workers, "queue": queue, "now": await store.database_now()}
+
+
+__all__ = [
+    "RunFilters",
+    "attention_page",
+    "cluster_page",
+    "run_page",
+    "runs_page",
+    "text_of",
+]
