@@ -160,15 +160,24 @@ class EffectStore:
         return record is not None
 
     async def resolve(
-        self, run_id: str, effect_key: str, *, sent: bool, external_id: str | None = None
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        sent: bool,
+        by: str,
+        external_id: str | None = None,
     ) -> EffectRecord:
-        """A person's decision on a parked effect."""
+        """A person's decision on a parked effect; ``by`` (who decided) goes into the timeline."""
         if external_id is not None:
             check_text(external_id, "the external id")
+        check_text(by, "who resolves (by)")
+        if not 1 <= len(by) <= 200:
+            raise InvalidInput("who resolves (by) must be 1-200 characters")
         effect = await self.get(run_id, effect_key)
         decision = EffectStatus.CONFIRMED if sent else EffectStatus.ACCEPTED
         record = await self.pool.fetchrow(
-            query("resolve_parked_effect"), run_id, effect_key, decision.value, external_id
+            query("resolve_parked_effect"), run_id, effect_key, decision.value, external_id, by
         )
         if record is None:
             raise InvalidTransition(

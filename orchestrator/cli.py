@@ -7,6 +7,7 @@ Exit codes: 0 ok, 1 a user error (one line on stderr saying what was wrong and w
 from __future__ import annotations
 
 import asyncio
+import getpass
 import os
 import signal
 import sys
@@ -707,6 +708,12 @@ def effects_show(ctx: click.Context, run_id: str, effect_key: str, as_json: bool
 @click.option("--sent", "decision", flag_value="sent", help="It reached the vendor: confirm it.")
 @click.option("--not-sent", "decision", flag_value="not-sent", help="It did not: send it again.")
 @click.option("--external-id", help="The vendor's id for it, when --sent.")
+@click.option(
+    "--by",
+    default=getpass.getuser,
+    show_default="the OS user",
+    help="Who decides (recorded in the timeline).",
+)
 @click.pass_context
 def effects_resolve(
     ctx: click.Context,
@@ -714,6 +721,7 @@ def effects_resolve(
     effect_key: str,
     decision: str | None,
     external_id: str | None,
+    by: str,
 ) -> None:
     """Decide a parked effect after checking with the vendor by hand."""
     if decision is None:
@@ -723,9 +731,9 @@ def effects_resolve(
     async def body() -> None:
         async with open_store(settings) as store:
             effect = await EffectStore(store.pool).resolve(
-                run_id, effect_key, sent=decision == "sent", external_id=external_id
+                run_id, effect_key, sent=decision == "sent", by=by, external_id=external_id
             )
-        stdout.print(f"{run_id} {effect_key}: {effect.status.value}", markup=False)
+        stdout.print(f"{run_id} {effect_key}: {effect.status.value} (by {by})", markup=False)
 
     run_async(body)
 

@@ -671,9 +671,9 @@ WITH locked AS (
 SELECT status, (SELECT count(*) FROM told) AS notified FROM settled
 
 -- resolve_parked_effect --
--- params: $1 run_id text, $2 effect_key text, $3 decision text, $4 external_id text
--- A person decided a parked effect: $3 'confirmed' (it was sent; external id $4) or 'accepted'
--- (it was not sent: send it again with the same idempotency key).
+-- params: $1 run_id text, $2 effect_key text, $3 decision text, $4 external_id text, $5 by text
+-- A person ($5, recorded in the timeline) decided a parked effect: $3 'confirmed' (it was sent;
+-- external id $4) or 'accepted' (it was not sent: send it again with the same idempotency key).
 WITH locked AS (
     SELECT run_id FROM runs WHERE run_id = $1 FOR NO KEY UPDATE  -- the run first (lock order)
 ), resolved AS (
@@ -681,7 +681,7 @@ WITH locked AS (
     SET status = $3, external_id = coalesce($4, external_id), updated_at = clock_timestamp(),
         available_at = clock_timestamp(),
         settled_at = CASE WHEN $3 = 'confirmed' THEN clock_timestamp() END,
-        result = CASE WHEN $3 = 'confirmed' THEN jsonb_build_object('resolved_by', 'operator')
+        result = CASE WHEN $3 = 'confirmed' THEN jsonb_build_object('resolved_by', $5::text)
                       ELSE result END
     WHERE run_id = $1 AND effect_key = $2 AND status = 'parked'
       AND (SELECT count(*) FROM locked) >= 0
@@ -689,7 +689,7 @@ WITH locked AS (
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, details)
     SELECT run_id, 'effect_resolved', fence,
-           jsonb_build_object('effect_key', effect_key, 'decision', status)
+           jsonb_build_object('effect_key', effect_key, 'decision', status, 'by', $5::text)
     FROM resolved
 ), woken AS (
     UPDATE runs AS r

@@ -524,7 +524,7 @@ async def test_a_parked_effect_is_resolved_from_the_browser(
         await expect(page.locator("#flash")).to_contain_text("resolved sent by console:bob")
         await expect(page.locator("#no-parked")).to_be_visible()
         await page.goto(f"{running.url}/runs/{run.run_id}")
-        await expect(page.locator("#timeline tr.kind-effect_resolved_by")).to_contain_text(
+        await expect(page.locator("#timeline tr.kind-effect_resolved")).to_contain_text(
             "by=console:bob"
         )
     record = await EffectStore(pool).get(run.run_id, "crm-note")

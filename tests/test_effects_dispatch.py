@@ -130,12 +130,16 @@ async def test_an_adapter_that_cannot_reconcile_parks_then_a_person_resolves(
         )
     assert vendor.requests == 1
     assert record.error is not None and "cannot be looked up" in record.error["message"]
-    resolved = await EffectStore(pool).resolve(run_id, CRM.key, sent=True, external_id="manual-7")
+    resolved = await EffectStore(pool).resolve(
+        run_id, CRM.key, sent=True, by="ana", external_id="manual-7"
+    )
     assert (resolved.status, resolved.external_id) == (EffectStatus.CONFIRMED, "manual-7")
+    (event,) = [e for e in await store.events(run_id) if e.kind == "effect_resolved"]
+    assert event.details == {"effect_key": CRM.key, "decision": "confirmed", "by": "ana"}
     from orchestrator.errors import InvalidTransition
 
     with pytest.raises(InvalidTransition, match="not parked"):
-        await EffectStore(pool).resolve(run_id, CRM.key, sent=False)
+        await EffectStore(pool).resolve(run_id, CRM.key, sent=False, by="ana")
 
 
 async def test_busy_vendor_is_retried_and_a_rejection_fails(

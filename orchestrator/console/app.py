@@ -257,18 +257,11 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         if found not in ("sent", "not-sent"):
             raise InvalidInput("say what you found: decision must be 'sent' or 'not-sent'")
         try:
-            effect = await EffectStore(pool).resolve(
-                run_id, key, sent=found == "sent", external_id=_field(form, "external_id")
+            await EffectStore(pool).resolve(
+                run_id, key, sent=found == "sent", by=by, external_id=_field(form, "external_id")
             )
         except OrchestratorError as error:
             return back(request, form, error=str(error))
-        # The store's own effect_resolved event does not say who decided; this one does.
-        await store.record_event(
-            run_id,
-            "effect_resolved_by",
-            fence=effect.fence,
-            details={"effect_key": key, "decision": effect.status.value, "by": by},
-        )
         return back(request, form, flash=f"{key} of {run_id} resolved {found} by {by}")
 
     def back(
