@@ -196,35 +196,34 @@ class Dispatcher:
         effect = claimed.record
         adapter = self.adapters[effect.kind]
         async with self._limiter:
-            with start_span(
-                f"dispatch {effect.kind}",
-                attributes={
-                    RUN_ID: effect.run_id,
-                    RUN_FENCE: effect.fence,
-                    EFFECT_KEY: effect.effect_key,
-                    IDEMPOTENCY_KEY: effect.idempotency_key,
-                    "orchestrator.effect.attempt": effect.attempts,
-                    "orchestrator.dispatcher.id": self.dispatcher_id,
-                },
-                context=await self._requesting_attempt(effect),
-            ) as span:
-                began = time.monotonic()
-                try:
-                    status = await self._dispatch(claimed, adapter, deadline)
-                except DATABASE_ERRORS as error:
-                    # The record stays 'dispatching' until its lease runs out; whoever claims it
-                    # next reconciles before sending. Nothing is sent blind.
-                    self.log.warning(
-                        "lost track of an effect",
-                        error=str(error),
-                        **{RUN_ID: effect.run_id},
-                        effect_key=effect.effect_key,
-                    )
-                    status = "unknown"
-                finally:
-                    self._in_flight -= 1
-                    self.wake()  # a slot is free: claim more without waiting for a poll
-                span.set_attribute(EFFECT_DISPOSITION, status)
+            try:
+                parent = await self._requesting_attempt(effect)
+                with start_span(
+                    f"dispatch {effect.kind}",
+                    attributes={
+                        **_effect_ids(effect),
+                        "orchestrator.effect.attempt": effect.attempts,
+                        "orchestrator.dispatcher.id": self.dispatcher_id,
+                    },
+                    context=parent,
+                ) as span:
+                    began = time.monotonic()
+                    try:
+                        status = await self._dispatch(claimed, adapter, deadline)
+                    except DATABASE_ERRORS as error:
+                        # The record stays 'dispatching' until its lease runs out; whoever
+                        # claims it next reconciles before sending. Nothing is sent blind.
+                        self.log.warning(
+                            "lost track of an effect",
+                            error=str(error),
+                            **{RUN_ID: effect.run_id},
+                            effect_key=effect.effect_key,
+                        )
+                        status = "unknown"
+                    span.set_attribute(EFFECT_DISPOSITION, status)
+            finally:
+                self._in_flight -= 1
+                self.wake()  # a slot is free: claim more without waiting for a poll
         self.outcomes[status] = self.outcomes.get(status, 0) + 1
         kind = {"kind": effect.kind}
         self.metrics.outcomes.add(1, {**kind, "outcome": status})

@@ -22,7 +22,15 @@ from orchestrator.db.store import RunStore, WorkerRegistry
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.models import Run, RunState
 from orchestrator.presentation import dump_json, event_line, jsonable, queue_table, workers_table
-from orchestrator.retention import AGE_PATTERN, PURGE_BATCH, Purged, parse_age, purge, purgeable
+from orchestrator.retention import (
+    AGE_PATTERN,
+    PURGE_BATCH,
+    PURGE_PAUSE_RATIO,
+    Purged,
+    parse_age,
+    purge,
+    purgeable,
+)
 
 
 @click.command("purge")
@@ -40,10 +48,23 @@ from orchestrator.retention import AGE_PATTERN, PURGE_BATCH, Purged, parse_age, 
     show_default=True,
     help="Runs per delete statement (each one short transaction).",
 )
+@click.option(
+    "--pause-ratio",
+    type=click.FloatRange(0, 100),
+    default=PURGE_PAUSE_RATIO,
+    show_default=True,
+    help="After each batch, pause this many times as long as it took (0: flat out, which can "
+    "slow workers running beside the purge by a third).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print what was (or would be) deleted.")
 @click.pass_context
 def runs_purge(
-    ctx: click.Context, older_than: str, dry_run: bool, batch: int, as_json: bool
+    ctx: click.Context,
+    older_than: str,
+    dry_run: bool,
+    batch: int,
+    pause_ratio: float,
+    as_json: bool,
 ) -> None:
     """Delete finished runs (succeeded, failed, cancelled, dead) older than --older-than, with
     their events, transcripts, effects, signals and budgets. Runs with an effect not yet settled
@@ -65,7 +86,9 @@ def runs_purge(
                         shown[0] = time.monotonic()
                         stderr.print(f"purged {total.runs:,} runs so far")
 
-                purged = await purge(store.pool, cutoff, batch=batch, progress=show)
+                purged = await purge(
+                    store.pool, cutoff, batch=batch, pause_ratio=pause_ratio, progress=show
+                )
                 result = {
                     "dry_run": False,
                     "cutoff": cutoff,

@@ -5,10 +5,12 @@ background and by ``orchestrator runs purge``."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+import anyio
 import asyncpg
 
 from orchestrator.db.queries import query
@@ -24,6 +26,9 @@ PURGE_INTERVAL_SECONDS = 60.0
 """How often a worker looks for runs past their retention."""
 PURGE_BATCHES_PER_ROUND = 20
 """A worker's round deletes at most this many batches, then waits for the next round."""
+PURGE_PAUSE_RATIO = 1.0
+"""After each batch a purge pauses this many times as long as the batch took, so that it takes
+at most half of the database's time from the workers running beside it."""
 RETENTION_LOCK = "orchestrator retention of schema "
 """One worker at a time purges (a transaction-level advisory lock per schema, taken by each
 batch); the others skip their round."""
@@ -76,19 +81,23 @@ async def purge(
     *,
     batch: int = PURGE_BATCH,
     max_batches: int | None = None,
+    pause_ratio: float = PURGE_PAUSE_RATIO,
     progress: Callable[[Purged], None] = lambda total: None,
 ) -> Purged:
-    """Batch after batch until none is left (or ``max_batches``); ``progress`` sees the running
-    total after each."""
+    """Batch after batch until none is left (or ``max_batches``), pausing ``pause_ratio`` times
+    each batch's duration after it (0: flat out); ``progress`` sees the running total after
+    each."""
     runs = other = 0
     done = 0
     while max_batches is None or done < max_batches:
+        began = time.monotonic()
         purged = await purge_batch(pool, cutoff, batch)
         done += 1
         runs, other = runs + purged.runs, other + purged.other_rows
         progress(Purged(runs, other))
         if purged.runs < batch:
             break
+        await anyio.sleep((time.monotonic() - began) * pause_ratio)
     return Purged(runs, other)
 
 
@@ -98,6 +107,7 @@ async def purge_round(pool: asyncpg.Pool, age: timedelta) -> Purged | None:
     another worker holds it (it is purging)."""
     runs = other = 0
     for _ in range(PURGE_BATCHES_PER_ROUND):
+        began = time.monotonic()
         async with pool.acquire() as connection, connection.transaction():
             taken = await connection.fetchval(
                 "SELECT pg_try_advisory_xact_lock(hashtextextended($1 || current_schema(), 0))",
@@ -110,4 +120,5 @@ async def purge_round(pool: asyncpg.Pool, age: timedelta) -> Purged | None:
         runs, other = runs + purged.runs, other + purged.other_rows
         if purged.runs < PURGE_BATCH:
             break
+        await anyio.sleep((time.monotonic() - began) * PURGE_PAUSE_RATIO)
     return Purged(runs, other)

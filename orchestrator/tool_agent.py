@@ -40,7 +40,7 @@ from orchestrator.errors import InvalidInput
 from orchestrator.llm import ModelAttempt, ModelReply, complete
 from orchestrator.models import JSON
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
-from orchestrator.telemetry import start_span
+from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span
 from orchestrator.tools import (
     SETTLED_FOR_THE_MODEL,
     EffectTool,
@@ -630,9 +630,11 @@ DEFAULT_WORST_OUTPUT_TOKENS = 4096
 
 def _our_attributes(ctx: StepContext, turn: int) -> dict[str, str | int]:
     return {
-        "orchestrator.run.id": ctx.run_id,
-        "orchestrator.run.fence": ctx.fence,
-        "orchestrator.attempt": ctx.attempt,
+        RUN_ID: ctx.run_id,
+        RUN_FENCE: ctx.fence,
+        WORKER_ID: ctx.worker_id,
+        ATTEMPT: ctx.attempt,
+        LEASE_UNTIL: ctx.lease_until.isoformat(),
         "orchestrator.turn": turn,
     }
 

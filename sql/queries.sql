@@ -12,6 +12,10 @@
 -- misjudge. "Running" is said as `lease_owner = owner AND lease_until > now`, which the
 -- runs_lease_matches_state CHECK makes equivalent to state = 'running' plus those conditions
 -- (docs/performance.md tells what the plain form cost; tests/test_store.py checks the plans).
+-- The single-run statements (renew_lease, commit_step, fail_attempt, release_lease) say
+-- "running" the same way: with `state = 'running'` in their WHERE the partial indexes
+-- runs_owner and runs_running match too, and a generic plan read every running run of the owner
+-- instead of one primary-key lookup.
 --
 -- WAKING A WAITING RUN. A run parks (park_runs) in the transaction of its step's commit, which
 -- locks the run's row first. Whatever wakes a run (a signal, an effect settling, a decision, a
@@ -177,7 +181,7 @@ WHERE (SELECT count(*) FROM finished_told) >= 0
 -- whose lease has not yet expired: a renewal must never revive an owner that was replaced.
 UPDATE runs
 SET lease_until = clock_timestamp() + make_interval(secs => $4), updated_at = clock_timestamp()
-WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
   AND lease_until > clock_timestamp()
 RETURNING run_id, lease_until
 
@@ -209,7 +213,7 @@ WITH committed AS (
     UPDATE runs
     SET step = $5, checkpoint = $6, checkpoint_version = checkpoint_version + 1, attempt = 1,
         wait = NULL, updated_at = clock_timestamp()
-    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
       AND lease_until > clock_timestamp() AND checkpoint_version = $4
     RETURNING run_id, fence, checkpoint_version, lease_until
 ), logged AS (
@@ -234,7 +238,7 @@ WITH failed AS (
                     * (0.1 + 0.9 * random())),
         error = $4, lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp(),
         finished_at = CASE WHEN attempt >= max_attempts THEN clock_timestamp() END
-    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
       AND lease_until > clock_timestamp()
     RETURNING run_id, fence, state, attempt, max_attempts, available_at, agent, watched
 ), told AS (
@@ -260,7 +264,7 @@ WITH released AS (
     SET state = 'queued', lease_owner = NULL, lease_until = NULL,
         attempt = greatest(attempt - 1, 0), available_at = clock_timestamp(),
         updated_at = clock_timestamp()
-    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3 AND state = 'running'
+    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
       AND lease_until > clock_timestamp()
     RETURNING run_id, fence, agent
 ), logged AS (
@@ -351,8 +355,9 @@ RETURNING event_id
 
 -- record_attempt_traces --
 -- params: $1 run_ids text[], $2 fences bigint[], $3 traceparents text[], $4 worker_id text
--- Keep each new attempt's trace context and return the run's earlier ones (the submitter's,
--- fence 0, and earlier attempts'), for the new attempt's span links. The read does not see this
+-- Keep each new attempt's trace context and return, for the new attempt's span links, the run's
+-- earlier ones: the submitter's (fence 0) and the latest 20 attempts' (a run woken many times
+-- has an attempt per wake; the one before is what a takeover needs). The read does not see this
 -- statement's own rows. A row already there (a retried statement) is left alone.
 WITH kept AS (
     INSERT INTO run_traces (run_id, fence, traceparent, worker_id)
@@ -360,14 +365,25 @@ WITH kept AS (
     FROM unnest($1::text[], $2::bigint[], $3::text[]) AS t(run_id, fence, traceparent)
     ON CONFLICT DO NOTHING
 )
-SELECT run_id, fence, traceparent, worker_id FROM run_traces
-WHERE run_id = ANY($1::text[])
-ORDER BY run_id, fence
+SELECT e.run_id, e.fence, e.traceparent, e.worker_id
+FROM unnest($1::text[]) AS r(run_id)
+CROSS JOIN LATERAL (
+    (SELECT * FROM run_traces AS t WHERE t.run_id = r.run_id AND t.fence = 0)
+    UNION ALL
+    (SELECT * FROM run_traces AS t WHERE t.run_id = r.run_id AND t.fence > 0
+     ORDER BY t.fence DESC LIMIT 20)
+) AS e
+ORDER BY e.run_id, e.fence
 
 -- run_traces --
 -- params: $1 run_id text
 -- A run's trace contexts: the submitter's (fence 0) and each attempt's, in fence order.
 SELECT run_id, fence, traceparent, worker_id FROM run_traces WHERE run_id = $1 ORDER BY fence
+
+-- run_fence --
+-- params: $1 run_id text
+-- A run's current fence (what a refusal tells a stale owner).
+SELECT fence FROM runs WHERE run_id = $1
 
 -- attempt_trace --
 -- params: $1 run_id text, $2 fence bigint

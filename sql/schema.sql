@@ -103,7 +103,7 @@ DECLARE
 BEGIN
     PERFORM 1 FROM runs
     WHERE run_id = p_run_id AND lease_owner = p_worker_id AND fence = p_fence
-      AND state = 'running' AND lease_until > clock_timestamp()
+      AND lease_until > clock_timestamp()
     FOR UPDATE;
     IF NOT FOUND THEN
         outcome := 'not_owner';

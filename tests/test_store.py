@@ -572,6 +572,61 @@ async def test_batched_writes_reach_each_run_by_its_key_whatever_the_statistics(
     assert [tuple(row) for row in states] == [("queued", 0, 19700), ("succeeded", 2, 300)]
 
 
+async def test_single_run_writes_reach_the_run_by_its_key_under_a_generic_plan(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # asyncpg prepares every statement, and after five executions PostgreSQL may keep a generic
+    # plan. With `state = 'running'` in their WHERE, the single-run writes then matched the
+    # partial indexes runs_owner and runs_running, and read every running run of the owner
+    # (1.3 ms a commit with 2,000 leases held) instead of one primary-key lookup.
+    await _queue_analyzed(pool, 20000)
+    claimed = (await store.claim("w1", ["noop"], limit=300, lease_seconds=60)).claimed
+    run = claimed[0]
+    statements: list[tuple[str, str]] = [
+        ("renew_lease", f"'{run.run_id}', 'w1', {run.fence}, 60.0"),
+        ("commit_step", f"'{run.run_id}', 'w1', {run.fence}, 0, 'Done', '{{}}', '[]'"),
+        ("fail_attempt", f"'{run.run_id}', 'w1', {run.fence}, '{{}}', 1.0, 60.0"),
+        ("release_lease", f"'{run.run_id}', 'w1', {run.fence}, 'test'"),
+    ]
+    generic = await create_pool(
+        settings, application_name="test-plans", max_size=1, session_settings=GENERIC_PLANS
+    )
+    try:
+        async with generic.acquire() as connection:
+            for name, arguments in statements:
+                await connection.execute(f"PREPARE {name} AS " + query(name))
+                text = await connection.fetchval(
+                    f"EXPLAIN (FORMAT JSON) EXECUTE {name}({arguments})"
+                )
+                plan = json.loads(text) if isinstance(text, str) else text
+                reads = _scans_of_runs(plan) - {("ModifyTable", None)}
+                assert reads == {("Index Scan", "runs_pkey")}, (name, plan)
+            # The budget's reservation is a function: its lookup shows in the index counters.
+            scans = (
+                "SELECT indexrelname, idx_scan FROM pg_stat_user_indexes "
+                "WHERE indexrelname IN ('runs_pkey', 'runs_owner', 'runs_running')"
+            )
+            lease = claimed[1]
+            await connection.execute("SELECT pg_stat_force_next_flush()")
+            before = {row[0]: row[1] for row in await connection.fetch(scans)}
+            for _ in range(10):
+                outcome = await connection.fetchval(
+                    "SELECT outcome FROM orchestrator_reserve_budget($1, 'w1', $2, '{}'::jsonb, "
+                    "1, 0, 0, 0)",
+                    lease.run_id,
+                    lease.fence,
+                )
+                assert outcome == "reserved"
+            await connection.execute("SELECT pg_stat_force_next_flush()")
+            await connection.execute("SELECT pg_stat_clear_snapshot()")
+            after = {row[0]: row[1] for row in await connection.fetch(scans)}
+            assert after["runs_owner"] == before["runs_owner"], (before, after)
+            assert after["runs_running"] == before["runs_running"], (before, after)
+            assert after["runs_pkey"] >= before["runs_pkey"] + 10, (before, after)
+    finally:
+        await generic.close()
+
+
 async def test_the_claim_statements_generic_plan_reads_runs_only_through_indexes(
     settings: Settings, pool: asyncpg.Pool
 ) -> None:

@@ -279,8 +279,8 @@ class RunStore:
 
     async def fence_of(self, run_id: str, *, db: Executor | None = None) -> int | None:
         """The run's current fence (``None``: no such run); what a refusal tells a stale owner."""
-        record = await (db or self.pool).fetchrow(query("get_run"), run_id)
-        return None if record is None else int(record["fence"])
+        fence = await (db or self.pool).fetchval(query("run_fence"), run_id)
+        return None if fence is None else int(fence)
 
     async def list_runs(
         self,

@@ -36,6 +36,7 @@ import anyio
 import asyncpg
 import structlog
 from anyio.abc import TaskStatus
+from opentelemetry.trace import Status, StatusCode
 
 from orchestrator.budgets import Prices
 from orchestrator.db.bootstrap import ensure_schema
@@ -465,17 +466,16 @@ class Worker:
                 self.effect_waiters,
                 poll_seconds=self.config.poll_seconds,
             )
-            executions.append(RunExecution(run, handle, running.services, effects))
+            execution = RunExecution(run, handle, running.services, effects)
+            self.active[run.run_id] = execution
+            executions.append(execution)
         if executions and tracing_enabled():
             try:
                 await self._trace_attempts(running, executions, sent_at_ns)
             except BaseException:  # the worker is being cancelled: these runs never start
                 for execution in executions:
-                    running.keeper.untrack(execution.handle)
-                    execution.span.end()
+                    self._never_started(running, execution)
                 raise
-        for execution in executions:
-            self.active[execution.claimed.run_id] = execution
         return executions
 
     async def _trace_attempts(
@@ -508,8 +508,8 @@ class Worker:
         try:
             async with pooled(running.claim_pool, within=running.statement_seconds) as db:
                 earlier = await running.store.record_attempt_traces(self.worker_id, attempts, db=db)
-        except DATABASE_ERRORS as error:
-            self.log.warning("could not keep the attempts' trace contexts", error=str(error))
+        except Exception as error:  # a database error or a bug: the runs go on, unlinked
+            self.log.warning("could not keep the attempts' trace contexts", error=repr(error))
             return
         for row in earlier:
             execution = by_run[row.run_id]
@@ -530,8 +530,7 @@ class Worker:
                 # The worker is ending: these runs never started. Their leases are dropped
                 # from the keeper and expire (or are taken over at once when this process's
                 # session ends), so another worker claims them.
-                running.keeper.untrack(execution.handle)
-                self._forget(execution)
+                self._never_started(running, execution)
                 continue
             execution.task = self.run_tasks.start(self._execute(execution, execution.execute()))
         if not self.active:
@@ -579,6 +578,14 @@ class Worker:
         task = self.run_tasks.start(self._execute(execution, execution.clean_up()))
         if execution.task is None:  # not set by an eager start that already ran it
             execution.task = task
+
+    def _never_started(self, running: Running, execution: RunExecution) -> None:
+        running.keeper.untrack(execution.handle)
+        span = execution.span
+        if span.is_recording():
+            span.set_status(Status(StatusCode.ERROR, "never started: the worker was stopping"))
+            span.end()
+        self._forget(execution)
 
     def _forget(self, execution: RunExecution) -> None:
         run_id = execution.claimed.run_id
