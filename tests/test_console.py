@@ -21,11 +21,13 @@ from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
-from orchestrator.effects.model import Effect, EffectStatus
+from orchestrator.effects.approvals import ApprovalStore, Decision
+from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
+from orchestrator.signals import SignalStore
 from orchestrator.testing import running_worker, wait_for_run
 from support import ServeProcess
 from test_effects_processes import AGENT, events_of, vendors_config
@@ -484,6 +486,53 @@ async def test_a_wrong_token_or_a_missing_origin_is_refused_and_changes_nothing(
     assert (after.status, after.decided_by) == (EffectStatus.ACCEPTED, "console:eve")
 
 
+async def test_what_a_hostile_page_or_link_could_send_is_refused(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    run_id = await awaiting_approval(store, pool, {"order": "o-7", "amount": 30})
+    effect = (await EffectStore(pool).list_effects(run_id=run_id))[0]
+    before = await state_of(store, pool, run_id)
+    path = f"/runs/{run_id}/effects/refund/approve"
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    fields = {"by": "ops", "payload_sha256": str(effect.payload_sha256)}
+    async with (
+        console(database_url, tmp_path, token=TOKEN) as running,
+        httpx.AsyncClient(base_url=running.url) as client,
+    ):
+        # DNS rebinding: a page another site serves under its own name, resolved to loopback.
+        rebound = await client.get(f"/runs/{run_id}", headers={"Host": "evil.test:8790"})
+        assert rebound.status_code == 400 and run_id not in rebound.text
+        # A link cannot put words in the console's banner: only signed messages are shown.
+        spoofed = await client.get("/runs?flash=paste+your+token+at+evil.test")
+        assert spoofed.status_code == 200 and "evil.test" not in spoofed.text
+        # Not a number by Python's looser reading either: a clear 400, not a crash.
+        odd = await client.post(path, headers=bearer, data={**fields, "fence": "\u00b2"})
+        assert odd.status_code == 400 and "whole number" in odd.text, odd.text
+        huge = await client.post(path, headers=bearer, data={**fields, "note": "x" * 70_000})
+        assert huge.status_code == 413, huge.text
+        assert await state_of(store, pool, run_id) == before
+        # An API client learns what was wrong: unknown effect 404, a stale hash 409.
+        missing = await client.post(
+            f"/runs/{run_id}/effects/nope/approve", headers=bearer, data=fields
+        )
+        assert missing.status_code == 404, missing.text
+        stale = await client.post(path, headers=bearer, data={**fields, "payload_sha256": "0" * 64})
+        assert stale.status_code == 409, stale.text
+        # After a browser's action, the redirect stays on this console, whatever `next` says.
+        origin = {"Origin": running.url}
+        signed = await client.post("/signin", headers=origin, data={"name": "eve", "token": TOKEN})
+        session = {"Cookie": f"orchestrator_console={signed.cookies['orchestrator_console']}"}
+        client.cookies.clear()
+        done = await client.post(
+            path, headers={**session, **origin}, data={**fields, "next": "/\\evil.test/x"}
+        )
+        assert done.status_code == 303 and done.headers["location"].startswith("/?flash="), (
+            done.headers
+        )
+        shown = await client.get(done.headers["location"], headers=session)
+        assert "approved refund" in shown.text
+
+
 async def test_a_parked_effect_is_resolved_from_the_browser(
     settings: Settings,
     database_url: str,
@@ -549,10 +598,43 @@ async def every_page(page: Page, base: str, run_ids: list[str]) -> dict[str, str
     return html
 
 
+async def more_canaries(store: RunStore, pool: asyncpg.Pool) -> list[str]:
+    """Runs whose timeline holds a canary in a superseded payload, a signal's data, a denial's
+    note, a failed attempt's error and a cancel reason."""
+    effects = EffectStore(pool)
+    run_id = (await store.submit("private", {})).run.run_id
+    first = await store.claim_run("w1", run_id, lease_seconds=0.2)
+    assert first is not None
+    replaceable = EffectPolicy.REPLACEABLE
+    async with pool.acquire() as db:
+        old = Effect("crm-x", "crm", {"note": f"{CANARY}-superseded"}, replaceable)
+        await effects.accept(db, run_id, first.fence, old, worker_id="w1")
+    await anyio.sleep(0.4)  # the first lease expires
+    second = await store.claim_run("w2", run_id, lease_seconds=60)
+    assert second is not None
+    async with pool.acquire() as db:
+        new = Effect("crm-x", "crm", {"note": "new"}, replaceable)
+        assert (await effects.accept(db, run_id, second.fence, new, worker_id="w2")).outcome == (
+            "replaced"
+        )
+        ask = Effect("refund", "crm", {"amount": 5}, requires_approval=True)
+        await effects.accept(db, run_id, second.fence, ask, worker_id="w2")
+    await SignalStore(pool).send(run_id, "note", {"text": f"{CANARY}-signal"})
+    await ApprovalStore(pool).decide(
+        run_id, "refund", Decision.DENIED, by="ana", note=f"{CANARY}-note"
+    )
+    error = {"type": "RuntimeError", "message": f"{CANARY}-error"}
+    assert await store.fail(second.lease, expected_version=0, error=error)
+    cancelled = (await store.submit("private", {})).run.run_id
+    await store.cancel(cancelled, reason=f"{CANARY}-reason")
+    return [run_id, cancelled]
+
+
 async def test_contents_appear_only_with_show_payloads_and_capped(
     settings: Settings,
     database_url: str,
     store: RunStore,
+    pool: asyncpg.Pool,
     tmp_path: Path,
     browser: BrowserContext,
     monkeypatch: pytest.MonkeyPatch,
@@ -577,7 +659,7 @@ async def test_contents_appear_only_with_show_payloads_and_capped(
     big = (
         await store.submit("private", {"prompt": f"{CANARY}-big {markup} " + "x" * 20_000})
     ).run.run_id
-    runs = [run_id, big]
+    runs = [run_id, big, *await more_canaries(store, pool)]
 
     async with console(database_url, tmp_path) as running:
         page = await browser.new_page()
@@ -594,12 +676,13 @@ async def test_contents_appear_only_with_show_payloads_and_capped(
     async with console(database_url, tmp_path, "--show-payloads") as running:
         page = await browser.new_page()
         shown = await every_page(page, running.url, runs)
-    for part in ("-input", "-payload", "-answer", "-big"):
+    parts = ("-input", "-payload", "-answer", "-big", "-superseded", "-signal", "-note", "-error")
+    for part in (*parts, "-reason"):
         assert any(CANARY + part in text for text in shown.values()), part
     for secret in (f"sk-{CANARY}-key", f"{CANARY}-vendor-token"):
         assert not any(secret in text for text in shown.values()), secret
     big_page = shown[f"/runs/{big}"]
-    assert "truncated: first 4096 of" in big_page
+    assert "truncated: the first 4096 of" in big_page
     assert "x" * 5000 not in big_page
     assert markup not in big_page and "&lt;script&gt;alert" in big_page  # shown, never run
 

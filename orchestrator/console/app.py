@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import hashlib
+import hmac
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,8 @@ import jinja2
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -27,12 +32,16 @@ from orchestrator.errors import InvalidInput, OrchestratorError, RunNotFound
 
 from . import views
 from .auth import NAME_COOKIE, SESSION_COOKIE, Auth, Via, actor, origin_acceptable
-from .privacy import Shown
+from .privacy import MAX_SHOWN_BYTES, Shown
 
 TEMPLATES = Path(__file__).parent / "templates"
 STATIC = Path(__file__).parent / "static"
 REFRESH_SECONDS = 3
 MAX_FORM_FIELDS = 20
+
+
+MAX_FORM_BYTES = 64 * 1024
+"""No form of the console is larger; a bigger body is refused before it is read."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,9 @@ class ConsoleConfig:
     show_payloads: bool = False
     schema: str = "orchestrator"
     refresh_seconds: float = REFRESH_SECONDS
+    allowed_hosts: Sequence[str] = ("127.0.0.1", "localhost", "::1")
+    """Host headers served (``*``: any). Pages need no token to read, so a page served to any
+    Host could be read by another site through DNS rebinding."""
 
 
 class Refused(Exception):
@@ -75,6 +87,18 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     store = RunStore(pool)
     templates = _templates()
     auth = config.auth
+    flash_key = secrets.token_bytes(32)
+    """Signs the messages a redirect carries, so that a link cannot put words in the banner."""
+
+    def signed(kind: str, message: str) -> str:
+        return hmac.new(flash_key, f"{kind}:{message}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def message_of(request: Request, kind: str) -> str | None:
+        message = request.query_params.get(kind)
+        signature = request.query_params.get("sig", "")
+        if message is None or not hmac.compare_digest(signature, signed(kind, message)):
+            return None
+        return message
 
     def render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
         via = auth.via(request)
@@ -86,8 +110,9 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
             "refresh_seconds": config.refresh_seconds,
             "live": False,
             "name": request.cookies.get(NAME_COOKIE, ""),
-            "flash": request.query_params.get("flash"),
-            "flash_error": request.query_params.get("error"),
+            "flash": message_of(request, "flash"),
+            "flash_error": message_of(request, "error"),
+            "max_shown_bytes": MAX_SHOWN_BYTES,
             "path": request.url.path,
         }
         response = templates.TemplateResponse(
@@ -163,6 +188,11 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
 
     # -- actions -------------------------------------------------------------------------------
     async def form_of(request: Request) -> FormData:
+        length = request.headers.get("content-length", "")
+        if not (length.isascii() and length.isdecimal()):
+            raise Refused(411, "a form must say its length (Content-Length)")
+        if int(length) > MAX_FORM_BYTES:
+            raise Refused(413, f"a form of the console is at most {MAX_FORM_BYTES} bytes")
         try:
             return await request.form(max_files=0, max_fields=MAX_FORM_FIELDS)
         except HTTPException as error:
@@ -243,7 +273,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 run_fence=fence,
             )
         except OrchestratorError as error:
-            return back(request, form, error=str(error))
+            return back(request, form, error=error)
         return back(request, form, flash=f"{decision.value} {key} of {run_id} as {by}")
 
     @page
@@ -261,24 +291,28 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 run_id, key, sent=found == "sent", by=by, external_id=_field(form, "external_id")
             )
         except OrchestratorError as error:
-            return back(request, form, error=str(error))
+            return back(request, form, error=error)
         return back(request, form, flash=f"{key} of {run_id} resolved {found} by {by}")
 
     def back(
-        request: Request, form: FormData, *, flash: str | None = None, error: str | None = None
+        request: Request,
+        form: FormData,
+        *,
+        flash: str | None = None,
+        error: OrchestratorError | None = None,
     ) -> Response:
         """Post/redirect/get: the page the form came from, saying what happened."""
+        kind, message = ("flash", flash or "") if error is None else ("error", str(error))
+        message = " ".join(message.split())
         if auth.via(request) is Via.BEARER and "origin" not in request.headers:
             # An API client: the answer itself, not a page to follow.
             if error is not None:
-                return JSONResponse({"error": " ".join(error.split())}, status_code=409)
-            return JSONResponse({"ok": True, "detail": flash})
+                return JSONResponse({"error": message}, status_code=_status_of(error))
+            return JSONResponse({"ok": True, "detail": message})
         target = _local(_field(form, "next"))
         separator = "&" if "?" in target else "?"
-        if error is not None:
-            message = quote(" ".join(error.split()))
-            return RedirectResponse(f"{target}{separator}error={message}", status_code=303)
-        return RedirectResponse(f"{target}{separator}flash={quote(flash or '')}", status_code=303)
+        query_string = f"{kind}={quote(message)}&sig={signed(kind, message)}"
+        return RedirectResponse(f"{target}{separator}{query_string}", status_code=303)
 
     routes = [
         Route("/", runs),
@@ -306,7 +340,17 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     return Starlette(
         routes=routes,
         exception_handlers={HTTPException: not_found},
+        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))],
     )
+
+
+def _status_of(error: OrchestratorError) -> int:
+    """An API client's status for a refused action: what was wrong, not only that it was."""
+    if isinstance(error, (RunNotFound, EffectNotFound)):
+        return 404
+    if isinstance(error, InvalidInput):
+        return 400
+    return 409
 
 
 def _field(form: FormData, name: str) -> str | None:
@@ -320,7 +364,7 @@ def _int_field(form: FormData, name: str) -> int | None:
     raw = _field(form, name)
     if raw is None:
         return None
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdecimal()):
         raise InvalidInput(f"{name} must be a whole number, not {raw!r}")
     return int(raw)
 
@@ -330,6 +374,12 @@ def _local(target: str | None) -> str:
     if not target:
         return "/"
     parts = urlsplit(target)
-    if parts.scheme or parts.netloc or not target.startswith("/") or target.startswith("//"):
+    if (
+        parts.scheme
+        or parts.netloc
+        or not target.startswith("/")
+        or target.startswith("//")
+        or "\\" in target  # browsers read a backslash in a URL as a slash
+    ):
         return "/"
     return target

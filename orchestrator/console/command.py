@@ -34,7 +34,15 @@ from .auth import TOKEN_ENV, read_token
     "--show-payloads",
     is_flag=True,
     help="Show run inputs, results, messages and effect payloads (each capped at 4 KiB). "
-    "By default only their sizes and SHA-256 are shown.",
+    "By default only their sizes are shown.",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="A Host name browsers use to reach the console (repeatable; '*' for any). Always "
+    "allowed: the --listen host, localhost, 127.0.0.1, ::1 (and this machine's names when "
+    "listening on every address). Others are refused, against DNS rebinding.",
 )
 @click.option(
     "--refresh-seconds",
@@ -51,6 +59,7 @@ def console(
     token_file: Path | None,
     show_payloads: bool,
     refresh_seconds: float,
+    allowed_hosts: tuple[str, ...],
     log_json: bool | None,
 ) -> None:
     """Serve the web console: runs, attempts, timelines, effects, approvals, workers, queue."""
@@ -77,6 +86,7 @@ def console(
                     show_payloads=show_payloads,
                     schema=settings.schema,
                     refresh_seconds=refresh_seconds,
+                    allowed_hosts=hosts_allowed(host, allowed_hosts),
                 ),
             )
             # log_config=None: uvicorn's records go through configure_logging's handler.
@@ -95,6 +105,14 @@ def console(
         stderr.print("console stopped")
 
     run_async(body)
+
+
+def hosts_allowed(listen_host: str, extra: tuple[str, ...]) -> list[str]:
+    """The Host headers the console answers: its own names, and what ``--allowed-host`` adds."""
+    hosts = {listen_host, "localhost", "127.0.0.1", "::1", "[::1]", *extra}
+    if listen_host in ("0.0.0.0", "::", ""):
+        hosts.update({socket.gethostname(), socket.getfqdn()})
+    return sorted(hosts)
 
 
 def bind(host: str, port: int, listen: str) -> socket.socket:

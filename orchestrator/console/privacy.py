@@ -1,13 +1,15 @@
-"""What the console may show of a value: by default its size and SHA-256, never its contents.
+"""What the console may show of a value: by default its size, never its contents.
 
-Run inputs, results, checkpoints, errors, messages and effect payloads may hold customers'
-data and secrets; the console is read by more people than the database is, so contents appear
-only when the operator opted in with ``--show-payloads``, and then capped in size.
+Run inputs, results, checkpoints, errors, messages, effect payloads and free-text notes may hold
+customers' data and secrets; the console is read by more people than the database is, so
+contents appear only when the operator opted in with ``--show-payloads``, and then capped in
+size. Not even a hash of a hidden value is shown: a short value (an amount, a yes/no) could be
+recovered from it by trying them all. Timeline details are shown by an allowlist of bookkeeping
+keys, so a key added later is hidden until someone decides it is safe.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -17,32 +19,65 @@ from orchestrator.presentation import jsonable
 MAX_SHOWN_BYTES = 4096
 """The most of one value's JSON text a page shows with ``--show-payloads``."""
 
-CONTENT_KEYS = frozenset(
+BOOKKEEPING_KEYS = frozenset(
     {
-        "input",
-        "result",
-        "checkpoint",
-        "payload",
-        "superseded_payload",
-        "data",
-        "error",
-        "previous_error",
-        "message",
-        "content",
-        "arguments",
-        "note",
-        "details",
+        "agent",
+        "max_attempts",
+        "idempotency_key",
+        "not_before",
+        "lease_until",
+        "attempt",
+        "checkpoint_version",
+        "version",
+        "step",
+        "previous_owner",
+        "previous_lease_until",
+        "previous_state",
+        "effect_key",
+        "effect_keys",
+        "kind",
+        "policy",
+        "accepted_fence",
+        "current_fence",
+        "by_fence",
+        "run_state",
+        "payload_sha256",
+        "expires_at",
+        "expired_at",
+        "due_at",
+        "decision",
+        "by",
+        "resolved_by",
+        "external_id",
+        "seq",
+        "seqs",
+        "name",
+        "type",
+        "exhausted_by",
+        "woke_the_run",
     }
 )
-"""Keys of timeline event details whose values are contents, not bookkeeping."""
+"""Keys of timeline event details that are bookkeeping (ids, fences, times, states), shown."""
+
+SYSTEM_REASON_KINDS = frozenset(
+    {
+        "lease_lost",
+        "released",
+        "owner_session_gone",
+        "dead_lettered",
+        "stale_fence_rejected",
+        "effect_refused",
+    }
+)
+"""Events whose ``reason`` the runtime wrote itself; elsewhere (a cancel's, a wait's) it is
+free text a person or a step wrote, and hidden."""
 
 
 @dataclass(frozen=True)
 class Shown:
-    """One value as a page renders it: always its size and hash, its text only if allowed."""
+    """One value as a page renders it: always its size, its text only if allowed."""
 
     size: int
-    sha256: str
     text: str | None
     truncated: bool
 
@@ -60,25 +95,36 @@ def text_of(value: Any) -> str:
 
 def show(value: Any, *, reveal: bool) -> Shown:
     if value is None:
-        return Shown(0, "", None, False)
+        return Shown(0, None, False)
     encoded = text_of(value).encode()
-    digest = hashlib.sha256(encoded).hexdigest()
     if not reveal:
-        return Shown(len(encoded), digest, None, False)
+        return Shown(len(encoded), None, False)
     cut = encoded[:MAX_SHOWN_BYTES].decode(errors="ignore")
-    return Shown(len(encoded), digest, cut, len(encoded) > MAX_SHOWN_BYTES)
+    return Shown(len(encoded), cut, len(encoded) > MAX_SHOWN_BYTES)
 
 
-def event_details(details: Any, *, reveal: bool) -> list[tuple[str, str | Shown]]:
-    """An event's details as (key, value) pairs; contents become ``Shown`` (hidden by default)."""
+def _bookkeeping(kind: str, key: str, value: Any) -> bool:
+    if key == "reason":
+        return kind in SYSTEM_REASON_KINDS and isinstance(value, str)
+    if key not in BOOKKEEPING_KEYS:
+        return False
+    scalars = (str, int, float, bool)
+    return isinstance(value, scalars) or (
+        isinstance(value, list) and all(isinstance(item, scalars) for item in value)
+    )
+
+
+def event_details(kind: str, details: Any, *, reveal: bool) -> list[tuple[str, str | Shown]]:
+    """An event's details as (key, value) pairs; anything but bookkeeping becomes ``Shown``
+    (hidden by default)."""
     if not isinstance(details, dict):
         return [] if details is None else [("details", show(details, reveal=reveal))]
     pairs: list[tuple[str, str | Shown]] = []
     for key, value in details.items():
         if value is None:
             continue
-        if key in CONTENT_KEYS:
-            pairs.append((key, show(value, reveal=reveal)))
-        else:
+        if _bookkeeping(kind, key, value):
             pairs.append((key, text_of(value)))
+        else:
+            pairs.append((key, show(value, reveal=reveal)))
     return pairs

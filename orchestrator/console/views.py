@@ -141,7 +141,7 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
     budget = await BudgetStore(store.pool).get(run_id)
     now = await store.database_now()
     attempts = []
-    for attempt in attempts_of(events):
+    for attempt in attempts_of(events, await store.traces(run_id)):
         fields = attempt.as_json()  # every field it has, so new ones appear without a change here
         if attempt.seconds is None:
             fields["held so far"] = round((now - attempt.claimed_at).total_seconds(), 3)
@@ -153,9 +153,10 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
         "attempt_columns": _columns(attempts),
         "attempts": attempts,
         "events": [
-            {"event": event, "details": event_details(event.details, reveal=reveal)}
-            for event in events
+            {"event": event, "details": event_details(event.kind, event.details, reveal=reveal)}
+            for event in events[-MAX_ROWS_SHOWN:]
         ],
+        "events_total": len(events),
         "stale_refusals": [event for event in events if event.kind == "stale_fence_rejected"],
         "facts": {
             "input": show(run.input, reveal=reveal),
@@ -163,7 +164,9 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
             "result": show(run.result, reveal=reveal),
             "error": show(run.error, reveal=reveal),
         },
-        "messages": message_views(messages, effects, reveal=reveal),
+        "messages": message_views(messages[-MAX_ROWS_SHOWN:], effects, reveal=reveal),
+        "messages_total": len(messages),
+        "max_rows": MAX_ROWS_SHOWN,
         "effects": [effect_view(effect, reveal=reveal) for effect in effects],
         "signals": [
             {
@@ -176,6 +179,10 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
         ],
         "budget": None if budget is None else budget.as_json(),
     }
+
+
+MAX_ROWS_SHOWN = 500
+"""The newest timeline events and messages a run page renders (``runs show --json`` has all)."""
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:

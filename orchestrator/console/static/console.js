@@ -8,6 +8,8 @@
   function busy() {
     var active = document.activeElement;
     if (active && active.form && live.contains(active)) { return true; }
+    // A pointer over a form: a refresh could move another effect's button under it.
+    if (live.querySelector("form:hover")) { return true; }
     var fields = live.querySelectorAll("input[type=text], textarea");
     for (var i = 0; i < fields.length; i++) {
       if (fields[i].value !== fields[i].defaultValue) { return true; }
@@ -17,7 +19,11 @@
   function refresh() {
     if (busy()) { setTimeout(refresh, seconds * 1000); return; }
     fetch(window.location.href, { credentials: "same-origin", cache: "no-store" })
-      .then(function (response) { return response.text(); })
+      .then(function (response) {
+        // A failed fetch (the database away, a restart) keeps what is shown and tries again.
+        if (!response.ok) { throw new Error("status " + response.status); }
+        return response.text();
+      })
       .then(function (text) {
         var fresh = new DOMParser().parseFromString(text, "text/html").getElementById("live");
         if (fresh) {
