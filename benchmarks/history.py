@@ -13,9 +13,9 @@ and report the median ratio history/empty of each (the target: at least 0.9).
 
 Then, on the history database, a worker-like load (claim 50, finish each, ``--tasks`` tasks) runs
 in alternating windows of ``--window`` seconds without and with a concurrent
-``orchestrator.retention.purge`` (cutoff 30 days), reporting the purge's rows/s (runs and what
-was kept for them) and the median ratio of the load's runs/s with the purge to without (the
-target: at least 0.8).
+``orchestrator.retention.purge`` (cutoff 30 days, its default pacing), reporting the purge's
+rows/s (runs and what was kept for them) and the median ratio of the load's runs/s with the
+purge to without (the target: at least 0.8).
 
 Progress on stderr, the results on stdout (``--json`` for machine-readable output). Every loop is
 bounded in count and in time. Run from the repository root:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+import anyio
 import asyncpg
 import jinja2
 from starlette.applications import Starlette
@@ -40,6 +41,9 @@ REFRESH_SECONDS = 3
 MAX_FORM_FIELDS = 20
 
 
+PAGE_SECONDS = 10.0
+"""A page or action the database has not answered by then is a 503, not a hung request."""
+HEALTH_SECONDS = 2.0
 MAX_FORM_BYTES = 64 * 1024
 """No form of the console is larger; a bigger body is refused before it is read."""
 
@@ -134,7 +138,12 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
 
         async def wrapped(request: Request) -> Response:
             try:
-                return await handler(request)
+                with anyio.fail_after(PAGE_SECONDS):
+                    return await handler(request)
+            except TimeoutError:
+                return error_page(
+                    request, 503, f"the database did not answer within {PAGE_SECONDS:g}s; try again"
+                )
             except Refused as refused:
                 return error_page(request, refused.status, str(refused))
             except (RunNotFound, EffectNotFound) as error:
@@ -181,8 +190,9 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
 
     async def healthz(request: Request) -> Response:
         try:
-            await pool.fetchval("SELECT 1")
-        except DATABASE_ERRORS as error:
+            with anyio.fail_after(HEALTH_SECONDS):
+                await pool.fetchval("SELECT 1")
+        except DATABASE_ERRORS as error:  # TimeoutError among them
             return JSONResponse({"ok": False, "reason": type(error).__name__}, status_code=503)
         return JSONResponse({"ok": True, "read_only": not auth.enabled})
 
