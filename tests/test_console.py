@@ -269,6 +269,18 @@ async def test_the_sigstop_story_reads_as_two_attempts_one_refusal_one_send_each
 
 
 # -- approvals ------------------------------------------------------------------------------
+@asynccontextmanager
+async def refund_vendors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[tuple[dict[str, Any], LocalVendor]]:
+    """The scripted model the ``refunds`` agent talks to, and the CRM its effects go to (with
+    the adapters a worker sends through)."""
+    async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "")
+        yield {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}, vendor
+
+
 async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
     settings: Settings,
     database_url: str,
@@ -279,10 +291,7 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
     screenshots: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
-        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "")
-        adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}
+    async with refund_vendors(monkeypatch) as (adapters, vendor):
         approved_id = (await store.submit("refunds", {"prompt": "Refund o-17."})).run.run_id
         denied_id = (await store.submit("refunds", {"prompt": "Refund o-17 again."})).run.run_id
         async with (
@@ -361,10 +370,7 @@ async def test_the_live_run_page_follows_the_run_until_it_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No reload: the page re-fetches itself while the run is live, and stops once it ended."""
-    async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
-        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "")
-        adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}
+    async with refund_vendors(monkeypatch) as (adapters, _vendor):
         run_id = (await store.submit("refunds", {"prompt": "Refund o-17 live."})).run.run_id
         async with (
             running_worker(settings, [refunds], effect_adapters=adapters, **FAST),

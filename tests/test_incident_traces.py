@@ -69,26 +69,25 @@ TIMING: dict[str, Any] = {"lease_seconds": 3.0, "heartbeat_seconds": 0.5, "poll_
 """A lease long enough that a loaded machine still starts A's step before its deadline."""
 
 
-def counter_total(reader: Any, name: str) -> float:
-    total = 0.0
+def points(reader: Any, name: str) -> list[Any]:
+    """Every data point the reader holds for the instrument ``name``."""
     data = reader.get_metrics_data()
-    for resource in data.resource_metrics if data else ():
-        for scope in resource.scope_metrics:
-            for metric in scope.metrics:
-                if metric.name == name:
-                    total += sum(point.value for point in metric.data.data_points)
-    return total
+    return [
+        point
+        for resource in (data.resource_metrics if data else ())
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == name
+        for point in metric.data.data_points
+    ]
+
+
+def counter_total(reader: Any, name: str) -> float:
+    return float(sum(point.value for point in points(reader, name)))
 
 
 def histogram_count(reader: Any, name: str) -> int:
-    count = 0
-    data = reader.get_metrics_data()
-    for resource in data.resource_metrics if data else ():
-        for scope in resource.scope_metrics:
-            for metric in scope.metrics:
-                if metric.name == name:
-                    count += sum(point.count for point in metric.data.data_points)
-    return count
+    return sum(point.count for point in points(reader, name))
 
 
 def worker_a_in_a_thread(
