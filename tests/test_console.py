@@ -32,7 +32,7 @@ from orchestrator.testing import running_worker, wait_for_run
 from support import ServeProcess
 from test_effects_processes import AGENT, events_of, vendors_config
 from test_effects_proxy import free_port
-from test_privacy import CANARY, PRIVATE_TURNS, private
+from test_privacy import CANARY, run_with_canaries
 from test_runtime import FAST
 from tool_agents_for_tests import REFUND_TURNS, refunds
 
@@ -645,21 +645,8 @@ async def test_contents_appear_only_with_show_payloads_and_capped(
     browser: BrowserContext,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("OPENAI_API_KEY", f"sk-{CANARY}-key")
-    monkeypatch.setenv("CRM_TOKEN", f"{CANARY}-vendor-token")
-    async with ScriptedModelServer(PRIVATE_TURNS) as model, LocalVendor() as vendor:
-        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
-        adapters = {
-            "crm": HttpAdapter(
-                "crm", url=vendor.send_url, token_env="CRM_TOKEN", reconcile="replay"
-            )
-        }
-        run_id = (
-            await store.submit("private", {"prompt": f"Where is my order? {CANARY}-input"})
-        ).run.run_id
-        async with running_worker(settings, [private], effect_adapters=adapters, **FAST):
-            run = await wait_for_run(store, run_id, within=30)
-    assert run.state is RunState.SUCCEEDED, run.error
+    run, _, vendor = await run_with_canaries(settings, store, monkeypatch)
+    run_id = run.run_id
     assert any(CANARY in json.dumps(d["payload"]) for d in vendor.deliveries.values())
     markup = "<script>alert('console')</script>"
     big = (

@@ -17,7 +17,7 @@ from orchestrator.loopback import (
     ScriptedTurn,
     turns,
 )
-from orchestrator.models import RunState
+from orchestrator.models import Run, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent
@@ -40,6 +40,29 @@ PRIVATE_TURNS = turns(
 )
 
 
+async def run_with_canaries(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Run, ScriptedModelServer, LocalVendor]:
+    """The ``private`` agent run to success with a canary in its input, its prompt, its effect's
+    payload, the model API key and the vendor token; the model and vendor it used (stopped)."""
+    monkeypatch.setenv("OPENAI_API_KEY", f"sk-{CANARY}-key")
+    monkeypatch.setenv("CRM_TOKEN", f"{CANARY}-vendor-token")
+    async with ScriptedModelServer(PRIVATE_TURNS) as model, LocalVendor() as vendor:
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        adapters = {
+            "crm": HttpAdapter(
+                "crm", url=vendor.send_url, token_env="CRM_TOKEN", reconcile="replay"
+            )
+        }
+        run_id = (
+            await store.submit("private", {"prompt": f"Where is my order? {CANARY}-input"})
+        ).run.run_id
+        async with running_worker(settings, [private], effect_adapters=adapters, **FAST):
+            run = await wait_for_run(store, run_id, within=30)
+    assert run.state is RunState.SUCCEEDED, run.error
+    return run, model, vendor
+
+
 def everything_in(spans: Any, reader: Any) -> str:
     """Every span (name, attributes, events, links, status) and every metric point as text."""
     parts = [span.to_json() for span in spans.get_finished_spans()]
@@ -57,21 +80,7 @@ async def test_the_canary_appears_in_no_span_metric_or_log(
     reader = capture_metrics()
     assert spans is not None and reader is not None
     spans.clear()
-    monkeypatch.setenv("OPENAI_API_KEY", f"sk-{CANARY}-key")
-    monkeypatch.setenv("CRM_TOKEN", f"{CANARY}-vendor-token")
-    async with ScriptedModelServer(PRIVATE_TURNS) as model, LocalVendor() as vendor:
-        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
-        adapters = {
-            "crm": HttpAdapter(
-                "crm", url=vendor.send_url, token_env="CRM_TOKEN", reconcile="replay"
-            )
-        }
-        run_id = (
-            await store.submit("private", {"prompt": f"Where is my order? {CANARY}-input"})
-        ).run.run_id
-        async with running_worker(settings, [private], effect_adapters=adapters, **FAST):
-            run = await wait_for_run(store, run_id, within=30)
-    assert run.state is RunState.SUCCEEDED, run.error
+    _, model, vendor = await run_with_canaries(settings, store, monkeypatch)
     # The secrets did travel where they had to: the model, the vendor, the database.
     assert any(CANARY in json.dumps(p) for p in [d["payload"] for d in vendor.deliveries.values()])
     assert model.requests and len(vendor.deliveries) == 1
