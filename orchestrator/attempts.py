@@ -3,12 +3,16 @@ each attempt ended. What ``runs show`` and the console print first in an inciden
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from orchestrator.models import JSON, RunEvent, TraceRow
 from orchestrator.telemetry import trace_id_of
+
+if TYPE_CHECKING:
+    from orchestrator.db.store import RunStore
 
 ENDINGS = {
     "lease_lost": "lost its lease",
@@ -22,6 +26,16 @@ ENDINGS = {
     "cancelled": "cancelled",
 }
 """Timeline events that end an attempt, and how they read."""
+
+TALLIED = {
+    "checkpoint": "checkpoints",
+    "effect_accepted": "effects_requested",
+    "stale_fence_rejected": "stale_refusals",
+}
+"""Timeline events counted per attempt, and the attempt's field that counts them."""
+
+RECENT_ATTEMPTS = 100
+"""How many attempts ``runs show`` and the console's run page show: the newest."""
 
 
 @dataclass
@@ -37,7 +51,6 @@ class Attempt:
     effects_requested: int = 0
     stale_refusals: int = 0
     """Effect requests this attempt's fence made after a newer one existed, refused."""
-    events: list[int] = field(default_factory=list)
     trace_id: str | None = None
     """The trace of this attempt's spans (when the worker was tracing), to open in a tracing UI."""
 
@@ -63,9 +76,24 @@ class Attempt:
         }
 
 
-def attempts_of(events: Sequence[RunEvent], traces: Sequence[TraceRow] = ()) -> list[Attempt]:
+async def recent_attempts(store: RunStore, run_id: str) -> list[Attempt]:
+    """The run's newest attempts (at most ``RECENT_ATTEMPTS``), read in bounded memory however
+    long its timeline is: the counted events arrive as counts."""
+    events, tallies = await store.attempt_events(
+        run_id, RECENT_ATTEMPTS, endings=list(ENDINGS), tallied=list(TALLIED)
+    )
+    return attempts_of(events, await store.traces(run_id), tallies=tallies)
+
+
+def attempts_of(
+    events: Sequence[RunEvent],
+    traces: Sequence[TraceRow] = (),
+    *,
+    tallies: Mapping[tuple[int, str], int] | None = None,
+) -> list[Attempt]:
     """One attempt per claim, in order; an attempt still open when the next claim comes lost
-    its lease to expiry. ``traces`` (the run's stored trace contexts) give each its trace id."""
+    its lease to expiry. ``traces`` (the run's stored trace contexts) give each its trace id;
+    ``tallies`` (per fence and kind) count the events of ``TALLIED`` kinds not among ``events``."""
     trace_ids = {row.fence: trace_id_of(row.traceparent) for row in traces}
     attempts: list[Attempt] = []
     by_fence: dict[int, Attempt] = {}
@@ -92,14 +120,17 @@ def attempts_of(events: Sequence[RunEvent], traces: Sequence[TraceRow] = ()) -> 
         if owner is None:
             continue
         attempt = owner
-        attempt.events.append(event.event_id)
-        if event.kind == "checkpoint":
-            attempt.checkpoints += 1
-        elif event.kind == "effect_accepted":
-            attempt.effects_requested += 1
-        elif event.kind == "stale_fence_rejected":
-            attempt.stale_refusals += 1
+        if event.kind in TALLIED:
+            _count(attempt, event.kind, 1)
         elif event.kind in ENDINGS and attempt.ended_at is None:
             attempt.ended_at = event.at
             attempt.ending = ENDINGS[event.kind]
+    for (fence, kind), count in (tallies or {}).items():
+        if fence in by_fence and kind in TALLIED:
+            _count(by_fence[fence], kind, count)
     return attempts
+
+
+def _count(attempt: Attempt, kind: str, count: int) -> None:
+    name = TALLIED[kind]
+    setattr(attempt, name, getattr(attempt, name) + count)

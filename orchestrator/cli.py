@@ -21,8 +21,6 @@ import click
 import structlog
 
 from orchestrator import __version__
-from orchestrator.attempts import attempts_of
-from orchestrator.budgets import BudgetStore
 from orchestrator.cli_chaos import chaos
 from orchestrator.cli_ops import (
     bulk,
@@ -63,14 +61,15 @@ from orchestrator.presentation import (
     conversation_table,
     dump_json,
     effects_table,
+    event_line,
     jsonable,
     print_run,
     runs_table,
     signals_table,
 )
 from orchestrator.retention import DEFAULT_RETENTION, parse_retention
+from orchestrator.run_detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_detail, more_events_hint
 from orchestrator.settings import Settings
-from orchestrator.signals import SignalStore
 
 if TYPE_CHECKING:
     from orchestrator.worker.worker import Worker
@@ -279,47 +278,97 @@ def runs_list(
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the run, its timeline and transcript as JSON."
 )
+@click.option(
+    "--events",
+    "events_shown",
+    type=click.IntRange(1, MAX_EVENTS),
+    default=DEFAULT_EVENTS,
+    show_default=True,
+    help="Show the newest N timeline events (`runs events` pages through all of them).",
+)
 @click.pass_context
-def runs_show(ctx: click.Context, run_id: str, as_json: bool) -> None:
-    """Show a run: state, fence, owner, lease expiry, checkpoint, timeline and conversation."""
+def runs_show(ctx: click.Context, run_id: str, as_json: bool, events_shown: int) -> None:
+    """Show a run: state, fence, owner, lease expiry, checkpoint, attempts, the newest timeline
+    events and the conversation."""
     settings = settings_of(ctx)
 
     async def body() -> None:
         async with open_store(settings) as store:
-            run = await store.get(run_id)
-            events = await store.events(run_id)
-            attempts = attempts_of(events, await store.traces(run_id))
-            messages = await store.messages(run_id)
-            effects = await EffectStore(store.pool).list_effects(run_id=run_id, limit=10_000)
-            signals = await SignalStore(store.pool).history(run_id)
-            budget = await BudgetStore(store.pool).get(run_id)
-            now = await store.database_now()
+            detail = await load_run_detail(store, run_id, events=events_shown)
         if as_json:
             stdout.print_json(
                 dump_json(
                     {
-                        "run": run,
-                        "events": events,
-                        "attempts": [attempt.as_json() for attempt in attempts],
-                        "messages": messages,
-                        "effects": effects,
+                        "run": detail.run,
+                        "events": detail.events,
+                        "events_total": detail.events_total,
+                        "events_more": more_events_hint(detail),
+                        "claims": detail.claims,
+                        "attempts": [attempt.as_json() for attempt in detail.attempts],
+                        "messages": detail.messages,
+                        "effects": detail.effects,
                         "signals": [
                             {**jsonable(signal), "consumed_at": at, "consumed_fence": fence}
-                            for signal, at, fence in signals
+                            for signal, at, fence in detail.signals
                         ],
-                        "budget": None if budget is None else budget.as_json(),
-                        "database_now": now,
+                        "budget": None if detail.budget is None else detail.budget.as_json(),
+                        "database_now": detail.now,
                     }
                 )
             )
+            return
+        print_run(stdout, detail)
+        hint = more_events_hint(detail)
+        if hint is not None:
+            stderr.print(hint, markup=False)
+        if detail.budget is not None:
+            stdout.print(budget_table(detail.budget))
+        if detail.signals:
+            stdout.print(signals_table(detail.signals))
+        if detail.messages:
+            stdout.print(conversation_table(detail.messages, detail.effects))
+
+    run_async(body)
+
+
+@runs.command("events")
+@click.argument("run_id")
+@click.option(
+    "--after",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Start after this event id (the last one of the previous page).",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, MAX_EVENTS),
+    default=1000,
+    show_default=True,
+    help="At most this many events.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the page as a JSON array.")
+@click.pass_context
+def runs_events(ctx: click.Context, run_id: str, after: int, limit: int, as_json: bool) -> None:
+    """Page through a run's timeline, oldest first: a page of --limit events after --after.
+    The last line on stderr says how to ask for the next page."""
+    settings = settings_of(ctx)
+
+    async def body() -> None:
+        async with open_store(settings) as store:
+            await store.get(run_id)  # RunNotFound for an unknown run, not an empty page
+            events = await store.events(run_id, after=after, limit=limit)
+        if as_json:
+            click.echo(dump_json(events))  # a page can be megabytes: no highlighting pass
         else:
-            print_run(stdout, run, events, now, attempts)
-            if budget is not None:
-                stdout.print(budget_table(budget))
-            if signals:
-                stdout.print(signals_table(signals))
-            if messages:
-                stdout.print(conversation_table(messages, effects))
+            for event in events:
+                click.echo(event_line(event))  # one line each, whatever the terminal's width
+        if len(events) == limit:
+            stderr.print(
+                f"next page: orchestrator runs events {run_id} --after {events[-1].event_id}"
+                f" --limit {limit}",
+                markup=False,
+            )
 
     run_async(body)
 

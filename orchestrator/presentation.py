@@ -16,6 +16,7 @@ from orchestrator.attempts import Attempt
 from orchestrator.budgets import BudgetState
 from orchestrator.effects.model import EffectRecord
 from orchestrator.models import Run, RunEvent, RunState
+from orchestrator.run_detail import RunDetail
 from orchestrator.signals import Signal
 from orchestrator.tool_agent import effect_key
 from orchestrator.transcript import Message
@@ -97,21 +98,16 @@ def event_line(event: RunEvent) -> str:
     return f"{_time(event.at)} {event.kind}{fence}{worker}" + (f" {details}" if details else "")
 
 
-def print_run(
-    console: Console,
-    run: Run,
-    events: Sequence[RunEvent],
-    now: datetime,
-    attempts: Sequence[Attempt] = (),
-) -> None:
-    """State, fence, owner, lease expiry (judged by the database clock), checkpoint, timeline."""
+def print_run(console: Console, detail: RunDetail) -> None:
+    """State, fence, owner, lease expiry (judged by the database clock), checkpoint, attempts,
+    the newest timeline events."""
+    run, now, claims = detail.run, detail.now, detail.claims
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
     facts.add_column()
     lease = ""
     if run.lease_until is not None:
         lease = f"{_time(run.lease_until)} ({_relative(run.lease_until, now)}, database clock)"
-    claims = sum(1 for event in events if event.kind == "claimed")
     attempt = f"{run.attempt} of {run.max_attempts} since the last checkpoint"
     if claims:
         attempt += f" ({claims} claim{'s' if claims != 1 else ''} in all)"
@@ -138,12 +134,15 @@ def print_run(
         if value:
             facts.add_row(label, value)
     console.print(facts)
-    if attempts:
-        console.print(attempts_table(attempts, now))
-    timeline = Table(title="timeline", show_edge=False, header_style="bold", title_justify="left")
+    if detail.attempts:
+        console.print(attempts_table(detail.attempts, now))
+    title = "timeline"
+    if detail.events_total > len(detail.events):
+        title += f" (the newest {len(detail.events):,} of {detail.events_total:,} events)"
+    timeline = Table(title=title, show_edge=False, header_style="bold", title_justify="left")
     for column in ("at", "event", "fence", "worker", "details"):
         timeline.add_column(column)
-    for event in events:
+    for event in detail.events:
         timeline.add_row(
             _time(event.at),
             event.kind,

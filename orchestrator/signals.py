@@ -11,6 +11,7 @@ signal.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -123,15 +124,19 @@ class SignalStore:
             )
         return SentSignal(signal, created=False)
 
-    async def pending(self, run_id: str) -> tuple[Signal, ...]:
-        """The run's unconsumed signals, in the order they came."""
-        records = await self.db.fetch(query("pending_signals"), run_id)
+    async def pending(self, run_id: str, awaited: Sequence[str] = ()) -> tuple[Signal, ...]:
+        """The run's unconsumed signals (at most 100), in the order they came; those named in
+        ``awaited`` chosen first."""
+        records = await self.db.fetch(query("pending_signals"), run_id, list(awaited))
         return tuple(Signal.from_record(record) for record in records)
 
-    async def history(self, run_id: str) -> list[tuple[Signal, datetime | None, int | None]]:
-        """Every signal of the run with when, and by which fence, it was consumed."""
+    async def history(
+        self, run_id: str, *, newest: int | None = None
+    ) -> list[tuple[Signal, datetime | None, int | None]]:
+        """Every signal of the run (or the ``newest`` ones), oldest first, with when, and by
+        which fence, it was consumed."""
         validate_run_id(run_id)
-        records = await self.db.fetch(query("run_signals"), run_id)
+        records = await self.db.fetch(query("run_signals"), run_id, newest)
         return [(Signal.from_record(r), r["consumed_at"], r["consumed_fence"]) for r in records]
 
 

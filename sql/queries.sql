@@ -126,16 +126,27 @@ WITH expired AS (
     RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
               r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
               p.previous_lease_until, clock_timestamp() AS claimed_at, p.wait,
-              -- The run's first unconsumed signals, for its first step (only runs that have
-              -- some; at most 100, the rest go to the steps after it).
+              -- The run's unconsumed signals for its first step (only runs that have some; at
+              -- most 100, the rest go to the steps after it): the signals a waiting run waits
+              -- for come first, so any number of other signals ahead of them cannot hide them.
               CASE WHEN r.signals_pending > 0 THEN (
                   SELECT jsonb_agg(jsonb_build_object(
                              'seq', s.seq, 'name', s.name, 'data', s.data,
                              'idempotency_key', s.idempotency_key, 'sent_at', s.sent_at)
                          ORDER BY s.seq)
-                  FROM (SELECT * FROM run_signals AS s
-                        WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
-                        ORDER BY s.seq LIMIT 100) AS s
+                  FROM (SELECT ARRAY(SELECT jsonb_array_elements_text(p.wait -> 'signals'))
+                            AS names) AS w
+                  CROSS JOIN LATERAL (
+                      SELECT * FROM ((SELECT s.*, true AS awaited FROM run_signals AS s
+                                      WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
+                                        AND s.name = ANY(w.names)
+                                      ORDER BY s.seq LIMIT 100)
+                                     UNION ALL
+                                     (SELECT s.*, false FROM run_signals AS s
+                                      WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
+                                        AND s.name <> ALL(w.names)
+                                      ORDER BY s.seq LIMIT 100)) AS u
+                      ORDER BY awaited DESC, seq LIMIT 100) AS s
               ) END AS signals, r.signals_pending
 ), dead AS (
     UPDATE runs AS r
@@ -404,12 +415,48 @@ ORDER BY e.event_id DESC
 LIMIT $3
 
 -- run_events --
--- params: $1 run_id text
--- The timeline of one run, oldest first.
+-- params: $1 run_id text, $2 after_event_id bigint, $3 limit int (NULL: all)
+-- The timeline of one run after event $2, oldest first: a page of it, or all of it.
 SELECT event_id, run_id, at, kind, fence, worker_id, details
 FROM run_events
-WHERE run_id = $1
+WHERE run_id = $1 AND event_id > $2
 ORDER BY event_id
+LIMIT $3
+
+-- run_events_tail --
+-- params: $1 run_id text, $2 limit int, $3 kinds text[] (NULL: every kind)
+-- The newest $2 events of one run (of the kinds $3), oldest first, and how many it has in all
+-- (of those kinds): what a run's page shows of a timeline that may hold 100,000 events.
+SELECT t.*, (SELECT count(*) FROM run_events
+             WHERE run_id = $1 AND ($3::text[] IS NULL OR kind = ANY($3::text[]))) AS total
+FROM (SELECT event_id, run_id, at, kind, fence, worker_id, details
+      FROM run_events
+      WHERE run_id = $1 AND ($3::text[] IS NULL OR kind = ANY($3::text[]))
+      ORDER BY event_id DESC
+      LIMIT $2) AS t
+ORDER BY t.event_id
+
+-- run_attempt_events --
+-- params: $1 run_id text, $2 attempts int, $3 endings text[] (the kinds that end an attempt),
+--         $4 tallied text[] (the kinds counted per attempt)
+-- What a run's newest $2 attempts are built from, in one pass over its timeline: their claims
+-- and the events that may end them, as they are; then one row per fence and tallied kind, with
+-- NULL event_id and the count in details ({"count": n}).
+WITH recent AS (
+    SELECT fence FROM run_events WHERE run_id = $1 AND kind = 'claimed'
+    ORDER BY event_id DESC LIMIT $2
+), relevant AS (
+    SELECT event_id, run_id, at, kind, fence, worker_id, details
+    FROM run_events
+    WHERE run_id = $1 AND fence >= (SELECT coalesce(min(fence), 0) FROM recent)
+      AND (kind = 'claimed' OR kind = ANY($3::text[]) OR kind = ANY($4::text[]))
+)
+SELECT event_id, run_id, at, kind, fence, worker_id, details
+FROM relevant WHERE NOT kind = ANY($4::text[])
+UNION ALL
+SELECT NULL, $1, NULL, kind, fence, NULL, jsonb_build_object('count', count(*))
+FROM relevant WHERE kind = ANY($4::text[])
+GROUP BY fence, kind
 
 -- database_now --
 -- params: none
@@ -730,48 +777,63 @@ SELECT DISTINCT unnest(agents) AS agent FROM workers ORDER BY 1
 
 -- park_runs --
 -- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[], $4 waits text[] (JSON),
---         $5 untils timestamptz[]
+--         $5 untils timestamptz[], $6 given_signals boolean[]
 -- The runs of owner $1 whose step commit took effect in this transaction wait: no lease, no
 -- worker, state waiting, what they wait for in runs.wait. Each is due again at once if what it
 -- waits for has already happened (a listed signal unconsumed, every listed effect settled), else
 -- at its time $5, else never until woken. The rows are locked by the step commit just before,
 -- so a signal or a settlement racing this statement wakes the run after it (they update the run
--- after this transaction ends) or is seen by it.
+-- after this transaction ends) or is seen by it. A run that keeps parking due at once while its
+-- step was given no signal ($6 false: it waits for something that has already happened, and
+-- nothing changes between its claims) is not claimed again in a loop: from its fourth such park
+-- in a row it is due after 1, 2, 4 ... seconds, at most 60 (runs.wake_streak counts them).
 WITH input AS MATERIALIZED (
-    SELECT u.run_id, u.fence, u.wait::jsonb AS wait, u.until, $1::text AS owner,
-           clock_timestamp() AS now
-    FROM unnest($2::text[], $3::bigint[], $4::text[], $5::timestamptz[])
-        AS u(run_id, fence, wait, until)
+    SELECT u.run_id, u.fence, u.wait::jsonb AS wait, u.until, u.given_signals,
+           ARRAY(SELECT jsonb_array_elements_text(u.wait::jsonb -> 'signals')) AS names,
+           $1::text AS owner, clock_timestamp() AS now
+    FROM unnest($2::text[], $3::bigint[], $4::text[], $5::timestamptz[], $6::boolean[])
+        AS u(run_id, fence, wait, until, given_signals)
+), judged AS (
+    SELECT u.*,
+           EXISTS (SELECT 1 FROM run_signals AS s
+                   WHERE s.run_id = u.run_id AND s.consumed_at IS NULL AND s.name = ANY(u.names))
+           OR (jsonb_array_length(coalesce(u.wait -> 'effects', '[]'::jsonb)) > 0
+               AND NOT EXISTS (SELECT 1 FROM effects AS e
+                               WHERE e.run_id = u.run_id AND u.wait -> 'effects' ? e.effect_key
+                                 AND e.status NOT IN ('confirmed', 'failed', 'rejected')))
+           -- Topped up after the reservation that was refused (before this park): try again.
+           OR (u.wait ->> 'reason' = 'budget'
+               AND coalesce((SELECT max(entry) FILTER (WHERE kind = 'top_up')
+                                    > coalesce(max(entry) FILTER (WHERE kind = 'refused'), 0)
+                             FROM budget_ledger AS l WHERE l.run_id = u.run_id), false))
+           AS happened
+    FROM input AS u
 ), parked AS (
     UPDATE runs AS r
     SET state = 'waiting', lease_owner = NULL, lease_until = NULL, wait = u.wait, attempt = 0,
+        wake_streak = CASE WHEN u.happened AND NOT u.given_signals THEN r.wake_streak + 1
+                           ELSE 0 END,
         available_at = CASE
-            WHEN jsonb_array_length(coalesce(u.wait -> 'signals', '[]'::jsonb)) > 0
-                 AND EXISTS (SELECT 1 FROM run_signals AS s
-                             WHERE s.run_id = r.run_id AND s.consumed_at IS NULL
-                               AND u.wait -> 'signals' ? s.name) THEN u.now
-            WHEN jsonb_array_length(coalesce(u.wait -> 'effects', '[]'::jsonb)) > 0
-                 AND NOT EXISTS (SELECT 1 FROM effects AS e
-                                 WHERE e.run_id = r.run_id AND u.wait -> 'effects' ? e.effect_key
-                                   AND e.status NOT IN ('confirmed', 'failed', 'rejected'))
-                 THEN u.now
-            -- Topped up after the reservation that was refused (before this park): try again.
-            WHEN u.wait ->> 'reason' = 'budget'
-                 AND (SELECT max(entry) FILTER (WHERE kind = 'top_up')
-                             > coalesce(max(entry) FILTER (WHERE kind = 'refused'), 0)
-                      FROM budget_ledger AS l WHERE l.run_id = r.run_id) THEN u.now
-            ELSE coalesce(u.until, 'infinity'::timestamptz)
+            WHEN NOT u.happened THEN coalesce(u.until, 'infinity'::timestamptz)
+            WHEN u.given_signals OR r.wake_streak < 3 THEN u.now
+            ELSE u.now + make_interval(secs => least(2 ^ (r.wake_streak - 3), 60))
         END,
         updated_at = clock_timestamp()
-    FROM input AS u
+    FROM judged AS u
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence
-    RETURNING r.run_id, r.fence, r.agent, r.available_at, u.wait, u.now
+    RETURNING r.run_id, r.fence, r.agent, r.available_at, r.wake_streak, u.wait, u.now,
+              u.happened
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT run_id, 'waiting', fence, $1,
            wait || jsonb_build_object('due_at', CASE WHEN available_at < 'infinity'
                                                      THEN available_at END)
+                || CASE WHEN happened AND available_at > now
+                        THEN jsonb_build_object(
+                                 'wake_streak', wake_streak,
+                                 'backed_off_seconds', extract(epoch FROM available_at - now))
+                        ELSE '{}'::jsonb END
     FROM parked
 ), woken AS (
     SELECT pg_notify('orchestrator_runs', agent) FROM parked WHERE available_at <= now
@@ -779,26 +841,34 @@ WITH input AS MATERIALIZED (
 SELECT run_id FROM parked WHERE (SELECT count(*) FROM woken) >= 0
 
 -- pending_signals --
--- params: $1 run_id text
+-- params: $1 run_id text, $2 awaited text[]
 -- The signals sent to run $1 and not yet consumed by a committed step, in the order they came
--- (at most 100: a step is given a bounded number; the next step gets the rest).
+-- (at most 100: a step is given a bounded number; the next step gets the rest), those named in
+-- $2 (what a woken run waited for) chosen first, as the claim chooses them.
 SELECT seq, name, data, idempotency_key, sent_at
-FROM run_signals
-WHERE run_id = $1 AND consumed_at IS NULL
-ORDER BY seq
+FROM ((SELECT * FROM run_signals
+       WHERE run_id = $1 AND consumed_at IS NULL AND name = ANY($2::text[])
+       ORDER BY seq LIMIT 100)
+      UNION ALL
+      (SELECT * FROM run_signals
+       WHERE run_id = $1 AND consumed_at IS NULL AND name <> ALL($2::text[])
+       ORDER BY seq LIMIT 100)) AS u
+ORDER BY name = ANY($2::text[]) DESC, seq
 LIMIT 100
 
 -- consume_signals --
--- params: $1 run_ids text[], $2 up_to_seqs bigint[], $3 fences bigint[]
+-- params: $1 run_ids text[], $2 seqs bigint[], $3 fences bigint[] (one row per signal)
 -- The signals a committed step was given are consumed with its commit, in its transaction (only
 -- runs whose commit took effect): exactly once into the run, however many times the step ran.
+-- The step was given these seqs, not a prefix: a woken run is given the signals it waited for
+-- ahead of older ones, which stay for its later steps.
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS u(run_id, up_to, fence)
+    SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS u(run_id, seq, fence)
 ), consumed AS (
     UPDATE run_signals AS s
     SET consumed_at = clock_timestamp(), consumed_fence = u.fence
     FROM input AS u
-    WHERE s.run_id = u.run_id AND s.seq <= u.up_to AND s.consumed_at IS NULL
+    WHERE s.run_id = u.run_id AND s.seq = u.seq AND s.consumed_at IS NULL
     RETURNING s.run_id, s.seq, s.name, u.fence
 ), counted AS (
     UPDATE runs AS r
@@ -860,10 +930,14 @@ SELECT seq, name, data, idempotency_key, sent_at, consumed_at
 FROM run_signals WHERE run_id = $1 AND idempotency_key = $2
 
 -- run_signals --
--- params: $1 run_id text
--- Every signal of run $1, in order, with when and by which fence it was consumed.
-SELECT seq, name, data, idempotency_key, sent_at, consumed_at, consumed_fence
-FROM run_signals WHERE run_id = $1 ORDER BY seq
+-- params: $1 run_id text, $2 limit int (NULL: all)
+-- The newest $2 signals of run $1 (or every one), oldest first, with when and by which fence
+-- each was consumed.
+SELECT * FROM (
+    SELECT seq, name, data, idempotency_key, sent_at, consumed_at, consumed_fence
+    FROM run_signals WHERE run_id = $1 ORDER BY seq DESC LIMIT $2
+) AS newest
+ORDER BY seq
 
 -- watch_run --
 -- params: $1 run_id text

@@ -328,12 +328,14 @@ CREATE TABLE orchestrator.runs (
     wait jsonb,
     signals_pending integer DEFAULT 0 NOT NULL,
     watched boolean DEFAULT false NOT NULL,
+    wake_streak integer DEFAULT 0 NOT NULL,
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT runs_fence_check CHECK ((fence >= 0)),
     CONSTRAINT runs_lease_matches_state CHECK (((state = 'running'::text) = ((lease_owner IS NOT NULL) AND (lease_until IS NOT NULL)))),
     CONSTRAINT runs_max_attempts_check CHECK ((max_attempts >= 1)),
     CONSTRAINT runs_signals_pending_check CHECK ((signals_pending >= 0)),
-    CONSTRAINT runs_state_check CHECK ((state = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])))
+    CONSTRAINT runs_state_check CHECK ((state = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]))),
+    CONSTRAINT runs_wake_streak_check CHECK ((wake_streak >= 0))
 )
 WITH (fillfactor='70');
 CREATE SEQUENCE orchestrator.worker_session_keys
@@ -386,6 +388,7 @@ CREATE INDEX effects_parked ON orchestrator.effects USING btree (run_id) WHERE (
 CREATE INDEX run_events_run ON orchestrator.run_events USING btree (run_id, event_id);
 CREATE INDEX run_events_submitted ON orchestrator.run_events USING btree (event_id) WHERE (kind = 'submitted'::text);
 CREATE UNIQUE INDEX run_signals_key ON orchestrator.run_signals USING btree (run_id, idempotency_key) WHERE (idempotency_key IS NOT NULL);
+CREATE INDEX run_signals_unconsumed ON orchestrator.run_signals USING btree (run_id, name, seq) WHERE (consumed_at IS NULL);
 CREATE INDEX runs_due ON orchestrator.runs USING btree (agent, available_at) WHERE (state = ANY (ARRAY['queued'::text, 'waiting'::text]));
 CREATE INDEX runs_finished ON orchestrator.runs USING btree (finished_at) WHERE (state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]));
 CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);

@@ -185,3 +185,91 @@ async def test_workers_list_queue_stats_and_db_status(
     assert status["schema_version"] == latest_version() and status["pending"] == []
     assert status["database"] == redact_dsn(database_url)
     assert f"at version {latest_version()}" in cli(database_url, "db", "status").stdout
+
+
+PEAK_RSS = (
+    "import resource, subprocess, sys\n"
+    "code = subprocess.run(sys.argv[1:]).returncode\n"
+    "print(f'peak_rss_kb={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}',"
+    " file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+def cli_measured(database_url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], int]:
+    """``cli`` in a fresh parent that reports the command's peak resident memory (kB)."""
+    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url, "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    peak = [line for line in done.stderr.splitlines() if line.startswith("peak_rss_kb=")]
+    return done, int(peak[-1].split("=")[1])
+
+
+async def test_a_run_with_100000_events_is_shown_in_bounded_memory_and_paged_in_full(
+    database_url: str, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """The history a run spinning on claims used to leave (issue 20): 50,000 claims, each
+    parked again, and stale refusals among them. ``runs show`` read and printed all of it."""
+    from orchestrator.console.views import MAX_ROWS_SHOWN, run_page
+
+    run_id = (await store.submit("summarise", {})).run.run_id
+    await pool.execute(
+        """
+        INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+        SELECT $1, CASE WHEN i % 200 = 199 THEN 'stale_fence_rejected'
+                        WHEN i % 2 = 0 THEN 'claimed' ELSE 'waiting' END,
+               1 + i / 2, 'worker-' || (i % 7),
+               jsonb_build_object('lease_until', clock_timestamp(), 'step', 'AwaitReply',
+                                  'signals', jsonb_build_array('go'), 'padding', repeat('x', 200))
+        FROM generate_series(0, 99999) AS i
+        """,
+        run_id,
+    )
+    await pool.execute("UPDATE runs SET fence = 50000 WHERE run_id = $1", run_id)
+    total = 100_001  # with the run's "submitted"
+
+    shown, peak_kb = cli_measured(database_url, "runs", "show", run_id)
+    assert shown.returncode == 0, shown.stderr
+    assert f"the newest 100 of {total:,} events" in shown.stdout
+    assert f"runs events {run_id} --json" in shown.stderr  # how to read the rest
+    assert peak_kb < 300_000, f"runs show peaked at {peak_kb:,} kB"
+
+    as_json, peak_kb = cli_measured(database_url, "runs", "show", run_id, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    document = json.loads(as_json.stdout)
+    assert len(document["events"]) == 100 and document["events_total"] == total
+    assert document["claims"] == 50_000
+    assert document["events_more"] and f"runs events {run_id}" in document["events_more"]
+    attempts = document["attempts"]
+    assert 0 < len(attempts) <= 100 and attempts[-1]["fence"] == 50_000
+    assert peak_kb < 300_000, f"runs show --json peaked at {peak_kb:,} kB"
+
+    # The console's run page reads as little.
+    page = await run_page(store, run_id, reveal=False)
+    assert len(page["events"]) == MAX_ROWS_SHOWN and page["events_total"] == total
+    assert len(page["attempts"]) <= 100 and len(page["stale_refusals"]) <= 100
+
+    # `runs events` pages through every event, each once, in order; the store underneath it
+    # pages the same way (in-process: eleven CLI processes would take long on a busy machine).
+    first = cli(database_url, "runs", "events", run_id, "--json", "--limit", "10000")
+    assert first.returncode == 0, first.stderr
+    ids = [event["event_id"] for event in json.loads(first.stdout)]
+    assert len(ids) == 10_000 and f"--after {ids[-1]} --limit 10000" in first.stderr
+    second = cli(database_url, "runs", "events", run_id, "--after", str(ids[-1]), "--limit", "3")
+    assert second.returncode == 0 and len(second.stdout.splitlines()) == 3, second.stderr
+    seen: list[int] = []
+    after = 0
+    for _ in range(20):  # 100,001 events in pages of 10,000: 11 pages
+        page_events = await store.events(run_id, after=after, limit=10_000)
+        seen.extend(event.event_id for event in page_events)
+        if len(page_events) < 10_000:
+            break
+        after = page_events[-1].event_id
+    assert len(seen) == total and seen == sorted(set(seen))
+    assert seen[:10_000] == ids

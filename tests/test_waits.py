@@ -550,3 +550,98 @@ async def test_a_denial_and_a_cancel_racing_do_not_deadlock(
             )
             await transaction.commit()
     assert len(outcome) == 1 and "was withdrawn" in outcome[0]  # decided after the cancel
+
+
+# -- a wait never spins: its signals are found behind any others, a run cannot loop on claims --
+async def test_a_wait_sees_its_signal_behind_any_number_of_other_signals(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """150 signals nobody waits for, then the awaited one: the run is woken once, its step is
+    given the awaited signal first, and the others it was not given stay for later steps."""
+    signals = SignalStore(pool)
+    async with running_worker(settings, [replies], **FAST):
+        run_id = (await store.submit("replies", {})).run.run_id
+        await parked(store, run_id)
+        for n in range(150):
+            await signals.send(run_id, "note", {"n": n})
+        assert (await store.get(run_id)).state is RunState.WAITING  # notes do not wake it
+        await signals.send(run_id, "reply", {"text": "yes"})
+        run = await wait_for_run(store, run_id, within=30)
+    assert run.state is RunState.SUCCEEDED
+    assert run.result is not None and run.result["replies"] == [{"text": "yes"}]
+    given_notes = len(run.result["others"])
+    assert given_notes == 99  # a step is given at most 100 signals, the awaited one first
+    claims = [e for e in await store.events(run_id) if e.kind == "claimed"]
+    assert len(claims) == 2  # submitted, then woken once: never re-claimed in a loop
+    history = await signals.history(run_id)
+    consumed = [signal.name for signal, consumed_at, _ in history if consumed_at is not None]
+    assert consumed.count("reply") == 1 and consumed.count("note") == given_notes
+    # The notes it was not given are still pending, in order, for a later step.
+    pending = await signals.pending(run_id)
+    assert [s.data["n"] for s in pending] == list(range(given_notes, 150))
+
+
+class WaitsForWhatHappened(Step):
+    """A buggy step: it waits again for an effect key that was never requested (so it counts
+    as settled) every time it is woken."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Wait(then=WaitsForWhatHappened, effects=["never-requested"])
+
+
+spinner = Agent("spinner", first=WaitsForWhatHappened)
+
+
+async def test_a_run_parking_due_at_once_again_and_again_backs_off(
+    settings: Settings, store: RunStore
+) -> None:
+    """On the code before the fix this run was claimed hundreds of times a second."""
+    async with running_worker(settings, [spinner], **FAST):
+        run_id = (await store.submit("spinner", {})).run.run_id
+        with anyio.fail_after(60):
+            while True:
+                waits = [e for e in await store.events(run_id) if e.kind == "waiting"]
+                if any("backed_off_seconds" in e.details for e in waits):
+                    break
+                await anyio.sleep(0.1)
+        await anyio.sleep(3)  # a spinning run would be claimed many times meanwhile
+        events = await store.events(run_id)
+    claims = [e for e in events if e.kind == "claimed"]
+    # Three parks due at once, then 1 s, 2 s, 4 s ... : a handful of claims in these seconds.
+    assert len(claims) <= 8, f"{len(claims)} claims: the run is re-claimed in a loop"
+    backed_off = [e.details for e in events if "backed_off_seconds" in e.details]
+    assert backed_off[0]["wake_streak"] == 4
+    assert all(0 < float(d["backed_off_seconds"]) <= 60 for d in backed_off)
+    assert (await store.get(run_id)).state in {RunState.WAITING, RunState.RUNNING}
+
+
+async def test_the_backoff_grows_to_a_minute_and_a_step_given_signals_resets_it(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    from orchestrator.db.store import Park, StepCommit
+
+    run_id = (await store.submit("replies", {})).run.run_id
+    wait = {"step": "turn", "signals": ["reply"], "effects": [], "until": None, "reason": None}
+    await SignalStore(pool).send(run_id, "reply", {"n": 1})  # what it waits for is there
+
+    async def claim_and_park(given_signals: bool) -> float:
+        """Claim the run (whenever it is due) and park it; seconds until it is due again."""
+        async with pool.acquire() as db:
+            await db.execute(
+                "UPDATE runs SET available_at = clock_timestamp() WHERE run_id = $1", run_id
+            )
+        claimed = (await store.claim("W", ["replies"], lease_seconds=30)).claimed[0]
+        async with pool.acquire() as db, db.transaction():
+            commit = StepCommit(claimed.lease, claimed.checkpoint_version, "turn", {})
+            assert await store.commit_steps("W", [commit], db=db)
+            park = Park(wait, None, given_signals=given_signals)
+            assert await store.park_many("W", [(claimed.lease, park)], db=db)
+        run = await store.get(run_id)
+        return (run.available_at - await store.database_now()).total_seconds()
+
+    delays = [await claim_and_park(given_signals=False) for _ in range(12)]
+    assert all(delay <= 0 for delay in delays[:3])
+    for streak, delay in enumerate(delays[3:]):  # 1, 2, 4 ... 60 s; the clock moves meanwhile
+        assert min(2**streak, 60) - 1 < delay <= min(2**streak, 60)
+    assert await claim_and_park(given_signals=True) <= 0  # progress: due at once again
+    assert await claim_and_park(given_signals=False) <= 0  # and the count starts over

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from orchestrator.attempts import attempts_of
-from orchestrator.budgets import BudgetStore
 from orchestrator.cli_ops import select_runs
 from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore, WorkerRegistry
@@ -18,7 +16,7 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import RunState
-from orchestrator.signals import SignalStore
+from orchestrator.run_detail import load_run_detail, more_events_hint
 from orchestrator.tool_agent import effect_key
 from orchestrator.transcript import Message
 
@@ -133,15 +131,11 @@ def effect_view(effect: EffectRecord, *, reveal: bool) -> dict[str, Any]:
 
 
 async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, Any]:
-    run = await store.get(run_id)  # RunNotFound / InvalidInput for a bad id
-    events = await store.events(run_id)
-    messages = await store.messages(run_id)
-    effects = await EffectStore(store.pool).list_effects(run_id=run_id, limit=10_000)
-    signals = await SignalStore(store.pool).history(run_id)
-    budget = await BudgetStore(store.pool).get(run_id)
-    now = await store.database_now()
+    detail = await load_run_detail(store, run_id, events=MAX_ROWS_SHOWN)
+    run, now, messages, effects = detail.run, detail.now, detail.messages, detail.effects
+    signals, budget = detail.signals, detail.budget
     attempts = []
-    for attempt in attempts_of(events, await store.traces(run_id)):
+    for attempt in detail.attempts:
         fields = attempt.as_json()  # every field it has, so new ones appear without a change here
         if attempt.seconds is None:
             fields["held so far"] = round((now - attempt.claimed_at).total_seconds(), 3)
@@ -154,10 +148,11 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
         "attempts": attempts,
         "events": [
             {"event": event, "details": event_details(event.kind, event.details, reveal=reveal)}
-            for event in events[-MAX_ROWS_SHOWN:]
+            for event in detail.events
         ],
-        "events_total": len(events),
-        "stale_refusals": [event for event in events if event.kind == "stale_fence_rejected"],
+        "events_total": detail.events_total,
+        "events_more": more_events_hint(detail),
+        "stale_refusals": detail.stale_refusals,
         "facts": {
             "input": show(run.input, reveal=reveal),
             "checkpoint": show(run.checkpoint, reveal=reveal),
@@ -182,7 +177,8 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
 
 
 MAX_ROWS_SHOWN = 500
-"""The newest timeline events and messages a run page renders (``runs show --json`` has all)."""
+"""The newest timeline events and messages a run page renders (``runs events`` pages through
+every event, ``runs show --json`` has every message)."""
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:

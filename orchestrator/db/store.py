@@ -92,8 +92,8 @@ class StepCommit(NamedTuple):
     """Transcript messages (numbered) appended in the same transaction."""
     park: Park | None = None
     """The run waits after this commit (no lease, no worker) for what ``park`` says."""
-    signals_upto: int | None = None
-    """The step was given the run's signals up to this seq: the commit consumes them."""
+    signal_seqs: Sequence[int] = ()
+    """The seqs of the signals the step was given: the commit consumes them."""
     spend: Spend | None = None
     """What the step spent of the run's budget: settles its reservation."""
 
@@ -103,6 +103,8 @@ class Park(NamedTuple):
 
     wait: Mapping[str, JSON]
     until: datetime | None
+    given_signals: bool = False
+    """The step that waits was given signals: a park due at once is progress, not a spin."""
 
 
 class RunFinish(NamedTuple):
@@ -119,7 +121,7 @@ class RunFinish(NamedTuple):
     """``result`` already encoded as compact JSON, if the caller has it (see StepCommit)."""
     checkpoint_text: str | None = None
     messages: Sequence[Message] = ()
-    signals_upto: int | None = None
+    signal_seqs: Sequence[int] = ()
     spend: Spend | None = None
 
 
@@ -313,10 +315,45 @@ class RunStore:
         now: datetime = await (db or self.pool).fetchval(query("database_now"))
         return now
 
-    async def events(self, run_id: str) -> list[RunEvent]:
+    async def events(
+        self, run_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[RunEvent]:
+        """The run's timeline after event ``after``, oldest first: ``limit`` events, or all."""
         validate_run_id(run_id)
-        records = await self.pool.fetch(query("run_events"), run_id)
+        records = await self.pool.fetch(query("run_events"), run_id, after, limit)
         return [RunEvent.from_record(record) for record in records]
+
+    async def events_tail(
+        self, run_id: str, limit: int, *, kinds: Sequence[str] | None = None
+    ) -> tuple[list[RunEvent], int]:
+        """The run's newest ``limit`` events (of ``kinds``), oldest first, and how many it has
+        in all: bounded whatever the length of the timeline."""
+        validate_run_id(run_id)
+        kinds_list = None if kinds is None else list(kinds)
+        records = await self.pool.fetch(query("run_events_tail"), run_id, limit, kinds_list)
+        total = records[0]["total"] if records else 0
+        return [RunEvent.from_record(record) for record in records], total
+
+    async def attempt_events(
+        self, run_id: str, attempts: int, *, endings: Sequence[str], tallied: Sequence[str]
+    ) -> tuple[list[RunEvent], dict[tuple[int, str], int]]:
+        """What the run's newest ``attempts`` attempts are built from: their claims and the
+        events of the kinds ``endings`` (oldest first), and per fence a count of each kind in
+        ``tallied``."""
+        validate_run_id(run_id)
+        records = await self.pool.fetch(
+            query("run_attempt_events"), run_id, attempts, list(endings), list(tallied)
+        )
+        events = sorted(
+            (RunEvent.from_record(r) for r in records if r["event_id"] is not None),
+            key=lambda event: event.event_id,
+        )
+        tallies = {
+            (r["fence"], r["kind"]): int(r["details"]["count"])
+            for r in records
+            if r["event_id"] is None
+        }
+        return events, tallies
 
     async def record_attempt_traces(
         self,
@@ -604,16 +641,20 @@ class RunStore:
             [lease.fence for lease, _ in parks],
             [compact(dict(park.wait)) for _, park in parks],
             [park.until for _, park in parks],
+            [park.given_signals for _, park in parks],
         )
         return {record["run_id"] for record in records}
 
-    async def consume_signals(self, consumed: Sequence[tuple[Lease, int]], *, db: Executor) -> None:
+    async def consume_signals(
+        self, consumed: Sequence[tuple[Lease, Sequence[int]]], *, db: Executor
+    ) -> None:
         """In a commit's transaction: the signals its step was given are consumed."""
+        rows = [(lease, seq) for lease, seqs in consumed for seq in seqs]
         await db.execute(
             query("consume_signals"),
-            [lease.run_id for lease, _ in consumed],
-            [upto for _, upto in consumed],
-            [lease.fence for lease, _ in consumed],
+            [lease.run_id for lease, _ in rows],
+            [seq for _, seq in rows],
+            [lease.fence for lease, _ in rows],
         )
 
     async def settle_budgets(self, spends: Sequence[tuple[str, Spend]], *, db: Executor) -> None:

@@ -159,14 +159,14 @@ def _outcome_attributes(outcome: Outcome) -> dict[str, str]:
 
 
 class _Extras(NamedTuple):
-    """What a step's commit settles besides its checkpoint: the signals it was given (up to
-    this seq) and what it spent of the run's budget."""
+    """What a step's commit settles besides its checkpoint: the signals it was given (their
+    seqs) and what it spent of the run's budget."""
 
-    signals_upto: int | None
+    signal_seqs: tuple[int, ...]
     spend: Spend | None
 
 
-_NOTHING_ELSE = _Extras(None, None)
+_NOTHING_ELSE = _Extras((), None)
 
 
 class Encoded(NamedTuple):
@@ -411,8 +411,8 @@ class RunExecution:
         budget = self._budget(agent)
         signals: tuple[Signal, ...] = ()
         if claimed.signals is not None:
+            # Any the claim did not give (over 100) go to the steps after this one.
             signals = tuple(Signal.from_json(value) for value in claimed.signals)
-            self.signalled = (claimed.signals_pending or 0) > len(signals)  # more than given
         woken: WaitState | None = None
         if claimed.wait is not None:
             woken, still_waiting = await self._wait_state(claimed.wait, signals)
@@ -440,7 +440,7 @@ class RunExecution:
                 return Disposition.LOST
             this_step = step_class.step_name()
             if self.signalled:
-                signals = await self._signals()
+                signals = await self._signals(woken.signals if woken is not None else ())
             if budget is not None:
                 budget.reset()
             context = StepContext(
@@ -495,7 +495,7 @@ class RunExecution:
                         _NOTHING_ELSE
                         if not signals and budget is None
                         else _Extras(
-                            signals[-1].seq if signals else None,
+                            tuple(signal.seq for signal in signals),
                             None if budget is None else budget.settlement(),
                         )
                     )
@@ -555,7 +555,7 @@ class RunExecution:
             effects=tuple(outcome.effects),
             checkpoint_text=encoded.checkpoint,
             messages=messages,
-            signals_upto=extras.signals_upto,
+            signal_seqs=extras.signal_seqs,
             spend=extras.spend,
         )
         return await self._commit(commit)
@@ -578,8 +578,8 @@ class RunExecution:
             effects=tuple(outcome.new_effects),
             checkpoint_text=checkpoint_text,
             messages=messages,
-            park=Park(outcome.as_json(), outcome.until),
-            signals_upto=extras.signals_upto,
+            park=Park(outcome.as_json(), outcome.until, given_signals=bool(extras.signal_seqs)),
+            signal_seqs=extras.signal_seqs,
             spend=extras.spend,
         )
         return await self._commit(commit)
@@ -631,7 +631,7 @@ class RunExecution:
                 result_text=encoded.result,
                 checkpoint_text=encoded.checkpoint,
                 messages=messages,
-                signals_upto=extras.signals_upto,
+                signal_seqs=extras.signal_seqs,
                 spend=extras.spend,
             )
         else:
@@ -645,7 +645,7 @@ class RunExecution:
                 None,
                 failure,
                 None,
-                signals_upto=extras.signals_upto,
+                signal_seqs=extras.signal_seqs,
                 spend=extras.spend,
             )
         self.services.committer.finish(
@@ -750,11 +750,12 @@ class RunExecution:
             statement_seconds=self.services.config.statement_seconds,
         )
 
-    async def _signals(self) -> tuple[Signal, ...]:
-        """The run's unconsumed signals (read when the claim or a NOTIFY says there are)."""
+    async def _signals(self, awaited: Sequence[str]) -> tuple[Signal, ...]:
+        """The run's unconsumed signals, those it was woken for first (read when a commit or a
+        NOTIFY says there are more)."""
         self.signalled = False
         run_id = self.claimed.run_id
-        return await self._db(lambda db: SignalStore(db).pending(run_id))
+        return await self._db(lambda db: SignalStore(db).pending(run_id, awaited))
 
     async def _wait_state(self, wait: JSON, signals: tuple[Signal, ...]) -> tuple[WaitState, bool]:
         """What the run waited for; and whether it must wait on (nothing it waits for has

@@ -19,7 +19,7 @@ and return would cost a resumption through its frames per run.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,19 +307,19 @@ class GroupCommitter:
     ) -> None:
         """What else the committed runs' steps asked for, in the same transaction: consume the
         signals they were given, settle their budgets, park the runs that wait."""
-        consumed: list[tuple[Lease, int]] = []
+        consumed: list[tuple[Lease, Sequence[int]]] = []
         spends: list[tuple[str, Spend]] = []
         parks: list[tuple[Lease, Park]] = []
         for request in members:
-            upto, spend = request.signals_upto, request.spend
+            seqs, spend = request.signal_seqs, request.spend
             park = request.park if isinstance(request, StepCommit) else None
-            if upto is None and spend is None and park is None:
+            if not seqs and spend is None and park is None:
                 continue  # most commits: one check each
             run_id = request.lease.run_id
             if run_id not in committed and run_id not in finished:
                 continue
-            if upto is not None:
-                consumed.append((request.lease, upto))
+            if seqs:
+                consumed.append((request.lease, seqs))
             if spend is not None:
                 spends.append((run_id, spend))
             if park is not None:

@@ -1,0 +1,95 @@
+"""Everything ``runs show`` and the console's run page show of one run, read in bounded memory
+and time: a run woken 9,000 times has a timeline of 100,000 events, and a signal flood leaves as
+many signals. Each part is its newest slice plus a count; ``runs events`` pages through the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from orchestrator.attempts import Attempt, recent_attempts
+from orchestrator.budgets import BudgetState, BudgetStore
+from orchestrator.db.store import RunStore
+from orchestrator.effects.model import EffectRecord
+from orchestrator.effects.store import EffectStore
+from orchestrator.models import Run, RunEvent
+from orchestrator.signals import Signal, SignalStore
+from orchestrator.transcript import Message
+
+DEFAULT_EVENTS = 100
+"""Timeline events shown unless asked for more (the newest)."""
+
+MAX_EVENTS = 10_000
+"""The most a page shows at once; ``runs events`` pages through any number."""
+
+SIGNALS_SHOWN = 100
+"""The newest signals shown (with when and by which fence each was consumed)."""
+
+STALE_REFUSALS_SHOWN = 100
+EFFECTS_SHOWN = 10_000
+
+
+@dataclass(frozen=True)
+class RunDetail:
+    run: Run
+    events: list[RunEvent]
+    """The newest events, oldest first."""
+    events_total: int
+    claims: int
+    attempts: list[Attempt]
+    """The newest attempts (``attempts.RECENT_ATTEMPTS``)."""
+    stale_refusals: list[RunEvent]
+    messages: list[Message]
+    effects: list[EffectRecord]
+    signals: list[tuple[Signal, datetime | None, int | None]]
+    """The newest ``SIGNALS_SHOWN`` signals: (signal, consumed at, consumed by fence)."""
+    budget: BudgetState | None
+    now: datetime
+
+    @property
+    def first_event_shown(self) -> int | None:
+        return self.events[0].event_id if self.events else None
+
+
+async def load_run_detail(
+    store: RunStore, run_id: str, *, events: int = DEFAULT_EVENTS
+) -> RunDetail:
+    """One run as its pages show it; ``RunNotFound`` / ``InvalidInput`` for a bad id."""
+    run = await store.get(run_id)
+    newest, total = await store.events_tail(run_id, events)
+    _, claims = await store.events_tail(run_id, 1, kinds=["claimed"])
+    stale, _ = await store.events_tail(run_id, STALE_REFUSALS_SHOWN, kinds=["stale_fence_rejected"])
+    return RunDetail(
+        run=run,
+        events=newest,
+        events_total=total,
+        claims=claims,
+        attempts=await recent_attempts(store, run_id),
+        stale_refusals=stale,
+        messages=await store.messages(run_id),
+        effects=await EffectStore(store.pool).list_effects(run_id=run_id, limit=EFFECTS_SHOWN),
+        signals=await SignalStore(store.pool).history(run_id, newest=SIGNALS_SHOWN),
+        budget=await BudgetStore(store.pool).get(run_id),
+        now=await store.database_now(),
+    )
+
+
+def more_events_hint(detail: RunDetail) -> str | None:
+    """How to read the events the page left out, or ``None`` when it shows them all."""
+    if detail.events_total <= len(detail.events):
+        return None
+    return (
+        f"the newest {len(detail.events):,} of {detail.events_total:,} events; "
+        f"orchestrator runs events {detail.run.run_id} --json pages through all of them "
+        f"(--after EVENT_ID --limit N), or runs show --events N shows more"
+    )
+
+
+__all__ = [
+    "DEFAULT_EVENTS",
+    "MAX_EVENTS",
+    "RunDetail",
+    "load_run_detail",
+    "more_events_hint",
+]
