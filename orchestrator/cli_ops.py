@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any, TypeVar
@@ -328,22 +329,40 @@ async def bulk(
         raise InvalidTransition(failed)
 
 
+WATCH_PAGE = 1000
+WATCH_LOOKBACK_SECONDS = 30.0
+
+
 async def watch(
     store: RunStore, run_id: str, *, give_up_after: float | None, as_json: bool
 ) -> None:
     """Poll the run's timeline (4 times a second) and print what is new until the run ends."""
     started = time.monotonic()
-    seen: set[int] = set()  # by id: a lower id may commit after a higher one
+    # By id: a lower id may commit after a higher one, so each poll reads again from the highest
+    # id seen a few seconds earlier (longer than any transaction the runtime lets run), in pages.
+    seen: set[int] = set()
+    floors: deque[tuple[float, int]] = deque([(started, 0)])
     while True:
         run = await store.get(run_id)
-        for event in await store.events(run_id):
-            if event.event_id in seen:
-                continue
-            seen.add(event.event_id)
-            if as_json:
-                click.echo(json.dumps(jsonable(event), separators=(",", ":")))
-            else:
-                stdout.print(event_line(event), markup=False)
+        now = time.monotonic()
+        while len(floors) > 1 and floors[1][0] <= now - WATCH_LOOKBACK_SECONDS:
+            floors.popleft()
+        after = floors[0][1]
+        seen = {event_id for event_id in seen if event_id > after}
+        while True:
+            page = await store.events(run_id, after=after, limit=WATCH_PAGE)
+            for event in page:
+                if event.event_id in seen:
+                    continue
+                seen.add(event.event_id)
+                if as_json:
+                    click.echo(json.dumps(jsonable(event), separators=(",", ":")))
+                else:
+                    stdout.print(event_line(event), markup=False)
+            if len(page) < WATCH_PAGE:
+                break
+            after = page[-1].event_id
+        floors.append((now, max(seen, default=floors[-1][1])))
         if run.state.terminal:
             if not as_json:
                 stdout.print(f"run {run_id} {run.state.value}", markup=False)
