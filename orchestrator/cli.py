@@ -540,7 +540,7 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     show_default=True,
     help="How long the built-in dispatcher holds an effect it sends. Shorter: an effect in "
     "flight when its worker dies is reconciled sooner. It must outlast the slowest vendor "
-    "call: a call still unanswered at 80%% of it is given up as uncertain.",
+    "call: a call still unanswered at 80% of it is given up as uncertain.",
 )
 @metrics_listen_option
 @start_retry_option
@@ -593,6 +593,8 @@ def serve(
             "no agents to serve: pass --agents MODULE (e.g. --agents orchestrator.agents.sleepy)"
         )
 
+    _import_from_working_directory()
+
     async def body() -> None:
         registry = AgentRegistry.from_modules(modules)
         adapters = load_adapters(effects_config) if dispatch and effects_config else {}
@@ -636,6 +638,15 @@ def serve(
             shutdown_sdk()
 
     run_async(body)
+
+
+def _import_from_working_directory() -> None:
+    """Put the working directory first on the import path, as ``python -m`` does: the
+    ``orchestrator`` script's own path is its bin directory, so ``--agents myagent`` in the folder
+    holding ``myagent.py`` would not be found."""
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
 
 
 async def _watch_signals(worker: Worker) -> None:
