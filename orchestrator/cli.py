@@ -142,20 +142,59 @@ def db_url(ctx: click.Context, show_password: bool) -> None:
 
 
 @db.command("stop")
+@click.option(
+    "--force", is_flag=True, help="Stop it even while other processes are connected to it."
+)
 @click.pass_context
-def db_stop(ctx: click.Context) -> None:
-    """Stop the embedded PostgreSQL server (no effect with ORCHESTRATOR_DATABASE_URL set)."""
+def db_stop(ctx: click.Context, force: bool) -> None:
+    """Stop the embedded PostgreSQL server (no effect with ORCHESTRATOR_DATABASE_URL set).
+
+    Refused while other processes (workers, consoles, psql) are connected, unless --force."""
     settings = settings_of(ctx)
 
     async def body() -> None:
         if settings.database_url:
             raise InvalidInput("ORCHESTRATOR_DATABASE_URL is set: there is no embedded server")
-        stopped = EmbeddedPostgres(settings.home).stop()
+        server = EmbeddedPostgres(settings.home)
+        running = server.running()
+        if running is not None and not force:
+            _refuse_while_connected(await _other_sessions(settings, running.dsn("postgres")))
+        stopped = server.stop()
         stderr.print(
             "embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL not running"
         )
 
     run_async(body)
+
+
+async def _other_sessions(settings: Settings, dsn: str) -> dict[str, int]:
+    """Client sessions of other processes on the server, by application_name."""
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-db-stop")
+    try:
+        rows = await connection.fetch(
+            "SELECT coalesce(nullif(application_name, ''), 'unnamed') AS name, count(*) AS n "
+            "FROM pg_stat_activity WHERE backend_type = 'client backend' "
+            "AND pid <> pg_backend_pid() GROUP BY 1 ORDER BY 2 DESC, 1"
+        )
+    finally:
+        await connection.close()
+    return {row["name"]: row["n"] for row in rows}
+
+
+def _refuse_while_connected(sessions: dict[str, int]) -> None:
+    """Stopping the server under running workers and consoles leaves them failing every
+    second: say who is connected and let the operator decide."""
+    if not sessions:
+        return
+    total = sum(sessions.values())
+    shown = [f"{count} {name!r}" for name, count in list(sessions.items())[:5]]
+    if len(sessions) > 5:
+        shown.append(f"{len(sessions) - 5} more application names")
+    raise InvalidInput(
+        f"{total} session{'s' if total != 1 else ''} of other processes "
+        f"{'are' if total != 1 else 'is'} connected to the embedded PostgreSQL "
+        f"({', '.join(shown)}): stop them first, or pass --force to stop it under them"
+    )
 
 
 # -- submit -----------------------------------------------------------------------------------
