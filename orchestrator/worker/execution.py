@@ -75,6 +75,9 @@ from orchestrator.worker.heartbeat import LeaseHandle, LeaseKeeper
 
 T = TypeVar("T")
 COMMITTED = "orchestrator.committed"
+NOT_THE_OWNER = "refused: not the owner any more"
+"""Ends the reason a lease was lost when the database refused a fenced write (a stale fence),
+as opposed to the worker's own lease check (a refused renewal, the local deadline)."""
 """On every step's span: whether the step's commit took effect (a refused or replayed step is
 labelled, not hidden)."""
 
@@ -519,7 +522,7 @@ class RunExecution:
                         return await self._fail_attempt(error)
                     services.metrics.step_seconds.record(time.monotonic() - started)
                     if committed is None:
-                        return self._lost("commit refused: not the owner any more")
+                        return self._lost(f"commit {NOT_THE_OWNER}")
                     self.transcript.committed(messages)
                     committed_here = True
                     span.set_attribute(CHECKPOINT_VERSION, committed.checkpoint_version)
@@ -685,7 +688,7 @@ class RunExecution:
         elif isinstance(answer, CommitOutcomeUnknown):
             self.handle.lose(f"{final.value} outcome unknown ({answer})")
         else:
-            self.handle.lose(f"{final.value} refused: not the owner any more")
+            self.handle.lose(f"{final.value} {NOT_THE_OWNER}")
         services.host.run_needs_cleanup(self)
 
     async def clean_up(self) -> Disposition:
@@ -787,7 +790,7 @@ class RunExecution:
             "fail_attempt",
         )
         if outcome is None:
-            return self._lost("failure record refused: not the owner any more")
+            return self._lost(f"failure record {NOT_THE_OWNER}")
         if outcome.state is RunState.DEAD:
             return Disposition.DEAD
         return Disposition.RETRY_SCHEDULED
