@@ -98,6 +98,8 @@ class Disposition(enum.StrEnum):
     """Given back at shutdown, fence unchanged, attempt not counted."""
     LOST = "lost"
     """Ownership was lost or could not be proven: nothing more was committed."""
+    CANCELLED = "cancelled"
+    """The run was cancelled while this worker held it: nothing more was committed."""
     CRASHED = "crashed"
     """A bug in the runtime ended the execution (logged); the lease is left to expire."""
 
@@ -355,8 +357,7 @@ class RunExecution:
         if self.shutdown_requested and not self.handle.lost and disposition is Disposition.LOST:
             return await self._cleanup(self._release)
         if self.handle.lost:
-            await self._cleanup(self._record_lost)
-            return Disposition.LOST
+            return await self._cleanup(self._record_lost)
         return disposition
 
     def _conclude(self, disposition: Disposition) -> None:
@@ -700,8 +701,7 @@ class RunExecution:
                 if self._refusal is not None:
                     disposition = await self._fail_attempt(self._refusal)
                 if self.handle.lost:
-                    disposition = Disposition.LOST
-                    await self._cleanup(self._record_lost)
+                    disposition = await self._cleanup(self._record_lost)
         finally:
             self._conclude(disposition)
         return disposition
@@ -840,4 +840,7 @@ class RunExecution:
                     db=db,
                 )
             )
-        return Disposition.LOST
+        # A cancel reaches the owner as a lost lease (a notice or a refused renewal): the run's
+        # row says which it was, so the worker's counts do not call a cancel a loss.
+        run = await self._db(lambda db: self.services.store.get(self.claimed.run_id, db=db))
+        return Disposition.CANCELLED if run.state is RunState.CANCELLED else Disposition.LOST
