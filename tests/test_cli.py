@@ -254,6 +254,18 @@ myagent = Agent("myagent", first=Hello)
 """
 
 
+def serve_in(folder: Path, script: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(script), "serve", "--agents", "myagent", "--poll-seconds", "0.2", "--log-json"],
+        cwd=folder,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 async def test_serve_finds_an_agent_module_in_the_working_directory(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
@@ -265,15 +277,7 @@ async def test_serve_finds_an_agent_module_in_the_working_directory(
     env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url}
     env.pop("PYTHONPATH", None)
     run_id = (await store.submit("myagent", {"name": "ana"})).run.run_id
-    with subprocess.Popen(
-        [str(script), "serve", "--agents", "myagent", "--poll-seconds", "0.2", "--log-json"],
-        cwd=tmp_path,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as serve:
+    with serve_in(tmp_path, script, env) as serve:
         try:
             with anyio.fail_after(30):
                 while not (run := await store.get(run_id)).state.terminal:

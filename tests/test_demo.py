@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
+import anyio
 import pytest
 
 from orchestrator.db.store import RunStore
@@ -30,28 +30,27 @@ async def test_the_demo_points_at_a_run_a_held_and_counts_both_ways_a_stale_work
         for key, value in os.environ.items()
         if key not in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "ORCHESTRATOR_MODEL_BASE_URL")
     }
-    demo = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "demo"],
-        env={**env, "ORCHESTRATOR_DATABASE_URL": database_url, "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert demo.returncode == 0, demo.stdout + demo.stderr
+    with anyio.fail_after(240):
+        finished = await anyio.run_process(
+            [sys.executable, "-m", "orchestrator.cli", "demo"],
+            env={**env, "ORCHESTRATOR_DATABASE_URL": database_url, "COLUMNS": "200"},
+            check=False,
+        )
+    printed, logged = finished.stdout.decode(), finished.stderr.decode()
+    assert finished.returncode == 0, printed + logged
     pointed = re.search(
-        r"worker A held and worker B took over: orchestrator runs show (\S+)", demo.stdout
+        r"worker A held and worker B took over: orchestrator runs show (\S+)", printed
     )
-    assert pointed is not None, demo.stdout
+    assert pointed is not None, printed
     claims = [e.worker_id for e in await store.events(pointed.group(1)) if e.kind == "claimed"]
     assert WORKER_A in claims
     assert any(worker != WORKER_A for worker in claims[claims.index(WORKER_A) :]), claims
 
-    own_check = measure(demo.stdout, "stale worker stopped by its own lease check")
-    fence = measure(demo.stdout, "stale worker stopped by the fence")
+    own_check = measure(printed, "stale worker stopped by its own lease check")
+    fence = measure(printed, "stale worker stopped by the fence")
     events = [e for run in await store.list_runs(limit=100) for e in await store.events(run.run_id)]
     stopped = {
         (e.run_id, e.fence) for e in events if e.kind in ("lease_lost", "stale_fence_rejected")
     }
     assert own_check + fence == len(stopped) >= 1
-    assert measure(demo.stdout, "lost leases") == sum(e.kind == "lease_lost" for e in events)
+    assert measure(printed, "lost leases") == sum(e.kind == "lease_lost" for e in events)

@@ -36,6 +36,7 @@ from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectNotFound
+from orchestrator.errors import error_fields
 from orchestrator.models import JSON, ClaimedRun, CommitResult, RunState
 from orchestrator.signals import Signal, SignalStore
 from orchestrator.steps import (
@@ -813,7 +814,7 @@ class RunExecution:
             try:
                 return await action()
             except DATABASE_ERRORS as error:
-                self.log.warning("cleanup write failed", error=str(error))
+                self.log.warning("cleanup write failed", **error_fields(error))
         return Disposition.LOST
 
     async def _release(self) -> Disposition:
