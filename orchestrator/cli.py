@@ -793,7 +793,15 @@ def effects_resolve(
 @click.option(
     "--tokens",
     envvar="ORCHESTRATOR_PROXY_TOKENS",
-    help="Comma-separated bearer tokens callers must present (ORCHESTRATOR_PROXY_TOKENS).",
+    help="Comma-separated bearer tokens callers must present. On the command line they are "
+    "visible to every user of the machine (ps): prefer ORCHESTRATOR_PROXY_TOKENS or "
+    "--tokens-file.",
+)
+@click.option(
+    "--tokens-file",
+    envvar="ORCHESTRATOR_PROXY_TOKENS_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A file of bearer tokens, one a line or comma-separated (ORCHESTRATOR_PROXY_TOKENS_FILE).",
 )
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
 @metrics_listen_option
@@ -803,6 +811,7 @@ def effects_serve(
     ctx: click.Context,
     listen: str,
     tokens: str | None,
+    tokens_file: Path | None,
     max_body_bytes: int,
     metrics_listen: str | None,
     log_json: bool | None,
@@ -818,11 +827,13 @@ def effects_serve(
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise click.UsageError(f"--listen must be HOST:PORT, not {listen!r}")
-    token_list = [t.strip() for t in (tokens or "").split(",") if t.strip()]
-    if not token_list:
-        raise click.UsageError("no bearer tokens: set ORCHESTRATOR_PROXY_TOKENS or --tokens")
+    if not tokens and tokens_file is None:
+        raise click.UsageError(
+            "no bearer tokens: set ORCHESTRATOR_PROXY_TOKENS or pass --tokens-file"
+        )
 
     async def body() -> None:
+        token_list = _proxy_tokens(tokens, tokens_file)
         async with open_store(
             settings, application_name="orchestrator-proxy", max_size=10
         ) as store:
@@ -837,6 +848,23 @@ def effects_serve(
                 await server.serve()
 
     run_async(body)
+
+
+def _proxy_tokens(tokens: str | None, tokens_file: Path | None) -> list[str]:
+    """The tokens of ``--tokens`` (or its variable) and of ``--tokens-file``, together."""
+    raw = tokens or ""
+    if tokens_file is not None:
+        try:
+            raw += "," + tokens_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or str(error)
+            raise InvalidInput(
+                f"cannot read --tokens-file {str(tokens_file)!r}: {reason}"
+            ) from None
+    found = raw.replace(",", " ").split()
+    if not found:
+        raise InvalidInput("no bearer tokens given: put at least one in --tokens-file, one a line")
+    return found
 
 
 @effects.command("dispatch")
