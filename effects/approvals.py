@@ -134,6 +134,11 @@ def _refusal(
             f"the payload of {what} is not the one you saw (its sha256 is now "
             f"{row['payload_sha256']}, not {payload_sha256}); show it again and decide on that"
         )
+    if run_fence is not None and run_fence > row["run_fence"]:
+        return (
+            f"fence {run_fence} was never granted for run {run_id} (the run's current fence is "
+            f"{row['run_fence']}); show it again and decide with the fence it shows"
+        )
     if run_fence is not None and run_fence != row["run_fence"]:
         return (
             f"run {run_id} has moved on from fence {run_fence} to {row['run_fence']} since you "

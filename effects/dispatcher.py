@@ -27,7 +27,7 @@ from opentelemetry.context import Context
 
 from orchestrator.backoff import Backoff
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
-from orchestrator.errors import InvalidInput
+from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.telemetry import (
     EFFECT_DISPOSITION,
     EFFECT_KEY,
@@ -167,7 +167,7 @@ class Dispatcher:
                     lease_seconds=self.lease_seconds,
                 )
         except DATABASE_ERRORS as error:
-            self.log.warning("cannot claim effects", error=str(error))
+            self.log.warning("cannot claim effects", **error_fields(error))
             await anyio.sleep(self.poll_seconds)
             return []
 

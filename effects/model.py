@@ -176,9 +176,12 @@ class Acceptance:
         if self.run_state in ("succeeded", "failed", "dead"):
             return f"run {run_id} has already ended ({self.run_state}): nothing is accepted"
         if outcome is AcceptOutcome.STALE:
+            older = f"fence {self.fence} is older than the run's current fence {current}"
+            if self.run_state == "running":
+                return f"{older}: another worker owns this run now"
             return (
-                f"fence {self.fence} is older than the run's current fence {current}: another "
-                "worker owns this run now"
+                f"{older}: the run is {self.run_state} now, held by no worker; its next claim "
+                "gets a new fence"
             )
         if outcome is AcceptOutcome.FUTURE_FENCE:
             return (

@@ -141,20 +141,59 @@ def db_url(ctx: click.Context, show_password: bool) -> None:
 
 
 @db.command("stop")
+@click.option(
+    "--force", is_flag=True, help="Stop it even while other processes are connected to it."
+)
 @click.pass_context
-def db_stop(ctx: click.Context) -> None:
-    """Stop the embedded PostgreSQL server (no effect with ORCHESTRATOR_DATABASE_URL set)."""
+def db_stop(ctx: click.Context, force: bool) -> None:
+    """Stop the embedded PostgreSQL server (no effect with ORCHESTRATOR_DATABASE_URL set).
+
+    Refused while other processes (workers, consoles, psql) are connected, unless --force."""
     settings = settings_of(ctx)
 
     async def body() -> None:
         if settings.database_url:
             raise InvalidInput("ORCHESTRATOR_DATABASE_URL is set: there is no embedded server")
-        stopped = EmbeddedPostgres(settings.home).stop()
+        server = EmbeddedPostgres(settings.home)
+        running = server.running()
+        if running is not None and not force:
+            _refuse_while_connected(await _other_sessions(settings, running.dsn("postgres")))
+        stopped = server.stop()
         stderr.print(
             "embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL not running"
         )
 
     run_async(body)
+
+
+async def _other_sessions(settings: Settings, dsn: str) -> dict[str, int]:
+    """Client sessions of other processes on the server, by application_name."""
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-db-stop")
+    try:
+        rows = await connection.fetch(
+            "SELECT coalesce(nullif(application_name, ''), 'unnamed') AS name, count(*) AS n "
+            "FROM pg_stat_activity WHERE backend_type = 'client backend' "
+            "AND pid <> pg_backend_pid() GROUP BY 1 ORDER BY 2 DESC, 1"
+        )
+    finally:
+        await connection.close()
+    return {row["name"]: row["n"] for row in rows}
+
+
+def _refuse_while_connected(sessions: dict[str, int]) -> None:
+    """Stopping the server under running workers and consoles leaves them failing every
+    second: say who is connected and let the operator decide."""
+    if not sessions:
+        return
+    total = sum(sessions.values())
+    shown = [f"{count} {name!r}" for name, count in list(sessions.items())[:5]]
+    if len(sessions) > 5:
+        shown.append(f"{len(sessions) - 5} more application names")
+    raise InvalidInput(
+        f"{total} session{'s' if total != 1 else ''} of other processes "
+        f"{'are' if total != 1 else 'is'} connected to the embedded PostgreSQL "
+        f"({', '.join(shown)}): stop them first, or pass --force to stop it under them"
+    )
 
 
 # -- submit -----------------------------------------------------------------------------------
@@ -589,7 +628,7 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     show_default=True,
     help="How long the built-in dispatcher holds an effect it sends. Shorter: an effect in "
     "flight when its worker dies is reconciled sooner. It must outlast the slowest vendor "
-    "call: a call still unanswered at 80%% of it is given up as uncertain.",
+    "call: a call still unanswered at 80% of it is given up as uncertain.",
 )
 @metrics_listen_option
 @start_retry_option
@@ -642,6 +681,8 @@ def serve(
             "no agents to serve: pass --agents MODULE (e.g. --agents orchestrator.agents.sleepy)"
         )
 
+    _import_from_working_directory()
+
     async def body() -> None:
         registry = AgentRegistry.from_modules(modules)
         adapters = load_adapters(effects_config) if dispatch and effects_config else {}
@@ -685,6 +726,15 @@ def serve(
             shutdown_sdk()
 
     run_async(body)
+
+
+def _import_from_working_directory() -> None:
+    """Put the working directory first on the import path, as ``python -m`` does: the
+    ``orchestrator`` script's own path is its bin directory, so ``--agents myagent`` in the folder
+    holding ``myagent.py`` would not be found."""
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
 
 
 async def _watch_signals(worker: Worker) -> None:
@@ -792,7 +842,15 @@ def effects_resolve(
 @click.option(
     "--tokens",
     envvar="ORCHESTRATOR_PROXY_TOKENS",
-    help="Comma-separated bearer tokens callers must present (ORCHESTRATOR_PROXY_TOKENS).",
+    help="Comma-separated bearer tokens callers must present. On the command line they are "
+    "visible to every user of the machine (ps): prefer ORCHESTRATOR_PROXY_TOKENS or "
+    "--tokens-file.",
+)
+@click.option(
+    "--tokens-file",
+    envvar="ORCHESTRATOR_PROXY_TOKENS_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A file of bearer tokens, one a line or comma-separated (ORCHESTRATOR_PROXY_TOKENS_FILE).",
 )
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
 @metrics_listen_option
@@ -802,6 +860,7 @@ def effects_serve(
     ctx: click.Context,
     listen: str,
     tokens: str | None,
+    tokens_file: Path | None,
     max_body_bytes: int,
     metrics_listen: str | None,
     log_json: bool | None,
@@ -817,11 +876,13 @@ def effects_serve(
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise click.UsageError(f"--listen must be HOST:PORT, not {listen!r}")
-    token_list = [t.strip() for t in (tokens or "").split(",") if t.strip()]
-    if not token_list:
-        raise click.UsageError("no bearer tokens: set ORCHESTRATOR_PROXY_TOKENS or --tokens")
+    if not tokens and tokens_file is None:
+        raise click.UsageError(
+            "no bearer tokens: set ORCHESTRATOR_PROXY_TOKENS or pass --tokens-file"
+        )
 
     async def body() -> None:
+        token_list = _proxy_tokens(tokens, tokens_file)
         async with open_store(
             settings, application_name="orchestrator-proxy", max_size=10
         ) as store:
@@ -836,6 +897,23 @@ def effects_serve(
                 await server.serve()
 
     run_async(body)
+
+
+def _proxy_tokens(tokens: str | None, tokens_file: Path | None) -> list[str]:
+    """The tokens of ``--tokens`` (or its variable) and of ``--tokens-file``, together."""
+    raw = tokens or ""
+    if tokens_file is not None:
+        try:
+            raw += "," + tokens_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or str(error)
+            raise InvalidInput(
+                f"cannot read --tokens-file {str(tokens_file)!r}: {reason}"
+            ) from None
+    found = raw.replace(",", " ").split()
+    if not found:
+        raise InvalidInput("no bearer tokens given: put at least one in --tokens-file, one a line")
+    return found
 
 
 @effects.command("dispatch")

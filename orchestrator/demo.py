@@ -39,6 +39,7 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.models import RunEvent
 from orchestrator.settings import Settings
+from orchestrator.worker.execution import NOT_THE_OWNER
 
 WORKER_A = "demo-worker-a"
 WORKER_B = "demo-worker-b"
@@ -228,9 +229,7 @@ async def _demo(
                         held_by_a = lost_by_a = 0
                         for run_id in run_ids:
                             timeline = await store.events(run_id)
-                            held_by_a += any(
-                                e.kind == "claimed" and e.worker_id == WORKER_A for e in timeline
-                            ) and any(e.kind == "claimed" and e.fence == 2 for e in timeline)
+                            held_by_a += _takeover_from_a(timeline) is not None
                             lost_by_a += any(
                                 e.kind == "lease_lost" and e.worker_id == WORKER_A for e in timeline
                             )
@@ -249,17 +248,17 @@ async def _demo(
 
     states = Counter(run.state.value for run in final)
     events = [event for timeline in timelines.values() for event in timeline]
-    stale = [e for e in events if e.kind == "stale_fence_rejected"]
     lost = [e for e in events if e.kind == "lease_lost"]
-    taken_over = {
-        run_id: [e for e in timeline if e.kind == "claimed"]
+    own_check, fenced = _ways_stopped(events)
+    taken_from_a = {
+        run_id: takeover
         for run_id, timeline in timelines.items()
+        if (takeover := _takeover_from_a(timeline)) is not None
     }
-    taken_over = {run_id: claims for run_id, claims in taken_over.items() if len(claims) > 1}
     recoveries = [
-        (claims[-1].at - _parse(claims[-1].details["previous_lease_until"])).total_seconds()
-        for claims in taken_over.values()
-        if claims[-1].details.get("previous_lease_until")
+        (claim.at - _parse(claim.details["previous_lease_until"])).total_seconds()
+        for claim in taken_from_a.values()
+        if claim.details.get("previous_lease_until")
     ]
     emails_per_run = [
         email_ids.get(f"<{e.idempotency_key}@orchestrator>", 0)
@@ -290,7 +289,7 @@ async def _demo(
             Counter(e.run_id for e in effects if e.kind == "email") == Counter(run_ids)
             and Counter(e.run_id for e in effects if e.kind == "crm") == Counter(run_ids),
         ),
-        ("worker A's runs were taken over with a higher fence", bool(taken_over)),
+        ("worker A's runs were taken over with a higher fence", bool(taken_from_a)),
         (
             "each email reached the SMTP server exactly once",
             len(emails_per_run) == runs
@@ -309,11 +308,12 @@ async def _demo(
     summary.add_column("measure")
     summary.add_column("value")
     summary.add_row("runs by state", ", ".join(f"{k}: {v}" for k, v in sorted(states.items())))
-    summary.add_row("runs taken over from worker A", str(len(taken_over)))
+    summary.add_row("runs taken over from worker A", str(len(taken_from_a)))
     summary.add_row("emails delivered per run", _spread(emails_per_run))
     summary.add_row("CRM updates delivered per run", _spread(crm_per_run))
-    summary.add_row("stale-fence rejections", str(len(stale)))
     summary.add_row("lost leases", str(len(lost)))
+    summary.add_row(f"stale worker stopped by {OWN_LEASE_CHECK}", str(len(own_check)))
+    summary.add_row(f"stale worker stopped by {REFUSED_BY_FENCE}", str(len(fenced)))
     if recoveries:
         summary.add_row(
             "recovery (lease expiry → new claim)",
@@ -328,14 +328,58 @@ async def _demo(
         result.add_row(label, "ok" if ok else "BROKEN")
     out.print()
     out.print(result)
-    example = next(iter(taken_over), run_ids[0])
     out.print()
-    out.print(f"inspect a run that changed hands: orchestrator runs show {example}", markup=False)
-    out.print(f"and its effects: orchestrator effects list --run {example}", markup=False)
+    out.print(
+        f"A stale worker is stopped two ways: by {OWN_LEASE_CHECK} (it finds its lease gone "
+        f"and commits nothing), or by {REFUSED_BY_FENCE} (a commit or effect it sent under an "
+        "old fence is refused in the database)"
+    )
+    example = next(iter(taken_from_a), None)
+    if example is not None:
+        out.print(
+            f"inspect a run worker A held and worker B took over: orchestrator runs show {example}",
+            markup=False,
+        )
+        out.print(f"and its effects: orchestrator effects list --run {example}", markup=False)
     broken = [label for label, ok in checks if not ok]
     if broken:
         console.print(f"[red]{len(broken)} invariant(s) broken[/red]; worker logs in {work}")
     return not broken
+
+
+OWN_LEASE_CHECK = "its own lease check"
+REFUSED_BY_FENCE = "the fence"
+
+
+def _takeover_from_a(timeline: list[RunEvent]) -> RunEvent | None:
+    """The claim by another worker that took this run over from worker A, if one did."""
+    held_by_a = False
+    for event in timeline:
+        if event.kind != "claimed":
+            continue
+        if event.worker_id == WORKER_A:
+            held_by_a = True
+        elif held_by_a:
+            return event
+    return None
+
+
+Attempt = tuple[str, int | None]
+"""A run id and the fence of one of its attempts."""
+
+
+def _ways_stopped(events: list[RunEvent]) -> tuple[set[Attempt], set[Attempt]]:
+    """The (run, fence) attempts a stale worker was stopped in, split by how: its own lease check
+    (a refused renewal, the local deadline: it commits nothing), or the fence (the database
+    refused its commit, or the boundary its effects, as stale)."""
+    fenced = {
+        (e.run_id, e.fence)
+        for e in events
+        if e.kind == "stale_fence_rejected"
+        or (e.kind == "lease_lost" and str(e.details.get("reason", "")).endswith(NOT_THE_OWNER))
+    }
+    own_check = {(e.run_id, e.fence) for e in events if e.kind == "lease_lost"} - fenced
+    return own_check, fenced
 
 
 def _spread(values: list[int]) -> str:

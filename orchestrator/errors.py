@@ -7,6 +7,12 @@ wrong and what to do; the CLI prints it on one line and exits 1. Anything else i
 from __future__ import annotations
 
 
+def error_fields(error: BaseException) -> dict[str, str]:
+    """A caught error as log fields: its type, and its text, or its repr when the text is empty
+    (a ``TimeoutError`` from a deadline has none), so no log line says ``error=''``."""
+    return {"error": str(error) or repr(error), "error_type": type(error).__name__}
+
+
 class OrchestratorError(Exception):
     """Base class: a problem the user can fix, with a message that says how."""
 

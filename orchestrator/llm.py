@@ -321,6 +321,11 @@ async def complete(
     )
 
 
+def _seconds(timeout: object) -> float:
+    """The client's configured timeout in seconds (``model_client`` sets a plain number)."""
+    return float(timeout) if isinstance(timeout, int | float) else math.inf
+
+
 async def _request(
     client: openai.AsyncOpenAI,
     model: str,
@@ -331,7 +336,6 @@ async def _request(
     response_format: Mapping[str, Any] | None,
     max_tokens: int | None = None,
 ) -> tuple[str | None, tuple[ToolCall, ...], str, str | None, int | None, int | None]:
-    # The client's own per-request timeout (its connection pool is aborted cleanly on it).
     options: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages]}
     if max_tokens is not None:
         options["max_tokens"] = max_tokens
@@ -339,7 +343,9 @@ async def _request(
         options["tools"] = [dict(t) for t in tools]
     if response_format is not None:
         options["response_format"] = dict(response_format)
-    if request_seconds is not None:
+    # The client's own per-request timeout (its connection pool is aborted cleanly on it): the
+    # model timeout, or what is left of the caller's budget when that is shorter.
+    if request_seconds is not None and request_seconds < _seconds(client.timeout):
         options["timeout"] = request_seconds
     if not stream:
         response = await client.chat.completions.create(**options)

@@ -509,7 +509,9 @@ def _span_exporter(kind: str) -> Any:
     if kind == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-        return ConsoleSpanExporter(out=sys.stderr)
+        # One JSON line per span, on stderr with the logs: the default is indented JSON, which
+        # breaks a JSON-lines log into fragments no log shipper can parse.
+        return ConsoleSpanExporter(out=sys.stderr, formatter=_one_json_line)
     try:
         # Typed when the otel extra is installed; the ignore covers environments without it.
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found, unused-ignore]
@@ -520,11 +522,16 @@ def _span_exporter(kind: str) -> Any:
     return OTLPSpanExporter()
 
 
+def _one_json_line(exported: Any) -> str:
+    """A span or a batch of metrics as one line of JSON (both have ``to_json(indent)``)."""
+    return f"{exported.to_json(indent=None)}\n"
+
+
 def _metric_exporter(kind: str) -> Any:
     if kind == "console":
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
-        return ConsoleMetricExporter(out=sys.stderr)
+        return ConsoleMetricExporter(out=sys.stderr, formatter=_one_json_line)
     try:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import (  # type: ignore[import-not-found, unused-ignore]
             OTLPMetricExporter,

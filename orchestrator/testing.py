@@ -4,6 +4,9 @@
 - ``running_worker`` / ``run_agent``: run a worker (or one input through an agent) in a test;
 - ``FaultProxy``: a loopback TCP proxy that partitions a worker from PostgreSQL on demand;
 - ``LocalModelServer``: an OpenAI-compatible model server on loopback;
+- ``ScriptedModelServer`` (with ``turns``, ``ScriptedTurn``, ``ScriptedCall`` and the faults
+  ``RateLimited``, ``ServerError``, ``Slow``): an OpenAI-compatible server answering tool
+  calls from a script (docs/scripted-model.md);
 - ``LocalVendor``: an HTTP vendor that honours idempotency keys and can misbehave on demand;
 - ``SmtpSink``: a real SMTP server on loopback;
 - ``capture_spans``: an in-memory span exporter.
@@ -43,7 +46,15 @@ from orchestrator.loopback import (
     LocalVendor,
     LoopbackHttpServer,
     LoopbackService,
+    RateLimited,
+    ScriptedCall,
+    ScriptedModelServer,
+    ScriptedTurn,
+    ScriptRequest,
+    ServerError,
+    Slow,
     SmtpSink,
+    turns,
 )
 from orchestrator.models import JSON, TERMINAL_STATES, Run, RunEvent, RunState
 from orchestrator.settings import Settings
@@ -58,11 +69,19 @@ __all__ = [
     "LocalVendor",
     "LoopbackHttpServer",
     "LoopbackService",
+    "RateLimited",
+    "ScriptRequest",
+    "ScriptedCall",
+    "ScriptedModelServer",
+    "ScriptedTurn",
+    "ServerError",
+    "Slow",
     "SmtpSink",
     "capture_metrics",
     "capture_spans",
     "run_agent",
     "running_worker",
+    "turns",
     "wait_for_run",
     "with_database",
 ]

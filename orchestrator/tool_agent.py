@@ -491,14 +491,13 @@ class ToolLoop:
         state.pending = []
         return results
 
-    def _budget(self, ctx: StepContext, state: _LoopState) -> float:
-        """How long the model call may take, its retries included: never past what was left of
-        the step's lease when the step started, nor past the loop's deadline."""
-        now = ctx.database_now()
-        budget = (ctx.lease_until - now).total_seconds()
-        if state.deadline is not None:
-            budget = min(budget, (state.deadline - now).total_seconds())
-        return max(0.0, budget)
+    def _budget(self, ctx: StepContext, state: _LoopState) -> float | None:
+        """How long the model call may take, its retries included: until the loop's deadline,
+        if it has one. Not the lease: the heartbeat renews it while the call is in flight, and
+        losing it cancels the call; each request is also bounded by the model timeout."""
+        if state.deadline is None:
+            return None
+        return max(0.0, (state.deadline - ctx.database_now()).total_seconds())
 
     def _response_format(self) -> dict[str, Any] | None:
         if self.output is None:

@@ -228,3 +228,62 @@ async def test_runs_show_keeps_a_takeovers_previous_owner_and_says_what_attempt_
     assert await store.finish(second.lease, expected_version=1, result={"done": True})
     finished = cli(database_url, "runs", "show", run_id)
     assert "next step" not in finished.stdout and "since the last checkpoint" not in finished.stdout
+
+
+def test_help_shows_no_doubled_percent_signs() -> None:
+    """click prints help as written: a ``%%`` escape meant for argparse shows literally."""
+    for args in (
+        ["serve", "--help"],
+        ["effects", "serve", "--help"],
+        ["effects", "dispatch", "--help"],
+    ):
+        shown = cli("postgresql://unused@127.0.0.1:1/x", *args)
+        assert shown.returncode == 0 and "%%" not in shown.stdout, (args, shown.stdout)
+
+
+MY_AGENT = """
+from orchestrator import Agent, Finish, Outcome, Step, StepContext
+
+
+class Hello(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Finish(result={"hello": ctx.input["name"]})
+
+
+myagent = Agent("myagent", first=Hello)
+"""
+
+
+def serve_in(folder: Path, script: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(script), "serve", "--agents", "myagent", "--poll-seconds", "0.2", "--log-json"],
+        cwd=folder,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def test_serve_finds_an_agent_module_in_the_working_directory(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    """The installed ``orchestrator`` script, run in the folder holding ``myagent.py``, imports it
+    as ``python -m`` would: the working directory is on the import path."""
+    (tmp_path / "myagent.py").write_text(MY_AGENT)
+    script = Path(sys.executable).parent / "orchestrator"
+    assert script.exists(), script
+    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url}
+    env.pop("PYTHONPATH", None)
+    run_id = (await store.submit("myagent", {"name": "ana"})).run.run_id
+    with serve_in(tmp_path, script, env) as serve:
+        try:
+            with anyio.fail_after(30):
+                while not (run := await store.get(run_id)).state.terminal:
+                    assert serve.poll() is None, serve.communicate()[1]
+                    await anyio.sleep(0.1)
+        finally:
+            serve.terminate()
+            serve.wait(20)
+    assert run.result == {"hello": "ana"}

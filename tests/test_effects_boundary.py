@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import anyio
 import asyncpg
 import pytest
 
@@ -174,6 +175,25 @@ async def test_a_fence_the_run_never_had_is_refused_and_fences_out_no_one(
     # The live owner is untouched: its effect and its commit both go through.
     assert (await accept(pool, owner, EMAIL)).outcome == "accepted"
     assert await store.commit_step(owner.lease, expected_version=0, next_step="next", checkpoint={})
+
+
+async def test_a_stale_fence_for_a_waiting_run_says_it_waits_not_that_another_worker_owns_it(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    await store.submit("agent", {})
+    first = await claim(store, "A")
+    eager = RunStore(pool, backoff=Backoff(base_seconds=0.001))
+    assert await eager.fail_attempt(first.lease, error={"message": "again"})
+    await anyio.sleep(0.05)
+    second = await claim(store, "B")
+    assert (second.run_id, second.fence) == (first.run_id, first.fence + 1)
+    patient = RunStore(pool, backoff=Backoff(base_seconds=600))
+    assert await patient.fail_attempt(second.lease, error={"message": "later"})
+    stale = await accept(pool, first, EMAIL)
+    assert (stale.outcome, stale.run_state) == ("stale", "waiting")
+    said = stale.explain(first.run_id, EMAIL.key)
+    assert "another worker owns" not in said and "waiting" in said, said
+    assert await effect_rows(pool) == []
 
 
 async def test_effects_are_refused_for_a_run_not_running_under_that_fence(

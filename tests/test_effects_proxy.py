@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -30,7 +32,11 @@ def free_port() -> int:
 
 
 def start_proxy(
-    database_url: str, port: int, *extra: str, stderr: int | None = subprocess.DEVNULL
+    database_url: str,
+    port: int,
+    *extra: str,
+    stderr: int | None = subprocess.DEVNULL,
+    tokens: str = f"other-token,{TOKEN}",
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
@@ -49,7 +55,7 @@ def start_proxy(
         env={
             **os.environ,
             "ORCHESTRATOR_DATABASE_URL": database_url,
-            "ORCHESTRATOR_PROXY_TOKENS": f"other-token,{TOKEN}",
+            "ORCHESTRATOR_PROXY_TOKENS": tokens,
         },
         stdout=subprocess.DEVNULL,
         stderr=stderr,
@@ -58,8 +64,16 @@ def start_proxy(
 
 @pytest.fixture
 async def proxy(database_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with running_proxy(database_url) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(
+    database_url: str, *extra: str, tokens: str = f"other-token,{TOKEN}"
+) -> AsyncIterator[httpx.AsyncClient]:
     port = free_port()
-    process = start_proxy(database_url, port)
+    process = start_proxy(database_url, port, *extra, tokens=tokens)
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=10) as client:
@@ -69,12 +83,37 @@ async def proxy(database_url: str) -> AsyncIterator[httpx.AsyncClient]:
                         if (await client.get("/healthz")).status_code == 200:
                             break
                     except httpx.TransportError:
-                        pass
+                        assert process.poll() is None, "the proxy exited"
                     await asyncio.sleep(0.1)
             yield client
     finally:
         process.terminate()
         process.wait(10)
+
+
+async def test_tokens_come_from_a_file_kept_off_the_command_line(
+    database_url: str, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("file-token-1\n\nfile-token-2,file-token-3\n")
+    async with running_proxy(database_url, "--tokens-file", str(tokens), tokens="") as client:
+        for token in ("file-token-1", "file-token-2", "file-token-3"):
+            known = await client.get("/v1/effects/r_missing/key", headers=auth(token))
+            assert known.status_code in (404, 422), (token, known.text)
+        refused = await client.get("/v1/effects/r_missing/key", headers=auth(TOKEN))
+        assert refused.status_code == 401
+    unreadable = start_proxy(
+        database_url,
+        free_port(),
+        "--tokens-file",
+        str(tmp_path / "absent"),
+        tokens="",
+        stderr=subprocess.PIPE,
+    )
+    _, said = unreadable.communicate(timeout=30)
+    assert unreadable.returncode == 1
+    [line] = said.decode().strip().splitlines()
+    assert "cannot read --tokens-file" in line and "absent" in line
 
 
 def auth(token: str = TOKEN) -> dict[str, str]:

@@ -432,6 +432,19 @@ async def test_a_step_that_swallows_its_cancellation_commits_nothing_after_a_loc
     assert "lease_lost" in kinds
 
 
+async def test_a_run_cancelled_under_its_worker_is_counted_cancelled_not_lost(
+    store: RunStore, settings: Settings
+) -> None:
+    """The status line's counts: a cancel is not a lost lease."""
+    run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 30})).run.run_id
+    async with running_worker(settings, [sleepy], concurrency=1, **FAST) as worker:
+        await eventually(lambda: run_id in worker.active, within=10)
+        await store.cancel(run_id)
+        await eventually(lambda: run_id not in worker.active, within=10)
+        assert worker.counters.finished == {"cancelled": 1}
+    assert (await store.get(run_id)).state is RunState.CANCELLED
+
+
 async def test_a_worker_cancelled_as_a_whole_still_ends_its_run_tasks(
     store: RunStore, settings: Settings
 ) -> None:

@@ -22,6 +22,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 import anyio
+import asyncpg
 import pytest
 
 from orchestrator.db.connections import connect, create_pool
@@ -392,6 +393,35 @@ def test_the_embedded_server_comes_back_on_the_same_port() -> None:
         shutil.rmtree(home, ignore_errors=True)
 
 
+async def test_db_stop_refuses_while_other_processes_are_connected_unless_forced() -> None:
+    home = Path(tempfile.mkdtemp(prefix="orchestrator-dbstop-"))
+    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    try:
+        running = server.ensure_running()
+        console = await asyncpg.connect(
+            running.dsn("postgres"), server_settings={"application_name": "my-console"}
+        )
+        try:
+            refused = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
+            assert refused.returncode == 1, refused.stderr
+            [line] = refused.stderr.strip().splitlines()
+            assert "1 session" in line and "'my-console'" in line and "--force" in line, line
+            assert await console.fetchval("SELECT 1") == 1  # nothing was stopped
+            assert server.running() is not None
+            forced = await anyio.to_thread.run_sync(
+                lambda: embedded_cli(home, "db", "stop", "--force")
+            )
+            assert forced.returncode == 0, forced.stderr
+            assert server.running() is None
+        finally:
+            console.terminate()
+        alone = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
+        assert alone.returncode == 0 and "not running" in alone.stderr, alone.stderr
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)
+
+
 @pytest.mark.parametrize("port_taken", [False, True], ids=["same-port", "port-taken"])
 async def test_workers_find_the_embedded_server_again_after_db_stop(port_taken: bool) -> None:
     """`db stop`, then any command starts the server again: running workers reconnect to it,
@@ -420,7 +450,9 @@ async def test_workers_find_the_embedded_server_again_after_db_stop(port_taken: 
         with ServeProcess(None, *args, name="A", env={"ORCHESTRATOR_HOME": str(home)}) as worker:
             await worker.wait_for_log("serving", within=30)
             await anyio.sleep(1.0)
-            stopped = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
+            stopped = await anyio.to_thread.run_sync(
+                lambda: embedded_cli(home, "db", "stop", "--force")
+            )
             assert stopped.returncode == 0, stopped.stderr
             old_port = server.remembered_port()
             assert old_port is not None

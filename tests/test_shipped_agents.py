@@ -75,3 +75,30 @@ async def test_support_opens_a_ticket_and_replies_quoting_its_id(
     assert ticket_id in sink.messages[0].get_content()
     lookups = [r for r in model.requests if r["turn"] == 0]
     assert len(lookups) == 1  # both lookups were one turn: two calls in one answer
+
+
+def test_the_readme_lists_exactly_the_agents_that_ship() -> None:
+    """The README's list of shipped agents and its list of tool agents agree with agents/."""
+    import importlib
+    import pkgutil
+    import re
+    from pathlib import Path
+
+    import orchestrator.agents
+    from orchestrator.steps import Agent
+    from orchestrator.tool_agent import ToolAgent
+
+    shipped: dict[str, object] = {}
+    for module in pkgutil.iter_modules(orchestrator.agents.__path__):
+        for value in vars(importlib.import_module(f"orchestrator.agents.{module.name}")).values():
+            if isinstance(value, Agent | ToolAgent):
+                shipped[value.name] = value
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+
+    def names_after(start: str) -> set[str]:
+        sentence = readme[readme.index(start) :].split(". ")[0]
+        return set(re.findall(r"`([a-z_]+)`", sentence))
+
+    assert names_after("`agents/` ships") == set(shipped)
+    tool_agents = {name for name, agent in shipped.items() if isinstance(agent, ToolAgent)}
+    assert names_after("The two tool agents in `agents/`") == tool_agents

@@ -24,6 +24,7 @@ import pytest
 
 from orchestrator.agents.sleepy import sleepy
 from orchestrator.db.store import RunStore
+from orchestrator.errors import error_fields
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, run_agent, wait_for_run
@@ -281,6 +282,34 @@ def test_the_service_name_comes_from_the_environment(env: dict[str, str], servic
         assert resource["team"] == "payments"
 
 
+CONSOLE_EXPORT_BESIDE_LOGS = """
+    import structlog
+
+    from orchestrator import telemetry
+
+    telemetry.configure_logging(json_logs=True)
+    telemetry.install_sdk_from_env()
+    structlog.get_logger().info("before the span")
+    with telemetry.start_span("a span", attributes={"orchestrator.run.id": "r_x"}):
+        telemetry.Metrics().claims.add(1)
+    structlog.get_logger().info("after the span")
+    telemetry.shutdown_sdk()
+"""
+
+
+def test_console_export_writes_one_json_line_per_span_among_the_json_log_lines() -> None:
+    exporters = {"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "console"}
+    result = python(CONSOLE_EXPORT_BESIDE_LOGS, env=exporters)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
+    assert [line["name"] for line in lines if "context" in line] == ["a span"]
+    assert [line["event"] for line in lines if "event" in line] == [
+        "before the span",
+        "after the span",
+    ]
+    assert any("resource_metrics" in line for line in lines)
+
+
 HOST_PROVIDERS = """
     import json
     import sys
@@ -410,3 +439,9 @@ def test_tracing_enabled_loads_a_provider_named_by_the_environment(check: str) -
     result = python(code, check, env={"OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "opentelemetry.sdk.trace"]
+
+
+def test_an_error_without_text_is_logged_by_its_type_and_repr() -> None:
+    """A deadline's ``TimeoutError`` has no text: a log line must still say what failed."""
+    assert error_fields(TimeoutError()) == {"error": "TimeoutError()", "error_type": "TimeoutError"}
+    assert error_fields(OSError("refused")) == {"error": "refused", "error_type": "OSError"}

@@ -19,6 +19,7 @@ from orchestrator.loopback import (
     ScriptedCall,
     ScriptedModelServer,
     ScriptedTurn,
+    Slow,
     turns,
 )
 from orchestrator.models import RunState
@@ -192,6 +193,32 @@ async def test_429_with_retry_after_is_retried_and_every_attempt_is_in_the_usage
     outcomes = [a["outcome"] for a in assistant.usage["attempts"]]
     assert outcomes == ["rate_limited", "rate_limited", "ok"]
     assert [r["answer"] for r in model.requests] == ["429", "429", "text"]
+
+
+async def test_a_model_answer_slower_than_the_lease_succeeds_while_the_heartbeat_renews(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease is renewed while the call is in flight, so the call is bounded by the model
+    timeout and by losing the lease, never by the lease's length: one request, one answer."""
+    agent = ToolAgent("unhurried", instructions="", tools=[])
+    lease = 3.0  # renewed every 0.6 s: a busy machine still renews well within it
+    async with ScriptedModelServer(turns(ScriptedTurn(content="done"))) as model:
+        model.fail_next(Slow(lease * 2.5))
+        run_id, _ = await serve_one(
+            settings,
+            store,
+            agent,
+            model,
+            monkeypatch,
+            {"p": 1},
+            lease_seconds=lease,
+            heartbeat_seconds=lease / 5,
+        )
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED and run.result is not None, run.error
+    assert run.result["model_attempts"] == 1
+    assert [r["answer"] for r in model.requests] == ["text"]
+    assert model.disconnects == 0
 
 
 class Verdict(pydantic.BaseModel):

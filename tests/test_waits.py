@@ -272,6 +272,11 @@ async def test_an_approved_effect_is_sent_once_and_only_for_the_payload_shown(
             await approvals.decide(
                 run_id, "refund", Decision.APPROVED, by="ana", run_fence=run.fence - 1
             )
+        never = run.fence + 6
+        with pytest.raises(DecisionRefused, match=f"fence {never} was never granted") as refused:
+            await approvals.decide(run_id, "refund", Decision.APPROVED, by="ana", run_fence=never)
+        assert "moved on" not in str(refused.value)
+        assert f"current fence is {run.fence}" in str(refused.value)
         approved = await approvals.decide(
             run_id,
             "refund",

@@ -272,9 +272,9 @@ class RunStore:
             f"run id {run_id!r} is already taken; omit --run-id to get a fresh one"
         )
 
-    async def get(self, run_id: str) -> Run:
+    async def get(self, run_id: str, *, db: Executor | None = None) -> Run:
         validate_run_id(run_id)
-        record = await self.pool.fetchrow(query("get_run"), run_id)
+        record = await (db or self.pool).fetchrow(query("get_run"), run_id)
         if record is None:
             raise RunNotFound(run_id)
         return Run.from_record(record)

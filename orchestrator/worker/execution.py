@@ -36,6 +36,7 @@ from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectNotFound
+from orchestrator.errors import error_fields
 from orchestrator.models import JSON, ClaimedRun, CommitResult, RunState
 from orchestrator.signals import Signal, SignalStore
 from orchestrator.steps import (
@@ -75,6 +76,9 @@ from orchestrator.worker.heartbeat import LeaseHandle, LeaseKeeper
 
 T = TypeVar("T")
 COMMITTED = "orchestrator.committed"
+NOT_THE_OWNER = "refused: not the owner any more"
+"""Ends the reason a lease was lost when the database refused a fenced write (a stale fence),
+as opposed to the worker's own lease check (a refused renewal, the local deadline)."""
 """On every step's span: whether the step's commit took effect (a refused or replayed step is
 labelled, not hidden)."""
 
@@ -95,6 +99,8 @@ class Disposition(enum.StrEnum):
     """Given back at shutdown, fence unchanged, attempt not counted."""
     LOST = "lost"
     """Ownership was lost or could not be proven: nothing more was committed."""
+    CANCELLED = "cancelled"
+    """The run was cancelled while this worker held it: nothing more was committed."""
     CRASHED = "crashed"
     """A bug in the runtime ended the execution (logged); the lease is left to expire."""
 
@@ -352,8 +358,7 @@ class RunExecution:
         if self.shutdown_requested and not self.handle.lost and disposition is Disposition.LOST:
             return await self._cleanup(self._release)
         if self.handle.lost:
-            await self._cleanup(self._record_lost)
-            return Disposition.LOST
+            return await self._cleanup(self._record_lost)
         return disposition
 
     def _conclude(self, disposition: Disposition) -> None:
@@ -519,7 +524,7 @@ class RunExecution:
                         return await self._fail_attempt(error)
                     services.metrics.step_seconds.record(time.monotonic() - started)
                     if committed is None:
-                        return self._lost("commit refused: not the owner any more")
+                        return self._lost(f"commit {NOT_THE_OWNER}")
                     self.transcript.committed(messages)
                     committed_here = True
                     span.set_attribute(CHECKPOINT_VERSION, committed.checkpoint_version)
@@ -685,7 +690,7 @@ class RunExecution:
         elif isinstance(answer, CommitOutcomeUnknown):
             self.handle.lose(f"{final.value} outcome unknown ({answer})")
         else:
-            self.handle.lose(f"{final.value} refused: not the owner any more")
+            self.handle.lose(f"{final.value} {NOT_THE_OWNER}")
         services.host.run_needs_cleanup(self)
 
     async def clean_up(self) -> Disposition:
@@ -697,8 +702,7 @@ class RunExecution:
                 if self._refusal is not None:
                     disposition = await self._fail_attempt(self._refusal)
                 if self.handle.lost:
-                    disposition = Disposition.LOST
-                    await self._cleanup(self._record_lost)
+                    disposition = await self._cleanup(self._record_lost)
         finally:
             self._conclude(disposition)
         return disposition
@@ -788,7 +792,7 @@ class RunExecution:
             "fail_attempt",
         )
         if outcome is None:
-            return self._lost("failure record refused: not the owner any more")
+            return self._lost(f"failure record {NOT_THE_OWNER}")
         if outcome.state is RunState.DEAD:
             return Disposition.DEAD
         return Disposition.RETRY_SCHEDULED
@@ -811,7 +815,7 @@ class RunExecution:
             try:
                 return await action()
             except DATABASE_ERRORS as error:
-                self.log.warning("cleanup write failed", error=str(error))
+                self.log.warning("cleanup write failed", **error_fields(error))
         return Disposition.LOST
 
     async def _release(self) -> Disposition:
@@ -838,4 +842,7 @@ class RunExecution:
                     db=db,
                 )
             )
-        return Disposition.LOST
+        # A cancel reaches the owner as a lost lease (a notice or a refused renewal): the run's
+        # row says which it was, so the worker's counts do not call a cancel a loss.
+        run = await self._db(lambda db: self.services.store.get(self.claimed.run_id, db=db))
+        return Disposition.CANCELLED if run.state is RunState.CANCELLED else Disposition.LOST

@@ -53,6 +53,7 @@ from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffects
+from orchestrator.errors import error_fields
 from orchestrator.metrics_endpoint import Probe, sample_gauges
 from orchestrator.retention import PURGE_INTERVAL_SECONDS, purge_round
 from orchestrator.settings import Settings
@@ -411,7 +412,9 @@ class Worker:
                     self._look_for_expired |= look_for_expired
                     failures += 1
                     if failures == 1:
-                        self.log.warning("database unavailable; claiming paused", error=str(error))
+                        self.log.warning(
+                            "database unavailable; claiming paused", **error_fields(error)
+                        )
                     await anyio.sleep(min(self.config.poll_seconds * failures, 5.0))
                     continue
             if claimed:
@@ -642,7 +645,7 @@ class Worker:
                 async with pooled(running.store.pool, within=running.statement_seconds) as db:
                     await ApprovalStore(db).expire(limit=100)
             except DATABASE_ERRORS as error:
-                self.log.warning("cannot expire approvals", error=str(error))
+                self.log.warning("cannot expire approvals", **error_fields(error))
 
     async def _purge(self, running: Running, age: timedelta) -> None:
         """Delete finished runs past their retention, a bounded round at a time."""
@@ -651,7 +654,7 @@ class Worker:
             try:
                 purged = await purge_round(running.store.pool, age)
             except DATABASE_ERRORS as error:
-                self.log.warning("cannot purge finished runs", error=str(error))
+                self.log.warning("cannot purge finished runs", **error_fields(error))
                 continue
             if purged is not None and purged.runs:
                 self.log.info(

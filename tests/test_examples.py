@@ -1,0 +1,32 @@
+"""The examples in examples/ run as a user runs them (other examples have their own tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+async def test_the_scripted_model_example_runs_a_tool_agent_through_a_429(
+    database_url: str,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    with anyio.fail_after(120):
+        finished = await anyio.run_process(
+            [sys.executable, str(EXAMPLES / "scripted_model.py")],
+            env={**env, "ORCHESTRATOR_DATABASE_URL": database_url},
+            check=False,
+        )
+    assert finished.returncode == 0, finished.stderr.decode()
+    printed = json.loads(finished.stdout.decode().strip().splitlines()[-1])
+    assert printed["state"] == "succeeded", printed
+    assert printed["result"]["output"] == "Order o-17 has shipped."
+    assert printed["model_answered"] == ["429", "tool_calls", "text"]
