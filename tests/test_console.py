@@ -690,6 +690,8 @@ def test_bad_options_are_one_line_errors(database_url: str, tmp_path: Path) -> N
         (["--listen", "127.0.0.1:0x"], {}, "--listen takes HOST:PORT"),
         (["--token-file", str(missing)], {}, "cannot read --token-file"),
         ([], {"ORCHESTRATOR_CONSOLE_TOKEN": "short"}, "at least 16 characters"),
+        # Readable by the whole network without a token only when the operator says so.
+        (["--listen", f"0.0.0.0:{free_port()}", "--show-payloads"], {}, "--allow-public-read-only"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "orchestrator.cli", "console", *args],
@@ -702,6 +704,25 @@ def test_bad_options_are_one_line_errors(database_url: str, tmp_path: Path) -> N
         assert done.returncode == 1, (args, done.stderr)
         assert expected in done.stderr, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+async def test_a_public_read_only_console_needs_the_operator_to_say_so(
+    database_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    running = Console(
+        database_url,
+        tmp_path / "public.log",
+        "--listen",
+        f"0.0.0.0:{port}",
+        "--allow-public-read-only",
+    )
+    running.url = f"http://127.0.0.1:{port}"
+    try:
+        await running.ready()
+    finally:
+        assert running.stop() == 0, running.log.read_text()
+    assert f"console listening on http://0.0.0.0:{port}/ (read-only" in running.log.read_text()
 
 
 @pytest.fixture
