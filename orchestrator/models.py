@@ -213,7 +213,8 @@ class WorkerInfo:
     """Its database session still holds its liveness lock."""
     runs_held: int
     last_renewal: datetime | None
-    """The latest renewal or commit among the runs it holds."""
+    """Its latest lease renewal, or a later commit of a run it holds now (None: it never
+    renewed one)."""
     leases_until: datetime | None
 
     @classmethod

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,10 @@ import httpx
 import pytest
 from playwright.async_api import BrowserContext, Page, async_playwright, expect
 
+from orchestrator.client import Client
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
-from orchestrator.effects.approvals import ApprovalStore, Decision
+from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
@@ -30,6 +32,7 @@ from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from orchestrator.testing import running_worker, wait_for_run
 from support import ServeProcess
+from test_cli import cli
 from test_effects_processes import AGENT, events_of, vendors_config
 from test_effects_proxy import free_port
 from test_privacy import CANARY, run_with_canaries
@@ -325,6 +328,9 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             )
             await row.get_by_role("button", name="approve").click()
             await expect(page.locator("#flash-error")).to_contain_text("is not the one you saw")
+            await expect(page.locator("#flash-error")).not_to_contain_text(
+                str(effect.payload_sha256)
+            )
             assert (await EffectStore(pool).get(approved_id, effect.effect_key)).status is (
                 EffectStatus.AWAITING_APPROVAL
             )
@@ -452,9 +458,6 @@ async def test_a_wrong_token_or_a_missing_origin_is_refused_and_changes_nothing(
         origin = {"Origin": running.url}
         refused = {
             "no credentials": await client.post(path, headers=origin, data=fields),
-            "wrong bearer": await client.post(
-                path, headers={"Authorization": "Bearer wrong-token-0000000"}, data=fields
-            ),
             "wrong sign-in": await client.post(
                 "/signin", headers=origin, data={"name": "m", "token": "wrong-token-0000000"}
             ),
@@ -482,6 +485,12 @@ async def test_a_wrong_token_or_a_missing_origin_is_refused_and_changes_nothing(
         )
         for case, answer in refused.items():
             assert answer.status_code == 403, (case, answer.status_code, answer.text)
+        # An API client is answered as one: 401 and a JSON error, not a page asking to sign in.
+        wrong = await client.post(
+            path, headers={"Authorization": "Bearer wrong-token-0000000"}, data=fields
+        )
+        assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+        assert "wrong bearer token" in wrong.json()["error"], wrong.text
         assert await state_of(store, pool, run_id) == before
 
         # The same request with the signed cookie and this console's Origin goes through; the
@@ -537,6 +546,44 @@ async def test_what_a_hostile_page_or_link_could_send_is_refused(
         )
         shown = await client.get(done.headers["location"], headers=session)
         assert "approved refund" in shown.text
+
+
+async def test_a_refused_approval_says_where_to_look_and_never_tells_the_hash(
+    database_url: str, settings: Settings, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    """With the current hash in a refusal, a client could approve a payload unseen in two calls."""
+    run_id = await awaiting_approval(store, pool, {"order": "o-3", "amount": 75})
+    current = str((await EffectStore(pool).get(run_id, "refund")).payload_sha256)
+    wrong = "0" * 64
+    where = f"orchestrator approvals show {run_id} refund"
+    messages: dict[str, str] = {}
+    with pytest.raises(DecisionRefused) as refused:
+        await Client(pool, settings).approve(run_id, "refund", by="api", payload_sha256=wrong)
+    messages["Client"] = str(refused.value)
+    done = await anyio.to_thread.run_sync(
+        lambda: cli(
+            database_url, "approvals", "approve", run_id, "refund", "--by", "ana", "--hash", wrong
+        )
+    )
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    messages["CLI"] = done.stderr
+    async with (
+        console(database_url, tmp_path, token=TOKEN) as running,
+        httpx.AsyncClient(base_url=running.url) as client,
+    ):
+        answer = await client.post(
+            f"/runs/{run_id}/effects/refund/approve",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            data={"by": "api", "payload_sha256": wrong},
+        )
+        assert answer.status_code == 409, answer.text
+        messages["console API"] = answer.json()["error"]
+    for surface, message in messages.items():
+        assert "is not the one you saw" in message and where in message, (surface, message)
+        assert current not in message, (surface, message)
+    assert (await EffectStore(pool).get(run_id, "refund")).status is (
+        EffectStatus.AWAITING_APPROVAL
+    )
 
 
 async def test_a_parked_effect_is_resolved_from_the_browser(
@@ -678,6 +725,38 @@ async def test_contents_appear_only_with_show_payloads_and_capped(
     assert "truncated: the first 4096 of" in big_page
     assert "x" * 5000 not in big_page
     assert markup not in big_page and "&lt;script&gt;alert" in big_page  # shown, never run
+
+
+async def test_a_worker_that_renewed_shows_its_last_renewal_after_its_runs_end(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    """The last renewal was read from the runs a worker held at that moment: blank between runs."""
+    with ServeProcess(
+        database_url,
+        "--agents",
+        "orchestrator.agents.sleepy",
+        "--lease-seconds",
+        "2",
+        "--poll-seconds",
+        "0.2",
+        name="renewer",
+    ):
+        run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 4})).run.run_id
+        await wait_for_run(store, run_id, states={RunState.SUCCEEDED}, within=60)
+        listed = await anyio.to_thread.run_sync(
+            lambda: cli(database_url, "workers", "list", "--json")
+        )
+        async with console(database_url, tmp_path) as running, httpx.AsyncClient() as client:
+            page = (await client.get(f"{running.url}/cluster")).text
+    (worker,) = json.loads(listed.stdout)
+    assert worker["runs_held"] == 0 and worker["last_renewal"] is not None, worker
+    claimed = next(e.at for e in await store.events(run_id) if e.kind == "claimed")
+    finished = (await store.get(run_id)).finished_at
+    assert finished is not None
+    renewed = datetime.fromisoformat(worker["last_renewal"])
+    # A 2 s lease renewed through a 4 s step: after the claim, before the finish.
+    assert claimed < renewed < finished, (worker, claimed, finished)
+    assert renewed.strftime("%Y-%m-%d %H:%M:%S") in page
 
 
 # -- the command line -----------------------------------------------------------------------
