@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import json
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
@@ -44,6 +44,11 @@ def dump_json(value: Any) -> str:
 
 def _time(value: datetime | None) -> str:
     return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+def _second(value: datetime) -> str:
+    """A time to the second, in UTC, for a glance (the timeline keeps milliseconds)."""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _relative(moment: datetime | None, now: datetime) -> str:
@@ -154,36 +159,48 @@ def print_run(
     console.print(timeline)
 
 
+ATTEMPT_COLUMNS = (
+    "fence",
+    "worker",
+    "claimed",
+    "held",
+    "ended",
+    "checkpoints",
+    "effects",
+    "stale refused",
+    "trace",
+)
+"""The attempts table's headers, on a terminal and in the console."""
+
+
+def attempt_cells(attempt: Attempt, now: datetime) -> list[str]:
+    """One attempt as ``ATTEMPT_COLUMNS`` name it: when it was claimed (to the second), how long
+    it held the run (so far, if it still does), how it ended, what it did."""
+    held = attempt.seconds
+    if held is None:
+        held_text = f"{(now - attempt.claimed_at).total_seconds():.1f}s so far"
+    else:
+        held_text = f"{held:.1f}s"
+    return [
+        str(attempt.fence),
+        attempt.worker_id or "",
+        _second(attempt.claimed_at),
+        held_text,
+        attempt.ending,
+        str(attempt.checkpoints),
+        str(attempt.effects_requested),
+        str(attempt.stale_refusals) if attempt.stale_refusals else "",
+        attempt.trace_id or "",
+    ]
+
+
 def attempts_table(attempts: Sequence[Attempt], now: datetime) -> Table:
     """Each attempt: fence, worker, when it was claimed, how long it held the run, how it ended."""
     table = Table(title="attempts", show_edge=False, header_style="bold", title_justify="left")
-    for column in (
-        "fence",
-        "worker",
-        "claimed",
-        "held",
-        "ended",
-        "checkpoints",
-        "effects",
-        "stale refused",
-        "trace",
-    ):
+    for column in ATTEMPT_COLUMNS:
         table.add_column(column)
     for attempt in attempts:
-        held = attempt.seconds
-        if held is None:
-            held = (now - attempt.claimed_at).total_seconds()
-        table.add_row(
-            str(attempt.fence),
-            attempt.worker_id or "",
-            _time(attempt.claimed_at),
-            f"{held:.2f}s",
-            attempt.ending,
-            str(attempt.checkpoints),
-            str(attempt.effects_requested),
-            str(attempt.stale_refusals) if attempt.stale_refusals else "",
-            attempt.trace_id or "",
-        )
+        table.add_row(*attempt_cells(attempt, now))
     return table
 
 

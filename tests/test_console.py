@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,22 @@ CHROMIUM_ARGS = [
 ]
 
 
+VIEWPORT = {"width": 1280, "height": 800}
+"""A laptop's window: what a person must reach without scrolling sideways fits in it."""
+
+
+async def within_the_window(page: Page, selector: str) -> None:
+    """Every element ``selector`` matches is on screen horizontally (none off to the right)."""
+    found = page.locator(selector)
+    assert await found.count() > 0, selector
+    for index in range(await found.count()):
+        box = await found.nth(index).bounding_box()
+        assert box is not None, selector
+        assert box["x"] >= 0 and box["x"] + box["width"] <= VIEWPORT["width"], (selector, box)
+    width = await page.evaluate("document.documentElement.scrollWidth")
+    assert width <= VIEWPORT["width"], f"the page is {width}px wide"
+
+
 def chromium() -> str:
     path = os.environ.get("ORCHESTRATOR_CHROMIUM") or "/usr/bin/chromium"
     if Path(path).is_file():
@@ -83,7 +100,7 @@ async def browser(tmp_path: Path) -> AsyncIterator[BrowserContext]:
             executable_path=executable,
             headless=True,
             args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 900},
+            viewport=VIEWPORT,
         )
         try:
             yield context
@@ -242,13 +259,17 @@ async def test_the_sigstop_story_reads_as_two_attempts_one_refusal_one_send_each
         await expect(first).to_contain_text("lease expired; claimed again")
         await expect(second).to_contain_text("B")
         await expect(second).to_contain_text("succeeded")
-        header = await page.locator("#attempts tr").first.inner_text()
-        for column in ("fence", "worker_id", "claimed_at", "lease_until", "seconds", "ending"):
-            assert column in header  # Attempt.as_json's fields, whatever they are
-        cells = [await first.locator("td").nth(i).inner_text() for i in range(2)]
-        assert cells == ["1", "A"]
-        cells = [await second.locator("td").nth(i).inner_text() for i in range(2)]
-        assert cells == ["2", "B"]
+        # The columns `runs show` prints, in words, and times to the second.
+        headers = await page.locator("#attempts th").all_inner_texts()
+        assert headers[:5] == ["fence", "worker", "claimed", "held", "ended"], headers
+        assert not [h for h in headers if "_" in h], headers
+        cells = await first.locator("td").all_inner_texts()
+        assert cells[:2] == ["1", "A"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ", cells[2]), cells
+        assert re.fullmatch(r"\d+\.\ds", cells[3]), cells
+        cells = await second.locator("td").all_inner_texts()
+        assert cells[:2] == ["2", "B"]
+        await within_the_window(page, "#attempts th")
 
         refusals = page.locator("#stale-refusals li")
         await expect(refusals.first).to_contain_text("fence 1 from A was refused")
@@ -307,6 +328,7 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             await page.goto(f"{running.url}/attention")
             await expect(page.locator("#mode")).to_have_text("not signed in")
             await expect(page.locator("form.approve-form")).to_have_count(0)
+            await within_the_window(page, "header a[href^='/signin']")
             await sign_in(page, running.url, "alice")
             assert page.url.endswith("/attention")
             await expect(page.locator("#mode")).to_have_text("signed in as alice")
@@ -319,7 +341,12 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             effect = (await EffectStore(pool).list_effects(run_id=approved_id))[0]
             assert effect.status is EffectStatus.AWAITING_APPROVAL
             await expect(row.locator(".payload-sha")).to_have_text(str(effect.payload_sha256))
+            await within_the_window(page, "button.approve, button.deny, header form button")
             await shot(page, screenshots, "needs-a-person")
+            await page.goto(f"{running.url}/runs/{approved_id}")
+            await within_the_window(page, "button.approve, button.deny")
+            await shot(page, screenshots, "run-awaiting-approval")
+            await page.goto(f"{running.url}/attention")
 
             # The form names the payload the page showed: had it changed, the store refuses,
             # and the page says why.

@@ -14,6 +14,7 @@ from urllib.parse import quote, urlsplit
 import anyio
 import asyncpg
 import jinja2
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
@@ -79,11 +80,13 @@ def _templates() -> Jinja2Templates:
     return Jinja2Templates(env=environment)
 
 
-def _when(value: Any) -> str:
+def _when(value: Any) -> str | Markup:
     if value is None:
         return ""
     if hasattr(value, "strftime"):
-        return str(value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z")
+        # Marked as a time, so that a narrow column breaks it between date and time only.
+        text = value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+        return Markup('<span class="time">{}</span>').format(text)
     return str(value)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -18,6 +18,7 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import RunState
+from orchestrator.presentation import ATTEMPT_COLUMNS, attempt_cells
 from orchestrator.signals import SignalStore
 from orchestrator.tool_agent import effect_key
 from orchestrator.transcript import Message
@@ -140,17 +141,15 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
     signals = await SignalStore(store.pool).history(run_id)
     budget = await BudgetStore(store.pool).get(run_id)
     now = await store.database_now()
-    attempts = []
-    for attempt in attempts_of(events, await store.traces(run_id)):
-        fields = attempt.as_json()  # every field it has, so new ones appear without a change here
-        if attempt.seconds is None:
-            fields["held so far"] = round((now - attempt.claimed_at).total_seconds(), 3)
-        attempts.append(fields)
+    attempts = [
+        {"fence": attempt.fence, "cells": attempt_cells(attempt, now)}
+        for attempt in attempts_of(events, await store.traces(run_id))
+    ]
     return {
         "run": run,
         "now": now,
         "live": not run.state.terminal,
-        "attempt_columns": _columns(attempts),
+        "attempt_columns": ATTEMPT_COLUMNS,
         "attempts": attempts,
         "events": [
             {"event": event, "details": event_details(event.kind, event.details, reveal=reveal)}
@@ -183,15 +182,6 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
 
 MAX_ROWS_SHOWN = 500
 """The newest timeline events and messages a run page renders (``runs show --json`` has all)."""
-
-
-def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Every key any row has, in first-seen order."""
-    seen: dict[str, None] = {}
-    for row in rows:
-        for key in row:
-            seen.setdefault(key, None)
-    return list(seen)
 
 
 async def attention_page(store: RunStore, *, reveal: bool) -> dict[str, Any]:
