@@ -42,13 +42,18 @@ def dump_json(value: Any) -> str:
     return json.dumps(jsonable(value), indent=2, sort_keys=False)
 
 
+def _utc(value: datetime) -> datetime:
+    """``value`` in UTC; a naive one (PostgreSQL's infinity, as asyncpg reads it) is UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 def _time(value: datetime | None) -> str:
-    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    return "" if value is None else _utc(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
 def _second(value: datetime) -> str:
     """A time to the second, in UTC, for a glance (the timeline keeps milliseconds)."""
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return _utc(value).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _relative(moment: datetime | None, now: datetime) -> str:
@@ -76,10 +81,20 @@ def _details(details: Any) -> str:
     )
 
 
-def runs_table(runs: Sequence[Run]) -> Table:
+def due_text(run: Run, now: datetime) -> str:
+    """When a queued or waiting run becomes claimable, while that is ahead: a scheduled run, a
+    retry's backoff, a wait's time limit ("" otherwise, and for a wait with no time limit)."""
+    due = _utc(run.available_at)
+    if run.state not in (RunState.QUEUED, RunState.WAITING) or due <= now or due.year == 9999:
+        return ""
+    return f"{_time(due)} ({_relative(due, now)})"
+
+
+def runs_table(runs: Sequence[Run], now: datetime) -> Table:
     table = Table(show_edge=False, header_style="bold")
     for column in ("run id", "agent", "state", "fence", "attempt", "step", "owner", "created"):
         table.add_column(column)
+    table.add_column("due")
     for run in runs:
         table.add_row(
             run.run_id,
@@ -90,6 +105,7 @@ def runs_table(runs: Sequence[Run]) -> Table:
             run.step or "",
             run.lease_owner or "",
             _time(run.created_at),
+            due_text(run, now),
         )
     return table
 
@@ -254,8 +270,8 @@ def _waiting_for(run: Run, now: datetime) -> str:
     if wait.get("reason") == "budget":
         parts.append("a budget top-up (`orchestrator runs budget RUN --add-...`)")
     if wait.get("until"):
-        parts.append(f"until {wait['until']}")
-    due = run.available_at.year < 9999 and run.available_at <= now
+        parts.append(f"until {_time(datetime.fromisoformat(wait['until']))}")
+    due = run.available_at.year < 9999 and _utc(run.available_at) <= now
     return " or ".join(parts) + (" (woken: due now)" if due else "")
 
 
@@ -345,6 +361,22 @@ def _excerpt(text: Any, limit: int = 90) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
+def conversation_turns(messages: Sequence[Message]) -> list[int]:
+    """Each message's turn as people count them (from 1). A tool result belongs to the turn whose
+    call it answers: an effect's result is stored with the next turn, which reads it first."""
+    asked: dict[str, int] = {}
+    turns = []
+    for message in messages:
+        turn = message.turn
+        if message.role == "tool":
+            turn = asked.get(str(message.body.get("tool_call_id")), turn)
+        for call in message.body.get("tool_calls") or []:
+            if isinstance(call, dict):
+                asked[str(call.get("id"))] = message.turn
+        turns.append(turn + 1)
+    return turns
+
+
 def conversation_table(messages: Sequence[Message], effects: Sequence[EffectRecord]) -> Table:
     """A tool agent's conversation, a line per message: what was said or called, each effect
     call with its record's status, and each turn's tokens (``--json`` has every message whole)."""
@@ -352,7 +384,7 @@ def conversation_table(messages: Sequence[Message], effects: Sequence[EffectReco
     table = Table(title="conversation", show_edge=False, header_style="bold", title_justify="left")
     for column in ("turn", "role", "tokens in/out", "message"):
         table.add_column(column)
-    for message in messages:
+    for message, turn in zip(messages, conversation_turns(messages), strict=True):
         body = message.body
         tokens = ""
         if isinstance(message.usage, dict):
@@ -374,5 +406,5 @@ def conversation_table(messages: Sequence[Message], effects: Sequence[EffectReco
             parts.append(shown)
         if message.role == "tool":
             parts = [f"{body.get('tool_call_id', '')}: {_excerpt(body.get('content'))}"]
-        table.add_row(str(message.turn), message.role, tokens, "\n".join(parts))
+        table.add_row(str(turn), message.role, tokens, "\n".join(parts))
     return table

@@ -379,6 +379,18 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             await expect(granted).to_contain_text("by=console:alice")
             await expect(page.locator("#run-state")).to_have_text("succeeded")
             await shot(page, screenshots, "run-approved")
+            # The refund's result answers turn 1's call, though the run reads it in turn 2.
+            rows = [
+                (await row.locator("td").nth(0).inner_text(), await row.inner_text())
+                for row in await page.locator("#conversation tr.message").all()
+            ]
+            assert [turn for turn, text in rows if "reply to call_0_0_1" in text] == ["1"], rows
+            assert [turn for turn, _ in rows] == ["1", "1", "1", "1", "1", "2"], rows
+            shown = await anyio.to_thread.run_sync(
+                lambda: cli(database_url, "runs", "show", approved_id)
+            )
+            turns = [line.split()[0] for line in shown.stdout.splitlines() if "call_0_0_1:" in line]
+            assert turns == ["1"], shown.stdout
     assert approved.state is RunState.SUCCEEDED, approved.error
     assert denied.state is RunState.SUCCEEDED, denied.error  # told "denied", it answered
     assert [d["payload"]["amount"] for d in vendor.deliveries.values()] == [150]
@@ -784,6 +796,48 @@ async def test_a_worker_that_renewed_shows_its_last_renewal_after_its_runs_end(
     # A 2 s lease renewed through a 4 s step: after the claim, before the finish.
     assert claimed < renewed < finished, (worker, claimed, finished)
     assert renewed.strftime("%Y-%m-%d %H:%M:%S") in page
+
+
+async def test_a_scheduled_run_shows_when_it_is_due_and_waits_print_times_in_utc(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    submitted = await anyio.to_thread.run_sync(
+        lambda: cli(database_url, "submit", "inbox", "--delay", "3600")
+    )
+    scheduled = submitted.stdout.strip()
+    available = (await store.get(scheduled)).available_at
+    due = available.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    parked = (await store.submit("parked", {})).run.run_id
+    await store.pool.execute(  # a wait with no time limit (available_at infinity), and one with
+        "UPDATE runs SET state = 'waiting', available_at = 'infinity', wait = $2 WHERE run_id = $1",
+        parked,
+        {"signals": ["go"], "until": None},
+    )
+    limited = (await store.submit("parked", {})).run.run_id
+    await store.pool.execute(
+        "UPDATE runs SET state = 'waiting', available_at = $2, wait = $3 WHERE run_id = $1",
+        limited,
+        datetime.fromisoformat("2030-01-01T02:00:00+02:00"),
+        {"signals": ["go"], "until": "2030-01-01T02:00:00+02:00"},
+    )
+
+    def show(*args: str) -> str:
+        done = cli(database_url, *args)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    listed = await anyio.to_thread.run_sync(show, "runs", "list")
+    [line] = [line for line in listed.splitlines() if scheduled in line]
+    assert due in line and "(in " in line, listed
+    shown = json.loads(await anyio.to_thread.run_sync(show, "runs", "show", parked, "--json"))
+    assert shown["run"]["available_at"].endswith("+00:00"), shown["run"]
+    waiting = await anyio.to_thread.run_sync(show, "runs", "show", limited)
+    assert "until 2030-01-01 00:00:00.000Z" in waiting, waiting
+    async with console(database_url, tmp_path) as running, httpx.AsyncClient() as client:
+        runs = (await client.get(f"{running.url}/runs")).text
+        page = (await client.get(f"{running.url}/runs/{scheduled}")).text
+    assert due in runs
+    assert 'id="run-due"' in page and due in page
 
 
 # -- the command line -----------------------------------------------------------------------

@@ -18,7 +18,12 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import RunState
-from orchestrator.presentation import ATTEMPT_COLUMNS, attempt_cells
+from orchestrator.presentation import (
+    ATTEMPT_COLUMNS,
+    attempt_cells,
+    conversation_turns,
+    due_text,
+)
 from orchestrator.signals import SignalStore
 from orchestrator.tool_agent import effect_key
 from orchestrator.transcript import Message
@@ -62,8 +67,10 @@ async def runs_page(store: RunStore, filters: RunFilters) -> dict[str, Any]:
     found = await select_runs(
         store, filters.states, filters.agent, filters.since, filters.until, LIST_LIMIT
     )
+    now = await store.database_now()
     return {
         "runs": found,
+        "due": {run.run_id: due_text(run, now) for run in found},
         "filters": filters,
         "states": [state.value for state in RunState],
         "more": len(found) == LIST_LIMIT,
@@ -86,13 +93,15 @@ class MessageView:
 
 
 def message_views(
-    messages: Sequence[Message], effects: Sequence[EffectRecord], *, reveal: bool
+    messages: Sequence[Message], effects: Sequence[EffectRecord], *, reveal: bool, last: int
 ) -> list[MessageView]:
-    """Each message: role, tokens, tool names with their effect's status; contents as ``Shown``
+    """The ``last`` messages: role, turn (numbered as ``conversation_table`` numbers them, from
+    the whole transcript), tokens, tool names with their effect's status; contents as ``Shown``
     (hidden unless ``--show-payloads``), as ``conversation_table`` shows them on a terminal."""
     status = {effect.effect_key: effect.status.value for effect in effects}
+    turns = conversation_turns(messages)[-last:]
     views = []
-    for message in messages:
+    for message, turn in zip(messages[-last:], turns, strict=True):
         body = message.body
         usage = message.usage if isinstance(message.usage, dict) else {}
         calls = []
@@ -109,7 +118,7 @@ def message_views(
             )
         views.append(
             MessageView(
-                turn=message.turn,
+                turn=turn,
                 role=message.role,
                 fence=message.fence,
                 at=message.at,
@@ -148,6 +157,7 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
     return {
         "run": run,
         "now": now,
+        "due": due_text(run, now),
         "live": not run.state.terminal,
         "attempt_columns": ATTEMPT_COLUMNS,
         "attempts": attempts,
@@ -163,7 +173,7 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
             "result": show(run.result, reveal=reveal),
             "error": show(run.error, reveal=reveal),
         },
-        "messages": message_views(messages[-MAX_ROWS_SHOWN:], effects, reveal=reveal),
+        "messages": message_views(messages, effects, reveal=reveal, last=MAX_ROWS_SHOWN),
         "messages_total": len(messages),
         "max_rows": MAX_ROWS_SHOWN,
         "effects": [effect_view(effect, reveal=reveal) for effect in effects],
