@@ -19,7 +19,7 @@ import anyio
 import asyncpg
 import httpx
 import pytest
-from playwright.async_api import BrowserContext, Page, async_playwright, expect
+from playwright.async_api import BrowserContext, Page, ViewportSize, async_playwright, expect
 
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
@@ -55,7 +55,7 @@ CHROMIUM_ARGS = [
 ]
 
 
-VIEWPORT = {"width": 1280, "height": 800}
+VIEWPORT: ViewportSize = {"width": 1280, "height": 800}
 """A laptop's window: what a person must reach without scrolling sideways fits in it."""
 
 
