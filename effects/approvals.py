@@ -130,9 +130,11 @@ def _refusal(
     if expires is not None and expires <= now:
         return f"the approval of {what} expired at {_when(expires)}; it is denied"
     if payload_sha256 is not None and payload_sha256 != row["payload_sha256"]:
+        # The current hash is not echoed: with it, a client could approve unseen in two calls.
         return (
-            f"the payload of {what} is not the one you saw (its sha256 is now "
-            f"{row['payload_sha256']}, not {payload_sha256}); show it again and decide on that"
+            f"the payload of {what} is not the one you saw (its sha256 is not {payload_sha256}): "
+            f"look at it with `orchestrator approvals show {run_id} {effect_key}` or on the "
+            "console's Needs a person page, and decide on what it shows"
         )
     if run_fence is not None and run_fence > row["run_fence"]:
         return (

@@ -129,6 +129,7 @@ class Dispatcher:
         """Dispatch until cancelled."""
         if not self.adapters:
             return
+        self.metrics.start_at_zero(self.adapters)
         self.log.info("dispatching", kinds=sorted(self.adapters))
         try:
             async with anyio.create_task_group() as group:

@@ -20,7 +20,8 @@ the rules a step's commit applies, in one transaction, and answers:
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -128,12 +129,20 @@ def create_app(
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"ok": True})
 
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Serving, so the command's meter provider is installed: every answer's series at 0.
+        for outcome in AcceptOutcome:
+            requests.add(0, {"outcome": outcome.value})
+        yield
+
     return Starlette(
+        lifespan=lifespan,
         routes=[
             Route("/v1/effects", accept, methods=["POST"]),
             Route("/v1/effects/{run_id}/{effect_key:path}", read, methods=["GET"]),
             Route("/healthz", health, methods=["GET"]),
-        ]
+        ],
     )
 
 

@@ -302,10 +302,11 @@ def runs_list(
     async def body() -> None:
         async with open_store(settings) as store:
             found = await select_runs(store, states, agent, since, until, limit)
+            now = await store.database_now()
         if as_json:
             stdout.print_json(dump_json(found))
         elif found:
-            stdout.print(runs_table(found))
+            stdout.print(runs_table(found, now))
         else:
             stderr.print("no runs match")
 

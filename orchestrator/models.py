@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, NamedTuple, Protocol
 
 JSON = Any
@@ -68,6 +68,10 @@ class Run:
     def from_record(cls, record: Row) -> Run:
         values = {name: record[name] for name in cls.__dataclass_fields__}
         values["state"] = RunState(values["state"])
+        if values["available_at"].tzinfo is None:
+            # asyncpg reads 'infinity' (a wait with no time limit) as a naive datetime.max; every
+            # other time is in UTC, and this one must compare and print like them.
+            values["available_at"] = values["available_at"].replace(tzinfo=UTC)
         return cls(**values)
 
 
@@ -213,7 +217,8 @@ class WorkerInfo:
     """Its database session still holds its liveness lock."""
     runs_held: int
     last_renewal: datetime | None
-    """The latest renewal or commit among the runs it holds."""
+    """Its latest lease renewal, or a later commit of a run it holds now (None: it never
+    renewed one)."""
     leases_until: datetime | None
 
     @classmethod

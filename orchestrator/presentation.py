@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import json
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
@@ -43,8 +43,18 @@ def dump_json(value: Any) -> str:
     return json.dumps(jsonable(value), indent=2, sort_keys=False)
 
 
+def _utc(value: datetime) -> datetime:
+    """``value`` in UTC; a naive one (PostgreSQL's infinity, as asyncpg reads it) is UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 def _time(value: datetime | None) -> str:
-    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    return "" if value is None else _utc(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+def _second(value: datetime) -> str:
+    """A time to the second, in UTC, for a glance (the timeline keeps milliseconds)."""
+    return _utc(value).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _relative(moment: datetime | None, now: datetime) -> str:
@@ -72,10 +82,20 @@ def _details(details: Any) -> str:
     )
 
 
-def runs_table(runs: Sequence[Run]) -> Table:
+def due_text(run: Run, now: datetime) -> str:
+    """When a queued or waiting run becomes claimable, while that is ahead: a scheduled run, a
+    retry's backoff, a wait's time limit ("" otherwise, and for a wait with no time limit)."""
+    due = _utc(run.available_at)
+    if run.state not in (RunState.QUEUED, RunState.WAITING) or due <= now or due.year == 9999:
+        return ""
+    return f"{_time(due)} ({_relative(due, now)})"
+
+
+def runs_table(runs: Sequence[Run], now: datetime) -> Table:
     table = Table(show_edge=False, header_style="bold")
     for column in ("run id", "agent", "state", "fence", "attempt", "step", "owner", "created"):
         table.add_column(column)
+    table.add_column("due")
     for run in runs:
         table.add_row(
             run.run_id,
@@ -86,6 +106,7 @@ def runs_table(runs: Sequence[Run]) -> Table:
             run.step or "",
             run.lease_owner or "",
             _time(run.created_at),
+            due_text(run, now),
         )
     return table
 
@@ -153,36 +174,48 @@ def print_run(console: Console, detail: RunDetail) -> None:
     console.print(timeline)
 
 
+ATTEMPT_COLUMNS = (
+    "fence",
+    "worker",
+    "claimed",
+    "held",
+    "ended",
+    "checkpoints",
+    "effects",
+    "stale refused",
+    "trace",
+)
+"""The attempts table's headers, on a terminal and in the console."""
+
+
+def attempt_cells(attempt: Attempt, now: datetime) -> list[str]:
+    """One attempt as ``ATTEMPT_COLUMNS`` name it: when it was claimed (to the second), how long
+    it held the run (so far, if it still does), how it ended, what it did."""
+    held = attempt.seconds
+    if held is None:
+        held_text = f"{(now - attempt.claimed_at).total_seconds():.1f}s so far"
+    else:
+        held_text = f"{held:.1f}s"
+    return [
+        str(attempt.fence),
+        attempt.worker_id or "",
+        _second(attempt.claimed_at),
+        held_text,
+        attempt.ending,
+        str(attempt.checkpoints),
+        str(attempt.effects_requested),
+        str(attempt.stale_refusals) if attempt.stale_refusals else "",
+        attempt.trace_id or "",
+    ]
+
+
 def attempts_table(attempts: Sequence[Attempt], now: datetime) -> Table:
     """Each attempt: fence, worker, when it was claimed, how long it held the run, how it ended."""
     table = Table(title="attempts", show_edge=False, header_style="bold", title_justify="left")
-    for column in (
-        "fence",
-        "worker",
-        "claimed",
-        "held",
-        "ended",
-        "checkpoints",
-        "effects",
-        "stale refused",
-        "trace",
-    ):
+    for column in ATTEMPT_COLUMNS:
         table.add_column(column)
     for attempt in attempts:
-        held = attempt.seconds
-        if held is None:
-            held = (now - attempt.claimed_at).total_seconds()
-        table.add_row(
-            str(attempt.fence),
-            attempt.worker_id or "",
-            _time(attempt.claimed_at),
-            f"{held:.2f}s",
-            attempt.ending,
-            str(attempt.checkpoints),
-            str(attempt.effects_requested),
-            str(attempt.stale_refusals) if attempt.stale_refusals else "",
-            attempt.trace_id or "",
-        )
+        table.add_row(*attempt_cells(attempt, now))
     return table
 
 
@@ -236,8 +269,8 @@ def _waiting_for(run: Run, now: datetime) -> str:
     if wait.get("reason") == "budget":
         parts.append("a budget top-up (`orchestrator runs budget RUN --add-...`)")
     if wait.get("until"):
-        parts.append(f"until {wait['until']}")
-    due = run.available_at.year < 9999 and run.available_at <= now
+        parts.append(f"until {_time(datetime.fromisoformat(wait['until']))}")
+    due = run.available_at.year < 9999 and _utc(run.available_at) <= now
     return " or ".join(parts) + (" (woken: due now)" if due else "")
 
 
@@ -327,6 +360,22 @@ def _excerpt(text: Any, limit: int = 90) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
+def conversation_turns(messages: Sequence[Message]) -> list[int]:
+    """Each message's turn as people count them (from 1). A tool result belongs to the turn whose
+    call it answers: an effect's result is stored with the next turn, which reads it first."""
+    asked: dict[str, int] = {}
+    turns = []
+    for message in messages:
+        turn = message.turn
+        if message.role == "tool":
+            turn = asked.get(str(message.body.get("tool_call_id")), turn)
+        for call in message.body.get("tool_calls") or []:
+            if isinstance(call, dict):
+                asked[str(call.get("id"))] = message.turn
+        turns.append(turn + 1)
+    return turns
+
+
 def conversation_table(messages: Sequence[Message], effects: Sequence[EffectRecord]) -> Table:
     """A tool agent's conversation, a line per message: what was said or called, each effect
     call with its record's status, and each turn's tokens (``--json`` has every message whole)."""
@@ -334,7 +383,7 @@ def conversation_table(messages: Sequence[Message], effects: Sequence[EffectReco
     table = Table(title="conversation", show_edge=False, header_style="bold", title_justify="left")
     for column in ("turn", "role", "tokens in/out", "message"):
         table.add_column(column)
-    for message in messages:
+    for message, turn in zip(messages, conversation_turns(messages), strict=True):
         body = message.body
         tokens = ""
         if isinstance(message.usage, dict):
@@ -356,5 +405,5 @@ def conversation_table(messages: Sequence[Message], effects: Sequence[EffectReco
             parts.append(shown)
         if message.role == "tool":
             parts = [f"{body.get('tool_call_id', '')}: {_excerpt(body.get('content'))}"]
-        table.add_row(str(message.turn), message.role, tokens, "\n".join(parts))
+        table.add_row(str(turn), message.role, tokens, "\n".join(parts))
     return table

@@ -204,6 +204,21 @@ class Metrics:
             description="effect requests refused at the boundary: a newer fence owns the run",
         )
 
+    def start_at_zero(
+        self, *, agents: Iterable[str], dispositions: Iterable[str], step_outcomes: Iterable[str]
+    ) -> None:
+        """Every series known up front at 0, so that ``increase()`` and ``rate()`` alerts have a
+        series before the first event (Prometheus' advice: avoid missing metrics). Call once the
+        meter provider is installed: an add before it is lost."""
+        for counter in (self.lost_leases, self.renewal_failures, self.stale_rejections):
+            counter.add(0)
+        for agent in agents:
+            self.claims.add(0, {"agent": agent})
+        for disposition in dispositions:
+            self.runs_finished.add(0, {DISPOSITION: disposition})
+        for outcome in step_outcomes:
+            self.steps.add(0, {"outcome": outcome})
+
 
 class EffectMetrics:
     """The dispatcher's: what each dispatch left the record as (confirmed, failed, rejected,
@@ -219,6 +234,25 @@ class EffectMetrics:
         self.send_seconds = meter.create_histogram(
             "orchestrator.effects.send.duration", unit="s", description="vendor call time"
         )
+
+    def start_at_zero(self, kinds: Iterable[str]) -> None:
+        """Each kind's outcomes at 0 (see ``Metrics.start_at_zero``)."""
+        for kind in kinds:
+            for outcome in DISPATCH_OUTCOMES:
+                self.outcomes.add(0, {"kind": kind, "outcome": outcome})
+
+
+DISPATCH_OUTCOMES = (
+    "confirmed",
+    "failed",
+    "rejected",
+    "uncertain",
+    "parked",
+    "accepted",
+    "lost_claim",
+    "unknown",
+)
+"""What a dispatch can leave an effect as (``EffectMetrics.outcomes``' ``outcome`` label)."""
 
 
 class ModelMetrics:

@@ -189,29 +189,42 @@ WHERE (SELECT count(*) FROM finished_told) >= 0
 -- renew_lease --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 lease_seconds float8
 -- Extend one lease by $4 seconds, only for the same owner ($2) and fence ($3) of a running run
--- whose lease has not yet expired: a renewal must never revive an owner that was replaced.
-UPDATE runs
-SET lease_until = clock_timestamp() + make_interval(secs => $4), updated_at = clock_timestamp()
-WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
-  AND lease_until > clock_timestamp()
-RETURNING run_id, lease_until
+-- whose lease has not yet expired: a renewal must never revive an owner that was replaced. A
+-- renewal that held is stamped on the worker's row (`workers list`'s last renewal).
+WITH renewed AS (
+    UPDATE runs
+    SET lease_until = clock_timestamp() + make_interval(secs => $4), updated_at = clock_timestamp()
+    WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
+      AND lease_until > clock_timestamp()
+    RETURNING run_id, lease_until
+), stamped AS (
+    UPDATE workers SET last_renewal_at = clock_timestamp()
+    WHERE worker_id = $2 AND EXISTS (SELECT 1 FROM renewed)
+)
+SELECT run_id, lease_until FROM renewed
 
 -- renew_leases --
 -- params: $1 run_ids text[], $2 fences bigint[], $3 lease_seconds float8[], $4 worker_id text
 -- Extend many leases of owner $4 in one statement: $1 run ids, $2 their fences, $3 their lease
 -- seconds. Each run's own owner, fence, running state and expiry conditions are checked (see
--- BATCHED WRITES); the rows returned are the leases that held.
+-- BATCHED WRITES); the rows returned are the leases that held. When any held, the worker's row
+-- is stamped once (`workers list`'s last renewal).
 WITH batch AS MATERIALIZED (
     SELECT l.run_id, l.fence, l.lease_seconds, $4::text AS owner, clock_timestamp() AS now
     FROM unnest($1::text[], $2::bigint[], $3::float8[]) AS l(run_id, fence, lease_seconds)
+), renewed AS (
+    UPDATE runs AS r
+    SET lease_until = clock_timestamp() + make_interval(secs => l.lease_seconds),
+        updated_at = clock_timestamp()
+    FROM batch AS l
+    WHERE r.run_id = ANY($1::text[]) AND r.run_id = l.run_id AND r.lease_owner = l.owner
+      AND r.fence = l.fence AND r.lease_until > l.now
+    RETURNING r.run_id, r.lease_until
+), stamped AS (
+    UPDATE workers SET last_renewal_at = clock_timestamp()
+    WHERE worker_id = $4 AND EXISTS (SELECT 1 FROM renewed)
 )
-UPDATE runs AS r
-SET lease_until = clock_timestamp() + make_interval(secs => l.lease_seconds),
-    updated_at = clock_timestamp()
-FROM batch AS l
-WHERE r.run_id = ANY($1::text[]) AND r.run_id = l.run_id AND r.lease_owner = l.owner
-  AND r.fence = l.fence AND r.lease_until > l.now
-RETURNING r.run_id, r.lease_until
+SELECT run_id, lease_until FROM renewed
 
 -- commit_step --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 expected_version bigint,
@@ -1204,7 +1217,7 @@ WHERE r.state IN ('succeeded', 'failed', 'cancelled', 'dead') AND r.finished_at 
 -- list_workers --
 -- params: $1 lock_namespace int
 -- Registered workers, each alive when its liveness lock (namespace $1) is held by a session,
--- with the runs it holds and when it last renewed or committed one of them.
+-- with the runs it holds and when it last renewed a lease (or committed a run it holds now).
 WITH live_locks AS (
     SELECT objid::bigint AS session_key
     FROM pg_locks
@@ -1214,7 +1227,8 @@ WITH live_locks AS (
 )
 SELECT w.worker_id, w.host, w.pid, w.agents, w.started_at,
        EXISTS (SELECT 1 FROM live_locks AS l WHERE l.session_key = w.session_key) AS alive,
-       count(r.run_id) AS runs_held, max(r.updated_at) AS last_renewal,
+       count(r.run_id) AS runs_held,
+       greatest(w.last_renewal_at, max(r.updated_at)) AS last_renewal,
        max(r.lease_until) AS leases_until
 FROM workers AS w
 LEFT JOIN runs AS r ON r.lease_owner = w.worker_id AND r.state = 'running'

@@ -353,7 +353,8 @@ CREATE TABLE orchestrator.workers (
     pid integer NOT NULL,
     agents text[] NOT NULL,
     started_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
-    server_started_at timestamp with time zone
+    server_started_at timestamp with time zone,
+    last_renewal_at timestamp with time zone
 );
 ALTER TABLE ONLY orchestrator.budget_ledger
     ADD CONSTRAINT budget_ledger_pkey PRIMARY KEY (run_id, entry);

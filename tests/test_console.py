@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,12 @@ import anyio
 import asyncpg
 import httpx
 import pytest
-from playwright.async_api import BrowserContext, Page, async_playwright, expect
+from playwright.async_api import BrowserContext, Page, ViewportSize, async_playwright, expect
 
+from orchestrator.client import Client
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
-from orchestrator.effects.approvals import ApprovalStore, Decision
+from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
@@ -30,6 +33,7 @@ from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from orchestrator.testing import running_worker, wait_for_run
 from support import ServeProcess
+from test_cli import cli
 from test_effects_processes import AGENT, events_of, vendors_config
 from test_effects_proxy import free_port
 from test_privacy import CANARY, run_with_canaries
@@ -49,6 +53,22 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+
+
+VIEWPORT: ViewportSize = {"width": 1280, "height": 800}
+"""A laptop's window: what a person must reach without scrolling sideways fits in it."""
+
+
+async def within_the_window(page: Page, selector: str) -> None:
+    """Every element ``selector`` matches is on screen horizontally (none off to the right)."""
+    found = page.locator(selector)
+    assert await found.count() > 0, selector
+    for index in range(await found.count()):
+        box = await found.nth(index).bounding_box()
+        assert box is not None, selector
+        assert box["x"] >= 0 and box["x"] + box["width"] <= VIEWPORT["width"], (selector, box)
+    width = await page.evaluate("document.documentElement.scrollWidth")
+    assert width <= VIEWPORT["width"], f"the page is {width}px wide"
 
 
 def chromium() -> str:
@@ -80,7 +100,7 @@ async def browser(tmp_path: Path) -> AsyncIterator[BrowserContext]:
             executable_path=executable,
             headless=True,
             args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 900},
+            viewport=VIEWPORT,
         )
         try:
             yield context
@@ -239,13 +259,17 @@ async def test_the_sigstop_story_reads_as_two_attempts_one_refusal_one_send_each
         await expect(first).to_contain_text("lease expired; claimed again")
         await expect(second).to_contain_text("B")
         await expect(second).to_contain_text("succeeded")
-        header = await page.locator("#attempts tr").first.inner_text()
-        for column in ("fence", "worker_id", "claimed_at", "lease_until", "seconds", "ending"):
-            assert column in header  # Attempt.as_json's fields, whatever they are
-        cells = [await first.locator("td").nth(i).inner_text() for i in range(2)]
-        assert cells == ["1", "A"]
-        cells = [await second.locator("td").nth(i).inner_text() for i in range(2)]
-        assert cells == ["2", "B"]
+        # The columns `runs show` prints, in words, and times to the second.
+        headers = await page.locator("#attempts th").all_inner_texts()
+        assert headers[:5] == ["fence", "worker", "claimed", "held", "ended"], headers
+        assert not [h for h in headers if "_" in h], headers
+        cells = await first.locator("td").all_inner_texts()
+        assert cells[:2] == ["1", "A"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ", cells[2]), cells
+        assert re.fullmatch(r"\d+\.\ds", cells[3]), cells
+        cells = await second.locator("td").all_inner_texts()
+        assert cells[:2] == ["2", "B"]
+        await within_the_window(page, "#attempts th")
 
         refusals = page.locator("#stale-refusals li")
         await expect(refusals.first).to_contain_text("fence 1 from A was refused")
@@ -304,6 +328,7 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             await page.goto(f"{running.url}/attention")
             await expect(page.locator("#mode")).to_have_text("not signed in")
             await expect(page.locator("form.approve-form")).to_have_count(0)
+            await within_the_window(page, "header a[href^='/signin']")
             await sign_in(page, running.url, "alice")
             assert page.url.endswith("/attention")
             await expect(page.locator("#mode")).to_have_text("signed in as alice")
@@ -316,7 +341,12 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             effect = (await EffectStore(pool).list_effects(run_id=approved_id))[0]
             assert effect.status is EffectStatus.AWAITING_APPROVAL
             await expect(row.locator(".payload-sha")).to_have_text(str(effect.payload_sha256))
+            await within_the_window(page, "button.approve, button.deny, header form button")
             await shot(page, screenshots, "needs-a-person")
+            await page.goto(f"{running.url}/runs/{approved_id}")
+            await within_the_window(page, "button.approve, button.deny")
+            await shot(page, screenshots, "run-awaiting-approval")
+            await page.goto(f"{running.url}/attention")
 
             # The form names the payload the page showed: had it changed, the store refuses,
             # and the page says why.
@@ -325,6 +355,9 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             )
             await row.get_by_role("button", name="approve").click()
             await expect(page.locator("#flash-error")).to_contain_text("is not the one you saw")
+            await expect(page.locator("#flash-error")).not_to_contain_text(
+                str(effect.payload_sha256)
+            )
             assert (await EffectStore(pool).get(approved_id, effect.effect_key)).status is (
                 EffectStatus.AWAITING_APPROVAL
             )
@@ -346,6 +379,18 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             await expect(granted).to_contain_text("by=console:alice")
             await expect(page.locator("#run-state")).to_have_text("succeeded")
             await shot(page, screenshots, "run-approved")
+            # The refund's result answers turn 1's call, though the run reads it in turn 2.
+            rows = [
+                (await row.locator("td").nth(0).inner_text(), await row.inner_text())
+                for row in await page.locator("#conversation tr.message").all()
+            ]
+            assert [turn for turn, text in rows if "reply to call_0_0_1" in text] == ["1"], rows
+            assert [turn for turn, _ in rows] == ["1", "1", "1", "1", "1", "2"], rows
+            shown = await anyio.to_thread.run_sync(
+                lambda: cli(database_url, "runs", "show", approved_id)
+            )
+            turns = [line.split()[0] for line in shown.stdout.splitlines() if "call_0_0_1:" in line]
+            assert turns == ["1"], shown.stdout
     assert approved.state is RunState.SUCCEEDED, approved.error
     assert denied.state is RunState.SUCCEEDED, denied.error  # told "denied", it answered
     assert [d["payload"]["amount"] for d in vendor.deliveries.values()] == [150]
@@ -452,9 +497,6 @@ async def test_a_wrong_token_or_a_missing_origin_is_refused_and_changes_nothing(
         origin = {"Origin": running.url}
         refused = {
             "no credentials": await client.post(path, headers=origin, data=fields),
-            "wrong bearer": await client.post(
-                path, headers={"Authorization": "Bearer wrong-token-0000000"}, data=fields
-            ),
             "wrong sign-in": await client.post(
                 "/signin", headers=origin, data={"name": "m", "token": "wrong-token-0000000"}
             ),
@@ -482,6 +524,12 @@ async def test_a_wrong_token_or_a_missing_origin_is_refused_and_changes_nothing(
         )
         for case, answer in refused.items():
             assert answer.status_code == 403, (case, answer.status_code, answer.text)
+        # An API client is answered as one: 401 and a JSON error, not a page asking to sign in.
+        wrong = await client.post(
+            path, headers={"Authorization": "Bearer wrong-token-0000000"}, data=fields
+        )
+        assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+        assert "wrong bearer token" in wrong.json()["error"], wrong.text
         assert await state_of(store, pool, run_id) == before
 
         # The same request with the signed cookie and this console's Origin goes through; the
@@ -537,6 +585,44 @@ async def test_what_a_hostile_page_or_link_could_send_is_refused(
         )
         shown = await client.get(done.headers["location"], headers=session)
         assert "approved refund" in shown.text
+
+
+async def test_a_refused_approval_says_where_to_look_and_never_tells_the_hash(
+    database_url: str, settings: Settings, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    """With the current hash in a refusal, a client could approve a payload unseen in two calls."""
+    run_id = await awaiting_approval(store, pool, {"order": "o-3", "amount": 75})
+    current = str((await EffectStore(pool).get(run_id, "refund")).payload_sha256)
+    wrong = "0" * 64
+    where = f"orchestrator approvals show {run_id} refund"
+    messages: dict[str, str] = {}
+    with pytest.raises(DecisionRefused) as refused:
+        await Client(pool, settings).approve(run_id, "refund", by="api", payload_sha256=wrong)
+    messages["Client"] = str(refused.value)
+    done = await anyio.to_thread.run_sync(
+        lambda: cli(
+            database_url, "approvals", "approve", run_id, "refund", "--by", "ana", "--hash", wrong
+        )
+    )
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    messages["CLI"] = done.stderr
+    async with (
+        console(database_url, tmp_path, token=TOKEN) as running,
+        httpx.AsyncClient(base_url=running.url) as client,
+    ):
+        answer = await client.post(
+            f"/runs/{run_id}/effects/refund/approve",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            data={"by": "api", "payload_sha256": wrong},
+        )
+        assert answer.status_code == 409, answer.text
+        messages["console API"] = answer.json()["error"]
+    for surface, message in messages.items():
+        assert "is not the one you saw" in message and where in message, (surface, message)
+        assert current not in message, (surface, message)
+    assert (await EffectStore(pool).get(run_id, "refund")).status is (
+        EffectStatus.AWAITING_APPROVAL
+    )
 
 
 async def test_a_parked_effect_is_resolved_from_the_browser(
@@ -680,6 +766,80 @@ async def test_contents_appear_only_with_show_payloads_and_capped(
     assert markup not in big_page and "&lt;script&gt;alert" in big_page  # shown, never run
 
 
+async def test_a_worker_that_renewed_shows_its_last_renewal_after_its_runs_end(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    """The last renewal was read from the runs a worker held at that moment: blank between runs."""
+    with ServeProcess(
+        database_url,
+        "--agents",
+        "orchestrator.agents.sleepy",
+        "--lease-seconds",
+        "2",
+        "--poll-seconds",
+        "0.2",
+        name="renewer",
+    ):
+        run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 4})).run.run_id
+        await wait_for_run(store, run_id, states={RunState.SUCCEEDED}, within=60)
+        listed = await anyio.to_thread.run_sync(
+            lambda: cli(database_url, "workers", "list", "--json")
+        )
+        async with console(database_url, tmp_path) as running, httpx.AsyncClient() as client:
+            page = (await client.get(f"{running.url}/cluster")).text
+    (worker,) = json.loads(listed.stdout)
+    assert worker["runs_held"] == 0 and worker["last_renewal"] is not None, worker
+    claimed = next(e.at for e in await store.events(run_id) if e.kind == "claimed")
+    finished = (await store.get(run_id)).finished_at
+    assert finished is not None
+    renewed = datetime.fromisoformat(worker["last_renewal"])
+    # A 2 s lease renewed through a 4 s step: after the claim, before the finish.
+    assert claimed < renewed < finished, (worker, claimed, finished)
+    assert renewed.strftime("%Y-%m-%d %H:%M:%S") in page
+
+
+async def test_a_scheduled_run_shows_when_it_is_due_and_waits_print_times_in_utc(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    submitted = await anyio.to_thread.run_sync(
+        lambda: cli(database_url, "submit", "inbox", "--delay", "3600")
+    )
+    scheduled = submitted.stdout.strip()
+    available = (await store.get(scheduled)).available_at
+    due = available.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    parked = (await store.submit("parked", {})).run.run_id
+    await store.pool.execute(  # a wait with no time limit (available_at infinity), and one with
+        "UPDATE runs SET state = 'waiting', available_at = 'infinity', wait = $2 WHERE run_id = $1",
+        parked,
+        {"signals": ["go"], "until": None},
+    )
+    limited = (await store.submit("parked", {})).run.run_id
+    await store.pool.execute(
+        "UPDATE runs SET state = 'waiting', available_at = $2, wait = $3 WHERE run_id = $1",
+        limited,
+        datetime.fromisoformat("2030-01-01T02:00:00+02:00"),
+        {"signals": ["go"], "until": "2030-01-01T02:00:00+02:00"},
+    )
+
+    def show(*args: str) -> str:
+        done = cli(database_url, *args)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    listed = await anyio.to_thread.run_sync(show, "runs", "list")
+    [line] = [line for line in listed.splitlines() if scheduled in line]
+    assert due in line and "(in " in line, listed
+    shown = json.loads(await anyio.to_thread.run_sync(show, "runs", "show", parked, "--json"))
+    assert shown["run"]["available_at"].endswith("+00:00"), shown["run"]
+    waiting = await anyio.to_thread.run_sync(show, "runs", "show", limited)
+    assert "until 2030-01-01 00:00:00.000Z" in waiting, waiting
+    async with console(database_url, tmp_path) as running, httpx.AsyncClient() as client:
+        runs = (await client.get(f"{running.url}/runs")).text
+        page = (await client.get(f"{running.url}/runs/{scheduled}")).text
+    assert due in runs
+    assert 'id="run-due"' in page and due in page
+
+
 # -- the command line -----------------------------------------------------------------------
 def test_bad_options_are_one_line_errors(database_url: str, tmp_path: Path) -> None:
     env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url}
@@ -690,6 +850,8 @@ def test_bad_options_are_one_line_errors(database_url: str, tmp_path: Path) -> N
         (["--listen", "127.0.0.1:0x"], {}, "--listen takes HOST:PORT"),
         (["--token-file", str(missing)], {}, "cannot read --token-file"),
         ([], {"ORCHESTRATOR_CONSOLE_TOKEN": "short"}, "at least 16 characters"),
+        # Readable by the whole network without a token only when the operator says so.
+        (["--listen", f"0.0.0.0:{free_port()}", "--show-payloads"], {}, "--allow-public-read-only"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "orchestrator.cli", "console", *args],
@@ -702,6 +864,25 @@ def test_bad_options_are_one_line_errors(database_url: str, tmp_path: Path) -> N
         assert done.returncode == 1, (args, done.stderr)
         assert expected in done.stderr, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+async def test_a_public_read_only_console_needs_the_operator_to_say_so(
+    database_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    running = Console(
+        database_url,
+        tmp_path / "public.log",
+        "--listen",
+        f"0.0.0.0:{port}",
+        "--allow-public-read-only",
+    )
+    running.url = f"http://127.0.0.1:{port}"
+    try:
+        await running.ready()
+    finally:
+        assert running.stop() == 0, running.log.read_text()
+    assert f"console listening on http://0.0.0.0:{port}/ (read-only" in running.log.read_text()
 
 
 @pytest.fixture

@@ -136,6 +136,35 @@ async def test_metrics_are_scraped_and_readiness_follows_the_database() -> None:
         shutil.rmtree(home, ignore_errors=True)
 
 
+async def test_every_counter_is_exposed_at_zero_before_its_first_event(database_url: str) -> None:
+    """``increase()`` alerts need a series to exist before the first lost lease or refusal."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with ServeProcess(
+        database_url,
+        "--agents",
+        "orchestrator.agents.noop",
+        "--metrics-listen",
+        f"127.0.0.1:{port}",
+        name="zero-worker",
+    ):
+        await until_status(f"{base}/ready", 200, within=30)
+        text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
+    for name in (
+        "orchestrator_lease_lost_total",
+        "orchestrator_lease_renewal_failures_total",
+        "orchestrator_effects_stale_rejections_total",
+    ):
+        assert list(samples(text, name).values()) == [0.0], (name, text)
+    assert by_agent(samples(text, "orchestrator_claims_total")) == {"noop": 0.0}, text
+    finished = samples(text, "orchestrator_runs_finished_total")
+    for disposition in ("succeeded", "failed", "dead", "waiting"):
+        assert [v for k, v in finished.items() if f'"{disposition}"' in k] == [0.0], text
+    steps = samples(text, "orchestrator_steps_total")
+    for outcome in ("next", "finish", "fail", "wait", "error"):
+        assert [v for k, v in steps.items() if f'outcome="{outcome}"' in k] == [0.0], text
+
+
 def test_a_bad_listen_address_is_one_line() -> None:
     for bad in ("9464", "localhost:", "host:99999", ":80x"):
         with pytest.raises(InvalidInput, match="--metrics-listen takes HOST:PORT"):
@@ -183,12 +212,17 @@ async def test_the_dispatcher_counts_outcomes_and_people_waiting(
             for _ in range(80):
                 text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
                 outcomes = samples(text, "orchestrator_effects_outcomes_total")
-                if outcomes:
+                if any(value for value in outcomes.values()):
                     break
                 await anyio.sleep(0.25)
-            assert [(k, v) for k, v in outcomes.items() if 'outcome="confirmed"' in k] == [
-                (next(k for k in outcomes if 'kind="crm"' in k), 1.0)
-            ], outcomes
+            counted = {k: v for k, v in outcomes.items() if v}
+            assert list(counted.values()) == [1.0], outcomes
+            assert 'kind="crm"' in next(iter(counted)) and 'outcome="confirmed"' in next(
+                iter(counted)
+            )
+            # Every configured kind's other outcomes are there at 0, ready for increase().
+            for kind in ("crm", "email"):
+                assert sum(f'kind="{kind}"' in k for k in outcomes) == 8
             waiting = samples(text, "orchestrator_effects_awaiting_approval")
             assert list(waiting.values()) == [1.0], text
             assert samples(text, "orchestrator_effects_send_duration_seconds_count")

@@ -14,6 +14,7 @@ from urllib.parse import quote, urlsplit
 import anyio
 import asyncpg
 import jinja2
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
@@ -32,7 +33,7 @@ from orchestrator.effects.store import EffectNotFound, EffectStore
 from orchestrator.errors import InvalidInput, OrchestratorError, RunNotFound
 
 from . import views
-from .auth import NAME_COOKIE, SESSION_COOKIE, Auth, Via, actor, origin_acceptable
+from .auth import NAME_COOKIE, SESSION_COOKIE, TOKEN_ENV, Auth, Via, actor, origin_acceptable
 from .privacy import MAX_SHOWN_BYTES, Shown
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -79,11 +80,13 @@ def _templates() -> Jinja2Templates:
     return Jinja2Templates(env=environment)
 
 
-def _when(value: Any) -> str:
+def _when(value: Any) -> str | Markup:
     if value is None:
         return ""
     if hasattr(value, "strftime"):
-        return str(value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z")
+        # Marked as a time, so that a narrow column breaks it between date and time only.
+        text = value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+        return Markup('<span class="time">{}</span>').format(text)
     return str(value)
 
 
@@ -158,6 +161,9 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
 
     def error_page(request: Request, status: int, message: str) -> Response:
         line = " ".join(message.split())
+        if _api_client(request):
+            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            return JSONResponse({"error": line}, status_code=status, headers=headers)
         return render(request, "error.html", {"status": status, "message": line}, status)
 
     # -- pages ---------------------------------------------------------------------------------
@@ -216,6 +222,10 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 "--token-file to allow actions",
             )
         via = auth.via(request)
+        if via is Via.NONE and _api_client(request):
+            raise Refused(
+                401, f"wrong bearer token: nothing changed; send this console's {TOKEN_ENV}"
+            )
         if via is Via.NONE:
             raise Refused(
                 403, "sign in first (or send Authorization: Bearer TOKEN): actions need the token"
@@ -314,7 +324,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         """Post/redirect/get: the page the form came from, saying what happened."""
         kind, message = ("flash", flash or "") if error is None else ("error", str(error))
         message = " ".join(message.split())
-        if auth.via(request) is Via.BEARER and "origin" not in request.headers:
+        if _api_client(request):
             # An API client: the answer itself, not a page to follow.
             if error is not None:
                 return JSONResponse({"error": message}, status_code=_status_of(error))
@@ -352,6 +362,14 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         exception_handlers={HTTPException: not_found},
         middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))],
     )
+
+
+def _api_client(request: Request) -> bool:
+    """A request that says it is a program's (a bearer token, no browser's Origin): it gets
+    JSON, errors included, never a page. A browser cannot be made to send such a request by
+    another site (a cross-site Authorization header needs a CORS preflight, which is refused)."""
+    scheme, _, _ = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and "origin" not in request.headers
 
 
 def _status_of(error: OrchestratorError) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -51,6 +52,12 @@ from .auth import TOKEN_ENV, read_token
     show_default=True,
     help="How often live pages re-fetch themselves.",
 )
+@click.option(
+    "--allow-public-read-only",
+    is_flag=True,
+    help="Serve a non-loopback --listen address without a token: anyone who reaches it reads "
+    "every run (and, with --show-payloads, its contents). Refused without this flag.",
+)
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
 def console(
@@ -60,6 +67,7 @@ def console(
     show_payloads: bool,
     refresh_seconds: float,
     allowed_hosts: tuple[str, ...],
+    allow_public_read_only: bool,
     log_json: bool | None,
 ) -> None:
     """Serve the web console: runs, attempts, timelines, effects, approvals, workers, queue."""
@@ -76,6 +84,9 @@ def console(
         auth = Auth(read_token(os.environ.get(TOKEN_ENV), token_file))
         configure_logging(json_logs=log_json)
         sock = bind(host, port, listen)
+        if not (auth.enabled or allow_public_read_only or is_loopback(host)):
+            sock.close()
+            raise public_without_token(listen, show_payloads)
         async with open_store(
             settings, application_name="orchestrator-console", max_size=5
         ) as store:
@@ -113,6 +124,25 @@ def hosts_allowed(listen_host: str, extra: tuple[str, ...]) -> list[str]:
     if listen_host in ("0.0.0.0", "::", ""):
         hosts.update({socket.gethostname(), socket.getfqdn()})
     return sorted(hosts)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is this machine's loopback (no other host reaches
+    it); a name that does not resolve is not."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in found)
+    except (OSError, ValueError):
+        return False
+
+
+def public_without_token(listen: str, show_payloads: bool) -> InvalidInput:
+    exposed = "runs, inputs and payloads" if show_payloads else "runs"
+    return InvalidInput(
+        f"--listen {listen} is reachable from other machines and no token is set, so anyone "
+        f"who reaches it reads the {exposed}: set {TOKEN_ENV} or --token-file, listen on "
+        "127.0.0.1, or pass --allow-public-read-only"
+    )
 
 
 def bind(host: str, port: int, listen: str) -> socket.socket:

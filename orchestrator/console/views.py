@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -16,6 +16,12 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import RunState
+from orchestrator.presentation import (
+    ATTEMPT_COLUMNS,
+    attempt_cells,
+    conversation_turns,
+    due_text,
+)
 from orchestrator.run_detail import load_run_detail, more_events_hint
 from orchestrator.tool_agent import effect_key
 from orchestrator.transcript import Message
@@ -59,8 +65,10 @@ async def runs_page(store: RunStore, filters: RunFilters) -> dict[str, Any]:
     found = await select_runs(
         store, filters.states, filters.agent, filters.since, filters.until, LIST_LIMIT
     )
+    now = await store.database_now()
     return {
         "runs": found,
+        "due": {run.run_id: due_text(run, now) for run in found},
         "filters": filters,
         "states": [state.value for state in RunState],
         "more": len(found) == LIST_LIMIT,
@@ -83,13 +91,15 @@ class MessageView:
 
 
 def message_views(
-    messages: Sequence[Message], effects: Sequence[EffectRecord], *, reveal: bool
+    messages: Sequence[Message], effects: Sequence[EffectRecord], *, reveal: bool, last: int
 ) -> list[MessageView]:
-    """Each message: role, tokens, tool names with their effect's status; contents as ``Shown``
+    """The ``last`` messages: role, turn (numbered as ``conversation_table`` numbers them, from
+    the whole transcript), tokens, tool names with their effect's status; contents as ``Shown``
     (hidden unless ``--show-payloads``), as ``conversation_table`` shows them on a terminal."""
     status = {effect.effect_key: effect.status.value for effect in effects}
+    turns = conversation_turns(messages)[-last:]
     views = []
-    for message in messages:
+    for message, turn in zip(messages[-last:], turns, strict=True):
         body = message.body
         usage = message.usage if isinstance(message.usage, dict) else {}
         calls = []
@@ -106,7 +116,7 @@ def message_views(
             )
         views.append(
             MessageView(
-                turn=message.turn,
+                turn=turn,
                 role=message.role,
                 fence=message.fence,
                 at=message.at,
@@ -134,17 +144,16 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
     detail = await load_run_detail(store, run_id, events=MAX_ROWS_SHOWN)
     run, now, messages, effects = detail.run, detail.now, detail.messages, detail.effects
     signals, budget = detail.signals, detail.budget
-    attempts = []
-    for attempt in detail.attempts:
-        fields = attempt.as_json()  # every field it has, so new ones appear without a change here
-        if attempt.seconds is None:
-            fields["held so far"] = round((now - attempt.claimed_at).total_seconds(), 3)
-        attempts.append(fields)
+    attempts = [
+        {"fence": attempt.fence, "cells": attempt_cells(attempt, now)}
+        for attempt in detail.attempts
+    ]
     return {
         "run": run,
         "now": now,
+        "due": due_text(run, now),
         "live": not run.state.terminal,
-        "attempt_columns": _columns(attempts),
+        "attempt_columns": ATTEMPT_COLUMNS,
         "attempts": attempts,
         "events": [
             {"event": event, "details": event_details(event.kind, event.details, reveal=reveal)}
@@ -159,7 +168,7 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
             "result": show(run.result, reveal=reveal),
             "error": show(run.error, reveal=reveal),
         },
-        "messages": message_views(messages[-MAX_ROWS_SHOWN:], effects, reveal=reveal),
+        "messages": message_views(messages, effects, reveal=reveal, last=MAX_ROWS_SHOWN),
         "messages_total": len(messages),
         "max_rows": MAX_ROWS_SHOWN,
         "effects": [effect_view(effect, reveal=reveal) for effect in effects],
@@ -179,15 +188,6 @@ async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, A
 MAX_ROWS_SHOWN = 500
 """The newest timeline events and messages a run page renders (``runs events`` pages through
 every event, ``runs show --json`` has every message)."""
-
-
-def _columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Every key any row has, in first-seen order."""
-    seen: dict[str, None] = {}
-    for row in rows:
-        for key in row:
-            seen.setdefault(key, None)
-    return list(seen)
 
 
 async def attention_page(store: RunStore, *, reveal: bool) -> dict[str, Any]:

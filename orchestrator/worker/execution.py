@@ -152,6 +152,9 @@ _OUTCOME_ATTRIBUTES: dict[type, dict[str, str]] = {
 }
 """Metric attributes per outcome type, built once."""
 
+STEP_OUTCOMES = (*(attributes["outcome"] for attributes in _OUTCOME_ATTRIBUTES.values()), "error")
+"""The ``outcome`` label values of the steps counter (``error``: the step raised)."""
+
 _DISPOSITION_ATTRIBUTES = {
     disposition: {DISPOSITION: disposition.value} for disposition in Disposition
 }

@@ -72,7 +72,13 @@ from orchestrator.telemetry import (
     traceparent_of,
     tracing_enabled,
 )
-from orchestrator.worker.execution import Disposition, RunExecution, RunnerConfig, RunServices
+from orchestrator.worker.execution import (
+    STEP_OUTCOMES,
+    Disposition,
+    RunExecution,
+    RunnerConfig,
+    RunServices,
+)
 from orchestrator.worker.group_commit import GroupCommitter
 from orchestrator.worker.heartbeat import LeaseKeeper
 from orchestrator.worker.liveness import Liveness
@@ -244,6 +250,11 @@ class Worker:
 
     # -- main ---------------------------------------------------------------------------------
     async def run(self) -> None:
+        self.metrics.start_at_zero(
+            agents=self.config.agents.names,
+            dispositions=[disposition.value for disposition in Disposition],
+            step_outcomes=STEP_OUTCOMES,
+        )
         async with AsyncExitStack() as stack:
             running = await enter_when_reachable(
                 stack, self._started, within=self.config.start_retry_seconds, log=self.log
