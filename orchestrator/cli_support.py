@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.text import Text
 
+from orchestrator.db.connections import database_failed
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
@@ -61,12 +62,7 @@ def run_async(function: Callable[[], Awaitable[T]]) -> T:
         sys.exit(1)
     except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as error:
         # The database went away or refused mid-command (a restart, a statement timeout).
-        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-        stderr.print(
-            f"error: the database failed mid-command ({detail}); check it is up, then run the "
-            "command again",
-            markup=False,
-        )
+        print_error(database_failed(error))
         sys.exit(1)
     except KeyboardInterrupt:
         stderr.print("interrupted")
