@@ -81,7 +81,9 @@ def read_input(raw: str) -> Any:
     )
 
 
-def read_json_option(raw: str, option: str, *, example: str = "or @file.json") -> Any:
+def read_json_option(
+    raw: str, option: str, *, example: str = "give JSON, @file.json or @- for standard input"
+) -> Any:
     """An option's JSON: inline, ``@path`` for a file, or ``@-`` for standard input."""
     if not raw.startswith("@"):
         check_text(raw, option)

@@ -40,7 +40,9 @@ def runs_signal(
     settings = settings_of(ctx)
 
     async def body() -> None:
-        value = read_json_option(data, "--data")
+        value = read_json_option(
+            data, "--data", example='give JSON such as \'{"text": "yes"}\' or null, or @file.json'
+        )
         async with open_store(settings) as store:
             sent = await SignalStore(store.pool).send(
                 run_id, name, value, idempotency_key=idempotency_key

@@ -57,6 +57,25 @@ RECHECK_SECONDS = 5.0
 """While waiting, the run is read again this often in case a notification was lost (the
 listening connection dropped): a safety net, not the mechanism."""
 
+
+def start_time(now: datetime, at: datetime | None, delay: float | None) -> datetime | None:
+    """When a run submitted ``now`` (the database's clock) is due: ``at``, or ``delay`` seconds
+    on, within ten years of now either way (further is a typo, and past what dates hold). A
+    time in the past is allowed: the run is due at once."""
+    if at is not None and delay is not None:
+        raise InvalidInput("give a start time or a delay, not both")
+    if delay is not None:
+        if not 0 <= delay <= MAX_DELAY_SECONDS:  # NaN fails this too
+            raise InvalidInput(f"a delay is 0 or more seconds, at most ten years, not {delay!r}")
+        return now + timedelta(seconds=delay)
+    if at is not None:
+        if not isinstance(at, datetime) or at.utcoffset() is None:
+            raise InvalidInput("a run's start time must be timezone-aware (e.g. 2026-12-24T09:00Z)")
+        if abs((at - now).total_seconds()) > MAX_DELAY_SECONDS:
+            raise InvalidInput(f"a start time is at most ten years from now, not {at.isoformat()}")
+    return at
+
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -260,13 +279,9 @@ class Client:
 
     # -- internals ------------------------------------------------------------------------------
     async def _start_time(self, at: datetime | None, delay: float | None) -> datetime | None:
-        if at is not None and delay is not None:
-            raise InvalidInput("give a start time or a delay, not both")
-        if delay is not None:
-            if not 0 <= delay <= MAX_DELAY_SECONDS:
-                raise InvalidInput("a delay is 0 or more seconds, at most ten years")
-            return await self.store.database_now() + timedelta(seconds=delay)
-        return at
+        if at is None and delay is None:
+            return None
+        return start_time(await self.store.database_now(), at, delay)
 
     async def _listen(self) -> None:
         """One LISTEN connection per client, (re)opened when needed."""

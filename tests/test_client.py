@@ -12,6 +12,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -317,3 +318,19 @@ def test_a_script_that_never_closes_its_sync_client_still_exits(settings: Settin
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip() == "queued"
     assert b"Traceback" not in done.stderr
+
+
+async def test_a_start_time_out_of_range_is_refused(settings: Settings) -> None:
+    async with await Client.connect(settings) as client:
+        far = [
+            {"at": datetime(1, 1, 1, tzinfo=UTC)},
+            {"at": datetime(9999, 12, 31, tzinfo=timezone(timedelta(hours=-5)))},
+            {"delay_seconds": float("nan")},
+            {"delay_seconds": 1e300},
+        ]
+        for options in far:
+            with pytest.raises(InvalidInput, match="ten years"):
+                await client.submit("noop", {}, **options)
+        earlier = await client.submit("noop", {}, at=datetime(2020, 1, 1, tzinfo=UTC))
+        assert earlier.available_at is not None
+        assert earlier.available_at.year == 2020  # in the past: due at once
