@@ -35,6 +35,7 @@ from orchestrator.cli_ops import (
     workers_list,
 )
 from orchestrator.cli_support import (
+    OneLineErrors,
     parse_time,
     print_error,
     read_input,
@@ -75,7 +76,7 @@ if TYPE_CHECKING:
     from orchestrator.worker.worker import Worker
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="orchestrator")
 @click.option(
     "--database-url",

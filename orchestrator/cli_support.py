@@ -41,6 +41,26 @@ def print_error(error: BaseException) -> None:
     stderr.print(Text.assemble(("error:", "red"), " ", line))
 
 
+class OneLineErrors(click.Group):
+    """Every error on one line starting ``error:``: click's usage errors too (exit 2), which it
+    would print as a usage block ending ``Error: ...``."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            result = super().main(*args, **kwargs)
+        except click.ClickException as error:
+            hint = ""
+            if isinstance(error, click.UsageError) and error.ctx is not None:
+                hint = f" (see `{error.ctx.command_path} --help`)"
+            print_error(Exception(error.format_message() + hint))
+            sys.exit(error.exit_code)
+        except click.Abort:
+            stderr.print("interrupted")
+            sys.exit(130)
+        sys.exit(result if isinstance(result, int) else 0)  # --help and --version: 0
+
+
 def settings_of(ctx: click.Context) -> Settings:
     settings = ctx.find_object(Settings)
     assert settings is not None

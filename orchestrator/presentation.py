@@ -271,7 +271,7 @@ def ledger_table(entries: Sequence[LedgerEntry]) -> Table:
             entry.kind,
             "" if entry.fence is None else str(entry.fence),
             *(str(entry.amounts.get(name, "")) for name in names),
-            "" if entry.details is None else _compact(entry.details),
+            _compact(entry.details) if entry.details else "",
         )
     return table
 

@@ -277,3 +277,20 @@ async def test_the_console_answers_an_age_out_of_range_with_a_400(
             assert page.status_code == 400, page.text
             assert "at most 100 years" in page.text
         assert (await client.get("/runs", params={"since": "yesterday"})).status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["submit", "a", "--at", "2030-01-01T00:00:00Z", "--delay", "1"], "give --at or --delay"),
+        (["runs", "list", "--limit", "0"], "Invalid value for '--limit'"),
+        (["submit"], "Missing argument 'AGENT'"),
+        (["runs", "nope"], "No such command 'nope'"),
+    ],
+)
+def test_usage_errors_are_one_error_line_too(database_url: str, args: list[str], says: str) -> None:
+    result = cli(database_url, *args)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr
+    assert stderr.startswith("error: ") and says in stderr and "--help" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Error:" not in stderr

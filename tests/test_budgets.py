@@ -4,7 +4,9 @@ vendor; budget and price configuration errors."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -257,3 +259,18 @@ async def test_a_top_up_of_nothing_or_less_is_refused_and_changes_nothing(
         assert not [e for e in await budgets.ledger(run.run_id) if e.kind == "top_up"]
         raised = await client.top_up(run.run_id, turns=2)  # and a real one still works
     assert raised.limit["turns"] == 7
+
+
+async def test_the_ledger_without_json_is_a_table_only(settings: Settings) -> None:
+    run, _ = await run_agent(settings, reserver, {})
+    assert settings.database_url is not None
+    with anyio.fail_after(60):
+        shown = await anyio.run_process(
+            [sys.executable, "-m", "orchestrator.cli", "runs", "budget", run.run_id, "--ledger"],
+            env={**os.environ, "ORCHESTRATOR_DATABASE_URL": settings.database_url},
+            check=False,
+        )
+    assert shown.returncode == 0, shown.stderr
+    table = shown.stdout.decode()
+    assert "ledger" in table and "reserve" in table and "settle" in table
+    assert "{" not in table and '"kind"' not in table  # no JSON after the table
