@@ -322,7 +322,7 @@ def test_a_script_that_never_closes_its_sync_client_still_exits(settings: Settin
 
 async def test_a_start_time_out_of_range_is_refused(settings: Settings) -> None:
     async with await Client.connect(settings) as client:
-        far = [
+        far: list[dict[str, Any]] = [
             {"at": datetime(1, 1, 1, tzinfo=UTC)},
             {"at": datetime(9999, 12, 31, tzinfo=timezone(timedelta(hours=-5)))},
             {"delay_seconds": float("nan")},
