@@ -7,6 +7,7 @@ left the database as it was and to have printed no traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,12 +16,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import anyio
 import asyncpg
 import httpx
 import pytest
 
 from orchestrator.db.store import RunStore
-from test_console import console
+from test_effects_proxy import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -265,18 +267,33 @@ async def test_a_signal_without_data_and_a_start_time_in_the_past_are_accepted(
     assert late.available_at is not None and late.available_at < await store.database_now()
 
 
-async def test_the_console_answers_an_age_out_of_range_with_a_400(
-    database_url: str, tmp_path: Path
-) -> None:
-    async with (
-        console(database_url, tmp_path) as running,
-        httpx.AsyncClient(base_url=running.url) as client,
-    ):
-        for age in ("99999999999999d", "9" * 400 + "s"):
-            page = await client.get("/runs", params={"since": age})
-            assert page.status_code == 400, page.text
-            assert "at most 100 years" in page.text
-        assert (await client.get("/runs", params={"since": "yesterday"})).status_code == 400
+async def test_the_console_answers_an_age_out_of_range_with_a_400(database_url: str) -> None:
+    port = free_port()
+    console = await anyio.open_process(
+        [sys.executable, "-m", "orchestrator.cli", "console", "--listen", f"127.0.0.1:{port}"],
+        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            with anyio.fail_after(30):
+                while True:
+                    assert console.returncode is None, "the console exited"
+                    with contextlib.suppress(httpx.TransportError):
+                        if (await client.get("/healthz")).status_code == 200:
+                            break
+                    await anyio.sleep(0.1)
+            for age in ("99999999999999d", "9" * 400 + "s"):
+                page = await client.get("/runs", params={"since": age})
+                assert page.status_code == 400, page.text
+                assert "at most 100 years" in page.text
+            assert (await client.get("/runs", params={"since": "yesterday"})).status_code == 400
+    finally:
+        console.terminate()
+        with anyio.fail_after(15):
+            await console.wait()
 
 
 @pytest.mark.parametrize(
