@@ -17,6 +17,7 @@ from orchestrator.client import Client, SyncClient
 from orchestrator.effects.approvals import DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.errors import (
+    DatabaseError,
     DatabaseUnavailable,
     IdempotencyConflict,
     InvalidInput,
@@ -61,6 +62,7 @@ __all__ = [
     "Budget",
     "BudgetExhausted",
     "Client",
+    "DatabaseError",
     "DatabaseUnavailable",
     "DecisionRefused",
     "Effect",

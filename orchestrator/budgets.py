@@ -82,16 +82,32 @@ class Budget:
         }
 
 
-def _decimal(value: object, what: str) -> Decimal:
+def _decimal(value: object, what: str, *, exact: bool = True, positive: bool = False) -> Decimal:
+    """US dollars from 0 (``positive``: above 0) to ``MAX_USD``; ``exact``: at most 12 decimal
+    places (what the budget row keeps; a price times tokens may have more, rounded where it is
+    stored)."""
     try:
         number = Decimal(str(value))
     except ArithmeticError:
         raise InvalidInput(f"{what} must be a number of US dollars, not {value!r}") from None
-    if not number.is_finite() or not 0 <= number <= MAX_USD:
-        raise InvalidInput(f"{what} must be a number of US dollars between 0 and {MAX_USD:,}")
-    if number != number.quantize(USD_STEP):
+    if not number.is_finite() or not 0 <= number <= MAX_USD or (positive and not number):
+        lowest = "above 0" if positive else "from 0"
+        raise InvalidInput(
+            f"{what} must be a number of US dollars {lowest} to {MAX_USD:,}, not {value!r}"
+        )
+    if exact and number != number.quantize(USD_STEP):
         raise InvalidInput(f"{what} has more than 12 decimal places")
     return number
+
+
+def _count(value: object, what: str, *, minimum: int = 0) -> int:
+    """A count that changes a budget (turns, tool calls, tokens): a whole number from
+    ``minimum`` to ``MAX_AMOUNT``; a negative one would give back what was spent."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_AMOUNT:
+        raise InvalidInput(
+            f"{what} must be a whole number from {minimum} to {MAX_AMOUNT:,}, not {value!r}"
+        )
+    return value
 
 
 class BudgetExhausted(OrchestratorError):
@@ -218,7 +234,23 @@ class RunBudget:
         cost_usd: Decimal = Decimal(0),
     ) -> None:
         """Reserve a worst case before spending it; ``BudgetExhausted`` when a limit would be
-        passed, ``NotOwner`` when this attempt no longer owns the run."""
+        passed, ``NotOwner`` when this attempt no longer owns the run. Amounts are 0 or more,
+        at least one of them above 0 (``InvalidInput`` otherwise: a negative one would let the
+        run spend past its limits)."""
+        counts = [
+            _count(value, f"ctx.budget.reserve({name}=...)")
+            for name, value in (
+                ("turns", turns),
+                ("input_tokens", input_tokens),
+                ("output_tokens", output_tokens),
+            )
+        ]
+        cost = _decimal(cost_usd, "ctx.budget.reserve(cost_usd=...)", exact=False)
+        if not (any(counts) or cost):
+            raise InvalidInput(
+                "ctx.budget.reserve() reserves nothing: give turns, input_tokens, output_tokens "
+                "or cost_usd above 0"
+            )
         lease = self.lease
         async with pooled(self._pool, within=self._statement_seconds) as db:
             record = await db.fetchrow(
@@ -227,10 +259,8 @@ class RunBudget:
                 lease.worker_id,
                 lease.fence,
                 self.limits.limits(),
-                turns,
-                input_tokens,
-                output_tokens,
-                cost_usd,
+                *counts,
+                cost,
             )
         assert record is not None
         outcome = record["outcome"]
@@ -256,12 +286,17 @@ class RunBudget:
             raise InvalidTransition(
                 "ctx.budget.spend() before ctx.budget.reserve(): reserve the worst case first"
             )
-        spent = self._spent
-        spent[0] += turns
-        spent[1] += tool_calls
-        spent[2] += input_tokens
-        spent[3] += output_tokens
-        self._cost += cost_usd
+        amounts = (
+            ("turns", turns),
+            ("tool_calls", tool_calls),
+            ("input_tokens", input_tokens),
+            ("output_tokens", output_tokens),
+        )
+        # All checked before any is added: a refused call records nothing.
+        counts = [_count(value, f"ctx.budget.spend({name}=...)") for name, value in amounts]
+        cost = _decimal(cost_usd, "ctx.budget.spend(cost_usd=...)", exact=False)
+        self._spent = [total + count for total, count in zip(self._spent, counts, strict=True)]
+        self._cost += cost
 
     def settlement(self) -> Spend | None:
         """What the step's commit settles (``None``: this step neither reserved nor spent)."""
@@ -371,13 +406,15 @@ class BudgetStore:
         self,
         run_id: str,
         *,
-        turns: int = 0,
-        tool_calls: int = 0,
-        input_tokens: int = 0,
-        output_tokens: int = 0,
-        cost_usd: Decimal | float | str = 0,
+        turns: int | None = None,
+        tool_calls: int | None = None,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        cost_usd: Decimal | float | str | None = None,
     ) -> BudgetState:
-        """Raise the run's limits (and wake it if it waits for budget)."""
+        """Raise the run's limits (and wake it if it waits for budget). Each amount given must
+        be above 0 (``InvalidInput`` otherwise: a top-up of nothing, or a negative one that
+        would lower a limit, is a mistake), and at least one must be given."""
         validate_run_id(run_id)
         added: dict[str, JSON] = {}
         for name, value in (
@@ -386,20 +423,15 @@ class BudgetStore:
             ("input_tokens", input_tokens),
             ("output_tokens", output_tokens),
         ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not 0 <= value <= MAX_AMOUNT
-            ):
-                option = "--add-" + name.replace("_", "-")
-                raise InvalidInput(f"{option} must be a whole number from 0 to {MAX_AMOUNT:,}")
-            if value:
-                added[name] = value
-        cost = _decimal(cost_usd, "--add-usd")
-        if cost:
-            added["cost_usd"] = str(cost)
+            if value is not None:
+                added[name] = _count(value, "--add-" + name.replace("_", "-"), minimum=1)
+        if cost_usd is not None:
+            added["cost_usd"] = str(_decimal(cost_usd, "--add-usd", positive=True))
         if not added:
-            raise InvalidInput("nothing to add: give --add-usd, --add-turns, --add-tokens ...")
+            raise InvalidInput(
+                "nothing to add: give --add-usd, --add-turns, --add-tool-calls, "
+                "--add-input-tokens or --add-output-tokens, each above 0"
+            )
         record = await self.db.fetchrow(query("top_up_budget"), run_id, added)
         if record is None:
             raise InvalidTransition(

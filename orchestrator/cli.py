@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 from contextlib import AsyncExitStack
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +33,7 @@ from orchestrator.cli_ops import (
     workers_list,
 )
 from orchestrator.cli_support import (
+    OneLineErrors,
     parse_time,
     print_error,
     read_input,
@@ -43,7 +43,7 @@ from orchestrator.cli_support import (
     stdout,
 )
 from orchestrator.cli_waits import approvals, runs_budget, runs_signal
-from orchestrator.client import MAX_DELAY_SECONDS
+from orchestrator.client import start_time
 from orchestrator.console.command import console
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from orchestrator.worker.worker import Worker
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="orchestrator")
 @click.option(
     "--database-url",
@@ -210,13 +210,12 @@ def _refuse_while_connected(sessions: dict[str, int]) -> None:
 @click.option("--idempotency-key", help="Submitting the same key again returns the same run.")
 @click.option("--max-attempts", type=click.IntRange(1, 1000), default=5, show_default=True)
 @click.option(
-    "--at", "at", help="Start at this time (ISO 8601 with a zone, e.g. 2026-12-24T09:00Z)."
+    "--at",
+    "at",
+    help="Start at this time (ISO 8601 with a zone, e.g. 2026-12-24T09:00Z; within ten years; "
+    "a past time warns and starts now).",
 )
-@click.option(
-    "--delay",
-    type=click.FloatRange(0, MAX_DELAY_SECONDS),
-    help="Start this many seconds from now (at most ten years).",
-)
+@click.option("--delay", type=float, help="Start this many seconds from now (at most ten years).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
 @click.pass_context
 def submit(
@@ -237,10 +236,18 @@ def submit(
 
     async def body() -> None:
         payload = read_input(input_)
-        start = parse_time(at, "--at") if at is not None else None
+        moment = parse_time(at, "--at") if at is not None else None
         async with open_store(settings) as store:
-            if delay is not None:
-                start = await store.database_now() + timedelta(seconds=delay)
+            start = None
+            if moment is not None or delay is not None:
+                now = await store.database_now()
+                start = start_time(now, moment, delay)
+                if start is not None and start < now:
+                    stderr.print(
+                        f"warning: --at {at} is in the past (the database's clock says "
+                        f"{now.isoformat(timespec='seconds')}); the run is due now",
+                        markup=False,
+                    )
             submission = await store.submit(
                 agent,
                 payload,

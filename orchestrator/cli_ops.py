@@ -226,6 +226,13 @@ def parse_when(raw: str, option: str, now: datetime) -> datetime:
     """An ISO 8601 time with a zone, or an age back from the database's ``now`` (``2h``)."""
     if AGE_PATTERN.fullmatch(raw):
         return now - parse_age(raw, option)
+    try:
+        datetime.fromisoformat(raw.strip())
+    except ValueError:  # neither form: say both
+        raise InvalidInput(
+            f"{option} takes an age such as 2h, 90m or 7d, or an ISO 8601 time such as "
+            f"2026-12-24T09:00:00Z, not {raw!r}"
+        ) from None
     return parse_time(raw, option)
 
 

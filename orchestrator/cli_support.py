@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.text import Text
 
+from orchestrator.db.connections import database_failed
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
@@ -40,6 +41,26 @@ def print_error(error: BaseException) -> None:
     stderr.print(Text.assemble(("error:", "red"), " ", line))
 
 
+class OneLineErrors(click.Group):
+    """Every error on one line starting ``error:``: click's usage errors too (exit 2), which it
+    would print as a usage block ending ``Error: ...``."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            result = super().main(*args, **kwargs)
+        except click.ClickException as error:
+            hint = ""
+            if isinstance(error, click.UsageError) and error.ctx is not None:
+                hint = f" (see `{error.ctx.command_path} --help`)"
+            print_error(Exception(error.format_message() + hint))
+            sys.exit(error.exit_code)
+        except click.Abort:
+            stderr.print("interrupted")
+            sys.exit(130)
+        sys.exit(result if isinstance(result, int) else 0)  # --help and --version: 0
+
+
 def settings_of(ctx: click.Context) -> Settings:
     settings = ctx.find_object(Settings)
     assert settings is not None
@@ -61,12 +82,7 @@ def run_async(function: Callable[[], Awaitable[T]]) -> T:
         sys.exit(1)
     except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as error:
         # The database went away or refused mid-command (a restart, a statement timeout).
-        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-        stderr.print(
-            f"error: the database failed mid-command ({detail}); check it is up, then run the "
-            "command again",
-            markup=False,
-        )
+        print_error(database_failed(error))
         sys.exit(1)
     except KeyboardInterrupt:
         stderr.print("interrupted")
@@ -85,7 +101,9 @@ def read_input(raw: str) -> Any:
     )
 
 
-def read_json_option(raw: str, option: str, *, example: str = "or @file.json") -> Any:
+def read_json_option(
+    raw: str, option: str, *, example: str = "give JSON, @file.json or @- for standard input"
+) -> Any:
     """An option's JSON: inline, ``@path`` for a file, or ``@-`` for standard input."""
     if not raw.startswith("@"):
         check_text(raw, option)

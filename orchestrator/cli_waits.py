@@ -10,7 +10,13 @@ from orchestrator.db.bootstrap import open_store
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidTransition
-from orchestrator.presentation import approvals_table, budget_table, dump_json, effects_table
+from orchestrator.presentation import (
+    approvals_table,
+    budget_table,
+    dump_json,
+    effects_table,
+    ledger_table,
+)
 from orchestrator.signals import SignalStore
 
 
@@ -34,7 +40,9 @@ def runs_signal(
     settings = settings_of(ctx)
 
     async def body() -> None:
-        value = read_json_option(data, "--data")
+        value = read_json_option(
+            data, "--data", example='give JSON such as \'{"text": "yes"}\' or null, or @file.json'
+        )
         async with open_store(settings) as store:
             sent = await SignalStore(store.pool).send(
                 run_id, name, value, idempotency_key=idempotency_key
@@ -53,30 +61,31 @@ def runs_signal(
 
 @click.command("budget")
 @click.argument("run_id")
-@click.option("--add-usd", default="0", help="Raise the cost limit by this many US dollars.")
-@click.option("--add-turns", type=click.IntRange(0), default=0)
-@click.option("--add-tool-calls", type=click.IntRange(0), default=0)
-@click.option("--add-input-tokens", type=click.IntRange(0), default=0)
-@click.option("--add-output-tokens", type=click.IntRange(0), default=0)
+@click.option("--add-usd", help="Raise the cost limit by this many US dollars (above 0).")
+@click.option("--add-turns", type=int, help="Raise the turns limit by this many (above 0).")
+@click.option("--add-tool-calls", type=int)
+@click.option("--add-input-tokens", type=int)
+@click.option("--add-output-tokens", type=int)
 @click.option("--ledger", is_flag=True, help="Also print every reservation and settlement.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def runs_budget(
     ctx: click.Context,
     run_id: str,
-    add_usd: str,
-    add_turns: int,
-    add_tool_calls: int,
-    add_input_tokens: int,
-    add_output_tokens: int,
+    add_usd: str | None,
+    add_turns: int | None,
+    add_tool_calls: int | None,
+    add_input_tokens: int | None,
+    add_output_tokens: int | None,
     ledger: bool,
     as_json: bool,
 ) -> None:
     """Show RUN_ID's budget (spent / reserved / limit); with --add-..., top it up and wake the
     run if it waits for budget."""
     settings = settings_of(ctx)
-    topping_up = add_usd not in ("0", "") or any(
-        (add_turns, add_tool_calls, add_input_tokens, add_output_tokens)
+    topping_up = any(
+        value is not None
+        for value in (add_usd, add_turns, add_tool_calls, add_input_tokens, add_output_tokens)
     )
 
     async def body() -> None:
@@ -111,7 +120,7 @@ def runs_budget(
             stderr.print(f"budget of {run_id} raised; a run waiting for budget is woken")
         stdout.print(budget_table(state))
         if ledger:
-            stdout.print_json(dump_json([entry.as_json() for entry in entries]))
+            stdout.print(ledger_table(entries))
 
     run_async(body)
 

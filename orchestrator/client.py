@@ -15,11 +15,16 @@ signal, and record a person's decision on an effect that awaits approval::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import atexit
+import contextlib
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Future
 from datetime import datetime, timedelta
 from decimal import Decimal
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -27,7 +32,13 @@ import asyncpg
 
 from orchestrator.budgets import BudgetState, BudgetStore
 from orchestrator.db.bootstrap import ensure_schema
-from orchestrator.db.connections import connect, create_pool, resolve_dsn
+from orchestrator.db.connections import (
+    DRIVER_ERRORS,
+    connect,
+    create_pool,
+    database_failed,
+    resolve_dsn,
+)
 from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision
@@ -40,9 +51,49 @@ from orchestrator.signals import Signal, SignalStore
 
 FINISHED_CHANNEL = "orchestrator_finished"
 MAX_DELAY_SECONDS = 10 * 366 * 86400.0
+CLOSE_AT_EXIT_SECONDS = 5.0
+"""How long ``SyncClient`` waits for its connections to close politely at exit."""
 RECHECK_SECONDS = 5.0
 """While waiting, the run is read again this often in case a notification was lost (the
 listening connection dropped): a safety net, not the mechanism."""
+
+
+def start_time(now: datetime, at: datetime | None, delay: float | None) -> datetime | None:
+    """When a run submitted ``now`` (the database's clock) is due: ``at``, or ``delay`` seconds
+    on, within ten years of now either way (further is a typo, and past what dates hold). A
+    time in the past is allowed: the run is due at once."""
+    if at is not None and delay is not None:
+        raise InvalidInput("give a start time or a delay, not both")
+    if delay is not None:
+        if not 0 <= delay <= MAX_DELAY_SECONDS:  # NaN fails this too
+            raise InvalidInput(f"a delay is 0 or more seconds, at most ten years, not {delay!r}")
+        return now + timedelta(seconds=delay)
+    if at is not None:
+        if not isinstance(at, datetime) or at.utcoffset() is None:
+            raise InvalidInput("a run's start time must be timezone-aware (e.g. 2026-12-24T09:00Z)")
+        if abs((at - now).total_seconds()) > MAX_DELAY_SECONDS:
+            raise InvalidInput(f"a start time is at most ten years from now, not {at.isoformat()}")
+    return at
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _project_errors(method: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """No driver exception reaches a caller: each becomes a ``DatabaseError`` (its cause kept).
+    ``TimeoutError`` passes as it is: ``wait`` raises it by contract."""
+
+    @functools.wraps(method)
+    async def translated(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await method(*args, **kwargs)
+        except TimeoutError:
+            raise
+        except DRIVER_ERRORS as error:
+            raise database_failed(error) from error
+
+    return translated
 
 
 class Client:
@@ -57,6 +108,7 @@ class Client:
         self._finished: dict[str, set[asyncio.Event]] = {}
 
     @classmethod
+    @_project_errors
     async def connect(
         cls, settings: Settings | None = None, *, max_connections: int = 10
     ) -> Client:
@@ -74,6 +126,7 @@ class Client:
         )
         return cls(pool, settings)
 
+    @_project_errors
     async def close(self) -> None:
         if self._listener is not None:
             self._listener.terminate()
@@ -92,6 +145,7 @@ class Client:
         await self.close()
 
     # -- runs -----------------------------------------------------------------------------------
+    @_project_errors
     async def submit(
         self,
         agent: str,
@@ -116,9 +170,11 @@ class Client:
         )
         return submission.run
 
+    @_project_errors
     async def get(self, run_id: str) -> Run:
         return await self.store.get(run_id)
 
+    @_project_errors
     async def wait(self, run_id: str, *, within: float) -> Run:
         """The run once it has ended (succeeded, failed, cancelled or dead); ``TimeoutError``
         if it has not within ``within`` seconds. Woken by the run's final commit."""
@@ -148,10 +204,12 @@ class Client:
                 if not waiting:
                     del self._finished[run_id]
 
+    @_project_errors
     async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
         return await self.store.cancel(run_id, reason=reason)
 
     # -- signals and approvals ------------------------------------------------------------------
+    @_project_errors
     async def signal(
         self, run_id: str, name: str, data: JSON = None, *, idempotency_key: str | None = None
     ) -> Signal:
@@ -160,10 +218,12 @@ class Client:
             await SignalStore(self.pool).send(run_id, name, data, idempotency_key=idempotency_key)
         ).signal
 
+    @_project_errors
     async def approvals(self, *, run_id: str | None = None, limit: int = 100) -> list[EffectRecord]:
         """Effects awaiting a person's decision, oldest first."""
         return await ApprovalStore(self.pool).pending(run_id=run_id, limit=limit)
 
+    @_project_errors
     async def approve(
         self,
         run_id: str,
@@ -185,6 +245,7 @@ class Client:
             run_fence=run_fence,
         )
 
+    @_project_errors
     async def deny(
         self,
         run_id: str,
@@ -207,22 +268,20 @@ class Client:
         )
 
     # -- budgets --------------------------------------------------------------------------------
+    @_project_errors
     async def budget(self, run_id: str) -> BudgetState | None:
         return await BudgetStore(self.pool).get(run_id)
 
+    @_project_errors
     async def top_up(self, run_id: str, **added: int | Decimal | float | str) -> BudgetState:
         """Raise a run's budget (``cost_usd=``, ``turns=``, ...) and wake it if it waits."""
         return await BudgetStore(self.pool).top_up(run_id, **added)  # type: ignore[arg-type]
 
     # -- internals ------------------------------------------------------------------------------
     async def _start_time(self, at: datetime | None, delay: float | None) -> datetime | None:
-        if at is not None and delay is not None:
-            raise InvalidInput("give a start time or a delay, not both")
-        if delay is not None:
-            if not 0 <= delay <= MAX_DELAY_SECONDS:
-                raise InvalidInput("a delay is 0 or more seconds, at most ten years")
-            return await self.store.database_now() + timedelta(seconds=delay)
-        return at
+        if at is None and delay is None:
+            return None
+        return start_time(await self.store.database_now(), at, delay)
 
     async def _listen(self) -> None:
         """One LISTEN connection per client, (re)opened when needed."""
@@ -248,18 +307,24 @@ class Client:
 
 
 class SyncClient:
-    """``Client`` for synchronous code: the same methods, blocking, safe from many threads."""
+    """``Client`` for synchronous code: the same methods, blocking, safe from many threads.
+
+    Use it as ``with SyncClient() as client:``, or call ``close()``. One left open does not
+    keep the interpreter from exiting: its event loop runs on a daemon thread, and it is closed
+    (within a few seconds) at exit.
+    """
 
     def __init__(self, settings: Settings | None = None, *, max_connections: int = 10) -> None:
-        self._portal_manager = anyio.from_thread.start_blocking_portal()
-        self._portal = self._portal_manager.__enter__()
+        self._portal, self._thread = _portal_thread()
+        self._closed = False
         try:
             self._client = self._portal.call(
                 lambda: Client.connect(settings, max_connections=max_connections)
             )
         except BaseException:
-            self._portal_manager.__exit__(None, None, None)
+            self._stop()
             raise
+        atexit.register(self._close_at_exit)
 
     def _call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self._portal.call(lambda: method(*args, **kwargs))
@@ -305,16 +370,60 @@ class SyncClient:
         return result
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
         try:
             self._portal.call(self._client.close)
         finally:
-            self._portal_manager.__exit__(None, None, None)
+            self._stop()
+
+    def _close_at_exit(self) -> None:
+        # Bounded: a database gone at exit must not hang the interpreter either.
+        if self._closed:
+            return
+        self._closed = True
+        # Exiting anyway: whatever fails here, the server drops the connections.
+        with contextlib.suppress(Exception):
+            self._portal.start_task_soon(self._client.close).result(CLOSE_AT_EXIT_SECONDS)
+
+    def _stop(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has already stopped
+            self._portal.call(self._portal.stop, True)
+        self._thread.join(CLOSE_AT_EXIT_SECONDS)
 
     def __enter__(self) -> SyncClient:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _portal_thread() -> tuple[anyio.from_thread.BlockingPortal, threading.Thread]:
+    """An event loop on a daemon thread, and the portal that runs calls on it.
+
+    Not ``anyio.from_thread.start_blocking_portal``: its loop runs in a worker thread the
+    interpreter joins at exit, so a client never closed made a script hang there.
+    """
+    ready: Future[anyio.from_thread.BlockingPortal] = Future()
+
+    async def serve() -> None:
+        async with anyio.from_thread.BlockingPortal() as portal:
+            ready.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    def main() -> None:
+        try:
+            anyio.run(serve)
+        except BaseException as error:
+            if not ready.done():
+                ready.set_exception(error)
+            raise
+
+    thread = threading.Thread(target=main, name="orchestrator-sync-client", daemon=True)
+    thread.start()
+    return ready.result(), thread
 
 
 __all__ = ["Client", "SyncClient"]

@@ -41,8 +41,13 @@ class RunAlreadyExists(OrchestratorError):
     """A submit named an explicit run id that is already taken."""
 
 
-class DatabaseUnavailable(OrchestratorError):
-    """PostgreSQL could not be reached or answered too slowly."""
+class DatabaseError(OrchestratorError):
+    """PostgreSQL failed a statement (a timeout, a restart, a refusal); the driver's own error
+    is its ``__cause__``. What the call did is unknown: retry it with its idempotency key."""
+
+
+class DatabaseUnavailable(DatabaseError):
+    """PostgreSQL could not be reached, or the connection was lost."""
 
 
 class SchemaTooNew(OrchestratorError):

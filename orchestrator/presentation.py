@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.attempts import Attempt
-from orchestrator.budgets import BudgetState
+from orchestrator.budgets import BudgetState, LedgerEntry
 from orchestrator.effects.model import EffectRecord
 from orchestrator.models import Run, RunEvent, RunState
 from orchestrator.run_detail import RunDetail
@@ -286,6 +286,24 @@ def budget_table(state: BudgetState) -> Table:
             str(state.spent.get(name, "")),
             "" if reserved in (None, 0, "0") else str(reserved),
             "unlimited" if limit is None else str(limit),
+        )
+    return table
+
+
+def ledger_table(entries: Sequence[LedgerEntry]) -> Table:
+    """A budget's ledger: every reservation, settlement, forfeit, refusal and top-up."""
+    table = Table(title="ledger", show_edge=False, header_style="bold", title_justify="left")
+    names = ("turns", "tool_calls", "input_tokens", "output_tokens", "cost_usd")
+    for column in ("#", "at", "kind", "fence", *names, "details"):
+        table.add_column(column)
+    for entry in entries:
+        table.add_row(
+            str(entry.entry),
+            _time(entry.at),
+            entry.kind,
+            "" if entry.fence is None else str(entry.fence),
+            *(str(entry.amounts.get(name, "")) for name in names),
+            _compact(entry.details) if entry.details else "",
         )
     return table
 

@@ -43,10 +43,11 @@ def parse_age(text: str, what: str = "--older-than") -> timedelta:
     matched = AGE_PATTERN.fullmatch(text)
     if matched is None:
         raise InvalidInput(f"{what} takes an age such as 30d, 12h, 90m or 3600s, not {text!r}")
-    age = timedelta(seconds=float(matched.group(1)) * _UNIT_SECONDS[matched.group(2)])
-    if not timedelta(0) < age <= MAX_AGE:
-        raise InvalidInput(f"{what} must be above 0 and at most 100 years, not {text!r}")
-    return age
+    seconds = float(matched.group(1)) * _UNIT_SECONDS[matched.group(2)]
+    # Bounded before a timedelta is built: a huge count overflows it (OverflowError).
+    if not 0 < seconds <= MAX_AGE.total_seconds():
+        raise InvalidInput(f"{what} must be above 0 and at most 100 years (36500d), not {text!r}")
+    return timedelta(seconds=seconds)
 
 
 def parse_retention(text: str) -> timedelta | None:

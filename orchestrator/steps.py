@@ -254,6 +254,7 @@ def encode_json(value: JSON, *, what: str, max_bytes: int) -> str:
     try:
         text = compact(value)
     except (TypeError, ValueError) as error:
+        check_json(value, what)  # names the bad value and where it is
         raise InvalidInput(f"{what} is not JSON-serialisable: {error}") from None
     if needs_full_check(text):
         check_json(value, what)

@@ -10,9 +10,10 @@ is refused with a message naming it instead of failing inside the database.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 from orchestrator.errors import InvalidInput
 
@@ -47,18 +48,21 @@ def check_bigint(value: object, what: str, *, minimum: int = 0) -> int:
 
 def check_json(value: Any, what: str) -> Any:
     """``value`` if jsonb can hold it: JSON types only, finite numbers, storable strings, and
-    at most ``MAX_JSON_DEPTH`` levels of nesting. Returns it unchanged."""
+    at most ``MAX_JSON_DEPTH`` levels of nesting. Returns it unchanged.
+
+    A refusal names where the bad value is (``result["refund"] is a coroutine, ...``).
+    """
     # An explicit stack, not recursion: a deep value must be refused, not overflow the checker.
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str):
-            _check_json_string(item, what)
+            _check_json_string(value, item, what)
         elif isinstance(item, bool) or item is None or isinstance(item, int):
             continue
         elif isinstance(item, float):
             if not math.isfinite(item):
-                raise InvalidInput(f"{what} holds {item!r}, which is not a JSON number")
+                _refuse(value, item, what, f"is {item!r}, which is not a JSON number")
         elif isinstance(item, dict | list | tuple):
             if depth > MAX_JSON_DEPTH:
                 raise InvalidInput(
@@ -67,30 +71,74 @@ def check_json(value: Any, what: str) -> Any:
             if isinstance(item, dict):
                 for key, member in item.items():
                     if isinstance(key, str):
-                        _check_json_string(key, what)
+                        _check_json_string(value, key, what, container=item)
                     elif not isinstance(key, int | float) and key is not None:
                         # json writes int, float, bool and None keys as strings, nothing else
-                        raise InvalidInput(f"{what} has an object key of type {type(key).__name__}")
+                        _refuse(
+                            value, item, what, f"has an object key of type {type(key).__name__}"
+                        )
                     stack.append((member, depth + 1))
             else:
                 stack.extend((member, depth + 1) for member in item)
         else:
-            raise InvalidInput(f"{what} holds a {type(item).__name__}, which is not JSON")
+            hint = "; did you forget an await?" if inspect.isawaitable(item) else ""
+            _refuse(
+                value,
+                item,
+                what,
+                f"is {_a(type(item).__name__)}, which JSON cannot represent{hint}",
+            )
     return value
 
 
-def _check_json_string(value: str, what: str) -> None:
-    if "\x00" in value:
-        raise InvalidInput(
-            f"{what} holds a string with a NUL character (\\u0000), which jsonb cannot store"
-        )
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+def _check_json_string(root: Any, text: str, what: str, container: Any = None) -> None:
+    """``container``: the object whose key ``text`` is (the string itself is a value)."""
+    where = text if container is None else container
+    holds = "holds a string with" if container is None else "has a key with"
+    if "\x00" in text:
+        _refuse(root, where, what, f"{holds} a NUL character (\\u0000), which jsonb cannot store")
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidInput(
-            f"{what} holds a string with a lone surrogate (such as \\ud800), which is not "
-            "valid Unicode"
-        ) from None
+        _refuse(
+            root,
+            where,
+            what,
+            f"{holds} a lone surrogate (such as \\ud800), which is not valid Unicode",
+        )
+
+
+def _refuse(root: Any, item: Any, what: str, reason: str) -> NoReturn:
+    raise InvalidInput(f"{what}{_path_to(root, item)} {reason}")
+
+
+def _path_to(root: Any, target: Any) -> str:
+    """Where ``target`` is inside ``root`` (found by identity), as ``["key"][0]``; ``""`` for
+    ``root`` itself. Walked again only for a refusal, so the check itself stays cheap."""
+    stack: list[tuple[Any, str, int]] = [(root, "", 1)]
+    while stack:
+        item, path, depth = stack.pop()
+        if item is target:
+            return path
+        if depth > MAX_JSON_DEPTH:
+            continue
+        if isinstance(item, dict):
+            stack.extend(
+                (member, f"{path}[{_key(key)}]", depth + 1) for key, member in item.items()
+            )
+        elif isinstance(item, list | tuple):
+            stack.extend(
+                (member, f"{path}[{index}]", depth + 1) for index, member in enumerate(item)
+            )
+    return ""
+
+
+def _key(key: Any) -> str:
+    return json.dumps(key) if isinstance(key, str) else repr(key)
 
 
 def needs_full_check(encoded: str) -> bool:

@@ -903,11 +903,13 @@ SELECT run_id, count(*) AS consumed FROM consumed GROUP BY run_id
 -- woken if it waits for a signal of that name. The run's row is locked first, as parking locks
 -- it, so a signal and a park never miss each other. Returns the run's state (NULL: no such run)
 -- and the new signal's seq (NULL: not stored, the run is finished or the key was used).
+-- Data NULL (a signal without data) is stored as JSON null, what the step reads back.
 WITH target AS (
     SELECT run_id, state, agent FROM runs WHERE run_id = $1 FOR UPDATE
 ), inserted AS (
     INSERT INTO run_signals (run_id, name, data, idempotency_key)
-    SELECT run_id, $2, $3, $4 FROM target WHERE state IN ('queued', 'running', 'waiting')
+    SELECT run_id, $2, coalesce($3, 'null'::jsonb), $4
+    FROM target WHERE state IN ('queued', 'running', 'waiting')
     ON CONFLICT DO NOTHING
     RETURNING run_id, seq, sent_at
 ), bumped AS (

@@ -7,6 +7,7 @@ left the database as it was and to have printed no traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,10 +16,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import anyio
 import asyncpg
+import httpx
 import pytest
 
 from orchestrator.db.store import RunStore
+from test_effects_proxy import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +196,118 @@ def test_libpq_environment_fills_in_what_the_url_leaves_out(database_url: str) -
     assert disabled.returncode == 0, disabled.stderr
     # The embedded test server has no TLS: sslmode=require is refused, and says so on one line.
     one_line_refusal(cli(database_url + "?sslmode=require", "runs", "list"), "cannot reach")
+
+
+# -- amounts, durations and times out of range; signals and budgets from the command line ------
+OUT_OF_RANGE: list[tuple[list[str], str]] = [
+    (
+        ["runs", "budget", "RUN", "--add-usd", "0"],
+        "--add-usd must be a number of US dollars above 0",
+    ),
+    (
+        ["runs", "budget", "RUN", "--add-usd", "-1"],
+        "--add-usd must be a number of US dollars above 0",
+    ),
+    (["runs", "budget", "RUN", "--add-usd", "nan"], "--add-usd must be a number of US dollars"),
+    (["runs", "budget", "RUN", "--add-turns", "0"], "--add-turns must be a whole number from 1"),
+    (["runs", "budget", "RUN", "--add-turns", "-5"], "--add-turns must be a whole number from 1"),
+    (
+        ["runs", "budget", "RUN", "--add-usd", "5", "--add-input-tokens", "-5000"],
+        "--add-input-tokens must be a whole number from 1",
+    ),
+    (["runs", "list", "--since", "99999999999999d"], "--since must be above 0 and at most 100"),
+    (["runs", "list", "--since", "9" * 400 + "s"], "--since must be above 0 and at most 100"),
+    (["runs", "purge", "--older-than", "99999999999999d"], "--older-than must be above 0"),
+    (["runs", "cancel", "--until", "99999999999999w"], "--until must be above 0"),
+    (
+        ["runs", "list", "--since", "yesterday"],
+        "--since takes an age such as 2h, 90m or 7d, or an ISO",
+    ),
+    (["runs", "signal", "RUN", "go", "--data", "yes"], "--data is not valid JSON"),
+    (["submit", "a", "--delay", "nan"], "a delay is 0 or more seconds, at most ten years"),
+    (["submit", "a", "--delay", "1e300"], "a delay is 0 or more seconds, at most ten years"),
+    (["submit", "a", "--delay", "-1"], "a delay is 0 or more seconds, at most ten years"),
+    (["submit", "a", "--at", "0001-01-01T00:00:00+01:00"], "at most ten years from now"),
+    (["submit", "a", "--at", "9999-12-31T23:00:00-05:00"], "at most ten years from now"),
+]
+
+
+async def test_amounts_durations_and_times_out_of_range_are_one_line_errors(
+    database_url: str, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = (await store.submit("nobody_serves_this", {})).run.run_id
+    before = await database_state(pool)
+    for args, says in OUT_OF_RANGE:
+        one_line_refusal(cli(database_url, *[run_id if a == "RUN" else a for a in args]), says)
+    assert await database_state(pool) == before
+    assert await pool.fetchval("SELECT count(*) FROM run_signals") == 0
+
+
+async def test_a_bad_signal_data_message_is_one_clear_line(database_url: str) -> None:
+    result = cli(database_url, "runs", "signal", "r_x", "go", "--data", "yes")
+    line = result.stderr.decode().strip()
+    assert line == (
+        "error: --data is not valid JSON (Expecting value at line 1 column 1); give JSON such "
+        'as \'{"text": "yes"}\' or null, or @file.json'
+    ), line
+
+
+async def test_a_signal_without_data_and_a_start_time_in_the_past_are_accepted(
+    database_url: str, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = (await store.submit("nobody_serves_this", {})).run.run_id
+    sent = cli(database_url, "runs", "signal", run_id, "go")
+    assert sent.returncode == 0, sent.stderr
+    assert await pool.fetchval("SELECT jsonb_typeof(data) FROM run_signals") == "null"
+    past = cli(database_url, "submit", "a", "--at", "2020-01-01T00:00:00Z")
+    assert past.returncode == 0, past.stderr
+    warned = past.stderr.decode()
+    assert "warning: --at 2020-01-01T00:00:00Z is in the past" in warned and "due now" in warned
+    late = await store.get(past.stdout.decode().strip())
+    assert late.available_at is not None and late.available_at < await store.database_now()
+
+
+async def test_the_console_answers_an_age_out_of_range_with_a_400(database_url: str) -> None:
+    port = free_port()
+    console = await anyio.open_process(
+        [sys.executable, "-m", "orchestrator.cli", "console", "--listen", f"127.0.0.1:{port}"],
+        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            with anyio.fail_after(30):
+                while True:
+                    assert console.returncode is None, "the console exited"
+                    with contextlib.suppress(httpx.TransportError):
+                        if (await client.get("/healthz")).status_code == 200:
+                            break
+                    await anyio.sleep(0.1)
+            for age in ("99999999999999d", "9" * 400 + "s"):
+                page = await client.get("/runs", params={"since": age})
+                assert page.status_code == 400, page.text
+                assert "at most 100 years" in page.text
+            assert (await client.get("/runs", params={"since": "yesterday"})).status_code == 400
+    finally:
+        console.terminate()
+        with anyio.fail_after(15):
+            await console.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["submit", "a", "--at", "2030-01-01T00:00:00Z", "--delay", "1"], "give --at or --delay"),
+        (["runs", "list", "--limit", "0"], "Invalid value for '--limit'"),
+        (["submit"], "Missing argument 'AGENT'"),
+        (["runs", "nope"], "No such command 'nope'"),
+    ],
+)
+def test_usage_errors_are_one_error_line_too(database_url: str, args: list[str], says: str) -> None:
+    result = cli(database_url, *args)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr
+    assert stderr.startswith("error: ") and says in stderr and "--help" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Error:" not in stderr

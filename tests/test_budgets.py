@@ -4,6 +4,9 @@ vendor; budget and price configuration errors."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -11,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from orchestrator import Budget, InvalidInput
+from orchestrator import Agent, Budget, Client, Finish, InvalidInput, Outcome, Step, StepContext
 from orchestrator.budgets import BudgetStore, Prices
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
@@ -25,7 +28,7 @@ from orchestrator.loopback import (
 )
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.testing import running_worker, wait_for_run
+from orchestrator.testing import run_agent, running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent
 from test_waits import FAST
 from tool_agents_for_tests import lookup_order, refund
@@ -171,3 +174,103 @@ async def test_a_refund_under_the_threshold_needs_no_approval_and_a_denied_one_i
     told = [json.loads(m.body["content"]) for m in await store.messages(run_id) if m.role == "tool"]
     assert told[0]["status"] == "confirmed"
     assert told[1] == {"status": "denied", "error": "denied by reviewer: over the limit"}
+
+
+# -- amounts that change a budget are positive --------------------------------------------------
+BAD_RESERVATIONS: dict[str, dict[str, Any]] = {
+    "negative": {"turns": -10, "input_tokens": -5000},
+    "negative cost": {"turns": 1, "cost_usd": Decimal("-1")},
+    "NaN cost": {"turns": 1, "cost_usd": Decimal("NaN")},
+    "infinite cost": {"turns": 1, "cost_usd": float("inf")},
+    "nothing": {},
+    "past bigint": {"output_tokens": 2**70},
+    "fraction": {"turns": 0.5},
+}
+BAD_SPENDS: dict[str, dict[str, Any]] = {
+    "spend negative": {"turns": -3},
+    "spend NaN": {"cost_usd": "NaN"},
+}
+
+
+class ReserveBadly(Step):
+    """Tries every bad reservation and spend, then reserves and spends honestly."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        assert ctx.budget is not None
+        refused: dict[str, str] = {}
+        for case, amounts in BAD_RESERVATIONS.items():
+            try:
+                await ctx.budget.reserve(**amounts)
+            except InvalidInput as error:
+                refused[case] = str(error)
+        await ctx.budget.reserve(turns=1)
+        for case, amounts in BAD_SPENDS.items():
+            try:
+                ctx.budget.spend(**amounts)
+            except InvalidInput as error:
+                refused[case] = str(error)
+        ctx.budget.spend(turns=1, input_tokens=0)
+        return Finish({"refused": refused})
+
+
+reserver = Agent("reserver", first=ReserveBadly, budget=Budget(turns=5, input_tokens=100))
+
+
+async def test_a_step_cannot_reserve_or_spend_a_negative_or_empty_amount(
+    settings: Settings, store: RunStore
+) -> None:
+    run, _ = await run_agent(settings, reserver, {})
+    assert run.state is RunState.SUCCEEDED, run.error
+    refused = run.result["refused"]
+    assert set(refused) == {*BAD_RESERVATIONS, *BAD_SPENDS}
+    assert "ctx.budget.reserve(turns=...) must be a whole number from 0" in refused["negative"]
+    assert "reserves nothing" in refused["nothing"]
+    assert "cost_usd" in refused["NaN cost"] and "cost_usd" in refused["infinite cost"]
+    assert all("\n" not in message for message in refused.values())
+    budget = await BudgetStore(store.pool).get(run.run_id)
+    assert budget is not None
+    assert budget.spent["turns"] == 1 and budget.spent["input_tokens"] == 0  # only the honest one
+    assert budget.limit["turns"] == 5
+
+
+BAD_TOP_UPS: list[tuple[dict[str, Any], str]] = [
+    ({}, "nothing to add"),
+    ({"cost_usd": "0"}, "--add-usd must be a number of US dollars above 0"),
+    ({"cost_usd": "-1"}, "--add-usd must be a number of US dollars above 0"),
+    ({"cost_usd": "NaN"}, "--add-usd must be a number of US dollars above 0"),
+    ({"cost_usd": float("inf")}, "--add-usd must be a number of US dollars above 0"),
+    ({"turns": 0}, "--add-turns must be a whole number from 1"),
+    ({"turns": -10, "cost_usd": 5}, "--add-turns must be a whole number from 1"),
+    ({"input_tokens": -5000}, "--add-input-tokens must be a whole number from 1"),
+]
+
+
+async def test_a_top_up_of_nothing_or_less_is_refused_and_changes_nothing(
+    settings: Settings, store: RunStore
+) -> None:
+    run, _ = await run_agent(settings, reserver, {})
+    budgets = BudgetStore(store.pool)
+    before = await budgets.get(run.run_id)
+    async with await Client.connect(settings) as client:
+        for amounts, says in BAD_TOP_UPS:
+            with pytest.raises(InvalidInput, match=re.escape(says)):
+                await client.top_up(run.run_id, **amounts)
+        assert await budgets.get(run.run_id) == before
+        assert not [e for e in await budgets.ledger(run.run_id) if e.kind == "top_up"]
+        raised = await client.top_up(run.run_id, turns=2)  # and a real one still works
+    assert raised.limit["turns"] == 7
+
+
+async def test_the_ledger_without_json_is_a_table_only(settings: Settings) -> None:
+    run, _ = await run_agent(settings, reserver, {})
+    assert settings.database_url is not None
+    with anyio.fail_after(60):
+        shown = await anyio.run_process(
+            [sys.executable, "-m", "orchestrator.cli", "runs", "budget", run.run_id, "--ledger"],
+            env={**os.environ, "ORCHESTRATOR_DATABASE_URL": settings.database_url},
+            check=False,
+        )
+    assert shown.returncode == 0, shown.stderr
+    table = shown.stdout.decode()
+    assert "ledger" in table and "reserve" in table and "settle" in table
+    assert "{" not in table and '"kind"' not in table  # no JSON after the table

@@ -3,20 +3,32 @@ web handler (examples/refund_desk.py) end to end: a real HTTP server, worker, mo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import anyio
+import asyncpg
 import pytest
 
 import orchestrator.client
-from orchestrator import Client, InvalidInput, RunNotFound, SyncClient
+from orchestrator import (
+    Client,
+    DatabaseError,
+    DatabaseUnavailable,
+    InvalidInput,
+    RunNotFound,
+    SyncClient,
+)
 from orchestrator.agents.noop import noop
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.loopback import LocalVendor, ScriptedModelServer
@@ -180,3 +192,145 @@ async def test_the_web_handler_submits_a_run_and_records_a_person_s_approval(
                     await anyio.sleep(0.1)
     assert vendor.requests == 1
     assert [d["payload"]["amount"] for d in vendor.deliveries.values()] == [150]
+
+
+# -- signals without data, database failures ---------------------------------------------------
+async def test_a_signal_without_data_reaches_the_run_as_null(settings: Settings) -> None:
+    async with (
+        await Client.connect(settings) as client,
+        running_worker(settings, [replies], **FAST),
+    ):
+        run = await client.submit("replies", {})
+        with anyio.fail_after(10):
+            while (await client.get(run.run_id)).state is not RunState.WAITING:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        signal = await client.signal(run.run_id, "reply")
+        assert signal.data is None
+        done = await client.wait(run.run_id, within=20)
+    assert done.state is RunState.SUCCEEDED
+    assert done.result["replies"] == [None]
+
+
+def test_the_sync_client_sends_a_signal_without_data(settings: Settings) -> None:
+    with SyncClient(settings) as client:
+        run = client.submit("replies", {})
+        assert client.signal(run.run_id, "go", None).data is None
+        again = client.signal(run.run_id, "go", None, idempotency_key="once")
+        assert client.signal(run.run_id, "go", None, idempotency_key="once").seq == again.seq
+
+
+TERMINATE_WAITING_CLIENT = (
+    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = "
+    "'orchestrator-client' AND wait_event_type = 'Lock' AND datname = current_database()"
+)
+
+
+def _locked_runs(settings: Settings) -> str:
+    return f"LOCK TABLE {settings.schema}.runs IN ACCESS EXCLUSIVE MODE"
+
+
+async def test_a_connection_killed_mid_call_reaches_the_caller_as_the_project_s_error(
+    settings: Settings,
+) -> None:
+    async with await Client.connect(settings) as client:
+        run = await client.submit("noop", {})
+        holder = await asyncpg.connect(settings.database_url)
+        try:
+            async with holder.transaction():
+                await holder.execute(_locked_runs(settings))  # the client's read now waits
+                async with anyio.create_task_group() as group:
+                    raised: list[BaseException] = []
+
+                    async def read() -> None:
+                        try:
+                            await client.get(run.run_id)
+                        except BaseException as error:
+                            raised.append(error)
+
+                    group.start_soon(read)
+                    with anyio.fail_after(10):
+                        while not await holder.fetchval(TERMINATE_WAITING_CLIENT):  # noqa: ASYNC110
+                            await anyio.sleep(0.05)
+        finally:
+            await holder.close()
+    [error] = raised
+    assert isinstance(error, DatabaseUnavailable), repr(error)
+    assert not isinstance(error, asyncpg.PostgresError | asyncpg.InterfaceError)
+    assert "database failed mid-command" in str(error) and "\n" not in str(error)
+
+
+def test_a_statement_timeout_reaches_a_sync_caller_as_the_project_s_error(
+    settings: Settings,
+) -> None:
+    impatient = dataclasses.replace(settings, statement_timeout_seconds=0.5)
+
+    async def hold_the_lock(locked: threading.Event, done: threading.Event) -> None:
+        holder = await asyncpg.connect(settings.database_url)
+        try:
+            async with holder.transaction():
+                await holder.execute(_locked_runs(settings))
+                locked.set()
+                while not done.is_set():  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+        finally:
+            await holder.close()
+
+    with SyncClient(impatient) as client:
+        run = client.submit("noop", {})
+        locked, done = threading.Event(), threading.Event()
+        holder = threading.Thread(target=anyio.run, args=(hold_the_lock, locked, done))
+        holder.start()
+        try:
+            assert locked.wait(10)
+            with pytest.raises(DatabaseError) as raised:
+                client.get(run.run_id)
+        finally:
+            done.set()
+            holder.join(10)
+        assert not isinstance(raised.value, asyncpg.PostgresError)
+        assert "statement timeout" in str(raised.value)
+        assert client.get(run.run_id).run_id == run.run_id  # and the client still works
+
+
+UNCLOSED = """
+import sys
+from orchestrator import SyncClient
+from orchestrator.settings import Settings
+
+client = SyncClient(Settings(database_url=sys.argv[1]))
+run = client.submit("noop", {})
+print(client.get(run.run_id).state.value)
+# no close(), no with: the interpreter must still exit
+"""
+
+
+def test_a_script_that_never_closes_its_sync_client_still_exits(settings: Settings) -> None:
+    assert settings.database_url is not None
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", UNCLOSED, settings.database_url],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("a script with an unclosed SyncClient hung at exit")
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().strip() == "queued"
+    assert b"Traceback" not in done.stderr
+
+
+async def test_a_start_time_out_of_range_is_refused(settings: Settings) -> None:
+    async with await Client.connect(settings) as client:
+        far: list[dict[str, Any]] = [
+            {"at": datetime(1, 1, 1, tzinfo=UTC)},
+            {"at": datetime(9999, 12, 31, tzinfo=timezone(timedelta(hours=-5)))},
+            {"delay_seconds": float("nan")},
+            {"delay_seconds": 1e300},
+        ]
+        for options in far:
+            with pytest.raises(InvalidInput, match="ten years"):
+                await client.submit("noop", {}, **options)
+        earlier = await client.submit("noop", {}, at=datetime(2020, 1, 1, tzinfo=UTC))
+        assert earlier.available_at is not None
+        assert earlier.available_at.year == 2020  # in the past: due at once

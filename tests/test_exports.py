@@ -37,6 +37,7 @@ ERRORS = {
     "IdempotencyConflict",
     "RunAlreadyExists",
     "RunNotFound",
+    "DatabaseError",
     "DatabaseUnavailable",
     "SchemaTooNew",
     "ModelNotConfigured",

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.errors import DatabaseUnavailable, InvalidInput
+from orchestrator.errors import DatabaseError, DatabaseUnavailable, InvalidInput
 from orchestrator.jsontext import compact, parse
 from orchestrator.settings import Settings
 
@@ -126,6 +126,35 @@ def unavailable(dsn: str, error: BaseException) -> DatabaseUnavailable:
     return DatabaseUnavailable(
         f"cannot reach PostgreSQL at {redact_dsn(dsn)}: {reason}. Check that the server runs "
         "and ORCHESTRATOR_DATABASE_URL is right (unset it to use the embedded server)."
+    )
+
+
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+)
+"""What asyncpg and the socket under it raise mid-statement; ``database_failed`` turns each
+into the project's ``DatabaseError`` (a ``TimeoutError`` is an ``OSError``: callers that use it
+for their own deadlines let it through first)."""
+
+_LOST_CONNECTION: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.OperatorInterventionError,  # pg_terminate_backend, a shutdown, a crash
+)
+
+
+def database_failed(error: BaseException) -> DatabaseError:
+    """A driver error as the project's: ``DatabaseUnavailable`` when the connection was lost,
+    ``DatabaseError`` otherwise; one line, saying that the outcome is unknown."""
+    detail = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+    kind = DatabaseUnavailable if isinstance(error, _LOST_CONNECTION) else DatabaseError
+    return kind(
+        f"the database failed mid-command ({detail}); check it is up, then run the command "
+        "again (with the same idempotency key, a retried submit or signal is not repeated)"
     )
 
 
