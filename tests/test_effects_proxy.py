@@ -63,7 +63,7 @@ async def proxy(database_url: str) -> AsyncIterator[httpx.AsyncClient]:
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=10) as client:
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while True:
                     try:
                         if (await client.get("/healthz")).status_code == 200:
@@ -74,7 +74,7 @@ async def proxy(database_url: str) -> AsyncIterator[httpx.AsyncClient]:
             yield client
     finally:
         process.terminate()
-        process.wait(10)
+        process.wait(60)
 
 
 def auth(token: str = TOKEN) -> dict[str, str]:
@@ -255,7 +255,7 @@ async def test_the_proxy_serves_metrics_and_readiness(database_url: str) -> None
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{metrics_port}") as client:
             ready = None
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while ready is None or ready.status_code != 200:
                     try:
                         ready = await client.get("/ready")
@@ -277,4 +277,4 @@ async def test_the_proxy_serves_metrics_and_readiness(database_url: str) -> None
             assert 'outcome="unknown_run"' in counted and counted.endswith(" 1.0")
     finally:
         process.terminate()  # uvicorn ends on SIGTERM by re-raising it: no exit status to check
-        process.wait(10)
+        process.wait(60)
