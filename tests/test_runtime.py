@@ -249,7 +249,9 @@ async def test_guard_cancels_at_the_local_deadline_without_a_confirmed_renewal()
     elapsed = anyio.current_time() - now
     assert scope.cancelled_caught
     assert handle.lost_reason == "no confirmed renewal before the local deadline"
-    assert elapsed == pytest.approx(1.0 - safety_margin(1.0), abs=0.15)
+    # Never before the deadline; after it only by how late a loaded machine runs the loop.
+    deadline = 1.0 - safety_margin(1.0)
+    assert deadline <= elapsed < deadline + 2
 
 
 async def test_guard_follows_confirmed_renewals_and_cancels_on_loss() -> None:

@@ -443,6 +443,17 @@ async def test_a_signal_sent_while_a_step_runs_reaches_the_next_step(
 
 
 # -- races the review found: each would fail on the code before its fix ---------------------------
+async def blocked_on_a_lock(pool: asyncpg.Pool, within: float = 60) -> None:
+    """Wait until a session of this database waits for a lock: the race a test sets up has
+    begun, however slowly a loaded machine got the other task there (a fixed sleep may not)."""
+    with anyio.fail_after(within):
+        while not await pool.fetchval(  # noqa: ASYNC110 - PostgreSQL offers no event for it
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ):
+            await anyio.sleep(0.02)
+
+
 async def park(store: RunStore, claimed: Any, wait: dict[str, Any]) -> None:
     """A step commit that parks the run, as the group committer writes it (one transaction)."""
     from orchestrator.db.store import Park, StepCommit
@@ -507,7 +518,7 @@ async def test_a_top_up_and_a_step_commit_settling_the_budget_do_not_deadlock(
         assert await store.commit_steps("W", [commit], db=db)  # the run's row is locked
         async with anyio.create_task_group() as group:
             group.start_soon(lambda: BudgetStore(pool).top_up(run_id, turns=1))
-            await anyio.sleep(0.3)  # the top-up is now waiting for a lock
+            await blocked_on_a_lock(pool)  # the top-up is now waiting for the run's row
             spend = Spend(claimed.fence, 1, 0, 0, 0, Decimal(0))
             await store.settle_budgets([(run_id, spend)], db=db)  # deadlocked before the fix
             await transaction.commit()
@@ -544,7 +555,7 @@ async def test_a_denial_and_a_cancel_racing_do_not_deadlock(
 
         async with anyio.create_task_group() as group:
             group.start_soon(deny)
-            await anyio.sleep(0.3)  # the decision waits for the run's row
+            await blocked_on_a_lock(pool)  # the decision waits for the run's row
             await db.execute(  # as cancel's withdrawal does, second
                 "UPDATE effects SET status = 'rejected' WHERE run_id = $1", run_id
             )
