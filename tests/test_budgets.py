@@ -86,7 +86,7 @@ async def serve(
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     run_id = (await store.submit(agent.name, {"prompt": f"{agent.name} please"})).run.run_id
     async with running_worker(settings, [agent], effect_adapters=adapters, **FAST):
-        await wait_for_run(store, run_id, states=states, within=30)
+        await wait_for_run(store, run_id, states=states, within=60)
     return run_id
 
 

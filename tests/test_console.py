@@ -299,7 +299,7 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             console(database_url, tmp_path, token=TOKEN) as running,
         ):
             for run_id in (approved_id, denied_id):
-                await wait_for_run(store, run_id, states={RunState.WAITING}, within=30)
+                await wait_for_run(store, run_id, states={RunState.WAITING}, within=60)
             page = await browser.new_page()
             await page.goto(f"{running.url}/attention")
             await expect(page.locator("#mode")).to_have_text("not signed in")
@@ -333,13 +333,13 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             await row.locator("input[name=note]").first.fill("checked the order")
             await row.get_by_role("button", name="approve").click()
             await expect(page.locator("#flash")).to_contain_text("approved")
-            approved = await wait_for_run(store, approved_id, within=30)
+            approved = await wait_for_run(store, approved_id, within=60)
 
             row = page.locator(f"tr.effect:has(a:text('{denied_id}'))")
             await row.locator("form.deny-form input[name=note]").fill("not eligible")
             await row.get_by_role("button", name="deny").click()
             await expect(page.locator("#flash")).to_contain_text("denied")
-            denied = await wait_for_run(store, denied_id, within=30)
+            denied = await wait_for_run(store, denied_id, within=60)
 
             await page.goto(f"{running.url}/runs/{approved_id}")
             granted = page.locator("#timeline tr.kind-approval_granted")
@@ -376,7 +376,7 @@ async def test_the_live_run_page_follows_the_run_until_it_ends(
             running_worker(settings, [refunds], effect_adapters=adapters, **FAST),
             console(database_url, tmp_path, token=TOKEN) as running,
         ):
-            await wait_for_run(store, run_id, states={RunState.WAITING}, within=30)
+            await wait_for_run(store, run_id, states={RunState.WAITING}, within=60)
             page = await browser.new_page()
             await page.goto(f"{running.url}/runs/{run_id}")
             await expect(page.locator("#run-state")).to_have_text("waiting")

@@ -130,7 +130,7 @@ async def test_finish_with_an_effect_commits_and_the_vendor_gets_it_once(
             **FAST,
         ):
             for run_id in [*noted, *plain, bad]:
-                await wait_for_run(store, run_id, within=30)
+                await wait_for_run(store, run_id, within=60)
             boundary = EffectStore(store.pool)
             for run_id in noted:
                 record = await boundary.get(run_id, "final-note")

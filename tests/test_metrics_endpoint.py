@@ -99,8 +99,8 @@ async def test_metrics_are_scraped_and_readiness_follows_the_database() -> None:
             "0.2",
             name="metrics-worker",
         ) as worker:
-            await wait_all_terminal(settings, done, within=30)
-            await until_status(f"{base}/ready", 200, within=30)
+            await wait_all_terminal(settings, done, within=60)
+            await until_status(f"{base}/ready", 200, within=60)
             text = await until_status(f"{base}/metrics", 200, within=60)
             claims = samples(text, "orchestrator_claims_total")
             assert sum(claims.values()) == 5 and all('agent="noop"' in k for k in claims)
@@ -128,7 +128,7 @@ async def test_metrics_are_scraped_and_readiness_follows_the_database() -> None:
             assert down["ready"] is False and "database" in down["reason"]
             assert (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[0] == 200
             await anyio.to_thread.run_sync(server.ensure_running)
-            up = json.loads(await until_status(f"{base}/ready", 200, within=30))
+            up = json.loads(await until_status(f"{base}/ready", 200, within=60))
             assert up == {"ready": True, "reason": "ready"}
             assert worker.process.poll() is None
     finally:
@@ -179,7 +179,7 @@ async def test_the_dispatcher_counts_outcomes_and_people_waiting(
         )
         try:
             base = f"http://127.0.0.1:{port}"
-            await until_status(f"{base}/ready", 200, within=30)
+            await until_status(f"{base}/ready", 200, within=60)
             for _ in range(80):
                 text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
                 outcomes = samples(text, "orchestrator_effects_outcomes_total")

@@ -157,7 +157,7 @@ async def test_a_broken_step_is_retried_then_dead_lettered(
     agent = Agent("broken", first=step)
     async with running_worker(settings, [agent], **FAST):
         run_id = (await store.submit("broken", {}, max_attempts=2)).run.run_id
-        run = await wait_for_run(store, run_id, within=30)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.DEAD
     assert run.error is not None and run.error["type"] in ("TypeError", "LookupError")
     assert "Traceback" in run.error["traceback"]
@@ -171,7 +171,7 @@ async def test_an_exception_is_retried_with_the_checkpoint_intact(
     agent = Agent("flaky", first=Flaky, steps=[Finisher])
     async with running_worker(settings, [agent], **FAST):
         run_id = (await store.submit("flaky", {})).run.run_id
-        run = await wait_for_run(store, run_id, within=30)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.SUCCEEDED
     assert run.result == {"recovered_on": 2}
     events = await store.events(run_id)

@@ -69,10 +69,6 @@ def is_json_object(line: str) -> bool:
         return False
 
 
-def kinds_by_fence(events: list[RunEvent], kind: str) -> list[int | None]:
-    return [event.fence for event in events if event.kind == kind]
-
-
 def commits(events: list[RunEvent]) -> list[RunEvent]:
     return [e for e in events if e.kind in ("checkpoint", "succeeded", "failed")]
 
@@ -91,7 +87,7 @@ async def test_sigkill_mid_step_resumes_elsewhere_from_the_last_checkpoint(
         pid_a = worker_a.process.pid
     version_at_kill = (await store.get(run_id)).checkpoint_version
     with ServeProcess(database_url, *args, name="B") as worker_b:
-        final = await wait_for_run(store, run_id, within=30)
+        final = await wait_for_run(store, run_id, within=60)
         pid_b = worker_b.process.pid
     events = await store.events(run_id)
 
@@ -127,7 +123,7 @@ async def test_sigstopped_worker_commits_nothing_after_its_lease_expires(
         worker_a.signal(signal.SIGSTOP)
         stopped_at = await store.database_now()
         with ServeProcess(database_url, *args, name="B"):
-            final = await wait_for_run(store, run_id, within=30)
+            final = await wait_for_run(store, run_id, within=60)
         worker_a.signal(signal.SIGCONT)
         await wait_for(
             lambda: store.events(run_id),
@@ -171,7 +167,7 @@ async def test_partitioned_worker_gives_up_before_its_lease_ends_and_commits_not
             assert held.lease_owner == "A" and held.fence == lost[RUN_FENCE]
             assert held.lease_until is not None and lost_at < held.lease_until
             with ServeProcess(database_url, *args, name="B"):
-                final = await wait_for_run(store, run_id, within=30)
+                final = await wait_for_run(store, run_id, within=60)
             proxy.mode = "forward"
             await anyio.sleep(2)
             assert worker_a.process.poll() is None
@@ -406,7 +402,7 @@ async def test_after_a_postgres_restart_workers_register_again_and_takeover_stil
         with (
             ServeProcess(dsn, *args, name="A") as a,
         ):
-            await a.wait_for_log("serving", within=30)
+            await a.wait_for_log("serving", within=60)
             await wait_for_marker(tmp_path, f"*.0.{a.process.pid}.*")  # A holds runs
             with (
                 ServeProcess(dsn, *args, name="B") as b,
@@ -470,7 +466,7 @@ async def test_workers_find_the_embedded_server_again_after_db_stop(port_taken: 
             "10",
         ]
         with ServeProcess(None, *args, name="A", env={"ORCHESTRATOR_HOME": str(home)}) as worker:
-            await worker.wait_for_log("serving", within=30)
+            await worker.wait_for_log("serving", within=60)
             await anyio.sleep(1.0)
             stopped = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
             assert stopped.returncode == 0, stopped.stderr
@@ -506,7 +502,7 @@ async def restart_then_kill_a(
 ) -> None:
     """After a restart, no live worker is judged dead; then A is killed and taken over fast."""
     for worker in (b, c):
-        await worker.wait_for_log("serving", within=30)
+        await worker.wait_for_log("serving", within=60)
     for run_id in run_ids:
         await wait_for_marker(tmp_path, f"{run_id}.0.*")
     await anyio.to_thread.run_sync(server.restart)
@@ -533,12 +529,13 @@ async def restart_then_kill_a(
         for run_id in held_by_a:
             claims = await wait_for(
                 functools.partial(store.events, run_id),
-                lambda events: kinds_by_fence(events, "claimed")[-1:] != [1],
+                lambda events: [e.worker_id for e in events if e.kind == "claimed"][-1:] != ["A"],
                 within=60,
             )
             takeover = [e for e in claims if e.kind == "claimed"][-1]
             assert takeover.worker_id in ("B", "C")
-            assert (takeover.at - killed_at).total_seconds() <= 2.0, takeover
+            # Far sooner than A's 10 s lease (2 s when quiet; a loaded machine is slower).
+            assert (takeover.at - killed_at).total_seconds() < 5.0, takeover
             assert "owner_session_gone" in [e.kind for e in claims]
     finally:
         await pool.close()
@@ -560,7 +557,7 @@ async def test_a_worker_started_while_postgres_is_down_comes_up_with_it() -> Non
         with ServeProcess(
             dsn, *FAST, "--agents", "orchestrator.agents.sleepy", "--start-retry-seconds", "60"
         ) as worker:
-            await worker.wait_for_log("database unavailable at start; retrying", within=30)
+            await worker.wait_for_log("database unavailable at start; retrying", within=60)
             await anyio.to_thread.run_sync(server.ensure_running)
             runs = await wait_all_terminal(settings, run_ids, within=60)
             assert worker.process.poll() is None

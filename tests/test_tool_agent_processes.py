@@ -232,7 +232,7 @@ async def test_runs_show_prints_the_conversation_and_json_gives_it_whole(
         adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}
         run_id = (await store.submit("orders", {"prompt": "show me o-17"})).run.run_id
         async with running_worker(settings, [orders], effect_adapters=adapters, **FAST):
-            await wait_for_run(store, run_id, within=30)
+            await wait_for_run(store, run_id, within=60)
     shown = cli(str(settings.database_url), "runs", "show", run_id)
     assert shown.returncode == 0, shown.stderr
     assert "conversation" in shown.stdout

@@ -160,7 +160,7 @@ async def test_changed_arguments_on_replay_never_consume_the_old_approval(
                 "--json",
             )
             assert approved.returncode == 0, approved.stderr
-            final = await wait_for_run(store, run_id, within=30)
+            final = await wait_for_run(store, run_id, within=60)
     assert final.state is RunState.SUCCEEDED, final.error
     assert [d["payload"]["amount"] for d in vendor.deliveries.values()] == [180]
     assert sorted(vendor.requests_by_key.values()) == [1]
@@ -358,7 +358,7 @@ async def test_a_budget_holds_through_kills_mid_model_call_and_resumes_after_a_t
             before = json.loads(shown.stdout)
             topped = await run_cli(database_url, "runs", "budget", run_id, "--add-turns", "10")
             assert topped.returncode == 0, topped.stderr
-            final = await wait_for_run(store, run_id, within=30)
+            final = await wait_for_run(store, run_id, within=60)
     assert final.state is RunState.SUCCEEDED, final.error
     assert before["spent"]["turns"] == 4 and before["limit"]["turns"] == 4
     kinds = [entry["kind"] for entry in before["ledger"]]
