@@ -250,5 +250,7 @@ async def test_serve_dispatch_lease_setting_bounds_how_long_a_dead_send_waits(
                 ).status is not EffectStatus.CONFIRMED:
                     await anyio.sleep(0.05)
             settled_after = anyio.current_time() - killed_at
-    assert settled_after < 10, settled_after
+    # Judged against the 60 s default it replaces: about 2 s when quiet, but the time includes
+    # starting B, which took up to 30 s on a loaded two-core machine.
+    assert settled_after < 45, settled_after
     assert vendor.requests_by_key == {idempotency_key(run.run_id, effect.key): 1}
