@@ -513,3 +513,27 @@ async def test_a_run_task_that_ends_as_it_starts_is_not_kept() -> None:
     task = tasks.start(body())
     await task
     assert len(tasks) == 0
+
+
+async def test_a_run_task_started_as_its_group_ends_still_runs_its_cleanup() -> None:
+    # The claim loop may start a run (in a shielded section) after the worker's group was
+    # cancelled and before the group's end reached the run tasks: before 3.12 that task has not
+    # taken its first step, and cancelling it then skips its body, its cleanup and `done`.
+    tasks = RunTasks()
+    cleaned: list[bool] = []
+
+    async def body() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cleaned.append(True)
+            tasks.done(task)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(tasks.host)
+            await anyio.sleep(0.05)  # the host is waiting for its group to end
+            group.cancel_scope.cancel()  # the host is woken to end the run tasks ...
+            task = tasks.start(body())  # ... and a run starts before the host has run
+    assert task.done() and cleaned == [True]
+    assert len(tasks) == 0
