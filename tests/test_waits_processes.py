@@ -112,11 +112,10 @@ async def test_a_zombie_with_a_pending_approval_never_sends_a_second_refund(
     assert [d["payload"]["amount"] for d in vendor.deliveries.values()] == [180]
     events = await store.events(run_id)
     a_fences, _ = handed_from_a_to_b(events)
-    [requested] = await approval_requests(store, run_id)
-    # The approval was asked for by the fence that held the run when it parked, not by A.
+    # One approval request, by the fence that held the run when it parked, not by A.
     [asker] = [e for e in events if e.kind == "approval_requested"]
     assert asker.fence == pending.fence == run.fence and asker.worker_id != "A", events
-    assert requested["payload_sha256"] == pending.payload_sha256
+    assert asker.details["payload_sha256"] == pending.payload_sha256
     assert not [e for e in events if e.worker_id == "A" and e.kind in COMMITS], events
     # Every claim A held ended in a lease A itself saw lost, the one it was stopped in included.
     assert [e.fence for e in events if e.kind == "lease_lost" and e.worker_id == "A"] == a_fences
