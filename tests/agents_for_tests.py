@@ -40,10 +40,15 @@ marked = Agent("marked", first=MarkedNap)
 exploding = Agent("exploding", first=Explode)
 
 
+HOLD_SECONDS = 300
+"""Longest a step holds on its hold file: a test that forgets to remove it fails, not hangs."""
+
+
 class AwaitSignal(Step):
     """``inbox``: waits (without a lease) for a ``reply`` signal or ``input["seconds"]``; once
-    it has one, drops a marker, sleeps ``input["work_seconds"]`` (a window to kill the worker in
-    mid-step), then finishes and records a ``crm`` effect keyed by the signal's seq."""
+    it has one, drops a marker, holds while the file ``input["hold_file"]`` exists (so a test
+    kills the worker in mid-step however slow the machine, then lets the replay through), then
+    finishes and records a ``crm`` effect keyed by the signal's seq."""
 
     async def run(self, ctx: StepContext) -> Outcome:
         replies = [signal for signal in ctx.signals if signal.name == "reply"]
@@ -56,7 +61,10 @@ class AwaitSignal(Step):
         marker_dir = ctx.input.get("marker_dir")
         if marker_dir:
             (Path(marker_dir) / f"{ctx.run_id}.{os.getpid()}.{ctx.fence}").touch()
-        await anyio.sleep(float(ctx.input.get("work_seconds", 0)))
+        hold = ctx.input.get("hold_file")
+        with anyio.move_on_after(HOLD_SECONDS):
+            while hold and await anyio.Path(hold).exists():  # noqa: ASYNC110
+                await anyio.sleep(0.05)
         first = replies[0]
         return Finish(
             {"replies": [s.data for s in replies], "fence": ctx.fence},

@@ -9,11 +9,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+
+from orchestrator.models import RunEvent
 
 TESTS_DIR = Path(__file__).parent
 
@@ -117,3 +119,36 @@ class ServeProcess:
         self._reader.join(5)
         if self.process.stderr is not None:
             self.process.stderr.close()
+
+
+COMMITS = ("checkpoint", "succeeded", "failed", "effect_accepted", "approval_requested")
+"""Timeline events that only the run's current fence may write."""
+
+
+def fenced_claims(events: Sequence[RunEvent]) -> list[RunEvent]:
+    """Check one run's timeline against the fencing rules, whatever the scheduling was, and
+    return its claims: every claim raises the fence by one (a cancel raises it too), and every
+    commit carries the fence of the latest claim, never a stale one. How many claims there were
+    depends on the machine (a slow heartbeat can lose a lease), so callers derive from the
+    returned claims what they expect instead of assuming a number."""
+    fence = 0
+    claims = []
+    for event in events:
+        if event.kind == "claimed":
+            assert event.fence == fence + 1, f"claim did not raise fence {fence}: {events}"
+            claims.append(event)
+        elif event.kind in COMMITS:
+            assert event.fence == fence, f"{event.kind} by stale fence {event.fence}: {events}"
+        if event.kind in ("claimed", "cancelled"):
+            fence = event.fence or fence
+    return claims
+
+
+def handed_from_a_to_b(events: list[RunEvent]) -> tuple[list[int | None], RunEvent]:
+    """The fences A claimed and B's first claim, after checking the fencing rules and that the
+    run went from A to B once. A short lease on a loaded machine may be lost and claimed again
+    by the same worker, so the number of claims is not fixed."""
+    claims = fenced_claims(events)
+    owners = [c.worker_id or "" for c in claims]
+    assert owners[0] == "A" and owners[-1] == "B" and owners == sorted(owners), events
+    return [c.fence for c in claims if c.worker_id == "A"], claims[owners.index("B")]

@@ -89,7 +89,7 @@ async def serve(
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     run_id = (await store.submit(agent.name, {"prompt": f"{agent.name} please"})).run.run_id
     async with running_worker(settings, [agent], effect_adapters=adapters, **FAST):
-        await wait_for_run(store, run_id, states=states, within=30)
+        await wait_for_run(store, run_id, states=states, within=60)
     return run_id
 
 
@@ -159,8 +159,8 @@ async def test_a_refund_under_the_threshold_needs_no_approval_and_a_denied_one_i
         adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}
         run_id = (await store.submit("refunder", {"prompt": "two refunds"})).run.run_id
         async with running_worker(settings, [agent], effect_adapters=adapters, **FAST):
-            await wait_for_run(store, run_id, states={RunState.WAITING}, within=20)
-            with anyio.fail_after(10):
+            await wait_for_run(store, run_id, states={RunState.WAITING}, within=60)
+            with anyio.fail_after(60):
                 while vendor.requests < 1:  # noqa: ASYNC110
                     await anyio.sleep(0.05)
             [pending] = await ApprovalStore(store.pool).pending(run_id=run_id)
@@ -168,7 +168,7 @@ async def test_a_refund_under_the_threshold_needs_no_approval_and_a_denied_one_i
             await ApprovalStore(store.pool).decide(
                 run_id, pending.effect_key, Decision.DENIED, by="ana", note="over the limit"
             )
-            run = await wait_for_run(store, run_id, within=20)
+            run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.SUCCEEDED, run.error
     assert [d["payload"]["amount"] for d in vendor.deliveries.values()] == [20]
     told = [json.loads(m.body["content"]) for m in await store.messages(run_id) if m.role == "tool"]

@@ -156,7 +156,7 @@ class Console:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(15)
+            return self.process.wait(60)
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait(5)
@@ -219,14 +219,14 @@ async def test_the_sigstop_story_reads_as_two_attempts_one_refusal_one_send_each
             ).run.run_id
             other = (await store.submit("sleepy", {"steps": 1})).run.run_id  # filtered out
             with ServeProcess(database_url, *args, name="A") as worker_a:
-                with anyio.fail_after(20):
+                with anyio.fail_after(60):
                     while not await events_of(store, run_id, "claimed"):  # noqa: ASYNC110
                         await anyio.sleep(0.02)
                 worker_a.signal(signal.SIGSTOP)
                 with ServeProcess(database_url, *args, name="B"):
                     final = await wait_for_run(store, run_id, within=40)
                 worker_a.signal(signal.SIGCONT)
-                with anyio.fail_after(15):
+                with anyio.fail_after(60):
                     while not await events_of(store, run_id, "lease_lost"):  # noqa: ASYNC110
                         await anyio.sleep(0.05)
             async with pool.acquire() as db:  # A, stale, asks anyway
@@ -323,7 +323,7 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             console(database_url, tmp_path, token=TOKEN) as running,
         ):
             for run_id in (approved_id, denied_id):
-                await wait_for_run(store, run_id, states={RunState.WAITING}, within=30)
+                await wait_for_run(store, run_id, states={RunState.WAITING}, within=60)
             page = await browser.new_page()
             await page.goto(f"{running.url}/attention")
             await expect(page.locator("#mode")).to_have_text("not signed in")
@@ -366,13 +366,13 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
             await row.locator("input[name=note]").first.fill("checked the order")
             await row.get_by_role("button", name="approve").click()
             await expect(page.locator("#flash")).to_contain_text("approved")
-            approved = await wait_for_run(store, approved_id, within=30)
+            approved = await wait_for_run(store, approved_id, within=60)
 
             row = page.locator(f"tr.effect:has(a:text('{denied_id}'))")
             await row.locator("form.deny-form input[name=note]").fill("not eligible")
             await row.get_by_role("button", name="deny").click()
             await expect(page.locator("#flash")).to_contain_text("denied")
-            denied = await wait_for_run(store, denied_id, within=30)
+            denied = await wait_for_run(store, denied_id, within=60)
 
             await page.goto(f"{running.url}/runs/{approved_id}")
             granted = page.locator("#timeline tr.kind-approval_granted")
@@ -421,7 +421,7 @@ async def test_the_live_run_page_follows_the_run_until_it_ends(
             running_worker(settings, [refunds], effect_adapters=adapters, **FAST),
             console(database_url, tmp_path, token=TOKEN) as running,
         ):
-            await wait_for_run(store, run_id, states={RunState.WAITING}, within=30)
+            await wait_for_run(store, run_id, states={RunState.WAITING}, within=60)
             page = await browser.new_page()
             await page.goto(f"{running.url}/runs/{run_id}")
             await expect(page.locator("#run-state")).to_have_text("waiting")

@@ -110,7 +110,7 @@ async def test_replay_reconciliation_resends_with_the_same_key(
             group.start_soon(
                 dispatch_until, pool, dispatcher_adapters, run_id, CRM.key, {EffectStatus.CONFIRMED}
             )
-            with anyio.fail_after(10):
+            with anyio.fail_after(60):
                 while vendor.requests < 1:  # noqa: ASYNC110 - vendor state, polled
                     await anyio.sleep(0.02)
             vendor.mode = "ok"
@@ -152,7 +152,7 @@ async def test_busy_vendor_is_retried_and_a_rejection_fails(
             group.start_soon(
                 dispatch_until, pool, http(vendor), busy_run, CRM.key, {EffectStatus.CONFIRMED}
             )
-            with anyio.fail_after(10):
+            with anyio.fail_after(60):
                 while vendor.requests < 2:  # noqa: ASYNC110 - vendor state, polled
                     await anyio.sleep(0.02)
             vendor.mode = "ok"
@@ -211,7 +211,7 @@ async def test_a_late_answer_to_the_recheck_sends_nothing_once_the_lease_may_hav
     async with LocalVendor() as vendor:
         slow = Dispatcher(pool, http(vendor), dispatcher_id="slow", lease_seconds=1)
         monkeypatch.setattr(slow.store, "may_dispatch", late)
-        with anyio.fail_after(10):
+        with anyio.fail_after(60):
             await slow_dispatch_once(slow)
         assert vendor.requests == 0
         record = await dispatch_until(pool, http(vendor), run_id, CRM.key, {EffectStatus.CONFIRMED})

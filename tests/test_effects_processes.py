@@ -17,7 +17,7 @@ from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.testing import LocalVendor, SmtpSink, wait_for_run
-from support import ServeProcess
+from support import ServeProcess, fenced_claims
 
 pytestmark = pytest.mark.slow
 AGENT = ["--agents", "orchestrator.agents.contract_notice", "--poll-seconds", "0.2"]
@@ -74,34 +74,45 @@ async def test_stale_worker_wakes_up_and_the_vendors_see_one_request_each(
                 await store.submit("contract_notice", {"customer": "ACME", "think_seconds": 3})
             ).run.run_id
             with ServeProcess(database_url, *args, name="A") as worker_a:
-                with anyio.fail_after(20):
+                with anyio.fail_after(60):
                     while not await events_of(store, run_id, "claimed"):  # noqa: ASYNC110
                         await anyio.sleep(0.02)
                 worker_a.signal(signal.SIGSTOP)
                 with ServeProcess(database_url, *args, name="B"):
                     final = await wait_for_run(store, run_id, within=40)
                 worker_a.signal(signal.SIGCONT)
-                with anyio.fail_after(15):
+                with anyio.fail_after(60):
                     while not await events_of(store, run_id, "lease_lost"):  # noqa: ASYNC110
                         await anyio.sleep(0.05)
                 await anyio.sleep(1)
+            # A loaded machine may add claims (a starved heartbeat loses a lease): the fences
+            # expected are read from the timeline.
+            claims = fenced_claims(await store.events(run_id))
+            a_fence = max(c.fence or 0 for c in claims if c.worker_id == "A")
             # A stale worker that still holds credentials and a live connection asks anyway:
             async with pool.acquire() as db:
                 stale = await EffectStore(pool).accept(
-                    db, run_id, 1, Effect("notice-email", "email", {"to": "x@y.z"}), worker_id="A"
+                    db,
+                    run_id,
+                    a_fence,
+                    Effect("notice-email", "email", {"to": "x@y.z"}),
+                    worker_id="A",
                 )
     assert final.state is RunState.SUCCEEDED, final.error
-    assert final.result is not None and final.result["drafted_by_fence"] == 2
-    assert (stale.outcome, stale.accepted_fence) == ("stale", 2)
+    assert claims[0].worker_id == "A" and claims[-1].worker_id == "B"
+    assert claims[-1].fence == final.fence and final.result is not None
+    drafted = final.result["drafted_by_fence"]
+    assert drafted in [c.fence for c in claims if c.worker_id == "B"], claims
+    assert (stale.outcome, stale.accepted_fence) == ("stale", final.fence)
     assert len(sink.messages) == 1
     assert vendor.requests == 1 and len(vendor.deliveries) == 1
     effects = await EffectStore(pool).list_effects(run_id=run_id)
     assert {(e.effect_key, e.fence, e.status) for e in effects} == {
-        ("notice-email", 2, EffectStatus.CONFIRMED),
-        ("crm-status", 2, EffectStatus.CONFIRMED),
+        ("notice-email", drafted, EffectStatus.CONFIRMED),
+        ("crm-status", drafted, EffectStatus.CONFIRMED),
     }
-    assert await events_of(store, run_id, "lease_lost") == [("A", 1)]
-    assert ("A", 1) in await events_of(store, run_id, "stale_fence_rejected")
+    assert ("A", a_fence) in await events_of(store, run_id, "lease_lost")
+    assert ("A", a_fence) in await events_of(store, run_id, "stale_fence_rejected")
 
 
 async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled(
@@ -134,26 +145,26 @@ async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled
         env = {"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""}
         first = start(command, env)
         try:
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while not vendor.deliveries:  # noqa: ASYNC110 - vendor state, polled
                     await anyio.sleep(0.02)
         finally:
             first.kill()
-            first.wait(10)
+            first.wait(60)
         assert (await EffectStore(pool).get(run.run_id, effect.key)).status is (
             EffectStatus.DISPATCHING
         )
         vendor.mode = "ok"
         second = start(command, env)
         try:
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while (  # noqa: ASYNC110 - database state, polled
                     await EffectStore(pool).get(run.run_id, effect.key)
                 ).status is not EffectStatus.CONFIRMED:
                     await anyio.sleep(0.05)
         finally:
             second.send_signal(signal.SIGTERM)
-            assert second.wait(15) == 0
+            assert second.wait(60) == 0
     assert vendor.requests == 1  # the replacement looked it up; it never sent again
     assert len(vendor.deliveries) == 1
     record = await EffectStore(pool).get(run.run_id, effect.key)
@@ -179,13 +190,13 @@ async def test_one_email_per_run_through_worker_crashes_and_reclaims(
             # requested the effects (its worker does not dispatch, so they are still pending).
             mid_step = (await store.submit("contract_notice", {"think_seconds": 2})).run.run_id
             with ServeProcess(database_url, *base, "--no-dispatch", name="A") as worker_a:
-                with anyio.fail_after(20):
+                with anyio.fail_after(60):
                     while not await events_of(store, mid_step, "claimed"):  # noqa: ASYNC110
                         await anyio.sleep(0.02)
                 worker_a.kill()
             committed = (await store.submit("contract_notice", {"think_seconds": 0})).run.run_id
             with ServeProcess(database_url, *base, "--no-dispatch", name="C") as worker_c:
-                with anyio.fail_after(20):
+                with anyio.fail_after(60):
                     while not await events_of(store, committed, "effect_accepted"):  # noqa: ASYNC110
                         await anyio.sleep(0.02)
                 worker_c.kill()
@@ -226,18 +237,20 @@ async def test_serve_dispatch_lease_setting_bounds_how_long_a_dead_send_waits(
             "2",
         ]
         with ServeProcess(database_url, *args, name="A") as worker_a:
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while not vendor.deliveries:  # noqa: ASYNC110 - vendor state, polled
                     await anyio.sleep(0.02)
             worker_a.kill()
         killed_at = anyio.current_time()
         vendor.mode = "ok"
         with ServeProcess(database_url, *args, name="B"):
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while (  # noqa: ASYNC110 - database state, polled
                     await EffectStore(pool).get(run.run_id, effect.key)
                 ).status is not EffectStatus.CONFIRMED:
                     await anyio.sleep(0.05)
             settled_after = anyio.current_time() - killed_at
-    assert settled_after < 10, settled_after
+    # Judged against the 60 s default it replaces: about 2 s when quiet, but the time includes
+    # starting B, which took up to 30 s on a loaded two-core machine.
+    assert settled_after < 45, settled_after
     assert vendor.requests_by_key == {idempotency_key(run.run_id, effect.key): 1}

@@ -78,7 +78,7 @@ async def running_proxy(
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=10) as client:
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while True:
                     try:
                         if (await client.get("/healthz")).status_code == 200:
@@ -89,7 +89,7 @@ async def running_proxy(
             yield client
     finally:
         process.terminate()
-        process.wait(10)
+        process.wait(60)
 
 
 async def test_tokens_come_from_a_file_kept_off_the_command_line(
@@ -295,7 +295,7 @@ async def test_the_proxy_serves_metrics_and_readiness(database_url: str) -> None
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{metrics_port}") as client:
             ready = None
-            with anyio.fail_after(20):
+            with anyio.fail_after(60):
                 while ready is None or ready.status_code != 200:
                     try:
                         ready = await client.get("/ready")
@@ -320,4 +320,4 @@ async def test_the_proxy_serves_metrics_and_readiness(database_url: str) -> None
             }
     finally:
         process.terminate()  # uvicorn ends on SIGTERM by re-raising it: no exit status to check
-        process.wait(10)
+        process.wait(60)

@@ -53,13 +53,13 @@ async def final_commit_held(pool: asyncpg.Pool, run_id: str) -> AsyncIterator[in
     """Lock the run's row, cue its step to finish, and yield once the final commit waits for
     the lock (the pid of the backend running it). The lock goes when the block ends."""
     assert FinishOnCue.started is not None and FinishOnCue.cue is not None
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         await FinishOnCue.started.wait()
     async with pool.acquire() as connection, connection.transaction():
         await connection.execute("SELECT 1 FROM runs WHERE run_id = $1 FOR UPDATE", run_id)
         FinishOnCue.cue.set()
         pid = None
-        with anyio.fail_after(10):
+        with anyio.fail_after(60):
             while pid is None:
                 pid = await pool.fetchval(FINISH_WAITING_FOR_A_LOCK)
                 await anyio.sleep(0.01)
@@ -78,7 +78,7 @@ async def test_the_database_answer_decides_how_a_run_ended(
             worker.active[run_id].handle.lose("test: lost locally during the final commit")
             await anyio.sleep(0.2)
             assert run_id in worker.active  # the answer is not in yet
-        await eventually(lambda: run_id not in worker.active, within=10)
+        await eventually(lambda: run_id not in worker.active, within=60)
         assert worker.counters.finished == {"succeeded": 1}
         assert len(worker.run_tasks) == 0
     run = await store.get(run_id)
@@ -98,7 +98,7 @@ async def test_a_final_commit_with_an_unknown_outcome_ends_the_run_lost(
     async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
         async with final_commit_held(pool, run_id) as pid:
             assert await pool.fetchval("SELECT pg_terminate_backend($1)", pid)
-            await eventually(lambda: run_id not in worker.active, within=10)
+            await eventually(lambda: run_id not in worker.active, within=60)
         assert worker.counters.finished == {"lost": 1}
     run = await store.get(run_id)
     assert run.state is RunState.RUNNING  # left to expire, or to be taken over
@@ -136,7 +136,7 @@ async def test_a_failing_answer_handler_does_not_keep_other_runs_from_theirs(
     def broken(answer: object) -> None:
         raise RuntimeError("a bug in one run's bookkeeping")
 
-    with anyio.fail_after(10):
+    with anyio.fail_after(60):
         async with anyio.create_task_group() as group:
             group.start_soon(committer.run)
             committer.finish(RunFinish(first.lease, 0, RunState.SUCCEEDED, {"n": 1}), broken)
@@ -144,7 +144,7 @@ async def test_a_failing_answer_handler_does_not_keep_other_runs_from_theirs(
                 RunFinish(second.lease, 0, RunState.SUCCEEDED, {"n": 2}),
                 lambda answer: answers.setdefault(second.run_id, answer),
             )
-            await eventually(lambda: second.run_id in answers, within=10)
+            await eventually(lambda: second.run_id in answers, within=60)
             group.cancel_scope.cancel()
     assert answers == {second.run_id: True}
     for claimed in (first, second):

@@ -54,7 +54,7 @@ async def test_a_batch_with_a_refused_effect_commits_every_other_run_once(
         except EffectRefused as error:
             step_answer.append(error)
 
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with anyio.create_task_group() as group:
             for run in ordinary:
                 committer.finish(
@@ -69,7 +69,7 @@ async def test_a_batch_with_a_refused_effect_commits_every_other_run_once(
             group.start_soon(commit_step)
             await anyio.sleep(0.05)  # all of them queued: one batch
             group.start_soon(committer.run)
-            await eventually(lambda: len(answers) == 26 and bool(step_answer), within=15)
+            await eventually(lambda: len(answers) == 26 and bool(step_answer), within=60)
             group.cancel_scope.cancel()
 
     for run in [*ordinary, *with_effects]:
@@ -130,11 +130,11 @@ async def test_finish_with_an_effect_commits_and_the_vendor_gets_it_once(
             **FAST,
         ):
             for run_id in [*noted, *plain, bad]:
-                await wait_for_run(store, run_id, within=30)
+                await wait_for_run(store, run_id, within=60)
             boundary = EffectStore(store.pool)
             for run_id in noted:
                 record = await boundary.get(run_id, "final-note")
-                with anyio.fail_after(15):
+                with anyio.fail_after(60):
                     while not record.status.settled:
                         await anyio.sleep(0.05)
                         record = await boundary.get(run_id, "final-note")

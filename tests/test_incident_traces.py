@@ -161,7 +161,7 @@ async def test_the_stale_worker_story_in_traces_and_metrics(
                 ):
                     run = await wait_for_run(store, run_id, within=40)
                     RELEASE.set()  # A wakes up, believing it still owns the run
-                    with anyio.fail_after(20):
+                    with anyio.fail_after(60):
                         while "lease_lost" not in await kinds_of(store, run_id):  # noqa: ASYNC110
                             await anyio.sleep(0.05)
             finally:

@@ -117,7 +117,7 @@ async def test_the_timeout_applies_and_the_client_does_not_retry_it(
             await chat(MESSAGES)
         elapsed = time.monotonic() - started
     assert server.attempts == 1
-    assert elapsed < 2
+    assert elapsed < 4  # cut off at the timeout, not after the server's 5 s answer
 
 
 async def test_a_server_error_is_not_retried_by_the_client(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,9 +99,9 @@ async def test_metrics_are_scraped_and_readiness_follows_the_database() -> None:
             "0.2",
             name="metrics-worker",
         ) as worker:
-            await wait_all_terminal(settings, done, within=30)
-            await until_status(f"{base}/ready", 200, within=30)
-            text = await until_status(f"{base}/metrics", 200, within=10)
+            await wait_all_terminal(settings, done, within=60)
+            await until_status(f"{base}/ready", 200, within=60)
+            text = await until_status(f"{base}/metrics", 200, within=60)
             claims = samples(text, "orchestrator_claims_total")
             assert sum(claims.values()) == 5 and all('agent="noop"' in k for k in claims)
             finished = samples(text, "orchestrator_runs_finished_total")
@@ -124,11 +124,11 @@ async def test_metrics_are_scraped_and_readiness_follows_the_database() -> None:
             assert (await anyio.to_thread.run_sync(get, f"{base}/nothing"))[0] == 404
 
             await anyio.to_thread.run_sync(lambda: server.stop(mode="fast"))
-            down = json.loads(await until_status(f"{base}/ready", 503, within=20))
+            down = json.loads(await until_status(f"{base}/ready", 503, within=60))
             assert down["ready"] is False and "database" in down["reason"]
             assert (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[0] == 200
             await anyio.to_thread.run_sync(server.ensure_running)
-            up = json.loads(await until_status(f"{base}/ready", 200, within=30))
+            up = json.loads(await until_status(f"{base}/ready", 200, within=60))
             assert up == {"ready": True, "reason": "ready"}
             assert worker.process.poll() is None
     finally:
@@ -208,7 +208,7 @@ async def test_the_dispatcher_counts_outcomes_and_people_waiting(
         )
         try:
             base = f"http://127.0.0.1:{port}"
-            await until_status(f"{base}/ready", 200, within=30)
+            await until_status(f"{base}/ready", 200, within=60)
             for _ in range(80):
                 text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
                 outcomes = samples(text, "orchestrator_effects_outcomes_total")
@@ -228,5 +228,5 @@ async def test_the_dispatcher_counts_outcomes_and_people_waiting(
             assert samples(text, "orchestrator_effects_send_duration_seconds_count")
         finally:
             dispatcher.send_signal(signal.SIGTERM)
-            assert dispatcher.wait(15) == 0
+            assert dispatcher.wait(60) == 0
     assert len(vendor.deliveries) == 1

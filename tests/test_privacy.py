@@ -58,7 +58,7 @@ async def run_with_canaries(
             await store.submit("private", {"prompt": f"Where is my order? {CANARY}-input"})
         ).run.run_id
         async with running_worker(settings, [private], effect_adapters=adapters, **FAST):
-            run = await wait_for_run(store, run_id, within=30)
+            run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.SUCCEEDED, run.error
     return run, model, vendor
 

@@ -157,7 +157,7 @@ async def test_a_broken_step_is_retried_then_dead_lettered(
     agent = Agent("broken", first=step)
     async with running_worker(settings, [agent], **FAST):
         run_id = (await store.submit("broken", {}, max_attempts=2)).run.run_id
-        run = await wait_for_run(store, run_id, within=30)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.DEAD
     assert run.error is not None and run.error["type"] in ("TypeError", "LookupError")
     assert "Traceback" in run.error["traceback"]
@@ -171,7 +171,7 @@ async def test_an_exception_is_retried_with_the_checkpoint_intact(
     agent = Agent("flaky", first=Flaky, steps=[Finisher])
     async with running_worker(settings, [agent], **FAST):
         run_id = (await store.submit("flaky", {})).run.run_id
-        run = await wait_for_run(store, run_id, within=30)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.SUCCEEDED
     assert run.result == {"recovered_on": 2}
     events = await store.events(run_id)
@@ -184,7 +184,7 @@ async def test_cancel_during_a_step_stops_it_and_commits_nothing(
 ) -> None:
     async with running_worker(settings, [sleepy], **FAST) as worker:
         run_id = (await store.submit("sleepy", {"steps": 3, "seconds": 2})).run.run_id
-        await eventually(lambda: run_id in worker.active, within=10)
+        await eventually(lambda: run_id in worker.active, within=60)
         await store.cancel(run_id)
         started = anyio.current_time()
         await eventually(lambda: run_id not in worker.active, within=FAST["heartbeat_seconds"])
@@ -209,7 +209,7 @@ async def test_a_worker_listens_for_cancels_before_it_claims(
     async with running_worker(
         settings, [sleepy], worker_id="w-listens", grace_seconds=0.1, **options
     ) as worker:
-        await eventually(lambda: run_id in worker.active, within=10)
+        await eventually(lambda: run_id in worker.active, within=60)
         # With a 30 s poll the listener's last statement is still its last LISTEN.
         listening = await store.pool.fetchrow(
             "SELECT query, query_start FROM pg_stat_activity WHERE application_name = $1",
@@ -223,7 +223,7 @@ async def test_a_worker_listens_for_cancels_before_it_claims(
 async def test_graceful_stop_releases_unfinished_runs(settings: Settings, store: RunStore) -> None:
     async with running_worker(settings, [sleepy], grace_seconds=0.2, **FAST) as worker:
         run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 30})).run.run_id
-        await eventually(lambda: run_id in worker.active, within=10)
+        await eventually(lambda: run_id in worker.active, within=60)
     run = await store.get(run_id)
     assert (run.state, run.fence, run.attempt, run.lease_owner) == (RunState.QUEUED, 1, 0, None)
     assert [e.kind for e in await store.events(run_id)][-1] == "released"
@@ -249,7 +249,9 @@ async def test_guard_cancels_at_the_local_deadline_without_a_confirmed_renewal()
     elapsed = anyio.current_time() - now
     assert scope.cancelled_caught
     assert handle.lost_reason == "no confirmed renewal before the local deadline"
-    assert elapsed == pytest.approx(1.0 - safety_margin(1.0), abs=0.15)
+    # Never before the deadline; after it only by how late a loaded machine runs the loop.
+    deadline = 1.0 - safety_margin(1.0)
+    assert deadline <= elapsed < deadline + 2
 
 
 async def test_guard_follows_confirmed_renewals_and_cancels_on_loss() -> None:
@@ -419,10 +421,10 @@ async def test_a_step_that_swallows_its_cancellation_commits_nothing_after_a_loc
     agent = Agent("swallower", first=SwallowsCancellation)
     run_id = (await store.submit("swallower", {})).run.run_id
     async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
-        with anyio.fail_after(10):
+        with anyio.fail_after(60):
             await SwallowsCancellation.started.wait()
         worker.active[run_id].handle.lose("test: ownership lost locally")
-        await eventually(lambda: run_id not in worker.active, within=10)
+        await eventually(lambda: run_id not in worker.active, within=60)
         assert worker.counters.finished == {"lost": 1}
     run = await store.get(run_id)
     assert run.checkpoint_version == 0
@@ -451,11 +453,11 @@ async def test_a_worker_cancelled_as_a_whole_still_ends_its_run_tasks(
     # The run scope takes back only its own cancellation; the worker's must go through.
     run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 30})).run.run_id
     supervisor = Worker(settings, WorkerConfig(agents=AgentRegistry([sleepy]), **FAST))
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with anyio.create_task_group() as group:
             group.start_soon(supervisor.run)
             await supervisor.ready.wait()
-            await eventually(lambda: run_id in supervisor.active, within=10)
+            await eventually(lambda: run_id in supervisor.active, within=60)
             group.cancel_scope.cancel()
     assert len(supervisor.run_tasks) == 0
     assert supervisor.active == {}
@@ -483,11 +485,11 @@ async def test_a_refused_commit_ends_the_run_lost_and_records_it(
     agent = Agent("napper", first=NapThenNext)
     run_id = (await store.submit("napper", {})).run.run_id
     async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
-        with anyio.fail_after(10):
+        with anyio.fail_after(60):
             await NapThenNext.started.wait()
         # Another claimer's fence, without the NOTIFY a cancel sends: only the commit finds out.
         await pool.execute("UPDATE runs SET fence = fence + 1 WHERE run_id = $1", run_id)
-        await eventually(lambda: run_id not in worker.active, within=10)
+        await eventually(lambda: run_id not in worker.active, within=60)
         assert worker.counters.finished == {"lost": 1}
     events = await store.events(run_id)
     lost = [event for event in events if event.kind == "lease_lost"]
@@ -523,4 +525,28 @@ async def test_a_run_task_that_ends_as_it_starts_is_not_kept() -> None:
 
     task = tasks.start(body())
     await task
+    assert len(tasks) == 0
+
+
+async def test_a_run_task_started_as_its_group_ends_still_runs_its_cleanup() -> None:
+    # The claim loop may start a run (in a shielded section) after the worker's group was
+    # cancelled and before the group's end reached the run tasks: before 3.12 that task has not
+    # taken its first step, and cancelling it then skips its body, its cleanup and `done`.
+    tasks = RunTasks()
+    cleaned: list[bool] = []
+
+    async def body() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cleaned.append(True)
+            tasks.done(task)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(tasks.host)
+            await anyio.sleep(0.05)  # the host is waiting for its group to end
+            group.cancel_scope.cancel()  # the host is woken to end the run tasks ...
+            task = tasks.start(body())  # ... and a run starts before the host has run
+    assert task.done() and cleaned == [True]
     assert len(tasks) == 0

@@ -38,7 +38,7 @@ async def test_contract_summary_emails_once_and_updates_the_crm(
             async with running_worker(
                 settings, [contract_summary], effect_adapters=adapters, **FAST
             ):
-                run = await wait_for_run(store, run_id, within=30)
+                run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.SUCCEEDED, run.error
     assert run.result is not None and "ACME Corp and Northwind" in run.result["output"]
     assert [str(m["To"]) for m in sink.messages] == ["legal@acme.test"]
@@ -67,7 +67,7 @@ async def test_support_opens_a_ticket_and_replies_quoting_its_id(
                 )
             ).run.run_id
             async with running_worker(settings, [support], effect_adapters=adapters, **FAST):
-                run = await wait_for_run(store, run_id, within=30)
+                run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.SUCCEEDED, run.error
     assert sorted(tickets.requests_by_key.values()) == [1]
     ticket_id = next(iter(tickets.deliveries.values()))["id"]

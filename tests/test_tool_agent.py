@@ -50,7 +50,7 @@ async def serve_one(
         async with running_worker(
             settings, [agent], effect_adapters=adapters, **{**FAST, **options}
         ):
-            await wait_for_run(store, run_id, within=30)
+            await wait_for_run(store, run_id, within=60)
     return run_id, vendor
 
 
@@ -356,7 +356,7 @@ async def test_a_message_over_the_size_limit_is_refused_with_a_clear_error(
         monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
         run_id = (await store.submit("oversized", {"p": 1}, max_attempts=1)).run.run_id
         async with running_worker(settings, [agent], **FAST):
-            run = await wait_for_run(store, run_id, within=30)
+            run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.DEAD and run.error is not None
     assert "the tool message of turn 0 is" in run.error["message"]
     assert "over the 262,144-byte limit" in run.error["message"]

@@ -21,7 +21,7 @@ from orchestrator.loopback import FaultProxy, LocalVendor, ScriptedModelServer, 
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
-from support import ServeProcess
+from support import ServeProcess, fenced_claims
 from test_runtime import FAST, eventually
 from tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
 
@@ -85,7 +85,7 @@ async def test_killed_between_the_model_answer_and_the_commit_the_replayed_turn_
             a.kill()
         with ServeProcess(database_url, *args, name="B", env=env):
             final = await wait_for_run(store, run_id, within=40)
-            await until(lambda: len(vendor.requests_by_key) == 1, within=20)
+            await until(lambda: len(vendor.requests_by_key) == 1, within=60)
     assert final.state is RunState.SUCCEEDED, final.error
     rows = await effect_rows(store, run_id)
     assert [(key, payload) for key, payload, _ in rows] == [
@@ -150,21 +150,28 @@ async def test_a_paused_owner_resumes_after_a_replacement_and_its_stale_fence_is
             with ServeProcess(database_url, *args, name="B", env=model_env(model)):
                 final = await wait_for_run(store, run_id, within=40)
             a.signal(signal.SIGCONT)
-            await until(lambda: bool(a.events("lease lost")), within=20)
+            await until(lambda: bool(a.events("lease lost")), within=60)
             await anyio.sleep(1)
         # A still holds credentials and a live connection: its request is refused at the boundary.
+        # A loaded machine may add claims (a starved heartbeat loses a lease): the fences
+        # expected are read from the timeline.
+        claims = fenced_claims(await store.events(run_id))
+        a_fence = max(c.fence or 0 for c in claims if c.worker_id == "A")
         async with store.pool.acquire() as db:
             stale = await EffectStore(store.pool).accept(
-                db, run_id, 1, Effect("late-note", "crm", {"note": "late"}), worker_id="A"
+                db, run_id, a_fence, Effect("late-note", "crm", {"note": "late"}), worker_id="A"
             )
     assert final.state is RunState.SUCCEEDED, final.error
-    assert (stale.outcome, stale.accepted_fence) == ("stale", 2)
+    assert (stale.outcome, stale.accepted_fence) == ("stale", final.fence)
     assert sorted(vendor.requests_by_key.values()) == [1]  # one request per tool call
     events = await store.events(run_id)
-    claims = [(e.worker_id, e.fence) for e in events if e.kind == "claimed"]
-    assert claims == [("A", 1), ("B", 2)]
-    assert ("A", 1) in [(e.worker_id, e.fence) for e in events if e.kind == "stale_fence_rejected"]
-    assert [e.worker_id for e in events if e.kind == "lease_lost"] == ["A"]
+    assert claims[0].worker_id == "A" and claims[-1].worker_id == "B"
+    assert claims[-1].fence == final.fence and claims == fenced_claims(events)
+    assert ("A", a_fence) in [
+        (e.worker_id, e.fence) for e in events if e.kind == "stale_fence_rejected"
+    ]
+    a_lost = [e.fence for e in events if e.kind == "lease_lost" and e.worker_id == "A"]
+    assert a_fence in a_lost, events
 
 
 async def test_a_model_call_outlasting_the_lease_while_renewals_are_blocked_commits_nothing(
@@ -190,17 +197,19 @@ async def test_a_model_call_outlasting_the_lease_while_renewals_are_blocked_comm
         async with running_worker(proxied, [orders], effect_adapters=adapters, **options):
             await until(lambda: any(r["turn"] == 1 for r in model.requests))
             proxy.mode = "blackhole"  # renewals (and every other statement) get no answer
-            await until(lambda: model.disconnects == 1, within=10)
+            await until(lambda: model.disconnects == 1, within=60)
             proxy.mode = "forward"
             final = await wait_for_run(store, run_id, within=40)
-            await until(lambda: len(vendor.requests_by_key) == 1, within=20)
+            await until(lambda: len(vendor.requests_by_key) == 1, within=60)
     assert final.state is RunState.SUCCEEDED, final.error
     events = await store.events(run_id)
-    first_turn_commits = [e for e in events if e.kind == "checkpoint" and e.fence == 1]
-    assert len(first_turn_commits) == 1  # turn 0 only: the stalled turn 1 committed nothing
+    fenced_claims(events)  # nothing committed by a fence after it was lost
+    # The blackhole outlasts the lease, so a lease was lost; a loaded machine may lose more,
+    # so the fences are read from the timeline.
+    lost = [e.fence or 0 for e in events if e.kind == "lease_lost"]
+    assert lost, events
     rows = await effect_rows(store, run_id)
-    assert len(rows) == 1 and rows[0][2] == 2  # the effect was requested by the new claim
-    assert "lease_lost" in [e.kind for e in events]
+    assert len(rows) == 1 and rows[0][2] > min(lost)  # requested by a claim after the stall
     record = await EffectStore(store.pool).get(run_id, rows[0][0])
     assert record.status is EffectStatus.CONFIRMED
     # The stalled turn is in the trace, labelled as never committed.
@@ -209,7 +218,8 @@ async def test_a_model_call_outlasting_the_lease_while_renewals_are_blocked_comm
         for s in exporter.get_finished_spans()
         if s.name == "invoke_agent orders" and s.attributes["orchestrator.run.id"] == run_id
     ]
-    assert (1, False) in turns_ and (2, True) in turns_, turns_
+    assert any((fence, False) in turns_ for fence in lost), turns_
+    assert (rows[0][2], True) in turns_, turns_
 
 
 async def test_runs_show_prints_the_conversation_and_json_gives_it_whole(
@@ -222,7 +232,7 @@ async def test_runs_show_prints_the_conversation_and_json_gives_it_whole(
         adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}
         run_id = (await store.submit("orders", {"prompt": "show me o-17"})).run.run_id
         async with running_worker(settings, [orders], effect_adapters=adapters, **FAST):
-            await wait_for_run(store, run_id, within=30)
+            await wait_for_run(store, run_id, within=60)
     shown = cli(str(settings.database_url), "runs", "show", run_id)
     assert shown.returncode == 0, shown.stderr
     assert "conversation" in shown.stdout

@@ -109,7 +109,7 @@ def crm(vendor: LocalVendor, kind: str = "crm") -> HttpAdapter:
 
 
 async def parked(store: RunStore, run_id: str) -> None:
-    run = await wait_for_run(store, run_id, states={RunState.WAITING}, within=10)
+    run = await wait_for_run(store, run_id, states={RunState.WAITING}, within=60)
     assert run.wait is not None
     assert (run.lease_owner, run.lease_until) == (None, None)
 
@@ -179,7 +179,7 @@ async def test_a_wait_with_a_deadline_resumes_with_a_timeout_it_can_see(
 ) -> None:
     async with running_worker(settings, [replies], **FAST):
         run_id = (await store.submit("replies", {"seconds": 0.5})).run.run_id
-        run = await wait_for_run(store, run_id, within=10)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.result == {"timed_out": True, "fence": 2}
 
 
@@ -188,7 +188,7 @@ async def test_a_timer_fires_within_a_poll_interval_of_its_time(
 ) -> None:
     async with running_worker(settings, [sleeper], **FAST):
         run_id = (await store.submit("sleeper", {"seconds": 1.0})).run.run_id
-        run = await wait_for_run(store, run_id, within=10)
+        run = await wait_for_run(store, run_id, within=60)
     woke = datetime.fromisoformat(run.result["woke_at"])
     due = datetime.fromisoformat(run.result["until"])
     assert timedelta(0) <= woke - due < timedelta(seconds=FAST["poll_seconds"] + 0.4)
@@ -201,7 +201,7 @@ async def test_a_scheduled_run_starts_at_its_time(settings: Settings, store: Run
         async with running_worker(settings, [sleeper], **FAST):
             await anyio.sleep(0.5)
             assert (await client.get(run.run_id)).state is RunState.QUEUED
-            done = await client.wait(run.run_id, within=10)
+            done = await client.wait(run.run_id, within=60)
     claimed = next(e for e in await store.events(run.run_id) if e.kind == "claimed")
     assert claimed.at >= run.available_at
     assert done.state is RunState.SUCCEEDED
@@ -213,7 +213,7 @@ async def test_waiting_runs_do_not_hold_worker_slots(settings: Settings, store: 
         for run_id in waiting:
             await parked(store, run_id)
         other = (await store.submit("sleeper", {"seconds": 0.01})).run.run_id
-        assert (await wait_for_run(store, other, within=10)).state is RunState.SUCCEEDED
+        assert (await wait_for_run(store, other, within=60)).state is RunState.SUCCEEDED
 
 
 # -- effects and approvals ------------------------------------------------------------------
@@ -225,7 +225,7 @@ async def test_a_run_waits_for_its_effect_to_settle_without_a_lease(
         running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
     ):
         run_id = (await store.submit("refunds", {"order": 42, "amount": 10})).run.run_id
-        run = await wait_for_run(store, run_id, within=10)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.result == {"status": "confirmed", "error": None}
     assert vendor.requests == 1
 
@@ -239,7 +239,7 @@ async def test_woken_by_one_of_two_effects_the_run_waits_on_without_running_its_
         adapters = {"crm": crm(fast), "slow": crm(slow, "slow")}
         async with running_worker(settings, [pair], effect_adapters=adapters, **FAST):
             run_id = (await store.submit("pair", {})).run.run_id
-            run = await wait_for_run(store, run_id, within=15)
+            run = await wait_for_run(store, run_id, within=60)
     assert run.result == {"statuses": ["confirmed", "confirmed"]}
     assert BothSettled.runs == 1
     kinds = [e.kind for e in await store.events(run_id)]
@@ -289,7 +289,7 @@ async def test_an_approved_effect_is_sent_once_and_only_for_the_payload_shown(
         assert approved.approved_sha256 == pending.payload_sha256
         with pytest.raises(DecisionRefused, match="already decided by ana"):
             await approvals.decide(run_id, "refund", Decision.DENIED, by="bo")
-        run = await wait_for_run(store, run_id, within=10)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.result == {"status": "confirmed", "error": None}
     assert vendor.requests == 1
     granted = [e for e in await store.events(run_id) if e.kind == "approval_granted"]
@@ -308,7 +308,7 @@ async def test_a_denied_effect_is_never_sent_and_the_step_sees_why(
         await ApprovalStore(pool).decide(
             run_id.run_id, "refund", Decision.DENIED, by="ana", note="not eligible"
         )
-        run = await wait_for_run(store, run_id.run_id, within=10)
+        run = await wait_for_run(store, run_id.run_id, within=60)
     assert run.result["status"] == "rejected"
     assert run.result["error"]["message"] == "denied by reviewer: not eligible"
     assert vendor.requests == 0
@@ -323,7 +323,7 @@ async def test_an_approval_nobody_gives_expires_as_a_denial(
     ):
         input = {"order": 1, "amount": 1, "approval": True, "approval_seconds": 0.5}
         run_id = (await store.submit("refunds", input)).run.run_id
-        run = await wait_for_run(store, run_id, within=15)
+        run = await wait_for_run(store, run_id, within=60)
         with pytest.raises(DecisionRefused, match="already decided by expiry"):
             await ApprovalStore(pool).decide(run_id, "refund", Decision.APPROVED, by="late")
     assert run.result["status"] == "rejected"
@@ -409,7 +409,7 @@ async def test_a_wait_naming_a_missing_step_fails_the_attempt(
     agent = Agent("bad_wait", first=BadWait)
     async with running_worker(settings, [agent], **FAST):
         run_id = (await store.submit("bad_wait", {}, max_attempts=1)).run.run_id
-        run = await wait_for_run(store, run_id, within=10)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.state is RunState.DEAD
     assert "Wait names step 'nowhere'" in run.error["message"]
 
@@ -438,16 +438,27 @@ async def test_a_signal_sent_while_a_step_runs_reaches_the_next_step(
 ) -> None:
     async with running_worker(settings, [collector], **FAST):
         run_id = (await store.submit("collector", {"seconds": 1.0})).run.run_id
-        with anyio.fail_after(10):
+        with anyio.fail_after(60):
             while run_id not in BUSY_STARTED:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         await SignalStore(pool).send(run_id, "note", {"n": 1})
-        run = await wait_for_run(store, run_id, within=10)
+        run = await wait_for_run(store, run_id, within=60)
     assert run.result == {"busy_saw": [], "collect_saw": [{"n": 1}]}
     assert [fence for _, _, fence in await SignalStore(pool).history(run_id)] == [1]
 
 
 # -- races the review found: each would fail on the code before its fix ---------------------------
+async def blocked_on_a_lock(pool: asyncpg.Pool, within: float = 60) -> None:
+    """Wait until a session of this database waits for a lock: the race a test sets up has
+    begun, however slowly a loaded machine got the other task there (a fixed sleep may not)."""
+    with anyio.fail_after(within):
+        while not await pool.fetchval(  # noqa: ASYNC110 - PostgreSQL offers no event for it
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ):
+            await anyio.sleep(0.02)
+
+
 async def park(store: RunStore, claimed: Any, wait: dict[str, Any]) -> None:
     """A step commit that parks the run, as the group committer writes it (one transaction)."""
     from orchestrator.db.store import Park, StepCommit
@@ -512,7 +523,7 @@ async def test_a_top_up_and_a_step_commit_settling_the_budget_do_not_deadlock(
         assert await store.commit_steps("W", [commit], db=db)  # the run's row is locked
         async with anyio.create_task_group() as group:
             group.start_soon(lambda: BudgetStore(pool).top_up(run_id, turns=1))
-            await anyio.sleep(0.3)  # the top-up is now waiting for a lock
+            await blocked_on_a_lock(pool)  # the top-up is now waiting for the run's row
             spend = Spend(claimed.fence, 1, 0, 0, 0, Decimal(0))
             await store.settle_budgets([(run_id, spend)], db=db)  # deadlocked before the fix
             await transaction.commit()
@@ -549,7 +560,7 @@ async def test_a_denial_and_a_cancel_racing_do_not_deadlock(
 
         async with anyio.create_task_group() as group:
             group.start_soon(deny)
-            await anyio.sleep(0.3)  # the decision waits for the run's row
+            await blocked_on_a_lock(pool)  # the decision waits for the run's row
             await db.execute(  # as cancel's withdrawal does, second
                 "UPDATE effects SET status = 'rejected' WHERE run_id = $1", run_id
             )

@@ -77,6 +77,10 @@ class RunTasks:
         finally:
             self._closed = True
             with anyio.CancelScope(shield=True):
+                # A run started just before the end (by a claim loop finishing its claims under
+                # the same cancellation) may not have taken its first step yet; cancelled then,
+                # its body and cleanup would never run. One turn of the loop starts it.
+                await asyncio.sleep(0)
                 tasks = list(self._tasks)
                 for task in tasks:
                     task.cancel()
