@@ -22,6 +22,7 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
+from support import fenced_claims
 
 FAST: dict[str, Any] = {"lease_seconds": 5.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
 
@@ -587,8 +588,10 @@ async def test_a_wait_sees_its_signal_behind_any_number_of_other_signals(
     assert run.result is not None and run.result["replies"] == [{"text": "yes"}]
     given_notes = len(run.result["others"])
     assert given_notes == 99  # a step is given at most 100 signals, the awaited one first
-    claims = [e for e in await store.events(run_id) if e.kind == "claimed"]
-    assert len(claims) == 2  # submitted, then woken once: never re-claimed in a loop
+    claims = fenced_claims(await store.events(run_id))
+    # Submitted, then woken once (a lease lost on a starved machine may add a replay): the
+    # run is never re-claimed in a loop.
+    assert 2 <= len(claims) <= 4
     history = await signals.history(run_id)
     consumed = [signal.name for signal, consumed_at, _ in history if consumed_at is not None]
     assert consumed.count("reply") == 1 and consumed.count("note") == given_notes
@@ -641,23 +644,26 @@ async def test_the_backoff_grows_to_a_minute_and_a_step_given_signals_resets_it(
     await SignalStore(pool).send(run_id, "reply", {"n": 1})  # what it waits for is there
 
     async def claim_and_park(given_signals: bool) -> float:
-        """Claim the run (whenever it is due) and park it; seconds until it is due again."""
+        """Claim the run (whenever it is due) and park it; the seconds it was backed off."""
         async with pool.acquire() as db:
             await db.execute(
                 "UPDATE runs SET available_at = clock_timestamp() WHERE run_id = $1", run_id
             )
-        claimed = (await store.claim("W", ["replies"], lease_seconds=30)).claimed[0]
+        claimed = (await store.claim("W", ["replies"], lease_seconds=300)).claimed[0]
         async with pool.acquire() as db, db.transaction():
             commit = StepCommit(claimed.lease, claimed.checkpoint_version, "turn", {})
             assert await store.commit_steps("W", [commit], db=db)
             park = Park(wait, None, given_signals=given_signals)
             assert await store.park_many("W", [(claimed.lease, park)], db=db)
+        (parked_event,), _ = await store.events_tail(run_id, 1, kinds=["waiting"])
+        backed_off = float(parked_event.details.get("backed_off_seconds") or 0)
         run = await store.get(run_id)
-        return (run.available_at - await store.database_now()).total_seconds()
+        if backed_off:  # the run is due then, not now
+            assert run.available_at > await store.database_now()
+        return backed_off
 
     delays = [await claim_and_park(given_signals=False) for _ in range(12)]
-    assert all(delay <= 0 for delay in delays[:3])
-    for streak, delay in enumerate(delays[3:]):  # 1, 2, 4 ... 60 s; the clock moves meanwhile
-        assert min(2**streak, 60) - 1 < delay <= min(2**streak, 60)
-    assert await claim_and_park(given_signals=True) <= 0  # progress: due at once again
-    assert await claim_and_park(given_signals=False) <= 0  # and the count starts over
+    assert delays[:3] == [0, 0, 0]
+    assert delays[3:] == [min(2**streak, 60) for streak in range(9)]  # 1, 2, 4 ... 60 s
+    assert await claim_and_park(given_signals=True) == 0  # progress: due at once again
+    assert await claim_and_park(given_signals=False) == 0  # and the count starts over
