@@ -295,7 +295,14 @@ class RunBudget:
         # All checked before any is added: a refused call records nothing.
         counts = [_count(value, f"ctx.budget.spend({name}=...)") for name, value in amounts]
         cost = _decimal(cost_usd, "ctx.budget.spend(cost_usd=...)", exact=False)
-        self._spent = [total + count for total, count in zip(self._spent, counts, strict=True)]
+        totals = [total + count for total, count in zip(self._spent, counts, strict=True)]
+        for (name, _), total in zip(amounts, totals, strict=True):
+            if total > MAX_AMOUNT:  # the step's commit would carry it to the database
+                raise InvalidInput(
+                    f"ctx.budget.spend({name}=...) brings this step's {name} to {total:,}, over "
+                    f"{MAX_AMOUNT:,}"
+                )
+        self._spent = totals
         self._cost += cost
 
     def settlement(self) -> Spend | None:

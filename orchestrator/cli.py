@@ -343,7 +343,7 @@ def runs_show(ctx: click.Context, run_id: str, as_json: bool, events_shown: int)
         async with open_store(settings) as store:
             detail = await load_run_detail(store, run_id, events=events_shown)
         if as_json:
-            stdout.print_json(
+            click.echo(  # up to 10,000 events: no highlighting pass
                 dump_json(
                     {
                         "run": detail.run,

@@ -338,6 +338,7 @@ async def bulk(
 
 WATCH_PAGE = 1000
 WATCH_LOOKBACK_SECONDS = 30.0
+WATCH_ID_MARGIN = 10_000
 
 
 async def watch(
@@ -369,7 +370,12 @@ async def watch(
             if len(page) < WATCH_PAGE:
                 break
             after = page[-1].event_id
-        floors.append((now, max(seen, default=floors[-1][1])))
+        newest = max(seen, default=floors[-1][1])
+        if len(floors) == 1 and floors[0][1] == 0:
+            # After the first full read, a late commit can only hold an id just below the
+            # newest seen (ids are handed out as its transaction wrote): look back that far.
+            floors[0] = (floors[0][0], max(0, newest - WATCH_ID_MARGIN))
+        floors.append((now, newest))
         if run.state.terminal:
             if not as_json:
                 stdout.print(f"run {run_id} {run.state.value}", markup=False)

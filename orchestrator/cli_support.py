@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -131,4 +131,9 @@ def parse_time(raw: str, option: str) -> datetime:
         raise InvalidInput(
             f"{option} {raw!r} has no time zone; add Z for UTC or an offset such as +01:00"
         )
-    return moment
+    try:  # a time at the calendar's edge can leave it once in UTC, as the database keeps it
+        return moment.astimezone(UTC)
+    except OverflowError:
+        raise InvalidInput(
+            f"{option} {raw!r} is out of range; give a time between years 1 and 9999 in UTC"
+        ) from None

@@ -45,9 +45,10 @@ def parse_age(text: str, what: str = "--older-than") -> timedelta:
         raise InvalidInput(f"{what} takes an age such as 30d, 12h, 90m or 3600s, not {text!r}")
     seconds = float(matched.group(1)) * _UNIT_SECONDS[matched.group(2)]
     # Bounded before a timedelta is built: a huge count overflows it (OverflowError).
-    if not 0 < seconds <= MAX_AGE.total_seconds():
+    age = timedelta(seconds=seconds) if seconds <= MAX_AGE.total_seconds() else MAX_AGE * 2
+    if not timedelta(0) < age <= MAX_AGE:  # 0.0000001s rounds to nothing: "purge everything"
         raise InvalidInput(f"{what} must be above 0 and at most 100 years (36500d), not {text!r}")
-    return timedelta(seconds=seconds)
+    return age
 
 
 def parse_retention(text: str) -> timedelta | None:

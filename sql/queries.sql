@@ -790,22 +790,23 @@ SELECT DISTINCT unnest(agents) AS agent FROM workers ORDER BY 1
 
 -- park_runs --
 -- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[], $4 waits text[] (JSON),
---         $5 untils timestamptz[], $6 given_signals boolean[]
+--         $5 untils timestamptz[], $6 progressed boolean[]
 -- The runs of owner $1 whose step commit took effect in this transaction wait: no lease, no
 -- worker, state waiting, what they wait for in runs.wait. Each is due again at once if what it
 -- waits for has already happened (a listed signal unconsumed, every listed effect settled), else
 -- at its time $5, else never until woken. The rows are locked by the step commit just before,
 -- so a signal or a settlement racing this statement wakes the run after it (they update the run
--- after this transaction ends) or is seen by it. A run that keeps parking due at once while its
--- step was given no signal ($6 false: it waits for something that has already happened, and
--- nothing changes between its claims) is not claimed again in a loop: from its fourth such park
--- in a row it is due after 1, 2, 4 ... seconds, at most 60 (runs.wake_streak counts them).
+-- after this transaction ends) or is seen by it. A run that keeps parking due at once (what it
+-- waits for has happened, or its time has passed) without progress between its claims ($6
+-- false: no signal given to its steps, no step committed before the wait) is not claimed again
+-- in a loop: from its fourth such park in a row it is due after 1, 2, 4 ... seconds, at most
+-- 60 (runs.wake_streak counts them, up to 1000).
 WITH input AS MATERIALIZED (
-    SELECT u.run_id, u.fence, u.wait::jsonb AS wait, u.until, u.given_signals,
+    SELECT u.run_id, u.fence, u.wait::jsonb AS wait, u.until, u.progressed,
            ARRAY(SELECT jsonb_array_elements_text(u.wait::jsonb -> 'signals')) AS names,
            $1::text AS owner, clock_timestamp() AS now
     FROM unnest($2::text[], $3::bigint[], $4::text[], $5::timestamptz[], $6::boolean[])
-        AS u(run_id, fence, wait, until, given_signals)
+        AS u(run_id, fence, wait, until, progressed)
 ), judged AS (
     SELECT u.*,
            EXISTS (SELECT 1 FROM run_signals AS s
@@ -824,25 +825,25 @@ WITH input AS MATERIALIZED (
 ), parked AS (
     UPDATE runs AS r
     SET state = 'waiting', lease_owner = NULL, lease_until = NULL, wait = u.wait, attempt = 0,
-        wake_streak = CASE WHEN u.happened AND NOT u.given_signals THEN r.wake_streak + 1
-                           ELSE 0 END,
+        wake_streak = CASE WHEN (u.happened OR u.until <= u.now) AND NOT u.progressed
+                           THEN least(r.wake_streak + 1, 1000) ELSE 0 END,
         available_at = CASE
-            WHEN NOT u.happened THEN coalesce(u.until, 'infinity'::timestamptz)
-            WHEN u.given_signals OR r.wake_streak < 3 THEN u.now
-            ELSE u.now + make_interval(secs => least(2 ^ (r.wake_streak - 3), 60))
+            WHEN (u.happened OR u.until <= u.now) AND NOT u.progressed AND r.wake_streak >= 3
+                THEN u.now + make_interval(secs => least(2 ^ least(r.wake_streak - 3, 6), 60))
+            WHEN u.happened THEN u.now
+            ELSE coalesce(u.until, 'infinity'::timestamptz)
         END,
         updated_at = clock_timestamp()
     FROM judged AS u
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence
-    RETURNING r.run_id, r.fence, r.agent, r.available_at, r.wake_streak, u.wait, u.now,
-              u.happened
+    RETURNING r.run_id, r.fence, r.agent, r.available_at, r.wake_streak, u.wait, u.now
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT run_id, 'waiting', fence, $1,
            wait || jsonb_build_object('due_at', CASE WHEN available_at < 'infinity'
                                                      THEN available_at END)
-                || CASE WHEN happened AND available_at > now
+                || CASE WHEN wake_streak > 3
                         THEN jsonb_build_object(
                                  'wake_streak', wake_streak,
                                  'backed_off_seconds', extract(epoch FROM available_at - now))
@@ -858,16 +859,19 @@ SELECT run_id FROM parked WHERE (SELECT count(*) FROM woken) >= 0
 -- The signals sent to run $1 and not yet consumed by a committed step, in the order they came
 -- (at most 100: a step is given a bounded number; the next step gets the rest), those named in
 -- $2 (what a woken run waited for) chosen first, as the claim chooses them.
-SELECT seq, name, data, idempotency_key, sent_at
-FROM ((SELECT * FROM run_signals
-       WHERE run_id = $1 AND consumed_at IS NULL AND name = ANY($2::text[])
-       ORDER BY seq LIMIT 100)
-      UNION ALL
-      (SELECT * FROM run_signals
-       WHERE run_id = $1 AND consumed_at IS NULL AND name <> ALL($2::text[])
-       ORDER BY seq LIMIT 100)) AS u
-ORDER BY name = ANY($2::text[]) DESC, seq
-LIMIT 100
+SELECT * FROM (
+    SELECT seq, name, data, idempotency_key, sent_at
+    FROM ((SELECT * FROM run_signals
+           WHERE run_id = $1 AND consumed_at IS NULL AND name = ANY($2::text[])
+           ORDER BY seq LIMIT 100)
+          UNION ALL
+          (SELECT * FROM run_signals
+           WHERE run_id = $1 AND consumed_at IS NULL AND name <> ALL($2::text[])
+           ORDER BY seq LIMIT 100)) AS u
+    ORDER BY name = ANY($2::text[]) DESC, seq
+    LIMIT 100
+) AS chosen
+ORDER BY seq
 
 -- consume_signals --
 -- params: $1 run_ids text[], $2 seqs bigint[], $3 fences bigint[] (one row per signal)
@@ -1084,16 +1088,21 @@ FROM orchestrator_reserve_budget($1, $2, $3, $4, $5, $6, $7, $8)
 -- params: $1 run_ids text[], $2 fences bigint[], $3 turns bigint[], $4 tool_calls bigint[],
 --         $5 input_tokens bigint[], $6 output_tokens bigint[], $7 costs numeric[]
 -- In the turn's commit (only runs whose commit took effect): the reservation of that fence is
--- replaced by what the turn actually cost.
+-- replaced by what the turn actually cost. Counts saturate at 2^62 (budgets.MAX_AMOUNT): absurd
+-- amounts a model server reports must not overflow bigint and fail the commits batched with it.
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[],
                          $6::bigint[], $7::numeric[])
         AS u(run_id, fence, turns, tool_calls, input_tokens, output_tokens, cost)
 ), settled AS (
     UPDATE run_budgets AS b
-    SET turns_spent = b.turns_spent + u.turns, tool_calls_spent = b.tool_calls_spent + u.tool_calls,
-        input_tokens_spent = b.input_tokens_spent + u.input_tokens,
-        output_tokens_spent = b.output_tokens_spent + u.output_tokens,
+    SET turns_spent = least(b.turns_spent::numeric + u.turns, 2 ^ 62::numeric)::bigint,
+        tool_calls_spent = least(b.tool_calls_spent::numeric + u.tool_calls,
+                                 2 ^ 62::numeric)::bigint,
+        input_tokens_spent = least(b.input_tokens_spent::numeric + u.input_tokens,
+                                   2 ^ 62::numeric)::bigint,
+        output_tokens_spent = least(b.output_tokens_spent::numeric + u.output_tokens,
+                                    2 ^ 62::numeric)::bigint,
         cost_spent = b.cost_spent + u.cost,
         turns_reserved = 0, input_tokens_reserved = 0, output_tokens_reserved = 0,
         cost_reserved = 0, reserved_fence = NULL, updated_at = clock_timestamp()
@@ -1110,19 +1119,25 @@ RETURNING run_id
 -- top_up_budget --
 -- params: $1 run_id text, $2 added jsonb ({turns, tool_calls, input_tokens, output_tokens,
 --         cost_usd})
--- Raise run $1's limits by $2 (a dimension without a limit stays without one) and wake the run if
--- it waits for budget. No row: the run has no budget.
+-- Raise run $1's limits by $2 (a dimension without a limit stays without one; a limit saturates
+-- at 2^62, budgets.MAX_AMOUNT) and wake the run if it waits for budget. No row: the run has no
+-- budget.
 WITH locked AS (
     -- The run's row first, as commits and reservations lock it (the same lock order).
     SELECT run_id FROM runs WHERE run_id = $1 FOR UPDATE
 ), raised AS (
     UPDATE run_budgets AS b
-    SET turns_limit = b.turns_limit + coalesce(($2::jsonb ->> 'turns')::bigint, 0),
-        tool_calls_limit = b.tool_calls_limit + coalesce(($2::jsonb ->> 'tool_calls')::bigint, 0),
-        input_tokens_limit = b.input_tokens_limit
-                             + coalesce(($2::jsonb ->> 'input_tokens')::bigint, 0),
-        output_tokens_limit = b.output_tokens_limit
-                              + coalesce(($2::jsonb ->> 'output_tokens')::bigint, 0),
+    SET turns_limit = least(b.turns_limit::numeric + coalesce(($2::jsonb ->> 'turns')::numeric, 0),
+                            2 ^ 62::numeric)::bigint,
+        tool_calls_limit = least(b.tool_calls_limit::numeric
+                                 + coalesce(($2::jsonb ->> 'tool_calls')::numeric, 0),
+                                 2 ^ 62::numeric)::bigint,
+        input_tokens_limit = least(b.input_tokens_limit::numeric
+                                   + coalesce(($2::jsonb ->> 'input_tokens')::numeric, 0),
+                                   2 ^ 62::numeric)::bigint,
+        output_tokens_limit = least(b.output_tokens_limit::numeric
+                                    + coalesce(($2::jsonb ->> 'output_tokens')::numeric, 0),
+                                    2 ^ 62::numeric)::bigint,
         cost_limit = b.cost_limit + coalesce(($2::jsonb ->> 'cost_usd')::numeric, 0),
         updated_at = clock_timestamp()
     FROM locked

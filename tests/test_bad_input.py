@@ -227,8 +227,12 @@ OUT_OF_RANGE: list[tuple[list[str], str]] = [
     (["submit", "a", "--delay", "nan"], "a delay is 0 or more seconds, at most ten years"),
     (["submit", "a", "--delay", "1e300"], "a delay is 0 or more seconds, at most ten years"),
     (["submit", "a", "--delay", "-1"], "a delay is 0 or more seconds, at most ten years"),
-    (["submit", "a", "--at", "0001-01-01T00:00:00+01:00"], "at most ten years from now"),
-    (["submit", "a", "--at", "9999-12-31T23:00:00-05:00"], "at most ten years from now"),
+    (["submit", "a", "--at", "0001-01-01T00:00:00+01:00"], "is out of range; give a time"),
+    (["submit", "a", "--at", "9999-12-31T23:00:00-05:00"], "is out of range; give a time"),
+    (["submit", "a", "--at", "1990-01-01T00:00:00Z"], "at most ten years from now"),
+    (["runs", "list", "--since", "0001-01-01T00:00:00+14:00"], "--since '0001-01-01T00:00:00+14"),
+    (["runs", "list", "--until", "9999-12-31T23:59:59-12:00"], "is out of range; give a time"),
+    (["runs", "purge", "--older-than", "0.0000001s"], "--older-than must be above 0"),
 ]
 
 

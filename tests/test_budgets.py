@@ -14,7 +14,17 @@ from typing import Any
 import anyio
 import pytest
 
-from orchestrator import Agent, Budget, Client, Finish, InvalidInput, Outcome, Step, StepContext
+from orchestrator import (
+    Agent,
+    Budget,
+    Client,
+    Finish,
+    InvalidInput,
+    Next,
+    Outcome,
+    Step,
+    StepContext,
+)
 from orchestrator.budgets import BudgetStore, Prices
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
@@ -274,3 +284,41 @@ async def test_the_ledger_without_json_is_a_table_only(settings: Settings) -> No
     table = shown.stdout.decode()
     assert "ledger" in table and "reserve" in table and "settle" in table
     assert "{" not in table and '"kind"' not in table  # no JSON after the table
+
+
+HUGE = 2**62  # budgets.MAX_AMOUNT: one amount may be this large, a total never past it
+
+
+class SpendHugely(Step):
+    """Spends the largest amount allowed in each of two steps (a model server's absurd usage)."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        assert ctx.budget is not None
+        await ctx.budget.reserve(turns=1)
+        ctx.budget.spend(turns=1, input_tokens=HUGE)
+        try:
+            ctx.budget.spend(input_tokens=1)
+            refused = ""
+        except InvalidInput as error:
+            refused = str(error)
+        if ctx.checkpoint:
+            return Finish({"refused": [*ctx.checkpoint["refused"], refused]})
+        return Next(SpendHugely, checkpoint={"refused": [refused]})
+
+
+async def test_huge_totals_saturate_instead_of_failing_the_commit(
+    settings: Settings, store: RunStore
+) -> None:
+    """Two steps' spends, and two top-ups, add past bigint: the commit (and any batched with
+    it) and the top-up must not fail on the database's overflow."""
+    agent = Agent("spender", first=SpendHugely, budget=Budget(turns=5))
+    run, _ = await run_agent(settings, agent, {})
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert all("over 4,611,686,018,427,387,904" in message for message in run.result["refused"])
+    budgets = BudgetStore(store.pool)
+    state = await budgets.get(run.run_id)
+    assert state is not None and state.spent["input_tokens"] == HUGE  # saturated, not 2**63
+    for _ in range(2):
+        await budgets.top_up(run.run_id, turns=HUGE)
+    state = await budgets.get(run.run_id)
+    assert state is not None and state.limit["turns"] == HUGE

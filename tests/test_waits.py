@@ -608,13 +608,19 @@ class WaitsForWhatHappened(Step):
         return Wait(then=WaitsForWhatHappened, effects=["never-requested"])
 
 
-spinner = Agent("spinner", first=WaitsForWhatHappened)
+class WaitsUntilNow(Step):
+    """A buggy poller: it waits until a time that has already come, again and again."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Wait(then=WaitsUntilNow, until=ctx.database_now())
 
 
+@pytest.mark.parametrize("first", [WaitsForWhatHappened, WaitsUntilNow])
 async def test_a_run_parking_due_at_once_again_and_again_backs_off(
-    settings: Settings, store: RunStore
+    settings: Settings, store: RunStore, first: type[Step]
 ) -> None:
     """On the code before the fix this run was claimed hundreds of times a second."""
+    spinner = Agent("spinner", first=first)
     async with running_worker(settings, [spinner], **FAST):
         run_id = (await store.submit("spinner", {})).run.run_id
         with anyio.fail_after(60):
@@ -625,7 +631,7 @@ async def test_a_run_parking_due_at_once_again_and_again_backs_off(
                 await anyio.sleep(0.1)
         await anyio.sleep(3)  # a spinning run would be claimed many times meanwhile
         events = await store.events(run_id)
-    claims = [e for e in events if e.kind == "claimed"]
+    claims = fenced_claims(events)
     # Three parks due at once, then 1 s, 2 s, 4 s ... : a handful of claims in these seconds.
     assert len(claims) <= 8, f"{len(claims)} claims: the run is re-claimed in a loop"
     backed_off = [e.details for e in events if "backed_off_seconds" in e.details]
@@ -634,7 +640,34 @@ async def test_a_run_parking_due_at_once_again_and_again_backs_off(
     assert (await store.get(run_id)).state in {RunState.WAITING, RunState.RUNNING}
 
 
-async def test_the_backoff_grows_to_a_minute_and_a_step_given_signals_resets_it(
+class Lap(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        laps = int((ctx.checkpoint or {}).get("laps", 0))
+        if laps == 8:
+            return Finish({"laps": laps})
+        return Next(AwaitSettled, checkpoint={"laps": laps + 1})
+
+
+class AwaitSettled(Step):
+    """Waits for an effect that has settled by the time it parks (as a fast vendor's would)."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Wait(then=Lap, effects=["settled-before-the-park"], checkpoint=ctx.checkpoint)
+
+
+async def test_a_loop_that_progresses_between_waits_found_satisfied_is_never_backed_off(
+    settings: Settings, store: RunStore
+) -> None:
+    looper = Agent("looper", first=Lap, steps=[AwaitSettled])
+    async with running_worker(settings, [looper], **FAST):
+        run_id = (await store.submit("looper", {})).run.run_id
+        run = await wait_for_run(store, run_id, within=60)
+    assert run.result == {"laps": 8}
+    events = await store.events(run_id)
+    assert not [e for e in events if "backed_off_seconds" in e.details]
+
+
+async def test_the_backoff_grows_to_a_minute_and_progress_resets_it(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
     from orchestrator.db.store import Park, StepCommit
@@ -643,7 +676,7 @@ async def test_the_backoff_grows_to_a_minute_and_a_step_given_signals_resets_it(
     wait = {"step": "turn", "signals": ["reply"], "effects": [], "until": None, "reason": None}
     await SignalStore(pool).send(run_id, "reply", {"n": 1})  # what it waits for is there
 
-    async def claim_and_park(given_signals: bool) -> float:
+    async def claim_and_park(progressed: bool) -> float:
         """Claim the run (whenever it is due) and park it; the seconds it was backed off."""
         async with pool.acquire() as db:
             await db.execute(
@@ -653,7 +686,7 @@ async def test_the_backoff_grows_to_a_minute_and_a_step_given_signals_resets_it(
         async with pool.acquire() as db, db.transaction():
             commit = StepCommit(claimed.lease, claimed.checkpoint_version, "turn", {})
             assert await store.commit_steps("W", [commit], db=db)
-            park = Park(wait, None, given_signals=given_signals)
+            park = Park(wait, None, progressed=progressed)
             assert await store.park_many("W", [(claimed.lease, park)], db=db)
         (parked_event,), _ = await store.events_tail(run_id, 1, kinds=["waiting"])
         backed_off = float(parked_event.details.get("backed_off_seconds") or 0)
@@ -662,8 +695,21 @@ async def test_the_backoff_grows_to_a_minute_and_a_step_given_signals_resets_it(
             assert run.available_at > await store.database_now()
         return backed_off
 
-    delays = [await claim_and_park(given_signals=False) for _ in range(12)]
+    delays = [await claim_and_park(progressed=False) for _ in range(12)]
     assert delays[:3] == [0, 0, 0]
     assert delays[3:] == [min(2**streak, 60) for streak in range(9)]  # 1, 2, 4 ... 60 s
-    assert await claim_and_park(given_signals=True) == 0  # progress: due at once again
-    assert await claim_and_park(given_signals=False) == 0  # and the count starts over
+    assert await claim_and_park(progressed=True) == 0  # progress: due at once again
+    assert await claim_and_park(progressed=False) == 0  # and the count starts over
+
+
+async def test_signals_re_read_mid_run_come_in_the_order_they_were_sent(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = (await store.submit("replies", {})).run.run_id
+    signals = SignalStore(pool)
+    for name in ("note", "note", "reply", "note", "reply"):
+        await signals.send(run_id, name, None)
+    chosen = await signals.pending(run_id, awaited=["reply"])
+    assert [s.seq for s in chosen] == sorted(s.seq for s in chosen)
+    assert [s.name for s in chosen] == ["note", "note", "reply", "note", "reply"]
+    assert all(s.data is None for s in chosen)

@@ -103,8 +103,9 @@ class Park(NamedTuple):
 
     wait: Mapping[str, JSON]
     until: datetime | None
-    given_signals: bool = False
-    """The step that waits was given signals: a park due at once is progress, not a spin."""
+    progressed: bool = False
+    """The run progressed since its claim (its steps were given signals, or a step committed
+    before this wait): a park due at once is then no spin (see park_runs)."""
 
 
 class RunFinish(NamedTuple):
@@ -641,7 +642,7 @@ class RunStore:
             [lease.fence for lease, _ in parks],
             [compact(dict(park.wait)) for _, park in parks],
             [park.until for _, park in parks],
-            [park.given_signals for _, park in parks],
+            [park.progressed for _, park in parks],
         )
         return {record["run_id"] for record in records}
 

@@ -586,11 +586,18 @@ class RunExecution:
             effects=tuple(outcome.new_effects),
             checkpoint_text=checkpoint_text,
             messages=messages,
-            park=Park(outcome.as_json(), outcome.until, given_signals=bool(extras.signal_seqs)),
+            park=Park(
+                outcome.as_json(), outcome.until, progressed=self._progressed(version, extras)
+            ),
             signal_seqs=extras.signal_seqs,
             spend=extras.spend,
         )
         return await self._commit(commit)
+
+    def _progressed(self, version: int, extras: _Extras) -> bool:
+        """Whether the run moved on since its claim: a step committed before this one, or this
+        one was given signals (a wait found already satisfied is then no spin)."""
+        return version != self.claimed.checkpoint_version or bool(extras.signal_seqs)
 
     async def _wait_again(self, wait: JSON, state: WaitState) -> Disposition:
         """Woken before what the run waits for has all happened (one of several effects
@@ -832,9 +839,18 @@ class RunExecution:
     async def _record_lost(self) -> Disposition:
         reason = self.handle.lost_reason or "unknown"
         worker_id = self.services.config.worker_id
-        self.services.metrics.lost_leases.add(1)
+        # A cancel reaches the owner as a lost lease (a notice or a refused renewal): the run's
+        # row says which it was, so neither the lost-lease counter nor the worker's counts call
+        # an operator's cancel a loss.
+        run = await self._db(lambda db: self.services.store.get(self.claimed.run_id, db=db))
+        cancelled = run.state is RunState.CANCELLED
+        if not cancelled:
+            self.services.metrics.lost_leases.add(1)
         with start_span("lease_lost", attributes={**self.ids, "reason": reason}):
-            self.log.warning("lease lost", reason=reason)
+            if cancelled:
+                self.log.info("run cancelled while held", reason=reason)
+            else:
+                self.log.warning("lease lost", reason=reason)
             await self._db(
                 lambda db: self.services.store.record_event(
                     self.claimed.run_id,
@@ -845,7 +861,4 @@ class RunExecution:
                     db=db,
                 )
             )
-        # A cancel reaches the owner as a lost lease (a notice or a refused renewal): the run's
-        # row says which it was, so the worker's counts do not call a cancel a loss.
-        run = await self._db(lambda db: self.services.store.get(self.claimed.run_id, db=db))
-        return Disposition.CANCELLED if run.state is RunState.CANCELLED else Disposition.LOST
+        return Disposition.CANCELLED if cancelled else Disposition.LOST
