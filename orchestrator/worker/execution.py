@@ -839,18 +839,9 @@ class RunExecution:
     async def _record_lost(self) -> Disposition:
         reason = self.handle.lost_reason or "unknown"
         worker_id = self.services.config.worker_id
-        # A cancel reaches the owner as a lost lease (a notice or a refused renewal): the run's
-        # row says which it was, so neither the lost-lease counter nor the worker's counts call
-        # an operator's cancel a loss.
-        run = await self._db(lambda db: self.services.store.get(self.claimed.run_id, db=db))
-        cancelled = run.state is RunState.CANCELLED
-        if not cancelled:
-            self.services.metrics.lost_leases.add(1)
+        self.services.metrics.lost_leases.add(1)
         with start_span("lease_lost", attributes={**self.ids, "reason": reason}):
-            if cancelled:
-                self.log.info("run cancelled while held", reason=reason)
-            else:
-                self.log.warning("lease lost", reason=reason)
+            self.log.warning("lease lost", reason=reason)
             await self._db(
                 lambda db: self.services.store.record_event(
                     self.claimed.run_id,
@@ -861,4 +852,7 @@ class RunExecution:
                     db=db,
                 )
             )
-        return Disposition.CANCELLED if cancelled else Disposition.LOST
+        # A cancel reaches the owner as a lost lease (a notice or a refused renewal): the run's
+        # row says which it was, so the worker's counts do not call a cancel a loss.
+        run = await self._db(lambda db: self.services.store.get(self.claimed.run_id, db=db))
+        return Disposition.CANCELLED if run.state is RunState.CANCELLED else Disposition.LOST
