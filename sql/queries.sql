@@ -822,19 +822,22 @@ WITH input AS MATERIALIZED (
                              FROM budget_ledger AS l WHERE l.run_id = u.run_id), false))
            AS happened
     FROM input AS u
+), spun AS (
+    -- Due at once with no progress since the claim: one more park of a spin.
+    SELECT j.*, coalesce(j.happened OR j.until <= j.now, false) AND NOT j.progressed AS spinning
+    FROM judged AS j
 ), parked AS (
     UPDATE runs AS r
     SET state = 'waiting', lease_owner = NULL, lease_until = NULL, wait = u.wait, attempt = 0,
-        wake_streak = CASE WHEN (u.happened OR u.until <= u.now) AND NOT u.progressed
-                           THEN least(r.wake_streak + 1, 1000) ELSE 0 END,
+        wake_streak = CASE WHEN u.spinning THEN least(r.wake_streak + 1, 1000) ELSE 0 END,
         available_at = CASE
-            WHEN (u.happened OR u.until <= u.now) AND NOT u.progressed AND r.wake_streak >= 3
+            WHEN u.spinning AND r.wake_streak >= 3
                 THEN u.now + make_interval(secs => least(2 ^ least(r.wake_streak - 3, 6), 60))
             WHEN u.happened THEN u.now
             ELSE coalesce(u.until, 'infinity'::timestamptz)
         END,
         updated_at = clock_timestamp()
-    FROM judged AS u
+    FROM spun AS u
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence
     RETURNING r.run_id, r.fence, r.agent, r.available_at, r.wake_streak, u.wait, u.now
