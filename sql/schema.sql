@@ -5,6 +5,8 @@ CREATE FUNCTION orchestrator.fence_epoch() RETURNS bigint
     LANGUAGE sql
     AS $$
     SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1
+           + coalesce(nullif(current_setting('orchestrator.fence_epoch_offset', true), '')::bigint,
+                      0)
 $$;
 CREATE FUNCTION orchestrator.fence_epoch_of(fence bigint) RETURNS bigint
     LANGUAGE sql IMMUTABLE PARALLEL SAFE

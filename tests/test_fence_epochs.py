@@ -99,3 +99,14 @@ async def test_a_dispatcher_trusting_sync_replication_sends_without_a_lookup(
         pool, "d", ["email"], limit=10, lease_seconds=30, trust_sync_replication=True
     )
     assert not claim.must_reconcile
+
+
+async def test_after_a_logical_restore_the_operator_raises_the_epoch(pool: asyncpg.Pool) -> None:
+    """pg_restore into a new cluster starts at timeline 1 again; the restored fences' epoch is
+    set as an offset (docs/high-availability.md), so the next promotion still grants above."""
+    async with pool.acquire() as connection:
+        await connection.execute("SET orchestrator.fence_epoch_offset = '2'")
+        assert await connection.fetchval("SELECT fence_epoch()") == 2
+        assert await connection.fetchval("SELECT fence_floor()") == 2 << EPOCH_BITS
+        await connection.execute("RESET orchestrator.fence_epoch_offset")
+        assert await connection.fetchval("SELECT fence_epoch()") == 0

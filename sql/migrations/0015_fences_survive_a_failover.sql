@@ -9,9 +9,13 @@
 
 -- The epoch of this server: its WAL insert timeline - 1 (an error on a standby, which grants
 -- nothing). pg_walfile_name names the segment on the timeline being written now, so it moves at
--- the promotion itself, not at the checkpoint after it as pg_control_checkpoint() does.
+-- the promotion itself, not at the checkpoint after it as pg_control_checkpoint() does. A
+-- logical restore into a new cluster starts again at timeline 1: the operator then sets
+-- orchestrator.fence_epoch_offset (ALTER DATABASE ... SET) to the highest epoch restored.
 CREATE FUNCTION fence_epoch() RETURNS bigint LANGUAGE sql VOLATILE AS $$
     SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1
+           + coalesce(nullif(current_setting('orchestrator.fence_epoch_offset', true), '')::bigint,
+                      0)
 $$;
 
 -- The epoch a fence was granted in: its bits above the low 40 (a trillion claims per run and
