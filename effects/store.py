@@ -39,8 +39,8 @@ class ClaimedEffect:
     previous_status: EffectStatus
     sent_before: bool
     lost_timeline: bool = False
-    """Its run was born before the database's last promotion: the lost timeline may have sent
-    it (docs/high-availability.md)."""
+    """A promotion came between the effect's origin (its run's birth, its fence, its last
+    claim) and this claim: the lost timeline may have sent it (docs/high-availability.md)."""
 
     @property
     def must_reconcile(self) -> bool:

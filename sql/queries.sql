@@ -674,12 +674,16 @@ LIMIT $3
 -- lease of $4 seconds: new or uncertain effects that are due, and dispatches whose dispatcher
 -- lease expired (that dispatcher may have died after the vendor accepted); an effect that needs
 -- approval only once approved for its very payload. previous_status, ever_dispatched and
--- lookup_first tell the dispatcher whether it may send, or must reconcile first. lookup_first
--- (a failover's lost timeline may have sent it) is answered once, by this claim, and is moot
--- when $5 says every commit was synchronously replicated (nothing of a lost timeline was acted on).
-WITH picked AS (
+-- reconcile_first tell the dispatcher whether it may send, or must reconcile first.
+-- reconcile_first (a failover's lost timeline may have sent it: lookup_first, or its last claim
+-- or acceptance was in an earlier epoch) is answered once, by this claim, and is moot when $5
+-- says every commit was synchronously replicated (nothing of a lost timeline was acted on).
+WITH here AS (
+    SELECT fence_epoch() AS epoch
+), picked AS (
     SELECT run_id, effect_key, status AS previous_status, ever_dispatched AS sent_before,
-           lookup_first AND NOT $5::boolean AS lookup_first
+           (lookup_first OR known_epoch < (SELECT epoch FROM here)) AND NOT $5::boolean
+               AS lookup_first
     FROM effects
     WHERE kind = ANY($2::text[])
       AND ((status IN ('accepted', 'uncertain') AND available_at <= clock_timestamp())
@@ -693,7 +697,7 @@ UPDATE effects AS e
 SET status = 'dispatching', dispatcher = $1,
     dispatcher_until = clock_timestamp() + make_interval(secs => $4),
     attempts = e.attempts + 1, ever_dispatched = true, lookup_first = false,
-    updated_at = clock_timestamp()
+    known_epoch = (SELECT epoch FROM here), updated_at = clock_timestamp()
 FROM picked AS p
 WHERE e.run_id = p.run_id AND e.effect_key = p.effect_key
 RETURNING e.*, p.previous_status, p.sent_before, p.lookup_first AS reconcile_first

@@ -67,14 +67,16 @@ BEGIN
     SELECT * INTO existing FROM effects AS e
     WHERE e.run_id = p_run_id AND e.effect_key = p_effect_key FOR UPDATE;
     IF NOT FOUND THEN
-        -- A run born before the server's last promotion may have had this effect sent on the
-        -- lost timeline: the dispatcher looks it up before its first send.
+        -- A run born before the server's last promotion, or a fence granted before it, may
+        -- have had this effect accepted and sent on the lost timeline (a commit retried on the
+        -- promoted server after the lost one answered too late): look it up before sending.
         INSERT INTO effects (run_id, effect_key, kind, policy, fence, status, payload,
                              idempotency_key, payload_sha256, requires_approval,
                              approval_expires_at, lookup_first)
         VALUES (p_run_id, p_effect_key, p_kind, p_policy, p_fence, first_status, p_payload,
                 p_idempotency_key, digest, p_requires_approval, expires,
-                run_born_epoch < fence_epoch_of(p_fence));
+                run_born_epoch < fence_epoch_of(p_fence)
+                OR fence_epoch_of(p_fence) < fence_epoch());
         INSERT INTO run_events (run_id, kind, fence, worker_id, details)
         VALUES (p_run_id, 'effect_accepted', p_fence, p_worker_id,
                 jsonb_build_object('effect_key', p_effect_key, 'kind', p_kind,
@@ -244,6 +246,7 @@ CREATE TABLE orchestrator.effects (
     decided_at timestamp with time zone,
     decision_note text,
     lookup_first boolean DEFAULT false NOT NULL,
+    known_epoch bigint DEFAULT orchestrator.fence_epoch() NOT NULL,
     CONSTRAINT effects_policy_check CHECK ((policy = ANY (ARRAY['irreversible'::text, 'replaceable'::text]))),
     CONSTRAINT effects_status_check CHECK ((status = ANY (ARRAY['accepted'::text, 'dispatching'::text, 'uncertain'::text, 'confirmed'::text, 'failed'::text, 'rejected'::text, 'parked'::text, 'awaiting_approval'::text])))
 );

@@ -84,6 +84,52 @@ async def test_effects_of_a_run_born_before_the_promotion_are_looked_up_first(
     assert not any(row["lookup_first"] for row in flags)
 
 
+async def test_an_effect_asked_for_under_a_fence_of_a_lost_epoch_is_looked_up_first(
+    pool: asyncpg.Pool, store: RunStore
+) -> None:
+    """A step claimed before the promotion commits after it (its claim was replicated): the
+    lost primary may have taken that commit too and sent its effect, so the copy here is
+    looked up before any send."""
+    run_id = (await store.submit("noop", {})).run.run_id
+    claimed = await store.claim_run("w", run_id, lease_seconds=30)
+    assert claimed is not None and epoch_of(claimed.lease.fence) == 0
+    await pool.execute(PROMOTED)
+    effects = EffectStore(pool)
+    await effects.accept(
+        pool, run_id, claimed.lease.fence, Effect("mail", "crm", {"to": "a"}), worker_id="w"
+    )
+    [claim] = await effects.claim(pool, "d", ["crm"], limit=10, lease_seconds=30)
+    assert claim.must_reconcile
+
+
+async def test_an_effect_accepted_before_the_promotion_is_looked_up_before_its_send_after_it(
+    pool: asyncpg.Pool, store: RunStore
+) -> None:
+    """Accepted and replicated, then claimed and sent by a dispatcher on the lost primary (that
+    claim lost with it): here it still reads 'accepted', never dispatched."""
+    run_id = (await store.submit("noop", {})).run.run_id
+    claimed = await store.claim_run("w", run_id, lease_seconds=30)
+    assert claimed is not None
+    effects = EffectStore(pool)
+    for key in ("before", "trusted"):
+        await effects.accept(
+            pool, run_id, claimed.lease.fence, Effect(key, "crm", {"to": "a"}), worker_id="w"
+        )
+    await pool.execute(PROMOTED)
+    [before] = await effects.claim(pool, "d", ["crm"], limit=1, lease_seconds=30)
+    [trusted] = await effects.claim(
+        pool, "d", ["crm"], limit=1, lease_seconds=30, trust_sync_replication=True
+    )
+    assert before.must_reconcile and not before.sent_before
+    assert not trusted.must_reconcile
+    # The claim records the epoch it was made in: a claim in the same epoch again is plain.
+    await pool.execute(
+        "UPDATE effects SET status = 'accepted', dispatcher = NULL, dispatcher_until = NULL"
+    )
+    again = await effects.claim(pool, "d", ["crm"], limit=10, lease_seconds=30)
+    assert len(again) == 2 and not any(c.lost_timeline for c in again)
+
+
 async def test_a_dispatcher_trusting_sync_replication_sends_without_a_lookup(
     pool: asyncpg.Pool, store: RunStore
 ) -> None:

@@ -40,6 +40,11 @@ ALTER TABLE runs ALTER COLUMN born_epoch SET DEFAULT fence_epoch();
 -- The dispatcher looks this effect up before its first send (cleared by that claim).
 ALTER TABLE effects ADD COLUMN lookup_first boolean NOT NULL DEFAULT false;
 
+-- The epoch of the effect's acceptance or its last dispatcher claim: claimed in a later epoch,
+-- the lost timeline may have dispatched it after what this copy records.
+ALTER TABLE effects ADD COLUMN known_epoch bigint NOT NULL DEFAULT 0;
+ALTER TABLE effects ALTER COLUMN known_epoch SET DEFAULT fence_epoch();
+
 CREATE OR REPLACE FUNCTION orchestrator_accept_effect(
     p_run_id text, p_effect_key text, p_fence bigint, p_kind text, p_policy text,
     p_payload jsonb, p_idempotency_key text, p_worker_id text,
@@ -92,14 +97,16 @@ BEGIN
     SELECT * INTO existing FROM effects AS e
     WHERE e.run_id = p_run_id AND e.effect_key = p_effect_key FOR UPDATE;
     IF NOT FOUND THEN
-        -- A run born before the server's last promotion may have had this effect sent on the
-        -- lost timeline: the dispatcher looks it up before its first send.
+        -- A run born before the server's last promotion, or a fence granted before it, may
+        -- have had this effect accepted and sent on the lost timeline (a commit retried on the
+        -- promoted server after the lost one answered too late): look it up before sending.
         INSERT INTO effects (run_id, effect_key, kind, policy, fence, status, payload,
                              idempotency_key, payload_sha256, requires_approval,
                              approval_expires_at, lookup_first)
         VALUES (p_run_id, p_effect_key, p_kind, p_policy, p_fence, first_status, p_payload,
                 p_idempotency_key, digest, p_requires_approval, expires,
-                run_born_epoch < fence_epoch_of(p_fence));
+                run_born_epoch < fence_epoch_of(p_fence)
+                OR fence_epoch_of(p_fence) < fence_epoch());
         INSERT INTO run_events (run_id, kind, fence, worker_id, details)
         VALUES (p_run_id, 'effect_accepted', p_fence, p_worker_id,
                 jsonb_build_object('effect_key', p_effect_key, 'kind', p_kind,
