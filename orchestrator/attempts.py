@@ -18,6 +18,7 @@ ENDINGS = {
     "lease_lost": "lost its lease",
     "released": "released at shutdown",
     "owner_session_gone": "its worker's session ended",
+    "lease_abandoned": "its worker came back without it",
     "retry_scheduled": "failed; a retry is scheduled",
     "dead_lettered": "dead-lettered",
     "waiting": "parked, waiting",

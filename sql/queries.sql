@@ -547,6 +547,31 @@ WITH live_locks AS (
 SELECT run_id, fence, lease_owner, (SELECT count(*) FROM woken) AS notified FROM expired
 
 
+-- expire_unheld_leases --
+-- params: $1 worker_id text, $2 held_run_ids text[]
+-- A worker back on the database after losing its session (a restart, a cut connection, a
+-- failover) ends its leases on runs it is not running ($2: those it is): a claim whose answer
+-- was lost on the way, or a run whose final commit a failover took back while its worker moved
+-- on. Without this they would wait out their lease. The fence is not raised; the next claim
+-- raises it.
+WITH expired AS (
+    UPDATE runs AS r
+    SET lease_until = clock_timestamp(), updated_at = clock_timestamp()
+    WHERE r.lease_owner = $1 AND r.state = 'running' AND r.lease_until > clock_timestamp()
+      AND NOT (r.run_id = ANY($2::text[]))
+    RETURNING r.run_id, r.fence, r.agent, r.lease_owner
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'lease_abandoned', fence, lease_owner,
+           jsonb_build_object('reason', 'its worker came back without it (an answer lost with '
+                                        'a connection, or a commit lost in a failover)')
+    FROM expired
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM expired
+)
+SELECT run_id, fence, (SELECT count(*) FROM woken) AS notified FROM expired
+
+
 -- commit_steps --
 -- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[],
 --         $4 expected_versions bigint[], $5 next_steps text[], $6 checkpoints text[] (JSON),

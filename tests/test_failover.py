@@ -193,7 +193,7 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
             # A worker without a vendor for "crm": the runs ask for their notices and wait.
             async with running_worker(settings, [notice], grace_seconds=0.5, **WORKER):
                 with anyio.fail_after(60):
-                    while len(await effects.list_effects()) < len(run_ids):
+                    while len(await effects.list_effects()) < len(run_ids):  # noqa: ASYNC110
                         await anyio.sleep(0.05)
             await anyio.to_thread.run_sync(pair.wait_replayed)
             await anyio.to_thread.run_sync(pair.stop_standby)
@@ -205,12 +205,14 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
                         await anyio.sleep(0.05)
                 group.cancel_scope.cancel()
         await anyio.to_thread.run_sync(pair.failover)
-        async with running_worker(
-            settings, [notice], effect_adapters={"crm": crm}, start_retry_seconds=60, **WORKER
+        async with (
+            running_worker(
+                settings, [notice], effect_adapters={"crm": crm}, start_retry_seconds=60, **WORKER
+            ),
+            opened(settings) as (pool, store),
         ):
-            async with opened(settings) as (pool, store):
-                states = await finished(store, run_ids, within=120)
-                records = await EffectStore(pool).list_effects()
+            states = await finished(store, run_ids, within=120)
+            records = await EffectStore(pool).list_effects()
     assert set(states.values()) == {RunState.SUCCEEDED}, states
     assert {e.status for e in records} == {EffectStatus.CONFIRMED}
     assert len(vendor.requests_by_key) == len(run_ids)
@@ -220,7 +222,7 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
 async def test_b_a_cancelled_sync_wait_is_no_success_and_its_fence_is_not_reused() -> None:
     async with replicated(synchronous=True) as pair:
         settings = Settings(database_url=pair.dsn())
-        async with opened(settings) as (pool, store):
+        async with opened(settings) as (_, store):
             await ensure_schema(settings, pair.dsn(), auto_migrate=True)
             cancelled_run = (await store.submit("failover_notice", {"kind": "crm"})).run.run_id
             abandoned_run = (await store.submit("failover_notice", {"kind": "crm"})).run.run_id
@@ -244,7 +246,7 @@ async def test_b_a_cancelled_sync_wait_is_no_success_and_its_fence_is_not_reused
 
                 async def cancel_when_waiting() -> None:
                     with anyio.fail_after(30):
-                        while await anyio.to_thread.run_sync(pair.sync_waiters) < 2:
+                        while await anyio.to_thread.run_sync(pair.sync_waiters) < 2:  # noqa: ASYNC110
                             await anyio.sleep(0.05)
                     assert await anyio.to_thread.run_sync(pair.cancel_sync_waiters) >= 1
 
@@ -275,9 +277,7 @@ async def _email_through_a_failover(*, require_sync_standby: bool) -> tuple[list
     GRANTS.clear()
     async with replicated(synchronous=True) as pair:
         with SmtpSink() as sink:
-            settings = Settings(
-                database_url=pair.dsn(), require_sync_standby=require_sync_standby
-            )
+            settings = Settings(database_url=pair.dsn(), require_sync_standby=require_sync_standby)
             email = adapter_from_config(
                 "email",
                 {"adapter": "smtp", "host": "127.0.0.1", "port": sink.port, "sender": "a@b.c"},
@@ -300,7 +300,7 @@ async def _email_through_a_failover(*, require_sync_standby: bool) -> tuple[list
                         for _ in range(3)
                     ]
                 with anyio.fail_after(60):
-                    while len(GRANTS) < 3:
+                    while len(GRANTS) < 3:  # noqa: ASYNC110
                         await anyio.sleep(0.05)
                 await anyio.to_thread.run_sync(pair.failover)
                 async with opened(settings) as (pool, store):

@@ -42,10 +42,12 @@ async def test_client_and_worker_reach_the_primary_through_a_multi_host_url(
     database_url: str,
 ) -> None:
     settings = Settings(database_url=multi_host(database_url))
-    async with await Client.connect(settings) as client:
-        async with running_worker(settings, [noop], poll_seconds=0.1):
-            run = await client.submit("noop", {"n": 1})
-            finished = await client.wait(run.run_id, within=30)
+    async with (
+        await Client.connect(settings) as client,
+        running_worker(settings, [noop], poll_seconds=0.1),
+    ):
+        run = await client.submit("noop", {"n": 1})
+        finished = await client.wait(run.run_id, within=30)
     assert finished.state is RunState.SUCCEEDED
 
 

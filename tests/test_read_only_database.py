@@ -35,7 +35,7 @@ async def test_a_worker_stops_within_a_heartbeat_when_its_database_turns_read_on
     ) as worker:
         run_id = (await store.submit("sleepy", {"steps": 1, "seconds": 60})).run.run_id
         with anyio.fail_after(30):
-            while run_id not in worker.active:
+            while run_id not in worker.active:  # noqa: ASYNC110
                 await anyio.sleep(0.05)
         # Every session the worker opens from now on is read-only, as on a standby.
         await pool.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
@@ -46,7 +46,7 @@ async def test_a_worker_stops_within_a_heartbeat_when_its_database_turns_read_on
             )
             began = anyio.current_time()
             with anyio.fail_after(LEASE / 2):
-                while run_id in worker.active:
+                while run_id in worker.active:  # noqa: ASYNC110
                     await anyio.sleep(0.05)
             # Two heartbeats at most (one may have been in flight), far less than the lease.
             assert anyio.current_time() - began < 3 * HEARTBEAT + 1

@@ -64,6 +64,7 @@ SYSTEM_REASON_KINDS = frozenset(
         "lease_lost",
         "released",
         "owner_session_gone",
+        "lease_abandoned",
         "dead_lettered",
         "stale_fence_rejected",
         "effect_refused",

@@ -806,3 +806,10 @@ class WorkerRegistry:
             query("expire_dead_owners"), self.namespace, reregister_grace_seconds
         )
         return [ExpiredLease(r["run_id"], r["fence"], r["lease_owner"]) for r in records]
+
+    async def expire_unheld_leases(
+        self, db: Executor, worker_id: str, held: Sequence[str]
+    ) -> list[ExpiredLease]:
+        """End ``worker_id``'s leases on runs it does not hold (``held``: those it does)."""
+        records = await db.fetch(query("expire_unheld_leases"), worker_id, list(held))
+        return [ExpiredLease(r["run_id"], r["fence"], worker_id) for r in records]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import asyncpg
@@ -77,8 +77,9 @@ class Liveness:
         self._connection = connection
         self.registrations += 1
 
-    async def run(self) -> None:
-        """Check the session every interval; when it is gone, register again until it works."""
+    async def run(self, registered_again: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Check the session every interval; when it is gone, register again until it works,
+        then call ``registered_again``."""
         while True:
             await anyio.sleep(self._check_seconds)
             if await self._alive():
@@ -98,6 +99,8 @@ class Liveness:
                     **{WORKER_ID: self.worker_id},
                 )
                 break
+            if registered_again is not None:
+                await registered_again()
 
     async def _alive(self) -> bool:
         connection = self._connection

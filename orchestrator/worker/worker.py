@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import anyio
@@ -207,6 +208,9 @@ class Worker:
         self._claim_loop_beat: float | None = None
         """When the claim loop last went round (``readiness``)."""
         self._claim_failures = 0
+        self._claiming = anyio.Lock()
+        """Held by a claim and by ``_expire_unheld``: a run claimed is in ``active`` before
+        that looks."""
         self.sync_standby = SyncStandbyRequirement(settings.require_sync_standby)
         self.effect_waiters = EffectWaiters()
         self.log = log.bind(**{WORKER_ID: self.worker_id})
@@ -371,7 +375,7 @@ class Worker:
             heartbeat_seconds=self.config.heartbeat_seconds,
         )
         async with anyio.create_task_group() as group:
-            group.start_soon(running.liveness.run)
+            group.start_soon(running.liveness.run, partial(self._expire_unheld, running))
             group.start_soon(running.keeper.run)
             group.start_soon(running.committer.run)
             group.start_soon(running.dispatcher.run)
@@ -388,6 +392,7 @@ class Worker:
             # statement deadline): a cancel NOTIFYed for a run this worker claimed before
             # it listened would reach it only at its next heartbeat.
             await group.start(self._listen, running)
+            await self._expire_unheld(running)  # a restart under the same --worker-id
             self.ready.set()
             await self._claim_loop(running)
             await self._drain()
@@ -419,11 +424,12 @@ class Worker:
                     # (its statement may not see what the hint is about) holds for the next.
                     expired_looked_at, self._look_for_expired = now, False
                 try:
-                    claimed = await self._claim(
-                        running,
-                        min(capacity, self.config.claim_batch),
-                        include_expired=look_for_expired,
-                    )
+                    async with self._claiming:
+                        claimed = await self._claim(
+                            running,
+                            min(capacity, self.config.claim_batch),
+                            include_expired=look_for_expired,
+                        )
                     if failures:
                         self.log.info("database reachable again; claiming resumed")
                     failures = self._claim_failures = 0
@@ -446,6 +452,27 @@ class Worker:
             with anyio.move_on_after(self.config.poll_seconds):
                 await self._wake.wait()
             self._look_for_expired = True  # idle until now: the look costs nothing in a lull
+
+    async def _expire_unheld(self, running: Running) -> None:
+        """Back on the database after losing its session: end this worker's leases on runs it
+        does not run (their claim's answer, or their final commit, was lost on the way)."""
+        try:
+            async with (
+                self._claiming,
+                pooled(running.store.pool, within=running.statement_seconds) as db,
+            ):
+                expired = await WorkerRegistry(self.settings.schema).expire_unheld_leases(
+                    db, self.worker_id, list(self.active)
+                )
+        except DATABASE_ERRORS as error:
+            self.log.warning("cannot end leases of runs not running here", **error_fields(error))
+            return
+        if expired:
+            self.log.warning(
+                "ended leases of runs this worker no longer runs",
+                runs=[lease.run_id for lease in expired],
+            )
+            self.wake(leases_may_have_ended=True)
 
     async def _claim(
         self, running: Running, limit: int, *, include_expired: bool = True
