@@ -2,12 +2,27 @@
 -- Regenerate: python -m orchestrator.db.schema_snapshot > sql/schema.sql
 CREATE SCHEMA orchestrator;
 CREATE FUNCTION orchestrator.fence_epoch() RETURNS bigint
-    LANGUAGE sql
-    AS $$
-    SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1
-           + coalesce(nullif(current_setting('orchestrator.fence_epoch_offset', true), '')::bigint,
-                      0)
-$$;
+    LANGUAGE plpgsql
+    AS $_$
+DECLARE
+    offset_text text := nullif(current_setting('orchestrator.fence_epoch_offset', true), '');
+    epoch bigint;
+BEGIN
+    IF offset_text IS NOT NULL AND offset_text !~ '^\s*[0-9]{1,7}\s*$' THEN
+        RAISE EXCEPTION 'orchestrator.fence_epoch_offset is %, not a whole number from 0 to 8388607',
+            quote_literal(offset_text)
+            USING HINT = 'ALTER DATABASE ... SET orchestrator.fence_epoch_offset = ''N'' with N '
+                         'the highest epoch restored (docs/high-availability.md), or RESET it';
+    END IF;
+    epoch := ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1
+             + coalesce(offset_text::bigint, 0);
+    IF epoch > 8388607 THEN
+        RAISE EXCEPTION 'fence epoch % is past 8388607: fences would not fit in a bigint', epoch
+            USING HINT = 'lower orchestrator.fence_epoch_offset (docs/high-availability.md)';
+    END IF;
+    RETURN epoch;
+END
+$_$;
 CREATE FUNCTION orchestrator.fence_epoch_of(fence bigint) RETURNS bigint
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     AS $$

@@ -6,6 +6,7 @@ move by redefining ``fence_epoch()`` (each test has a database of its own)."""
 from __future__ import annotations
 
 import asyncpg
+import pytest
 
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect
@@ -156,3 +157,21 @@ async def test_after_a_logical_restore_the_operator_raises_the_epoch(pool: async
         assert await connection.fetchval("SELECT fence_floor()") == 2 << EPOCH_BITS
         await connection.execute("RESET orchestrator.fence_epoch_offset")
         assert await connection.fetchval("SELECT fence_epoch()") == 0
+
+
+async def test_an_offset_that_is_no_whole_number_or_too_large_is_a_clear_error(
+    pool: asyncpg.Pool, store: RunStore
+) -> None:
+    """Never a floor that silently wraps: 2^23 << 40 would be a negative bigint."""
+    run_id = (await store.submit("noop", {})).run.run_id
+    async with pool.acquire() as connection:
+        for offset, message in (
+            ("abc", "not a whole number"),
+            ("-1", "not a whole number"),
+            ("8388608", "past 8388607"),
+        ):
+            await connection.execute(f"SET orchestrator.fence_epoch_offset = '{offset}'")
+            with pytest.raises(asyncpg.RaiseError, match=message):
+                await RunStore(pool).claim_run("w", run_id, lease_seconds=30, db=connection)
+        await connection.execute("RESET orchestrator.fence_epoch_offset")
+    assert (await store.get(run_id)).fence == 0

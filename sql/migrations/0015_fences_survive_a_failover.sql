@@ -12,10 +12,27 @@
 -- the promotion itself, not at the checkpoint after it as pg_control_checkpoint() does. A
 -- logical restore into a new cluster starts again at timeline 1: the operator then sets
 -- orchestrator.fence_epoch_offset (ALTER DATABASE ... SET) to the highest epoch restored.
-CREATE FUNCTION fence_epoch() RETURNS bigint LANGUAGE sql VOLATILE AS $$
-    SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1
-           + coalesce(nullif(current_setting('orchestrator.fence_epoch_offset', true), '')::bigint,
-                      0)
+-- An offset that is not a whole number, or an epoch past 2^23 - 1 (whose floor would not fit
+-- in a bigint), is an error naming the setting: never a fence floor that silently wraps.
+CREATE FUNCTION fence_epoch() RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    offset_text text := nullif(current_setting('orchestrator.fence_epoch_offset', true), '');
+    epoch bigint;
+BEGIN
+    IF offset_text IS NOT NULL AND offset_text !~ '^\s*[0-9]{1,7}\s*$' THEN
+        RAISE EXCEPTION 'orchestrator.fence_epoch_offset is %, not a whole number from 0 to 8388607',
+            quote_literal(offset_text)
+            USING HINT = 'ALTER DATABASE ... SET orchestrator.fence_epoch_offset = ''N'' with N '
+                         'the highest epoch restored (docs/high-availability.md), or RESET it';
+    END IF;
+    epoch := ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1
+             + coalesce(offset_text::bigint, 0);
+    IF epoch > 8388607 THEN
+        RAISE EXCEPTION 'fence epoch % is past 8388607: fences would not fit in a bigint', epoch
+            USING HINT = 'lower orchestrator.fence_epoch_offset (docs/high-availability.md)';
+    END IF;
+    RETURN epoch;
+END
 $$;
 
 -- The epoch a fence was granted in: its bits above the low 40 (a trillion claims per run and
