@@ -1,8 +1,10 @@
-"""A chaos campaign: a cluster on its own embedded PostgreSQL, a steady workload, faults from a
-seeded schedule, then heal, quiescence (bounded) and the checker.
+"""A chaos campaign: a cluster on its own embedded PostgreSQL (or a primary and a streaming
+standby, for failovers), a steady workload, faults from a seeded schedule, then heal, quiescence
+(bounded) and the checker.
 
 The campaign's own connections go straight to PostgreSQL; every worker and dispatcher goes
-through a ``FaultProxy`` of its own. Everything listens on 127.0.0.1.
+through a ``FaultProxy`` of its own (one per server of a pair, behind a multi-host DSN).
+Everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -28,18 +30,23 @@ from orchestrator.chaos.agents import CHAOS_SCRIPT, tools_prompt
 from orchestrator.chaos.checker import TERMINAL, Findings, check
 from orchestrator.chaos.cluster import Cluster, Timing
 from orchestrator.chaos.faults import (
+    ALL_FAULT_KINDS,
     CAMPAIGN_APPLICATION,
     CAMPAIGN_ERRORS,
     FAULT_KINDS,
+    REPLICATED_FAULT_KINDS,
     FaultRecord,
     Faults,
     ScheduledFault,
     schedule,
 )
+from orchestrator.chaos.grants import read_grants
+from orchestrator.chaos.proxies import MemberProxy
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
+from orchestrator.db.replicated import ReplicatedPostgres
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.errors import OrchestratorError
@@ -54,6 +61,9 @@ SERVER_SETTINGS = {
     "synchronous_commit": "on",
     "max_connections": "400",
 }
+PAIR_SETTINGS = {"max_connections": "400"}
+"""A replicated pair sets its own durability (``fsync`` off, ``synchronous_commit`` on) and
+keeps full-page writes, which a base backup needs."""
 FAULT_SHARE = 0.85
 
 
@@ -81,6 +91,13 @@ class CampaignConfig:
     env: dict[str, str] = field(default_factory=dict)
     after_migrate: str | None = None
     """SQL run once after the schema is migrated (a broken build of the database side)."""
+    replicated: bool = False
+    """Run on a primary with an asynchronous streaming standby (``ReplicatedPostgres``), the
+    members reaching it by a multi-host DSN. Implied by a kind that needs it (``failover``)."""
+
+    @property
+    def on_pair(self) -> bool:
+        return self.replicated or any(kind in REPLICATED_FAULT_KINDS for kind in self.kinds)
 
 
 @dataclass
@@ -97,6 +114,8 @@ class Report:
     stale_requests_refused: int
     elapsed: float
     work_dir: Path
+    replicated: bool = False
+    failover_recovery_seconds: list[float] = field(default_factory=list)
 
     @property
     def unfired(self) -> list[FaultRecord]:
@@ -126,9 +145,11 @@ class Report:
             "elapsed_seconds": round(self.elapsed, 1),
             "runs_submitted": self.runs_submitted,
             **self.findings.as_json(),
+            "replicated": self.replicated,
             "faults": {
                 kind: {"scheduled": self.scheduled[kind], "fired": fired[kind]}
-                for kind in FAULT_KINDS
+                for kind in ALL_FAULT_KINDS
+                if kind in FAULT_KINDS or self.scheduled[kind]
             },
             "faults_not_fired": [record.as_json() for record in self.unfired],
             "stale_requests_refused": self.stale_requests_refused,
@@ -141,8 +162,12 @@ class Report:
                 "p50": _round(self.recovery(0.5)),
                 "p99": _round(self.recovery(0.99)),
             },
+            "failover_recovery_seconds": [
+                round(value, 3) for value in self.failover_recovery_seconds
+            ],
             "work_dir": str(self.work_dir),
-            "replay": f"orchestrator chaos --seed {self.seed} --duration {self.duration:g}",
+            "replay": f"orchestrator chaos --seed {self.seed} --duration {self.duration:g}"
+            + (" --replicated" if self.replicated else ""),
         }
 
 
@@ -200,18 +225,37 @@ async def run_campaign(config: CampaignConfig, progress: Progress = lambda line:
     )
     work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="orchestrator-chaos-"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    embedded = EmbeddedPostgres(work_dir / "home", server_settings=SERVER_SETTINGS)
-    server = await anyio.to_thread.run_sync(embedded.ensure_running)
+    database: EmbeddedPostgres | ReplicatedPostgres
+    if config.on_pair:
+        database = ReplicatedPostgres(work_dir / "pair", server_settings=PAIR_SETTINGS)
+        try:
+            await anyio.to_thread.run_sync(database.start)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(database.close)
+            raise
+        dsn, ports = database.dsn(), list(database.ports)
+    else:
+        database = EmbeddedPostgres(work_dir / "home", server_settings=SERVER_SETTINGS)
+        server = await anyio.to_thread.run_sync(database.ensure_running)
+        dsn, ports = server.dsn(), [server.port]
     try:
         report = await _campaign(
-            config, timetable, progress, work_dir, embedded, server.dsn(), started
+            config, timetable, progress, work_dir, database, dsn, ports, started
         )
     finally:
         with anyio.CancelScope(shield=True):  # also when the campaign is interrupted
-            await anyio.to_thread.run_sync(lambda: embedded.stop(mode="immediate"))
+            await anyio.to_thread.run_sync(lambda: _stop_database(database))
     if report.passed and config.work_dir is None:
         shutil.rmtree(work_dir, ignore_errors=True)
     return report
+
+
+def _stop_database(database: EmbeddedPostgres | ReplicatedPostgres) -> None:
+    if isinstance(database, ReplicatedPostgres):
+        database.close()
+    else:
+        database.stop(mode="immediate")
 
 
 def _stamped(progress: Progress, started: float) -> Progress:
@@ -226,8 +270,9 @@ async def _campaign(
     timetable: list[ScheduledFault],
     progress: Progress,
     work_dir: Path,
-    embedded: EmbeddedPostgres,
+    database: EmbeddedPostgres | ReplicatedPostgres,
     dsn: str,
+    ports: list[int],
     started: float,
 ) -> Report:
     settings = Settings(database_url=dsn)
@@ -247,6 +292,8 @@ async def _campaign(
         model = await stack.enter_async_context(ScriptedModelServer(CHAOS_SCRIPT, latency=0.02))
         effects_config = work_dir / "vendors.json"
         effects_config.write_text(json.dumps(_vendors(vendor)))
+        grants_dir = work_dir / "grants"
+        grants_dir.mkdir(exist_ok=True)
         cluster = Cluster(
             database_dsn=dsn,
             effects_config=effects_config,
@@ -255,21 +302,24 @@ async def _campaign(
             model_env={"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "chaos"},
             command=config.command,
             env=config.env,
+            grants_dir=grants_dir,
         )
-        port = int(dsn.rsplit(":", 1)[1].split("/", 1)[0])
         for role, count in (("worker", config.workers), ("dispatcher", config.dispatchers)):
             for _ in range(count):
-                proxy = await stack.enter_async_context(FaultProxy("127.0.0.1", port))
-                cluster.add(role, proxy)
+                proxies = [
+                    await stack.enter_async_context(FaultProxy("127.0.0.1", port)) for port in ports
+                ]
+                cluster.add(role, MemberProxy(proxies))
         for member in cluster.members:
             cluster.start(member)
         stack.push_async_callback(_stop, cluster)
         await _until_registered(pool, config.workers, cluster)
+        on = "a primary and a streaming standby" if len(ports) > 1 else "one server"
         progress(
-            f"cluster up: {config.workers} workers, {config.dispatchers} dispatchers, each "
-            f"behind its own proxy; logs in {work_dir}"
+            f"cluster up on {on}: {config.workers} workers, {config.dispatchers} dispatchers, "
+            f"each behind its own proxy; logs in {work_dir}"
         )
-        faults = Faults(cluster, vendor, model, pool, embedded, time.monotonic())
+        faults = Faults(cluster, vendor, model, pool, database, time.monotonic())
         workload = plans(config.seed, config.runs)
         submitted: dict[str, Plan] = {}
         progress(
@@ -301,7 +351,10 @@ async def _campaign(
         )
         try:
             findings = await check(
-                checking, vendor, dispatch_lease_seconds=config.timing.dispatch_lease_seconds
+                checking,
+                vendor,
+                dispatch_lease_seconds=config.timing.dispatch_lease_seconds,
+                grants=read_grants(grants_dir),
             )
             recovery = await _recovery(checking, faults.victims)
         finally:
@@ -319,6 +372,8 @@ async def _campaign(
             stale_requests_refused=faults.stale_refused,
             elapsed=time.monotonic() - started,
             work_dir=work_dir,
+            replicated=len(ports) > 1,
+            failover_recovery_seconds=faults.failover_recovery,
         )
 
 

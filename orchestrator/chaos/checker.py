@@ -1,17 +1,20 @@
 """The campaign's checker: after the cluster is stopped it reads the database and the vendor's own
 records, and names every broken promise. It trusts neither the workers' logs nor the boundary's
-bookkeeping: fences come from the timeline, deliveries from the vendor."""
+bookkeeping: fences come from the timeline, deliveries from the vendor, and the fences a failover
+may have erased from the timeline from the workers' own grant records (``grants.py``)."""
 
 from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
+from orchestrator.chaos.grants import Grant, duplicate_grants
 from orchestrator.chaos.vendor import ChaosVendor
 
 TERMINAL = ("succeeded", "failed", "cancelled", "dead")
@@ -39,6 +42,8 @@ class Findings:
     stale_fence_rejections: int = 0
     lost_leases: int = 0
     takeovers: int = 0
+    grants_recorded: int = 0
+    fences_granted_twice: int = 0
     effects_by_status: dict[str, int] = field(default_factory=dict)
 
     def add(self, rule: str, subject: str, detail: str) -> None:
@@ -57,11 +62,17 @@ class Findings:
             "stale_fence_rejections": self.stale_fence_rejections,
             "lost_leases": self.lost_leases,
             "takeovers": self.takeovers,
+            "grants_recorded": self.grants_recorded,
+            "fences_granted_twice": self.fences_granted_twice,
         }
 
 
 async def check(
-    pool: asyncpg.Pool, vendor: ChaosVendor, *, dispatch_lease_seconds: float
+    pool: asyncpg.Pool,
+    vendor: ChaosVendor,
+    *,
+    dispatch_lease_seconds: float,
+    grants: Sequence[Grant] = (),
 ) -> Findings:
     found = Findings()
     runs = {row["run_id"]: row for row in await pool.fetch("SELECT * FROM orchestrator.runs")}
@@ -73,6 +84,13 @@ async def check(
     found.effects_by_status = dict(collections.Counter(row["status"] for row in effects))
     _check_runs(found, runs)
     _check_timelines(found, events)
+    claims = [
+        (run_id, event["fence"], event["worker_id"])
+        for run_id, timeline in events.items()
+        for event in timeline
+        if event["kind"] == "claimed"
+    ]
+    check_grants(found, claims, grants)
     _check_deliveries(found, runs, effects, events, vendor, dispatch_lease_seconds)
     await _check_budgets(found, pool)
     return found
@@ -127,6 +145,17 @@ def _check_timelines(found: Findings, events: dict[str, list[asyncpg.Record]]) -
                 found.lost_leases += 1
             elif kind == "stale_fence_rejected":
                 found.stale_fence_rejections += 1
+
+
+def check_grants(
+    found: Findings, claims: Iterable[tuple[str, int, str | None]], grants: Sequence[Grant]
+) -> None:
+    """No (run, fence) granted twice, by the workers' records and the claims the database kept
+    as (run, fence, worker): a claim a failover took back is in the records only."""
+    found.grants_recorded = len(grants)
+    for duplicate in duplicate_grants(grants, claims):
+        found.fences_granted_twice += 1
+        found.add("fence granted twice", f"{duplicate.run_id}@{duplicate.fence}", duplicate.detail)
 
 
 def _check_deliveries(

@@ -18,6 +18,7 @@ from orchestrator.chaos.cluster import Cluster, Member
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.replicated import ReplicatedPostgres
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.effects.store import EffectStore
@@ -48,6 +49,10 @@ FAULT_KINDS = (
     "duplicate_signal",
     "stale_request",
 )
+"""The kinds a campaign schedules unless told otherwise: each works on one server."""
+REPLICATED_FAULT_KINDS = ("failover",)
+"""Kinds that need a primary and a standby: asked for, they put the campaign on a pair."""
+ALL_FAULT_KINDS = (*FAULT_KINDS, *REPLICATED_FAULT_KINDS)
 CAMPAIGN_ERRORS: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, OrchestratorError)
 """What a fault (or the campaign's person) may meet: the database restarting or backends being
 terminated, or no run to act on."""
@@ -70,10 +75,10 @@ def schedule(
 ) -> list[ScheduledFault]:
     """``rate`` faults per second on average over ``duration``, as many of each of ``kinds``
     (at least one), at times drawn from ``seed``."""
-    unknown = sorted(set(kinds) - set(FAULT_KINDS))
+    unknown = sorted(set(kinds) - set(ALL_FAULT_KINDS))
     if unknown or not kinds:
         raise InvalidInput(
-            f"unknown fault kinds {unknown}: choose from {', '.join(FAULT_KINDS)}"
+            f"unknown fault kinds {unknown}: choose from {', '.join(ALL_FAULT_KINDS)}"
             if unknown
             else "no fault kinds chosen"
         )
@@ -114,12 +119,14 @@ class Faults:
     model: ScriptedModelServer
     pool: asyncpg.Pool
     """Straight to PostgreSQL, never through a proxy."""
-    embedded: EmbeddedPostgres
+    database: EmbeddedPostgres | ReplicatedPostgres
     started: float
     records: list[FaultRecord] = field(default_factory=list)
     victims: list[tuple[str, int, float]] = field(default_factory=list)
     """(run id, fence, when) of runs a faulted worker held: recovery is measured from them."""
     stale_refused: int = 0
+    failover_recovery: list[float] = field(default_factory=list)
+    """Seconds from each failover's kill to the first claim the promoted server granted."""
     acting: int = 0
     """Faults injected and not yet over."""
     database_lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -318,7 +325,7 @@ class Faults:
         record.target = "postgres"
         async with self.database_lock:
             before = await self.pool.fetchval("SELECT pg_postmaster_start_time()")
-            await anyio.to_thread.run_sync(lambda: self.embedded.restart(down_seconds=0.5))
+            await anyio.to_thread.run_sync(self._restart_database)
             after = None
             for _ in range(150):  # up to 30 s for the server to take connections again
                 try:
@@ -330,6 +337,61 @@ class Faults:
                     await anyio.sleep(0.2)
         record.fired = after is not None and after != before
         record.detail = "down 0.5s"
+
+    def _restart_database(self) -> None:
+        if isinstance(self.database, ReplicatedPostgres):
+            self.database.restart_primary(down_seconds=0.5)
+        else:
+            self.database.restart(down_seconds=0.5)
+
+    async def _failover(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        """The primary dies and the standby takes over; a new standby is seeded so that the
+        next failover can happen. Two in three first cut the standby off for a lease: the
+        primary then grants claims and commits steps the promoted server never sees."""
+        record.target = "postgres"
+        pair = self.database
+        if not isinstance(pair, ReplicatedPostgres):
+            record.detail = "the campaign runs on one server: no standby to promote"
+            return
+        cut = self.cluster.timing.lease_seconds if fault.target % 3 else 0.0
+        async with self.database_lock:
+            await self._held_by_all()
+            if cut:
+                await anyio.to_thread.run_sync(pair.stop_standby)
+                await anyio.sleep(cut)
+            killed = time.time()
+            done = await anyio.to_thread.run_sync(pair.failover)
+        record.fired = done.new_timeline > done.old_timeline
+        record.detail = (
+            f"standby cut off {cut:.1f}s first; timeline {done.old_timeline}→"
+            f"{done.new_timeline}; promoted {done.kill_seconds + done.promote_seconds:.1f}s "
+            f"after the kill, new standby seeded in {done.reseed_seconds:.1f}s"
+        )
+        first = await self._first_claim_after(killed, within=60)
+        if first is not None:
+            self.failover_recovery.append(first - killed)
+            record.detail += f"; first claim {first - killed:.1f}s after the kill"
+
+    async def _held_by_all(self) -> None:
+        for member in self.cluster.of("worker"):
+            await self._held_runs(member)
+
+    async def _first_claim_after(self, at: float, *, within: float) -> float | None:
+        """When the database granted its first claim after ``at`` (its clock is this host's)."""
+        for _ in range(round(within / 0.2)):
+            try:
+                first = await self.pool.fetchval(
+                    "SELECT min(at) FROM orchestrator.run_events "
+                    "WHERE kind = 'claimed' AND at > to_timestamp($1)",
+                    at,
+                    timeout=STATEMENT_SECONDS,
+                )
+            except CAMPAIGN_ERRORS:
+                first = None
+            if first is not None:
+                return float(first.timestamp())
+            await anyio.sleep(0.2)
+        return None
 
     # -- vendors and the model ----------------------------------------------------------------
     async def _vendor(self, record: FaultRecord, kind: str) -> None:
