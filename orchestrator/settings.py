@@ -27,6 +27,15 @@ def _positive_number(environ: Mapping[str, str], name: str, default: float) -> f
     return value
 
 
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    raw = (environ.get(name) or "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise InvalidInput(f"{name}={raw!r} is not a yes/no value: use 1 or 0")
+
+
 DSN_SCHEMES = ("postgresql", "postgres")
 DEFAULT_SCHEMA = "orchestrator"
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -83,6 +92,9 @@ class Settings:
     connect_timeout_seconds: float = 10.0
     schema: str = DEFAULT_SCHEMA
     """The PostgreSQL schema holding every table, function and index of orchestrator."""
+    require_sync_standby: bool = False
+    """Refuse to start, report not ready and send no effect while the primary does not
+    replicate synchronously (``--require-sync-standby``; docs/high-availability.md)."""
 
     def __post_init__(self) -> None:
         if self.database_url is not None:
@@ -105,6 +117,7 @@ class Settings:
                 env, "ORCHESTRATOR_CONNECT_TIMEOUT_SECONDS", 10.0
             ),
             schema=env.get("ORCHESTRATOR_SCHEMA") or DEFAULT_SCHEMA,
+            require_sync_standby=_flag(env, "ORCHESTRATOR_REQUIRE_SYNC_STANDBY"),
         )
 
     def with_overrides(self, **changes: object) -> Settings:
