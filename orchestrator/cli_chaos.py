@@ -11,6 +11,7 @@ import click
 from rich.table import Table
 
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
+from orchestrator.chaos.campaign import AGENTS
 from orchestrator.chaos.faults import ALL_FAULT_KINDS, FAULT_KINDS, REPLICATED_FAULT_KINDS
 from orchestrator.cli_support import run_async, stderr, stdout
 from orchestrator.errors import OrchestratorError
@@ -46,6 +47,12 @@ from orchestrator.presentation import dump_json
     + f". {', '.join(REPLICATED_FAULT_KINDS)} puts the campaign on a replicated pair.",
 )
 @click.option(
+    "--agents",
+    default=",".join(AGENTS),
+    show_default=True,
+    help="Comma-separated agents of the workload, submitted in turn.",
+)
+@click.option(
     "--replicated",
     is_flag=True,
     help="Run on a primary with an asynchronous streaming standby, the processes reaching it "
@@ -75,6 +82,7 @@ def chaos(
     kinds: str,
     settle_seconds: float,
     work_dir: Path | None,
+    agents: str,
     replicated: bool,
     as_json: bool,
 ) -> None:
@@ -93,6 +101,7 @@ def chaos(
         settle_seconds=settle_seconds,
         work_dir=work_dir,
         replicated=replicated,
+        agents=tuple(agent.strip() for agent in agents.split(",") if agent.strip()),
     )
     report = run_async(lambda: _until_terminated(config))
     if as_json:

@@ -35,6 +35,7 @@ from orchestrator.chaos.faults import (
     CAMPAIGN_ERRORS,
     FAULT_KINDS,
     REPLICATED_FAULT_KINDS,
+    ClientGate,
     FaultRecord,
     Faults,
     ScheduledFault,
@@ -49,7 +50,7 @@ from orchestrator.db.migrations import migrate
 from orchestrator.db.replicated import ReplicatedPostgres
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.loopback import FaultProxy, ScriptedModelServer
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
@@ -65,6 +66,7 @@ PAIR_SETTINGS = {"max_connections": "400"}
 """A replicated pair sets its own durability (``fsync`` off, ``synchronous_commit`` on) and
 keeps full-page writes, which a base backup needs."""
 FAULT_SHARE = 0.85
+AGENTS = ("chaos_steps", "chaos_tools")
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class CampaignConfig:
     env: dict[str, str] = field(default_factory=dict)
     after_migrate: str | None = None
     """SQL run once after the schema is migrated (a broken build of the database side)."""
+    agents: Sequence[str] = AGENTS
+    """The workload's agents, submitted in turn."""
     replicated: bool = False
     """Run on a primary with an asynchronous streaming standby (``ReplicatedPostgres``), the
     members reaching it by a multi-host DSN. Implied by a kind that needs it (``failover``)."""
@@ -116,6 +120,7 @@ class Report:
     work_dir: Path
     replicated: bool = False
     failover_recovery_seconds: list[float] = field(default_factory=list)
+    agents: Sequence[str] = AGENTS
 
     @property
     def unfired(self) -> list[FaultRecord]:
@@ -152,6 +157,7 @@ class Report:
                 if kind in FAULT_KINDS or self.scheduled[kind]
             },
             "faults_not_fired": [record.as_json() for record in self.unfired],
+            "failovers": [record.as_json() for record in self.faults if record.kind == "failover"],
             "stale_requests_refused": self.stale_requests_refused,
             "process_restarts": self.restarts,
             "processes_exited_on_their_own": [
@@ -167,7 +173,8 @@ class Report:
             ],
             "work_dir": str(self.work_dir),
             "replay": f"orchestrator chaos --seed {self.seed} --duration {self.duration:g}"
-            + (" --replicated" if self.replicated else ""),
+            + (" --replicated" if self.replicated else "")
+            + ("" if tuple(self.agents) == AGENTS else f" --agents {','.join(self.agents)}"),
         }
 
 
@@ -185,12 +192,16 @@ class Plan:
     """``approve``, ``deny`` or ``ignore`` (let the approval expire)."""
 
 
-def plans(seed: int, count: int) -> list[Plan]:
+def plans(seed: int, count: int, agents: Sequence[str] = AGENTS) -> list[Plan]:
+    """The workload: runs of ``agents`` in turn."""
+    unknown = sorted(set(agents) - set(AGENTS))
+    if unknown or not agents:
+        raise InvalidInput(f"unknown agents {unknown}: choose from {', '.join(AGENTS)}")
     rng = random.Random(seed * 7919 + 1)
     made = []
     for n in range(count):
         customer = f"c{n}"
-        if n % 2 == 0:
+        if agents[n % len(agents)] == "chaos_steps":
             decision = rng.choices(("approve", "deny", "ignore"), (6, 3, 1))[0]
             refund = rng.choice((None, 40, 150, 250))
             made.append(
@@ -223,6 +234,7 @@ async def run_campaign(config: CampaignConfig, progress: Progress = lambda line:
     timetable = schedule(
         config.seed, config.duration * FAULT_SHARE, config.fault_rate, config.kinds
     )
+    plans(config.seed, 0, config.agents)  # unknown agents: one line, nothing started
     work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="orchestrator-chaos-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     database: EmbeddedPostgres | ReplicatedPostgres
@@ -320,17 +332,19 @@ async def _campaign(
             f"each behind its own proxy; logs in {work_dir}"
         )
         faults = Faults(cluster, vendor, model, pool, database, time.monotonic())
-        workload = plans(config.seed, config.runs)
+        workload = plans(config.seed, config.runs, config.agents)
         submitted: dict[str, Plan] = {}
         progress(
             f"seed {config.seed}: {len(timetable)} faults over {config.duration:g}s, "
             f"{config.runs} runs"
         )
         async with anyio.create_task_group() as people:
-            people.start_soon(_person, pool, submitted)
+            people.start_soon(_person, pool, submitted, faults.clients)
             people.start_soon(cluster.supervise)
             async with anyio.create_task_group() as window:
-                window.start_soon(_submit, pool, workload, submitted, config.duration)
+                window.start_soon(
+                    _submit, pool, workload, submitted, config.duration, faults.clients
+                )
                 window.start_soon(_inject, faults, timetable, window)
                 window.start_soon(_report_progress, progress, pool, faults, submitted, config)
                 await anyio.sleep(config.duration)
@@ -355,6 +369,7 @@ async def _campaign(
                 vendor,
                 dispatch_lease_seconds=config.timing.dispatch_lease_seconds,
                 grants=read_grants(grants_dir),
+                submitted=submitted,
             )
             recovery = await _recovery(checking, faults.victims)
         finally:
@@ -374,6 +389,7 @@ async def _campaign(
             work_dir=work_dir,
             replicated=len(ports) > 1,
             failover_recovery_seconds=faults.failover_recovery,
+            agents=config.agents,
         )
 
 
@@ -406,7 +422,11 @@ async def _until_registered(pool: asyncpg.Pool, workers: int, cluster: Cluster) 
 
 
 async def _submit(
-    pool: asyncpg.Pool, workload: list[Plan], submitted: dict[str, Plan], over: float
+    pool: asyncpg.Pool,
+    workload: list[Plan],
+    submitted: dict[str, Plan],
+    over: float,
+    gate: ClientGate,
 ) -> None:
     store = RunStore(pool)
     gap = over / max(1, len(workload))
@@ -415,9 +435,10 @@ async def _submit(
         await anyio.sleep(max(0.0, begun + index * gap - time.monotonic()))
         for _ in range(100):  # bounded: the database may be restarting
             try:
-                submission = await store.submit(
-                    plan.agent, plan.input, idempotency_key=f"chaos-{index}", max_attempts=100
-                )
+                async with gate.open():
+                    submission = await store.submit(
+                        plan.agent, plan.input, idempotency_key=f"chaos-{index}", max_attempts=100
+                    )
                 submitted[submission.run.run_id] = plan
                 break
             except CAMPAIGN_ERRORS:
@@ -430,7 +451,7 @@ async def _inject(faults: Faults, timetable: list[Any], window: anyio.abc.TaskGr
         window.start_soon(faults.inject, fault)
 
 
-async def _person(pool: asyncpg.Pool, submitted: dict[str, Plan]) -> None:
+async def _person(pool: asyncpg.Pool, submitted: dict[str, Plan], gate: ClientGate) -> None:
     """Decides approvals as each run's plan says, and sends ``go`` to runs waiting for it."""
     approvals = ApprovalStore(pool)
     signals = SignalStore(pool)
@@ -438,31 +459,42 @@ async def _person(pool: asyncpg.Pool, submitted: dict[str, Plan]) -> None:
     while True:
         await anyio.sleep(0.3)
         try:
-            for effect in await approvals.pending(limit=100):
-                plan = submitted.get(effect.run_id)
-                if plan is None or plan.decision == "ignore":
-                    continue
-                decision = Decision.APPROVED if plan.decision == "approve" else Decision.DENIED
-                try:
-                    await approvals.decide(
-                        effect.run_id,
-                        effect.effect_key,
-                        decision,
-                        by="chaos-person",
-                        payload_sha256=effect.payload_sha256,
-                    )
-                except DecisionRefused:
-                    continue
-            waiting = await pool.fetch(
-                "SELECT run_id FROM orchestrator.runs WHERE state = 'waiting' "
-                "AND wait->'signals' ? 'go' AND updated_at < clock_timestamp() - interval '1s'"
-            )
-            for row in waiting:
-                if row["run_id"] not in told:
-                    await signals.send(row["run_id"], "go", {"by": "person"}, idempotency_key="go")
-                    told.add(row["run_id"])
+            async with gate.open():
+                await _decide_and_signal(pool, approvals, signals, submitted, told)
         except CAMPAIGN_ERRORS:
             continue
+
+
+async def _decide_and_signal(
+    pool: asyncpg.Pool,
+    approvals: ApprovalStore,
+    signals: SignalStore,
+    submitted: dict[str, Plan],
+    told: set[str],
+) -> None:
+    for effect in await approvals.pending(limit=100):
+        plan = submitted.get(effect.run_id)
+        if plan is None or plan.decision == "ignore":
+            continue
+        decision = Decision.APPROVED if plan.decision == "approve" else Decision.DENIED
+        try:
+            await approvals.decide(
+                effect.run_id,
+                effect.effect_key,
+                decision,
+                by="chaos-person",
+                payload_sha256=effect.payload_sha256,
+            )
+        except DecisionRefused:
+            continue
+    waiting = await pool.fetch(
+        "SELECT run_id FROM orchestrator.runs WHERE state = 'waiting' "
+        "AND wait->'signals' ? 'go' AND updated_at < clock_timestamp() - interval '1s'"
+    )
+    for row in waiting:
+        if row["run_id"] not in told:
+            await signals.send(row["run_id"], "go", {"by": "person"}, idempotency_key="go")
+            told.add(row["run_id"])
 
 
 async def _report_progress(

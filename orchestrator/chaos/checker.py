@@ -44,6 +44,9 @@ class Findings:
     takeovers: int = 0
     grants_recorded: int = 0
     fences_granted_twice: int = 0
+    claims_lost_with_a_timeline: int = 0
+    """(run, fence) a worker ran under that the database has no claim of: a failover took the
+    claim back (on one server: 0)."""
     effects_by_status: dict[str, int] = field(default_factory=dict)
 
     def add(self, rule: str, subject: str, detail: str) -> None:
@@ -64,6 +67,7 @@ class Findings:
             "takeovers": self.takeovers,
             "grants_recorded": self.grants_recorded,
             "fences_granted_twice": self.fences_granted_twice,
+            "claims_lost_with_a_timeline": self.claims_lost_with_a_timeline,
         }
 
 
@@ -73,9 +77,15 @@ async def check(
     *,
     dispatch_lease_seconds: float,
     grants: Sequence[Grant] = (),
+    submitted: Iterable[str] = (),
 ) -> Findings:
+    """``grants``: the workers' own records of the (run, fence) they ran under; ``submitted``:
+    the run ids the campaign was told it submitted."""
     found = Findings()
     runs = {row["run_id"]: row for row in await pool.fetch("SELECT * FROM orchestrator.runs")}
+    for run_id in sorted(set(submitted) - runs.keys()):
+        found.lost_runs += 1
+        found.add("submitted run missing", run_id, "its submit succeeded; the run is gone")
     effects = await pool.fetch("SELECT * FROM orchestrator.effects")
     events: dict[str, list[asyncpg.Record]] = collections.defaultdict(list)
     for event in await pool.fetch("SELECT * FROM orchestrator.run_events ORDER BY event_id"):
@@ -152,7 +162,12 @@ def check_grants(
 ) -> None:
     """No (run, fence) granted twice, by the workers' records and the claims the database kept
     as (run, fence, worker): a claim a failover took back is in the records only."""
+    claims = list(claims)
     found.grants_recorded = len(grants)
+    kept = {(run_id, fence) for run_id, fence, _ in claims}
+    found.claims_lost_with_a_timeline = len(
+        {(grant.run_id, grant.fence) for grant in grants} - kept
+    )
     for duplicate in duplicate_grants(grants, claims):
         found.fences_granted_twice += 1
         found.add("fence granted twice", f"{duplicate.run_id}@{duplicate.fence}", duplicate.detail)
@@ -176,7 +191,11 @@ def _check_deliveries(
     for key, delivery in vendor.deliveries.items():
         effect = by_key.get(key)
         if effect is None:
-            found.add("delivery without a record", key, "the vendor got an effect nobody asked for")
+            found.add(
+                "delivery without a record",
+                key,
+                f"the vendor got an effect nobody asked for: {_text(delivery.payload)[:200]}",
+            )
             continue
         subject = f"{effect['run_id']}/{effect['effect_key']}"
         if effect["status"] != "confirmed":

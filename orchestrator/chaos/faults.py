@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,9 @@ class Faults:
     acting: int = 0
     """Faults injected and not yet over."""
     database_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    clients: ClientGate = field(default_factory=lambda: ClientGate())
+    """The campaign's own clients (submitter, person) pass it; a failover closes it."""
+    failovers: int = 0
 
     async def inject(self, fault: ScheduledFault) -> FaultRecord:
         record = FaultRecord(time.monotonic() - self.started, fault.kind, "")
@@ -346,31 +350,69 @@ class Faults:
 
     async def _failover(self, fault: ScheduledFault, record: FaultRecord) -> None:
         """The primary dies and the standby takes over; a new standby is seeded so that the
-        next failover can happen. Two in three first cut the standby off for a lease: the
-        primary then grants claims and commits steps the promoted server never sees."""
+        next failover can happen. Two in three (the first two, the fourth, the fifth, ...) first
+        cut the standby off for two leases and SIGKILL a worker as the cut begins: its runs are
+        taken over, claimed and stepped on the primary alone, and effects are accepted and
+        dispatched there, all of which the promoted server never sees.
+
+        The campaign's own clients (submitter, person) pause meanwhile, and what they were told
+        had committed is replayed on the standby first: on an asynchronous standby a failover
+        may take back a submit or an approval its client heard succeed, the topology's
+        documented limit (docs/high-availability.md), not a fence or a send orchestrator
+        repeats. What the failover takes back here is the cluster's own work."""
         record.target = "postgres"
         pair = self.database
         if not isinstance(pair, ReplicatedPostgres):
             record.detail = "the campaign runs on one server: no standby to promote"
             return
-        cut = self.cluster.timing.lease_seconds if fault.target % 3 else 0.0
-        async with self.database_lock:
+        self.failovers += 1
+        cut = 0.0 if self.failovers % 3 == 0 else self.cluster.timing.lease_seconds * 2
+        killed_worker = ""
+        async with self.database_lock, self.clients.closed(within=30):
+            await anyio.to_thread.run_sync(pair.wait_replayed)
             await self._held_by_all()
             if cut:
                 await anyio.to_thread.run_sync(pair.stop_standby)
+                killed_worker = await self._kill_one_worker(fault)
                 await anyio.sleep(cut)
             killed = time.time()
             done = await anyio.to_thread.run_sync(pair.failover)
         record.fired = done.new_timeline > done.old_timeline
+        cut_off = f"standby cut off {cut:.1f}s first" if cut else "no cut: killed at once"
+        if killed_worker:
+            cut_off += f" ({killed_worker} SIGKILLed as it began)"
         record.detail = (
-            f"standby cut off {cut:.1f}s first; timeline {done.old_timeline}→"
-            f"{done.new_timeline}; promoted {done.kill_seconds + done.promote_seconds:.1f}s "
-            f"after the kill, new standby seeded in {done.reseed_seconds:.1f}s"
+            f"{cut_off}; timeline {done.old_timeline}→{done.new_timeline}; promoted "
+            f"{done.kill_seconds + done.promote_seconds:.1f}s after the kill, new standby "
+            f"seeded in {done.reseed_seconds:.1f}s"
         )
         first = await self._first_claim_after(killed, within=60)
         if first is not None:
             self.failover_recovery.append(first - killed)
             record.detail += f"; first claim {first - killed:.1f}s after the kill"
+
+    async def _kill_one_worker(self, fault: ScheduledFault) -> str:
+        """SIGKILL the worker holding the most runs (the fault's, if none holds any) unless
+        another fault holds it for 5 s, and restart it; its name, or ``""``."""
+        member = self._member("worker", fault)
+        try:
+            busiest = await self.pool.fetchval(
+                "SELECT lease_owner FROM orchestrator.runs WHERE state = 'running' "
+                "GROUP BY lease_owner ORDER BY count(*) DESC, lease_owner LIMIT 1",
+                timeout=STATEMENT_SECONDS,
+            )
+        except CAMPAIGN_ERRORS:
+            busiest = None
+        member = (self.cluster.by_name(busiest) if busiest else None) or member
+        with anyio.move_on_after(5):
+            async with member.lock:
+                if not member.alive:
+                    return ""
+                name = member.name
+                status = await anyio.to_thread.run_sync(self.cluster.kill, member)
+                self.cluster.restart(member)
+                return name if status == -signal.SIGKILL else ""
+        return ""
 
     async def _held_by_all(self) -> None:
         for member in self.cluster.of("worker"):
@@ -534,6 +576,30 @@ class Faults:
         record.detail = acceptance.outcome.value
         if acceptance.outcome.value == "stale":
             self.stale_refused += 1
+
+
+class ClientGate:
+    """Many clients pass at once (``open``); a failover closes the gate (``closed``): it waits,
+    bounded, for the clients inside to leave and keeps new ones out until it reopens."""
+
+    def __init__(self) -> None:
+        self._lock = anyio.Lock()
+        self.inside = 0
+
+    @asynccontextmanager
+    async def open(self) -> AsyncIterator[None]:
+        async with self._lock:
+            self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+    @asynccontextmanager
+    async def closed(self, *, within: float) -> AsyncIterator[None]:
+        async with self._lock:
+            await until(lambda: self.inside == 0, within)
+            yield
 
 
 async def until(condition: Callable[[], bool], within: float, step: float = 0.05) -> bool:
