@@ -24,6 +24,7 @@ from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import adapter_from_config
+from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import DatabaseError, OutcomeUnknown
@@ -164,6 +165,56 @@ async def test_a_async_failover_grants_no_fence_twice_and_looks_up_before_sendin
     assert set(vendor.requests_by_key.values()) == {1}, vendor.requests_by_key
     assert len(vendor.requests_by_key) == 12
     assert {e.status for e in effects} == {EffectStatus.CONFIRMED}
+
+
+async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent_again() -> None:
+    """The effects' acceptance reached the standby; their dispatch (claim, send, confirmation)
+    happened on the lost primary alone. The promoted server reads them as never dispatched, yet
+    looks each up first: the vendor sees every key once."""
+    async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
+        settings = Settings(database_url=pair.dsn())
+        crm = adapter_from_config(
+            "crm",
+            {
+                "adapter": "http",
+                "url": vendor.send_url,
+                "reconcile": "lookup",
+                "lookup_url": vendor.lookup_url,
+                "timeout_seconds": 2,
+            },
+        )
+        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+        async with opened(settings) as (pool, store):
+            run_ids = [
+                (await store.submit("failover_notice", {"kind": "crm"})).run.run_id
+                for _ in range(6)
+            ]
+            effects = EffectStore(pool)
+            # A worker without a vendor for "crm": the runs ask for their notices and wait.
+            async with running_worker(settings, [notice], grace_seconds=0.5, **WORKER):
+                with anyio.fail_after(60):
+                    while len(await effects.list_effects()) < len(run_ids):
+                        await anyio.sleep(0.05)
+            await anyio.to_thread.run_sync(pair.wait_replayed)
+            await anyio.to_thread.run_sync(pair.stop_standby)
+            dispatcher = Dispatcher(pool, {"crm": crm}, lease_seconds=5, poll_seconds=0.05)
+            async with anyio.create_task_group() as group:
+                group.start_soon(dispatcher.run)
+                with anyio.fail_after(60):
+                    while len(vendor.deliveries) < len(run_ids):  # noqa: ASYNC110
+                        await anyio.sleep(0.05)
+                group.cancel_scope.cancel()
+        await anyio.to_thread.run_sync(pair.failover)
+        async with running_worker(
+            settings, [notice], effect_adapters={"crm": crm}, start_retry_seconds=60, **WORKER
+        ):
+            async with opened(settings) as (pool, store):
+                states = await finished(store, run_ids, within=120)
+                records = await EffectStore(pool).list_effects()
+    assert set(states.values()) == {RunState.SUCCEEDED}, states
+    assert {e.status for e in records} == {EffectStatus.CONFIRMED}
+    assert len(vendor.requests_by_key) == len(run_ids)
+    assert set(vendor.requests_by_key.values()) == {1}, vendor.requests_by_key
 
 
 async def test_b_a_cancelled_sync_wait_is_no_success_and_its_fence_is_not_reused() -> None:
