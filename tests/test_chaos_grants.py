@@ -1,14 +1,18 @@
-"""The checker's rule "fence granted twice", on synthetic evidence: a failover campaign can only be
-trusted if this rule fails when a (run, fence) was handed out twice, and stays quiet for one
-claim running several steps."""
+"""The checker's rule "fence granted twice", on fabricated evidence: a failover campaign can only
+be trusted if this rule fails when a (run, fence) was handed out twice, and stays quiet for one
+claim running several steps. Also the campaign's pieces a failover needs: the client gate and
+the workload's agents."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
+from orchestrator.chaos.campaign import plans
 from orchestrator.chaos.checker import Findings, check_grants
+from orchestrator.chaos.faults import ClientGate
 from orchestrator.chaos.grants import (
     GRANTS_DIR_ENV,
     MEMBER_ENV,
@@ -17,6 +21,7 @@ from orchestrator.chaos.grants import (
     read_grants,
     record_grant,
 )
+from orchestrator.errors import InvalidInput
 
 
 def grant(holder: str, fence: int, seq: int, run_id: str = "r_1") -> Grant:
@@ -93,3 +98,40 @@ def test_workers_record_grants_to_a_file_of_their_own_that_the_checker_reads(
     ]
     [found] = duplicate_grants(grants, [])
     assert found.detail == "granted to chaos-w1.g1 and chaos-w2.g1"
+
+
+async def test_a_failover_closes_the_client_gate_after_the_clients_inside_leave() -> None:
+    """The campaign's submitter and person pass the gate; a failover waits for those inside
+    (bounded) and keeps new ones out until the primary is replaced."""
+    gate = ClientGate()
+    order: list[str] = []
+    inside = anyio.Event()
+
+    async def client(name: str, seconds: float) -> None:
+        async with gate.open():
+            order.append(f"{name} in")
+            inside.set()
+            await anyio.sleep(seconds)
+            order.append(f"{name} out")
+
+    async def failover() -> None:
+        async with gate.closed(within=5):
+            order.append("failover")
+            await anyio.sleep(0.2)
+            order.append("promoted")
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(client, "submit", 0.3)
+            await inside.wait()
+            tasks.start_soon(failover)
+            await anyio.sleep(0.05)
+            tasks.start_soon(client, "person", 0)
+    assert order == ["submit in", "submit out", "failover", "promoted", "person in", "person out"]
+
+
+def test_the_workload_is_of_the_agents_asked_for() -> None:
+    assert {plan.agent for plan in plans(1, 6)} == {"chaos_steps", "chaos_tools"}
+    assert {plan.agent for plan in plans(1, 6, ("chaos_steps",))} == {"chaos_steps"}
+    with pytest.raises(InvalidInput, match=r"unknown agents \['nope'\]"):
+        plans(1, 6, ("chaos_steps", "nope"))
