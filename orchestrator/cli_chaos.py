@@ -159,6 +159,7 @@ def _print(report: dict[str, object]) -> None:
         ("takeovers", report["takeovers"]),
         ("grants recorded by the workers", report["grants_recorded"]),
         ("fences granted twice (must be 0)", report["fences_granted_twice"]),
+        ("claims a failover took back", report["claims_lost_with_a_timeline"]),
         ("recovery p50 / p99", f"{recovery['p50']}s / {recovery['p99']}s"),
         ("first claim after each failover", report["failover_recovery_seconds"]),
         ("process restarts", report["process_restarts"]),

@@ -19,7 +19,7 @@ from orchestrator.chaos.cluster import Cluster, Member
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.replicated import ReplicatedPostgres
+from orchestrator.db.replicated import ReplicatedPostgres, ReplicationError
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.effects.store import EffectStore
@@ -369,14 +369,18 @@ class Faults:
         cut = 0.0 if self.failovers % 3 == 0 else self.cluster.timing.lease_seconds * 2
         killed_worker = ""
         async with self.database_lock, self.clients.closed(within=30):
-            await anyio.to_thread.run_sync(pair.wait_replayed)
-            await self._held_by_all()
-            if cut:
-                await anyio.to_thread.run_sync(pair.stop_standby)
-                killed_worker = await self._kill_one_worker(fault)
-                await anyio.sleep(cut)
-            killed = time.time()
-            done = await anyio.to_thread.run_sync(pair.failover)
+            try:
+                await anyio.to_thread.run_sync(pair.wait_replayed)
+                await self._held_by_all()
+                if cut:
+                    await anyio.to_thread.run_sync(pair.stop_standby)
+                    killed_worker = await self._kill_one_worker(fault)
+                    await anyio.sleep(cut)
+                killed = time.time()
+                done = await anyio.to_thread.run_sync(pair.failover)
+            except ReplicationError as error:  # not fired: the campaign fails, naming it
+                record.detail = f"the pair failed: {error}"
+                return
         record.fired = done.new_timeline > done.old_timeline
         cut_off = f"standby cut off {cut:.1f}s first" if cut else "no cut: killed at once"
         if killed_worker:
