@@ -11,7 +11,8 @@ import click
 from rich.table import Table
 
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
-from orchestrator.chaos.faults import FAULT_KINDS
+from orchestrator.chaos.campaign import AGENTS
+from orchestrator.chaos.faults import ALL_FAULT_KINDS, FAULT_KINDS, REPLICATED_FAULT_KINDS
 from orchestrator.cli_support import run_async, stderr, stdout
 from orchestrator.errors import OrchestratorError
 from orchestrator.presentation import dump_json
@@ -40,8 +41,22 @@ from orchestrator.presentation import dump_json
     "--faults",
     "kinds",
     default=",".join(FAULT_KINDS),
-    show_default="every kind",
-    help="Comma-separated fault kinds to schedule.",
+    show_default="every kind that works on one server",
+    help="Comma-separated fault kinds to schedule, from: "
+    + ", ".join(ALL_FAULT_KINDS)
+    + f". {', '.join(REPLICATED_FAULT_KINDS)} puts the campaign on a replicated pair.",
+)
+@click.option(
+    "--agents",
+    default=",".join(AGENTS),
+    show_default=True,
+    help="Comma-separated agents of the workload, submitted in turn.",
+)
+@click.option(
+    "--replicated",
+    is_flag=True,
+    help="Run on a primary with an asynchronous streaming standby, the processes reaching it "
+    "by a multi-host DSN (implied by the failover fault).",
 )
 @click.option(
     "--settle-seconds",
@@ -67,11 +82,14 @@ def chaos(
     kinds: str,
     settle_seconds: float,
     work_dir: Path | None,
+    agents: str,
+    replicated: bool,
     as_json: bool,
 ) -> None:
-    """Start a cluster on its own embedded PostgreSQL, inject faults from the seeded schedule,
-    heal, wait for quiescence and check every promise; exit 1 on any violation or on a fault
-    that did not fire. The same --seed replays the same schedule."""
+    """Start a cluster on its own embedded PostgreSQL (a primary and a standby with
+    --replicated or failovers), inject faults from the seeded schedule, heal, wait for
+    quiescence and check every promise; exit 1 on any violation or on a fault that did not
+    fire. The same --seed replays the same schedule."""
     config = CampaignConfig(
         seed=seed,
         duration=duration,
@@ -82,6 +100,8 @@ def chaos(
         kinds=tuple(kind.strip() for kind in kinds.split(",") if kind.strip()),
         settle_seconds=settle_seconds,
         work_dir=work_dir,
+        replicated=replicated,
+        agents=tuple(agent.strip() for agent in agents.split(",") if agent.strip()),
     )
     report = run_async(lambda: _until_terminated(config))
     if as_json:
@@ -90,8 +110,8 @@ def chaos(
         _print(report.as_json())
     if not report.passed:
         stderr.print(
-            f"[red]campaign failed[/red]: replay with orchestrator chaos --seed {seed} "
-            f"--duration {duration:g}; logs in {report.work_dir}"
+            f"[red]campaign failed[/red]: replay with {report.as_json()['replay']}; logs in "
+            f"{report.work_dir}"
         )
         sys.exit(1)
 
@@ -137,7 +157,11 @@ def _print(report: dict[str, object]) -> None:
         ("stale requests refused at the boundary", report["stale_requests_refused"]),
         ("lost leases", report["lost_leases"]),
         ("takeovers", report["takeovers"]),
+        ("grants recorded by the workers", report["grants_recorded"]),
+        ("fences granted twice (must be 0)", report["fences_granted_twice"]),
+        ("claims a failover took back", report["claims_lost_with_a_timeline"]),
         ("recovery p50 / p99", f"{recovery['p50']}s / {recovery['p99']}s"),
+        ("first claim after each failover", report["failover_recovery_seconds"]),
         ("process restarts", report["process_restarts"]),
         ("elapsed", f"{report['elapsed_seconds']}s"),
     ):
@@ -149,8 +173,8 @@ def _print(report: dict[str, object]) -> None:
     faults.add_column("fired", justify="right")
     by_kind = report["faults"]
     assert isinstance(by_kind, dict)
-    for kind in FAULT_KINDS:
-        faults.add_row(kind, str(by_kind[kind]["scheduled"]), str(by_kind[kind]["fired"]))
+    for kind, counts in by_kind.items():
+        faults.add_row(kind, str(counts["scheduled"]), str(counts["fired"]))
     stdout.print(faults)
     violations = report["violations"]
     assert isinstance(violations, list)

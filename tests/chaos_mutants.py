@@ -1,8 +1,8 @@
 """Deliberately broken builds, for ``tests/test_chaos.py``: the chaos checker must catch each.
 
 ``python tests/chaos_mutants.py MUTANT ARGS...`` runs ``orchestrator ARGS...`` with the mutant
-applied. The database-side mutant (``BOUNDARY_WITHOUT_FENCE_CHECK``) is SQL the campaign runs
-after migrating.
+applied. The database-side mutants (``BOUNDARY_WITHOUT_FENCE_CHECK``, ``FENCES_WITHOUT_EPOCH``)
+are SQL the campaign runs after migrating.
 """
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ BEGIN
 END $$;
 """
 """The effect boundary no longer refuses a fence below its high-water mark."""
+
+FENCES_WITHOUT_EPOCH = """
+CREATE OR REPLACE FUNCTION orchestrator.fence_floor() RETURNS bigint LANGUAGE sql VOLATILE AS $$
+    SELECT 0::bigint
+$$;
+"""
+"""Claims count on from the promoted server's copy (greatest(fence + 1, 0)), as before fences
+carried the WAL timeline's epoch: a fence the lost primary granted is granted again."""
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ must approve, waiting for it to settle, then finishes. ``chaos_tools`` is a tool
 budget: the model looks the customer up, emails them and notes the CRM, asks for a refund (above
 100 needs approval), then answers. ``CHAOS_SCRIPT`` is what the campaign's scripted model
 answers; a replayed turn proposes other arguments, as a real model may.
+
+Every step, and the read-only lookup, first records the (run, fence) it runs under outside the
+database (``orchestrator.chaos.grants``): the checker's evidence that survives a failover.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from orchestrator import (
     Wait,
     tool,
 )
+from orchestrator.chaos.grants import record_grant
 from orchestrator.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
 
 SIGNAL_WAIT_SECONDS = 120.0
@@ -41,10 +45,15 @@ def _field(ctx: StepContext, name: str) -> object:
     return ctx.input.get(name) if isinstance(ctx.input, dict) else None
 
 
+def _granted(ctx: StepContext) -> None:
+    record_grant(ctx.run_id, ctx.fence, ctx.checkpoint_version, ctx.step)
+
+
 class Announce(Step):
     name = "announce"
 
     async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
         customer = _field(ctx, "customer")
         return Next(
             AwaitGo,
@@ -65,6 +74,7 @@ class AwaitGo(Step):
     name = "await_go"
 
     async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
         woken = ctx.wait is not None
         if _field(ctx, "signal") and not woken and not any(s.name == "go" for s in ctx.signals):
             until = ctx.database_now() + timedelta(seconds=SIGNAL_WAIT_SECONDS)
@@ -76,6 +86,7 @@ class AskRefund(Step):
     name = "ask_refund"
 
     async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
         work = _field(ctx, "work_seconds")
         if isinstance(work, int | float):
             await anyio.sleep(work)
@@ -97,6 +108,7 @@ class Close(Step):
     name = "close"
 
     async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
         refund = await ctx.effects.get("refund")
         return Finish(result={"refund": refund.status.value})
 
@@ -116,6 +128,7 @@ def lookup_customer(ctx: ToolContext, customer: str) -> dict[str, str]:
     Args:
         customer: The customer's id.
     """
+    record_grant(ctx.run_id, ctx.fence, ctx.turn, "lookup_customer")
     return {"customer": customer, "email": f"{customer}@customer.test", "tier": "gold"}
 
 

@@ -1,8 +1,10 @@
-"""A chaos campaign: a cluster on its own embedded PostgreSQL, a steady workload, faults from a
-seeded schedule, then heal, quiescence (bounded) and the checker.
+"""A chaos campaign: a cluster on its own embedded PostgreSQL (or a primary and a streaming
+standby, for failovers), a steady workload, faults from a seeded schedule, then heal, quiescence
+(bounded) and the checker.
 
 The campaign's own connections go straight to PostgreSQL; every worker and dispatcher goes
-through a ``FaultProxy`` of its own. Everything listens on 127.0.0.1.
+through a ``FaultProxy`` of its own (one per server of a pair, behind a multi-host DSN).
+Everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -28,21 +30,27 @@ from orchestrator.chaos.agents import CHAOS_SCRIPT, tools_prompt
 from orchestrator.chaos.checker import TERMINAL, Findings, check
 from orchestrator.chaos.cluster import Cluster, Timing
 from orchestrator.chaos.faults import (
+    ALL_FAULT_KINDS,
     CAMPAIGN_APPLICATION,
     CAMPAIGN_ERRORS,
     FAULT_KINDS,
+    REPLICATED_FAULT_KINDS,
+    ClientGate,
     FaultRecord,
     Faults,
     ScheduledFault,
     schedule,
 )
+from orchestrator.chaos.grants import read_grants
+from orchestrator.chaos.proxies import MemberProxy
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
+from orchestrator.db.replicated import ReplicatedPostgres
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.loopback import FaultProxy, ScriptedModelServer
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
@@ -54,7 +62,11 @@ SERVER_SETTINGS = {
     "synchronous_commit": "on",
     "max_connections": "400",
 }
+PAIR_SETTINGS = {"max_connections": "400"}
+"""A replicated pair sets its own durability (``fsync`` off, ``synchronous_commit`` on) and
+keeps full-page writes, which a base backup needs."""
 FAULT_SHARE = 0.85
+AGENTS = ("chaos_steps", "chaos_tools")
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,15 @@ class CampaignConfig:
     env: dict[str, str] = field(default_factory=dict)
     after_migrate: str | None = None
     """SQL run once after the schema is migrated (a broken build of the database side)."""
+    agents: Sequence[str] = AGENTS
+    """The workload's agents, submitted in turn."""
+    replicated: bool = False
+    """Run on a primary with an asynchronous streaming standby (``ReplicatedPostgres``), the
+    members reaching it by a multi-host DSN. Implied by a kind that needs it (``failover``)."""
+
+    @property
+    def on_pair(self) -> bool:
+        return self.replicated or any(kind in REPLICATED_FAULT_KINDS for kind in self.kinds)
 
 
 @dataclass
@@ -97,6 +118,9 @@ class Report:
     stale_requests_refused: int
     elapsed: float
     work_dir: Path
+    replicated: bool = False
+    failover_recovery_seconds: list[float] = field(default_factory=list)
+    agents: Sequence[str] = AGENTS
 
     @property
     def unfired(self) -> list[FaultRecord]:
@@ -126,11 +150,14 @@ class Report:
             "elapsed_seconds": round(self.elapsed, 1),
             "runs_submitted": self.runs_submitted,
             **self.findings.as_json(),
+            "replicated": self.replicated,
             "faults": {
                 kind: {"scheduled": self.scheduled[kind], "fired": fired[kind]}
-                for kind in FAULT_KINDS
+                for kind in ALL_FAULT_KINDS
+                if kind in FAULT_KINDS or self.scheduled[kind]
             },
             "faults_not_fired": [record.as_json() for record in self.unfired],
+            "failovers": [record.as_json() for record in self.faults if record.kind == "failover"],
             "stale_requests_refused": self.stale_requests_refused,
             "process_restarts": self.restarts,
             "processes_exited_on_their_own": [
@@ -141,8 +168,13 @@ class Report:
                 "p50": _round(self.recovery(0.5)),
                 "p99": _round(self.recovery(0.99)),
             },
+            "failover_recovery_seconds": [
+                round(value, 3) for value in self.failover_recovery_seconds
+            ],
             "work_dir": str(self.work_dir),
-            "replay": f"orchestrator chaos --seed {self.seed} --duration {self.duration:g}",
+            "replay": f"orchestrator chaos --seed {self.seed} --duration {self.duration:g}"
+            + (" --replicated" if self.replicated else "")
+            + ("" if tuple(self.agents) == AGENTS else f" --agents {','.join(self.agents)}"),
         }
 
 
@@ -160,12 +192,16 @@ class Plan:
     """``approve``, ``deny`` or ``ignore`` (let the approval expire)."""
 
 
-def plans(seed: int, count: int) -> list[Plan]:
+def plans(seed: int, count: int, agents: Sequence[str] = AGENTS) -> list[Plan]:
+    """The workload: runs of ``agents`` in turn."""
+    unknown = sorted(set(agents) - set(AGENTS))
+    if unknown or not agents:
+        raise InvalidInput(f"unknown agents {unknown}: choose from {', '.join(AGENTS)}")
     rng = random.Random(seed * 7919 + 1)
     made = []
     for n in range(count):
         customer = f"c{n}"
-        if n % 2 == 0:
+        if agents[n % len(agents)] == "chaos_steps":
             decision = rng.choices(("approve", "deny", "ignore"), (6, 3, 1))[0]
             refund = rng.choice((None, 40, 150, 250))
             made.append(
@@ -198,20 +234,40 @@ async def run_campaign(config: CampaignConfig, progress: Progress = lambda line:
     timetable = schedule(
         config.seed, config.duration * FAULT_SHARE, config.fault_rate, config.kinds
     )
+    plans(config.seed, 0, config.agents)  # unknown agents: one line, nothing started
     work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="orchestrator-chaos-"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    embedded = EmbeddedPostgres(work_dir / "home", server_settings=SERVER_SETTINGS)
-    server = await anyio.to_thread.run_sync(embedded.ensure_running)
+    database: EmbeddedPostgres | ReplicatedPostgres
+    if config.on_pair:
+        database = ReplicatedPostgres(work_dir / "pair", server_settings=PAIR_SETTINGS)
+        try:
+            await anyio.to_thread.run_sync(database.start)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(database.close)
+            raise
+        dsn, ports = database.dsn(), list(database.ports)
+    else:
+        database = EmbeddedPostgres(work_dir / "home", server_settings=SERVER_SETTINGS)
+        server = await anyio.to_thread.run_sync(database.ensure_running)
+        dsn, ports = server.dsn(), [server.port]
     try:
         report = await _campaign(
-            config, timetable, progress, work_dir, embedded, server.dsn(), started
+            config, timetable, progress, work_dir, database, dsn, ports, started
         )
     finally:
         with anyio.CancelScope(shield=True):  # also when the campaign is interrupted
-            await anyio.to_thread.run_sync(lambda: embedded.stop(mode="immediate"))
+            await anyio.to_thread.run_sync(lambda: _stop_database(database))
     if report.passed and config.work_dir is None:
         shutil.rmtree(work_dir, ignore_errors=True)
     return report
+
+
+def _stop_database(database: EmbeddedPostgres | ReplicatedPostgres) -> None:
+    if isinstance(database, ReplicatedPostgres):
+        database.close()
+    else:
+        database.stop(mode="immediate")
 
 
 def _stamped(progress: Progress, started: float) -> Progress:
@@ -226,8 +282,9 @@ async def _campaign(
     timetable: list[ScheduledFault],
     progress: Progress,
     work_dir: Path,
-    embedded: EmbeddedPostgres,
+    database: EmbeddedPostgres | ReplicatedPostgres,
     dsn: str,
+    ports: list[int],
     started: float,
 ) -> Report:
     settings = Settings(database_url=dsn)
@@ -247,6 +304,8 @@ async def _campaign(
         model = await stack.enter_async_context(ScriptedModelServer(CHAOS_SCRIPT, latency=0.02))
         effects_config = work_dir / "vendors.json"
         effects_config.write_text(json.dumps(_vendors(vendor)))
+        grants_dir = work_dir / "grants"
+        grants_dir.mkdir(exist_ok=True)
         cluster = Cluster(
             database_dsn=dsn,
             effects_config=effects_config,
@@ -255,32 +314,37 @@ async def _campaign(
             model_env={"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "chaos"},
             command=config.command,
             env=config.env,
+            grants_dir=grants_dir,
         )
-        port = int(dsn.rsplit(":", 1)[1].split("/", 1)[0])
         for role, count in (("worker", config.workers), ("dispatcher", config.dispatchers)):
             for _ in range(count):
-                proxy = await stack.enter_async_context(FaultProxy("127.0.0.1", port))
-                cluster.add(role, proxy)
+                proxies = [
+                    await stack.enter_async_context(FaultProxy("127.0.0.1", port)) for port in ports
+                ]
+                cluster.add(role, MemberProxy(proxies))
         for member in cluster.members:
             cluster.start(member)
         stack.push_async_callback(_stop, cluster)
         await _until_registered(pool, config.workers, cluster)
+        on = "a primary and a streaming standby" if len(ports) > 1 else "one server"
         progress(
-            f"cluster up: {config.workers} workers, {config.dispatchers} dispatchers, each "
-            f"behind its own proxy; logs in {work_dir}"
+            f"cluster up on {on}: {config.workers} workers, {config.dispatchers} dispatchers, "
+            f"each behind its own proxy; logs in {work_dir}"
         )
-        faults = Faults(cluster, vendor, model, pool, embedded, time.monotonic())
-        workload = plans(config.seed, config.runs)
+        faults = Faults(cluster, vendor, model, pool, database, time.monotonic())
+        workload = plans(config.seed, config.runs, config.agents)
         submitted: dict[str, Plan] = {}
         progress(
             f"seed {config.seed}: {len(timetable)} faults over {config.duration:g}s, "
             f"{config.runs} runs"
         )
         async with anyio.create_task_group() as people:
-            people.start_soon(_person, pool, submitted)
+            people.start_soon(_person, pool, submitted, faults.clients)
             people.start_soon(cluster.supervise)
             async with anyio.create_task_group() as window:
-                window.start_soon(_submit, pool, workload, submitted, config.duration)
+                window.start_soon(
+                    _submit, pool, workload, submitted, config.duration, faults.clients
+                )
                 window.start_soon(_inject, faults, timetable, window)
                 window.start_soon(_report_progress, progress, pool, faults, submitted, config)
                 await anyio.sleep(config.duration)
@@ -301,7 +365,11 @@ async def _campaign(
         )
         try:
             findings = await check(
-                checking, vendor, dispatch_lease_seconds=config.timing.dispatch_lease_seconds
+                checking,
+                vendor,
+                dispatch_lease_seconds=config.timing.dispatch_lease_seconds,
+                grants=read_grants(grants_dir),
+                submitted=submitted,
             )
             recovery = await _recovery(checking, faults.victims)
         finally:
@@ -319,6 +387,9 @@ async def _campaign(
             stale_requests_refused=faults.stale_refused,
             elapsed=time.monotonic() - started,
             work_dir=work_dir,
+            replicated=len(ports) > 1,
+            failover_recovery_seconds=faults.failover_recovery,
+            agents=config.agents,
         )
 
 
@@ -351,7 +422,11 @@ async def _until_registered(pool: asyncpg.Pool, workers: int, cluster: Cluster) 
 
 
 async def _submit(
-    pool: asyncpg.Pool, workload: list[Plan], submitted: dict[str, Plan], over: float
+    pool: asyncpg.Pool,
+    workload: list[Plan],
+    submitted: dict[str, Plan],
+    over: float,
+    gate: ClientGate,
 ) -> None:
     store = RunStore(pool)
     gap = over / max(1, len(workload))
@@ -360,9 +435,10 @@ async def _submit(
         await anyio.sleep(max(0.0, begun + index * gap - time.monotonic()))
         for _ in range(100):  # bounded: the database may be restarting
             try:
-                submission = await store.submit(
-                    plan.agent, plan.input, idempotency_key=f"chaos-{index}", max_attempts=100
-                )
+                async with gate.open():
+                    submission = await store.submit(
+                        plan.agent, plan.input, idempotency_key=f"chaos-{index}", max_attempts=100
+                    )
                 submitted[submission.run.run_id] = plan
                 break
             except CAMPAIGN_ERRORS:
@@ -375,7 +451,7 @@ async def _inject(faults: Faults, timetable: list[Any], window: anyio.abc.TaskGr
         window.start_soon(faults.inject, fault)
 
 
-async def _person(pool: asyncpg.Pool, submitted: dict[str, Plan]) -> None:
+async def _person(pool: asyncpg.Pool, submitted: dict[str, Plan], gate: ClientGate) -> None:
     """Decides approvals as each run's plan says, and sends ``go`` to runs waiting for it."""
     approvals = ApprovalStore(pool)
     signals = SignalStore(pool)
@@ -383,31 +459,42 @@ async def _person(pool: asyncpg.Pool, submitted: dict[str, Plan]) -> None:
     while True:
         await anyio.sleep(0.3)
         try:
-            for effect in await approvals.pending(limit=100):
-                plan = submitted.get(effect.run_id)
-                if plan is None or plan.decision == "ignore":
-                    continue
-                decision = Decision.APPROVED if plan.decision == "approve" else Decision.DENIED
-                try:
-                    await approvals.decide(
-                        effect.run_id,
-                        effect.effect_key,
-                        decision,
-                        by="chaos-person",
-                        payload_sha256=effect.payload_sha256,
-                    )
-                except DecisionRefused:
-                    continue
-            waiting = await pool.fetch(
-                "SELECT run_id FROM orchestrator.runs WHERE state = 'waiting' "
-                "AND wait->'signals' ? 'go' AND updated_at < clock_timestamp() - interval '1s'"
-            )
-            for row in waiting:
-                if row["run_id"] not in told:
-                    await signals.send(row["run_id"], "go", {"by": "person"}, idempotency_key="go")
-                    told.add(row["run_id"])
+            async with gate.open():
+                await _decide_and_signal(pool, approvals, signals, submitted, told)
         except CAMPAIGN_ERRORS:
             continue
+
+
+async def _decide_and_signal(
+    pool: asyncpg.Pool,
+    approvals: ApprovalStore,
+    signals: SignalStore,
+    submitted: dict[str, Plan],
+    told: set[str],
+) -> None:
+    for effect in await approvals.pending(limit=100):
+        plan = submitted.get(effect.run_id)
+        if plan is None or plan.decision == "ignore":
+            continue
+        decision = Decision.APPROVED if plan.decision == "approve" else Decision.DENIED
+        try:
+            await approvals.decide(
+                effect.run_id,
+                effect.effect_key,
+                decision,
+                by="chaos-person",
+                payload_sha256=effect.payload_sha256,
+            )
+        except DecisionRefused:
+            continue
+    waiting = await pool.fetch(
+        "SELECT run_id FROM orchestrator.runs WHERE state = 'waiting' "
+        "AND wait->'signals' ? 'go' AND updated_at < clock_timestamp() - interval '1s'"
+    )
+    for row in waiting:
+        if row["run_id"] not in told:
+            await signals.send(row["run_id"], "go", {"by": "person"}, idempotency_key="go")
+            told.add(row["run_id"])
 
 
 async def _report_progress(

@@ -1,17 +1,20 @@
 """The campaign's checker: after the cluster is stopped it reads the database and the vendor's own
 records, and names every broken promise. It trusts neither the workers' logs nor the boundary's
-bookkeeping: fences come from the timeline, deliveries from the vendor."""
+bookkeeping: fences come from the timeline, deliveries from the vendor, and the fences a failover
+may have erased from the timeline from the workers' own grant records (``grants.py``)."""
 
 from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
+from orchestrator.chaos.grants import Grant, duplicate_grants
 from orchestrator.chaos.vendor import ChaosVendor
 
 TERMINAL = ("succeeded", "failed", "cancelled", "dead")
@@ -39,6 +42,11 @@ class Findings:
     stale_fence_rejections: int = 0
     lost_leases: int = 0
     takeovers: int = 0
+    grants_recorded: int = 0
+    fences_granted_twice: int = 0
+    claims_lost_with_a_timeline: int = 0
+    """(run, fence) a worker ran under that the database has no claim of: a failover took the
+    claim back (on one server: 0)."""
     effects_by_status: dict[str, int] = field(default_factory=dict)
 
     def add(self, rule: str, subject: str, detail: str) -> None:
@@ -57,14 +65,27 @@ class Findings:
             "stale_fence_rejections": self.stale_fence_rejections,
             "lost_leases": self.lost_leases,
             "takeovers": self.takeovers,
+            "grants_recorded": self.grants_recorded,
+            "fences_granted_twice": self.fences_granted_twice,
+            "claims_lost_with_a_timeline": self.claims_lost_with_a_timeline,
         }
 
 
 async def check(
-    pool: asyncpg.Pool, vendor: ChaosVendor, *, dispatch_lease_seconds: float
+    pool: asyncpg.Pool,
+    vendor: ChaosVendor,
+    *,
+    dispatch_lease_seconds: float,
+    grants: Sequence[Grant] = (),
+    submitted: Iterable[str] = (),
 ) -> Findings:
+    """``grants``: the workers' own records of the (run, fence) they ran under; ``submitted``:
+    the run ids the campaign was told it submitted."""
     found = Findings()
     runs = {row["run_id"]: row for row in await pool.fetch("SELECT * FROM orchestrator.runs")}
+    for run_id in sorted(set(submitted) - runs.keys()):
+        found.lost_runs += 1
+        found.add("submitted run missing", run_id, "its submit succeeded; the run is gone")
     effects = await pool.fetch("SELECT * FROM orchestrator.effects")
     events: dict[str, list[asyncpg.Record]] = collections.defaultdict(list)
     for event in await pool.fetch("SELECT * FROM orchestrator.run_events ORDER BY event_id"):
@@ -73,6 +94,13 @@ async def check(
     found.effects_by_status = dict(collections.Counter(row["status"] for row in effects))
     _check_runs(found, runs)
     _check_timelines(found, events)
+    claims = [
+        (run_id, event["fence"], event["worker_id"])
+        for run_id, timeline in events.items()
+        for event in timeline
+        if event["kind"] == "claimed"
+    ]
+    check_grants(found, claims, grants)
     _check_deliveries(found, runs, effects, events, vendor, dispatch_lease_seconds)
     await _check_budgets(found, pool)
     return found
@@ -129,6 +157,22 @@ def _check_timelines(found: Findings, events: dict[str, list[asyncpg.Record]]) -
                 found.stale_fence_rejections += 1
 
 
+def check_grants(
+    found: Findings, claims: Iterable[tuple[str, int, str | None]], grants: Sequence[Grant]
+) -> None:
+    """No (run, fence) granted twice, by the workers' records and the claims the database kept
+    as (run, fence, worker): a claim a failover took back is in the records only."""
+    claims = list(claims)
+    found.grants_recorded = len(grants)
+    kept = {(run_id, fence) for run_id, fence, _ in claims}
+    found.claims_lost_with_a_timeline = len(
+        {(grant.run_id, grant.fence) for grant in grants} - kept
+    )
+    for duplicate in duplicate_grants(grants, claims):
+        found.fences_granted_twice += 1
+        found.add("fence granted twice", f"{duplicate.run_id}@{duplicate.fence}", duplicate.detail)
+
+
 def _check_deliveries(
     found: Findings,
     runs: dict[str, asyncpg.Record],
@@ -147,7 +191,11 @@ def _check_deliveries(
     for key, delivery in vendor.deliveries.items():
         effect = by_key.get(key)
         if effect is None:
-            found.add("delivery without a record", key, "the vendor got an effect nobody asked for")
+            found.add(
+                "delivery without a record",
+                key,
+                f"the vendor got an effect nobody asked for: {_text(delivery.payload)[:200]}",
+            )
             continue
         subject = f"{effect['run_id']}/{effect['effect_key']}"
         if effect["status"] != "confirmed":

@@ -1,5 +1,6 @@
 """The campaign's processes: ``serve`` workers and ``effects dispatch`` dispatchers, each an OS
-process talking to PostgreSQL through its own ``FaultProxy``, restartable after a kill."""
+process talking to PostgreSQL through its own ``FaultProxy`` (one per server on a replicated
+pair), restartable after a kill."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import anyio
 
-from orchestrator.loopback import FaultProxy
+from orchestrator.chaos.grants import GRANTS_DIR_ENV, MEMBER_ENV
+from orchestrator.chaos.proxies import MemberProxy
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Member:
     role: str
     """``worker`` or ``dispatcher``."""
     index: int
-    proxy: FaultProxy
+    proxy: MemberProxy
     log_dir: Path
     generation: int = 0
     process: subprocess.Popen[bytes] | None = None
@@ -74,6 +76,7 @@ class Cluster:
         command: Sequence[str] = (sys.executable, "-m", "orchestrator.cli"),
         env: dict[str, str] | None = None,
         worker_concurrency: int = 20,
+        grants_dir: Path | None = None,
     ) -> None:
         self.database_dsn = database_dsn
         self.effects_config = effects_config
@@ -83,12 +86,14 @@ class Cluster:
         self.command = list(command)
         self.env = env or {}
         self.worker_concurrency = worker_concurrency
+        self.grants_dir = grants_dir
+        """Where each worker process's agents record the (run, fence) they ran under."""
         self.members: list[Member] = []
         self.restarts = 0
         self.exits: list[tuple[str, int | None]] = []
         """Processes that exited on their own (name, status), restarted by ``supervise``."""
 
-    def add(self, role: str, proxy: FaultProxy) -> Member:
+    def add(self, role: str, proxy: MemberProxy) -> Member:
         index = sum(1 for member in self.members if member.role == role) + 1
         member = Member(role, index, proxy, self.work_dir)
         self.members.append(member)
@@ -152,6 +157,8 @@ class Cluster:
                     **self.model_env,
                     **self.env,
                     "ORCHESTRATOR_DATABASE_URL": member.proxy.dsn_for(self.database_dsn),
+                    MEMBER_ENV: member.name,
+                    **({GRANTS_DIR_ENV: str(self.grants_dir)} if self.grants_dir else {}),
                 },
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

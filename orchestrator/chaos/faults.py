@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from orchestrator.chaos.cluster import Cluster, Member
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.replicated import ReplicatedPostgres, ReplicationError
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.effects.store import EffectStore
@@ -48,6 +50,10 @@ FAULT_KINDS = (
     "duplicate_signal",
     "stale_request",
 )
+"""The kinds a campaign schedules unless told otherwise: each works on one server."""
+REPLICATED_FAULT_KINDS = ("failover",)
+"""Kinds that need a primary and a standby: asked for, they put the campaign on a pair."""
+ALL_FAULT_KINDS = (*FAULT_KINDS, *REPLICATED_FAULT_KINDS)
 CAMPAIGN_ERRORS: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, OrchestratorError)
 """What a fault (or the campaign's person) may meet: the database restarting or backends being
 terminated, or no run to act on."""
@@ -70,10 +76,10 @@ def schedule(
 ) -> list[ScheduledFault]:
     """``rate`` faults per second on average over ``duration``, as many of each of ``kinds``
     (at least one), at times drawn from ``seed``."""
-    unknown = sorted(set(kinds) - set(FAULT_KINDS))
+    unknown = sorted(set(kinds) - set(ALL_FAULT_KINDS))
     if unknown or not kinds:
         raise InvalidInput(
-            f"unknown fault kinds {unknown}: choose from {', '.join(FAULT_KINDS)}"
+            f"unknown fault kinds {unknown}: choose from {', '.join(ALL_FAULT_KINDS)}"
             if unknown
             else "no fault kinds chosen"
         )
@@ -114,15 +120,20 @@ class Faults:
     model: ScriptedModelServer
     pool: asyncpg.Pool
     """Straight to PostgreSQL, never through a proxy."""
-    embedded: EmbeddedPostgres
+    database: EmbeddedPostgres | ReplicatedPostgres
     started: float
     records: list[FaultRecord] = field(default_factory=list)
     victims: list[tuple[str, int, float]] = field(default_factory=list)
     """(run id, fence, when) of runs a faulted worker held: recovery is measured from them."""
     stale_refused: int = 0
+    failover_recovery: list[float] = field(default_factory=list)
+    """Seconds from each failover's kill to the first claim the promoted server granted."""
     acting: int = 0
     """Faults injected and not yet over."""
     database_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    clients: ClientGate = field(default_factory=lambda: ClientGate())
+    """The campaign's own clients (submitter, person) pass it; a failover closes it."""
+    failovers: int = 0
 
     async def inject(self, fault: ScheduledFault) -> FaultRecord:
         record = FaultRecord(time.monotonic() - self.started, fault.kind, "")
@@ -318,7 +329,7 @@ class Faults:
         record.target = "postgres"
         async with self.database_lock:
             before = await self.pool.fetchval("SELECT pg_postmaster_start_time()")
-            await anyio.to_thread.run_sync(lambda: self.embedded.restart(down_seconds=0.5))
+            await anyio.to_thread.run_sync(self._restart_database)
             after = None
             for _ in range(150):  # up to 30 s for the server to take connections again
                 try:
@@ -330,6 +341,103 @@ class Faults:
                     await anyio.sleep(0.2)
         record.fired = after is not None and after != before
         record.detail = "down 0.5s"
+
+    def _restart_database(self) -> None:
+        if isinstance(self.database, ReplicatedPostgres):
+            self.database.restart_primary(down_seconds=0.5)
+        else:
+            self.database.restart(down_seconds=0.5)
+
+    async def _failover(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        """The primary dies and the standby takes over; a new standby is seeded so that the
+        next failover can happen. Two in three (the first two, the fourth, the fifth, ...) first
+        cut the standby off for two leases and SIGKILL a worker as the cut begins: its runs are
+        taken over, claimed and stepped on the primary alone, and effects are accepted and
+        dispatched there, all of which the promoted server never sees.
+
+        The campaign's own clients (submitter, person) pause meanwhile, and what they were told
+        had committed is replayed on the standby first: on an asynchronous standby a failover
+        may take back a submit or an approval its client heard succeed, the topology's
+        documented limit (docs/high-availability.md), not a fence or a send orchestrator
+        repeats. What the failover takes back here is the cluster's own work."""
+        record.target = "postgres"
+        pair = self.database
+        if not isinstance(pair, ReplicatedPostgres):
+            record.detail = "the campaign runs on one server: no standby to promote"
+            return
+        self.failovers += 1
+        cut = 0.0 if self.failovers % 3 == 0 else self.cluster.timing.lease_seconds * 2
+        killed_worker = ""
+        async with self.database_lock, self.clients.closed(within=30):
+            try:
+                await anyio.to_thread.run_sync(pair.wait_replayed)
+                await self._held_by_all()
+                if cut:
+                    await anyio.to_thread.run_sync(pair.stop_standby)
+                    killed_worker = await self._kill_one_worker(fault)
+                    await anyio.sleep(cut)
+                killed = time.time()
+                done = await anyio.to_thread.run_sync(pair.failover)
+            except ReplicationError as error:  # not fired: the campaign fails, naming it
+                record.detail = f"the pair failed: {error}"
+                return
+        record.fired = done.new_timeline > done.old_timeline
+        cut_off = f"standby cut off {cut:.1f}s first" if cut else "no cut: killed at once"
+        if killed_worker:
+            cut_off += f" ({killed_worker} SIGKILLed as it began)"
+        record.detail = (
+            f"{cut_off}; timeline {done.old_timeline}→{done.new_timeline}; promoted "
+            f"{done.kill_seconds + done.promote_seconds:.1f}s after the kill, new standby "
+            f"seeded in {done.reseed_seconds:.1f}s"
+        )
+        first = await self._first_claim_after(killed, within=60)
+        if first is not None:
+            self.failover_recovery.append(first - killed)
+            record.detail += f"; first claim {first - killed:.1f}s after the kill"
+
+    async def _kill_one_worker(self, fault: ScheduledFault) -> str:
+        """SIGKILL the worker holding the most runs (the fault's, if none holds any) unless
+        another fault holds it for 5 s, and restart it; its name, or ``""``."""
+        member = self._member("worker", fault)
+        try:
+            busiest = await self.pool.fetchval(
+                "SELECT lease_owner FROM orchestrator.runs WHERE state = 'running' "
+                "GROUP BY lease_owner ORDER BY count(*) DESC, lease_owner LIMIT 1",
+                timeout=STATEMENT_SECONDS,
+            )
+        except CAMPAIGN_ERRORS:
+            busiest = None
+        member = (self.cluster.by_name(busiest) if busiest else None) or member
+        with anyio.move_on_after(5):
+            async with member.lock:
+                if not member.alive:
+                    return ""
+                name = member.name
+                status = await anyio.to_thread.run_sync(self.cluster.kill, member)
+                self.cluster.restart(member)
+                return name if status == -signal.SIGKILL else ""
+        return ""
+
+    async def _held_by_all(self) -> None:
+        for member in self.cluster.of("worker"):
+            await self._held_runs(member)
+
+    async def _first_claim_after(self, at: float, *, within: float) -> float | None:
+        """When the database granted its first claim after ``at`` (its clock is this host's)."""
+        for _ in range(round(within / 0.2)):
+            try:
+                first = await self.pool.fetchval(
+                    "SELECT min(at) FROM orchestrator.run_events "
+                    "WHERE kind = 'claimed' AND at > to_timestamp($1)",
+                    at,
+                    timeout=STATEMENT_SECONDS,
+                )
+            except CAMPAIGN_ERRORS:
+                first = None
+            if first is not None:
+                return float(first.timestamp())
+            await anyio.sleep(0.2)
+        return None
 
     # -- vendors and the model ----------------------------------------------------------------
     async def _vendor(self, record: FaultRecord, kind: str) -> None:
@@ -472,6 +580,30 @@ class Faults:
         record.detail = acceptance.outcome.value
         if acceptance.outcome.value == "stale":
             self.stale_refused += 1
+
+
+class ClientGate:
+    """Many clients pass at once (``open``); a failover closes the gate (``closed``): it waits,
+    bounded, for the clients inside to leave and keeps new ones out until it reopens."""
+
+    def __init__(self) -> None:
+        self._lock = anyio.Lock()
+        self.inside = 0
+
+    @asynccontextmanager
+    async def open(self) -> AsyncIterator[None]:
+        async with self._lock:
+            self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+    @asynccontextmanager
+    async def closed(self, *, within: float) -> AsyncIterator[None]:
+        async with self._lock:
+            await until(lambda: self.inside == 0, within)
+            yield
 
 
 async def until(condition: Callable[[], bool], within: float, step: float = 0.05) -> bool:
