@@ -12,9 +12,25 @@ the rules a step's commit applies, in one transaction, and answers:
   ``run_cancelled``, ``run_finished``; ``key_conflict`` when the key is already used with
   another kind or policy;
 - 400/413/422 for malformed JSON, an oversized body, or invalid fields; 401 without a valid
-  bearer token; 503 when the database cannot be reached.
+  bearer token; 503 when the database cannot be reached (or the fence store below fails);
+- 409 ``fence_regression`` when the fence is below the one this proxy remembers for the run.
 
 ``GET /v1/effects/{run_id}/{effect_key}`` reads a record. ``GET /healthz`` needs no token.
+
+**Fence regressions.** The proxy remembers, in a store of its own (``effects/fence_store.py``: a
+SQLite file on its own disk, ``effects serve --fence-store``), the highest fence it saw the
+database accept for each run. A request whose fence is below that is answered 409
+``fence_regression`` with ``remembered_fence`` and ``presented_fence`` (and, as in the other
+409s, ``accepted_fence`` and ``current_fence``: the remembered fence; ``run_state``: null, since
+the database was not asked), logged at error level and counted
+(``orchestrator_proxy_requests_total{outcome="fence_regression"}``); it never reaches the
+database, so nothing is recorded and nothing is sent. Why: after a failover the promoted
+database may have lost the transactions that raised the run's fence, and would take the
+replaced worker for the owner again. The check runs before a connection is taken and again
+once one is held (the wait for a connection may span a failover); the fence is remembered only
+after the database accepted the request (201/200), as the maximum of the old and the new, before
+the answer is sent. If the store cannot be read or written the answer is 503 ``unavailable``
+(after an acceptance: retry the same request, which returns the existing record).
 """
 
 from __future__ import annotations
@@ -24,7 +40,9 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import asyncpg
+import structlog
 from opentelemetry import metrics
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -32,17 +50,22 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.errors import InvalidInput
+from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.ids import RUN_ID_PATTERN
 from orchestrator.presentation import jsonable
 from orchestrator.storable import InvalidJson, check_bigint, check_text, parse_document
-from orchestrator.telemetry import TRACER_NAME
+from orchestrator.telemetry import EFFECT_KEY, RUN_FENCE, RUN_ID, TRACER_NAME, WORKER_ID
 
+from .fence_store import FenceStore, FenceStoreUnavailable, Remembered
 from .model import DEFAULT_APPROVAL_SECONDS, Acceptance, AcceptOutcome, Effect, EffectPolicy
 from .store import EffectNotFound, EffectStore
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
 MAX_WORKER_ID = 200
+FENCE_REGRESSION = "fence_regression"
+"""The proxy's own refusal (reason code and metric outcome): a fence below the one it remembers."""
+
+log = structlog.get_logger("orchestrator.proxy")
 
 
 def _error(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
@@ -50,8 +73,14 @@ def _error(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
 
 
 def create_app(
-    pool: asyncpg.Pool, tokens: Iterable[str], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    pool: asyncpg.Pool,
+    tokens: Iterable[str],
+    *,
+    fences: FenceStore,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
+    """The proxy over ``pool``, remembering accepted fences in ``fences`` (opened by the caller,
+    closed by it after serving; the app prunes it in the background while it serves)."""
     allowed = [token.encode() for token in tokens if token]
     if not allowed:
         raise InvalidInput("the action proxy needs at least one bearer token")
@@ -92,10 +121,40 @@ def create_app(
         except InvalidInput as error:
             return _error(422, "invalid_request", str(error))
         try:
-            async with pool.acquire() as db, db.transaction():
-                answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
+            seen = await fences.remembered(run_id)
+            answer: Acceptance | None = None
+            if not _regressed(seen, fence):
+                async with pool.acquire() as db:
+                    # Read again: the wait for a connection may have spanned a failover, during
+                    # which a request under a newer fence was accepted and remembered.
+                    seen = await fences.remembered(run_id)
+                    if not _regressed(seen, fence):
+                        async with db.transaction():
+                            answer = await store.accept(
+                                db, run_id, fence, effect, worker_id=worker_id
+                            )
+            if answer is None:
+                assert seen is not None
+                requests.add(1, {"outcome": FENCE_REGRESSION})
+                return _regression(seen, run_id, fence, effect.key, worker_id)
             requests.add(1, {"outcome": answer.outcome.value})
-            record = None if answer.outcome.refused else await store.get(run_id, effect.key)
+            record = None
+            if not answer.outcome.refused:
+                # Durable before the answer leaves: once the caller hears "accepted", a lower
+                # fence for this run is refused here whatever the database forgets.
+                await fences.remember(run_id, fence, seen)
+                record = await store.get(run_id, effect.key)
+        except FenceStoreUnavailable as error:
+            log.error(
+                "the fence store failed: refusing effect requests until it works",
+                **{RUN_ID: run_id, RUN_FENCE: fence, EFFECT_KEY: effect.key},
+                **error_fields(error),
+            )
+            return _error(
+                503,
+                "unavailable",
+                f"{error}; if the request was accepted, the same request again returns it",
+            )
         except asyncpg.DataError as error:  # a value validation missed: the client's, not ours
             return _error(422, "invalid_request", f"the database refused a value: {error}")
         except DATABASE_ERRORS as error:
@@ -132,9 +191,12 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # Serving, so the command's meter provider is installed: every answer's series at 0.
-        for outcome in AcceptOutcome:
-            requests.add(0, {"outcome": outcome.value})
-        yield
+        for outcome in [*(o.value for o in AcceptOutcome), FENCE_REGRESSION]:
+            requests.add(0, {"outcome": outcome})
+        async with anyio.create_task_group() as background:
+            background.start_soon(fences.keep_pruned, log)
+            yield
+            background.cancel_scope.cancel()
 
     return Starlette(
         lifespan=lifespan,
@@ -143,6 +205,37 @@ def create_app(
             Route("/v1/effects/{run_id}/{effect_key:path}", read, methods=["GET"]),
             Route("/healthz", health, methods=["GET"]),
         ],
+    )
+
+
+def _regressed(seen: Remembered | None, fence: int) -> bool:
+    return seen is not None and fence < seen.fence
+
+
+def _regression(
+    seen: Remembered, run_id: str, fence: int, effect_key: str, worker_id: str | None
+) -> JSONResponse:
+    """409 ``fence_regression``, loudly: it means the database forgot a fence (a failover that
+    lost transactions) or a replaced worker is still acting; either way a person should know."""
+    detail = (
+        f"fence {fence} is below fence {seen.fence}, which this proxy already saw accepted for "
+        f"run {run_id}: the database may have lost transactions (a failover?) or the caller was "
+        "replaced; refused before the database, nothing recorded or sent"
+    )
+    log.error(
+        "fence regression refused",
+        remembered_fence=seen.fence,
+        **{RUN_ID: run_id, RUN_FENCE: fence, EFFECT_KEY: effect_key, WORKER_ID: worker_id},
+    )
+    return _error(
+        409,
+        FENCE_REGRESSION,
+        detail,
+        accepted_fence=seen.fence,
+        current_fence=seen.fence,
+        run_state=None,
+        remembered_fence=seen.fence,
+        presented_fence=fence,
     )
 
 

@@ -67,7 +67,7 @@ from orchestrator.presentation import (
     runs_table,
     signals_table,
 )
-from orchestrator.retention import DEFAULT_RETENTION, parse_retention
+from orchestrator.retention import DEFAULT_RETENTION, parse_age, parse_retention
 from orchestrator.run_detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_detail, more_events_hint
 from orchestrator.settings import Settings
 
@@ -861,6 +861,19 @@ def effects_resolve(
     help="A file of bearer tokens, one a line or comma-separated (ORCHESTRATOR_PROXY_TOKENS_FILE).",
 )
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
+@click.option(
+    "--fence-store",
+    type=click.Path(path_type=Path),
+    help="The proxy's own SQLite file of the highest fence it accepted per run, on a local disk "
+    "(ORCHESTRATOR_PROXY_FENCE_STORE; default: proxy-fences.sqlite3 under --home).",
+)
+@click.option(
+    "--fence-store-retention",
+    envvar="ORCHESTRATOR_PROXY_FENCE_RETENTION",
+    default="7d",
+    show_default=True,
+    help="Forget a run's fence after this long without a request (at least 1h).",
+)
 @metrics_listen_option
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
@@ -870,16 +883,19 @@ def effects_serve(
     tokens: str | None,
     tokens_file: Path | None,
     max_body_bytes: int,
+    fence_store: Path | None,
+    fence_store_retention: str,
     metrics_listen: str | None,
     log_json: bool | None,
 ) -> None:
     """Serve the effect boundary over HTTP (the action proxy) until SIGTERM/SIGINT."""
     import uvicorn
 
+    from orchestrator.effects.fence_store import FenceStore, check_retention
     from orchestrator.effects.proxy import create_app
     from orchestrator.telemetry import configure_logging
 
-    settings = settings_of(ctx)
+    settings = settings_of(ctx).with_overrides(proxy_fence_store=fence_store)
     configure_logging(json_logs=log_json)
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
@@ -891,18 +907,35 @@ def effects_serve(
 
     async def body() -> None:
         token_list = _proxy_tokens(tokens, tokens_file)
-        async with open_store(
-            settings, application_name="orchestrator-proxy", max_size=10
-        ) as store:
-            app = create_app(store.pool, token_list, max_body_bytes=max_body_bytes)
-            # log_config=None: uvicorn's records go through configure_logging's handler.
-            config = uvicorn.Config(
-                app, host=host.strip("[]"), port=int(port), log_level="warning", log_config=None
-            )
-            server = uvicorn.Server(config)
-            stderr.print(f"action proxy listening on http://{listen}")
-            with serving_metrics(metrics_listen, store.pool, gauges=False):
-                await server.serve()
+        retention = check_retention(parse_age(fence_store_retention, "--fence-store-retention"))
+        # Before the database: a bad path is a one-line error at once, not after a connect wait.
+        fences = FenceStore.open(
+            settings.proxy_fence_store_path,
+            retention=retention,
+            create_directory=settings.proxy_fence_store is None,
+        )
+        try:
+            async with open_store(
+                settings, application_name="orchestrator-proxy", max_size=10
+            ) as store:
+                app = create_app(
+                    store.pool, token_list, fences=fences, max_body_bytes=max_body_bytes
+                )
+                # log_config=None: uvicorn's records go through configure_logging's handler.
+                config = uvicorn.Config(
+                    app, host=host.strip("[]"), port=int(port), log_level="warning", log_config=None
+                )
+                server = uvicorn.Server(config)
+                remembered = await fences.count()
+                stderr.print(
+                    f"action proxy listening on http://{listen}; fence store "
+                    f"{fences.path.resolve()} ({remembered} runs remembered)",
+                    markup=False,
+                )
+                with serving_metrics(metrics_listen, store.pool, gauges=False):
+                    await server.serve()
+        finally:
+            fences.close()
 
     run_async(body)
 

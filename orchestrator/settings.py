@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 from orchestrator.errors import InvalidInput
 
 DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
+PROXY_FENCE_STORE_FILE = "proxy-fences.sqlite3"
+"""The action proxy's fence store, under ``home`` unless ``proxy_fence_store`` names a file."""
 
 
 def _positive_number(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -83,6 +85,9 @@ class Settings:
     connect_timeout_seconds: float = 10.0
     schema: str = DEFAULT_SCHEMA
     """The PostgreSQL schema holding every table, function and index of orchestrator."""
+    proxy_fence_store: Path | None = None
+    """The action proxy's own SQLite file of the highest fence it accepted per run (None:
+    ``PROXY_FENCE_STORE_FILE`` under ``home``)."""
 
     def __post_init__(self) -> None:
         if self.database_url is not None:
@@ -105,7 +110,14 @@ class Settings:
                 env, "ORCHESTRATOR_CONNECT_TIMEOUT_SECONDS", 10.0
             ),
             schema=env.get("ORCHESTRATOR_SCHEMA") or DEFAULT_SCHEMA,
+            proxy_fence_store=Path(env["ORCHESTRATOR_PROXY_FENCE_STORE"])
+            if env.get("ORCHESTRATOR_PROXY_FENCE_STORE")
+            else None,
         )
+
+    @property
+    def proxy_fence_store_path(self) -> Path:
+        return self.proxy_fence_store or self.home / PROXY_FENCE_STORE_FILE
 
     def with_overrides(self, **changes: object) -> Settings:
         present = {key: value for key, value in changes.items() if value is not None}
