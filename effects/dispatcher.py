@@ -27,6 +27,7 @@ from opentelemetry.context import Context
 
 from orchestrator.backoff import Backoff
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.telemetry import (
     EFFECT_DISPOSITION,
@@ -102,6 +103,7 @@ class Dispatcher:
         poll_seconds: float = 1.0,
         statement_seconds: float = 10.0,
         backoff: Backoff | None = None,
+        sync_standby: SyncStandbyRequirement | None = None,
     ) -> None:
         self.store = EffectStore(pool)
         self.pool = pool
@@ -121,6 +123,9 @@ class Dispatcher:
         """Kept from the end of each lease: a send starts at least this long before it ends."""
         self.metrics = EffectMetrics()
         self.log = log.bind(dispatcher=self.dispatcher_id)
+        self.sync_standby = sync_standby or SyncStandbyRequirement(False)
+        """With ``--require-sync-standby``: nothing is claimed while it fails, and no effect
+        needs a lookup for a failover's sake (no commit of a lost timeline was acted on)."""
 
     def wake(self) -> None:
         self._wake.set()
@@ -160,17 +165,20 @@ class Dispatcher:
             return []
         try:
             async with pooled(self.pool, within=self.statement_seconds) as db:
-                return await self.store.claim(
-                    db,
-                    self.dispatcher_id,
-                    sorted(self.adapters),
-                    limit=min(self.batch, free),
-                    lease_seconds=self.lease_seconds,
-                )
+                if await self.sync_standby.satisfied(db):
+                    return await self.store.claim(
+                        db,
+                        self.dispatcher_id,
+                        sorted(self.adapters),
+                        limit=min(self.batch, free),
+                        lease_seconds=self.lease_seconds,
+                        trust_sync_replication=self.sync_standby.required,
+                    )
         except DATABASE_ERRORS as error:
             self.log.warning("cannot claim effects", **error_fields(error))
-            await anyio.sleep(self.poll_seconds)
-            return []
+        # Unreachable, or the synchronous standby it requires is missing: look again later.
+        await anyio.sleep(self.poll_seconds)
+        return []
 
     async def _listen(self) -> None:
         """Wake when a step commits an effect (NOTIFY in the same transaction)."""

@@ -38,11 +38,17 @@ class ClaimedEffect:
     record: EffectRecord
     previous_status: EffectStatus
     sent_before: bool
+    lost_timeline: bool = False
+    """A promotion came between the effect's origin (its run's birth, its fence, its last
+    claim) and this claim: the lost timeline may have sent it (docs/high-availability.md)."""
 
     @property
     def must_reconcile(self) -> bool:
         """A send may already have reached the vendor: look before sending again."""
-        return self.previous_status in (EffectStatus.UNCERTAIN, EffectStatus.DISPATCHING)
+        return self.lost_timeline or self.previous_status in (
+            EffectStatus.UNCERTAIN,
+            EffectStatus.DISPATCHING,
+        )
 
 
 class EffectStore:
@@ -106,13 +112,24 @@ class EffectStore:
         *,
         limit: int,
         lease_seconds: float,
+        trust_sync_replication: bool = False,
     ) -> list[ClaimedEffect]:
+        """``trust_sync_replication``: the operator runs with a required synchronous standby,
+        so no effect of a lost timeline was sent and none needs a lookup for that reason."""
         records = await db.fetch(
-            query("claim_effects"), dispatcher, list(kinds), limit, lease_seconds
+            query("claim_effects"),
+            dispatcher,
+            list(kinds),
+            limit,
+            lease_seconds,
+            trust_sync_replication,
         )
         return [
             ClaimedEffect(
-                EffectRecord.from_record(r), EffectStatus(r["previous_status"]), r["sent_before"]
+                EffectRecord.from_record(r),
+                EffectStatus(r["previous_status"]),
+                r["sent_before"],
+                r["reconcile_first"],
             )
             for r in records
         ]

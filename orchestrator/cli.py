@@ -51,6 +51,7 @@ from orchestrator.db.deadlines import enter_when_reachable
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import latest_version, migrate
 from orchestrator.db.store import WorkerRegistry
+from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput, OrchestratorError
@@ -570,6 +571,14 @@ metrics_listen_option = click.option(
     "--metrics-listen",
     help="Serve Prometheus metrics on http://HOST:PORT/metrics and readiness on /ready.",
 )
+require_sync_standby_option = click.option(
+    "--require-sync-standby",
+    is_flag=True,
+    default=None,
+    help="Refuse to start, report not ready and send no effect while the primary has no "
+    "synchronous standby or synchronous_commit is below on (ORCHESTRATOR_REQUIRE_SYNC_STANDBY=1). "
+    "See docs/high-availability.md.",
+)
 start_retry_option = click.option(
     "--start-retry-seconds",
     type=click.FloatRange(0, 3600),
@@ -640,6 +649,7 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
 )
 @metrics_listen_option
 @start_retry_option
+@require_sync_standby_option
 @click.option(
     "--retention",
     default=DEFAULT_RETENTION,
@@ -666,6 +676,7 @@ def serve(
     dispatch_lease_seconds: float,
     metrics_listen: str | None,
     start_retry_seconds: float,
+    require_sync_standby: bool | None,
     retention: str,
     log_json: bool | None,
 ) -> None:
@@ -681,7 +692,7 @@ def serve(
     from orchestrator.worker.gc_tuning import tune_for_worker
     from orchestrator.worker.worker import Worker, WorkerConfig, default_worker_id
 
-    settings = settings_of(ctx)
+    settings = settings_of(ctx).with_overrides(require_sync_standby=require_sync_standby)
     configure_logging(json_logs=log_json)
     modules = _split_modules(agent_modules)
     if not modules:
@@ -984,6 +995,7 @@ def _proxy_tokens(tokens: str | None, tokens_file: Path | None) -> list[str]:
 @click.option("--dispatcher-id", help="Default: dispatch:host:pid:random.")
 @metrics_listen_option
 @start_retry_option
+@require_sync_standby_option
 @click.option("--log-json/--log-console", default=None)
 @click.pass_context
 def effects_dispatch(
@@ -996,13 +1008,15 @@ def effects_dispatch(
     dispatcher_id: str | None,
     metrics_listen: str | None,
     start_retry_seconds: float,
+    require_sync_standby: bool | None,
     log_json: bool | None,
 ) -> None:
     """Run only the effect dispatcher (outbox relay) until SIGTERM/SIGINT."""
     from orchestrator.effects.dispatcher import Dispatcher, load_adapters
     from orchestrator.telemetry import configure_logging
 
-    settings = settings_of(ctx)
+    settings = settings_of(ctx).with_overrides(require_sync_standby=require_sync_standby)
+    requirement = SyncStandbyRequirement(settings.require_sync_standby)
     configure_logging(json_logs=log_json)
 
     async def body() -> None:
@@ -1018,6 +1032,7 @@ def effects_dispatch(
                 within=start_retry_seconds,
                 log=structlog.get_logger("orchestrator.dispatch"),
             )
+            await requirement.require_at_start(store.pool)
             dispatcher = Dispatcher(
                 store.pool,
                 adapters,
@@ -1026,9 +1041,10 @@ def effects_dispatch(
                 poll_seconds=poll_seconds,
                 concurrency=concurrency,
                 batch=batch,
+                sync_standby=requirement,
             )
             with (
-                serving_metrics(metrics_listen, store.pool) as gauges,
+                serving_metrics(metrics_listen, store.pool, sync_standby=requirement) as gauges,
                 anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             ):
                 async with anyio.create_task_group() as group:

@@ -50,6 +50,12 @@ class DatabaseUnavailable(DatabaseError):
     """PostgreSQL could not be reached, or the connection was lost."""
 
 
+class OutcomeUnknown(DatabaseUnavailable):
+    """A statement's answer may not survive a failover: the server committed it locally but its
+    wait for a synchronous standby was cancelled. Nothing may act on it (see
+    docs/high-availability.md)."""
+
+
 class SchemaTooNew(OrchestratorError):
     """The database was migrated by a newer orchestrator than this one."""
 

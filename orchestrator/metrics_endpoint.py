@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY, make_wsgi_app
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.queries import query
+from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput
 from orchestrator.telemetry import QueueGauges, install_sdk_from_env, shutdown_sdk
 
@@ -132,15 +133,21 @@ async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, log: Any) -> No
         await anyio.sleep(QueueGauges.SAMPLE_SECONDS)
 
 
-def pool_probe(pool: asyncpg.Pool) -> Callable[[], Awaitable[Probe]]:
-    """Readiness of a process whose only dependency is the database (dispatcher, proxy)."""
+def pool_probe(
+    pool: asyncpg.Pool, sync_standby: SyncStandbyRequirement | None = None
+) -> Callable[[], Awaitable[Probe]]:
+    """Readiness of a process whose only dependency is the database (dispatcher, proxy), and,
+    with ``--require-sync-standby``, the primary's synchronous standby."""
 
     async def probe() -> Probe:
         try:
             with anyio.fail_after(2.0):
                 await pool.fetchval("SELECT 1")
+                problem = None if sync_standby is None else await sync_standby.check(pool)
         except DATABASE_ERRORS as error:
             return Probe(False, f"database unreachable: {str(error) or type(error).__name__}")
+        if problem is not None:
+            return Probe(False, f"--require-sync-standby: {problem}")
         return Probe(True, "ready")
 
     return probe
@@ -148,7 +155,11 @@ def pool_probe(pool: asyncpg.Pool) -> Callable[[], Awaitable[Probe]]:
 
 @contextmanager
 def serving_metrics(
-    listen: str | None, pool: asyncpg.Pool, *, gauges: bool = True
+    listen: str | None,
+    pool: asyncpg.Pool,
+    *,
+    gauges: bool = True,
+    sync_standby: SyncStandbyRequirement | None = None,
 ) -> Iterator[QueueGauges | None]:
     """With ``listen``: the Prometheus reader installed, the endpoint serving (readiness: the
     database answers), and, with ``gauges``, the queue gauges to sample; torn down after."""
@@ -157,7 +168,7 @@ def serving_metrics(
         return
     install_sdk_from_env(prometheus=True)
     sampled = QueueGauges() if gauges else None
-    endpoint = MetricsEndpoint(listen, pool_probe(pool), asyncio.get_running_loop())
+    endpoint = MetricsEndpoint(listen, pool_probe(pool, sync_standby), asyncio.get_running_loop())
     try:
         yield sampled
     finally:

@@ -15,6 +15,7 @@ from rich.table import Table
 from orchestrator.attempts import Attempt
 from orchestrator.budgets import BudgetState, LedgerEntry
 from orchestrator.effects.model import EffectRecord
+from orchestrator.fences import describe_fence
 from orchestrator.models import Run, RunEvent, RunState
 from orchestrator.run_detail import RunDetail
 from orchestrator.signals import Signal
@@ -136,7 +137,7 @@ def print_run(console: Console, detail: RunDetail) -> None:
         ("run id", run.run_id),
         ("agent", run.agent),
         ("state", run.state.value),
-        ("fence", str(run.fence)),
+        ("fence", describe_fence(run.fence)),
         ("owner", run.lease_owner or ""),
         ("lease until", lease),
         ("attempt", "" if run.state.terminal else attempt),

@@ -12,8 +12,6 @@ from urllib.parse import urlsplit
 from orchestrator.errors import InvalidInput
 
 DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
-PROXY_FENCE_STORE_FILE = "proxy-fences.sqlite3"
-"""The action proxy's fence store, under ``home`` unless ``proxy_fence_store`` names a file."""
 
 
 def _positive_number(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -27,6 +25,15 @@ def _positive_number(environ: Mapping[str, str], name: str, default: float) -> f
     if value <= 0:
         raise InvalidInput(f"{name}={raw!r} must be greater than zero")
     return value
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    raw = (environ.get(name) or "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise InvalidInput(f"{name}={raw!r} is not a yes/no value: use 1 or 0")
 
 
 DSN_SCHEMES = ("postgresql", "postgres")
@@ -85,9 +92,13 @@ class Settings:
     connect_timeout_seconds: float = 10.0
     schema: str = DEFAULT_SCHEMA
     """The PostgreSQL schema holding every table, function and index of orchestrator."""
+    require_sync_standby: bool = False
+    """Refuse to start, report not ready and send no effect while the primary does not
+    replicate synchronously (``--require-sync-standby``; docs/high-availability.md)."""
     proxy_fence_store: Path | None = None
-    """The action proxy's own SQLite file of the highest fence it accepted per run (None:
-    ``PROXY_FENCE_STORE_FILE`` under ``home``)."""
+    """The action proxy's own SQLite file of the highest fence it accepted per run
+    (``effects serve --fence-store``). None: the proxy keeps no such record and checks fences
+    against the database alone, as before."""
 
     def __post_init__(self) -> None:
         if self.database_url is not None:
@@ -110,14 +121,11 @@ class Settings:
                 env, "ORCHESTRATOR_CONNECT_TIMEOUT_SECONDS", 10.0
             ),
             schema=env.get("ORCHESTRATOR_SCHEMA") or DEFAULT_SCHEMA,
+            require_sync_standby=_flag(env, "ORCHESTRATOR_REQUIRE_SYNC_STANDBY"),
             proxy_fence_store=Path(env["ORCHESTRATOR_PROXY_FENCE_STORE"])
             if env.get("ORCHESTRATOR_PROXY_FENCE_STORE")
             else None,
         )
-
-    @property
-    def proxy_fence_store_path(self) -> Path:
-        return self.proxy_fence_store or self.home / PROXY_FENCE_STORE_FILE
 
     def with_overrides(self, **changes: object) -> Settings:
         present = {key: value for key, value in changes.items() if value is not None}

@@ -3,6 +3,9 @@
 - ``DatabaseFactory``: a freshly migrated database per test;
 - ``running_worker`` / ``run_agent``: run a worker (or one input through an agent) in a test;
 - ``FaultProxy``: a loopback TCP proxy that partitions a worker from PostgreSQL on demand;
+- ``ReplicatedPostgres``: a primary and a streaming standby (asynchronous or synchronous) from
+  the embedded binaries, with ``failover()`` (the primary killed, the standby promoted, a new
+  standby seeded) and a multi-host ``dsn()`` that follows the primary;
 - ``LocalModelServer``: an OpenAI-compatible model server on loopback;
 - ``ScriptedModelServer`` (with ``turns``, ``ScriptedTurn``, ``ScriptedCall`` and the faults
   ``RateLimited``, ``ServerError``, ``Slow``): an OpenAI-compatible server answering tool
@@ -39,6 +42,7 @@ import asyncpg
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
+from orchestrator.db.replicated import Failover, ReplicatedPostgres, ReplicationError
 from orchestrator.db.store import RunStore
 from orchestrator.loopback import (
     FaultProxy,
@@ -64,12 +68,15 @@ from orchestrator.worker.worker import Worker, WorkerConfig
 __all__ = [
     "TEST_SERVER_SETTINGS",
     "DatabaseFactory",
+    "Failover",
     "FaultProxy",
     "LocalModelServer",
     "LocalVendor",
     "LoopbackHttpServer",
     "LoopbackService",
     "RateLimited",
+    "ReplicatedPostgres",
+    "ReplicationError",
     "ScriptRequest",
     "ScriptedCall",
     "ScriptedModelServer",

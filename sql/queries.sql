@@ -68,8 +68,8 @@ SELECT * FROM runs WHERE idempotency_key = $1
 -- expired by the database clock; or, when $6 names a run, that run alone if it is due or its
 -- lease expired. Finding expired leases reads every running run of the agents (there is
 -- deliberately no index on lease_until, which would make renewals non-HOT), so a busy claimer
--- passes $5 false most of the time. Each claim raises the fence by exactly one and counts an
--- attempt; an expired run that already used its last attempt is dead-lettered instead (a poison
+-- passes $5 false most of the time. Each claim raises the fence (by one within a server's epoch)
+-- and counts an attempt; an expired run that already used its last attempt is dead-lettered instead (a poison
 -- run must not crash workers forever). SKIP LOCKED lets concurrent claimers pass each other;
 -- after taking a row lock PostgreSQL re-checks the WHERE clause on the newest row version, so a
 -- run another worker has just claimed is skipped, never claimed twice. Due runs are found by
@@ -120,7 +120,10 @@ WITH expired AS (
     UPDATE runs AS r
     SET state = 'running', lease_owner = $1,
         lease_until = clock_timestamp() + make_interval(secs => $4),
-        fence = r.fence + 1, attempt = r.attempt + 1, updated_at = clock_timestamp()
+        -- One more than before, or the first fence of this server's epoch after a failover
+        -- (migration 0015): never one the lost timeline may have granted.
+        fence = greatest(r.fence + 1, (SELECT fence_floor())), attempt = r.attempt + 1,
+        updated_at = clock_timestamp()
     FROM picked AS p
     WHERE r.run_id = p.run_id AND NOT p.exhausted
     RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
@@ -312,7 +315,8 @@ WITH target AS (
     FOR UPDATE
 ), cancelled AS (
     UPDATE runs AS r
-    SET state = 'cancelled', fence = r.fence + 1, lease_owner = NULL, lease_until = NULL,
+    SET state = 'cancelled', fence = greatest(r.fence + 1, (SELECT fence_floor())),
+        lease_owner = NULL, lease_until = NULL,
         wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp()
     FROM target AS t
     WHERE r.run_id = t.run_id
@@ -664,14 +668,22 @@ ORDER BY created_at DESC, run_id, effect_key
 LIMIT $3
 
 -- claim_effects --
--- params: $1 dispatcher_id text, $2 kinds text[], $3 limit int, $4 lease_seconds float8
+-- params: $1 dispatcher_id text, $2 kinds text[], $3 limit int, $4 lease_seconds float8,
+--         $5 trust_sync_replication bool
 -- A dispatcher ($1) claims up to $3 effects of the kinds $2 it has vendors for, with its own
 -- lease of $4 seconds: new or uncertain effects that are due, and dispatches whose dispatcher
 -- lease expired (that dispatcher may have died after the vendor accepted); an effect that needs
--- approval only once approved for its very payload. previous_status and ever_dispatched tell the
--- dispatcher whether it may send, or must reconcile first.
-WITH picked AS (
-    SELECT run_id, effect_key, status AS previous_status, ever_dispatched AS sent_before
+-- approval only once approved for its very payload. previous_status, ever_dispatched and
+-- reconcile_first tell the dispatcher whether it may send, or must reconcile first.
+-- reconcile_first (a failover's lost timeline may have sent it: lookup_first, or its last claim
+-- or acceptance was in an earlier epoch) is answered once, by this claim, and is moot when $5
+-- says every commit was synchronously replicated (nothing of a lost timeline was acted on).
+WITH here AS (
+    SELECT fence_epoch() AS epoch
+), picked AS (
+    SELECT run_id, effect_key, status AS previous_status, ever_dispatched AS sent_before,
+           (lookup_first OR known_epoch < (SELECT epoch FROM here)) AND NOT $5::boolean
+               AS lookup_first
     FROM effects
     WHERE kind = ANY($2::text[])
       AND ((status IN ('accepted', 'uncertain') AND available_at <= clock_timestamp())
@@ -684,10 +696,11 @@ WITH picked AS (
 UPDATE effects AS e
 SET status = 'dispatching', dispatcher = $1,
     dispatcher_until = clock_timestamp() + make_interval(secs => $4),
-    attempts = e.attempts + 1, ever_dispatched = true, updated_at = clock_timestamp()
+    attempts = e.attempts + 1, ever_dispatched = true, lookup_first = false,
+    known_epoch = (SELECT epoch FROM here), updated_at = clock_timestamp()
 FROM picked AS p
 WHERE e.run_id = p.run_id AND e.effect_key = p.effect_key
-RETURNING e.*, p.previous_status, p.sent_before
+RETURNING e.*, p.previous_status, p.sent_before, p.lookup_first AS reconcile_first
 
 -- effect_may_dispatch --
 -- params: $1 run_id text, $2 effect_key text, $3 dispatcher_id text, $4 fence bigint

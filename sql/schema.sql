@@ -1,12 +1,31 @@
 -- The orchestrator schema as migrations 0001..N produce it (generated: do not edit).
 -- Regenerate: python -m orchestrator.db.schema_snapshot > sql/schema.sql
 CREATE SCHEMA orchestrator;
+CREATE FUNCTION orchestrator.fence_epoch() RETURNS bigint
+    LANGUAGE sql
+    AS $$
+    SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1
+           + coalesce(nullif(current_setting('orchestrator.fence_epoch_offset', true), '')::bigint,
+                      0)
+$$;
+CREATE FUNCTION orchestrator.fence_epoch_of(fence bigint) RETURNS bigint
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$
+    SELECT fence >> 40
+$$;
+CREATE FUNCTION orchestrator.fence_floor() RETURNS bigint
+    LANGUAGE sql
+    SET search_path TO 'orchestrator'
+    AS $$
+    SELECT fence_epoch() << 40
+$$;
 CREATE FUNCTION orchestrator.orchestrator_accept_effect(p_run_id text, p_effect_key text, p_fence bigint, p_kind text, p_policy text, p_payload jsonb, p_idempotency_key text, p_worker_id text, p_requires_approval boolean, p_approval_seconds double precision, OUT outcome text, OUT accepted_fence bigint, OUT status text, OUT run_state text, OUT run_fence bigint) RETURNS record
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator'
     AS $$
 DECLARE
     high_water bigint;
+    run_born_epoch bigint;
     existing effects%ROWTYPE;
     digest text := encode(sha256(convert_to(p_payload::text, 'UTF8')), 'hex');
     first_status text := CASE WHEN p_requires_approval THEN 'awaiting_approval'
@@ -15,7 +34,7 @@ DECLARE
                                 THEN clock_timestamp() + make_interval(secs => p_approval_seconds)
                            END;
 BEGIN
-    SELECT r.fence, r.state INTO run_fence, run_state
+    SELECT r.fence, r.state, r.born_epoch INTO run_fence, run_state, run_born_epoch
     FROM runs AS r WHERE r.run_id = p_run_id FOR SHARE;
     IF NOT FOUND THEN
         outcome := 'unknown_run';
@@ -48,11 +67,16 @@ BEGIN
     SELECT * INTO existing FROM effects AS e
     WHERE e.run_id = p_run_id AND e.effect_key = p_effect_key FOR UPDATE;
     IF NOT FOUND THEN
+        -- A run born before the server's last promotion, or a fence granted before it, may
+        -- have had this effect accepted and sent on the lost timeline (a commit retried on the
+        -- promoted server after the lost one answered too late): look it up before sending.
         INSERT INTO effects (run_id, effect_key, kind, policy, fence, status, payload,
                              idempotency_key, payload_sha256, requires_approval,
-                             approval_expires_at)
+                             approval_expires_at, lookup_first)
         VALUES (p_run_id, p_effect_key, p_kind, p_policy, p_fence, first_status, p_payload,
-                p_idempotency_key, digest, p_requires_approval, expires);
+                p_idempotency_key, digest, p_requires_approval, expires,
+                run_born_epoch < fence_epoch_of(p_fence)
+                OR fence_epoch_of(p_fence) < fence_epoch());
         INSERT INTO run_events (run_id, kind, fence, worker_id, details)
         VALUES (p_run_id, 'effect_accepted', p_fence, p_worker_id,
                 jsonb_build_object('effect_key', p_effect_key, 'kind', p_kind,
@@ -221,6 +245,8 @@ CREATE TABLE orchestrator.effects (
     decided_by text,
     decided_at timestamp with time zone,
     decision_note text,
+    lookup_first boolean DEFAULT false NOT NULL,
+    known_epoch bigint DEFAULT orchestrator.fence_epoch() NOT NULL,
     CONSTRAINT effects_policy_check CHECK ((policy = ANY (ARRAY['irreversible'::text, 'replaceable'::text]))),
     CONSTRAINT effects_status_check CHECK ((status = ANY (ARRAY['accepted'::text, 'dispatching'::text, 'uncertain'::text, 'confirmed'::text, 'failed'::text, 'rejected'::text, 'parked'::text, 'awaiting_approval'::text])))
 );
@@ -329,6 +355,7 @@ CREATE TABLE orchestrator.runs (
     signals_pending integer DEFAULT 0 NOT NULL,
     watched boolean DEFAULT false NOT NULL,
     wake_streak integer DEFAULT 0 NOT NULL,
+    born_epoch bigint DEFAULT orchestrator.fence_epoch() NOT NULL,
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT runs_fence_check CHECK ((fence >= 0)),
     CONSTRAINT runs_lease_matches_state CHECK (((state = 'running'::text) = ((lease_owner IS NOT NULL) AND (lease_until IS NOT NULL)))),

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.guarded import GuardedConnection
 from orchestrator.errors import DatabaseError, DatabaseUnavailable, InvalidInput
 from orchestrator.jsontext import compact, parse
 from orchestrator.settings import Settings
@@ -196,6 +197,7 @@ async def create_pool(
                 **(session_settings or {}),
             },
             init=_init_connection,
+            connection_class=GuardedConnection,
             **pool_options,
         )
     except _UNAVAILABLE_ERRORS as error:
@@ -216,6 +218,7 @@ async def connect(
             dsn,
             timeout=settings.connect_timeout_seconds,
             server_settings=server_settings(settings, application_name),
+            connection_class=GuardedConnection,
         )
     except _UNAVAILABLE_ERRORS as error:
         raise unavailable(dsn, error) from None

@@ -27,6 +27,7 @@ from datetime import datetime, timedelta
 from typing import ClassVar
 
 import anyio
+import asyncpg
 import structlog
 
 from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection
@@ -37,6 +38,7 @@ from orchestrator.telemetry import RUN_FENCE, RUN_ID, WORKER_ID, Metrics, start_
 log = structlog.get_logger("orchestrator.heartbeat")
 
 NO_DEADLINE_CONFIRMATION = "no confirmed renewal before the local deadline"
+READ_ONLY_DATABASE = "the database refused the renewal as read-only (a standby, or demoted)"
 
 
 def safety_margin(lease_seconds: float) -> float:
@@ -287,6 +289,11 @@ class LeaseKeeper:
         except DATABASE_ERRORS as error:
             self.failures += 1
             self.metrics.renewal_failures.add(1)
+            if isinstance(error, asyncpg.ReadOnlySQLTransactionError):
+                # A standby now, or a primary demoted by a failover: no renewal can succeed
+                # there, and the run may already be someone else's on the new primary.
+                for handle in handles:
+                    handle.lose(READ_ONLY_DATABASE)
             with start_span(
                 "renew_failed", attributes={WORKER_ID: self.worker_id, "leases": len(handles)}
             ):

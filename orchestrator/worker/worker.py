@@ -48,6 +48,7 @@ from orchestrator.db.deadlines import (
     pooled,
 )
 from orchestrator.db.store import RunStore, WorkerRegistry
+from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.dispatcher import Dispatcher
@@ -206,6 +207,7 @@ class Worker:
         self._claim_loop_beat: float | None = None
         """When the claim loop last went round (``readiness``)."""
         self._claim_failures = 0
+        self.sync_standby = SyncStandbyRequirement(settings.require_sync_standby)
         self.effect_waiters = EffectWaiters()
         self.log = log.bind(**{WORKER_ID: self.worker_id})
         self._agent_attributes = {name: {"agent": name} for name in config.agents.names}
@@ -238,8 +240,12 @@ class Worker:
         try:
             with anyio.fail_after(READINESS_SECONDS):
                 await running.store.pool.fetchval("SELECT 1")
+            with anyio.fail_after(READINESS_SECONDS):
+                problem = await self.sync_standby.check(running.store.pool)
         except DATABASE_ERRORS as error:
             return Probe(False, f"database unreachable: {str(error) or type(error).__name__}")
+        if problem is not None:
+            return Probe(False, f"--require-sync-standby: {problem}")
         if self._claim_failures:
             return Probe(False, "claims are failing: the database refuses or times out")
         beat = self._claim_loop_beat
@@ -283,6 +289,7 @@ class Worker:
                 keep_session_state=True,
             )
             stack.push_async_callback(_bounded, pool.close)
+            await self.sync_standby.require_at_start(pool)
             # Claims are serial (one claim loop) and on the path of every run: one connection
             # of their own, on which the claim statement is planned once, not on every claim.
             claim_pool = await create_pool(
@@ -345,6 +352,7 @@ class Worker:
                     lease_seconds=config.dispatch_lease_seconds,
                     poll_seconds=config.poll_seconds,
                     statement_seconds=statement_seconds,
+                    sync_standby=self.sync_standby,
                 ),
                 liveness=liveness,
                 effect_store=EffectStore(pool),

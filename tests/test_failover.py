@@ -1,0 +1,298 @@
+"""Failover on a real primary + streaming standby (``orchestrator.testing.ReplicatedPostgres``):
+no fence is granted twice and no vendor sees a key twice, whatever the promoted server lost.
+
+(a) Asynchronous replication: the lost primary granted fences, accepted and sent effects that
+    the standby never saw; the worker reaches the promoted server through the multi-host URL,
+    re-runs the runs under fences of the new epoch, and reconciles before sending.
+(b) Synchronous replication: a claim whose wait for the standby is cancelled reports no
+    success, and a claim whose client gives up leaves the wait in place (no cancel request).
+(c) ``--require-sync-standby``: an SMTP email (no lookup) goes out once through a failover;
+    without the flag the same email is parked for a person rather than sent blind.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import asyncpg
+import pytest
+
+from orchestrator.db.bootstrap import ensure_schema
+from orchestrator.db.connections import create_pool
+from orchestrator.db.store import RunStore
+from orchestrator.effects.adapters import adapter_from_config
+from orchestrator.effects.model import Effect, EffectStatus
+from orchestrator.effects.store import EffectStore
+from orchestrator.errors import DatabaseError, OutcomeUnknown
+from orchestrator.fences import EPOCH_BITS, epoch_of
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
+from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
+
+pytestmark = pytest.mark.slow
+
+GRANTS: list[tuple[str, int, str]] = []
+"""Every (run, fence) a step of this module ran under, on whichever timeline: the evidence a
+failover cannot take back (the lost primary's own records of its claims are gone)."""
+
+WORKER = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
+
+
+class Request(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        GRANTS.append((ctx.run_id, ctx.fence, "request"))
+        await anyio.sleep(float(ctx.input.get("think_seconds", 0)))
+        kind = str(ctx.input["kind"])
+        return Next(
+            Settle,
+            checkpoint={"requested_by": ctx.fence},
+            effects=[Effect("notice", kind, {"to": "ops@example.test", "subject": "hi"})],
+        )
+
+
+class Settle(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        GRANTS.append((ctx.run_id, ctx.fence, "settle"))
+        assert ctx.effects is not None
+        outcome = await ctx.effects.wait("notice", within=120)
+        if outcome.status is not EffectStatus.CONFIRMED:
+            return Fail("the notice did not go through", details={"status": outcome.status.value})
+        return Finish(result={"external_id": outcome.external_id})
+
+
+notice = Agent("failover_notice", first=Request, steps=[Settle])
+
+
+def granted_twice() -> list[tuple[str, int, str]]:
+    """(run, fence, step) seen more than once: a step never runs twice under one claim (a
+    failed or parked step goes on under a new claim), so a repeat means two claims were granted
+    the same fence."""
+    return sorted(grant for grant, count in Counter(GRANTS).items() if count > 1)
+
+
+@asynccontextmanager
+async def replicated(*, synchronous: bool) -> AsyncIterator[ReplicatedPostgres]:
+    pair = ReplicatedPostgres(synchronous=synchronous)
+    try:
+        await anyio.to_thread.run_sync(pair.start)
+        yield pair
+    finally:
+        await anyio.to_thread.run_sync(pair.close)
+
+
+@asynccontextmanager
+async def opened(settings: Settings) -> AsyncIterator[tuple[asyncpg.Pool, RunStore]]:
+    pool = await create_pool(settings, application_name="failover-test", max_size=4)
+    try:
+        yield pool, RunStore(pool)
+    finally:
+        await pool.close()
+
+
+async def finished(store: RunStore, run_ids: list[str], *, within: float) -> dict[str, RunState]:
+    """Each run's state once all are terminal, read through reconnects (the failover)."""
+    with anyio.fail_after(within):
+        while True:
+            try:
+                states = {run_id: (await store.get(run_id)).state for run_id in run_ids}
+            except DatabaseError:
+                await anyio.sleep(0.2)
+                continue
+            if all(state.terminal for state in states.values()):
+                return states
+            await anyio.sleep(0.2)
+
+
+async def test_a_async_failover_grants_no_fence_twice_and_looks_up_before_sending() -> None:
+    GRANTS.clear()
+    async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
+        settings = Settings(database_url=pair.dsn())
+        crm = adapter_from_config(
+            "crm",
+            {
+                "adapter": "http",
+                "url": vendor.send_url,
+                "reconcile": "lookup",
+                "lookup_url": vendor.lookup_url,
+                "timeout_seconds": 2,
+            },
+        )
+        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+        async with opened(settings) as (_, store):
+            run_ids = [
+                (await store.submit("failover_notice", {"kind": "crm"})).run.run_id
+                for _ in range(12)
+            ]
+        await anyio.to_thread.run_sync(pair.wait_replayed)
+        await anyio.to_thread.run_sync(pair.stop_standby)
+        async with running_worker(
+            settings,
+            [notice],
+            effect_adapters={"crm": crm},
+            dispatch_lease_seconds=5,
+            start_retry_seconds=60,
+            **WORKER,
+        ):
+            async with opened(settings) as (_, store):
+                # On the primary alone: every run claimed, its notice sent and confirmed.
+                lost_states = await finished(store, run_ids, within=90)
+            assert set(lost_states.values()) == {RunState.SUCCEEDED}
+            assert len(vendor.deliveries) == 12
+            lost_grants = set(GRANTS)
+            failover = await anyio.to_thread.run_sync(pair.failover)
+            assert failover.new_timeline == failover.old_timeline + 1
+            # The worker finds the promoted server through the multi-host URL, on its own.
+            async with opened(settings) as (pool, store):
+                states = await finished(store, run_ids, within=120)
+                fences = {
+                    row["run_id"]: row["fence"]
+                    for row in await pool.fetch("SELECT run_id, fence FROM runs")
+                }
+                effects = await EffectStore(pool).list_effects()
+    assert set(states.values()) == {RunState.SUCCEEDED}, states
+    # The promoted server lost every claim above; it granted fences of a new epoch instead.
+    assert all(epoch_of(fence) == 1 for fence in fences.values()), fences
+    assert {(run, fence) for run, fence, _ in GRANTS if epoch_of(fence) == 0} == {
+        (run, fence) for run, fence, _ in lost_grants
+    }
+    assert granted_twice() == []
+    # Each key reached the vendor once: the second timeline looked it up and found it sent.
+    assert set(vendor.requests_by_key.values()) == {1}, vendor.requests_by_key
+    assert len(vendor.requests_by_key) == 12
+    assert {e.status for e in effects} == {EffectStatus.CONFIRMED}
+
+
+async def test_b_a_cancelled_sync_wait_is_no_success_and_its_fence_is_not_reused() -> None:
+    async with replicated(synchronous=True) as pair:
+        settings = Settings(database_url=pair.dsn())
+        async with opened(settings) as (pool, store):
+            await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+            cancelled_run = (await store.submit("failover_notice", {"kind": "crm"})).run.run_id
+            abandoned_run = (await store.submit("failover_notice", {"kind": "crm"})).run.run_id
+            await anyio.to_thread.run_sync(pair.wait_replayed)
+            await anyio.to_thread.run_sync(pair.stop_standby)
+
+            # A claim whose client gives up: the connection is aborted, no cancel request is
+            # sent, so its commit keeps waiting for the standby, invisible to everyone.
+            with anyio.move_on_after(1.0) as gave_up:
+                await store.claim_run("gives-up", abandoned_run, lease_seconds=30)
+            assert gave_up.cancelled_caught
+            await anyio.sleep(0.5)
+            assert await anyio.to_thread.run_sync(pair.sync_waiters) == 1
+            primary = pair.primary_dsn()
+            async with opened(Settings(database_url=primary)) as (_, old):
+                assert (await old.get(abandoned_run)).fence == 0
+
+            # A claim whose wait an administrator cancels: committed locally, and the client
+            # is told so by a warning. That is no success.
+            async with anyio.create_task_group() as group:
+
+                async def cancel_when_waiting() -> None:
+                    with anyio.fail_after(30):
+                        while await anyio.to_thread.run_sync(pair.sync_waiters) < 2:
+                            await anyio.sleep(0.05)
+                    assert await anyio.to_thread.run_sync(pair.cancel_sync_waiters) >= 1
+
+                group.start_soon(cancel_when_waiting)
+                with pytest.raises(OutcomeUnknown):
+                    await store.claim_run("cancelled", cancelled_run, lease_seconds=30)
+            async with opened(Settings(database_url=primary)) as (_, old):
+                unreplicated = (await old.get(cancelled_run)).fence
+            assert unreplicated == 1  # the lost primary did grant it
+
+            await anyio.to_thread.run_sync(pair.failover)
+            with anyio.fail_after(60):
+                while True:
+                    try:
+                        claimed = await store.claim_run("after", cancelled_run, lease_seconds=30)
+                        break
+                    except DatabaseError:
+                        await anyio.sleep(0.2)
+            assert claimed is not None
+            assert claimed.lease.fence > unreplicated and epoch_of(claimed.lease.fence) >= 1
+            assert claimed.lease.fence >= 1 << EPOCH_BITS
+
+
+async def _email_through_a_failover(*, require_sync_standby: bool) -> tuple[list[str], list[str]]:
+    """Three runs each sending one email; the primary dies while their first steps run (their
+    claims replicated synchronously, nothing sent yet). Returns the messages' ids and the
+    effects' statuses once the runs are over or the emails parked."""
+    GRANTS.clear()
+    async with replicated(synchronous=True) as pair:
+        with SmtpSink() as sink:
+            settings = Settings(
+                database_url=pair.dsn(), require_sync_standby=require_sync_standby
+            )
+            email = adapter_from_config(
+                "email",
+                {"adapter": "smtp", "host": "127.0.0.1", "port": sink.port, "sender": "a@b.c"},
+            )
+            async with running_worker(
+                settings,
+                [notice],
+                effect_adapters={"email": email},
+                dispatch_lease_seconds=5,
+                start_retry_seconds=60,
+                **WORKER,
+            ):
+                async with opened(settings) as (_, store):
+                    run_ids = [
+                        (
+                            await store.submit(
+                                "failover_notice", {"kind": "email", "think_seconds": 2}
+                            )
+                        ).run.run_id
+                        for _ in range(3)
+                    ]
+                with anyio.fail_after(60):
+                    while len(GRANTS) < 3:
+                        await anyio.sleep(0.05)
+                await anyio.to_thread.run_sync(pair.failover)
+                async with opened(settings) as (pool, store):
+                    with anyio.fail_after(120):
+                        while True:
+                            try:
+                                effects = await EffectStore(pool).list_effects()
+                                states = [(await store.get(r)).state for r in run_ids]
+                            except DatabaseError:
+                                await anyio.sleep(0.2)
+                                continue
+                            settled = [
+                                e
+                                for e in effects
+                                if e.status in (EffectStatus.CONFIRMED, EffectStatus.PARKED)
+                            ]
+                            if len(settled) == 3 and (
+                                not require_sync_standby or all(s.terminal for s in states)
+                            ):
+                                break
+                            await anyio.sleep(0.2)
+            return sink.message_ids(), [e.status.value for e in effects]
+
+
+async def test_c_with_a_required_sync_standby_an_email_goes_out_once_through_a_failover() -> None:
+    message_ids, statuses = await _email_through_a_failover(require_sync_standby=True)
+    assert statuses == ["confirmed"] * 3
+    assert len(message_ids) == 3 and len(set(message_ids)) == 3
+    assert granted_twice() == []
+
+
+async def test_c_without_it_the_email_is_parked_for_a_person_not_sent_blind() -> None:
+    message_ids, statuses = await _email_through_a_failover(require_sync_standby=False)
+    assert statuses == ["parked"] * 3
+    assert message_ids == []
+
+
+async def test_require_sync_standby_refuses_to_start_without_one() -> None:
+    async with replicated(synchronous=False) as pair:
+        settings = Settings(database_url=pair.dsn(), require_sync_standby=True)
+        from orchestrator.db.sync_standby import SyncStandbyMissing
+
+        with pytest.raises(BaseExceptionGroup) as refused:
+            async with running_worker(settings, [notice], **WORKER):
+                pass
+        assert refused.group_contains(SyncStandbyMissing, match="synchronous_standby_names")
