@@ -11,20 +11,30 @@ the second line of defence: fences that never go backwards across a promotion ar
 
 The rules, and why:
 
-- A fence is remembered only once the database accepted a request under it (201/200), so a
-  request can never raise it by itself (a forged fence is refused by the database first). The
-  write is one UPSERT that keeps ``max(remembered, presented)``: two requests, threads or proxy
-  processes sharing the file can only raise it, whatever order their writes land in.
-- It is durable before the answer leaves: WAL journal, ``synchronous=FULL`` (an fsync per write;
-  ``NORMAL`` may lose the last writes in a power cut, which is the very loss this guards against).
-  Only a fence above the remembered one writes (once per claim that requests effects), or a
-  re-request under the same fence whose entry was last touched over ``TOUCH_SECONDS`` ago.
+- A fence is remembered only once the database has *validated* a request under it (the
+  boundary found it to be the run's current fence), and *before* the database commits that
+  request: the proxy's transaction holds the acceptance open while ``admit`` writes the fence
+  durably, then commits. So nothing can act on a request under a new higher fence (no
+  dispatcher sees the effect) before the fence is on the proxy's disk, and a forged or
+  mistaken fence, which the database refuses, never becomes the remembered one (it would fence
+  out the real owner). If ``admit`` fails the transaction rolls back: nothing was recorded.
+- ``admit`` is one SQLite transaction begun with ``BEGIN IMMEDIATE`` (the file's write lock, so
+  proxy processes sharing the file take turns): read the run's fence; below it, refuse; above
+  it, raise it; commit. Check and raise are atomic across threads and processes, and a fence
+  only ever rises.
+- It is durable before ``admit`` returns: WAL journal, ``synchronous=FULL`` (an fsync of the WAL
+  per commit; ``NORMAL`` may lose the last commits in a power cut, which is the very loss this
+  guards against). Only a fence above the remembered one writes (once per claim that requests
+  effects), or a re-request under the same fence whose entry was last touched over
+  ``TOUCH_SECONDS`` ago.
+- Waits are bounded: a statement waits at most ``BUSY_TIMEOUT_SECONDS`` for another process's
+  write lock, then fails with a message saying so (the proxy answers 503 and rolls back).
 - Writes run in a worker thread: a durable write waits for the disk (0.3-0.5 ms on the reference
-  machine, far longer on a busy disk), and the proxy's other requests must not wait with it.
-  Reads run on the event loop: a WAL reader waits for no lock and no flush, and a read (about
-  5 µs) costs far less than the hop to a thread and back (about 200 µs of a busy two-core
-  machine, which cost the proxy a quarter of its throughput). ``benchmarks/proxy_fences.py``
-  measures both.
+  machine, far longer on a busy disk) and for the write lock, and the proxy's other requests
+  must not wait with it. Reads run on the event loop: a WAL reader waits for no lock and no
+  flush (its busy timeout is 0; a busy answer is retried in a thread), and a read (a few µs)
+  costs far less than the hop to a thread and back. ``benchmarks/proxy_fences.py`` measures
+  both.
 - Bounded: an entry untouched for ``retention`` (default 7 days) is forgotten, in batches of
   ``PRUNE_BATCH`` by a background task. A regression comes from a worker that was stale when the
   old primary died, and it acts within a lease or two of the failover, not days later; a run that
@@ -65,8 +75,9 @@ PRUNE_BATCHES_PER_ROUND = 20
 PRUNE_PAUSE_SECONDS = 0.05
 """Between batches: SQLite's busy handler polls, so requests' writes need a real gap to get in."""
 PRUNE_INTERVAL_SECONDS = 600.0
-BUSY_TIMEOUT_SECONDS = 10.0
-"""How long a statement waits for another process holding the file's write lock."""
+BUSY_TIMEOUT_SECONDS = 5.0
+"""How long a statement waits for another process holding the file's write lock (the proxy's
+database transaction stays open meanwhile, so this bounds how long a run's row is held)."""
 THREADS = 4
 """SQLite calls in flight at once (each on its own connection)."""
 SCHEMA_VERSION = 1
@@ -141,19 +152,16 @@ class FenceStore:
         *,
         retention: timedelta = DEFAULT_RETENTION,
         clock: Callable[[], float] = time.time,
-        create_directory: bool = False,
         option: str = "--fence-store",
     ) -> Self:
         """Open (creating if needed) the store at ``path`` and prove it is writable, or raise
         ``InvalidInput`` in one line naming the path and what is wrong. Blocking: call it at
-        start, before serving. ``create_directory`` is for the default path only: a mistyped
-        directory must not quietly start an empty store."""
+        start, before serving. The directory must exist: a mistyped one must not quietly start
+        an empty store."""
         store = cls(path, retention=retention, clock=clock)
         hint = f"set {option} (ORCHESTRATOR_PROXY_FENCE_STORE) to a writable file on a local disk"
         try:
-            if create_directory:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            elif not path.parent.is_dir():
+            if not path.parent.is_dir():
                 missing = "is not a directory" if path.parent.exists() else "does not exist"
                 raise InvalidInput(
                     f"cannot use {option} {str(path)!r}: {str(path.parent)!r} {missing}; {hint}"
@@ -237,18 +245,42 @@ class FenceStore:
             raise self._unavailable(error) from error
         return await self._run(lambda connection: _read(connection, run_id))
 
-    async def remember(self, run_id: str, fence: int, seen: Remembered | None = None) -> None:
-        """Keep ``fence`` for ``run_id`` if it is above what is remembered (atomically, in one
-        statement), durably before returning. ``seen``: the entry as read before the request
-        went to the database; a fence no higher than it, recently touched, writes nothing."""
+    async def admit(self, run_id: str, fence: int) -> Remembered | None:
+        """Admit ``fence`` for ``run_id``, atomically and durably: ``None`` when it is at least the
+        remembered fence (which is then raised to it, on disk before this returns), or the
+        higher entry that refuses it (nothing written).
+
+        One ``BEGIN IMMEDIATE`` transaction in a worker thread, so the check and the raise hold
+        across threads and processes sharing the file. A request under the remembered fence itself,
+        recently touched, needs no call at all (``needs_admit``)."""
         now = self._clock()
-        if seen is not None and fence <= seen.fence and now - seen.touched < TOUCH_SECONDS:
-            return
 
-        def record(connection: sqlite3.Connection) -> None:
-            connection.execute(_RECORD, (run_id, fence, now))
+        def admit(connection: sqlite3.Connection) -> Remembered | None:
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                found = _read(connection, run_id)
+                if found is not None and fence < found.fence:
+                    connection.execute("ROLLBACK")
+                    return found
+                if found is None or fence > found.fence or now - found.touched >= TOUCH_SECONDS:
+                    connection.execute(_RECORD, (run_id, fence, now))
+                connection.execute("COMMIT")  # synchronous=FULL: the WAL is fsynced here
+            except BaseException:
+                if connection.in_transaction:
+                    connection.execute("ROLLBACK")
+                raise
+            return None
 
-        await self._run(record)
+        return await self._run(admit)
+
+    def needs_admit(self, seen: Remembered | None, fence: int) -> bool:
+        """Whether a request under ``fence``, the database having accepted it, must write: a fence
+        above the remembered one (or the first of a run), or an entry due for a refresh."""
+        return seen is None or fence > seen.fence or self._clock() - seen.touched >= TOUCH_SECONDS
+
+    async def remember(self, run_id: str, fence: int) -> None:
+        """Raise the run's fence to at least ``fence`` (never lowers it), durably."""
+        await self.admit(run_id, fence)
 
     async def prune(self, *, batch: int = PRUNE_BATCH) -> int:
         """Forget up to ``batch`` entries untouched for longer than the retention, oldest first;
@@ -310,6 +342,12 @@ class FenceStore:
                 return
 
     def _unavailable(self, error: sqlite3.Error) -> FenceStoreUnavailable:
+        if getattr(error, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            return FenceStoreUnavailable(
+                f"the action proxy's fence store {str(self.path)!r} stayed locked by another "
+                f"process for over {BUSY_TIMEOUT_SECONDS:g}s ({error}): is a proxy sharing it "
+                "stuck on a slow disk?"
+            )
         return FenceStoreUnavailable(
             f"the action proxy's fence store {str(self.path)!r} failed: {error}"
         )
