@@ -875,17 +875,21 @@ def effects_resolve(
 @click.option(
     "--fence-store",
     type=click.Path(path_type=Path),
-    help="The proxy's own SQLite file of the highest fence it accepted per run, on a local disk "
-    "(ORCHESTRATOR_PROXY_FENCE_STORE; default: proxy-fences.sqlite3 under --home).",
+    help="Remember the highest fence accepted per run in this SQLite file on a local disk, and "
+    "refuse a lower one with 409 fence_regression even if the database forgot it in a failover "
+    "(ORCHESTRATOR_PROXY_FENCE_STORE; default: none, the database's check alone). "
+    "See docs/high-availability.md.",
 )
 @click.option(
     "--fence-store-retention",
     envvar="ORCHESTRATOR_PROXY_FENCE_RETENTION",
     default="7d",
     show_default=True,
-    help="Forget a run's fence after this long without a request (at least 1h).",
+    help="With --fence-store: forget a run's fence after this long without a request "
+    "(at least 1h).",
 )
 @metrics_listen_option
+@require_sync_standby_option
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
 def effects_serve(
@@ -897,6 +901,7 @@ def effects_serve(
     fence_store: Path | None,
     fence_store_retention: str,
     metrics_listen: str | None,
+    require_sync_standby: bool | None,
     log_json: bool | None,
 ) -> None:
     """Serve the effect boundary over HTTP (the action proxy) until SIGTERM/SIGINT."""
@@ -906,7 +911,10 @@ def effects_serve(
     from orchestrator.effects.proxy import create_app
     from orchestrator.telemetry import configure_logging
 
-    settings = settings_of(ctx).with_overrides(proxy_fence_store=fence_store)
+    settings = settings_of(ctx).with_overrides(
+        proxy_fence_store=fence_store, require_sync_standby=require_sync_standby
+    )
+    requirement = SyncStandbyRequirement(settings.require_sync_standby)
     configure_logging(json_logs=log_json)
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
@@ -919,34 +927,33 @@ def effects_serve(
     async def body() -> None:
         token_list = _proxy_tokens(tokens, tokens_file)
         retention = check_retention(parse_age(fence_store_retention, "--fence-store-retention"))
-        # Before the database: a bad path is a one-line error at once, not after a connect wait.
-        fences = FenceStore.open(
-            settings.proxy_fence_store_path,
-            retention=retention,
-            create_directory=settings.proxy_fence_store is None,
-        )
-        try:
-            async with open_store(
-                settings, application_name="orchestrator-proxy", max_size=10
-            ) as store:
-                app = create_app(
-                    store.pool, token_list, fences=fences, max_body_bytes=max_body_bytes
+        async with AsyncExitStack() as stack:
+            # Before the database: a bad path is a one-line error at once, not after a wait.
+            fences = None
+            if settings.proxy_fence_store is not None:
+                fences = FenceStore.open(settings.proxy_fence_store, retention=retention)
+                stack.callback(fences.close)
+            store = await stack.enter_async_context(
+                open_store(settings, application_name="orchestrator-proxy", max_size=10)
+            )
+            await requirement.require_at_start(store.pool)
+            app = create_app(store.pool, token_list, fences=fences, max_body_bytes=max_body_bytes)
+            # log_config=None: uvicorn's records go through configure_logging's handler.
+            config = uvicorn.Config(
+                app, host=host.strip("[]"), port=int(port), log_level="warning", log_config=None
+            )
+            server = uvicorn.Server(config)
+            if fences is None:
+                remembering = "no fence store (the database's fence check alone)"
+            else:
+                remembering = (
+                    f"fence store {fences.path.resolve()} ({await fences.count()} runs remembered)"
                 )
-                # log_config=None: uvicorn's records go through configure_logging's handler.
-                config = uvicorn.Config(
-                    app, host=host.strip("[]"), port=int(port), log_level="warning", log_config=None
-                )
-                server = uvicorn.Server(config)
-                remembered = await fences.count()
-                stderr.print(
-                    f"action proxy listening on http://{listen}; fence store "
-                    f"{fences.path.resolve()} ({remembered} runs remembered)",
-                    markup=False,
-                )
-                with serving_metrics(metrics_listen, store.pool, gauges=False):
-                    await server.serve()
-        finally:
-            fences.close()
+            stderr.print(f"action proxy listening on http://{listen}; {remembering}", markup=False)
+            with serving_metrics(
+                metrics_listen, store.pool, gauges=False, sync_standby=requirement
+            ):
+                await server.serve()
 
     run_async(body)
 
