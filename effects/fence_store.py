@@ -134,9 +134,11 @@ class FenceStore:
         *,
         retention: timedelta = DEFAULT_RETENTION,
         clock: Callable[[], float] = time.time,
+        busy_timeout: float = BUSY_TIMEOUT_SECONDS,
     ) -> None:
         self.path = path
         self.retention = check_retention(retention)
+        self.busy_timeout = busy_timeout
         self._clock = clock
         self._idle: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._reader: sqlite3.Connection | None = None
@@ -152,13 +154,14 @@ class FenceStore:
         *,
         retention: timedelta = DEFAULT_RETENTION,
         clock: Callable[[], float] = time.time,
+        busy_timeout: float = BUSY_TIMEOUT_SECONDS,
         option: str = "--fence-store",
     ) -> Self:
         """Open (creating if needed) the store at ``path`` and prove it is writable, or raise
         ``InvalidInput`` in one line naming the path and what is wrong. Blocking: call it at
         start, before serving. The directory must exist: a mistyped one must not quietly start
         an empty store."""
-        store = cls(path, retention=retention, clock=clock)
+        store = cls(path, retention=retention, clock=clock, busy_timeout=busy_timeout)
         hint = f"set {option} (ORCHESTRATOR_PROXY_FENCE_STORE) to a writable file on a local disk"
         try:
             if not path.parent.is_dir():
@@ -181,11 +184,14 @@ class FenceStore:
             raise InvalidInput(f"cannot use {option} {str(path)!r}: {error}; {hint}") from None
         return store
 
-    def _connect(self, busy_timeout: float = BUSY_TIMEOUT_SECONDS) -> sqlite3.Connection:
+    def _connect(self, busy_timeout: float | None = None) -> sqlite3.Connection:
         # Autocommit (isolation_level=None): each statement is its own transaction, so the
         # UPSERT is atomic on its own and no connection ever holds the write lock between calls.
         connection = sqlite3.connect(
-            self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            self.path,
+            timeout=self.busy_timeout if busy_timeout is None else busy_timeout,
+            isolation_level=None,
+            check_same_thread=False,
         )
         connection.execute("PRAGMA synchronous = FULL")
         return connection
@@ -345,7 +351,7 @@ class FenceStore:
         if getattr(error, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
             return FenceStoreUnavailable(
                 f"the action proxy's fence store {str(self.path)!r} stayed locked by another "
-                f"process for over {BUSY_TIMEOUT_SECONDS:g}s ({error}): is a proxy sharing it "
+                f"process for over {self.busy_timeout:g}s ({error}): is a proxy sharing it "
                 "stuck on a slow disk?"
             )
         return FenceStoreUnavailable(
