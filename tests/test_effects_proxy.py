@@ -8,8 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, Any
@@ -34,10 +32,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-_FENCE_STORES = tempfile.TemporaryDirectory(prefix="orchestrator-test-fences-")
-"""Each proxy's fence store, unless a test names one: never ./.orchestrator of the checkout."""
-
-
 def start_proxy(
     database_url: str,
     port: int,
@@ -46,8 +40,8 @@ def start_proxy(
     tokens: str = f"other-token,{TOKEN}",
     fence_store: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    if fence_store is None:
-        fence_store = Path(_FENCE_STORES.name) / f"{uuid.uuid4().hex}.sqlite3"
+    if fence_store is not None:
+        extra = ("--fence-store", str(fence_store), *extra)
     return subprocess.Popen(
         [
             sys.executable,
@@ -60,8 +54,6 @@ def start_proxy(
             "--max-body-bytes",
             "2048",
             "--log-json",
-            "--fence-store",
-            str(fence_store),
             *extra,
         ],
         env={

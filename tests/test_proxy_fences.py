@@ -4,14 +4,18 @@ test_effects_proxy.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import asyncpg
 import httpx
 import pytest
@@ -23,6 +27,7 @@ from orchestrator.effects.fence_store import (
     PRUNE_BATCHES_PER_ROUND,
     TOUCH_SECONDS,
     FenceStore,
+    FenceStoreUnavailable,
     Remembered,
 )
 from orchestrator.effects.model import AcceptOutcome, Effect
@@ -218,6 +223,100 @@ async def test_concurrent_requests_leave_the_highest_accepted_fence(
     assert refused.json()["error"] == "fence_regression"
 
 
+@dataclass(frozen=True)
+class Sent:
+    """One request of a race, as its sender saw it (monotonic times)."""
+
+    fence: int
+    sent: float
+    answered: float
+    status: int
+    error: str | None
+
+
+async def restore_the_new_owner(pool: asyncpg.Pool, run_id: str, fence: int) -> None:
+    await pool.execute(
+        "UPDATE runs SET fence = $2, lease_owner = 'B', state = 'running' WHERE run_id = $1",
+        run_id,
+        fence,
+    )
+
+
+async def race_on_a_forgetful_database(
+    clients: list[httpx.AsyncClient],
+    pool: asyncpg.Pool,
+    run_id: str,
+    old: int,
+    new: int,
+    *,
+    requests: int = 40,
+    headers: dict[str, str] = AUTH,
+) -> list[Sent]:
+    """Workers A (``old``) and B (``new``) send effect requests for one run at once, through
+    ``clients`` in turn, while the database keeps failing over between a copy in which B owns
+    the run and one that lost B's claim (A owns it again): both fences pass the database's own
+    rule some of the time. What each request got, in the order the answers came."""
+    sent: list[Sent] = []
+    done = anyio.Event()
+
+    async def flip() -> None:
+        while not done.is_set():
+            await lose_transactions(pool, run_id, fence=old, owner="A", effect_fences="deleted")
+            await anyio.lowlevel.checkpoint()
+            await restore_the_new_owner(pool, run_id, new)
+            await anyio.lowlevel.checkpoint()
+
+    async def worker(fence: int, name: str) -> None:
+        for i in range(requests):
+            client = clients[i % len(clients)]
+            began = time.monotonic()
+            answer = await client.post(
+                "/v1/effects", json=body(run_id, fence, f"{name}{i}"), headers=headers
+            )
+            error = None if answer.status_code < 300 else answer.json()["error"]
+            sent.append(Sent(fence, began, time.monotonic(), answer.status_code, error))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(flip)
+        async with anyio.create_task_group() as workers:
+            workers.start_soon(worker, old, "a")
+            workers.start_soon(worker, new, "b")
+        done.set()
+    await restore_the_new_owner(pool, run_id, new)
+    return sent
+
+
+def check_race(sent: list[Sent], old: int, new: int) -> None:
+    """Once any request under B's fence was answered accepted, no request under A's sent after
+    that answer is accepted: whatever the database forgot, the proxy did not go backwards."""
+    accepted_new = [s.answered for s in sent if s.fence == new and s.status in (200, 201)]
+    assert accepted_new, [s.error for s in sent if s.fence == new]
+    first = min(accepted_new)
+    late_old = [s for s in sent if s.fence == old and s.sent > first]
+    assert late_old  # B's first acceptance came before A had sent all its requests
+    assert [s for s in late_old if s.status in (200, 201)] == []
+    assert all(s.status in (200, 201, 409, 503) for s in sent), sent
+    assert {s.error for s in sent if s.status == 409} <= {
+        "stale_fence",
+        "fence_not_granted",
+        "fence_regression",
+        "run_not_running",
+    }
+
+
+async def test_two_workers_racing_through_failovers_never_go_backwards(
+    proxy: httpx.AsyncClient, store: RunStore, pool: asyncpg.Pool, fences: FenceStore
+) -> None:
+    run_id, old, new = await two_claims(store)
+    sent = await race_on_a_forgetful_database([proxy], pool, run_id, old, new)
+    check_race(sent, old, new)
+    assert (await fences.remembered(run_id) or Remembered(0, 0)).fence == new
+    # The database forgets once more: the proxy still refuses A, deterministically.
+    await lose_transactions(pool, run_id, fence=old, owner="A", effect_fences="lowered")
+    refused = await proxy.post("/v1/effects", json=body(run_id, old, "last"), headers=AUTH)
+    assert refused.json()["error"] == "fence_regression", refused.text
+
+
 class CountedReads(FenceStore):
     """A fence store that counts its reads, so a test knows a request passed its first check."""
 
@@ -280,15 +379,120 @@ async def test_a_failing_store_is_a_503_not_a_silent_pass(
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"] == "unavailable"
     assert "fence store" in answer.json()["detail"]
+    assert await store.pool.fetchval("SELECT count(*) FROM effects") == 0
+
+
+class FailingWrites(FenceStore):
+    """Reads work, the durable write fails (a full disk): the acceptance must not commit."""
+
+    async def admit(self, run_id: str, fence: int) -> Remembered | None:
+        raise FenceStoreUnavailable(f"the action proxy's fence store {str(self.path)!r} failed")
+
+
+async def test_an_acceptance_whose_fence_cannot_be_written_is_rolled_back(
+    pool: asyncpg.Pool, store: RunStore, tmp_path: Path
+) -> None:
+    await store.submit("agent", {})
+    run = (await store.claim("A", ["agent"], lease_seconds=600)).claimed[0]
+    fences = FailingWrites.open(tmp_path / "f.sqlite3")
+    try:
+        app = create_app(pool, [TOKEN], fences=fences)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            answer = await client.post(
+                "/v1/effects", json=body(run.run_id, run.fence), headers=AUTH
+            )
+        assert answer.status_code == 503, answer.text
+        assert "nothing was recorded" in answer.json()["detail"]
+        # Nothing a dispatcher could send, and the boundary's own mark untouched.
+        assert await pool.fetchval("SELECT count(*) FROM effects") == 0
+        assert await pool.fetchval("SELECT count(*) FROM effect_fences") == 0
+    finally:
+        fences.close()
+
+
+async def test_a_store_locked_past_the_bounded_wait_is_a_503_and_nothing_commits(
+    pool: asyncpg.Pool, store: RunStore, tmp_path: Path
+) -> None:
+    """Another process holds the file's write lock (stuck on a slow disk, say): the request
+    waits the busy timeout, no longer, and is refused with the reason; the database rolled
+    back. Once the lock is free the same request is accepted."""
+    await store.submit("agent", {})
+    run = (await store.claim("A", ["agent"], lease_seconds=600)).claimed[0]
+    fences = FenceStore.open(tmp_path / "f.sqlite3", busy_timeout=0.2)
+    holder = sqlite3.connect(fences.path, isolation_level=None)
+    try:
+        app = create_app(pool, [TOKEN], fences=fences)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            holder.execute("BEGIN IMMEDIATE")
+            with anyio.fail_after(30):
+                locked = await client.post(
+                    "/v1/effects", json=body(run.run_id, run.fence), headers=AUTH
+                )
+            assert locked.status_code == 503, locked.text
+            assert "stayed locked by another process for over 0.2s" in locked.json()["detail"]
+            assert await pool.fetchval("SELECT count(*) FROM effects") == 0
+            holder.execute("ROLLBACK")
+            again = await client.post("/v1/effects", json=body(run.run_id, run.fence), headers=AUTH)
+        assert again.status_code == 201, again.text
+        assert (await fences.remembered(run.run_id) or Remembered(0, 0)).fence == run.fence
+    finally:
+        holder.close()
+        fences.close()
+
+
+class WatchedWrites(FenceStore):
+    """After each durable write, looks from outside: is the fence in the file (a new SQLite
+    connection) while the effect is still invisible to the database's other sessions?"""
+
+    pool: asyncpg.Pool
+    seen: list[tuple[int | None, int]]
+
+    async def admit(self, run_id: str, fence: int) -> Remembered | None:
+        refused = await super().admit(run_id, fence)
+        with contextlib.closing(sqlite3.connect(self.path)) as outside:
+            row = outside.execute(
+                "SELECT fence FROM run_fences WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        visible = await self.pool.fetchval(
+            "SELECT count(*) FROM effects WHERE run_id = $1 AND fence = $2", run_id, fence
+        )
+        self.seen.append((None if row is None else int(row[0]), int(visible)))
+        return refused
+
+
+async def test_a_new_fence_is_on_disk_before_its_acceptance_commits(
+    pool: asyncpg.Pool, store: RunStore, tmp_path: Path
+) -> None:
+    run_id, _, new = await two_claims(store)
+    fences = WatchedWrites.open(tmp_path / "f.sqlite3")
+    fences.pool, fences.seen = pool, []
+    try:
+        app = create_app(pool, [TOKEN], fences=fences)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            for key in ("a", "b"):
+                answer = await client.post("/v1/effects", json=body(run_id, new, key), headers=AUTH)
+                assert answer.status_code == 201, answer.text
+        # One write (the run's first fence); the second request under it needed none. When it
+        # was written, the file had it and no other session could see the effect yet.
+        assert fences.seen == [(new, 0)]
+        assert await pool.fetchval("SELECT count(*) FROM effects") == 2
+    finally:
+        fences.close()
 
 
 async def test_fences_only_rise_under_concurrent_writers(fences: FenceStore) -> None:
     values = list(range(1, 301)) * 2
     random.Random(7).shuffle(values)
     seen: list[int] = []
+    refusals: list[tuple[int, int]] = []
 
     async def write(fence: int) -> None:
-        await fences.remember("r_race", fence)
+        higher = await fences.admit("r_race", fence)
+        if higher is not None:
+            refusals.append((fence, higher.fence))
 
     async def watch() -> None:
         while len(seen) < 200:
@@ -301,6 +505,7 @@ async def test_fences_only_rise_under_concurrent_writers(fences: FenceStore) -> 
             group.start_soon(write, fence)
     assert seen == sorted(seen)  # never lowered, as each read saw it
     assert (await fences.remembered("r_race") or Remembered(0, 0)).fence == 300
+    assert refusals and all(fence < higher for fence, higher in refusals)
 
 
 async def test_the_store_survives_reopening(tmp_path: Path) -> None:
@@ -327,9 +532,8 @@ async def test_pruning_forgets_runs_untouched_for_the_retention_in_batches(
             await fences.remember(f"r_old{i}", 3)
         clock.now += 6 * 86_400
         await fences.remember("r_busy", 2)
-        kept = await fences.remembered("r_old0")
         # A re-request under the same fence refreshes the entry once TOUCH_SECONDS have passed.
-        await fences.remember("r_old0", 3, kept)
+        await fences.remember("r_old0", 3)
         clock.now += 2 * 86_400
         assert await fences.prune(batch=500) == 500
         assert await fences.prune_round(batch=500) == 699  # two more batches, the last short
@@ -360,15 +564,35 @@ async def test_a_re_request_under_the_same_fence_writes_only_to_refresh(tmp_path
     clock = Clock()
     fences = FenceStore.open(tmp_path / "f.sqlite3", clock=clock)
     try:
-        await fences.remember("r_a", 4)
+        assert fences.needs_admit(None, 4)
+        assert await fences.admit("r_a", 4) is None
         seen = await fences.remembered("r_a")
-        assert seen is not None
+        assert seen == Remembered(4, clock.now)
         clock.now += TOUCH_SECONDS / 2
-        await fences.remember("r_a", 4, seen)
+        assert not fences.needs_admit(seen, 4)
+        assert fences.needs_admit(seen, 5)
+        assert await fences.admit("r_a", 4) is None  # admitted, nothing to write
         assert await fences.remembered("r_a") == seen
         clock.now += TOUCH_SECONDS
-        await fences.remember("r_a", 4, seen)
+        assert fences.needs_admit(seen, 4)
+        assert await fences.admit("r_a", 4) is None
         assert await fences.remembered("r_a") == Remembered(4, clock.now)
+    finally:
+        fences.close()
+
+
+async def test_admit_refuses_a_lower_fence_with_the_entry_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    fences = FenceStore.open(tmp_path / "f.sqlite3", clock=clock)
+    try:
+        assert await fences.admit("r_a", 9) is None
+        clock.now += 2 * TOUCH_SECONDS
+        assert await fences.admit("r_a", 8) == Remembered(9, clock.now - 2 * TOUCH_SECONDS)
+        assert await fences.remembered("r_a") == Remembered(9, clock.now - 2 * TOUCH_SECONDS)
+        assert await fences.admit("r_a", 10) is None
+        assert await fences.remembered("r_a") == Remembered(10, clock.now)
     finally:
         fences.close()
 
@@ -380,6 +604,7 @@ async def test_a_re_request_under_the_same_fence_writes_only_to_refresh(tmp_path
         (lambda base: base, "is a directory"),
         (lambda base: base / "not-sqlite", "file is not a database"),
         (lambda base: base / "not-sqlite" / "f.sqlite3", "is not a directory"),
+        (lambda base: Path("/proc/orchestrator-fences.sqlite3"), "unable to open"),
     ],
 )
 def test_an_unusable_path_is_one_clear_line(tmp_path: Path, make: Any, says: str) -> None:
@@ -406,17 +631,25 @@ def test_too_short_a_retention_is_refused(tmp_path: Path) -> None:
         FenceStore.open(tmp_path / "f.sqlite3", retention=timedelta(minutes=5))
 
 
-def test_the_default_path_is_under_the_home_and_the_variable_overrides_it() -> None:
-    assert Settings.from_env({"ORCHESTRATOR_HOME": "/srv/o"}).proxy_fence_store_path == Path(
-        "/srv/o/proxy-fences.sqlite3"
-    )
+def test_without_a_setting_there_is_no_store_and_the_variable_names_one() -> None:
+    assert Settings.from_env({"ORCHESTRATOR_HOME": "/srv/o"}).proxy_fence_store is None
     assert Settings.from_env(
         {"ORCHESTRATOR_PROXY_FENCE_STORE": "/var/lib/p.sqlite3"}
-    ).proxy_fence_store_path == Path("/var/lib/p.sqlite3")
+    ).proxy_fence_store == Path("/var/lib/p.sqlite3")
 
 
-async def test_the_default_directory_is_created(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    fences = FenceStore.open(Settings(home=home).proxy_fence_store_path, create_directory=True)
-    fences.close()
-    assert (home / "proxy-fences.sqlite3").is_file()
+async def test_without_a_store_the_database_alone_decides_as_before(
+    pool: asyncpg.Pool, store: RunStore
+) -> None:
+    """The default: no fence store, so a fence the database forgot is not caught by the proxy
+    (what --fence-store is for); every other answer is the database's, as before."""
+    run_id, old, new = await two_claims(store)
+    app = create_app(pool, [TOKEN])
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        first = await client.post("/v1/effects", json=body(run_id, new), headers=AUTH)
+        stale = await client.post("/v1/effects", json=body(run_id, old, "b"), headers=AUTH)
+        await lose_transactions(pool, run_id, fence=old, owner="A", effect_fences="deleted")
+        forgotten = await client.post("/v1/effects", json=body(run_id, old, "c"), headers=AUTH)
+    assert [first.status_code, stale.status_code, forgotten.status_code] == [201, 409, 201]
+    assert stale.json()["error"] == "stale_fence"

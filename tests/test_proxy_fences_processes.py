@@ -20,7 +20,12 @@ import pytest
 from orchestrator.db.store import RunStore
 from orchestrator.effects.fence_store import FenceStore, Remembered
 from test_effects_proxy import auth, free_port, request, running_proxy, start_proxy
-from test_proxy_fences import lose_transactions, two_claims
+from test_proxy_fences import (
+    check_race,
+    lose_transactions,
+    race_on_a_forgetful_database,
+    two_claims,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -121,6 +126,47 @@ async def test_two_proxies_on_one_file_share_what_they_remember(
             assert refused.json()["error"] == "fence_regression", refused.text
 
 
+async def test_two_proxy_processes_sharing_a_store_never_go_backwards_in_a_race(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    """Workers A and B race through two proxy processes in turn while the database keeps
+    forgetting B's claim: once B was accepted through either proxy, A is accepted by none."""
+    fences = tmp_path / "fences.sqlite3"
+    run_id, old, new = await two_claims(store)
+    async with (
+        running_proxy(database_url, fence_store=fences) as one,
+        running_proxy(database_url, fence_store=fences) as two,
+    ):
+        sent = await race_on_a_forgetful_database(
+            [one, two], pool, run_id, old, new, headers=auth()
+        )
+        check_race(sent, old, new)
+        await lose_transactions(pool, run_id, fence=old, owner="A", effect_fences="lowered")
+        for client in (one, two):
+            refused = await client.post("/v1/effects", json=request(run_id, old), headers=auth())
+            assert refused.json()["error"] == "fence_regression", refused.text
+    reader = FenceStore.open(fences)
+    try:
+        assert (await reader.remembered(run_id) or Remembered(0, 0)).fence == new
+    finally:
+        reader.close()
+
+
+def test_require_sync_standby_refuses_to_start_the_proxy_without_one(database_url: str) -> None:
+    """The plain embedded server has no synchronous standby: the proxy exits with one error line
+    naming the setting (after the requirement's own structured log record)."""
+    process = start_proxy(
+        database_url, free_port(), "--require-sync-standby", stderr=subprocess.PIPE
+    )
+    _, said = process.communicate(timeout=60)
+    assert process.returncode == 1
+    lines = said.decode().strip().splitlines()
+    [line] = [line for line in lines if not line.startswith("{")]  # the rest: JSON log records
+    assert line.startswith("error: --require-sync-standby:"), lines
+    assert "synchronous_standby_names" in line
+    assert "listening" not in said.decode()
+
+
 WRITER = textwrap.dedent(
     """
     import random, sys
@@ -176,6 +222,7 @@ async def test_two_processes_writing_one_file_only_raise_fences(tmp_path: Path) 
         ("{tmp}/missing/f.sqlite3", "does not exist"),
         ("{tmp}", "is a directory"),
         ("{tmp}/not-sqlite", "file is not a database"),
+        ("/proc/orchestrator-fences.sqlite3", "unable to open"),
     ],
 )
 def test_an_unusable_fence_store_stops_the_proxy_in_one_line(
