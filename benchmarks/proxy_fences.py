@@ -10,20 +10,21 @@ Two measurements, in one run:
 2. **Proxy requests** (PostgreSQL): the proxy app (``effects.proxy.create_app``) called in
    process through ``httpx.ASGITransport`` (the HTTP server's own cost is the same whatever the
    store does, so it is left out) by ``--concurrency`` tasks, each request a new effect of a
-   running run, in three variants run back to back in an order that rotates each of
+   running run, in four variants run back to back in an order that rotates each of
    ``--rounds`` rounds:
 
    - ``shipped``: the shipped store: reads on the event loop, durable writes in a thread;
    - ``threaded``: every SQLite call in a worker thread, reads too (not shipped);
    - ``inline``: every SQLite call on the event loop, durable writes too (not shipped);
-   - ``none``: a store that remembers nothing (the proxy before the fence store).
+   - ``none``: no store at all (``create_app`` without one: the proxy without ``--fence-store``,
+     which takes no per-run turns either).
 
    and two workloads: ``steady`` (``--requests`` requests over 50 runs: after each run's first,
    the store only reads, twice a request) and ``first`` (every request is its run's first: a
-   durable write each, the worst case). Reported: requests/s (median of the rounds), the ratio
-   to ``none`` (median of the per-round ratios), p50/p99 request latency, and the event loop's
-   lag: a task that sleeps 1 ms in a loop records how late each wake-up is (p99 and max). A
-   blocking call on the loop shows there first.
+   durable write each, inside the acceptance's open transaction, the worst case). Reported:
+   requests/s (median of the rounds), the ratio to ``none`` (median of the per-round ratios),
+   p50/p99 request latency, and the event loop's lag: a task that sleeps 1 ms in a loop records
+   how late each wake-up is (p99 and max). A blocking call on the loop shows there first.
 
 By default an embedded PostgreSQL is started in a temporary directory with the project's
 durable settings and removed at the end (``--dsn`` for an existing server: a scratch database is
@@ -92,21 +93,11 @@ class InlineFences(FenceStore):
         return self._on_a_connection(work)
 
 
-class NoFences(FenceStore):
-    """Remembers nothing: the proxy as it was before the store."""
-
-    async def remembered(self, run_id: str) -> Remembered | None:
-        return None
-
-    async def remember(self, run_id: str, fence: int, seen: Remembered | None = None) -> None:
-        return None
-
-
-STORES: dict[str, type[FenceStore]] = {
+STORES: dict[str, type[FenceStore] | None] = {
     "shipped": FenceStore,
     "threaded": ThreadedFences,
     "inline": InlineFences,
-    "none": NoFences,
+    "none": None,  # create_app without a store: the proxy without --fence-store
 }
 
 
@@ -169,7 +160,7 @@ async def loop_lag(lags: list[float], stop: anyio.Event) -> None:
 
 async def one_measurement(
     pool: asyncpg.Pool,
-    fences: FenceStore,
+    fences: FenceStore | None,
     targets: list[tuple[str, int]],
     concurrency: int,
     tag: str,
@@ -243,13 +234,19 @@ async def proxy_requests(
                 measured: dict[str, float] = {}
                 for variant in order:
                     targets = await targets_of(round_)
-                    fences = STORES[variant].open(directory / f"{workload}-{variant}.sqlite3")
+                    kind = STORES[variant]
+                    fences = (
+                        None
+                        if kind is None
+                        else kind.open(directory / f"{workload}-{variant}.sqlite3")
+                    )
                     try:
                         row = await one_measurement(
                             pool, fences, targets, args.concurrency, f"{variant}{round_}"
                         )
                     finally:
-                        fences.close()
+                        if fences is not None:
+                            fences.close()
                     rows[variant].append(row)
                     measured[variant] = row["requests_per_second"]
                 for variant in VARIANTS:
