@@ -12,9 +12,33 @@ the rules a step's commit applies, in one transaction, and answers:
   ``run_cancelled``, ``run_finished``; ``key_conflict`` when the key is already used with
   another kind or policy;
 - 400/413/422 for malformed JSON, an oversized body, or invalid fields; 401 without a valid
-  bearer token; 503 when the database cannot be reached.
+  bearer token; 503 when the database cannot be reached (or the fence store below fails);
+- 409 ``fence_regression`` when the fence is below the one this proxy remembers for the run.
 
 ``GET /v1/effects/{run_id}/{effect_key}`` reads a record. ``GET /healthz`` needs no token.
+
+**Fence regressions** (with ``effects serve --fence-store PATH``; without one the proxy checks
+fences against the database alone, as it always did). The proxy remembers, in a store of its own
+(``effects/fence_store.py``: a SQLite file on its own disk, outside the database that may fail
+over), the highest fence it has accepted for each run. A request whose fence is below that is
+answered 409 ``fence_regression`` with ``remembered_fence`` and ``presented_fence`` (and, as in
+the other 409s, ``accepted_fence`` and ``current_fence``: the remembered fence; ``run_state``:
+null, since the database was not asked), logged at error level and counted
+(``orchestrator_proxy_requests_total{outcome="fence_regression"}``); nothing is recorded and
+nothing is sent. Why: after a failover the promoted database may have lost the transactions
+that raised the run's fence, and would take the replaced worker for the owner again.
+
+The order, per request: requests for one run take turns in this process (a lock per run); the
+store is read (refused here if regressed, before any connection is taken); the boundary's rule
+runs in a transaction; if the database accepted, the store is read again (the wait for a
+connection may have spanned a failover), and a fence above the remembered one is written to the
+store durably (``admit``: check and raise in one ``BEGIN IMMEDIATE`` SQLite transaction, fsynced)
+**before** the database transaction commits. Only that commit makes the effect visible to a
+dispatcher, so nothing acts on a request under a new higher fence before the proxy's record of
+it is on disk; and a fence the database refuses (forged, or not yet granted) is never
+remembered. Across proxy processes sharing the file, the database's row locks serialize a run's
+acceptances and SQLite's write lock serializes the check-and-raise. If the store fails the
+transaction rolls back and the answer is 503 ``unavailable``: nothing was recorded, retry.
 """
 
 from __future__ import annotations
@@ -24,7 +48,9 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import asyncpg
+import structlog
 from opentelemetry import metrics
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -32,26 +58,76 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.errors import InvalidInput
+from orchestrator.db.store import Executor
+from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.ids import RUN_ID_PATTERN
 from orchestrator.presentation import jsonable
 from orchestrator.storable import InvalidJson, check_bigint, check_text, parse_document
-from orchestrator.telemetry import TRACER_NAME
+from orchestrator.telemetry import EFFECT_KEY, RUN_FENCE, RUN_ID, TRACER_NAME, WORKER_ID
 
-from .model import DEFAULT_APPROVAL_SECONDS, Acceptance, AcceptOutcome, Effect, EffectPolicy
+from .fence_store import FenceStore, FenceStoreUnavailable, Remembered
+from .model import (
+    DEFAULT_APPROVAL_SECONDS,
+    Acceptance,
+    AcceptOutcome,
+    Effect,
+    EffectPolicy,
+    EffectRecord,
+)
 from .store import EffectNotFound, EffectStore
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
 MAX_WORKER_ID = 200
+FENCE_REGRESSION = "fence_regression"
+"""The proxy's own refusal (reason code and metric outcome): a fence below the one it remembers."""
+
+log = structlog.get_logger("orchestrator.proxy")
 
 
 def _error(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": error, "detail": detail, **extra}, status_code=status)
 
 
+class _Regressed(Exception):
+    """A fence below the remembered one: answered 409, the transaction (if any) rolled back."""
+
+    def __init__(self, seen: Remembered) -> None:
+        super().__init__(seen.fence)
+        self.seen = seen
+
+
+class _RunTurns:
+    """One lock per run with requests in flight in this process, dropped when the last leaves:
+    a run's requests go through the check, the database and the store one at a time."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[anyio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def turn(self, run_id: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(run_id) or (anyio.Lock(), 0)
+        self._locks[run_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[run_id]
+            if users == 1:
+                del self._locks[run_id]
+            else:
+                self._locks[run_id] = (lock, users - 1)
+
+
 def create_app(
-    pool: asyncpg.Pool, tokens: Iterable[str], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    pool: asyncpg.Pool,
+    tokens: Iterable[str],
+    *,
+    fences: FenceStore | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
+    """The proxy over ``pool``. With ``fences`` (opened by the caller, closed by it after serving;
+    the app prunes it in the background while it serves) it remembers the highest fence it
+    accepted per run and refuses a lower one; without, the database's rule alone applies."""
     allowed = [token.encode() for token in tokens if token]
     if not allowed:
         raise InvalidInput("the action proxy needs at least one bearer token")
@@ -61,6 +137,39 @@ def create_app(
         unit="{request}",
         description="effect requests through the action proxy, by the boundary's answer",
     )
+
+    turns = _RunTurns()
+
+    async def record_of(
+        db: Executor, answer: Acceptance, run_id: str, effect_key: str
+    ) -> EffectRecord | None:
+        """The record the answer carries, read in the acceptance's own transaction: a failover
+        after the commit cannot leave an acceptance without its record to show."""
+        return None if answer.outcome.refused else await store.get(run_id, effect_key, db=db)
+
+    async def accept_fenced(
+        fences: FenceStore, run_id: str, fence: int, effect: Effect, worker_id: str | None
+    ) -> tuple[Acceptance, EffectRecord | None]:
+        """The boundary's rule with the store's: raises ``_Regressed`` (nothing committed)."""
+        async with turns.turn(run_id):
+            seen = await fences.remembered(run_id)
+            if seen is not None and fence < seen.fence:
+                raise _Regressed(seen)  # before a connection is even taken
+            async with pool.acquire() as db, db.transaction():
+                answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
+                if answer.outcome.refused:
+                    return answer, None  # the database refused it: nothing to remember
+                # Read again: the wait for a connection may have spanned a failover, and
+                # another proxy sharing the file may have accepted a newer fence meanwhile.
+                seen = await fences.remembered(run_id)
+                if seen is not None and fence < seen.fence:
+                    raise _Regressed(seen)  # rolls the acceptance back
+                if fences.needs_admit(seen, fence):
+                    # On disk before the commit below makes the effect visible to anyone.
+                    higher = await fences.admit(run_id, fence)
+                    if higher is not None:
+                        raise _Regressed(higher)
+                return answer, await record_of(db, answer, run_id, effect.key)
 
     def authorised(request: Request) -> bool:
         header = request.headers.get("authorization", "")
@@ -92,10 +201,23 @@ def create_app(
         except InvalidInput as error:
             return _error(422, "invalid_request", str(error))
         try:
-            async with pool.acquire() as db, db.transaction():
-                answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
+            if fences is None:
+                async with pool.acquire() as db, db.transaction():
+                    answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
+                    record = await record_of(db, answer, run_id, effect.key)
+            else:
+                answer, record = await accept_fenced(fences, run_id, fence, effect, worker_id)
             requests.add(1, {"outcome": answer.outcome.value})
-            record = None if answer.outcome.refused else await store.get(run_id, effect.key)
+        except _Regressed as regressed:
+            requests.add(1, {"outcome": FENCE_REGRESSION})
+            return _regression(regressed.seen, run_id, fence, effect.key, worker_id)
+        except FenceStoreUnavailable as error:
+            log.error(
+                "the fence store failed: refusing effect requests until it works",
+                **{RUN_ID: run_id, RUN_FENCE: fence, EFFECT_KEY: effect.key},
+                **error_fields(error),
+            )
+            return _error(503, "unavailable", f"{error}; nothing was recorded: retry the request")
         except asyncpg.DataError as error:  # a value validation missed: the client's, not ours
             return _error(422, "invalid_request", f"the database refused a value: {error}")
         except DATABASE_ERRORS as error:
@@ -132,9 +254,15 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # Serving, so the command's meter provider is installed: every answer's series at 0.
-        for outcome in AcceptOutcome:
-            requests.add(0, {"outcome": outcome.value})
-        yield
+        for outcome in [*(o.value for o in AcceptOutcome), FENCE_REGRESSION]:
+            requests.add(0, {"outcome": outcome})
+        if fences is None:
+            yield
+            return
+        async with anyio.create_task_group() as background:
+            background.start_soon(fences.keep_pruned, log)
+            yield
+            background.cancel_scope.cancel()
 
     return Starlette(
         lifespan=lifespan,
@@ -143,6 +271,33 @@ def create_app(
             Route("/v1/effects/{run_id}/{effect_key:path}", read, methods=["GET"]),
             Route("/healthz", health, methods=["GET"]),
         ],
+    )
+
+
+def _regression(
+    seen: Remembered, run_id: str, fence: int, effect_key: str, worker_id: str | None
+) -> JSONResponse:
+    """409 ``fence_regression``, loudly: it means the database forgot a fence (a failover that
+    lost transactions) or a replaced worker is still acting; either way a person should know."""
+    detail = (
+        f"fence {fence} is below fence {seen.fence}, which this proxy already accepted for "
+        f"run {run_id}: the database may have lost transactions (a failover?) and the caller was "
+        "replaced; refused, nothing recorded or sent"
+    )
+    log.error(
+        "fence regression refused",
+        remembered_fence=seen.fence,
+        **{RUN_ID: run_id, RUN_FENCE: fence, EFFECT_KEY: effect_key, WORKER_ID: worker_id},
+    )
+    return _error(
+        409,
+        FENCE_REGRESSION,
+        detail,
+        accepted_fence=seen.fence,
+        current_fence=seen.fence,
+        run_state=None,
+        remembered_fence=seen.fence,
+        presented_fence=fence,
     )
 
 

@@ -68,7 +68,7 @@ from orchestrator.presentation import (
     runs_table,
     signals_table,
 )
-from orchestrator.retention import DEFAULT_RETENTION, parse_retention
+from orchestrator.retention import DEFAULT_RETENTION, parse_age, parse_retention
 from orchestrator.run_detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_detail, more_events_hint
 from orchestrator.settings import Settings
 
@@ -872,7 +872,24 @@ def effects_resolve(
     help="A file of bearer tokens, one a line or comma-separated (ORCHESTRATOR_PROXY_TOKENS_FILE).",
 )
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
+@click.option(
+    "--fence-store",
+    type=click.Path(path_type=Path),
+    help="Remember the highest fence accepted per run in this SQLite file on a local disk, and "
+    "refuse a lower one with 409 fence_regression even if the database forgot it in a failover "
+    "(ORCHESTRATOR_PROXY_FENCE_STORE; default: none, the database's check alone). "
+    "See docs/high-availability.md.",
+)
+@click.option(
+    "--fence-store-retention",
+    envvar="ORCHESTRATOR_PROXY_FENCE_RETENTION",
+    default="7d",
+    show_default=True,
+    help="With --fence-store: forget a run's fence after this long without a request "
+    "(at least 1h).",
+)
 @metrics_listen_option
+@require_sync_standby_option
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
 @click.pass_context
 def effects_serve(
@@ -881,16 +898,23 @@ def effects_serve(
     tokens: str | None,
     tokens_file: Path | None,
     max_body_bytes: int,
+    fence_store: Path | None,
+    fence_store_retention: str,
     metrics_listen: str | None,
+    require_sync_standby: bool | None,
     log_json: bool | None,
 ) -> None:
     """Serve the effect boundary over HTTP (the action proxy) until SIGTERM/SIGINT."""
     import uvicorn
 
+    from orchestrator.effects.fence_store import FenceStore, check_retention
     from orchestrator.effects.proxy import create_app
     from orchestrator.telemetry import configure_logging
 
-    settings = settings_of(ctx)
+    settings = settings_of(ctx).with_overrides(
+        proxy_fence_store=fence_store, require_sync_standby=require_sync_standby
+    )
+    requirement = SyncStandbyRequirement(settings.require_sync_standby)
     configure_logging(json_logs=log_json)
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
@@ -902,17 +926,33 @@ def effects_serve(
 
     async def body() -> None:
         token_list = _proxy_tokens(tokens, tokens_file)
-        async with open_store(
-            settings, application_name="orchestrator-proxy", max_size=10
-        ) as store:
-            app = create_app(store.pool, token_list, max_body_bytes=max_body_bytes)
+        retention = check_retention(parse_age(fence_store_retention, "--fence-store-retention"))
+        async with AsyncExitStack() as stack:
+            # Before the database: a bad path is a one-line error at once, not after a wait.
+            fences = None
+            if settings.proxy_fence_store is not None:
+                fences = FenceStore.open(settings.proxy_fence_store, retention=retention)
+                stack.callback(fences.close)
+            store = await stack.enter_async_context(
+                open_store(settings, application_name="orchestrator-proxy", max_size=10)
+            )
+            await requirement.require_at_start(store.pool)
+            app = create_app(store.pool, token_list, fences=fences, max_body_bytes=max_body_bytes)
             # log_config=None: uvicorn's records go through configure_logging's handler.
             config = uvicorn.Config(
                 app, host=host.strip("[]"), port=int(port), log_level="warning", log_config=None
             )
             server = uvicorn.Server(config)
-            stderr.print(f"action proxy listening on http://{listen}")
-            with serving_metrics(metrics_listen, store.pool, gauges=False):
+            if fences is None:
+                remembering = "no fence store (the database's fence check alone)"
+            else:
+                remembering = (
+                    f"fence store {fences.path.resolve()} ({await fences.count()} runs remembered)"
+                )
+            stderr.print(f"action proxy listening on http://{listen}; {remembering}", markup=False)
+            with serving_metrics(
+                metrics_listen, store.pool, gauges=False, sync_standby=requirement
+            ):
                 await server.serve()
 
     run_async(body)

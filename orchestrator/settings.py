@@ -95,6 +95,10 @@ class Settings:
     require_sync_standby: bool = False
     """Refuse to start, report not ready and send no effect while the primary does not
     replicate synchronously (``--require-sync-standby``; docs/high-availability.md)."""
+    proxy_fence_store: Path | None = None
+    """The action proxy's own SQLite file of the highest fence it accepted per run
+    (``effects serve --fence-store``). None: the proxy keeps no such record and checks fences
+    against the database alone, as before."""
 
     def __post_init__(self) -> None:
         if self.database_url is not None:
@@ -118,6 +122,9 @@ class Settings:
             ),
             schema=env.get("ORCHESTRATOR_SCHEMA") or DEFAULT_SCHEMA,
             require_sync_standby=_flag(env, "ORCHESTRATOR_REQUIRE_SYNC_STANDBY"),
+            proxy_fence_store=Path(env["ORCHESTRATOR_PROXY_FENCE_STORE"])
+            if env.get("ORCHESTRATOR_PROXY_FENCE_STORE")
+            else None,
         )
 
     def with_overrides(self, **changes: object) -> Settings:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import asyncpg
@@ -36,9 +36,12 @@ def start_proxy(
     database_url: str,
     port: int,
     *extra: str,
-    stderr: int | None = subprocess.DEVNULL,
+    stderr: int | IO[bytes] | None = subprocess.DEVNULL,
     tokens: str = f"other-token,{TOKEN}",
+    fence_store: Path | None = None,
 ) -> subprocess.Popen[bytes]:
+    if fence_store is not None:
+        extra = ("--fence-store", str(fence_store), *extra)
     return subprocess.Popen(
         [
             sys.executable,
@@ -71,10 +74,21 @@ async def proxy(database_url: str) -> AsyncIterator[httpx.AsyncClient]:
 
 @contextlib.asynccontextmanager
 async def running_proxy(
-    database_url: str, *extra: str, tokens: str = f"other-token,{TOKEN}"
+    database_url: str,
+    *extra: str,
+    tokens: str = f"other-token,{TOKEN}",
+    fence_store: Path | None = None,
+    stderr: IO[bytes] | None = None,
 ) -> AsyncIterator[httpx.AsyncClient]:
     port = free_port()
-    process = start_proxy(database_url, port, *extra, tokens=tokens)
+    process = start_proxy(
+        database_url,
+        port,
+        *extra,
+        tokens=tokens,
+        fence_store=fence_store,
+        stderr=subprocess.DEVNULL if stderr is None else stderr,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=10) as client:
@@ -316,7 +330,8 @@ async def test_the_proxy_serves_metrics_and_readiness(database_url: str) -> None
             }
             # Every answer has a series from the start (at 0), so increase() alerts see one.
             assert counted == {
-                o.value: 1.0 if o.value == "unknown_run" else 0.0 for o in AcceptOutcome
+                **{o.value: 1.0 if o.value == "unknown_run" else 0.0 for o in AcceptOutcome},
+                "fence_regression": 0.0,
             }
     finally:
         process.terminate()  # uvicorn ends on SIGTERM by re-raising it: no exit status to check
