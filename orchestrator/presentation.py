@@ -19,7 +19,7 @@ from orchestrator.fences import describe_fence
 from orchestrator.models import Run, RunEvent, RunState
 from orchestrator.run_detail import RunDetail
 from orchestrator.signals import Signal
-from orchestrator.tool_agent import effect_key
+from orchestrator.tool_agent import recorded_effect_keys
 from orchestrator.transcript import Message
 
 
@@ -415,11 +415,11 @@ def conversation_table(messages: Sequence[Message], effects: Sequence[EffectReco
         parts: list[str] = []
         if body.get("content"):
             parts.append(_excerpt(body["content"]))
-        for call in body.get("tool_calls") or []:
+        calls = body.get("tool_calls") or []
+        for call, key in zip(calls, recorded_effect_keys(message.turn, calls, status), strict=True):
             function = call.get("function", {})
-            key = effect_key(message.turn, str(call.get("id", "")))
             shown = f"→ {function.get('name')}({_excerpt(function.get('arguments'), 60)})"
-            if key in status:
+            if key is not None:
                 shown += f" [effect {status[key]}]"
             parts.append(shown)
         if message.role == "tool":

@@ -9,7 +9,8 @@ A tool agent is an ``Agent`` whose one step, ``turn``, is one model turn:
    committed transcript and the tools' schemas.
 3. Each tool call is checked: an unknown tool, malformed JSON or arguments that fail the schema
    go back to the model as a tool error, counted. A read-only call runs now, with its timeout.
-   An effect call only builds its payload: an ``Effect`` keyed ``call:TURN:CALL_ID``.
+   An effect call only builds its payload: an ``Effect`` keyed by the turn, the tool and its
+   arguments (``effect_keys``).
 4. One fenced commit holds it all: the messages of the turn (tool results, the assistant message
    and its usage), the effect records, and a small checkpoint. If the commit is refused nothing
    of the turn exists: a replayed turn proposes new calls, and nothing was sent for the old ones.
@@ -22,9 +23,11 @@ when the loop is one stage of a larger step graph, see ``stage``). ``max_turns``
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -60,9 +63,47 @@ LOOP_KEY = "tool_loop"
 _CALL_ID = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-def effect_key(turn: int, call_id: str) -> str:
-    """The effect key of an effect call: stable, because the call id is committed with it."""
-    return f"call:{turn}:{_CALL_ID.sub('_', call_id)[:150]}"
+def effect_keys(turn: int, tool_calls: Sequence[Any]) -> list[str]:
+    """The effect key of each call of one assistant message: ``call:TURN:TOOL:DIGEST`` (``:N`` on
+    the N-th identical call), the digest of the arguments as canonical JSON. Not the model's call
+    id: a turn replayed after a failover took its commit back gets new call ids, and the same
+    action must meet the record (and the vendor's lookup) of the send it may already have had."""
+    keys = []
+    seen: collections.Counter[str] = collections.Counter()
+    for call in tool_calls:
+        function = call.get("function", {}) if isinstance(call, dict) else {}
+        name = _CALL_ID.sub("_", str(function.get("name", "")))[:64] or "_"
+        canonical = _canonical_arguments(function.get("arguments"))
+        digest = hashlib.sha256(f"{name}\0{canonical}".encode()).hexdigest()[:20]
+        key = f"call:{turn}:{name}:{digest}"
+        seen[key] += 1
+        keys.append(key if seen[key] == 1 else f"{key}:{seen[key]}")
+    return keys
+
+
+def _canonical_arguments(arguments: object) -> str:
+    """Arguments as the model sent them (a JSON text), in one spelling: keys sorted, no spaces."""
+    if isinstance(arguments, str):
+        text = arguments
+        try:
+            arguments = json.loads(text)
+        except ValueError:
+            return text  # never an effect call's (they must parse), but keyed all the same
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def recorded_effect_keys(
+    turn: int, tool_calls: Sequence[Any], recorded: Container[str]
+) -> list[str | None]:
+    """The key of each call's effect record among ``recorded``, None for a call without one
+    (a read-only or invalid call). Earlier versions keyed effects ``call:TURN:CALL_ID``; a run
+    recorded by one is shown with its keys too."""
+    found: list[str | None] = []
+    for call, key in zip(tool_calls, effect_keys(turn, tool_calls), strict=True):
+        call_id = str(call.get("id", "")) if isinstance(call, dict) else ""
+        legacy = f"call:{turn}:{_CALL_ID.sub('_', call_id)[:150]}"
+        found.append(key if key in recorded else legacy if legacy in recorded else None)
+    return found
 
 
 def default_prompt(run_input: JSON) -> str:
@@ -350,6 +391,7 @@ class ToolLoop:
         run's tool-call budget), the rest told to the model as refused."""
         effects: list[Effect] = []
         calls = assistant.body["tool_calls"]
+        keys = effect_keys(state.turn, calls)
         for index, call in enumerate(calls):
             if allowed is not None and index >= allowed:
                 state.tool_errors += 1
@@ -399,7 +441,7 @@ class ToolLoop:
                     new.append(await self._read_only(ctx, state, found, call_id, parsed))
                     continue
                 assert isinstance(found, EffectTool)
-                key = effect_key(state.turn, call_id)
+                key = keys[index]
                 effect = found.effect(key, await found.payload(parsed), parsed)
                 effects.append(effect)
                 span.set_attribute("orchestrator.effect.key", key)
@@ -667,4 +709,4 @@ def _problems(error: pydantic.ValidationError) -> str:
     )
 
 
-__all__ = ["LOOP_KEY", "ToolAgent", "effect_key"]
+__all__ = ["LOOP_KEY", "ToolAgent", "effect_keys", "recorded_effect_keys"]

@@ -21,8 +21,8 @@ KINDS = ("failover", "sigkill_dispatcher", "partition", "vendor_accept_timeout")
 
 
 def failover_campaign(tmp_path: Path, **options: Any) -> Report:
-    """Two of each kind over the first 34 s, 40 runs of the step agent (the tool agent's lost
-    turns are replayed under new effect keys: see docs/chaos.md)."""
+    """Two of each kind over the first 34 s, 40 runs of the step agent (the tool agent's script
+    answers a lost turn differently when it is asked again: see docs/chaos.md)."""
     config = CampaignConfig(
         seed=5,
         duration=40,

@@ -29,10 +29,12 @@ from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import DatabaseError, OutcomeUnknown
 from orchestrator.fences import EPOCH_BITS, epoch_of
+from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
+from tool_agents_for_tests import orders
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +68,14 @@ class Settle(Step):
 
 
 notice = Agent("failover_notice", first=Request, steps=[Settle])
+
+
+SAME_CALLS_ON_A_REPLAY = turns(
+    ScriptedTurn(calls=(ScriptedCall("lookup_order", {"order_id": "o-17"}),)),
+    ScriptedTurn(calls=(ScriptedCall("notify", {"note": "shipped today", "order_id": "o-17"}),)),
+    ScriptedTurn(content="Order o-17 has shipped; the CRM is noted."),
+)
+"""The orders conversation, answered alike on every replay (but for the call ids)."""
 
 
 def granted_twice() -> list[tuple[str, int, str]]:
@@ -217,6 +227,55 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
     assert {e.status for e in records} == {EffectStatus.CONFIRMED}
     assert len(vendor.requests_by_key) == len(run_ids)
     assert set(vendor.requests_by_key.values()) == {1}, vendor.requests_by_key
+
+
+async def test_a_a_tool_agent_turn_the_failover_took_back_does_not_send_its_call_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tool agent's turns ran, and its CRM note was sent, on the lost primary alone. The
+    promoted server replays the turns and the model answers the same calls under new call ids:
+    the note is keyed by its tool and arguments, looked up first, and not sent again."""
+    async with (
+        replicated(synchronous=False) as pair,
+        LocalVendor() as vendor,
+        ScriptedModelServer(SAME_CALLS_ON_A_REPLAY) as model,
+    ):
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        settings = Settings(database_url=pair.dsn())
+        crm = adapter_from_config(
+            "crm",
+            {
+                "adapter": "http",
+                "url": vendor.send_url,
+                "reconcile": "lookup",
+                "lookup_url": vendor.lookup_url,
+                "timeout_seconds": 2,
+            },
+        )
+        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+        async with opened(settings) as (_, store):
+            run_id = (await store.submit("orders", {"prompt": "Where is o-17?"})).run.run_id
+            await anyio.to_thread.run_sync(pair.wait_replayed)
+            await anyio.to_thread.run_sync(pair.stop_standby)
+            async with running_worker(settings, [orders], effect_adapters={"crm": crm}, **WORKER):
+                lost = await finished(store, [run_id], within=60)
+        assert lost == {run_id: RunState.SUCCEEDED} and len(vendor.deliveries) == 1
+        await anyio.to_thread.run_sync(pair.failover)
+        async with (
+            running_worker(
+                settings, [orders], effect_adapters={"crm": crm}, start_retry_seconds=60, **WORKER
+            ),
+            opened(settings) as (pool, store),
+        ):
+            states = await finished(store, [run_id], within=120)
+            records = await EffectStore(pool).list_effects(run_id=run_id)
+    assert states == {run_id: RunState.SUCCEEDED}
+    assert model.answered("Where is o-17?", 1) == 2  # turn 1 was asked again, new call ids
+    assert [(r.status, r.payload["note"]) for r in records] == [
+        (EffectStatus.CONFIRMED, "shipped today")
+    ]
+    assert list(vendor.requests_by_key.values()) == [1], vendor.requests_by_key
 
 
 async def test_b_a_cancelled_sync_wait_is_no_success_and_its_fence_is_not_reused() -> None:

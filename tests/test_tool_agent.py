@@ -9,9 +9,10 @@ from typing import Any
 import pydantic
 import pytest
 
+from orchestrator.console.views import message_views
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
-from orchestrator.effects.model import EffectStatus
+from orchestrator.effects.model import EffectStatus, validate_effect_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.loopback import (
     LocalVendor,
@@ -26,7 +27,7 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
-from orchestrator.tool_agent import ToolAgent, effect_key
+from orchestrator.tool_agent import ToolAgent, effect_keys, recorded_effect_keys
 from orchestrator.tools import tool
 from test_runtime import FAST
 from tool_agents_for_tests import ORDERS_TURNS, lookup_order, notify, orders
@@ -79,10 +80,10 @@ async def test_a_turn_commits_its_messages_and_effects_and_the_model_reads_the_s
     assert [m.seq for m in transcript] == list(range(7))
     assert json.loads(transcript[3].body["content"])["status"] == "shipped"
     assert transcript[2].usage["input_tokens"] > 0  # each assistant message carries its usage
-    # The effect: recorded with turn 1's commit under the committed call id, sent once, and the
+    # The effect: recorded with turn 1's commit under its tool and arguments, sent once, and the
     # model was told its settled record (confirmed, the vendor's id) at turn 2.
     call = transcript[4].body["tool_calls"][0]
-    key = effect_key(1, call["id"])
+    [key] = effect_keys(1, transcript[4].body["tool_calls"])
     record = await EffectStore(store.pool).get(run_id, key)
     assert record.status is EffectStatus.CONFIRMED
     assert record.payload == {"order_id": "o-17", "note": "shipped today"}
@@ -91,6 +92,8 @@ async def test_a_turn_commits_its_messages_and_effects_and_the_model_reads_the_s
     assert (told["status"], told["external_id"]) == ("confirmed", record.external_id)
     assert transcript[5].body["tool_call_id"] == call["id"]
     assert [r["turn"] for r in model.requests] == [0, 1, 2]
+    shown = message_views(transcript, [record], last=10, reveal=False)
+    assert [c["effect_status"] for v in shown for c in v.calls] == [None, "confirmed"]
 
 
 async def test_invalid_tool_calls_go_back_to_the_model_as_errors_and_are_counted(
@@ -361,3 +364,43 @@ async def test_a_message_over_the_size_limit_is_refused_with_a_clear_error(
     assert "the tool message of turn 0 is" in run.error["message"]
     assert "over the 262,144-byte limit" in run.error["message"]
     assert await store.messages(run_id) == []  # nothing of the turn was written
+
+
+def call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_an_effect_key_names_the_action_not_the_models_call_id() -> None:
+    """A replayed turn (new call ids, the same arguments spelled otherwise) meets the same keys;
+    another action, or the same one asked twice in a turn, gets its own; every key is valid."""
+    first = effect_keys(
+        3,
+        [
+            call("call_a", "notify", '{"order_id": "o-17", "note": "hi"}'),
+            call("call_b", "notify", '{"order_id": "o-17", "note": "hi"}'),
+            call("call_c", "notify", '{"order_id": "o-18", "note": "hi"}'),
+        ],
+    )
+    replayed = effect_keys(
+        3,
+        [
+            call("call_x", "notify", '{"note":"hi","order_id":"o-17"}'),
+            call("call_y", "notify", '{ "note": "hi", "order_id": "o-17" }'),
+            call("call_z", "notify", '{"note": "hi", "order_id": "o-18"}'),
+        ],
+    )
+    assert first == replayed
+    assert len(set(first)) == 3 and first[1] == f"{first[0]}:2"
+    assert effect_keys(4, [call("call_a", "notify", "{}")]) != effect_keys(
+        3, [call("call_a", "notify", "{}")]
+    )
+    huge = effect_keys(10**9, [call("c", "n" * 500, '{"x": "' + "y" * 10_000 + '"}')] * 3)
+    assert [validate_effect_key(key) for key in huge] == huge
+
+
+def test_effects_keyed_by_call_id_by_earlier_versions_are_still_shown() -> None:
+    calls = [call("call_1", "notify", "{}"), call("call_2", "lookup_order", "{}")]
+    [new, _] = effect_keys(1, calls)
+    assert recorded_effect_keys(1, calls, {"call:1:call_1"}) == ["call:1:call_1", None]
+    assert recorded_effect_keys(1, calls, {new}) == [new, None]
+    assert recorded_effect_keys(1, calls, set()) == [None, None]

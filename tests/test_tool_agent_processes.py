@@ -21,6 +21,7 @@ from orchestrator.loopback import FaultProxy, LocalVendor, ScriptedModelServer, 
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
+from orchestrator.tool_agent import effect_keys
 from support import ServeProcess, fenced_claims
 from test_runtime import FAST, eventually
 from tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
@@ -88,8 +89,12 @@ async def test_killed_between_the_model_answer_and_the_commit_the_replayed_turn_
             await until(lambda: len(vendor.requests_by_key) == 1, within=60)
     assert final.state is RunState.SUCCEEDED, final.error
     rows = await effect_rows(store, run_id)
+    [turn_1] = [m for m in await store.messages(run_id) if m.role == "assistant" and m.turn == 1]
     assert [(key, payload) for key, payload, _ in rows] == [
-        ("call:1:call_1_1_0", {"order_id": "o-17", "note": "REPLAYED answer"})
+        (
+            *effect_keys(1, turn_1.body["tool_calls"]),
+            {"order_id": "o-17", "note": "REPLAYED answer"},
+        )
     ]
     assert sorted(vendor.requests_by_key.values()) == [1]
     assert [d["payload"]["note"] for d in vendor.deliveries.values()] == ["REPLAYED answer"]

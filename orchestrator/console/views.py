@@ -23,7 +23,7 @@ from orchestrator.presentation import (
     due_text,
 )
 from orchestrator.run_detail import load_run_detail, more_events_hint
-from orchestrator.tool_agent import effect_key
+from orchestrator.tool_agent import recorded_effect_keys
 from orchestrator.transcript import Message
 
 from .privacy import Shown, event_details, show, text_of
@@ -103,15 +103,16 @@ def message_views(
         body = message.body
         usage = message.usage if isinstance(message.usage, dict) else {}
         calls = []
-        for call in body.get("tool_calls") or []:
+        tool_calls = body.get("tool_calls") or []
+        keys = recorded_effect_keys(message.turn, tool_calls, status)
+        for call, key in zip(tool_calls, keys, strict=True):
             function = call.get("function", {}) if isinstance(call, dict) else {}
-            key = effect_key(message.turn, str(call.get("id", "")))
             calls.append(
                 {
                     "name": str(function.get("name", "")),
                     "arguments": show(function.get("arguments"), reveal=reveal),
-                    "effect_key": key if key in status else None,
-                    "effect_status": status.get(key),
+                    "effect_key": key,
+                    "effect_status": None if key is None else status[key],
                 }
             )
         views.append(
