@@ -23,7 +23,7 @@ import pytest
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import adapter_from_config
+from orchestrator.effects.adapters import Adapter, adapter_from_config
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.effects.store import EffectStore
@@ -85,6 +85,20 @@ def granted_twice() -> list[tuple[str, int, str]]:
     return sorted(grant for grant, count in Counter(GRANTS).items() if count > 1)
 
 
+def looked_up_crm(vendor: LocalVendor) -> Adapter:
+    """The CRM vendor as an HTTP adapter that looks a key up before sending it again."""
+    return adapter_from_config(
+        "crm",
+        {
+            "adapter": "http",
+            "url": vendor.send_url,
+            "reconcile": "lookup",
+            "lookup_url": vendor.lookup_url,
+            "timeout_seconds": 2,
+        },
+    )
+
+
 @asynccontextmanager
 async def replicated(*, synchronous: bool) -> AsyncIterator[ReplicatedPostgres]:
     pair = ReplicatedPostgres(synchronous=synchronous)
@@ -122,16 +136,7 @@ async def test_a_async_failover_grants_no_fence_twice_and_looks_up_before_sendin
     GRANTS.clear()
     async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
         settings = Settings(database_url=pair.dsn())
-        crm = adapter_from_config(
-            "crm",
-            {
-                "adapter": "http",
-                "url": vendor.send_url,
-                "reconcile": "lookup",
-                "lookup_url": vendor.lookup_url,
-                "timeout_seconds": 2,
-            },
-        )
+        crm = looked_up_crm(vendor)
         await ensure_schema(settings, pair.dsn(), auto_migrate=True)
         async with opened(settings) as (_, store):
             run_ids = [
@@ -183,16 +188,7 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
     looks each up first: the vendor sees every key once."""
     async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
         settings = Settings(database_url=pair.dsn())
-        crm = adapter_from_config(
-            "crm",
-            {
-                "adapter": "http",
-                "url": vendor.send_url,
-                "reconcile": "lookup",
-                "lookup_url": vendor.lookup_url,
-                "timeout_seconds": 2,
-            },
-        )
+        crm = looked_up_crm(vendor)
         await ensure_schema(settings, pair.dsn(), auto_migrate=True)
         async with opened(settings) as (pool, store):
             run_ids = [
@@ -243,16 +239,7 @@ async def test_a_a_tool_agent_turn_the_failover_took_back_does_not_send_its_call
         monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
         monkeypatch.delenv("OPENAI_API_KEY", raising=False)
         settings = Settings(database_url=pair.dsn())
-        crm = adapter_from_config(
-            "crm",
-            {
-                "adapter": "http",
-                "url": vendor.send_url,
-                "reconcile": "lookup",
-                "lookup_url": vendor.lookup_url,
-                "timeout_seconds": 2,
-            },
-        )
+        crm = looked_up_crm(vendor)
         await ensure_schema(settings, pair.dsn(), auto_migrate=True)
         async with opened(settings) as (_, store):
             run_id = (await store.submit("orders", {"prompt": "Where is o-17?"})).run.run_id
