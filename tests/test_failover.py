@@ -8,6 +8,7 @@ no fence is granted twice and no vendor sees a key twice, whatever the promoted 
     success, and a claim whose client gives up leaves the wait in place (no cancel request).
 (c) ``--require-sync-standby``: an SMTP email (no lookup) goes out once through a failover;
     without the flag the same email is parked for a person rather than sent blind.
+(d) The action proxy with a fence store refuses a fence the promoted server forgot.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import asyncpg
+import httpx
 import pytest
 
 from orchestrator.db.bootstrap import ensure_schema
@@ -25,12 +28,14 @@ from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import Adapter, adapter_from_config
 from orchestrator.effects.dispatcher import Dispatcher
+from orchestrator.effects.fence_store import FenceStore
 from orchestrator.effects.model import Effect, EffectStatus
+from orchestrator.effects.proxy import create_app
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import DatabaseError, OutcomeUnknown
 from orchestrator.fences import EPOCH_BITS, epoch_of
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
-from orchestrator.models import RunState
+from orchestrator.models import ClaimedRun, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
@@ -263,6 +268,69 @@ async def test_a_a_tool_agent_turn_the_failover_took_back_does_not_send_its_call
         (EffectStatus.CONFIRMED, "shipped today")
     ]
     assert list(vendor.requests_by_key.values()) == [1], vendor.requests_by_key
+
+
+async def claim_once_expired(store: RunStore, worker_id: str) -> ClaimedRun:
+    """``worker_id``'s claim of the one run, once the lease before it ran out."""
+    for _ in range(150):
+        claimed = (await store.claim(worker_id, ["agent"], lease_seconds=600)).claimed
+        if claimed:
+            return claimed[0]
+        await anyio.sleep(0.2)
+    raise AssertionError(f"{worker_id} could not claim the run within 30 s")
+
+
+async def proxy_post(client: httpx.AsyncClient, run_id: str, fence: int) -> httpx.Response:
+    """One effect request through the proxy, retried while the database is unreachable (503:
+    the pool reconnecting to the promoted server through the multi-host URL)."""
+    request = {"run_id": run_id, "effect_key": "note", "fence": fence, "kind": "crm", "payload": {}}
+    with anyio.fail_after(60):
+        while True:
+            answer = await client.post(
+                "/v1/effects", json=request, headers={"Authorization": "Bearer t"}
+            )
+            if answer.status_code != 503:
+                return answer
+            await anyio.sleep(0.2)
+
+
+async def test_a_the_proxy_refuses_a_fence_the_promoted_server_forgot(tmp_path: Path) -> None:
+    """Worker B's claim (a higher fence) and its request through the proxy happened on the lost
+    primary alone. The promoted server has the run back at replaced worker A's fence and would
+    take A's request; the proxy, which remembers B's fence in its own store, refuses it loudly.
+    A claim on the promoted server (the new epoch) is above both and goes through."""
+    async with replicated(synchronous=False) as pair:
+        settings = Settings(database_url=pair.dsn())
+        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+        fences = FenceStore.open(tmp_path / "fences.sqlite3")
+        async with (
+            opened(settings) as (pool, store),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=create_app(pool, ["t"], fences=fences)),
+                base_url="http://proxy",
+            ) as proxy,
+        ):
+            await store.submit("agent", {})
+            [a] = (await store.claim("A", ["agent"], lease_seconds=0.5)).claimed
+            await anyio.to_thread.run_sync(pair.wait_replayed)
+            await anyio.to_thread.run_sync(pair.stop_standby)
+            b = await claim_once_expired(store, "B")
+            assert (await proxy_post(proxy, a.run_id, b.fence)).status_code == 201
+            await anyio.to_thread.run_sync(pair.failover)
+
+            refused = await proxy_post(proxy, a.run_id, a.fence)
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["error"] == "fence_regression"
+            assert (refused.json()["remembered_fence"], refused.json()["presented_fence"]) == (
+                b.fence,
+                a.fence,
+            )
+            assert (await store.get(a.run_id)).fence == a.fence  # what the database forgot
+            assert await pool.fetchval("SELECT count(*) FROM effects") == 0
+            c = await claim_once_expired(store, "C")
+            assert epoch_of(c.fence) == 1 and c.fence > b.fence
+            assert (await proxy_post(proxy, a.run_id, c.fence)).status_code == 201
+        fences.close()
 
 
 async def test_b_a_cancelled_sync_wait_is_no_success_and_its_fence_is_not_reused() -> None:
