@@ -6,16 +6,13 @@ also come inline as ``"contract"``. The email and the CRM update are tool calls 
 the commit records them, fenced, and the dispatcher (vendors for the kinds ``email`` and
 ``crm``) sends each once, however many workers wake up stale.
 
-``LOCAL_SCRIPT`` is what the local scripted model (``orchestrator.loopback``) answers, so the
-agent runs offline: ``orchestrator demo`` uses it when no model is configured.
+Offline, the local scripted model answers for it (``orchestrator.local_scripts``): ``orchestrator
+demo`` uses that when no model is configured.
 """
 
 from __future__ import annotations
 
-import json
-
 from orchestrator import EffectPolicy, ToolAgent, ToolContext, tool
-from orchestrator.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
 
 CONTRACTS = {
     "c-1001": (
@@ -76,54 +73,3 @@ contract_summary = ToolAgent(
     max_turns=6,
     description="Reads a contract, emails its summary and updates the CRM.",
 )
-
-
-def _request_fields(request: ScriptRequest) -> dict[str, str]:
-    try:
-        fields = json.loads(request.conversation)
-    except ValueError:
-        fields = {}
-    return fields if isinstance(fields, dict) else {}
-
-
-def _contract_text(request: ScriptRequest) -> str:
-    for message in request.messages:
-        if message.get("role") == "tool":
-            try:
-                found = json.loads(message.get("content") or "{}")
-            except ValueError:
-                continue
-            if isinstance(found, dict) and "text" in found:
-                return str(found["text"])
-    return ""
-
-
-def LOCAL_SCRIPT(request: ScriptRequest) -> ScriptedTurn:
-    """The scripted model's answers: read, then email and update, then the summary."""
-    fields = _request_fields(request)
-    if request.turn == 0:
-        contract_id = fields.get("contract_id", "c-1001")
-        return ScriptedTurn(calls=(ScriptedCall("read_contract", {"contract_id": contract_id}),))
-    summary = " ".join(_contract_text(request).split()[:20]) + " …"
-    if request.turn == 1:
-        return ScriptedTurn(
-            calls=(
-                ScriptedCall(
-                    "send_summary",
-                    {
-                        "to": fields.get("to", "legal@example.com"),
-                        "subject": f"Summary of {fields.get('contract_id', 'the contract')}",
-                        "body": summary,
-                    },
-                ),
-                ScriptedCall(
-                    "update_crm",
-                    {
-                        "account": fields.get("account", "ACME"),
-                        "status": "summarised",
-                        "summary": summary,
-                    },
-                ),
-            )
-        )
-    return ScriptedTurn(content=summary)

@@ -5,15 +5,12 @@ Input: ``{"customer": "ana@example.com", "order_id": "o-17", "message": "..."}``
 (kind ``tickets``) and the reply (kind ``email``) are effects: the model is told each one's
 settled record, so the reply can quote the id the ticket system gave.
 
-``LOCAL_SCRIPT`` is what the local scripted model answers (see ``orchestrator.loopback``).
+Offline, the local scripted model answers for it (``orchestrator.local_scripts``).
 """
 
 from __future__ import annotations
 
-import json
-
 from orchestrator import EffectPolicy, ToolAgent, ToolContext, tool
-from orchestrator.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
 
 CUSTOMERS = {"ana@example.com": {"name": "Ana", "plan": "pro", "since": "2023"}}
 ORDERS = {"o-17": {"status": "delayed", "carrier": "Post", "eta_days": 3}}
@@ -74,61 +71,3 @@ support = ToolAgent(
     max_turns=8,
     description="Looks up a customer and an order, opens a ticket, replies by email.",
 )
-
-
-def _fields(request: ScriptRequest) -> dict[str, str]:
-    try:
-        fields = json.loads(request.conversation)
-    except ValueError:
-        return {}
-    return fields if isinstance(fields, dict) else {}
-
-
-def _ticket_id(request: ScriptRequest) -> str:
-    for message in reversed(request.messages):
-        if message.get("role") == "tool":
-            try:
-                told = json.loads(message.get("content") or "{}")
-            except ValueError:
-                continue
-            if isinstance(told, dict) and told.get("external_id"):
-                return str(told["external_id"])
-    return "unknown"
-
-
-def LOCAL_SCRIPT(request: ScriptRequest) -> ScriptedTurn:
-    """Lookups in one turn, then the ticket, then the reply quoting it, then the answer."""
-    fields = _fields(request)
-    customer = fields.get("customer", "ana@example.com")
-    order_id = fields.get("order_id", "o-17")
-    if request.turn == 0:
-        return ScriptedTurn(
-            calls=(
-                ScriptedCall("lookup_customer", {"email": customer}),
-                ScriptedCall("lookup_order", {"order_id": order_id}),
-            )
-        )
-    if request.turn == 1:
-        return ScriptedTurn(
-            calls=(
-                ScriptedCall(
-                    "open_ticket",
-                    {"customer": customer, "summary": f"{order_id} is delayed", "priority": "high"},
-                ),
-            )
-        )
-    if request.turn == 2:
-        ticket = _ticket_id(request)
-        return ScriptedTurn(
-            calls=(
-                ScriptedCall(
-                    "reply_to_customer",
-                    {
-                        "to": customer,
-                        "subject": f"Your order {order_id} (ticket {ticket})",
-                        "body": f"Your order is delayed by about 3 days. Ticket {ticket}.",
-                    },
-                ),
-            )
-        )
-    return ScriptedTurn(content=f"{order_id}: delayed; ticket opened and customer told.")

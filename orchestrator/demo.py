@@ -31,11 +31,11 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.agents.contract_summary import LOCAL_SCRIPT
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import resolve_dsn
 from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
+from orchestrator.local_scripts import contract_summary_script
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.models import RunEvent
 from orchestrator.settings import Settings
@@ -133,7 +133,9 @@ async def _demo(
     configured = os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL")
     async with (
         LocalVendor() as vendor,
-        ScriptedModelServer(LOCAL_SCRIPT, latency=LOCAL_MODEL_LATENCY_SECONDS) as local_model,
+        ScriptedModelServer(
+            contract_summary_script, latency=LOCAL_MODEL_LATENCY_SECONDS
+        ) as local_model,
         open_store(settings, application_name="demo") as store,
     ):
         if configured:

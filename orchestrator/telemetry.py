@@ -174,7 +174,8 @@ def tracing_enabled() -> bool:
 
 
 class Metrics:
-    """The counters DESIGN.md asks for; created from whatever meter provider is installed."""
+    """Orchestrator's counters (docs/architecture.md, observability); created from whatever meter
+    provider is installed."""
 
     def __init__(self, meter: metrics.Meter | None = None) -> None:
         meter = meter or metrics.get_meter(TRACER_NAME)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
-from orchestrator.agents.contract_summary import LOCAL_SCRIPT as SUMMARY_SCRIPT
 from orchestrator.agents.contract_summary import contract_summary
-from orchestrator.agents.support import LOCAL_SCRIPT as SUPPORT_SCRIPT
 from orchestrator.agents.support import support
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
+from orchestrator.local_scripts import contract_summary_script, support_script
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
@@ -22,7 +24,7 @@ from test_runtime import FAST
 async def test_contract_summary_emails_once_and_updates_the_crm(
     settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with ScriptedModelServer(SUMMARY_SCRIPT) as model, LocalVendor() as crm:
+    async with ScriptedModelServer(contract_summary_script) as model, LocalVendor() as crm:
         with SmtpSink() as sink:
             monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
             adapters = {
@@ -54,7 +56,7 @@ async def test_contract_summary_emails_once_and_updates_the_crm(
 async def test_support_opens_a_ticket_and_replies_quoting_its_id(
     settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with ScriptedModelServer(SUPPORT_SCRIPT) as model, LocalVendor() as tickets:
+    async with ScriptedModelServer(support_script) as model, LocalVendor() as tickets:
         with SmtpSink() as sink:
             monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
             adapters = {
@@ -102,3 +104,23 @@ def test_the_readme_lists_exactly_the_agents_that_ship() -> None:
     assert names_after("`agents/` ships") == set(shipped)
     tool_agents = {name for name, agent in shipped.items() if isinstance(agent, ToolAgent)}
     assert names_after("The two tool agents in `agents/`") == tool_agents
+
+
+TEST_DOUBLES = ("orchestrator.loopback", "orchestrator.testing")
+
+
+def test_shipped_agents_import_no_test_doubles() -> None:
+    """agents/ shows agents as their authors write them: the local scripted model, vendors and
+    worker harnesses of the tests stay out of them."""
+    found = []
+    for path in sorted((Path(__file__).parent.parent / "agents").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [f"{path.name}: {name}" for name in names if name.startswith(TEST_DOUBLES)]
+    assert found == []
