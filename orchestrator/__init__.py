@@ -10,42 +10,99 @@ What applications import: ``from orchestrator import Client`` (or ``SyncClient``
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
-from orchestrator.budgets import Budget, BudgetExhausted
-from orchestrator.client import Client, SyncClient
-from orchestrator.effects.approvals import DecisionRefused
-from orchestrator.effects.model import Effect, EffectPolicy
-from orchestrator.errors import (
-    DatabaseError,
-    DatabaseUnavailable,
-    IdempotencyConflict,
-    InvalidInput,
-    InvalidTransition,
-    OrchestratorError,
-    RunAlreadyExists,
-    RunNotFound,
-    SchemaTooNew,
-)
-from orchestrator.llm import ModelNotConfigured, chat
-from orchestrator.settings import Settings
-from orchestrator.signals import Signal
-from orchestrator.steps import (
-    Agent,
-    Fail,
-    Finish,
-    Next,
-    Outcome,
-    Step,
-    StepContext,
-    UnknownAgent,
-    UnknownStep,
-    Wait,
-    WaitState,
-)
-from orchestrator.tool_agent import ToolAgent
-from orchestrator.tools import ToolContext, tool
-from orchestrator.transcript import Message
+if TYPE_CHECKING:
+    from orchestrator.budgets import Budget, BudgetExhausted
+    from orchestrator.client import Client, SyncClient
+    from orchestrator.effects.approvals import DecisionRefused
+    from orchestrator.effects.model import Effect, EffectPolicy
+    from orchestrator.errors import (
+        DatabaseError,
+        DatabaseUnavailable,
+        IdempotencyConflict,
+        InvalidInput,
+        InvalidTransition,
+        OrchestratorError,
+        RunAlreadyExists,
+        RunNotFound,
+        SchemaTooNew,
+    )
+    from orchestrator.llm import ModelNotConfigured, chat
+    from orchestrator.settings import Settings
+    from orchestrator.signals import Signal
+    from orchestrator.steps import (
+        Agent,
+        Fail,
+        Finish,
+        Next,
+        Outcome,
+        Step,
+        StepContext,
+        UnknownAgent,
+        UnknownStep,
+        Wait,
+        WaitState,
+    )
+    from orchestrator.tool_agent import ToolAgent
+    from orchestrator.tools import ToolContext, tool
+    from orchestrator.transcript import Message
+
+_EXPORTS = {
+    "Agent": "orchestrator.steps",
+    "Budget": "orchestrator.budgets",
+    "BudgetExhausted": "orchestrator.budgets",
+    "Client": "orchestrator.client",
+    "DatabaseError": "orchestrator.errors",
+    "DatabaseUnavailable": "orchestrator.errors",
+    "DecisionRefused": "orchestrator.effects.approvals",
+    "Effect": "orchestrator.effects.model",
+    "EffectPolicy": "orchestrator.effects.model",
+    "Fail": "orchestrator.steps",
+    "Finish": "orchestrator.steps",
+    "IdempotencyConflict": "orchestrator.errors",
+    "InvalidInput": "orchestrator.errors",
+    "InvalidTransition": "orchestrator.errors",
+    "Message": "orchestrator.transcript",
+    "ModelNotConfigured": "orchestrator.llm",
+    "Next": "orchestrator.steps",
+    "OrchestratorError": "orchestrator.errors",
+    "Outcome": "orchestrator.steps",
+    "RunAlreadyExists": "orchestrator.errors",
+    "RunNotFound": "orchestrator.errors",
+    "SchemaTooNew": "orchestrator.errors",
+    "Settings": "orchestrator.settings",
+    "Signal": "orchestrator.signals",
+    "Step": "orchestrator.steps",
+    "StepContext": "orchestrator.steps",
+    "SyncClient": "orchestrator.client",
+    "ToolAgent": "orchestrator.tool_agent",
+    "ToolContext": "orchestrator.tools",
+    "UnknownAgent": "orchestrator.steps",
+    "UnknownStep": "orchestrator.steps",
+    "Wait": "orchestrator.steps",
+    "WaitState": "orchestrator.steps",
+    "chat": "orchestrator.llm",
+    "tool": "orchestrator.tools",
+}
+"""Each public name and the module defining it: imported on first use (``__getattr__``), so that
+``import orchestrator.errors`` loads neither the worker, the console nor the client."""
+
+
+if not TYPE_CHECKING:  # type checkers read the imports above, and flag a name not among them
+
+    def __getattr__(name: str) -> object:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_EXPORTS})
 
 
 def _version() -> str:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import orchestrator
 
 AUTHOR_API = {
@@ -68,6 +70,25 @@ def test_importing_orchestrator_is_cheap() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_importing_one_module_loads_neither_the_worker_the_console_nor_the_client() -> None:
+    """The package root imports its public names on first use, so a library that catches
+    ``orchestrator.errors.RunNotFound`` does not pay for the runtime."""
+    code = (
+        "import sys, orchestrator.errors; "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('orchestrator'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["orchestrator", "orchestrator.errors"]
+
+
+def test_a_name_the_package_does_not_export_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'RunStore'"):
+        _ = orchestrator.RunStore  # type: ignore[attr-defined]
+    assert set(orchestrator.__all__) <= set(dir(orchestrator))
 
 
 def test_the_version_is_the_distribution_s() -> None:
