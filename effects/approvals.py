@@ -15,8 +15,8 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
+from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
-from orchestrator.db.store import Executor
 from orchestrator.errors import InvalidInput, InvalidTransition
 from orchestrator.ids import validate_run_id
 from orchestrator.models import Row

@@ -58,7 +58,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.store import Executor
+from orchestrator.db.executor import Executor
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.ids import RUN_ID_PATTERN
 from orchestrator.presentation import jsonable

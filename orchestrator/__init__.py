@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         SchemaTooNew,
     )
     from orchestrator.llm import ModelNotConfigured, chat
+    from orchestrator.models import Message
     from orchestrator.settings import Settings
     from orchestrator.signals import Signal
     from orchestrator.steps import (
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
     )
     from orchestrator.tool_agent import ToolAgent
     from orchestrator.tools import ToolContext, tool
-    from orchestrator.transcript import Message
 
 _EXPORTS = {
     "Agent": "orchestrator.steps",
@@ -65,7 +65,7 @@ _EXPORTS = {
     "IdempotencyConflict": "orchestrator.errors",
     "InvalidInput": "orchestrator.errors",
     "InvalidTransition": "orchestrator.errors",
-    "Message": "orchestrator.transcript",
+    "Message": "orchestrator.models",
     "ModelNotConfigured": "orchestrator.llm",
     "Next": "orchestrator.steps",
     "OrchestratorError": "orchestrator.errors",

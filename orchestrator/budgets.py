@@ -27,8 +27,8 @@ import asyncpg
 import pydantic
 
 from orchestrator.db.deadlines import pooled
+from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
-from orchestrator.db.store import Executor
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.ids import validate_run_id
 from orchestrator.models import JSON, Lease, Row

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 JSON = Any
 """A JSON value as the json module reads it."""
@@ -226,3 +226,23 @@ class WorkerInfo:
         values = {name: record[name] for name in cls.__dataclass_fields__}
         values["agents"] = list(values["agents"])
         return cls(**values)
+
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message. ``body`` is the chat message as the model API takes it (``role``,
+    ``content``, ``tool_calls``, ``tool_call_id``); ``usage``, on an assistant message, is what its
+    model call cost. ``seq`` and ``fence`` are set when it is committed."""
+
+    turn: int
+    role: Role
+    body: dict[str, Any]
+    usage: JSON = None
+    seq: int = -1
+    fence: int = 0
+    at: datetime | None = None

@@ -16,11 +16,10 @@ from orchestrator.attempts import Attempt
 from orchestrator.budgets import BudgetState, LedgerEntry
 from orchestrator.effects.model import EffectRecord
 from orchestrator.fences import describe_fence
-from orchestrator.models import Run, RunEvent, RunState
+from orchestrator.models import Message, Run, RunEvent, RunState
 from orchestrator.run_detail import RunDetail
 from orchestrator.signals import Signal
 from orchestrator.tool_agent import recorded_effect_keys
-from orchestrator.transcript import Message
 
 
 def jsonable(value: Any) -> Any:

@@ -13,8 +13,8 @@ from datetime import datetime, timedelta
 import anyio
 import asyncpg
 
+from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
-from orchestrator.db.store import Executor
 from orchestrator.errors import InvalidInput
 
 DEFAULT_RETENTION = "off"

@@ -13,9 +13,8 @@ from orchestrator.budgets import BudgetState, BudgetStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import EffectRecord
 from orchestrator.effects.store import EffectStore
-from orchestrator.models import Run, RunEvent
+from orchestrator.models import Message, Run, RunEvent
 from orchestrator.signals import Signal, SignalStore
-from orchestrator.transcript import Message
 
 DEFAULT_EVENTS = 100
 """Timeline events shown unless asked for more (the newest)."""

@@ -24,7 +24,7 @@ from orchestrator.models import JSON, Row
 from orchestrator.storable import check_json, check_text
 
 if TYPE_CHECKING:
-    from orchestrator.db.store import Executor
+    from orchestrator.db.executor import Executor
 
 SIGNALS_CHANNEL = "orchestrator_signals"
 MAX_SIGNAL_BYTES = 256 * 1024

@@ -35,8 +35,9 @@ from orchestrator.telemetry import RunLogger
 if TYPE_CHECKING:
     from orchestrator.budgets import Budget, RunBudget
     from orchestrator.effects.model import EffectRecord
+    from orchestrator.models import Message
     from orchestrator.signals import Signal
-    from orchestrator.transcript import Message, TranscriptView
+    from orchestrator.transcript import TranscriptView
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
 _STEP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")

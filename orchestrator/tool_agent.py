@@ -41,7 +41,7 @@ from orchestrator.budgets import Budget, BudgetExhausted
 from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.errors import InvalidInput
 from orchestrator.llm import ModelAttempt, ModelReply, complete
-from orchestrator.models import JSON
+from orchestrator.models import JSON, Message
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span
 from orchestrator.tools import (
@@ -52,7 +52,6 @@ from orchestrator.tools import (
     ToolArgumentsInvalid,
     ToolContext,
 )
-from orchestrator.transcript import Message
 
 DEFAULT_SETTLE_GRACE_SECONDS = 2.0
 """How long a turn waits, holding its lease, for the previous turn's effects to settle before

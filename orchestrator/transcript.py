@@ -10,33 +10,13 @@ per turn.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
-from orchestrator.models import JSON
+from orchestrator.models import Message
 
 if TYPE_CHECKING:
     from orchestrator.db.store import RunStore
-
-Role = Literal["system", "user", "assistant", "tool"]
-ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One message. ``body`` is the chat message as the model API takes it (``role``,
-    ``content``, ``tool_calls``, ``tool_call_id``); ``usage``, on an assistant message, is what its
-    model call cost. ``seq`` and ``fence`` are set when it is committed."""
-
-    turn: int
-    role: Role
-    body: dict[str, Any]
-    usage: JSON = None
-    seq: int = -1
-    fence: int = 0
-    at: datetime | None = None
 
 
 class TranscriptView(Protocol):

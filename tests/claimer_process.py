@@ -31,7 +31,8 @@ from typing import IO, TYPE_CHECKING, Any, Self
 if TYPE_CHECKING:
     import asyncpg
 
-    from orchestrator.db.store import RunStore, TransactionConnection
+    from orchestrator.db.executor import TransactionConnection
+    from orchestrator.db.store import RunStore
     from orchestrator.models import ClaimBatch, ClaimedRun, CommitResult, Lease
 
 AGENT = "lease-test"

@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from orchestrator.db.connections import create_pool
-from orchestrator.db.store import Executor, RunStore
+from orchestrator.db.executor import Executor
+from orchestrator.db.store import RunStore
 from orchestrator.effects.fence_store import (
     DEFAULT_RETENTION,
     PRUNE_BATCHES_PER_ROUND,

@@ -10,8 +10,9 @@ import asyncpg
 import pytest
 
 from orchestrator.db.connections import GENERIC_PLANS, create_pool
+from orchestrator.db.executor import TransactionConnection
 from orchestrator.db.queries import query
-from orchestrator.db.store import RunStore, StepEvent, TransactionConnection
+from orchestrator.db.store import RunStore, StepEvent
 from orchestrator.errors import (
     IdempotencyConflict,
     InvalidInput,

@@ -15,7 +15,7 @@ from orchestrator.effects.model import EffectRecord, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
-from orchestrator.models import RunState
+from orchestrator.models import Message, RunState
 from orchestrator.presentation import (
     ATTEMPT_COLUMNS,
     attempt_cells,
@@ -24,7 +24,6 @@ from orchestrator.presentation import (
 )
 from orchestrator.run_detail import load_run_detail, more_events_hint
 from orchestrator.tool_agent import recorded_effect_keys
-from orchestrator.transcript import Message
 
 from .privacy import Shown, event_details, show, text_of
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 import asyncpg
 
 from orchestrator.backoff import Backoff
+from orchestrator.db.executor import Executor, TransactionConnection
 from orchestrator.db.queries import query
 from orchestrator.errors import (
     IdempotencyConflict,
@@ -34,6 +35,7 @@ from orchestrator.models import (
     ClaimedRun,
     CommitResult,
     Lease,
+    Message,
     Row,
     Run,
     RunEvent,
@@ -45,22 +47,15 @@ from orchestrator.models import (
 from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA
 from orchestrator.storable import check_json, check_text
 from orchestrator.telemetry import current_traceparent
-from orchestrator.transcript import Message
 
 MAX_LIST_LIMIT = 10_000
 MAX_ATTEMPTS_LIMIT = 1_000
 
 if TYPE_CHECKING:
-    from asyncpg.pool import PoolConnectionProxy
-
     from orchestrator.budgets import Spend
     from orchestrator.effects.model import Effect
 
-Executor: TypeAlias = "asyncpg.Pool | asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"
-"""Where a statement runs: the store's pool by default, or a caller's connection that carries
-its own deadline (the runtime aborts a connection that overruns, rather than wait on it)."""
 
-TransactionConnection: TypeAlias = "asyncpg.Connection | PoolConnectionProxy[asyncpg.Record]"
 InTransaction: TypeAlias = "Callable[[TransactionConnection, CommitResult], Awaitable[None]]"
 """Extra writes a commit performs inside its transaction, after ownership was proven."""
 

@@ -19,7 +19,7 @@ import structlog
 from orchestrator.errors import OrchestratorError
 
 if TYPE_CHECKING:
-    from orchestrator.db.store import Executor
+    from orchestrator.db.executor import Executor
 
 log = structlog.get_logger("orchestrator.sync_standby")
 

@@ -37,7 +37,15 @@ from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectNotFound
 from orchestrator.errors import error_fields
-from orchestrator.models import JSON, ClaimedRun, CommitResult, RunState
+from orchestrator.models import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    JSON,
+    ROLES,
+    ClaimedRun,
+    CommitResult,
+    Message,
+    RunState,
+)
 from orchestrator.signals import Signal, SignalStore
 from orchestrator.steps import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
@@ -70,7 +78,7 @@ from orchestrator.telemetry import (
     open_span,
     start_span,
 )
-from orchestrator.transcript import DEFAULT_MAX_MESSAGE_BYTES, ROLES, Message, Transcript
+from orchestrator.transcript import Transcript
 from orchestrator.worker.group_commit import CommitOutcomeUnknown, CommitRefused, GroupCommitter
 from orchestrator.worker.heartbeat import LeaseHandle, LeaseKeeper
 
