@@ -10,9 +10,10 @@ What applications import: ``from orchestrator import Client`` (or ``SyncClient``
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
+
+from orchestrator.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from orchestrator.budgets import Budget, BudgetExhausted
@@ -92,17 +93,7 @@ _EXPORTS = {
 
 
 if not TYPE_CHECKING:  # type checkers read the imports above, and flag a name not among them
-
-    def __getattr__(name: str) -> object:
-        module = _EXPORTS.get(name)
-        if module is None:
-            raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *_EXPORTS})
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def _version() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_importing_one_module_loads_neither_the_worker_the_console_nor_the_clien
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
-    assert result.stdout.split() == ["orchestrator", "orchestrator.errors"]
+    assert result.stdout.split() == ["orchestrator", "orchestrator.errors", "orchestrator.lazy"]
 
 
 def test_a_name_the_package_does_not_export_is_an_attribute_error() -> None:
@@ -112,3 +113,24 @@ def test_the_wheel_lists_every_package() -> None:
         if "__pycache__" not in path.parts
     }
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
+
+
+@pytest.mark.parametrize("package", ["orchestrator.db", "orchestrator.worker"])
+def test_the_database_and_worker_faces_resolve_every_name_they_list(package: str) -> None:
+    face = importlib.import_module(package)
+    for name in face.__all__:
+        assert getattr(face, name) is not None, name
+    assert set(face.__all__) <= set(dir(face))
+
+
+def test_one_database_module_loads_neither_the_run_store_nor_the_worker() -> None:
+    code = (
+        "import sys, orchestrator.db.executor; "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('orchestrator'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    loaded = result.stdout.split()
+    assert "orchestrator.db.executor" in loaded
+    assert not [m for m in loaded if m.startswith(("orchestrator.db.store", "orchestrator.worker"))]
