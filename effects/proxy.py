@@ -61,7 +61,7 @@ from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.executor import Executor
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.ids import RUN_ID_PATTERN
-from orchestrator.presentation import jsonable
+from orchestrator.jsontext import jsonable
 from orchestrator.storable import InvalidJson, check_bigint, check_text, parse_document
 from orchestrator.telemetry import EFFECT_KEY, RUN_FENCE, RUN_ID, TRACER_NAME, WORKER_ID
 

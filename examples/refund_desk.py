@@ -31,7 +31,7 @@ from orchestrator import (
     RunNotFound,
     SyncClient,
 )
-from orchestrator.presentation import jsonable
+from orchestrator.jsontext import jsonable
 
 
 def make_handler(client: SyncClient, agent: str) -> type[BaseHTTPRequestHandler]:

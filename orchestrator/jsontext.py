@@ -13,8 +13,11 @@ comes early and names the value's owner.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import json.scanner
+from datetime import datetime
 from json import encoder as _encoder
 from typing import Any, cast
 
@@ -60,3 +63,21 @@ def parse(text: str) -> Any:
 def utf8_size(text: str) -> int:
     """Bytes of ``text`` in UTF-8, without encoding it when it is ASCII (the usual case)."""
     return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def jsonable(value: Any) -> Any:
+    """Dataclasses, enums and datetimes as plain JSON values (datetimes in ISO 8601): what the
+    CLI's ``--json``, the action proxy and the console answer with."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            field.name: jsonable(getattr(value, field.name)) for field in dataclasses.fields(value)
+        }
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(item) for item in value]
+    return value

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -16,27 +14,11 @@ from orchestrator.attempts import Attempt
 from orchestrator.budgets import BudgetState, LedgerEntry
 from orchestrator.effects.model import EffectRecord
 from orchestrator.fences import describe_fence
+from orchestrator.jsontext import jsonable as jsonable  # the CLI's modules import it from here
 from orchestrator.models import Message, Run, RunEvent, RunState
 from orchestrator.run_detail import RunDetail
 from orchestrator.signals import Signal
 from orchestrator.tool_agent import recorded_effect_keys
-
-
-def jsonable(value: Any) -> Any:
-    """Dataclasses, enums and datetimes as plain JSON values (datetimes in ISO 8601)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            field.name: jsonable(getattr(value, field.name)) for field in dataclasses.fields(value)
-        }
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {str(key): jsonable(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(item) for item in value]
-    return value
 
 
 def dump_json(value: Any) -> str:

@@ -134,3 +134,13 @@ def test_one_database_module_loads_neither_the_run_store_nor_the_worker() -> Non
     loaded = result.stdout.split()
     assert "orchestrator.db.executor" in loaded
     assert not [m for m in loaded if m.startswith(("orchestrator.db.store", "orchestrator.worker"))]
+
+
+def test_the_action_proxy_does_not_load_the_terminal_renderer() -> None:
+    code = (
+        "import sys, orchestrator.effects.proxy; print('orchestrator.presentation' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.presentation import jsonable
+from orchestrator.jsontext import jsonable
 
 MAX_SHOWN_BYTES = 4096
 """The most of one value's JSON text a page shows with ``--show-payloads``."""
