@@ -246,3 +246,40 @@ class Message:
     seq: int = -1
     fence: int = 0
     at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWait:
+    """What a waiting run waits for, as ``runs.wait`` holds it: written by the commit that parks
+    the run (``Wait``), read back by the claim that wakes it, by ``runs show`` and the console.
+    The one place that knows the format in Python; ``sql/queries.sql`` reads ``signals`` and
+    ``until`` of it to decide when a run is due."""
+
+    step: str
+    signals: tuple[str, ...] = ()
+    effects: tuple[str, ...] = ()
+    until: datetime | None = None
+    reason: str = ""
+    """Why, in the timeline; ``budget``: the run waits for a top-up."""
+
+    def as_json(self) -> dict[str, JSON]:
+        return {
+            "step": self.step,
+            "signals": list(self.signals),
+            "effects": list(self.effects),
+            "until": None if self.until is None else self.until.isoformat(),
+            "reason": self.reason or None,
+        }
+
+    @classmethod
+    def from_json(cls, stored: JSON) -> StoredWait:
+        """Read ``runs.wait`` (a dict as ``as_json`` wrote it; absent keys are empty)."""
+        wait = stored if isinstance(stored, dict) else {}
+        until = wait.get("until")
+        return cls(
+            str(wait.get("step") or ""),
+            tuple(str(name) for name in wait.get("signals") or ()),
+            tuple(str(key) for key in wait.get("effects") or ()),
+            datetime.fromisoformat(until) if isinstance(until, str) else None,
+            str(wait.get("reason") or ""),
+        )

@@ -15,7 +15,7 @@ from orchestrator.budgets import BudgetState, LedgerEntry
 from orchestrator.effects.model import EffectRecord
 from orchestrator.fences import describe_fence
 from orchestrator.jsontext import jsonable as jsonable  # the CLI's modules import it from here
-from orchestrator.models import Message, Run, RunEvent, RunState
+from orchestrator.models import Message, Run, RunEvent, RunState, StoredWait
 from orchestrator.run_detail import RunDetail
 from orchestrator.signals import Signal
 from orchestrator.tool_agent import recorded_effect_keys
@@ -238,20 +238,20 @@ def queue_table(rows: Sequence[dict[str, Any]]) -> Table:
 
 def _waiting_for(run: Run, now: datetime) -> str:
     """What a waiting run waits for, in words (``--json`` has ``run.wait`` as stored)."""
-    wait = run.wait
     if run.state is not RunState.WAITING:
         return ""
-    if not isinstance(wait, dict):
+    if not isinstance(run.wait, dict):
         return f"a retry, {_relative(run.available_at, now)}"
+    wait = StoredWait.from_json(run.wait)
     parts = []
-    if wait.get("signals"):
-        parts.append("a signal " + " or ".join(wait["signals"]))
-    if wait.get("effects"):
-        parts.append("effects " + ", ".join(wait["effects"]) + " to settle")
-    if wait.get("reason") == "budget":
+    if wait.signals:
+        parts.append("a signal " + " or ".join(wait.signals))
+    if wait.effects:
+        parts.append("effects " + ", ".join(wait.effects) + " to settle")
+    if wait.reason == "budget":
         parts.append("a budget top-up (`orchestrator runs budget RUN --add-...`)")
-    if wait.get("until"):
-        parts.append(f"until {_time(datetime.fromisoformat(wait['until']))}")
+    if wait.until is not None:
+        parts.append(f"until {_time(wait.until)}")
     due = run.available_at.year < 9999 and _utc(run.available_at) <= now
     return " or ".join(parts) + (" (woken: due now)" if due else "")
 

@@ -27,7 +27,7 @@ from orchestrator.effects.model import Effect, validate_effect_key
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.ids import validate_agent_name
 from orchestrator.jsontext import compact, utf8_size
-from orchestrator.models import JSON
+from orchestrator.models import JSON, StoredWait
 from orchestrator.signals import validate_signal_name
 from orchestrator.storable import check_json, needs_full_check
 from orchestrator.telemetry import RunLogger
@@ -225,15 +225,15 @@ class Wait:
     def new_effects(self) -> list[Effect]:
         return [e for e in self.effects if not isinstance(e, str)]
 
-    def as_json(self) -> dict[str, JSON]:
-        """What the run waits for, as stored in ``runs.wait`` (and in the timeline)."""
-        return {
-            "step": self.step_name,
-            "signals": list(dict.fromkeys(self.signals)),
-            "effects": list(dict.fromkeys(self.effect_keys)),
-            "until": None if self.until is None else self.until.isoformat(),
-            "reason": self.reason or None,
-        }
+    def stored(self) -> StoredWait:
+        """What the run waits for, as ``runs.wait`` (and the timeline) hold it."""
+        return StoredWait(
+            self.step_name,
+            tuple(dict.fromkeys(self.signals)),
+            tuple(dict.fromkeys(self.effect_keys)),
+            self.until,
+            self.reason,
+        )
 
 
 Outcome = Next | Finish | Fail | Wait

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, ClassVar
 
@@ -18,7 +18,7 @@ from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefu
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
-from orchestrator.models import RunState
+from orchestrator.models import RunState, StoredWait
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
@@ -713,3 +713,16 @@ async def test_signals_re_read_mid_run_come_in_the_order_they_were_sent(
     assert [s.seq for s in chosen] == sorted(s.seq for s in chosen)
     assert [s.name for s in chosen] == ["note", "note", "reply", "note", "reply"]
     assert all(s.data is None for s in chosen)
+
+
+def test_a_stored_wait_reads_back_what_it_wrote() -> None:
+    """``runs.wait`` is written by ``Wait.stored()`` and read back by the claim that wakes the run
+    (and by ``runs show``): one class, both ways."""
+    until = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    wait = Wait("Next", signals=["go", "go", "stop"], effects=["a", "a"], until=until, reason="x")
+    stored = wait.stored()
+    assert (stored.signals, stored.effects) == (("go", "stop"), ("a",))  # each named once
+    assert StoredWait.from_json(stored.as_json()) == stored
+    assert StoredWait.from_json(Wait("Next", reason="budget").stored().as_json()).until is None
+    assert StoredWait.from_json(None) == StoredWait("")
+    assert StoredWait.from_json({"signals": None, "until": None}) == StoredWait("")

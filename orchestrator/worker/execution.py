@@ -25,7 +25,6 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
@@ -45,6 +44,7 @@ from orchestrator.models import (
     CommitResult,
     Message,
     RunState,
+    StoredWait,
 )
 from orchestrator.signals import Signal, SignalStore
 from orchestrator.steps import (
@@ -595,7 +595,9 @@ class RunExecution:
             checkpoint_text=checkpoint_text,
             messages=messages,
             park=Park(
-                outcome.as_json(), outcome.until, progressed=self._progressed(version, extras)
+                outcome.stored().as_json(),
+                outcome.until,
+                progressed=self._progressed(version, extras),
             ),
             signal_seqs=extras.signal_seqs,
             spend=extras.spend,
@@ -782,10 +784,8 @@ class RunExecution:
     async def _wait_state(self, wait: JSON, signals: tuple[Signal, ...]) -> tuple[WaitState, bool]:
         """What the run waited for; and whether it must wait on (nothing it waits for has
         happened yet, and its time has not come)."""
-        names = tuple(wait.get("signals") or ())
-        keys = tuple(wait.get("effects") or ())
-        until = datetime.fromisoformat(wait["until"]) if wait.get("until") else None
-        reason = str(wait.get("reason") or "")
+        stored = StoredWait.from_json(wait)
+        names, keys, until, reason = stored.signals, stored.effects, stored.until, stored.reason
         signalled = any(signal.name in names for signal in signals)
         settled = bool(keys) and all([await self._settled(key) for key in keys])
         happened = signalled or settled or reason == "budget"
