@@ -25,21 +25,19 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
-from orchestrator.budgets import Prices, RunBudget, Spend
+from orchestrator.budgets import Prices, RunBudget
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
-from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectNotFound
 from orchestrator.errors import error_fields
 from orchestrator.models import (
     DEFAULT_MAX_MESSAGE_BYTES,
     JSON,
-    ROLES,
     ClaimedRun,
     CommitResult,
     Message,
@@ -60,8 +58,6 @@ from orchestrator.steps import (
     StepContext,
     Wait,
     WaitState,
-    encode_json,
-    validate_json,
 )
 from orchestrator.telemetry import (
     ATTEMPT,
@@ -81,6 +77,14 @@ from orchestrator.telemetry import (
 from orchestrator.transcript import Transcript
 from orchestrator.worker.group_commit import CommitOutcomeUnknown, CommitRefused, GroupCommitter
 from orchestrator.worker.heartbeat import LeaseHandle, LeaseKeeper
+from orchestrator.worker.outcomes import (
+    NOTHING_ELSE,
+    Extras,
+    Limits,
+    run_finish,
+    step_commit,
+    validate,
+)
 
 T = TypeVar("T")
 COMMITTED = "orchestrator.committed"
@@ -154,6 +158,11 @@ class RunnerConfig:
     max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
+    @functools.cached_property
+    def limits(self) -> Limits:
+        """The size limits every step's outcome is checked against (built once)."""
+        return Limits(self.max_checkpoint_bytes, self.max_message_bytes)
+
 
 _OUTCOME_ATTRIBUTES: dict[type, dict[str, str]] = {
     kind: {"outcome": kind.__name__.lower()} for kind in (Next, Finish, Fail, Wait)
@@ -173,46 +182,6 @@ def _outcome_attributes(outcome: Outcome) -> dict[str, str]:
         if isinstance(outcome, kind):
             return attributes
     return {"outcome": type(outcome).__name__.lower()}
-
-
-class _Extras(NamedTuple):
-    """What a step's commit settles besides its checkpoint: the signals it was given (their
-    seqs) and what it spent of the run's budget."""
-
-    signal_seqs: tuple[int, ...]
-    spend: Spend | None
-
-
-_NOTHING_ELSE = _Extras((), None)
-
-
-class Encoded(NamedTuple):
-    """A step outcome's JSON as validated: sent to the database as it is."""
-
-    result: str | None
-    checkpoint: str | None
-
-
-def _encoded(value: JSON, what: str, limit: int) -> str | None:
-    # None stays SQL NULL (for a final checkpoint: keep the last one).
-    return None if value is None else encode_json(value, what=what, max_bytes=limit)
-
-
-def _validate_effects(effects: Sequence[Effect], limit: int) -> None:
-    for effect in effects:
-        if not isinstance(effect, Effect):
-            raise TypeError(f"effects must be Effect objects, not {type(effect).__name__}")
-        validate_json(effect.payload, what=f"effect {effect.key} payload", max_bytes=limit)
-
-
-def _validate_messages(messages: Sequence[Message], limit: int) -> None:
-    for message in messages:
-        if not isinstance(message, Message) or message.role not in ROLES:
-            raise TypeError("messages must be Message objects with a role of " + "/".join(ROLES))
-        what = f"the {message.role} message of turn {message.turn}"
-        validate_json(message.body, what=what, max_bytes=limit)
-        if message.usage is not None:
-            validate_json(message.usage, what=f"{what}'s usage", max_bytes=limit)
 
 
 def _ids(claimed: ClaimedRun, worker_id: str) -> dict[str, str | int]:
@@ -494,7 +463,7 @@ class RunExecution:
                 with as_current(span):
                     try:
                         outcome = await step_class().run(context)
-                        encoded = self._validate(outcome, agent_steps=agent.steps)
+                        encoded = validate(outcome, agent.name, agent.steps, services.config.limits)
                     except Exception as error:
                         span.record_exception(error)
                         span.set_status(Status(StatusCode.ERROR, type(error).__name__))
@@ -508,28 +477,32 @@ class RunExecution:
                     if not isinstance(outcome, Fail) and outcome.messages:
                         messages = await self.transcript.numbered(outcome.messages, lease.fence)
                     extras = (
-                        _NOTHING_ELSE
+                        NOTHING_ELSE
                         if not signals and budget is None
-                        else _Extras(
+                        else Extras(
                             tuple(signal.seq for signal in signals),
                             None if budget is None else budget.settlement(),
                         )
                     )
                     if isinstance(outcome, (Finish, Fail)):
-                        self._finish(outcome, version, encoded, started, messages, span, extras)
+                        finish = run_finish(outcome, lease, version, encoded, messages, extras)
+                        self._finish(finish, started, span)
                         handed_over = True
                         return None
+                    if isinstance(outcome, Wait):
+                        self.handle.finishing = True  # the park ends the lease itself
+                    commit = step_commit(
+                        outcome,
+                        lease,
+                        version,
+                        encoded,
+                        messages,
+                        extras,
+                        current_checkpoint=checkpoint,
+                        claimed_version=claimed.checkpoint_version,
+                    )
                     try:
-                        if isinstance(outcome, Wait):
-                            self.handle.finishing = True  # the park ends the lease itself
-                            kept = encoded.checkpoint if outcome.checkpoint is not None else None
-                            committed = await self._commit_wait(
-                                outcome, version, kept, checkpoint, messages, extras
-                            )
-                        else:
-                            committed = await self._commit_next(
-                                outcome, version, encoded, messages, extras
-                            )
+                        committed = await self._commit(commit)
                     except CommitRefused as error:  # nothing of the step was committed
                         span.set_status(Status(StatusCode.ERROR, type(error).__name__))
                         return await self._fail_attempt(error)
@@ -554,61 +527,6 @@ class RunExecution:
                     span.set_attribute(COMMITTED, committed_here)
                     span.end()
 
-    async def _commit_next(
-        self,
-        outcome: Next,
-        version: int,
-        encoded: Encoded,
-        messages: Sequence[Message],
-        extras: _Extras,
-    ) -> CommitResult | None:
-        """Commit the checkpoint; ``None`` if nothing was committed."""
-        commit = StepCommit(
-            self.claimed.lease,
-            version,
-            outcome.step_name,
-            outcome.checkpoint,
-            effects=tuple(outcome.effects),
-            checkpoint_text=encoded.checkpoint,
-            messages=messages,
-            signal_seqs=extras.signal_seqs,
-            spend=extras.spend,
-        )
-        return await self._commit(commit)
-
-    async def _commit_wait(
-        self,
-        outcome: Wait,
-        version: int,
-        checkpoint_text: str | None,
-        current: JSON,
-        messages: Sequence[Message],
-        extras: _Extras,
-    ) -> CommitResult | None:
-        """Commit and park: the run waits without a lease for what ``outcome`` names."""
-        commit = StepCommit(
-            self.claimed.lease,
-            version,
-            outcome.step_name,
-            current if checkpoint_text is None else outcome.checkpoint,
-            effects=tuple(outcome.new_effects),
-            checkpoint_text=checkpoint_text,
-            messages=messages,
-            park=Park(
-                outcome.stored().as_json(),
-                outcome.until,
-                progressed=self._progressed(version, extras),
-            ),
-            signal_seqs=extras.signal_seqs,
-            spend=extras.spend,
-        )
-        return await self._commit(commit)
-
-    def _progressed(self, version: int, extras: _Extras) -> bool:
-        """Whether the run moved on since its claim: a step committed before this one, or this
-        one was given signals (a wait found already satisfied is then no spin)."""
-        return version != self.claimed.checkpoint_version or bool(extras.signal_seqs)
-
     async def _wait_again(self, wait: JSON, state: WaitState) -> Disposition:
         """Woken before what the run waits for has all happened (one of several effects
         settled): park it again as it was, without running its step."""
@@ -631,48 +549,9 @@ class RunExecution:
             return None
         return committed
 
-    def _finish(
-        self,
-        outcome: Finish | Fail,
-        version: int,
-        encoded: Encoded,
-        started: float,
-        messages: Sequence[Message],
-        span: Span,
-        extras: _Extras,
-    ) -> None:
+    def _finish(self, finish: RunFinish, started: float, span: Span) -> None:
         """Hand the final commit to the group committer; ``_settle`` takes its answer."""
         self.handle.finishing = True
-        lease = self.claimed.lease
-        if isinstance(outcome, Finish):
-            finish = RunFinish(
-                lease,
-                version,
-                RunState.SUCCEEDED,
-                outcome.result,
-                None,
-                outcome.checkpoint,
-                effects=tuple(outcome.effects),
-                result_text=encoded.result,
-                checkpoint_text=encoded.checkpoint,
-                messages=messages,
-                signal_seqs=extras.signal_seqs,
-                spend=extras.spend,
-            )
-        else:
-            failure: dict[str, JSON] = {"type": "Fail", "message": outcome.message}
-            if outcome.details is not None:
-                failure["details"] = outcome.details
-            finish = RunFinish(
-                lease,
-                version,
-                RunState.FAILED,
-                None,
-                failure,
-                None,
-                signal_seqs=extras.signal_seqs,
-                spend=extras.spend,
-            )
         self.services.committer.finish(
             finish,
             functools.partial(self._settle, _FINAL_DISPOSITIONS[finish.state], started, span),
@@ -726,41 +605,6 @@ class RunExecution:
         finally:
             self._conclude(disposition)
         return disposition
-
-    def _validate(self, outcome: Outcome, *, agent_steps: dict[str, Any]) -> Encoded:
-        """Check the step's outcome; returns its JSON, encoded once here for the commit."""
-        limit = self.services.config.max_checkpoint_bytes
-        if isinstance(outcome, Finish):
-            _validate_effects(outcome.effects, limit)
-            _validate_messages(outcome.messages, self.services.config.max_message_bytes)
-            return Encoded(
-                _encoded(outcome.result, "result", limit),
-                _encoded(outcome.checkpoint, "checkpoint", limit),
-            )
-        if isinstance(outcome, Next):
-            _validate_effects(outcome.effects, limit)
-            _validate_messages(outcome.messages, self.services.config.max_message_bytes)
-            if outcome.step_name not in agent_steps:
-                raise LookupError(
-                    f"Next names step {outcome.step_name!r}, which agent "
-                    f"{self.claimed.agent} does not have"
-                )
-            return Encoded(None, _encoded(outcome.checkpoint, "checkpoint", limit))
-        if isinstance(outcome, Wait):
-            _validate_effects(outcome.new_effects, limit)
-            _validate_messages(outcome.messages, self.services.config.max_message_bytes)
-            if outcome.step_name not in agent_steps:
-                raise LookupError(
-                    f"Wait names step {outcome.step_name!r}, which agent "
-                    f"{self.claimed.agent} does not have"
-                )
-            return Encoded(None, _encoded(outcome.checkpoint, "checkpoint", limit))
-        if isinstance(outcome, Fail):
-            _encoded(outcome.details, "failure details", limit)
-            return Encoded(None, None)
-        raise TypeError(
-            f"a step must return Next, Finish, Fail or Wait, not {type(outcome).__name__}"
-        )
 
     # -- waits, signals, budgets --------------------------------------------------------------
     def _budget(self, agent: Agent) -> RunBudget | None:
