@@ -19,7 +19,7 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Outcome, Step, StepContext
 from orchestrator.testing import running_worker
-from orchestrator.worker.group_commit import GroupCommitter
+from orchestrator.worker.group_commit import Committed, GroupCommitter
 from test_runtime import FAST, eventually
 
 FINISH_WAITING_FOR_A_LOCK = """
@@ -146,6 +146,6 @@ async def test_a_failing_answer_handler_does_not_keep_other_runs_from_theirs(
             )
             await eventually(lambda: second.run_id in answers, within=60)
             group.cancel_scope.cancel()
-    assert answers == {second.run_id: True}
+    assert answers == {second.run_id: Committed()}
     for claimed in (first, second):
         assert (await store.get(claimed.run_id)).state is RunState.SUCCEEDED

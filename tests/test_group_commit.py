@@ -20,7 +20,7 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
-from orchestrator.worker.group_commit import EffectRefused, GroupCommitter
+from orchestrator.worker.group_commit import Committed, EffectRefused, GroupCommitter, Refused
 from test_runtime import FAST, eventually
 
 
@@ -45,14 +45,11 @@ async def test_a_batch_with_a_refused_effect_commits_every_other_run_once(
     step_answer: list[object] = []
 
     async def commit_step() -> None:
-        try:
-            step_answer.append(
-                await committer.commit_step(
-                    StepCommit(refused_step.lease, 0, "next", {}, effects=(note(),))
-                )
+        step_answer.append(
+            await committer.commit_step(
+                StepCommit(refused_step.lease, 0, "next", {}, effects=(note(),))
             )
-        except EffectRefused as error:
-            step_answer.append(error)
+        )
 
     with anyio.fail_after(60):
         async with anyio.create_task_group() as group:
@@ -73,7 +70,7 @@ async def test_a_batch_with_a_refused_effect_commits_every_other_run_once(
             group.cancel_scope.cancel()
 
     for run in [*ordinary, *with_effects]:
-        assert answers[run.run_id] is True, run.run_id
+        assert answers[run.run_id] == Committed(), run.run_id
         assert (await store.get(run.run_id)).state is RunState.SUCCEEDED
         kinds = [event.kind for event in await store.events(run.run_id)]
         assert kinds.count("succeeded") == 1 and "lease_lost" not in kinds
@@ -81,8 +78,10 @@ async def test_a_batch_with_a_refused_effect_commits_every_other_run_once(
         record = await boundary.get(run.run_id, "final-note")
         assert (record.status, record.fence) == (EffectStatus.ACCEPTED, run.fence)
     refusal = answers[conflicting[0].run_id]
-    assert isinstance(refusal, EffectRefused) and "already used with another kind" in str(refusal)
-    assert isinstance(step_answer[0], EffectRefused)
+    assert isinstance(refusal, Refused) and isinstance(refusal.error, EffectRefused)
+    assert "already used with another kind" in str(refusal.error)
+    [stepped] = step_answer
+    assert isinstance(stepped, Refused) and isinstance(stepped.error, EffectRefused)
     for run in conflicting:  # nothing of the refused commits was written
         stored = await store.get(run.run_id)
         assert (stored.state, stored.checkpoint_version) == (RunState.RUNNING, 0)

@@ -75,7 +75,14 @@ from orchestrator.telemetry import (
     start_span,
 )
 from orchestrator.transcript import Transcript
-from orchestrator.worker.group_commit import CommitOutcomeUnknown, CommitRefused, GroupCommitter
+from orchestrator.worker.group_commit import (
+    CommitAnswer,
+    CommitRefused,
+    Committed,
+    GroupCommitter,
+    Refused,
+    Unknown,
+)
 from orchestrator.worker.heartbeat import LeaseHandle, LeaseKeeper
 from orchestrator.worker.outcomes import (
     NOTHING_ELSE,
@@ -542,12 +549,16 @@ class RunExecution:
         return Disposition.LOST if committed is None else Disposition.WAITING
 
     async def _commit(self, commit: StepCommit) -> CommitResult | None:
-        try:
-            committed = await self.services.committer.commit_step(commit)
-        except CommitOutcomeUnknown as error:
-            self.handle.lose(f"commit outcome unknown ({error})")
-            return None
-        return committed
+        """The commit's result; ``None`` when it did not take effect (the lease is then lost if
+        its outcome is unknown). Raises the refusal of a commit that could not be written."""
+        answer = await self.services.committer.commit_step(commit)
+        if isinstance(answer, Committed):
+            return answer.result
+        if isinstance(answer, Refused):
+            raise answer.error
+        if isinstance(answer, Unknown):
+            self.handle.lose(f"commit outcome unknown ({answer.error})")
+        return None
 
     def _finish(self, finish: RunFinish, started: float, span: Span) -> None:
         """Hand the final commit to the group committer; ``_settle`` takes its answer."""
@@ -562,7 +573,7 @@ class RunExecution:
         final: Disposition,
         started: float,
         step_span: Span,
-        answer: bool | CommitOutcomeUnknown | CommitRefused,
+        answer: CommitAnswer,
     ) -> None:
         """The final commit's answer, from the group committer: how the run ends.
 
@@ -576,18 +587,18 @@ class RunExecution:
         services.metrics.step_seconds.record(time.monotonic() - started)
         services.keeper.untrack(self.handle)
         if step_span.is_recording():
-            step_span.set_attribute(COMMITTED, answer is True)
+            step_span.set_attribute(COMMITTED, isinstance(answer, Committed))
             step_span.end()
-        if answer is True:
+        if isinstance(answer, Committed):
             if debug_enabled():
                 self.log.debug("run finished", disposition=final.value)
             self._conclude(final)
             services.host.run_ended(self, final)
             return
-        if isinstance(answer, CommitRefused):
-            self._refusal = answer
-        elif isinstance(answer, CommitOutcomeUnknown):
-            self.handle.lose(f"{final.value} outcome unknown ({answer})")
+        if isinstance(answer, Refused):
+            self._refusal = answer.error
+        elif isinstance(answer, Unknown):
+            self.handle.lose(f"{final.value} outcome unknown ({answer.error})")
         else:
             self.handle.lose(f"{final.value} {NOT_THE_OWNER}")
         services.host.run_needs_cleanup(self)

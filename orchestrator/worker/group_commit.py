@@ -75,32 +75,64 @@ class CommitOutcomeUnknown(Exception):
 _UNKNOWN_OUTCOME: tuple[type[BaseException], ...] = DATABASE_ERRORS
 
 
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The commit took effect."""
+
+    result: CommitResult | None = None
+    """A step commit's new checkpoint version and pending signals (``None``: a final commit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NotOwner:
+    """The run's conditions no longer held (its fence, owner or lease moved on): nothing was
+    written."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Part of the commit could not be written (see ``CommitRefused``): nothing was written."""
+
+    error: CommitRefused
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """The batch's transaction failed or timed out: it may or may not have committed."""
+
+    error: CommitOutcomeUnknown
+
+
+CommitAnswer = Committed | NotOwner | Refused | Unknown
+"""What the committer answers every commit, step or final."""
+FINISHED = Committed()
+NOT_OWNER = NotOwner()
+
+
 class _LeaveOut(Exception):
     """Rolls the batch's transaction back: these runs must be written without (their answers)."""
 
-    def __init__(self, answers: dict[str, Any]) -> None:
+    def __init__(self, answers: dict[str, CommitAnswer]) -> None:
         super().__init__(f"{len(answers)} runs left out")
         self.answers = answers
 
 
-FinishAnswer = Callable[[bool | CommitOutcomeUnknown | CommitRefused], object]
-"""Receives a final commit's answer: whether the run was finished (``False``: not the owner
-any more), the batch's failure (the outcome is unknown), or the refusal of one of its effects
-(nothing was written)."""
+FinishAnswer = Callable[[CommitAnswer], object]
+"""Receives a final commit's answer."""
 
 
 @dataclass(eq=False, slots=True)
 class _Pending:
     request: StepCommit | RunFinish
-    done: asyncio.Future[Any] | None
+    done: asyncio.Future[CommitAnswer] | None
     """A step commit's answer: a bare future (one per commit; an anyio Event is much dearer)."""
     answer: FinishAnswer | None = None
     """A final commit's answer goes to this callback instead."""
     context: Context | None = None
     """While tracing, the requesting step's trace context, for a refusal of its effects."""
 
-    def settle(self, outcome: Any) -> None:
-        """Hand over the answer (a result, a ``CommitOutcomeUnknown`` or an ``EffectRefused``)."""
+    def settle(self, outcome: CommitAnswer) -> None:
+        """Hand over the answer."""
         if self.answer is not None:
             try:
                 self.answer(outcome)
@@ -111,10 +143,7 @@ class _Pending:
                     error=repr(error),
                 )
         elif self.done is not None and not self.done.done():  # done: its run was cancelled
-            if isinstance(outcome, Exception):
-                self.done.set_exception(outcome)
-            else:
-                self.done.set_result(outcome)
+            self.done.set_result(outcome)
 
 
 class GroupCommitter:
@@ -135,9 +164,8 @@ class GroupCommitter:
         self._ready = anyio.Event()
         self.batches = 0
 
-    def commit_step(self, commit: StepCommit) -> asyncio.Future[CommitResult | None]:
-        """Await it: the commit's result, or ``None`` if the run's conditions no longer held;
-        raises ``CommitOutcomeUnknown`` or ``EffectRefused``."""
+    def commit_step(self, commit: StepCommit) -> asyncio.Future[CommitAnswer]:
+        """Await it: the commit's answer."""
         return self._submit(commit)
 
     def finish(self, finish: RunFinish, answer: FinishAnswer) -> None:
@@ -149,12 +177,12 @@ class GroupCommitter:
         self._queue.append(_Pending(finish, None, answer, _step_context(finish)))
         self._ready.set()
 
-    def _submit(self, request: StepCommit) -> asyncio.Future[Any]:
+    def _submit(self, request: StepCommit) -> asyncio.Future[CommitAnswer]:
         # The future itself is what the run awaits (no coroutine around it: one per commit,
         # thousands per second). If the run's steps are cancelled while waiting, the future is
         # cancelled with it; the batch still commits or refuses the request, and the
         # fenced-safe cleanup follows.
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[CommitAnswer] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(request, done, context=_step_context(request)))
         self._ready.set()
         return done
@@ -176,7 +204,7 @@ class GroupCommitter:
             await self._write(batch)
 
     async def _write(self, batch: list[_Pending]) -> None:
-        left_out: dict[str, Any] = {}
+        left_out: dict[str, CommitAnswer] = {}
         """Runs written without, and their answers: each rewrite leaves at least one more out."""
         committed: dict[str, CommitResult] = {}
         finished: set[str] = set()
@@ -187,7 +215,7 @@ class GroupCommitter:
                 left_out.update(leave.answers)
                 continue
             except _UNKNOWN_OUTCOME as error:
-                unknown = CommitOutcomeUnknown(str(error) or type(error).__name__)
+                unknown = Unknown(CommitOutcomeUnknown(str(error) or type(error).__name__))
                 for pending in batch:
                     pending.settle(left_out.get(pending.request.lease.run_id, unknown))
                 return
@@ -198,12 +226,13 @@ class GroupCommitter:
             if run_id in left_out:
                 pending.settle(left_out[run_id])
             elif isinstance(pending.request, StepCommit):
-                pending.settle(committed.get(run_id))
+                result = committed.get(run_id)
+                pending.settle(NOT_OWNER if result is None else Committed(result))
             else:
-                pending.settle(run_id in finished)
+                pending.settle(FINISHED if run_id in finished else NOT_OWNER)
 
     async def _transaction(
-        self, batch: list[_Pending], left_out: dict[str, Any]
+        self, batch: list[_Pending], left_out: dict[str, CommitAnswer]
     ) -> tuple[dict[str, CommitResult], set[str]]:
         """One transaction for the batch without ``left_out``; raises ``_LeaveOut`` (and is
         rolled back) if a run's effects cannot commit with it."""
@@ -213,7 +242,7 @@ class GroupCommitter:
         finishes = [r for r in members if isinstance(r, RunFinish)]
         committed: dict[str, CommitResult] = {}
         finished: set[str] = set()
-        leave_out: dict[str, Any] = {}
+        leave_out: dict[str, CommitAnswer] = {}
         async with pooled(self.store.pool, within=self.statement_seconds) as db, db.transaction():
             if commits:
                 committed = await self.store.commit_steps(self.worker_id, commits, db=db)
@@ -223,18 +252,18 @@ class GroupCommitter:
             for finish in finishes:
                 if finish.effects:
                     refusal = await self._accept_effects(db, finish)
-                    if refusal is not _ACCEPTED:
+                    if refusal is not None:
                         leave_out[finish.lease.run_id] = refusal
             if finishes:
                 finished = await self.store.finish_many(self.worker_id, finishes, db=db)
             for finish in finishes:
                 run_id = finish.lease.run_id
                 if finish.effects and run_id not in finished and run_id not in leave_out:
-                    leave_out[run_id] = False  # its effects were accepted, its finish was not
+                    leave_out[run_id] = NOT_OWNER  # its effects were accepted, its finish not
             for commit in commits:
                 if commit.effects and commit.lease.run_id in committed:
                     refusal = await self._accept_effects(db, commit)
-                    if refusal is not _ACCEPTED:
+                    if refusal is not None:
                         leave_out[commit.lease.run_id] = refusal
             transcripts = {
                 r.lease.run_id: r.messages
@@ -244,8 +273,10 @@ class GroupCommitter:
                 and r.lease.run_id not in leave_out
             }
             for run_id in await self.store.append_messages(transcripts, db=db):
-                leave_out[run_id] = TranscriptConflict(
-                    f"run {run_id}: a message would take a transcript position already taken"
+                leave_out[run_id] = Refused(
+                    TranscriptConflict(
+                        f"run {run_id}: a message would take a transcript position already taken"
+                    )
                 )
             if leave_out:
                 raise _LeaveOut(leave_out)
@@ -257,7 +288,7 @@ class GroupCommitter:
                     continue
                 run_id = request.lease.run_id
                 not_owner = (
-                    left_out[run_id] in (None, False)
+                    isinstance(left_out[run_id], NotOwner)
                     if run_id in left_out
                     else run_id not in committed and run_id not in finished
                 )
@@ -333,26 +364,27 @@ class GroupCommitter:
             if len(parked) != len(parks):  # the commit just took effect: only a bug gets here
                 raise _LeaveOut(
                     {
-                        lease.run_id: CommitRefused(f"run {lease.run_id} could not be parked")
+                        lease.run_id: Refused(
+                            CommitRefused(f"run {lease.run_id} could not be parked")
+                        )
                         for lease, _ in parks
                         if lease.run_id not in parked
                     }
                 )
 
-    async def _accept_effects(self, db: Any, request: StepCommit | RunFinish) -> Any:
-        """Record ``request``'s effects: ``_ACCEPTED``, or the answer its run gets instead."""
+    async def _accept_effects(
+        self, db: Any, request: StepCommit | RunFinish
+    ) -> CommitAnswer | None:
+        """Record ``request``'s effects: ``None``, or the answer its run gets instead."""
         for effect in request.effects:
             acceptance = await self.effects.accept(
                 db, request.lease.run_id, request.lease.fence, effect, worker_id=self.worker_id
             )
             if acceptance.outcome is AcceptOutcome.CONFLICT:
-                return EffectRefused(acceptance.explain(request.lease.run_id, effect.key))
+                return Refused(EffectRefused(acceptance.explain(request.lease.run_id, effect.key)))
             if acceptance.outcome.refused:  # not the running run's owner any more
-                return None if isinstance(request, StepCommit) else False
-        return _ACCEPTED
-
-
-_ACCEPTED = object()
+                return NOT_OWNER
+        return None
 
 
 def _step_context(request: StepCommit | RunFinish) -> Context | None:
