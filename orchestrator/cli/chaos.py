@@ -13,7 +13,7 @@ from rich.table import Table
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.campaign import AGENTS
 from orchestrator.chaos.faults import ALL_FAULT_KINDS, FAULT_KINDS, REPLICATED_FAULT_KINDS
-from orchestrator.cli_support import run_async, stderr, stdout
+from orchestrator.cli.support import run_async, stderr, stdout
 from orchestrator.errors import OrchestratorError
 from orchestrator.presentation import dump_json
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import anyio
 import click
 
-from orchestrator.cli_support import parse_time, run_async, settings_of, stderr, stdout
+from orchestrator.cli.support import parse_time, run_async, settings_of, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.budgets import BudgetStore
-from orchestrator.cli_support import read_json_option, run_async, settings_of, stderr, stdout
+from orchestrator.cli.support import read_json_option, run_async, settings_of, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.store import EffectStore

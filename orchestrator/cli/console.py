@@ -14,11 +14,10 @@ import anyio
 import click
 import uvicorn
 
-from orchestrator.cli_support import run_async, settings_of, stderr
+from orchestrator.cli.support import run_async, settings_of, stderr
+from orchestrator.console.auth import TOKEN_ENV, read_token
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import parse_listen
-
-from .auth import TOKEN_ENV, read_token
 
 
 @click.command("console")
@@ -71,11 +70,10 @@ def console(
     log_json: bool | None,
 ) -> None:
     """Serve the web console: runs, attempts, timelines, effects, approvals, workers, queue."""
+    from orchestrator.console.app import ConsoleConfig, create_app
+    from orchestrator.console.auth import Auth
     from orchestrator.db.bootstrap import open_store
     from orchestrator.telemetry import configure_logging
-
-    from .app import ConsoleConfig, create_app
-    from .auth import Auth
 
     settings = settings_of(ctx)
 

@@ -20,8 +20,9 @@ import click
 import structlog
 
 from orchestrator import __version__
-from orchestrator.cli_chaos import chaos
-from orchestrator.cli_ops import (
+from orchestrator.cli.chaos import chaos
+from orchestrator.cli.console import console
+from orchestrator.cli.ops import (
     bulk,
     check_target,
     db_status,
@@ -32,7 +33,7 @@ from orchestrator.cli_ops import (
     watch,
     workers_list,
 )
-from orchestrator.cli_support import (
+from orchestrator.cli.support import (
     OneLineErrors,
     parse_time,
     print_error,
@@ -42,9 +43,8 @@ from orchestrator.cli_support import (
     stderr,
     stdout,
 )
-from orchestrator.cli_waits import approvals, runs_budget, runs_signal
+from orchestrator.cli.waits import approvals, runs_budget, runs_signal
 from orchestrator.client import start_time
-from orchestrator.console.command import console
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import enter_when_reachable
@@ -1089,7 +1089,3 @@ def demo(ctx: click.Context, lease_seconds: float, runs: int) -> None:
         if embedded is not None and started_here:
             embedded.stop()
     sys.exit(0 if ok else 1)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
