@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import run_async, settings_of, stderr, stdout
+from orchestrator.cli.support import async_command, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.store import EffectStore
 from orchestrator.presentation import approvals_table, dump_json, effects_table
+from orchestrator.settings import Settings
 
 
 @click.group()
@@ -20,49 +21,39 @@ def approvals() -> None:
 @click.option("--run", "run_id", help="Only this run's approvals.")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print them as a JSON array.")
-@click.pass_context
-def approvals_list(ctx: click.Context, run_id: str | None, limit: int, as_json: bool) -> None:
+@async_command
+async def approvals_list(settings: Settings, run_id: str | None, limit: int, as_json: bool) -> None:
     """List effects awaiting approval, oldest first."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        async with open_store(settings) as store:
-            found = await ApprovalStore(store.pool).pending(run_id=run_id, limit=limit)
-        if as_json:
-            stdout.print_json(dump_json(found))
-        elif found:
-            stdout.print(approvals_table(found))
-        else:
-            stderr.print("nothing awaits approval")
-
-    run_async(body)
+    async with open_store(settings) as store:
+        found = await ApprovalStore(store.pool).pending(run_id=run_id, limit=limit)
+    if as_json:
+        stdout.print_json(dump_json(found))
+    elif found:
+        stdout.print(approvals_table(found))
+    else:
+        stderr.print("nothing awaits approval")
 
 
 @approvals.command("show")
 @click.argument("run_id")
 @click.argument("effect_key")
 @click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def approvals_show(ctx: click.Context, run_id: str, effect_key: str, as_json: bool) -> None:
+@async_command
+async def approvals_show(settings: Settings, run_id: str, effect_key: str, as_json: bool) -> None:
     """Show what approving RUN_ID's EFFECT_KEY would send: its payload and the payload's hash."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        async with open_store(settings) as store:
-            effect = await EffectStore(store.pool).get(run_id, effect_key)
-            run = await store.get(run_id)
-        if as_json:
-            stdout.print_json(dump_json({"effect": effect, "run_fence": run.fence}))
-            return
-        stdout.print(effects_table([effect], wide=True))
-        stdout.print(f"payload sha256: {effect.payload_sha256}", markup=False)
-        stdout.print(f"run fence:      {run.fence}", markup=False)
-        if effect.decided_at is not None:
-            stdout.print(
-                f"decided by {effect.decided_by} at {effect.decided_at.isoformat()}", markup=False
-            )
-
-    run_async(body)
+    async with open_store(settings) as store:
+        effect = await EffectStore(store.pool).get(run_id, effect_key)
+        run = await store.get(run_id)
+    if as_json:
+        stdout.print_json(dump_json({"effect": effect, "run_fence": run.fence}))
+        return
+    stdout.print(effects_table([effect], wide=True))
+    stdout.print(f"payload sha256: {effect.payload_sha256}", markup=False)
+    stdout.print(f"run fence:      {run.fence}", markup=False)
+    if effect.decided_at is not None:
+        stdout.print(
+            f"decided by {effect.decided_by} at {effect.decided_at.isoformat()}", markup=False
+        )
 
 
 def _decide(decision: Decision) -> click.Command:
@@ -82,9 +73,9 @@ def _decide(decision: Decision) -> click.Command:
     )
     @click.option("--fence", type=int, help="The run fence you saw; refused if it moved on.")
     @click.option("--json", "as_json", is_flag=True)
-    @click.pass_context
-    def command(
-        ctx: click.Context,
+    @async_command
+    async def command(
+        settings: Settings,
         run_id: str,
         effect_key: str,
         by: str,
@@ -93,29 +84,24 @@ def _decide(decision: Decision) -> click.Command:
         fence: int | None,
         as_json: bool,
     ) -> None:
-        settings = settings_of(ctx)
-
-        async def body() -> None:
-            async with open_store(settings) as store:
-                decided = await ApprovalStore(store.pool).decide(
-                    run_id,
-                    effect_key,
-                    decision,
-                    by=by,
-                    note=note,
-                    payload_sha256=payload_sha256,
-                    run_fence=fence,
-                )
-            if as_json:
-                stdout.print_json(dump_json(decided))
-            else:
-                stdout.print(
-                    f"{decision.value} {run_id} {effect_key} (payload sha256 "
-                    f"{decided.payload_sha256}) by {by}",
-                    markup=False,
-                )
-
-        run_async(body)
+        async with open_store(settings) as store:
+            decided = await ApprovalStore(store.pool).decide(
+                run_id,
+                effect_key,
+                decision,
+                by=by,
+                note=note,
+                payload_sha256=payload_sha256,
+                run_fence=fence,
+            )
+        if as_json:
+            stdout.print_json(dump_json(decided))
+        else:
+            stdout.print(
+                f"{decision.value} {run_id} {effect_key} (payload sha256 "
+                f"{decided.payload_sha256}) by {by}",
+                markup=False,
+            )
 
     command.help = (
         f"{verb.capitalize()} RUN_ID's EFFECT_KEY, only if its payload is still the one whose "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import run_async, settings_of, stderr, stdout
+from orchestrator.cli.support import async_command, stderr, stdout
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import (
@@ -24,64 +24,47 @@ def db() -> None:
 
 
 @db.command("migrate")
-@click.pass_context
-def db_migrate(ctx: click.Context) -> None:
+@async_command
+async def db_migrate(settings: Settings) -> None:
     """Apply pending schema migrations (safe to run from several processes at once)."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        dsn = resolve_dsn(settings)
-        stderr.print(f"migrating {redact_dsn(dsn)}")
-        connection = await connect(settings, dsn=dsn, application_name="orchestrator-migrate")
-        try:
-            applied = await migrate(connection)
-        finally:
-            await connection.close()
-        for migration in applied:
-            stderr.print(f"  applied {migration.version:04d}_{migration.name}")
-        stdout.print(f"schema at version {latest_version()}" + ("" if applied else " (no change)"))
-
-    run_async(body)
+    dsn = resolve_dsn(settings)
+    stderr.print(f"migrating {redact_dsn(dsn)}")
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-migrate")
+    try:
+        applied = await migrate(connection)
+    finally:
+        await connection.close()
+    for migration in applied:
+        stderr.print(f"  applied {migration.version:04d}_{migration.name}")
+    stdout.print(f"schema at version {latest_version()}" + ("" if applied else " (no change)"))
 
 
 @db.command("url")
 @click.option("--show-password", is_flag=True, help="Print the password instead of ***.")
-@click.pass_context
-def db_url(ctx: click.Context, show_password: bool) -> None:
+@async_command
+async def db_url(settings: Settings, show_password: bool) -> None:
     """Print the DSN in use (starting the embedded server if it is the default)."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        dsn = resolve_dsn(settings)
-        stdout.print(dsn if show_password else redact_dsn(dsn), markup=False)
-
-    run_async(body)
+    dsn = resolve_dsn(settings)
+    stdout.print(dsn if show_password else redact_dsn(dsn), markup=False)
 
 
 @db.command("stop")
 @click.option(
     "--force", is_flag=True, help="Stop it even while other processes are connected to it."
 )
-@click.pass_context
-def db_stop(ctx: click.Context, force: bool) -> None:
+@async_command
+async def db_stop(settings: Settings, force: bool) -> None:
     """Stop the embedded PostgreSQL server (no effect with ORCHESTRATOR_DATABASE_URL set).
 
     Refused while other processes (workers, consoles, psql) are connected, unless --force."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        if settings.database_url:
-            raise InvalidInput("ORCHESTRATOR_DATABASE_URL is set: there is no embedded server")
-        server = EmbeddedPostgres(settings.home)
-        running = server.running()
-        if running is not None and not force:
-            _refuse_while_connected(await _other_sessions(settings, running.dsn("postgres")))
-        stopped = server.stop()
-        stderr.print(
-            "embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL not running"
-        )
-
-    run_async(body)
+    if settings.database_url:
+        raise InvalidInput("ORCHESTRATOR_DATABASE_URL is set: there is no embedded server")
+    server = EmbeddedPostgres(settings.home)
+    running = server.running()
+    if running is not None and not force:
+        _refuse_while_connected(await _other_sessions(settings, running.dsn("postgres")))
+    stopped = server.stop()
+    stderr.print("embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL not running")
 
 
 async def _other_sessions(settings: Settings, dsn: str) -> dict[str, int]:
@@ -116,36 +99,31 @@ def _refuse_while_connected(sessions: dict[str, int]) -> None:
 
 @db.command("status")
 @click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def db_status(ctx: click.Context, as_json: bool) -> None:
+@async_command
+async def db_status(settings: Settings, as_json: bool) -> None:
     """The database in use, its schema version, and the migrations not yet applied."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        dsn = resolve_dsn(settings)
-        connection = await connect(settings, dsn=dsn, application_name="orchestrator-status")
-        try:
-            version = await current_version(connection)
-            server = await connection.fetchval("SHOW server_version")
-        finally:
-            await connection.close()
-        pending = [m for m in available_migrations() if m.version > version]
-        status = {
-            "database": redact_dsn(dsn),
-            "server_version": server,
-            "schema": settings.schema,
-            "schema_version": version,
-            "known_version": latest_version(),
-            "pending": [f"{m.version:04d}_{m.name}" for m in pending],
-        }
-        if as_json:
-            stdout.print_json(dump_json(status))
-            return
-        stdout.print(f"database {status['database']} (PostgreSQL {server})", markup=False)
-        stdout.print(f"schema {settings.schema} at version {version} of {latest_version()}")
-        if version > latest_version():
-            stdout.print("migrated by a newer release: upgrade orchestrator on this machine")
-        for name in status["pending"]:
-            stdout.print(f"  pending {name} (orchestrator db migrate)", markup=False)
-
-    run_async(body)
+    dsn = resolve_dsn(settings)
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-status")
+    try:
+        version = await current_version(connection)
+        server = await connection.fetchval("SHOW server_version")
+    finally:
+        await connection.close()
+    pending = [m for m in available_migrations() if m.version > version]
+    status = {
+        "database": redact_dsn(dsn),
+        "server_version": server,
+        "schema": settings.schema,
+        "schema_version": version,
+        "known_version": latest_version(),
+        "pending": [f"{m.version:04d}_{m.name}" for m in pending],
+    }
+    if as_json:
+        stdout.print_json(dump_json(status))
+        return
+    stdout.print(f"database {status['database']} (PostgreSQL {server})", markup=False)
+    stdout.print(f"schema {settings.schema} at version {version} of {latest_version()}")
+    if version > latest_version():
+        stdout.print("migrated by a newer release: upgrade orchestrator on this machine")
+    for name in status["pending"]:
+        stdout.print(f"  pending {name} (orchestrator db migrate)", markup=False)

@@ -8,11 +8,12 @@ import getpass
 import click
 
 from orchestrator.cli.effects_processes import effects_dispatch, effects_serve
-from orchestrator.cli.support import run_async, settings_of, stderr, stdout
+from orchestrator.cli.support import async_command, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.presentation import dump_json, effects_table
+from orchestrator.settings import Settings
 
 
 @click.group()
@@ -25,46 +26,36 @@ def effects() -> None:
 @click.option("--status", type=click.Choice([status.value for status in EffectStatus]))
 @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print effects as a JSON array.")
-@click.pass_context
-def effects_list(
-    ctx: click.Context, run_id: str | None, status: str | None, limit: int, as_json: bool
+@async_command
+async def effects_list(
+    settings: Settings, run_id: str | None, status: str | None, limit: int, as_json: bool
 ) -> None:
     """List effect records, newest first."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        async with open_store(settings) as store:
-            found = await EffectStore(store.pool).list_effects(
-                run_id=run_id, status=EffectStatus(status) if status else None, limit=limit
-            )
-        if as_json:
-            stdout.print_json(dump_json(found))
-        elif found:
-            stdout.print(effects_table(found))
-        else:
-            stderr.print("no effects match")
-
-    run_async(body)
+    async with open_store(settings) as store:
+        found = await EffectStore(store.pool).list_effects(
+            run_id=run_id, status=EffectStatus(status) if status else None, limit=limit
+        )
+    if as_json:
+        stdout.print_json(dump_json(found))
+    elif found:
+        stdout.print(effects_table(found))
+    else:
+        stderr.print("no effects match")
 
 
 @effects.command("show")
 @click.argument("run_id")
 @click.argument("effect_key")
 @click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def effects_show(ctx: click.Context, run_id: str, effect_key: str, as_json: bool) -> None:
+@async_command
+async def effects_show(settings: Settings, run_id: str, effect_key: str, as_json: bool) -> None:
     """Show one effect record."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        async with open_store(settings) as store:
-            effect = await EffectStore(store.pool).get(run_id, effect_key)
-        if as_json:
-            stdout.print_json(dump_json(effect))
-        else:
-            stdout.print(effects_table([effect], wide=True))
-
-    run_async(body)
+    async with open_store(settings) as store:
+        effect = await EffectStore(store.pool).get(run_id, effect_key)
+    if as_json:
+        stdout.print_json(dump_json(effect))
+    else:
+        stdout.print(effects_table([effect], wide=True))
 
 
 @effects.command("resolve")
@@ -79,9 +70,9 @@ def effects_show(ctx: click.Context, run_id: str, effect_key: str, as_json: bool
     show_default="the OS user",
     help="Who decides (recorded in the timeline).",
 )
-@click.pass_context
-def effects_resolve(
-    ctx: click.Context,
+@async_command
+async def effects_resolve(
+    settings: Settings,
     run_id: str,
     effect_key: str,
     decision: str | None,
@@ -91,16 +82,11 @@ def effects_resolve(
     """Decide a parked effect after checking with the vendor by hand."""
     if decision is None:
         raise click.UsageError("say what you found: --sent or --not-sent")
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        async with open_store(settings) as store:
-            effect = await EffectStore(store.pool).resolve(
-                run_id, effect_key, sent=decision == "sent", by=by, external_id=external_id
-            )
-        stdout.print(f"{run_id} {effect_key}: {effect.status.value} (by {by})", markup=False)
-
-    run_async(body)
+    async with open_store(settings) as store:
+        effect = await EffectStore(store.pool).resolve(
+            run_id, effect_key, sent=decision == "sent", by=by, external_id=external_id
+        )
+    stdout.print(f"{run_id} {effect_key}: {effect.status.value} (by {by})", markup=False)
 
 
 effects.add_command(effects_serve)

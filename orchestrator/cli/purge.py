@@ -6,7 +6,7 @@ import time
 
 import click
 
-from orchestrator.cli.support import run_async, settings_of, stderr, stdout
+from orchestrator.cli.support import async_command, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.presentation import dump_json
 from orchestrator.retention import (
@@ -17,6 +17,7 @@ from orchestrator.retention import (
     purge,
     purgeable,
 )
+from orchestrator.settings import Settings
 
 
 @click.command("purge")
@@ -43,9 +44,9 @@ from orchestrator.retention import (
     "slow workers running beside the purge by a third).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print what was (or would be) deleted.")
-@click.pass_context
-def runs_purge(
-    ctx: click.Context,
+@async_command
+async def runs_purge(
+    settings: Settings,
     older_than: str,
     dry_run: bool,
     batch: int,
@@ -55,40 +56,35 @@ def runs_purge(
     """Delete finished runs (succeeded, failed, cancelled, dead) older than --older-than, with
     their events, transcripts, effects, signals and budgets. Runs with an effect not yet settled
     are kept. Safe while workers run: batches skip rows others hold."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        age = parse_age(older_than)
-        async with open_store(settings) as store:
-            cutoff = await store.database_now() - age
-            if dry_run:
-                count = await purgeable(store.pool, cutoff)
-                result: dict[str, object] = {"dry_run": True, "cutoff": cutoff, "runs": count}
-            else:
-                shown = [time.monotonic()]
-
-                def show(total: Purged) -> None:  # at most once a second
-                    if time.monotonic() - shown[0] >= 1:
-                        shown[0] = time.monotonic()
-                        stderr.print(f"purged {total.runs:,} runs so far")
-
-                purged = await purge(
-                    store.pool, cutoff, batch=batch, pause_ratio=pause_ratio, progress=show
-                )
-                result = {
-                    "dry_run": False,
-                    "cutoff": cutoff,
-                    "runs": purged.runs,
-                    "other_rows": purged.other_rows,
-                }
-        if as_json:
-            stdout.print_json(dump_json(result))
-        elif dry_run:
-            stdout.print(f"would purge {result['runs']:,} runs finished before {cutoff}")
+    age = parse_age(older_than)
+    async with open_store(settings) as store:
+        cutoff = await store.database_now() - age
+        if dry_run:
+            count = await purgeable(store.pool, cutoff)
+            result: dict[str, object] = {"dry_run": True, "cutoff": cutoff, "runs": count}
         else:
-            stdout.print(
-                f"purged {result['runs']:,} runs finished before {cutoff} "
-                f"({result['other_rows']:,} other rows)"
-            )
+            shown = [time.monotonic()]
 
-    run_async(body)
+            def show(total: Purged) -> None:  # at most once a second
+                if time.monotonic() - shown[0] >= 1:
+                    shown[0] = time.monotonic()
+                    stderr.print(f"purged {total.runs:,} runs so far")
+
+            purged = await purge(
+                store.pool, cutoff, batch=batch, pause_ratio=pause_ratio, progress=show
+            )
+            result = {
+                "dry_run": False,
+                "cutoff": cutoff,
+                "runs": purged.runs,
+                "other_rows": purged.other_rows,
+            }
+    if as_json:
+        stdout.print_json(dump_json(result))
+    elif dry_run:
+        stdout.print(f"would purge {result['runs']:,} runs finished before {cutoff}")
+    else:
+        stdout.print(
+            f"purged {result['runs']:,} runs finished before {cutoff} "
+            f"({result['other_rows']:,} other rows)"
+        )

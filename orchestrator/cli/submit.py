@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import parse_time, read_input, run_async, settings_of, stderr, stdout
+from orchestrator.cli.support import async_command, parse_time, read_input, stderr, stdout
 from orchestrator.client import start_time
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.store import WorkerRegistry
 from orchestrator.presentation import dump_json
+from orchestrator.settings import Settings
 
 
 @click.command()
@@ -31,9 +32,9 @@ from orchestrator.presentation import dump_json
 )
 @click.option("--delay", type=float, help="Start this many seconds from now (at most ten years).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
-@click.pass_context
-def submit(
-    ctx: click.Context,
+@async_command
+async def submit(
+    settings: Settings,
     agent: str,
     input_: str,
     run_id: str | None,
@@ -44,45 +45,40 @@ def submit(
     as_json: bool,
 ) -> None:
     """Queue a run of AGENT (now, --at a time or after --delay) and print its run id."""
-    settings = settings_of(ctx)
     if at is not None and delay is not None:
         raise click.UsageError("give --at or --delay, not both")
-
-    async def body() -> None:
-        payload = read_input(input_)
-        moment = parse_time(at, "--at") if at is not None else None
-        async with open_store(settings) as store:
-            start = None
-            if moment is not None or delay is not None:
-                now = await store.database_now()
-                start = start_time(now, moment, delay)
-                if start is not None and start < now:
-                    stderr.print(
-                        f"warning: --at {at} is in the past (the database's clock says "
-                        f"{now.isoformat(timespec='seconds')}); the run is due now",
-                        markup=False,
-                    )
-            submission = await store.submit(
-                agent,
-                payload,
-                run_id=run_id,
-                idempotency_key=idempotency_key,
-                max_attempts=max_attempts,
-                not_before=start,
-            )
-            served = await WorkerRegistry().served_agents(store.pool)
-        if agent not in served:
-            # Not an error: runs may be queued before any worker starts. But a typo would wait
-            # forever, so say what the live workers serve.
-            stderr.print(
-                f"warning: no live worker serves agent {agent!r} yet "
-                f"(live workers serve: {', '.join(served) or 'none'}); the run waits until one does"
-            )
-        if not submission.created:
-            stderr.print(f"idempotency key matched run {submission.run.run_id}; nothing new queued")
-        if as_json:
-            stdout.print_json(dump_json({"created": submission.created, "run": submission.run}))
-        else:
-            stdout.print(submission.run.run_id, markup=False)
-
-    run_async(body)
+    payload = read_input(input_)
+    moment = parse_time(at, "--at") if at is not None else None
+    async with open_store(settings) as store:
+        start = None
+        if moment is not None or delay is not None:
+            now = await store.database_now()
+            start = start_time(now, moment, delay)
+            if start is not None and start < now:
+                stderr.print(
+                    f"warning: --at {at} is in the past (the database's clock says "
+                    f"{now.isoformat(timespec='seconds')}); the run is due now",
+                    markup=False,
+                )
+        submission = await store.submit(
+            agent,
+            payload,
+            run_id=run_id,
+            idempotency_key=idempotency_key,
+            max_attempts=max_attempts,
+            not_before=start,
+        )
+        served = await WorkerRegistry().served_agents(store.pool)
+    if agent not in served:
+        # Not an error: runs may be queued before any worker starts. But a typo would wait
+        # forever, so say what the live workers serve.
+        stderr.print(
+            f"warning: no live worker serves agent {agent!r} yet "
+            f"(live workers serve: {', '.join(served) or 'none'}); the run waits until one does"
+        )
+    if not submission.created:
+        stderr.print(f"idempotency key matched run {submission.run.run_id}; nothing new queued")
+    if as_json:
+        stdout.print_json(dump_json({"created": submission.created, "run": submission.run}))
+    else:
+        stdout.print(submission.run.run_id, markup=False)

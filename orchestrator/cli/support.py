@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio
 import asyncpg
@@ -20,6 +21,7 @@ from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
 # Data is printed as it is: no markup, no :emoji: codes (a worker id such as host:1234:ab holds
@@ -87,6 +89,20 @@ def run_async(function: Callable[[], Awaitable[T]]) -> T:
     except KeyboardInterrupt:
         stderr.print("interrupted")
         sys.exit(130)
+
+
+def async_command(
+    function: Callable[Concatenate[Settings, P], Awaitable[None]],
+) -> Callable[P, None]:
+    """A command written as one coroutine taking the root group's settings, then its options:
+    every command finds its settings and reports errors the same way, through ``run_async``."""
+
+    @functools.wraps(function)
+    def command(*args: P.args, **kwargs: P.kwargs) -> None:
+        settings = settings_of(click.get_current_context())
+        run_async(lambda: function(settings, *args, **kwargs))
+
+    return command
 
 
 def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import run_async, settings_of, stderr, stdout
+from orchestrator.cli.support import async_command, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.store import WorkerRegistry
 from orchestrator.presentation import dump_json, workers_table
+from orchestrator.settings import Settings
 
 
 @click.group()
@@ -17,21 +18,16 @@ def workers() -> None:
 
 @workers.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print workers as a JSON array.")
-@click.pass_context
-def workers_list(ctx: click.Context, as_json: bool) -> None:
+@async_command
+async def workers_list(settings: Settings, as_json: bool) -> None:
     """Registered workers: alive (their database session holds its liveness lock) or dead,
     the runs each holds, and when it last renewed or committed one."""
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        async with open_store(settings) as store:
-            found = await WorkerRegistry(settings.schema).list_workers(store.pool)
-            now = await store.database_now()
-        if as_json:
-            stdout.print_json(dump_json(found))
-        elif found:
-            stdout.print(workers_table(found, now))
-        else:
-            stderr.print("no workers registered")
-
-    run_async(body)
+    async with open_store(settings) as store:
+        found = await WorkerRegistry(settings.schema).list_workers(store.pool)
+        now = await store.database_now()
+    if as_json:
+        stdout.print_json(dump_json(found))
+    elif found:
+        stdout.print(workers_table(found, now))
+    else:
+        stderr.print("no workers registered")
