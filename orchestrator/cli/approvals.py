@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, stderr, stdout
+from orchestrator.cli.support import async_command, print_found, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.store import EffectStore
@@ -26,12 +26,7 @@ async def approvals_list(settings: Settings, run_id: str | None, limit: int, as_
     """List effects awaiting approval, oldest first."""
     async with open_store(settings) as store:
         found = await ApprovalStore(store.pool).pending(run_id=run_id, limit=limit)
-    if as_json:
-        stdout.print_json(dump_json(found))
-    elif found:
-        stdout.print(approvals_table(found))
-    else:
-        stderr.print("nothing awaits approval")
+    print_found(found, as_json, approvals_table, "nothing awaits approval")
 
 
 @approvals.command("show")

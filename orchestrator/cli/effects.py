@@ -8,7 +8,7 @@ import getpass
 import click
 
 from orchestrator.cli.effects_processes import effects_dispatch, effects_serve
-from orchestrator.cli.support import async_command, stderr, stdout
+from orchestrator.cli.support import async_command, print_found, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
@@ -35,12 +35,7 @@ async def effects_list(
         found = await EffectStore(store.pool).list_effects(
             run_id=run_id, status=EffectStatus(status) if status else None, limit=limit
         )
-    if as_json:
-        stdout.print_json(dump_json(found))
-    elif found:
-        stdout.print(effects_table(found))
-    else:
-        stderr.print("no effects match")
+    print_found(found, as_json, effects_table, "no effects match")
 
 
 @effects.command("show")

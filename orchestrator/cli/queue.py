@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, stderr, stdout
+from orchestrator.cli.support import async_command, print_found
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.queries import query
-from orchestrator.presentation import dump_json, queue_table
+from orchestrator.presentation import queue_table
 from orchestrator.settings import Settings
 
 
@@ -23,9 +23,4 @@ async def queue_stats(settings: Settings, as_json: bool) -> None:
     """Per agent: runs queued, due now, running, waiting, and the oldest due run's age."""
     async with open_store(settings) as store:
         rows = [dict(row) for row in await store.pool.fetch(query("queue_stats"))]
-    if as_json:
-        stdout.print_json(dump_json(rows))
-    elif rows:
-        stdout.print(queue_table(rows))
-    else:
-        stderr.print("no queued, running or waiting runs")
+    print_found(rows, as_json, queue_table, "no queued, running or waiting runs")

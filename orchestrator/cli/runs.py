@@ -8,7 +8,7 @@ import click
 from orchestrator.cli.purge import runs_purge
 from orchestrator.cli.run_filters import bulk, check_target, filter_options, select_runs
 from orchestrator.cli.run_watch import watch
-from orchestrator.cli.support import async_command, stderr, stdout
+from orchestrator.cli.support import async_command, print_found, stderr, stdout
 from orchestrator.cli.waits import runs_budget, runs_signal
 from orchestrator.db.bootstrap import open_store
 from orchestrator.errors import InvalidInput
@@ -59,12 +59,7 @@ async def runs_list(
     async with open_store(settings) as store:
         found = await select_runs(store, states, agent, since, until, limit)
         now = await store.database_now()
-    if as_json:
-        stdout.print_json(dump_json(found))
-    elif found:
-        stdout.print(runs_table(found, now))
-    else:
-        stderr.print("no runs match")
+    print_found(found, as_json, lambda rows: runs_table(rows, now), "no runs match")
 
 
 @runs.command("show")

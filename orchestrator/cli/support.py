@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -12,11 +12,12 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import anyio
 import asyncpg
 import click
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.text import Text
 
 from orchestrator.db.connections import database_failed
 from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
 
@@ -41,6 +42,22 @@ def print_error(error: BaseException) -> None:
     """``error`` as one line on stderr: its text with any line breaks folded into spaces."""
     line = " ".join(str(error).split())
     stderr.print(Text.assemble(("error:", "red"), " ", line))
+
+
+def print_found(
+    found: Sequence[T],
+    as_json: bool,
+    table: Callable[[Sequence[T]], RenderableType],
+    nothing: str,
+) -> None:
+    """A listing: a JSON array (empty too) with ``--json``, else a table, else ``nothing`` on
+    stderr, so that a script reading stdout never reads a sentence as data."""
+    if as_json:
+        stdout.print_json(dump_json(found))
+    elif found:
+        stdout.print(table(found))
+    else:
+        stderr.print(nothing)
 
 
 class OneLineErrors(click.Group):

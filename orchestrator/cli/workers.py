@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, stderr, stdout
+from orchestrator.cli.support import async_command, print_found
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.store import WorkerRegistry
-from orchestrator.presentation import dump_json, workers_table
+from orchestrator.presentation import workers_table
 from orchestrator.settings import Settings
 
 
@@ -25,9 +25,4 @@ async def workers_list(settings: Settings, as_json: bool) -> None:
     async with open_store(settings) as store:
         found = await WorkerRegistry(settings.schema).list_workers(store.pool)
         now = await store.database_now()
-    if as_json:
-        stdout.print_json(dump_json(found))
-    elif found:
-        stdout.print(workers_table(found, now))
-    else:
-        stderr.print("no workers registered")
+    print_found(found, as_json, lambda rows: workers_table(rows, now), "no workers registered")
