@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, print_found, stdout
+from orchestrator.cli.support import async_command, json_option, print_found, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.store import EffectStore
@@ -20,7 +20,7 @@ def approvals() -> None:
 @approvals.command("list")
 @click.option("--run", "run_id", help="Only this run's approvals.")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print them as a JSON array.")
+@json_option("Print them as a JSON array.")
 @async_command
 async def approvals_list(settings: Settings, run_id: str | None, limit: int, as_json: bool) -> None:
     """List effects awaiting approval, oldest first."""
@@ -32,7 +32,7 @@ async def approvals_list(settings: Settings, run_id: str | None, limit: int, as_
 @approvals.command("show")
 @click.argument("run_id")
 @click.argument("effect_key")
-@click.option("--json", "as_json", is_flag=True)
+@json_option()
 @async_command
 async def approvals_show(settings: Settings, run_id: str, effect_key: str, as_json: bool) -> None:
     """Show what approving RUN_ID's EFFECT_KEY would send: its payload and the payload's hash."""
@@ -67,7 +67,7 @@ def _decide(decision: Decision) -> click.Command:
         + (" (required: an approval names what was approved)." if verb == "approve" else "."),
     )
     @click.option("--fence", type=int, help="The run fence you saw; refused if it moved on.")
-    @click.option("--json", "as_json", is_flag=True)
+    @json_option()
     @async_command
     async def command(
         settings: Settings,

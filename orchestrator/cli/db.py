@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, stderr, stdout
+from orchestrator.cli.support import async_command, json_option, stderr, stdout
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import (
@@ -98,7 +98,7 @@ def _refuse_while_connected(sessions: dict[str, int]) -> None:
 
 
 @db.command("status")
-@click.option("--json", "as_json", is_flag=True)
+@json_option()
 @async_command
 async def db_status(settings: Settings, as_json: bool) -> None:
     """The database in use, its schema version, and the migrations not yet applied."""

@@ -8,7 +8,7 @@ import getpass
 import click
 
 from orchestrator.cli.effects_processes import effects_dispatch, effects_serve
-from orchestrator.cli.support import async_command, print_found, stdout
+from orchestrator.cli.support import async_command, json_option, print_found, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
@@ -25,7 +25,7 @@ def effects() -> None:
 @click.option("--run", "run_id", help="Only this run's effects.")
 @click.option("--status", type=click.Choice([status.value for status in EffectStatus]))
 @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print effects as a JSON array.")
+@json_option("Print effects as a JSON array.")
 @async_command
 async def effects_list(
     settings: Settings, run_id: str | None, status: str | None, limit: int, as_json: bool
@@ -41,7 +41,7 @@ async def effects_list(
 @effects.command("show")
 @click.argument("run_id")
 @click.argument("effect_key")
-@click.option("--json", "as_json", is_flag=True)
+@json_option()
 @async_command
 async def effects_show(settings: Settings, run_id: str, effect_key: str, as_json: bool) -> None:
     """Show one effect record."""

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from orchestrator.cli.support import async_command, stderr, stdout
+from orchestrator.cli.support import async_command, json_option, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.presentation import dump_json
 from orchestrator.retention import (
@@ -43,7 +43,7 @@ from orchestrator.settings import Settings
     help="After each batch, pause this many times as long as it took (0: flat out, which can "
     "slow workers running beside the purge by a third).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print what was (or would be) deleted.")
+@json_option("Print what was (or would be) deleted.")
 @async_command
 async def runs_purge(
     settings: Settings,

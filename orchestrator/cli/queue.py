@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, print_found
+from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.queries import query
 from orchestrator.presentation import queue_table
@@ -17,7 +17,7 @@ def queue() -> None:
 
 
 @queue.command("stats")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per agent.")
+@json_option("Print one JSON object per agent.")
 @async_command
 async def queue_stats(settings: Settings, as_json: bool) -> None:
     """Per agent: runs queued, due now, running, waiting, and the oldest due run's age."""

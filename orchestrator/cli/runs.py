@@ -8,7 +8,7 @@ import click
 from orchestrator.cli.purge import runs_purge
 from orchestrator.cli.run_filters import bulk, check_target, filter_options, select_runs
 from orchestrator.cli.run_watch import watch
-from orchestrator.cli.support import async_command, print_found, stderr, stdout
+from orchestrator.cli.support import async_command, json_option, print_found, stderr, stdout
 from orchestrator.cli.waits import runs_budget, runs_signal
 from orchestrator.db.bootstrap import open_store
 from orchestrator.errors import InvalidInput
@@ -44,7 +44,7 @@ def runs() -> None:
 @click.option("--since", help="Submitted at or after: an ISO 8601 time, or an age (2h, 7d).")
 @click.option("--until", help="Submitted before: an ISO 8601 time, or an age (2h, 7d).")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print runs as a JSON array.")
+@json_option("Print runs as a JSON array.")
 @async_command
 async def runs_list(
     settings: Settings,
@@ -64,9 +64,7 @@ async def runs_list(
 
 @runs.command("show")
 @click.argument("run_id")
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the run, its timeline and transcript as JSON."
-)
+@json_option("Print the run, its timeline and transcript as JSON.")
 @click.option(
     "--events",
     "events_shown",
@@ -131,7 +129,7 @@ async def runs_show(settings: Settings, run_id: str, as_json: bool, events_shown
     show_default=True,
     help="At most this many events.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the page as a JSON array.")
+@json_option("Print the page as a JSON array.")
 @async_command
 async def runs_events(
     settings: Settings, run_id: str, after: int, limit: int, as_json: bool
@@ -159,7 +157,7 @@ async def runs_events(
 @filter_options
 @click.option("--reason", help="Recorded in the run's timeline.")
 @click.option("--dry-run", is_flag=True, help="With filters: list the runs, cancel nothing.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option()
 @async_command
 async def runs_cancel(
     settings: Settings,
@@ -207,7 +205,7 @@ async def runs_cancel(
 @click.argument("run_id", required=False)
 @filter_options
 @click.option("--dry-run", is_flag=True, help="With filters: list the runs, requeue nothing.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option()
 @async_command
 async def runs_retry(
     settings: Settings,
@@ -256,7 +254,7 @@ async def runs_retry(
     type=click.FloatRange(0.1),
     help="Give up after this many seconds.",
 )
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per event (JSON lines).")
+@json_option("One JSON object per event (JSON lines).")
 @async_command
 async def runs_watch(
     settings: Settings, run_id: str, give_up_after: float | None, as_json: bool

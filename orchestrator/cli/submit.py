@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, parse_time, read_input, stderr, stdout
+from orchestrator.cli.support import (
+    async_command,
+    json_option,
+    parse_time,
+    read_input,
+    stderr,
+    stdout,
+)
 from orchestrator.client import start_time
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.store import WorkerRegistry
@@ -31,7 +38,7 @@ from orchestrator.settings import Settings
     "a past time warns and starts now).",
 )
 @click.option("--delay", type=float, help="Start this many seconds from now (at most ten years).")
-@click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
+@json_option("Print the run as JSON.")
 @async_command
 async def submit(
     settings: Settings,

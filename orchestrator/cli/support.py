@@ -1,4 +1,5 @@
-"""What every command shares: the consoles, one-line errors, running a command's body."""
+"""What every command shares: the consoles, one-line errors, the --json flag, listings, running
+a command's body."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 P = ParamSpec("P")
 
 # Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
@@ -42,6 +44,12 @@ def print_error(error: BaseException) -> None:
     """``error`` as one line on stderr: its text with any line breaks folded into spaces."""
     line = " ".join(str(error).split())
     stderr.print(Text.assemble(("error:", "red"), " ", line))
+
+
+def json_option(help: str | None = None) -> Callable[[F], F]:
+    """``--json``, the same flag (``as_json``) on every command that prints data; only its help
+    says what the JSON holds."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
 
 
 def print_found(

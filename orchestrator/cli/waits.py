@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.budgets import BudgetStore
-from orchestrator.cli.support import async_command, read_json_option, stderr, stdout
+from orchestrator.cli.support import async_command, json_option, read_json_option, stderr, stdout
 from orchestrator.db.bootstrap import open_store
 from orchestrator.errors import InvalidTransition
 from orchestrator.presentation import budget_table, dump_json, ledger_table
@@ -18,7 +18,7 @@ from orchestrator.signals import SignalStore
 @click.argument("name")
 @click.option("--data", default="null", show_default=True, help="JSON, @file.json or @-.")
 @click.option("--idempotency-key", help="Sending the same key again stores nothing new.")
-@click.option("--json", "as_json", is_flag=True, help="Print the stored signal as JSON.")
+@json_option("Print the stored signal as JSON.")
 @async_command
 async def runs_signal(
     settings: Settings,
@@ -52,7 +52,7 @@ async def runs_signal(
 @click.option("--add-input-tokens", type=int)
 @click.option("--add-output-tokens", type=int)
 @click.option("--ledger", is_flag=True, help="Also print every reservation and settlement.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option()
 @async_command
 async def runs_budget(
     settings: Settings,

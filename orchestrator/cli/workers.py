@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, print_found
+from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.store import WorkerRegistry
 from orchestrator.presentation import workers_table
@@ -17,7 +17,7 @@ def workers() -> None:
 
 
 @workers.command("list")
-@click.option("--json", "as_json", is_flag=True, help="Print workers as a JSON array.")
+@json_option("Print workers as a JSON array.")
 @async_command
 async def workers_list(settings: Settings, as_json: bool) -> None:
     """Registered workers: alive (their database session holds its liveness lock) or dead,
