@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from orchestrator.cli_ops import select_runs
+from orchestrator.cli.run_filters import select_runs
 from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore, WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore

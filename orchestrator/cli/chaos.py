@@ -13,7 +13,7 @@ from rich.table import Table
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.campaign import AGENTS
 from orchestrator.chaos.faults import ALL_FAULT_KINDS, FAULT_KINDS, REPLICATED_FAULT_KINDS
-from orchestrator.cli_support import run_async, stderr, stdout
+from orchestrator.cli.support import json_option, run_async, stderr, stdout
 from orchestrator.errors import OrchestratorError
 from orchestrator.presentation import dump_json
 
@@ -71,7 +71,7 @@ from orchestrator.presentation import dump_json
     help="Keep the embedded server, configs and process logs here (default: a temporary "
     "directory, removed when the campaign passes).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option("Print the report as JSON.")
 def chaos(
     seed: int,
     duration: float,

@@ -1,25 +1,30 @@
-"""What every command shares: the consoles, one-line errors, running a command's body."""
+"""What every command shares: the consoles, one-line errors, the --json flag, listings, running
+a command's body."""
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio
 import asyncpg
 import click
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.text import Text
 
 from orchestrator.db.connections import database_failed
 from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
 
 # Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
 # Data is printed as it is: no markup, no :emoji: codes (a worker id such as host:1234:ab holds
@@ -39,6 +44,28 @@ def print_error(error: BaseException) -> None:
     """``error`` as one line on stderr: its text with any line breaks folded into spaces."""
     line = " ".join(str(error).split())
     stderr.print(Text.assemble(("error:", "red"), " ", line))
+
+
+def json_option(help: str | None = None) -> Callable[[F], F]:
+    """``--json``, the same flag (``as_json``) on every command that prints data; only its help
+    says what the JSON holds."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def print_found(
+    found: Sequence[T],
+    as_json: bool,
+    table: Callable[[Sequence[T]], RenderableType],
+    nothing: str,
+) -> None:
+    """A listing: a JSON array (empty too) with ``--json``, else a table, else ``nothing`` on
+    stderr, so that a script reading stdout never reads a sentence as data."""
+    if as_json:
+        stdout.print_json(dump_json(found))
+    elif found:
+        stdout.print(table(found))
+    else:
+        stderr.print(nothing)
 
 
 class OneLineErrors(click.Group):
@@ -87,6 +114,20 @@ def run_async(function: Callable[[], Awaitable[T]]) -> T:
     except KeyboardInterrupt:
         stderr.print("interrupted")
         sys.exit(130)
+
+
+def async_command(
+    function: Callable[Concatenate[Settings, P], Awaitable[None]],
+) -> Callable[P, None]:
+    """A command written as one coroutine taking the root group's settings, then its options:
+    every command finds its settings and reports errors the same way, through ``run_async``."""
+
+    @functools.wraps(function)
+    def command(*args: P.args, **kwargs: P.kwargs) -> None:
+        settings = settings_of(click.get_current_context())
+        run_async(lambda: function(settings, *args, **kwargs))
+
+    return command
 
 
 def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:

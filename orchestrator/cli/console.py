@@ -14,11 +14,11 @@ import anyio
 import click
 import uvicorn
 
-from orchestrator.cli_support import run_async, settings_of, stderr
+from orchestrator.cli.support import async_command, stderr
+from orchestrator.console.auth import TOKEN_ENV, read_token
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import parse_listen
-
-from .auth import TOKEN_ENV, read_token
+from orchestrator.settings import Settings
 
 
 @click.command("console")
@@ -59,9 +59,9 @@ from .auth import TOKEN_ENV, read_token
     "every run (and, with --show-payloads, its contents). Refused without this flag.",
 )
 @click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
-@click.pass_context
-def console(
-    ctx: click.Context,
+@async_command
+async def console(
+    settings: Settings,
     listen: str,
     token_file: Path | None,
     show_payloads: bool,
@@ -71,51 +71,43 @@ def console(
     log_json: bool | None,
 ) -> None:
     """Serve the web console: runs, attempts, timelines, effects, approvals, workers, queue."""
+    from orchestrator.console.app import ConsoleConfig, create_app
+    from orchestrator.console.auth import Auth
     from orchestrator.db.bootstrap import open_store
     from orchestrator.telemetry import configure_logging
 
-    from .app import ConsoleConfig, create_app
-    from .auth import Auth
-
-    settings = settings_of(ctx)
-
-    async def body() -> None:
-        host, port = parse_listen(listen, "--listen")
-        auth = Auth(read_token(os.environ.get(TOKEN_ENV), token_file))
-        configure_logging(json_logs=log_json)
-        sock = bind(host, port, listen)
-        if not (auth.enabled or allow_public_read_only or is_loopback(host)):
-            sock.close()
-            raise public_without_token(listen, show_payloads)
-        async with open_store(
-            settings, application_name="orchestrator-console", max_size=5
-        ) as store:
-            app = create_app(
-                store.pool,
-                ConsoleConfig(
-                    auth=auth,
-                    show_payloads=show_payloads,
-                    schema=settings.schema,
-                    refresh_seconds=refresh_seconds,
-                    allowed_hosts=hosts_allowed(host, allowed_hosts),
-                ),
-            )
-            # log_config=None: uvicorn's records go through configure_logging's handler.
-            config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None)
-            server = _Server(config)
-            shown = f"[{host}]" if ":" in host else host
-            mode = "actions allowed with the token" if auth.enabled else "read-only (no token)"
-            if show_payloads:
-                mode += "; contents shown (--show-payloads)"
-            stderr.print(f"console listening on http://{shown}:{port}/ ({mode})", markup=False)
-            with sock:
-                async with anyio.create_task_group() as group:
-                    group.start_soon(_stop_on_signals, server)
-                    await server.serve(sockets=[sock])
-                    group.cancel_scope.cancel()
-        stderr.print("console stopped")
-
-    run_async(body)
+    host, port = parse_listen(listen, "--listen")
+    auth = Auth(read_token(os.environ.get(TOKEN_ENV), token_file))
+    configure_logging(json_logs=log_json)
+    sock = bind(host, port, listen)
+    if not (auth.enabled or allow_public_read_only or is_loopback(host)):
+        sock.close()
+        raise public_without_token(listen, show_payloads)
+    async with open_store(settings, application_name="orchestrator-console", max_size=5) as store:
+        app = create_app(
+            store.pool,
+            ConsoleConfig(
+                auth=auth,
+                show_payloads=show_payloads,
+                schema=settings.schema,
+                refresh_seconds=refresh_seconds,
+                allowed_hosts=hosts_allowed(host, allowed_hosts),
+            ),
+        )
+        # log_config=None: uvicorn's records go through configure_logging's handler.
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None)
+        server = _Server(config)
+        shown = f"[{host}]" if ":" in host else host
+        mode = "actions allowed with the token" if auth.enabled else "read-only (no token)"
+        if show_payloads:
+            mode += "; contents shown (--show-payloads)"
+        stderr.print(f"console listening on http://{shown}:{port}/ ({mode})", markup=False)
+        with sock:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_stop_on_signals, server)
+                await server.serve(sockets=[sock])
+                group.cancel_scope.cancel()
+    stderr.print("console stopped")
 
 
 def hosts_allowed(listen_host: str, extra: tuple[str, ...]) -> list[str]:

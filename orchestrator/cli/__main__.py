@@ -1,0 +1,5 @@
+"""``python -m orchestrator.cli``: the ``orchestrator`` command, as tests and the demo spawn it."""
+
+from orchestrator.cli import main
+
+main()

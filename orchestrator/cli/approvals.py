@@ -1,0 +1,109 @@
+"""``orchestrator approvals``: effects waiting for a person's decision."""
+
+from __future__ import annotations
+
+import click
+
+from orchestrator.cli.support import async_command, json_option, print_found, stdout
+from orchestrator.db.bootstrap import open_store
+from orchestrator.effects.approvals import ApprovalStore, Decision
+from orchestrator.effects.store import EffectStore
+from orchestrator.presentation import approvals_table, dump_json, effects_table
+from orchestrator.settings import Settings
+
+
+@click.group()
+def approvals() -> None:
+    """Effects waiting for a person's decision: list, show, approve, deny."""
+
+
+@approvals.command("list")
+@click.option("--run", "run_id", help="Only this run's approvals.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@json_option("Print them as a JSON array.")
+@async_command
+async def approvals_list(settings: Settings, run_id: str | None, limit: int, as_json: bool) -> None:
+    """List effects awaiting approval, oldest first."""
+    async with open_store(settings) as store:
+        found = await ApprovalStore(store.pool).pending(run_id=run_id, limit=limit)
+    print_found(found, as_json, approvals_table, "nothing awaits approval")
+
+
+@approvals.command("show")
+@click.argument("run_id")
+@click.argument("effect_key")
+@json_option()
+@async_command
+async def approvals_show(settings: Settings, run_id: str, effect_key: str, as_json: bool) -> None:
+    """Show what approving RUN_ID's EFFECT_KEY would send: its payload and the payload's hash."""
+    async with open_store(settings) as store:
+        effect = await EffectStore(store.pool).get(run_id, effect_key)
+        run = await store.get(run_id)
+    if as_json:
+        stdout.print_json(dump_json({"effect": effect, "run_fence": run.fence}))
+        return
+    stdout.print(effects_table([effect], wide=True))
+    stdout.print(f"payload sha256: {effect.payload_sha256}", markup=False)
+    stdout.print(f"run fence:      {run.fence}", markup=False)
+    if effect.decided_at is not None:
+        stdout.print(
+            f"decided by {effect.decided_by} at {effect.decided_at.isoformat()}", markup=False
+        )
+
+
+def _decide(decision: Decision) -> click.Command:
+    verb = "approve" if decision is Decision.APPROVED else "deny"
+
+    @click.command(verb)
+    @click.argument("run_id")
+    @click.argument("effect_key")
+    @click.option("--by", required=True, help="Who decides (recorded in the timeline).")
+    @click.option("--note", help="Why (the model is told a denial's note).")
+    @click.option(
+        "--hash",
+        "payload_sha256",
+        required=decision is Decision.APPROVED,
+        help="The payload sha256 you reviewed (from `approvals show`); refused if it changed"
+        + (" (required: an approval names what was approved)." if verb == "approve" else "."),
+    )
+    @click.option("--fence", type=int, help="The run fence you saw; refused if it moved on.")
+    @json_option()
+    @async_command
+    async def command(
+        settings: Settings,
+        run_id: str,
+        effect_key: str,
+        by: str,
+        note: str | None,
+        payload_sha256: str | None,
+        fence: int | None,
+        as_json: bool,
+    ) -> None:
+        async with open_store(settings) as store:
+            decided = await ApprovalStore(store.pool).decide(
+                run_id,
+                effect_key,
+                decision,
+                by=by,
+                note=note,
+                payload_sha256=payload_sha256,
+                run_fence=fence,
+            )
+        if as_json:
+            stdout.print_json(dump_json(decided))
+        else:
+            stdout.print(
+                f"{decision.value} {run_id} {effect_key} (payload sha256 "
+                f"{decided.payload_sha256}) by {by}",
+                markup=False,
+            )
+
+    command.help = (
+        f"{verb.capitalize()} RUN_ID's EFFECT_KEY, only if its payload is still the one whose "
+        "sha256 --hash names (and, with --fence, the run's fence has not moved on)."
+    )
+    return command
+
+
+approvals.add_command(_decide(Decision.APPROVED))
+approvals.add_command(_decide(Decision.DENIED))

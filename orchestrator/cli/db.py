@@ -1,0 +1,129 @@
+"""``orchestrator db``: migrate, status, the DSN in use, stopping the embedded server."""
+
+from __future__ import annotations
+
+import click
+
+from orchestrator.cli.support import async_command, json_option, stderr, stdout
+from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
+from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.migrations import (
+    available_migrations,
+    current_version,
+    latest_version,
+    migrate,
+)
+from orchestrator.errors import InvalidInput
+from orchestrator.presentation import dump_json
+from orchestrator.settings import Settings
+
+
+@click.group()
+def db() -> None:
+    """Database: migrate, show the DSN in use, stop the embedded server."""
+
+
+@db.command("migrate")
+@async_command
+async def db_migrate(settings: Settings) -> None:
+    """Apply pending schema migrations (safe to run from several processes at once)."""
+    dsn = resolve_dsn(settings)
+    stderr.print(f"migrating {redact_dsn(dsn)}")
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-migrate")
+    try:
+        applied = await migrate(connection)
+    finally:
+        await connection.close()
+    for migration in applied:
+        stderr.print(f"  applied {migration.version:04d}_{migration.name}")
+    stdout.print(f"schema at version {latest_version()}" + ("" if applied else " (no change)"))
+
+
+@db.command("url")
+@click.option("--show-password", is_flag=True, help="Print the password instead of ***.")
+@async_command
+async def db_url(settings: Settings, show_password: bool) -> None:
+    """Print the DSN in use (starting the embedded server if it is the default)."""
+    dsn = resolve_dsn(settings)
+    stdout.print(dsn if show_password else redact_dsn(dsn), markup=False)
+
+
+@db.command("stop")
+@click.option(
+    "--force", is_flag=True, help="Stop it even while other processes are connected to it."
+)
+@async_command
+async def db_stop(settings: Settings, force: bool) -> None:
+    """Stop the embedded PostgreSQL server (no effect with ORCHESTRATOR_DATABASE_URL set).
+
+    Refused while other processes (workers, consoles, psql) are connected, unless --force."""
+    if settings.database_url:
+        raise InvalidInput("ORCHESTRATOR_DATABASE_URL is set: there is no embedded server")
+    server = EmbeddedPostgres(settings.home)
+    running = server.running()
+    if running is not None and not force:
+        _refuse_while_connected(await _other_sessions(settings, running.dsn("postgres")))
+    stopped = server.stop()
+    stderr.print("embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL not running")
+
+
+async def _other_sessions(settings: Settings, dsn: str) -> dict[str, int]:
+    """Client sessions of other processes on the server, by application_name."""
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-db-stop")
+    try:
+        rows = await connection.fetch(
+            "SELECT coalesce(nullif(application_name, ''), 'unnamed') AS name, count(*) AS n "
+            "FROM pg_stat_activity WHERE backend_type = 'client backend' "
+            "AND pid <> pg_backend_pid() GROUP BY 1 ORDER BY 2 DESC, 1"
+        )
+    finally:
+        await connection.close()
+    return {row["name"]: row["n"] for row in rows}
+
+
+def _refuse_while_connected(sessions: dict[str, int]) -> None:
+    """Stopping the server under running workers and consoles leaves them failing every
+    second: say who is connected and let the operator decide."""
+    if not sessions:
+        return
+    total = sum(sessions.values())
+    shown = [f"{count} {name!r}" for name, count in list(sessions.items())[:5]]
+    if len(sessions) > 5:
+        shown.append(f"{len(sessions) - 5} more application names")
+    raise InvalidInput(
+        f"{total} session{'s' if total != 1 else ''} of other processes "
+        f"{'are' if total != 1 else 'is'} connected to the embedded PostgreSQL "
+        f"({', '.join(shown)}): stop them first, or pass --force to stop it under them"
+    )
+
+
+@db.command("status")
+@json_option()
+@async_command
+async def db_status(settings: Settings, as_json: bool) -> None:
+    """The database in use, its schema version, and the migrations not yet applied."""
+    dsn = resolve_dsn(settings)
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-status")
+    try:
+        version = await current_version(connection)
+        server = await connection.fetchval("SHOW server_version")
+    finally:
+        await connection.close()
+    pending = [m for m in available_migrations() if m.version > version]
+    status = {
+        "database": redact_dsn(dsn),
+        "server_version": server,
+        "schema": settings.schema,
+        "schema_version": version,
+        "known_version": latest_version(),
+        "pending": [f"{m.version:04d}_{m.name}" for m in pending],
+    }
+    if as_json:
+        stdout.print_json(dump_json(status))
+        return
+    stdout.print(f"database {status['database']} (PostgreSQL {server})", markup=False)
+    stdout.print(f"schema {settings.schema} at version {version} of {latest_version()}")
+    if version > latest_version():
+        stdout.print("migrated by a newer release: upgrade orchestrator on this machine")
+    for name in status["pending"]:
+        stdout.print(f"  pending {name} (orchestrator db migrate)", markup=False)

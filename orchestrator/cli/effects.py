@@ -1,0 +1,88 @@
+"""``orchestrator effects``: list, show and resolve effect records; the group gathers ``serve``
+and ``dispatch`` from effects_processes.py."""
+
+from __future__ import annotations
+
+import getpass
+
+import click
+
+from orchestrator.cli.effects_processes import effects_dispatch, effects_serve
+from orchestrator.cli.support import async_command, json_option, print_found, stdout
+from orchestrator.db.bootstrap import open_store
+from orchestrator.effects.model import EffectStatus
+from orchestrator.effects.store import EffectStore
+from orchestrator.presentation import dump_json, effects_table
+from orchestrator.settings import Settings
+
+
+@click.group()
+def effects() -> None:
+    """Effect records at the fenced boundary: list, inspect, resolve parked ones, dispatch."""
+
+
+@effects.command("list")
+@click.option("--run", "run_id", help="Only this run's effects.")
+@click.option("--status", type=click.Choice([status.value for status in EffectStatus]))
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@json_option("Print effects as a JSON array.")
+@async_command
+async def effects_list(
+    settings: Settings, run_id: str | None, status: str | None, limit: int, as_json: bool
+) -> None:
+    """List effect records, newest first."""
+    async with open_store(settings) as store:
+        found = await EffectStore(store.pool).list_effects(
+            run_id=run_id, status=EffectStatus(status) if status else None, limit=limit
+        )
+    print_found(found, as_json, effects_table, "no effects match")
+
+
+@effects.command("show")
+@click.argument("run_id")
+@click.argument("effect_key")
+@json_option()
+@async_command
+async def effects_show(settings: Settings, run_id: str, effect_key: str, as_json: bool) -> None:
+    """Show one effect record."""
+    async with open_store(settings) as store:
+        effect = await EffectStore(store.pool).get(run_id, effect_key)
+    if as_json:
+        stdout.print_json(dump_json(effect))
+    else:
+        stdout.print(effects_table([effect], wide=True))
+
+
+@effects.command("resolve")
+@click.argument("run_id")
+@click.argument("effect_key")
+@click.option("--sent", "decision", flag_value="sent", help="It reached the vendor: confirm it.")
+@click.option("--not-sent", "decision", flag_value="not-sent", help="It did not: send it again.")
+@click.option("--external-id", help="The vendor's id for it, when --sent.")
+@click.option(
+    "--by",
+    default=getpass.getuser,
+    show_default="the OS user",
+    help="Who decides (recorded in the timeline).",
+)
+@async_command
+async def effects_resolve(
+    settings: Settings,
+    run_id: str,
+    effect_key: str,
+    decision: str | None,
+    external_id: str | None,
+    by: str,
+) -> None:
+    """Decide a parked effect after checking with the vendor by hand."""
+    if decision is None:
+        raise click.UsageError("say what you found: --sent or --not-sent")
+    async with open_store(settings) as store:
+        effect = await EffectStore(store.pool).resolve(
+            run_id, effect_key, sent=decision == "sent", by=by, external_id=external_id
+        )
+    stdout.print(f"{run_id} {effect_key}: {effect.status.value} (by {by})", markup=False)
+
+
+effects.add_command(effects_serve)
+effects.add_command(effects_dispatch)

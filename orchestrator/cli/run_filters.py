@@ -1,0 +1,163 @@
+"""Selecting runs by filters, and acting on every selected run (bulk ``runs cancel|retry``); the
+console lists runs with the same filters."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+import click
+
+from orchestrator.cli.support import parse_time, stderr, stdout
+from orchestrator.db.deadlines import DATABASE_ERRORS
+from orchestrator.db.store import RunStore
+from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
+from orchestrator.models import Run, RunState
+from orchestrator.presentation import dump_json
+from orchestrator.retention import AGE_PATTERN, parse_age
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def filter_options(command: F) -> F:
+    """``--state`` (repeatable), ``--agent``, ``--since``, ``--until``, ``--limit``."""
+    for option in reversed(
+        (
+            click.option(
+                "--state",
+                "states",
+                multiple=True,
+                type=click.Choice([state.value for state in RunState]),
+                help="Only runs in this state (repeatable).",
+            ),
+            click.option("--agent", help="Only runs of this agent."),
+            click.option("--since", help="Submitted at or after: ISO 8601 time or age (2h)."),
+            click.option("--until", help="Submitted before: ISO 8601 time or age (2h)."),
+            click.option(
+                "--limit", type=click.IntRange(1, 10_000), default=1000, show_default=True
+            ),
+            click.option(
+                "--all",
+                "every",
+                is_flag=True,
+                help="With no RUN_ID and no filter: act on every run the command applies to.",
+            ),
+        )
+    ):
+        command = option(command)
+    return command
+
+
+def parse_when(raw: str, option: str, now: datetime) -> datetime:
+    """An ISO 8601 time with a zone, or an age back from the database's ``now`` (``2h``)."""
+    if AGE_PATTERN.fullmatch(raw):
+        return now - parse_age(raw, option)
+    try:
+        datetime.fromisoformat(raw.strip())
+    except ValueError:  # neither form: say both
+        raise InvalidInput(
+            f"{option} takes an age such as 2h, 90m or 7d, or an ISO 8601 time such as "
+            f"2026-12-24T09:00:00Z, not {raw!r}"
+        ) from None
+    return parse_time(raw, option)
+
+
+def check_target(
+    run_id: str | None,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    every: bool,
+    dry: bool,
+) -> None:
+    """One run, or filters (or ``--all``), never both and never neither: a bulk action with an
+    empty RUN_ID variable must not act on every run."""
+    filtered = bool(states or agent or since or until)
+    if run_id is None:
+        if not (filtered or every):
+            raise InvalidInput(
+                "give a RUN_ID, or filters (--state, --agent, --since, --until), or --all"
+            )
+        return
+    if filtered or every or dry:
+        raise InvalidInput(
+            "give a RUN_ID or filters (--state, --agent, --since, --until), not both"
+        )
+
+
+async def select_runs(
+    store: RunStore,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+) -> list[Run]:
+    now = await store.database_now()
+    return await store.list_runs(
+        state=[RunState(state) for state in states] or None,
+        agent=agent,
+        limit=limit,
+        submitted_after=None if since is None else parse_when(since, "--since", now),
+        submitted_before=None if until is None else parse_when(until, "--until", now),
+    )
+
+
+async def bulk(
+    store: RunStore,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+    *,
+    dry_run: bool,
+    as_json: bool,
+    verb: str,
+    act: Callable[[str], Awaitable[Run]],
+) -> None:
+    """Apply ``act`` to every run the filters select (or, ``dry_run``, only list them). A run
+    that moved on meanwhile (finished, already requeued) is reported and skipped."""
+    targets = await select_runs(store, states, agent, since, until, limit)
+    done: list[str] = []
+    skipped: list[dict[str, str]] = []
+    failed: str | None = None
+    if not dry_run:
+        for index, run in enumerate(targets, 1):
+            try:
+                await act(run.run_id)
+                done.append(run.run_id)
+            except OrchestratorError as error:  # moved on meanwhile: finished, gone
+                skipped.append({"run_id": run.run_id, "reason": str(error)})
+            except DATABASE_ERRORS as error:  # stop, but say what was done
+                failed = (
+                    f"the database failed at run {index:,}: {str(error) or type(error).__name__}"
+                )
+                break
+            if index % 100 == 0:
+                stderr.print(f"{verb}: {index:,} of {len(targets):,}")
+    more = len(targets) == limit
+    if as_json:
+        stdout.print_json(
+            dump_json(
+                {
+                    "dry_run": dry_run,
+                    "matched": [run.run_id for run in targets],
+                    "done": done,
+                    "skipped": skipped,
+                    "more_may_match": more,
+                }
+            )
+        )
+    elif dry_run:
+        for run in targets:
+            stdout.print(f"would {verb} {run.run_id} ({run.state.value})", markup=False)
+        stdout.print(f"{len(targets):,} runs match; nothing changed (--dry-run)")
+    else:
+        stdout.print(f"{verb}: {len(done):,} done, {len(skipped):,} skipped")
+    if more:
+        stderr.print(f"--limit {limit:,} reached: more runs may match; run it again")
+    if failed is not None:
+        raise InvalidTransition(failed)

@@ -1,0 +1,270 @@
+"""``orchestrator runs``: list, show, page, cancel, retry and watch runs; the group gathers
+``signal``, ``budget`` and ``purge`` from their own modules."""
+
+from __future__ import annotations
+
+import click
+
+from orchestrator.cli.purge import runs_purge
+from orchestrator.cli.run_filters import bulk, check_target, filter_options, select_runs
+from orchestrator.cli.run_watch import watch
+from orchestrator.cli.support import async_command, json_option, print_found, stderr, stdout
+from orchestrator.cli.waits import runs_budget, runs_signal
+from orchestrator.db.bootstrap import open_store
+from orchestrator.errors import InvalidInput
+from orchestrator.models import RunState
+from orchestrator.presentation import (
+    budget_table,
+    conversation_table,
+    dump_json,
+    event_line,
+    jsonable,
+    print_run,
+    runs_table,
+    signals_table,
+)
+from orchestrator.run_detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_detail, more_events_hint
+from orchestrator.settings import Settings
+
+
+@click.group()
+def runs() -> None:
+    """List, inspect, cancel, retry and signal runs; show and top up their budgets."""
+
+
+@runs.command("list")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice([state.value for state in RunState]),
+    help="Only runs in this state (repeatable).",
+)
+@click.option("--agent", help="Only runs of this agent.")
+@click.option("--since", help="Submitted at or after: an ISO 8601 time, or an age (2h, 7d).")
+@click.option("--until", help="Submitted before: an ISO 8601 time, or an age (2h, 7d).")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@json_option("Print runs as a JSON array.")
+@async_command
+async def runs_list(
+    settings: Settings,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List runs, newest first."""
+    async with open_store(settings) as store:
+        found = await select_runs(store, states, agent, since, until, limit)
+        now = await store.database_now()
+    print_found(found, as_json, lambda rows: runs_table(rows, now), "no runs match")
+
+
+@runs.command("show")
+@click.argument("run_id")
+@json_option("Print the run, its timeline and transcript as JSON.")
+@click.option(
+    "--events",
+    "events_shown",
+    type=click.IntRange(1, MAX_EVENTS),
+    default=DEFAULT_EVENTS,
+    show_default=True,
+    help="Show the newest N timeline events (`runs events` pages through all of them).",
+)
+@async_command
+async def runs_show(settings: Settings, run_id: str, as_json: bool, events_shown: int) -> None:
+    """Show a run: state, fence, owner, lease expiry, checkpoint, attempts, the newest timeline
+    events and the conversation."""
+    async with open_store(settings) as store:
+        detail = await load_run_detail(store, run_id, events=events_shown)
+    if as_json:
+        click.echo(  # up to 10,000 events: no highlighting pass
+            dump_json(
+                {
+                    "run": detail.run,
+                    "events": detail.events,
+                    "events_total": detail.events_total,
+                    "events_more": more_events_hint(detail),
+                    "claims": detail.claims,
+                    "attempts": [attempt.as_json() for attempt in detail.attempts],
+                    "messages": detail.messages,
+                    "effects": detail.effects,
+                    "signals": [
+                        {**jsonable(signal), "consumed_at": at, "consumed_fence": fence}
+                        for signal, at, fence in detail.signals
+                    ],
+                    "budget": None if detail.budget is None else detail.budget.as_json(),
+                    "database_now": detail.now,
+                }
+            )
+        )
+        return
+    print_run(stdout, detail)
+    hint = more_events_hint(detail)
+    if hint is not None:
+        stderr.print(hint, markup=False)
+    if detail.budget is not None:
+        stdout.print(budget_table(detail.budget))
+    if detail.signals:
+        stdout.print(signals_table(detail.signals))
+    if detail.messages:
+        stdout.print(conversation_table(detail.messages, detail.effects))
+
+
+@runs.command("events")
+@click.argument("run_id")
+@click.option(
+    "--after",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Start after this event id (the last one of the previous page).",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, MAX_EVENTS),
+    default=1000,
+    show_default=True,
+    help="At most this many events.",
+)
+@json_option("Print the page as a JSON array.")
+@async_command
+async def runs_events(
+    settings: Settings, run_id: str, after: int, limit: int, as_json: bool
+) -> None:
+    """Page through a run's timeline, oldest first: a page of --limit events after --after.
+    The last line on stderr says how to ask for the next page."""
+    async with open_store(settings) as store:
+        await store.get(run_id)  # RunNotFound for an unknown run, not an empty page
+        events = await store.events(run_id, after=after, limit=limit)
+    if as_json:
+        click.echo(dump_json(events))  # a page can be megabytes: no highlighting pass
+    else:
+        for event in events:
+            click.echo(event_line(event))  # one line each, whatever the terminal's width
+    if len(events) == limit:
+        stderr.print(
+            f"next page: orchestrator runs events {run_id} --after {events[-1].event_id}"
+            f" --limit {limit}",
+            markup=False,
+        )
+
+
+@runs.command("cancel")
+@click.argument("run_id", required=False)
+@filter_options
+@click.option("--reason", help="Recorded in the run's timeline.")
+@click.option("--dry-run", is_flag=True, help="With filters: list the runs, cancel nothing.")
+@json_option()
+@async_command
+async def runs_cancel(
+    settings: Settings,
+    run_id: str | None,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+    every: bool,
+    reason: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Cancel a run (or, with filters instead of RUN_ID, every matching unfinished run) and raise
+    its fence, so its current owner can no longer act."""
+    async with open_store(settings) as store:
+        check_target(run_id, states, agent, since, until, every, dry_run)
+        if run_id is not None:
+            run = await store.cancel(run_id, reason=reason)
+            if as_json:
+                stdout.print_json(dump_json(run))
+            else:
+                stdout.print(f"cancelled {run.run_id} (fence now {run.fence})", markup=False)
+            return
+        wanted = states or ("queued", "running", "waiting")
+        unfinished = [state for state in wanted if not RunState(state).terminal]
+        if not unfinished:
+            raise InvalidInput("only queued, running or waiting runs can be cancelled")
+        await bulk(
+            store,
+            tuple(unfinished),
+            agent,
+            since,
+            until,
+            limit,
+            dry_run=dry_run,
+            as_json=as_json,
+            verb="cancel",
+            act=lambda target: store.cancel(target, reason=reason),
+        )
+
+
+@runs.command("retry")
+@click.argument("run_id", required=False)
+@filter_options
+@click.option("--dry-run", is_flag=True, help="With filters: list the runs, requeue nothing.")
+@json_option()
+@async_command
+async def runs_retry(
+    settings: Settings,
+    run_id: str | None,
+    states: tuple[str, ...],
+    agent: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+    every: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Requeue a dead-lettered run (or, with filters instead of RUN_ID, every matching dead run)
+    with a fresh set of attempts."""
+    async with open_store(settings) as store:
+        check_target(run_id, states, agent, since, until, every, dry_run)
+        if run_id is not None:
+            run = await store.retry(run_id)
+            if as_json:
+                stdout.print_json(dump_json(run))
+            else:
+                stdout.print(f"requeued {run.run_id}", markup=False)
+            return
+        if states and set(states) != {"dead"}:
+            raise InvalidInput("only dead runs can be retried: drop --state or use dead")
+        await bulk(
+            store,
+            ("dead",),
+            agent,
+            since,
+            until,
+            limit,
+            dry_run=dry_run,
+            as_json=as_json,
+            verb="requeue",
+            act=store.retry,
+        )
+
+
+@runs.command("watch")
+@click.argument("run_id")
+@click.option(
+    "--timeout",
+    "give_up_after",
+    type=click.FloatRange(0.1),
+    help="Give up after this many seconds.",
+)
+@json_option("One JSON object per event (JSON lines).")
+@async_command
+async def runs_watch(
+    settings: Settings, run_id: str, give_up_after: float | None, as_json: bool
+) -> None:
+    """Print a run's timeline as it happens; end when the run ends (exit 0), or at --timeout
+    (exit 1)."""
+    async with open_store(settings) as store:
+        await watch(store, run_id, give_up_after=give_up_after, as_json=as_json)
+
+
+runs.add_command(runs_signal)
+runs.add_command(runs_budget)
+runs.add_command(runs_purge)
