@@ -27,6 +27,7 @@ from opentelemetry.context import Context
 
 from orchestrator.backoff import Backoff
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.notifications import DUE_CHANNEL, Listener
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.telemetry import (
@@ -58,7 +59,6 @@ from .model import EffectRecord, EffectStatus
 from .store import ClaimedEffect, EffectStore
 
 log = structlog.get_logger("orchestrator.effects")
-DUE_CHANNEL = "orchestrator_effects_due"
 
 
 def load_adapters(path: str | Path | None = None) -> dict[str, Adapter]:
@@ -181,25 +181,19 @@ class Dispatcher:
         return []
 
     async def _listen(self) -> None:
-        """Wake when a step commits an effect (NOTIFY in the same transaction)."""
+        """Wake when a step commits an effect (NOTIFY in the same transaction).
 
-        def on_notify(*_: object) -> None:
-            self.wake()
-
-        while True:
-            try:
-                async with self.pool.acquire() as connection:
-                    await connection.add_listener(DUE_CHANNEL, on_notify)
-                    try:
-                        while not connection.is_closed():
-                            await anyio.sleep(self.poll_seconds * 5)
-                            with anyio.fail_after(self.statement_seconds):
-                                await connection.execute("SELECT 1")
-                    finally:
-                        with anyio.move_on_after(2, shield=True):
-                            await connection.remove_listener(DUE_CHANNEL, on_notify)
-            except DATABASE_ERRORS:
-                await anyio.sleep(self.poll_seconds)
+        On one of the pool's connections, checked every five polls; the claim loop's own poll
+        covers what is notified while it is lost.
+        """
+        await Listener(
+            (DUE_CHANNEL,),
+            lambda channel, kind: self.wake(),
+            pool=self.pool,
+            check_seconds=self.poll_seconds * 5,
+            statement_seconds=self.statement_seconds,
+            retry_seconds=self.poll_seconds,
+        ).run()
 
     async def _handle(self, claimed: ClaimedEffect, deadline: float) -> None:
         effect = claimed.record

@@ -12,8 +12,6 @@ import anyio
 from .model import EffectRecord, EffectStatus
 from .store import EffectStore
 
-SETTLED_CHANNEL = "orchestrator_effects"
-
 
 class EffectWaiters:
     """Per-run wake-up events, set by the worker's listener."""

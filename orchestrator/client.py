@@ -39,6 +39,7 @@ from orchestrator.db.connections import (
     database_failed,
     resolve_dsn,
 )
+from orchestrator.db.notifications import FINISHED_CHANNEL, Listener
 from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision
@@ -49,7 +50,6 @@ from orchestrator.models import JSON, Run
 from orchestrator.settings import Settings
 from orchestrator.signals import Signal, SignalStore
 
-FINISHED_CHANNEL = "orchestrator_finished"
 MAX_DELAY_SECONDS = 10 * 366 * 86400.0
 CLOSE_AT_EXIT_SECONDS = 5.0
 """How long ``SyncClient`` waits for its connections to close politely at exit."""
@@ -103,9 +103,15 @@ class Client:
         self.pool = pool
         self.settings = settings
         self.store = RunStore(pool, max_input_bytes=settings.max_input_bytes)
-        self._listener: asyncpg.Connection | None = None
-        self._listening = asyncio.Lock()
         self._finished: dict[str, set[asyncio.Event]] = {}
+        # Opened by the first wait, and again by a wait that finds it lost (no task of its
+        # own: a client has no task group, and a wait's re-read covers the gap).
+        self._listener = Listener(
+            (FINISHED_CHANNEL,),
+            self._on_finished,
+            connect=self._connect_listener,
+            on_listening=self._recheck_all,
+        )
 
     @classmethod
     @_project_errors
@@ -128,9 +134,7 @@ class Client:
 
     @_project_errors
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.terminate()
-            self._listener = None
+        await self._listener.close()
         await self.pool.close()
 
     async def __aenter__(self) -> Client:
@@ -181,7 +185,7 @@ class Client:
         validate_run_id(run_id)
         if not within > 0:
             raise InvalidInput("wait timeout must be above 0 seconds")
-        await self._listen()
+        await self._listener.listen()
         event = asyncio.Event()
         self._finished.setdefault(run_id, set()).add(event)
         try:
@@ -195,8 +199,7 @@ class Client:
                     with anyio.move_on_after(RECHECK_SECONDS):
                         await event.wait()
                     event.clear()
-                    if self._listener is None or self._listener.is_closed():
-                        await self._listen()
+                    await self._listener.listen()  # at once if it still listens
         finally:
             waiting = self._finished.get(run_id)
             if waiting is not None:
@@ -283,26 +286,20 @@ class Client:
             return None
         return start_time(await self.store.database_now(), at, delay)
 
-    async def _listen(self) -> None:
-        """One LISTEN connection per client, (re)opened when needed."""
-        async with self._listening:
-            if self._listener is not None and not self._listener.is_closed():
-                return
-            connection = await connect(
-                self.settings, dsn=resolve_dsn(self.settings), application_name="orchestrator-wait"
-            )
-            try:
-                await connection.add_listener(FINISHED_CHANNEL, self._on_finished)
-            except BaseException:
-                connection.terminate()
-                raise
-            self._listener = connection
-            for events in self._finished.values():  # what ended while not listening
-                for event in events:
-                    event.set()
+    async def _connect_listener(self) -> asyncpg.Connection:
+        return await connect(
+            self.settings, dsn=resolve_dsn(self.settings), application_name="orchestrator-wait"
+        )
 
-    def _on_finished(self, connection: object, pid: int, channel: str, run_id: object) -> None:
-        for event in self._finished.get(str(run_id), ()):
+    def _recheck_all(self) -> None:
+        """Listening anew: whatever ended while not listening was missed, so every wait reads
+        its run again."""
+        for events in self._finished.values():
+            for event in events:
+                event.set()
+
+    def _on_finished(self, channel: str, run_id: str) -> None:
+        for event in self._finished.get(run_id, ()):
             event.set()
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from orchestrator.db.notifications import SIGNALS_CHANNEL
 from orchestrator.db.queries import query
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
 from orchestrator.ids import validate_run_id
@@ -26,7 +27,6 @@ from orchestrator.storable import check_json, check_text
 if TYPE_CHECKING:
     from orchestrator.db.executor import Executor
 
-SIGNALS_CHANNEL = "orchestrator_signals"
 MAX_SIGNAL_BYTES = 256 * 1024
 _SIGNAL_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]{0,99}$")
 

@@ -48,18 +48,24 @@ from orchestrator.db.deadlines import (
     enter_when_reachable,
     pooled,
 )
+from orchestrator.db.notifications import (
+    CANCEL_CHANNEL,
+    RUNS_CHANNEL,
+    SETTLED_CHANNEL,
+    SIGNALS_CHANNEL,
+    Listener,
+)
 from orchestrator.db.store import RunStore, WorkerRegistry
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.store import EffectStore
-from orchestrator.effects.waiting import SETTLED_CHANNEL, EffectWaiters, RunEffects
+from orchestrator.effects.waiting import EffectWaiters, RunEffects
 from orchestrator.errors import error_fields
 from orchestrator.metrics_endpoint import Probe, sample_gauges
 from orchestrator.retention import PURGE_INTERVAL_SECONDS, purge_round
 from orchestrator.settings import Settings
-from orchestrator.signals import SIGNALS_CHANNEL
 from orchestrator.steps import AgentRegistry
 from orchestrator.telemetry import (
     LINK_KIND,
@@ -88,14 +94,12 @@ from orchestrator.worker.run_tasks import RunTasks
 
 log = structlog.get_logger("orchestrator.worker")
 
-RUNS_CHANNEL = "orchestrator_runs"
 COALESCE_SECONDS = 0.005
 EXPIRED_LOOK_SECONDS = 1.0
 """Finding expired leases reads every running run of the worker's agents (the claim query). A
 claim loop looks when it was idle, when a notification says leases may have ended (a reaper's
 takeover, a release: the runs channel), and otherwise at least this often; a loop that claims
 batch after batch skips the scan in between, whose cost grows with the running set."""
-CANCEL_CHANNEL = "orchestrator_cancel"
 APPROVAL_EXPIRY_SECONDS = 1.0
 """How often a worker denies expired approvals (an expiry is late by at most this)."""
 
@@ -718,51 +722,36 @@ class Worker:
         """
         agents = set(self.config.agents.names)
 
-        def on_notify(connection: Any, pid: int, channel: str, payload: object) -> None:
+        def on_notify(channel: str, payload: str) -> None:
             if channel == RUNS_CHANNEL and payload in agents:
                 # A submit, a release, or another worker's reaper ending leases: the channel
                 # does not say which, so the next claim also looks for expired leases.
                 self.wake(leases_may_have_ended=True)
             elif channel == SETTLED_CHANNEL:
-                self.effect_waiters.notify(str(payload))
+                self.effect_waiters.notify(payload)
             elif channel == SIGNALS_CHANNEL:
-                signalled = self.active.get(str(payload))
+                signalled = self.active.get(payload)
                 if signalled is not None:
                     signalled.signalled = True
             elif channel == CANCEL_CHANNEL:
-                execution = self.active.get(str(payload))
+                execution = self.active.get(payload)
                 if execution is not None:
                     execution.handle.lose("the run was cancelled")
 
-        first_attempt = True
-        while True:
-            connection: asyncpg.Connection | None = None
-            try:
-                with anyio.fail_after(running.statement_seconds):
-                    connection = await connect(
-                        self.settings, dsn=running.dsn, application_name=self.worker_id + ":listen"
-                    )
-                    await connection.add_listener(RUNS_CHANNEL, on_notify)
-                    await connection.add_listener(CANCEL_CHANNEL, on_notify)
-                    await connection.add_listener(SETTLED_CHANNEL, on_notify)
-                    await connection.add_listener(SIGNALS_CHANNEL, on_notify)
-                self.wake(leases_may_have_ended=True)  # whatever happened while not listening
-                if first_attempt:
-                    first_attempt = False
-                    task_status.started()
-                while not connection.is_closed():
-                    await anyio.sleep(self.config.poll_seconds)
-                    with anyio.fail_after(running.statement_seconds):
-                        await connection.execute("SELECT 1")
-            except DATABASE_ERRORS:
-                pass
-            finally:
-                if connection is not None:
-                    connection.terminate()
-            if first_attempt:
-                first_attempt = False
-                task_status.started()
-            await anyio.sleep(self.config.poll_seconds)
+        listener = Listener(
+            (RUNS_CHANNEL, CANCEL_CHANNEL, SETTLED_CHANNEL, SIGNALS_CHANNEL),
+            on_notify,
+            connect=partial(
+                connect, self.settings, dsn=running.dsn, application_name=self.worker_id + ":listen"
+            ),
+            connect_seconds=running.statement_seconds,
+            check_seconds=self.config.poll_seconds,
+            statement_seconds=running.statement_seconds,
+            retry_seconds=self.config.poll_seconds,
+            # Whatever happened while not listening: look for it now.
+            on_listening=lambda: self.wake(leases_may_have_ended=True),
+        )
+        await listener.run(task_status=task_status)
 
     async def _status(self, running: Running) -> None:
         while True:
