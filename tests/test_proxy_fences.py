@@ -256,9 +256,17 @@ async def race_on_a_forgetful_database(
     """Workers A (``old``) and B (``new``) send effect requests for one run at once, through
     ``clients`` in turn, while the database keeps failing over between a copy in which B owns
     the run and one that lost B's claim (A owns it again): both fences pass the database's own
-    rule some of the time. What each request got, in the order the answers came."""
+    rule some of the time. B's first request goes before the race, to a database where B owns
+    the run, so that an acceptance under B's fence does not depend on how the flips and the
+    requests happen to interleave on a busy machine. What each request got, in the order the
+    answers came."""
     sent: list[Sent] = []
     done = anyio.Event()
+    await restore_the_new_owner(pool, run_id, new)
+    began = time.monotonic()
+    first = await clients[0].post("/v1/effects", json=body(run_id, new, "b-first"), headers=headers)
+    assert first.status_code == 201, first.text
+    sent.append(Sent(new, began, time.monotonic(), first.status_code, None))
 
     async def flip() -> None:
         while not done.is_set():
