@@ -263,7 +263,7 @@ async def test_a_a_tool_agent_turn_the_failover_took_back_does_not_send_its_call
             states = await finished(store, [run_id], within=120)
             records = await EffectStore(pool).list_effects(run_id=run_id)
     assert states == {run_id: RunState.SUCCEEDED}
-    assert model.answered("Where is o-17?", 1) == 2  # turn 1 was asked again, new call ids
+    assert model.answered("Where is o-17?", 1) >= 2  # turn 1 was asked again, new call ids
     assert [(r.status, r.payload["note"]) for r in records] == [
         (EffectStatus.CONFIRMED, "shipped today")
     ]
