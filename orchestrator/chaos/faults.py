@@ -58,6 +58,7 @@ CAMPAIGN_ERRORS: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, Orchestrat
 """What a fault (or the campaign's person) may meet: the database restarting or backends being
 terminated, or no run to act on."""
 STATEMENT_SECONDS = 5.0
+CANCEL_ATTEMPTS = 5
 CAMPAIGN_APPLICATION = "chaos-campaign"
 """The campaign's own connections, which its faults leave alone."""
 
@@ -485,17 +486,22 @@ class Faults:
         raise NoCandidate(f"none within {within:g}s")
 
     async def _cancel(self, fault: ScheduledFault, record: FaultRecord) -> None:
-        row = await self._pick(
-            "SELECT run_id FROM orchestrator.runs WHERE state IN ('queued', 'running', 'waiting') "
-            "ORDER BY run_id LIMIT 50",
-            fault,
-        )
-        record.target = row["run_id"]
-        try:
-            await _cancel_run(self.pool, row["run_id"])
+        # A run picked while live may finish before the cancel lands; pick again, a few times.
+        for _ in range(CANCEL_ATTEMPTS):
+            row = await self._pick(
+                "SELECT run_id FROM orchestrator.runs "
+                "WHERE state IN ('queued', 'running', 'waiting') ORDER BY run_id LIMIT 50",
+                fault,
+            )
+            record.target = row["run_id"]
+            try:
+                await _cancel_run(self.pool, row["run_id"])
+            except InvalidTransition as error:
+                record.detail = str(error)
+                continue
             record.fired = True
-        except InvalidTransition as error:
-            record.detail = str(error)
+            record.detail = ""
+            return
 
     async def _late_approval(self, fault: ScheduledFault, record: FaultRecord) -> None:
         """Approve a request whose time ran out (denied by expiry): it must stay unsent."""
