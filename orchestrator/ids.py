@@ -27,18 +27,24 @@ def new_run_id() -> str:
 
 
 def validate_run_id(run_id: str) -> str:
-    if not RUN_ID_PATTERN.fullmatch(run_id):
-        raise InvalidInput(
-            f"malformed run id {run_id!r}: a run id is 1-128 characters, starts with a letter and "
-            "holds only letters, digits and _ . : - (for example r_01jd3k5q8m2x7c9v4b6n0p1r2s)"
-        )
-    return run_id
+    return _matching(
+        RUN_ID_PATTERN,
+        run_id,
+        f"malformed run id {run_id!r}: a run id is 1-128 characters, starts with a letter and "
+        "holds only letters, digits and _ . : - (for example r_01jd3k5q8m2x7c9v4b6n0p1r2s)",
+    )
 
 
 def validate_agent_name(agent: str) -> str:
-    if not AGENT_NAME_PATTERN.fullmatch(agent):
-        raise InvalidInput(
-            f"malformed agent name {agent!r}: an agent name is 1-64 characters, starts with a "
-            "letter and holds only letters, digits and _ . -"
-        )
-    return agent
+    return _matching(
+        AGENT_NAME_PATTERN,
+        agent,
+        f"malformed agent name {agent!r}: an agent name is 1-64 characters, starts with a "
+        "letter and holds only letters, digits and _ . -",
+    )
+
+
+def _matching(pattern: re.Pattern[str], value: str, problem: str) -> str:
+    if not pattern.fullmatch(value):
+        raise InvalidInput(problem)
+    return value

@@ -7,11 +7,13 @@ replaces a provider the host application already set.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import structlog
@@ -541,39 +543,37 @@ def _exporter_setting(variable: str) -> str:
 
 
 def _span_exporter(kind: str) -> Any:
-    if kind == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-        # One JSON line per span, on stderr with the logs: the default is indented JSON, which
-        # breaks a JSON-lines log into fragments no log shipper can parse.
-        return ConsoleSpanExporter(out=sys.stderr, formatter=_one_json_line)
+    # One JSON line per span, on stderr with the logs: the default is indented JSON, which
+    # breaks a JSON-lines log into fragments no log shipper can parse.
+    console = partial(ConsoleSpanExporter, out=sys.stderr, formatter=_one_json_line)
+    return _exporter(kind, console, "OTEL_TRACES_EXPORTER", "trace_exporter.OTLPSpanExporter")
+
+
+def _metric_exporter(kind: str) -> Any:
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+    console = partial(ConsoleMetricExporter, out=sys.stderr, formatter=_one_json_line)
+    return _exporter(kind, console, "OTEL_METRICS_EXPORTER", "metric_exporter.OTLPMetricExporter")
+
+
+def _exporter(kind: str, console: Callable[[], Any], variable: str, otlp: str) -> Any:
+    """The console exporter, or ``otlp`` (module.Class under the OTLP/HTTP package), imported
+    only when asked for: the otel extra that ships it is optional."""
+    if kind == "console":
+        return console()
+    module, _, name = otlp.rpartition(".")
     try:
-        # Typed when the otel extra is installed; the ignore covers environments without it.
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found, unused-ignore]
-            OTLPSpanExporter,
-        )
+        exporters = importlib.import_module(f"opentelemetry.exporter.otlp.proto.http.{module}")
     except ModuleNotFoundError as error:
-        raise _exporter_missing("OTEL_TRACES_EXPORTER", error) from None
-    return OTLPSpanExporter()
+        raise _exporter_missing(variable, error) from None
+    return getattr(exporters, name)()
 
 
 def _one_json_line(exported: Any) -> str:
     """A span or a batch of metrics as one line of JSON (both have ``to_json(indent)``)."""
     return f"{exported.to_json(indent=None)}\n"
-
-
-def _metric_exporter(kind: str) -> Any:
-    if kind == "console":
-        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
-
-        return ConsoleMetricExporter(out=sys.stderr, formatter=_one_json_line)
-    try:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import (  # type: ignore[import-not-found, unused-ignore]
-            OTLPMetricExporter,
-        )
-    except ModuleNotFoundError as error:
-        raise _exporter_missing("OTEL_METRICS_EXPORTER", error) from None
-    return OTLPMetricExporter()
 
 
 def _exporter_missing(variable: str, error: ModuleNotFoundError) -> InvalidInput:

@@ -320,34 +320,10 @@ class EmbeddedPostgres:
         )
 
     def _ensure_database(self, server: RunningServer) -> None:
-        exists = self._run(
-            [
-                "psql",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(server.port),
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-                "-tAc",
-                f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE}'",
-            ]
-        )
+        def psql(*arguments: str) -> str:
+            connection = ["-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres"]
+            return self._run(["psql", *connection, "-d", "postgres", *arguments])
+
+        exists = psql("-tAc", f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE}'")
         if exists.strip() != "1":
-            self._run(
-                [
-                    "psql",
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    str(server.port),
-                    "-U",
-                    "postgres",
-                    "-d",
-                    "postgres",
-                    "-c",
-                    f"CREATE DATABASE {DATABASE}",
-                ]
-            )
+            psql("-c", f"CREATE DATABASE {DATABASE}")
