@@ -80,6 +80,7 @@ import anyio
 import asyncpg
 import httpx
 
+from bench_report import elapsed, log, machine_facts, verdict
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -107,12 +108,7 @@ from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import LocalVendor, running_worker, with_database
 from orchestrator.worker import worker as supervisor_module
-from serve_harness import (
-    elapsed,
-    log,
-    machine_facts,
-    run_and_report,
-)
+from serve_harness import benchmark_parser, run_and_report
 
 KIND = "crm"
 EFFECT_KEY = "crm-update"
@@ -1027,7 +1023,7 @@ def format_table(report: dict[str, Any]) -> str:
         ]
     shipped = [row for row in report["latency"] if row["adapter"] == "shipped"]
     p50 = ", ".join(f"{row['latency_ms']['p50']:.1f} ms" for row in shipped)
-    met = "met" if report["target_met"] else "NOT met"
+    met = verdict(report["target_met"])
     out += [
         "",
         f"target: p50 commit -> outcome under {TARGET_P50_MS:.0f} ms with HttpAdapter: {met} "
@@ -1052,11 +1048,9 @@ def parse_dispatch(text: str) -> tuple[DispatchSetting, ...]:
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Effect dispatch throughput and commit-to-outcome latency on loopback."
+    parser = benchmark_parser(
+        "Effect dispatch throughput and commit-to-outcome latency on loopback."
     )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--effects", type=int, default=500, help="effects per dispatch run")
     parser.add_argument(
         "--dispatch",
@@ -1103,11 +1097,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(json_logs=True, level="warning")
     run_and_report(
-        args.dsn,
+        args,
         "effects",
         lambda server: benchmark(server.dsn, args, embedded=server.embedded),
         format_table,
-        as_json=args.json,
     )
     return 0
 

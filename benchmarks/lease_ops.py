@@ -44,7 +44,6 @@ Run from the repository root: ``.venv/bin/python benchmarks/lease_ops.py``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -57,6 +56,7 @@ from typing import Any
 
 import asyncpg
 
+from bench_report import elapsed, log, machine_facts
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.queries import query
@@ -64,12 +64,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.models import Lease
 from orchestrator.settings import Settings
 from orchestrator.testing import with_database
-from serve_harness import (
-    elapsed,
-    log,
-    machine_facts,
-    run_and_report,
-)
+from serve_harness import benchmark_parser, run_and_report
 
 TARGET_RATIO = 0.80
 MIN_ROUNDS = 3
@@ -957,11 +952,9 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Throughput of RunStore's claim, renew and commit paths against raw asyncpg."
+    parser = benchmark_parser(
+        "Throughput of RunStore's claim, renew and commit paths against raw asyncpg."
     )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--tasks", type=int, default=8, help="concurrent tasks and pool size")
     parser.add_argument("--rounds", type=int, default=6, help="measured rounds per operation")
     parser.add_argument(
@@ -1009,11 +1002,10 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     run_and_report(
-        args.dsn,
+        args,
         "lease_ops",
         lambda server: benchmark(server.dsn, args, embedded=server.embedded),
         format_table,
-        as_json=args.json,
     )
     return 0
 

@@ -40,7 +40,6 @@ for JSON). From the repository root: ``.venv/bin/python benchmarks/many_leases.p
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -52,6 +51,7 @@ from typing import Any
 
 import asyncpg
 
+from bench_report import elapsed, fmt, log, machine_facts, render_table
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from serve_harness import (
@@ -59,14 +59,10 @@ from serve_harness import (
     CpuSample,
     ServeProcess,
     Server,
+    benchmark_parser,
     cpu_shares,
     create_database,
     drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    render_table,
     run_and_report,
     server_facts,
     settings_for,
@@ -528,11 +524,9 @@ def batch_cpu_text(hold: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="One worker holding many leases: renewals/s, CPU, RSS and lost leases."
+    parser = benchmark_parser(
+        "One worker holding many leases: renewals/s, CPU, RSS and lost leases."
     )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--runs", type=int, default=10_000, help="runs held at once")
     parser.add_argument("--steps", type=int, default=2, help="steps per run")
     parser.add_argument("--step-seconds", type=float, default=40.0, help="seconds per step")
@@ -552,11 +546,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     report = run_and_report(
-        config.dsn,
-        "many_leases",
-        lambda server: benchmark(server, config),
-        format_report,
-        as_json=config.json,
+        config, "many_leases", lambda server: benchmark(server, config), format_report
     )
     return 0 if report["ok"] else 1
 

@@ -41,7 +41,6 @@ root: ``.venv/bin/python benchmarks/recovery.py``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -55,6 +54,7 @@ from typing import Any
 
 import asyncpg
 
+from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table, verdict
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -62,14 +62,9 @@ from orchestrator.models import RunState
 from serve_harness import (
     ServeProcess,
     Server,
+    benchmark_parser,
     create_database,
     drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    percentile,
-    render_table,
     run_and_report,
     server_facts,
     settings_for,
@@ -357,18 +352,14 @@ def format_report(report: dict[str, Any]) -> str:
     out += [
         "",
         f"target: p99 < {report['target_p99_seconds']:g}s with takeover: "
-        + ("met" if report["target_met"] else "NOT met")
-        + f" (p99 {takeover['p99']:.3f}s over {takeover['iterations']} kills)",
+        f"{verdict(report['target_met'])} "
+        f"(p99 {takeover['p99']:.3f}s over {takeover['iterations']} kills)",
     ]
     return "\n".join(out)
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Seconds from kill -9 of a run's owner to the run's next claim."
-    )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser = benchmark_parser("Seconds from kill -9 of a run's owner to the run's next claim.")
     parser.add_argument("--iterations", type=int, default=20, help="kills with takeover")
     parser.add_argument("--lease-seconds", type=float, default=45.0, help="lease with takeover")
     parser.add_argument("--no-takeover-iterations", type=int, default=5)
@@ -390,13 +381,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
-    run_and_report(
-        config.dsn,
-        "recovery",
-        lambda server: benchmark(server, config),
-        format_report,
-        as_json=config.json,
-    )
+    run_and_report(config, "recovery", lambda server: benchmark(server, config), format_report)
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Shared pieces of the benchmarks that run ``orchestrator serve`` as real OS processes.
+"""Shared pieces of the benchmarks that need a PostgreSQL server and child processes.
 
-Used by ``throughput.py``, ``recovery.py`` and ``many_leases.py`` (not a benchmark itself):
+Used by every benchmark but ``history.py`` (not a benchmark itself; what they print is
+``bench_report.py``):
 
 * ``postgres_server``: an embedded PostgreSQL in a temporary directory with the project's
   default (durable) settings, stopped and deleted on exit, or an existing server (``--dsn``);
@@ -12,17 +13,17 @@ Used by ``throughput.py``, ``recovery.py`` and ``many_leases.py`` (not a benchma
 * ``CpuMeter``: CPU seconds of one process, of the PostgreSQL server's processes and of the
   whole machine, so that each figure can be read against the load that other programs put on
   this (shared, two-core) machine at the same time;
-* ``run_benchmark``: the common entry point (SIGTERM and Ctrl-C run every ``finally``).
+* ``benchmark_parser``, ``run_benchmark`` and ``run_and_report``: the common command line and
+  entry point (SIGTERM and Ctrl-C run every ``finally``).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -34,18 +35,17 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import asyncpg
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
+from bench_report import log
 from orchestrator.db.connections import connect
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.settings import Settings
 from orchestrator.testing import with_database
-
-_STARTED = time.perf_counter()
 
 SERVER_SETTINGS_SHOWN = (
     "server_version",
@@ -55,15 +55,6 @@ SERVER_SETTINGS_SHOWN = (
     "shared_buffers",
     "max_connections",
 )
-
-
-def log(message: str) -> None:
-    """Progress on stderr, stamped with the seconds since the benchmark started."""
-    print(f"[{elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def elapsed() -> float:
-    return time.perf_counter() - _STARTED
 
 
 # -- the PostgreSQL server -------------------------------------------------------------------------
@@ -135,16 +126,6 @@ async def drop_database(server_dsn: str, name: str) -> None:
 
 async def server_facts(connection: asyncpg.Connection) -> dict[str, str]:
     return {name: str(await connection.fetchval(f"SHOW {name}")) for name in SERVER_SETTINGS_SHOWN}
-
-
-def machine_facts() -> dict[str, Any]:
-    return {
-        "cpus": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "asyncpg": asyncpg.__version__,
-    }
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -269,6 +250,9 @@ class Child:
         return self.process.returncode
 
 
+SERVE_COMMAND = ("-m", "orchestrator.cli", "serve", "--log-json")
+
+
 class ServeProcess(Child):
     """``orchestrator serve --log-json --worker-id NAME ARGS...`` in its own process.
 
@@ -280,16 +264,7 @@ class ServeProcess(Child):
     def __init__(
         self, database_url: str, *args: str, name: str, python: Sequence[str] = ()
     ) -> None:
-        argv = [
-            *(python or [sys.executable]),
-            "-m",
-            "orchestrator.cli",
-            "serve",
-            "--log-json",
-            "--worker-id",
-            name,
-            *args,
-        ]
+        argv = [*(python or [sys.executable]), *SERVE_COMMAND, "--worker-id", name, *args]
         env = child_env(database_url)
         if python:
             env.pop("PYTHONPATH", None)
@@ -388,35 +363,35 @@ def cpu_shares(first: CpuSample, last: CpuSample) -> dict[str, float | None]:
     }
 
 
-# -- reporting -------------------------------------------------------------------------------------
-
-
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def render(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest]).rstrip()
-
-    return [render(header), render(["-" * width for width in widths]), *map(render, rows)]
-
-
-def percentile(values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile (no interpolation: with 20 samples, p99 is the largest)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
-    return ordered[rank - 1]
-
-
-def fmt(value: float | None, spec: str = ",.0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 # -- entry point -----------------------------------------------------------------------------------
+
+
+class CommonOptions(Protocol):
+    """The options ``benchmark_parser`` adds, as a benchmark's parsed configuration holds them."""
+
+    @property
+    def dsn(self) -> str | None: ...
+
+    @property
+    def json(self) -> bool: ...
+
+
+def benchmark_parser(description: str, *, dsn: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's command line with the options they all take: ``--dsn`` (unless the
+    benchmark starts servers of its own) and ``--json``."""
+    parser = argparse.ArgumentParser(description=description)
+    if dsn:
+        parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def print_report(
+    report: dict[str, Any], render: Callable[[dict[str, Any]], str], *, as_json: bool
+) -> None:
+    """The report on stdout, as JSON or as ``render`` lays it out, and the time it took."""
+    print(json.dumps(report, indent=2, default=str) if as_json else render(report))
+    log(f"done in {report['elapsed_seconds']:.0f}s")
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
@@ -450,18 +425,15 @@ def run_benchmark(body: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, An
 
 
 def run_and_report(
-    dsn: str | None,
+    options: CommonOptions,
     name: str,
     body: Callable[[Server], Awaitable[dict[str, Any]]],
     render: Callable[[dict[str, Any]], str],
-    *,
-    as_json: bool,
 ) -> dict[str, Any]:
-    """A benchmark's main: ``body`` on the server (an embedded one unless ``dsn``), its report
-    printed as JSON or as ``render`` lays it out, and returned. SIGTERM and Ctrl-C unwind
-    through every ``finally`` (pools, workers, scratch databases, the server)."""
-    with postgres_server(dsn, prefix=f"orchestrator-bench-{name}-") as server:
+    """A benchmark's main: ``body`` on the server (an embedded one unless ``options.dsn``), its
+    report printed (``print_report``) and returned. SIGTERM and Ctrl-C unwind through every
+    ``finally`` (pools, workers, scratch databases, the server)."""
+    with postgres_server(options.dsn, prefix=f"orchestrator-bench-{name}-") as server:
         report = run_benchmark(lambda: body(server))
-    print(json.dumps(report, indent=2, default=str) if as_json else render(report))
-    log(f"done in {report['elapsed_seconds']:.0f}s")
+    print_report(report, render, as_json=options.json)
     return report

@@ -90,7 +90,6 @@ stderr, the table on stdout (``--json`` for JSON). From the repository root:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -113,6 +112,7 @@ from typing import Any, Protocol
 
 import asyncpg
 
+from bench_report import elapsed, fmt, log, machine_facts, render_table, verdict
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from serve_harness import (
@@ -120,15 +120,11 @@ from serve_harness import (
     CpuMeter,
     ServeProcess,
     Server,
+    benchmark_parser,
     child_env,
     cpu_shares,
     create_database,
     drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    render_table,
     run_and_report,
     server_facts,
     settings_for,
@@ -1058,7 +1054,7 @@ def format_report(report: dict[str, Any]) -> str:
         + ")",
         f"orchestrator/Procrastinate: {fmt(vs_pro, '.2f')}",
         f"target: orchestrator >= {summary['target_vs_pgqueuer']}x PgQueuer: "
-        + ("met" if summary["target_met"] else "NOT met"),
+        + verdict(summary["target_met"]),
         f"worker CPU per run: orchestrator {fmt(summary['orchestrator_worker_us_per_run'])} µs, "
         f"PgQueuer {fmt(summary['pgqueuer_worker_us_per_job'])} µs (medians of the rounds)",
     ]
@@ -1132,12 +1128,10 @@ def parse_setting(text: str) -> Setting:
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Runs/s of no-op runs through one `orchestrator serve`, beside PgQueuer "
+    parser = benchmark_parser(
+        "Runs/s of no-op runs through one `orchestrator serve`, beside PgQueuer "
         "and Procrastinate on the same server."
     )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--jobs", type=int, default=20_000, help="jobs per measurement")
     parser.add_argument(
         "--grid",
@@ -1189,13 +1183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["consume"]:
         return consume(arguments[1:])
     config = parse_args(arguments)
-    run_and_report(
-        config.dsn,
-        "throughput",
-        lambda server: benchmark(server, config),
-        format_report,
-        as_json=config.json,
-    )
+    run_and_report(config, "throughput", lambda server: benchmark(server, config), format_report)
     return 0
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import anyio
 
+from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table
 from orchestrator import Agent, Finish, Outcome, Step, StepContext, Wait
 from orchestrator.client import Client
 from orchestrator.db.connections import connect, create_pool
@@ -41,14 +42,9 @@ from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker
 from serve_harness import (
     Server,
+    benchmark_parser,
     create_database,
     drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    percentile,
-    render_table,
     run_and_report,
     settings_for,
 )
@@ -318,14 +314,12 @@ async def body(server: Server, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     configure_logging(json_logs=True, level="warning")  # the worker's per-run lines are noise here
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dsn", help="An existing server (default: an embedded one).")
+    parser = benchmark_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--waiting", type=int, default=100_000, help="Parked runs (default 100k).")
     parser.add_argument("--rounds", type=int, default=7, help="Claim rounds per batch size.")
     parser.add_argument("--samples", type=int, default=200, help="Latency samples per path.")
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
     args = parser.parse_args()
-    run_and_report(args.dsn, "waits", lambda server: body(server, args), render, as_json=args.json)
+    run_and_report(args, "waits", lambda server: body(server, args), render)
 
 
 if __name__ == "__main__":
