@@ -80,6 +80,7 @@ import anyio
 import asyncpg
 import httpx
 
+from bench_main import benchmark_parser, run_and_report
 from bench_report import elapsed, log, machine_facts, verdict
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
@@ -108,7 +109,6 @@ from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import LocalVendor, running_worker, with_database
 from orchestrator.worker import worker as supervisor_module
-from serve_harness import benchmark_parser, run_and_report
 
 KIND = "crm"
 EFFECT_KEY = "crm-update"

@@ -41,6 +41,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from bench_main import benchmark_parser, print_report, run_benchmark
 from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table, verdict
 from orchestrator.db.connections import create_pool
 from orchestrator.db.migrations import migrate
@@ -48,7 +49,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.errors import DatabaseError
 from orchestrator.fences import epoch_of
 from orchestrator.testing import ReplicatedPostgres
-from serve_harness import ServeProcess, benchmark_parser, print_report, run_benchmark, settings_for
+from serve_harness import ServeProcess, settings_for
 
 TARGET_P99_SECONDS = 5.0
 STARTUP_SECONDS = 60.0

@@ -56,6 +56,7 @@ from typing import Any
 
 import asyncpg
 
+from bench_main import benchmark_parser, run_and_report
 from bench_report import elapsed, log, machine_facts
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
@@ -64,7 +65,6 @@ from orchestrator.db.store import RunStore
 from orchestrator.models import Lease
 from orchestrator.settings import Settings
 from orchestrator.testing import with_database
-from serve_harness import benchmark_parser, run_and_report
 
 TARGET_RATIO = 0.80
 MIN_ROUNDS = 3

@@ -51,6 +51,7 @@ from typing import Any
 
 import asyncpg
 
+from bench_main import benchmark_parser, run_and_report
 from bench_report import elapsed, fmt, log, machine_facts, render_table
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
@@ -59,11 +60,9 @@ from serve_harness import (
     CpuSample,
     ServeProcess,
     Server,
-    benchmark_parser,
     cpu_shares,
     create_database,
     drop_database,
-    run_and_report,
     server_facts,
     settings_for,
 )

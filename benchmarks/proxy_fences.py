@@ -48,6 +48,7 @@ import anyio
 import asyncpg
 import httpx
 
+from bench_main import benchmark_parser, run_and_report
 from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table
 from orchestrator.db.connections import create_pool
 from orchestrator.db.migrations import migrate
@@ -55,14 +56,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.fence_store import FenceStore, Remembered
 from orchestrator.effects.proxy import create_app
 from orchestrator.telemetry import configure_logging
-from serve_harness import (
-    Server,
-    benchmark_parser,
-    create_database,
-    drop_database,
-    run_and_report,
-    settings_for,
-)
+from serve_harness import Server, create_database, drop_database, settings_for
 
 T = TypeVar("T")
 TOKEN = "bench-token"

@@ -54,6 +54,7 @@ from typing import Any
 
 import asyncpg
 
+from bench_main import benchmark_parser, run_and_report
 from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table, verdict
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
@@ -62,10 +63,8 @@ from orchestrator.models import RunState
 from serve_harness import (
     ServeProcess,
     Server,
-    benchmark_parser,
     create_database,
     drop_database,
-    run_and_report,
     server_facts,
     settings_for,
 )

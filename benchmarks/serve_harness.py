@@ -1,7 +1,7 @@
 """Shared pieces of the benchmarks that need a PostgreSQL server and child processes.
 
-Used by every benchmark but ``history.py`` (not a benchmark itself; what they print is
-``bench_report.py``):
+Used by every benchmark but ``history.py`` (not a benchmark itself; their entry point is
+``bench_main.py``, what they print ``bench_report.py``):
 
 * ``postgres_server``: an embedded PostgreSQL in a temporary directory with the project's
   default (durable) settings, stopped and deleted on exit, or an existing server (``--dsn``);
@@ -12,15 +12,11 @@ Used by every benchmark but ``history.py`` (not a benchmark itself; what they pr
   benchmarks call it in a ``finally``);
 * ``CpuMeter``: CPU seconds of one process, of the PostgreSQL server's processes and of the
   whole machine, so that each figure can be read against the load that other programs put on
-  this (shared, two-core) machine at the same time;
-* ``benchmark_parser``, ``run_benchmark`` and ``run_and_report``: the common command line and
-  entry point (SIGTERM and Ctrl-C run every ``finally``).
+  this (shared, two-core) machine at the same time.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -31,11 +27,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import asyncpg
@@ -361,79 +356,3 @@ def cpu_shares(first: CpuSample, last: CpuSample) -> dict[str, float | None]:
         "machine_busy": busy,
         "other": max(other, 0.0),
     }
-
-
-# -- entry point -----------------------------------------------------------------------------------
-
-
-class CommonOptions(Protocol):
-    """The options ``benchmark_parser`` adds, as a benchmark's parsed configuration holds them."""
-
-    @property
-    def dsn(self) -> str | None: ...
-
-    @property
-    def json(self) -> bool: ...
-
-
-def benchmark_parser(description: str, *, dsn: bool = True) -> argparse.ArgumentParser:
-    """A benchmark's command line with the options they all take: ``--dsn`` (unless the
-    benchmark starts servers of its own) and ``--json``."""
-    parser = argparse.ArgumentParser(description=description)
-    if dsn:
-        parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    return parser
-
-
-def print_report(
-    report: dict[str, Any], render: Callable[[dict[str, Any]], str], *, as_json: bool
-) -> None:
-    """The report on stdout, as JSON or as ``render`` lays it out, and the time it took."""
-    print(json.dumps(report, indent=2, default=str) if as_json else render(report))
-    log(f"done in {report['elapsed_seconds']:.0f}s")
-
-
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
-def run_benchmark(body: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-    """Run ``body`` in an event loop; SIGTERM and Ctrl-C unwind it through every ``finally``,
-    and every child process still running afterwards is killed."""
-    signal.signal(signal.SIGTERM, _terminate)
-
-    async def guarded() -> dict[str, Any]:
-        task = asyncio.current_task()
-        if task is not None:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        return await body()
-
-    try:
-        return asyncio.run(guarded())
-    except asyncio.CancelledError:
-        log("terminated")
-        raise SystemExit(128 + signal.SIGTERM) from None
-    except KeyboardInterrupt:
-        log("interrupted")
-        raise SystemExit(128 + signal.SIGINT) from None
-    finally:
-        signal.signal(signal.SIGTERM, _terminate)
-        left = kill_children()
-        if left:
-            log(f"killed {left} child process(es) still running")
-
-
-def run_and_report(
-    options: CommonOptions,
-    name: str,
-    body: Callable[[Server], Awaitable[dict[str, Any]]],
-    render: Callable[[dict[str, Any]], str],
-) -> dict[str, Any]:
-    """A benchmark's main: ``body`` on the server (an embedded one unless ``options.dsn``), its
-    report printed (``print_report``) and returned. SIGTERM and Ctrl-C unwind through every
-    ``finally`` (pools, workers, scratch databases, the server)."""
-    with postgres_server(options.dsn, prefix=f"orchestrator-bench-{name}-") as server:
-        report = run_benchmark(lambda: body(server))
-    print_report(report, render, as_json=options.json)
-    return report

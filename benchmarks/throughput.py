@@ -112,6 +112,7 @@ from typing import Any, Protocol
 
 import asyncpg
 
+from bench_main import benchmark_parser, run_and_report
 from bench_report import elapsed, fmt, log, machine_facts, render_table, verdict
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
@@ -120,12 +121,10 @@ from serve_harness import (
     CpuMeter,
     ServeProcess,
     Server,
-    benchmark_parser,
     child_env,
     cpu_shares,
     create_database,
     drop_database,
-    run_and_report,
     server_facts,
     settings_for,
     spawn,

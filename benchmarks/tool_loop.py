@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bench_main import benchmark_parser, run_and_report
 from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table
 from orchestrator import Agent, Finish, Next, Outcome, Step, StepContext, ToolAgent, tool
 from orchestrator.db.connections import connect, create_pool
@@ -43,14 +44,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.llm import complete
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, ScriptRequest
 from orchestrator.testing import running_worker, wait_for_run
-from serve_harness import (
-    Server,
-    benchmark_parser,
-    create_database,
-    drop_database,
-    run_and_report,
-    settings_for,
-)
+from serve_harness import Server, create_database, drop_database, settings_for
 
 PAYLOAD = "x"
 

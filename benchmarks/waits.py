@@ -30,6 +30,7 @@ from typing import Any
 
 import anyio
 
+from bench_main import benchmark_parser, run_and_report
 from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table
 from orchestrator import Agent, Finish, Outcome, Step, StepContext, Wait
 from orchestrator.client import Client
@@ -40,14 +41,7 @@ from orchestrator.models import RunState
 from orchestrator.signals import SignalStore
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker
-from serve_harness import (
-    Server,
-    benchmark_parser,
-    create_database,
-    drop_database,
-    run_and_report,
-    settings_for,
-)
+from serve_harness import Server, create_database, drop_database, settings_for
 
 CLAIM_TARGET = 0.9
 SIGNAL_TARGET_MS = 5.0
