@@ -51,16 +51,11 @@ polling). Structlog output is limited to warnings, on stderr. The report records
 load average at the start and the end: other work on the machine moves every figure here, and
 the latencies most.
 
-By default the benchmark starts an embedded PostgreSQL (``orchestrator.embedded``) in a temporary
-directory with the project's default server settings (fsync, synchronous_commit and
-full_page_writes on, i.e. durable commits), and stops it and deletes the directory at the end,
-also on error or SIGTERM. ``--dsn`` points it at an existing server instead (the user must be
-allowed to create databases): a scratch database is created there and dropped at the end.
-Every measurement is bounded in time (``--max-seconds``, 45 s, for a dispatch measurement, 30 s
-per latency run); with the defaults the whole benchmark takes two to three minutes.
-
-Progress goes to stderr, the results table to stdout (``--json`` for machine-readable output).
-Run from the repository root: ``.venv/bin/python benchmarks/effects.py``.
+The server (embedded and durable, or ``--dsn``), the scratch database, ``--json`` and the
+clean-up are those of every benchmark ("Common to all" in benchmarks/README.md). Every
+measurement is bounded in time (``--max-seconds``, 45 s, for a dispatch measurement, 30 s per
+latency run); with the defaults the whole benchmark takes two to three minutes. Run from the
+repository root: ``.venv/bin/python benchmarks/effects.py``.
 """
 
 from __future__ import annotations
@@ -107,8 +102,9 @@ from orchestrator.models import RunEvent, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.telemetry import configure_logging
-from orchestrator.testing import LocalVendor, running_worker, with_database
+from orchestrator.testing import LocalVendor, running_worker
 from orchestrator.worker import worker as supervisor_module
+from serve_harness import Server, create_database, drop_database, server_facts
 
 KIND = "crm"
 EFFECT_KEY = "crm-update"
@@ -817,10 +813,6 @@ async def client_costs(samples: int) -> dict[str, float]:
 # -- the benchmark --------------------------------------------------------------------------------
 
 
-async def server_facts(admin: asyncpg.Connection) -> dict[str, str]:
-    return {name: str(await admin.fetchval(f"SHOW {name}")) for name in SERVER_SETTINGS_SHOWN}
-
-
 async def clock_offset_ms(admin: asyncpg.Connection) -> float:
     """Database clock minus this host's ``time.time()``, from the closest of a few readings."""
     best: tuple[float, float] | None = None
@@ -835,26 +827,20 @@ async def clock_offset_ms(admin: asyncpg.Connection) -> float:
     return ms(best[1])
 
 
-async def benchmark(server_dsn: str, args: Config, embedded: bool) -> dict[str, Any]:
+async def benchmark(server: Server, args: Config) -> dict[str, Any]:
     database = f"orchestrator_bench_effects_{os.getpid()}"
-    dsn = with_database(server_dsn, database)
-    root = await connect(Settings(database_url=server_dsn), application_name="bench-admin")
+    dsn = await create_database(server.dsn, database)
     try:
-        await root.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-        await root.execute(f'CREATE DATABASE "{database}"')
-        try:
-            return await benchmark_in(dsn, args, embedded)
-        finally:
-            await root.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        return await benchmark_in(dsn, args, server.embedded)
     finally:
-        await root.close()
+        await drop_database(server.dsn, database)
 
 
 async def benchmark_in(dsn: str, args: Config, embedded: bool) -> dict[str, Any]:
     admin = await connect(Settings(database_url=dsn), application_name="bench-admin")
     try:
         await migrate(admin)
-        server = await server_facts(admin)
+        server = await server_facts(admin, SERVER_SETTINGS_SHOWN)
         offset = await clock_offset_ms(admin)
         log(
             f"PostgreSQL {server['server_version']}: fsync={server['fsync']} "
@@ -1099,7 +1085,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_and_report(
         args,
         "effects",
-        lambda server: benchmark(server.dsn, args, embedded=server.embedded),
+        lambda server: benchmark(server, args),
         format_table,
     )
     return 0

@@ -32,14 +32,9 @@ statistics): the schema was laid out so that a renewal (which touches only ``lea
 ``updated_at``, in no index, on pages kept 30% free) is a HOT update; the reported share of HOT
 updates in the two renewal phases says whether it is.
 
-By default the benchmark starts an embedded PostgreSQL (``orchestrator.embedded``) in a temporary
-directory with the project's default server settings (fsync, synchronous_commit and
-full_page_writes on, i.e. durable commits), and stops it and deletes the directory at the end,
-also on error. ``--dsn`` points it at an existing server instead (the user must be allowed to
-create databases): a scratch database is created there and dropped at the end.
-
-Progress goes to stderr, the results table to stdout (``--json`` for machine-readable output).
-Run from the repository root: ``.venv/bin/python benchmarks/lease_ops.py``.
+The server (embedded and durable, or ``--dsn``), the scratch database, ``--json`` and the
+clean-up are those of every benchmark ("Common to all" in benchmarks/README.md). Run from the
+repository root: ``.venv/bin/python benchmarks/lease_ops.py``.
 """
 
 from __future__ import annotations
@@ -65,7 +60,7 @@ from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore
 from orchestrator.models import Lease
 from orchestrator.settings import Settings
-from orchestrator.testing import with_database
+from serve_harness import Server, create_database, drop_database, server_facts
 
 TARGET_RATIO = 0.80
 MIN_ROUNDS = 3
@@ -728,27 +723,14 @@ def update_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }
 
 
-async def server_facts(admin: asyncpg.Connection) -> dict[str, str]:
-    facts: dict[str, str] = {}
-    for name in SERVER_SETTINGS_SHOWN:
-        facts[name] = str(await admin.fetchval(f"SHOW {name}"))
-    return facts
-
-
-async def benchmark(server_dsn: str, args: Config, embedded: bool) -> dict[str, Any]:
+async def benchmark(server: Server, args: Config) -> dict[str, Any]:
     sql_copies = check_sql_copies()
     database = f"orchestrator_bench_{os.getpid()}"
-    dsn = with_database(server_dsn, database)
-    root = await connect(Settings(database_url=server_dsn), application_name="bench-admin")
+    dsn = await create_database(server.dsn, database)
     try:
-        await root.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-        await root.execute(f'CREATE DATABASE "{database}"')
-        try:
-            return await benchmark_in(dsn, args, embedded, sql_copies)
-        finally:
-            await root.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        return await benchmark_in(dsn, args, server.embedded, sql_copies)
     finally:
-        await root.close()
+        await drop_database(server.dsn, database)
 
 
 async def benchmark_in(
@@ -758,7 +740,7 @@ async def benchmark_in(
     try:
         await migrate(admin)
         ctx = Context(args=args, admin=admin)
-        server = await server_facts(admin)
+        server = await server_facts(admin, SERVER_SETTINGS_SHOWN)
         log(
             f"PostgreSQL {server['server_version']}: fsync={server['fsync']} "
             f"synchronous_commit={server['synchronous_commit']} "
@@ -989,7 +971,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_and_report(
         args,
         "lease_ops",
-        lambda server: benchmark(server.dsn, args, embedded=server.embedded),
+        lambda server: benchmark(server, args),
         format_table,
     )
     return 0

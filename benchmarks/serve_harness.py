@@ -119,8 +119,11 @@ async def drop_database(server_dsn: str, name: str) -> None:
         log(f"WARNING: could not drop database {name}: {error}")
 
 
-async def server_facts(connection: asyncpg.Connection) -> dict[str, str]:
-    return {name: str(await connection.fetchval(f"SHOW {name}")) for name in SERVER_SETTINGS_SHOWN}
+async def server_facts(
+    connection: asyncpg.Connection, shown: Sequence[str] = SERVER_SETTINGS_SHOWN
+) -> dict[str, str]:
+    """The server settings ``shown``, as ``SHOW`` reports them."""
+    return {name: str(await connection.fetchval(f"SHOW {name}")) for name in shown}
 
 
 # -- processes -------------------------------------------------------------------------------------
