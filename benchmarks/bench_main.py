@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import Any, Protocol
 
-from bench_report import log
+from bench_report import elapsed, log
 from serve_harness import Server, kill_children, postgres_server
 
 
@@ -51,15 +51,17 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def run_benchmark(body: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-    """Run ``body`` in an event loop; SIGTERM and Ctrl-C unwind it through every ``finally``,
-    and every child process still running afterwards is killed."""
+    """Run ``body`` in an event loop and return its report, ``elapsed_seconds`` added last;
+    SIGTERM and Ctrl-C unwind it through every ``finally``, and every child process still
+    running afterwards is killed."""
     signal.signal(signal.SIGTERM, _terminate)
 
     async def guarded() -> dict[str, Any]:
         task = asyncio.current_task()
         if task is not None:
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        return await body()
+        report = await body()
+        return {**report, "elapsed_seconds": elapsed()}
 
     try:
         return asyncio.run(guarded())

@@ -12,13 +12,21 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 _STARTED = time.perf_counter()
+
+COMMON_OPTIONS = ("dsn", "json")
+"""The options every benchmark takes (``bench_main.benchmark_parser``): not part of a workload."""
 
 
 def log(message: str) -> None:
@@ -38,6 +46,22 @@ def machine_facts() -> dict[str, Any]:
         "python": platform.python_version(),
         "asyncpg": asyncpg.__version__,
     }
+
+
+def report_heading(benchmark: str, **more_machine_facts: Any) -> dict[str, Any]:
+    """The first keys of every report: which benchmark, when, and on what machine."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {**machine_facts(), **more_machine_facts},
+    }
+
+
+def workload(config: DataclassInstance, *, leaving_out: Collection[str] = ()) -> dict[str, Any]:
+    """A benchmark's configuration as its report records it: the fields of ``config`` but the
+    common options and those ``leaving_out``."""
+    left_out = {*COMMON_OPTIONS, *leaving_out}
+    return {key: value for key, value in asdict(config).items() if key not in left_out}
 
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

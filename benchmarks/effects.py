@@ -76,7 +76,7 @@ import asyncpg
 import httpx
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, log, machine_facts, verdict
+from bench_report import log, report_heading, verdict
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -888,14 +888,12 @@ def build_report(
 ) -> dict[str, Any]:
     shipped = [row for row in latency_rows if row["adapter"] == "shipped"]
     return {
-        "benchmark": "effects",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            **machine_facts(),
-            "httpx": httpx.__version__,
-            "load_average_at_start": LOAD_AT_START,
-            "load_average_at_end": list(os.getloadavg()),
-        },
+        **report_heading(
+            "effects",
+            httpx=httpx.__version__,
+            load_average_at_start=LOAD_AT_START,
+            load_average_at_end=list(os.getloadavg()),
+        ),
         "server": {"embedded": embedded, **server},
         "database_clock_minus_host_clock_ms": offset_ms,
         "config": args.describe(),
@@ -906,7 +904,6 @@ def build_report(
         "http_client_costs_ms": costs,
         "dispatch": dispatch_rows,
         "latency": latency_rows,
-        "elapsed_seconds": elapsed(),
     }
 
 

@@ -42,7 +42,7 @@ import anyio
 import anyio.to_thread
 
 from bench_main import benchmark_parser, print_report, run_benchmark
-from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table, verdict
+from bench_report import fmt, log, percentile, render_table, report_heading, verdict, workload
 from orchestrator.db.connections import create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -187,10 +187,8 @@ def summarise(config: Config, iterations: Sequence[Iteration]) -> dict[str, Any]
     beyond = stats([i.beyond_promotion for i in iterations])
     new_epochs = all(i.new_epoch for i in iterations)
     return {
-        "benchmark": "failover",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
-        "config": {k: v for k, v in asdict(config).items() if k != "json"},
+        **report_heading("failover"),
+        "config": workload(config),
         "death_to_claim": stats([i.death_to_claim for i in iterations]),
         "promotion": stats([i.promotion for i in iterations]),
         "beyond_promotion": beyond,
@@ -198,7 +196,6 @@ def summarise(config: Config, iterations: Sequence[Iteration]) -> dict[str, Any]
         "iterations": [asdict(i) for i in iterations],
         "target_p99_seconds": TARGET_P99_SECONDS,
         "target_met": beyond["p99"] < TARGET_P99_SECONDS and new_epochs,
-        "elapsed_seconds": elapsed(),
     }
 
 

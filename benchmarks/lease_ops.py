@@ -46,13 +46,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, log, machine_facts
+from bench_report import elapsed, log, report_heading, workload
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.notifications import FINISHED_CHANNEL
@@ -352,8 +351,7 @@ class Config:
     only: tuple[str, ...]
 
     def describe(self) -> dict[str, Any]:
-        workload = {key: value for key, value in asdict(self).items() if key not in ("dsn", "json")}
-        return {**workload, "pool_size": self.tasks, "renew_batch": RENEW_BATCH}
+        return {**workload(self), "pool_size": self.tasks, "renew_batch": RENEW_BATCH}
 
 
 @dataclass
@@ -839,9 +837,7 @@ def build_report(
                 rows.append({**row, "in_target": False})
     targeted = [row for row in rows if row["in_target"]]
     return {
-        "benchmark": "lease_ops",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
+        **report_heading("lease_ops"),
         "server": {"embedded": embedded, **server},
         "config": args.describe(),
         "sql_copies_match_store": sql_copies,
@@ -849,7 +845,6 @@ def build_report(
         "target_met": all(row["meets_target"] for row in targeted),
         "results": rows,
         "table_updates": phases,
-        "elapsed_seconds": elapsed(),
     }
 
 

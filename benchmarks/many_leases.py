@@ -46,13 +46,13 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, fmt, log, machine_facts, render_table
+from bench_report import fmt, log, render_table, report_heading, workload
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from serve_harness import (
@@ -423,11 +423,9 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
     for problem in checks["problems"]:
         log(f"PROBLEM: {problem}")
     return {
-        "benchmark": "many_leases",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
+        **report_heading("many_leases"),
         "server": {"embedded": server.embedded, **facts},
-        "config": {k: v for k, v in asdict(config).items() if k not in ("dsn", "json")},
+        "config": workload(config),
         "lease_seconds": LEASE_SECONDS,
         "heartbeat_seconds": LEASE_SECONDS / 3,
         "summary": summary,
@@ -438,7 +436,6 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
         "samples": [
             {**asdict(s), "cpu": asdict(s.cpu), "at": s.at.isoformat()} for s in observed.samples
         ],
-        "elapsed_seconds": elapsed(),
     }
 
 

@@ -49,7 +49,7 @@ import asyncpg
 import httpx
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table
+from bench_report import fmt, log, machine_facts, percentile, render_table
 from orchestrator.db.connections import create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -281,7 +281,6 @@ async def body(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "requests": args.requests,
         "rounds": args.rounds,
-        "elapsed_seconds": elapsed(),
     }
 
 

@@ -49,13 +49,13 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table, verdict
+from bench_report import fmt, log, percentile, render_table, report_heading, verdict, workload
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -303,17 +303,14 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
         await drop_database(server.dsn, name)
     takeover = results[0]
     return {
-        "benchmark": "recovery",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
+        **report_heading("recovery"),
         "server": {"embedded": server.embedded, **facts},
-        "config": {k: v for k, v in asdict(config).items() if k not in ("dsn", "json")},
+        "config": workload(config),
         "poll_seconds": POLL_SECONDS,
         "reap_seconds": REAP_SECONDS,
         "results": results,
         "target_p99_seconds": TARGET_P99_SECONDS,
         "target_met": takeover["p99"] < TARGET_P99_SECONDS and takeover["fences_ok"],
-        "elapsed_seconds": elapsed(),
     }
 
 

@@ -106,14 +106,14 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import asyncpg
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, fmt, log, machine_facts, render_table, verdict
+from bench_report import fmt, log, render_table, report_heading, verdict, workload
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from serve_harness import (
@@ -906,12 +906,10 @@ def build_report(
     vs_pgqueuer = statistics.median(paired) if paired else 0.0
     profiles = [m.profile for m in measurements if m.profile is not None]
     return {
-        "benchmark": "throughput",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
+        **report_heading("throughput"),
         "server": {"embedded": server.embedded, **facts},
         "config": {
-            **{k: v for k, v in asdict(config).items() if k not in ("dsn", "json", "grid")},
+            **workload(config, leaving_out=["grid"]),
             "grid": [setting.label() for setting in config.grid],
         },
         "best": {
@@ -943,7 +941,6 @@ def build_report(
         "profile": profiles[0] if profiles else None,
         "problems": [f"{m.system} {m.phase}: {p}" for m in measurements for p in m.problems],
         "versions": peer_versions(),
-        "elapsed_seconds": elapsed(),
     }
 
 

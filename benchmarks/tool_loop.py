@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table
+from bench_report import fmt, log, machine_facts, percentile, render_table
 from orchestrator import Agent, Finish, Next, Outcome, Step, StepContext, ToolAgent, tool
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
@@ -209,7 +209,6 @@ async def benchmark(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_facts(),
         "overhead": await overhead(server, args),
         "throughput": await throughput(server, args),
-        "elapsed_seconds": elapsed(),
     }
 
 

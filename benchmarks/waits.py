@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, fmt, log, machine_facts, percentile, render_table
+from bench_report import fmt, log, machine_facts, percentile, render_table
 from orchestrator import Agent, Finish, Outcome, Step, StepContext, Wait
 from orchestrator.client import Client
 from orchestrator.db.connections import connect, create_pool
@@ -302,7 +302,6 @@ async def body(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         "latency": latency,
         "claims_target_met": all(v["ratio"] >= CLAIM_TARGET for v in claims.values()),
         "signal_target_met": latency["signal_to_step"]["p50_ms"] < SIGNAL_TARGET_MS,
-        "elapsed_seconds": elapsed(),
     }
 
 
