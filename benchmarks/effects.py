@@ -1079,12 +1079,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(json_logs=True, level="warning")
-    run_and_report(
-        args,
-        "effects",
-        lambda server: benchmark(server, args),
-        format_table,
-    )
+    run_and_report(args, "effects", lambda server: benchmark(server, args), format_table)
     return 0
 
 

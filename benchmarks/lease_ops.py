@@ -963,12 +963,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    run_and_report(
-        args,
-        "lease_ops",
-        lambda server: benchmark(server, args),
-        format_table,
-    )
+    run_and_report(args, "lease_ops", lambda server: benchmark(server, args), format_table)
     return 0
 
 

@@ -63,6 +63,7 @@ from serve_harness import (
     cpu_shares,
     create_database,
     drop_database,
+    queue_runs_sql,
     server_facts,
     settings_for,
 )
@@ -72,20 +73,9 @@ LEASE_SECONDS = 45.0
 STARTUP_SECONDS = 60.0
 LOST_LOG_EVENTS = ("lease lost", "renewal refused", "renewal failed")
 
-LOAD_RUNS_SQL = """
-WITH inserted AS (
-    INSERT INTO runs (run_id, agent, input)
-    SELECT 'r_lease' || lpad(g::text, 7, '0'), 'sleepy',
-           jsonb_build_object('steps', $2::int, 'seconds', $3::float8)
-    FROM generate_series(1, $1) AS g
-    RETURNING run_id, agent, fence, max_attempts, idempotency_key
+LOAD_RUNS_SQL = queue_runs_sql(
+    "r_lease", "sleepy", "jsonb_build_object('steps', $2::int, 'seconds', $3::float8)"
 )
-INSERT INTO run_events (run_id, kind, fence, details)
-SELECT run_id, 'submitted', fence,
-       jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
-                          'idempotency_key', idempotency_key)
-FROM inserted
-"""
 
 SAMPLE_SQL = """
 SELECT clock_timestamp() AS now,

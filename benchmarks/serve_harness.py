@@ -119,6 +119,24 @@ async def drop_database(server_dsn: str, name: str) -> None:
         log(f"WARNING: could not drop database {name}: {error}")
 
 
+def queue_runs_sql(run_id_prefix: str, agent: str, run_input: str) -> str:
+    """One statement that queues ``$1`` runs of ``agent`` with their ``submitted`` events, as
+    ``submit`` would (many times faster); ``run_input`` is the SQL of each run's input."""
+    return f"""
+WITH inserted AS (
+    INSERT INTO runs (run_id, agent, input)
+    SELECT '{run_id_prefix}' || lpad(g::text, 7, '0'), '{agent}', {run_input}
+    FROM generate_series(1, $1) AS g
+    RETURNING run_id, agent, fence, max_attempts, idempotency_key
+)
+INSERT INTO run_events (run_id, kind, fence, details)
+SELECT run_id, 'submitted', fence,
+       jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
+                          'idempotency_key', idempotency_key)
+FROM inserted
+"""
+
+
 async def server_facts(
     connection: asyncpg.Connection, shown: Sequence[str] = SERVER_SETTINGS_SHOWN
 ) -> dict[str, str]:

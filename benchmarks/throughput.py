@@ -104,11 +104,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
 
@@ -125,10 +125,14 @@ from serve_harness import (
     cpu_shares,
     create_database,
     drop_database,
+    queue_runs_sql,
     server_facts,
     settings_for,
     spawn,
 )
+
+if TYPE_CHECKING:
+    from pgqueuer import Queries
 
 TARGET_VS_PGQUEUER = 1.5
 START_POLL_SECONDS = 0.005
@@ -232,19 +236,7 @@ async def open_connection(dsn: str, application_name: str) -> asyncpg.Connection
     )
 
 
-LOAD_RUNS_SQL = """
-WITH inserted AS (
-    INSERT INTO runs (run_id, agent, input)
-    SELECT 'r_bench' || lpad(g::text, 7, '0'), 'noop', '{}'::jsonb
-    FROM generate_series(1, $1) AS g
-    RETURNING run_id, agent, fence, max_attempts, idempotency_key
-)
-INSERT INTO run_events (run_id, kind, fence, details)
-SELECT run_id, 'submitted', fence,
-       jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
-                          'idempotency_key', idempotency_key)
-FROM inserted
-"""
+LOAD_RUNS_SQL = queue_runs_sql("r_bench", "noop", "'{}'::jsonb")
 
 
 class Orchestrator:
@@ -412,6 +404,18 @@ class Baseline(Orchestrator):
         return ServeProcess(dsn, *serve_args(setting), name=name, python=self.python)
 
 
+@contextlib.asynccontextmanager
+async def pgqueuer_queries(dsn: str) -> AsyncIterator[Queries]:
+    """PgQueuer's queries on a connection of their own, closed on leaving."""
+    from pgqueuer import AsyncpgDriver, Queries
+
+    connection = await asyncpg.connect(dsn)
+    try:
+        yield Queries(AsyncpgDriver(connection))
+    finally:
+        await connection.close()
+
+
 class PgQueuer:
     name = "pgqueuer"
     waiting_sql = "SELECT count(*) FROM pgqueuer WHERE status = 'queued'"
@@ -419,23 +423,12 @@ class PgQueuer:
     last_done_sql = "SELECT max(created) FROM pgqueuer_log WHERE status = 'successful'"
 
     async def prepare(self, dsn: str) -> None:
-        from pgqueuer import AsyncpgDriver, Queries
-
-        connection = await asyncpg.connect(dsn)
-        try:
-            await Queries(AsyncpgDriver(connection)).install()
-        finally:
-            await connection.close()
+        async with pgqueuer_queries(dsn) as queries:
+            await queries.install()
 
     async def load(self, dsn: str, jobs: int) -> None:
-        from pgqueuer import AsyncpgDriver, Queries
-
-        connection = await asyncpg.connect(dsn)
-        try:
-            queries = Queries(AsyncpgDriver(connection))
+        async with pgqueuer_queries(dsn) as queries:
             await queries.enqueue(["noop"] * jobs, [None] * jobs, [0] * jobs)
-        finally:
-            await connection.close()
 
     def start(self, dsn: str, setting: Setting, *, profile_to: Path | None = None) -> Child:
         argv = [sys.executable, str(HERE), "consume", "pgqueuer", dsn]

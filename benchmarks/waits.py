@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -182,6 +183,20 @@ async def step_started(run_id: str, after: float, within: float = 10.0) -> float
     return STARTED[run_id]
 
 
+Probe = Callable[[int, float], Awaitable[float]]
+"""``probe(index, sent)``: start sample ``index`` and return when (``perf_counter``) it ended."""
+
+
+async def latencies_ms(count: int, probe: Probe) -> list[float]:
+    """``count`` samples of ``probe``, each from its start to its end, in ms."""
+    samples: list[float] = []
+    for index in range(count):
+        await anyio.sleep(0.01)  # idle between samples
+        sent = time.perf_counter()
+        samples.append((await probe(index, sent) - sent) * 1000)
+    return samples
+
+
 async def latencies(server: Server, samples: int) -> dict[str, Any]:
     name = "bench_waits_latency"
     dsn = await create_database(server.dsn, name)
@@ -210,30 +225,29 @@ async def latencies(server: Server, samples: int) -> dict[str, Any]:
                         parked
                     ):
                         await anyio.sleep(0.05)
-                log(f"{samples} runs parked; signalling them one by one")
-                signal_ms: list[float] = []
-                for run_id in parked:
-                    await anyio.sleep(0.01)  # idle between samples
-                    sent = time.perf_counter()
-                    await signals.send(run_id, "go", {"n": 1})
-                    signal_ms.append((await step_started(run_id, sent) - sent) * 1000)
-                log("submit to first step (the baseline)")
-                submit_ms: list[float] = []
-                for _ in range(samples):
-                    await anyio.sleep(0.01)
-                    sent = time.perf_counter()
+
+                async def signal_parked(index: int, sent: float) -> float:
+                    await signals.send(parked[index], "go", {"n": 1})
+                    return await step_started(parked[index], sent)
+
+                async def submit_quick(index: int, sent: float) -> float:
                     run_id = (await store.submit("bench_quick", {})).run.run_id
-                    submit_ms.append((await step_started(run_id, sent) - sent) * 1000)
-                log("Client.submit + Client.wait")
-                client_ms: list[float] = []
-                for _ in range(samples):
-                    await anyio.sleep(0.01)
-                    sent = time.perf_counter()
+                    return await step_started(run_id, sent)
+
+                async def submit_and_wait(index: int, sent: float) -> float:
                     run = await client.submit("bench_quick", {})
                     done = await client.wait(run.run_id, within=10)
-                    client_ms.append((time.perf_counter() - sent) * 1000)
+                    ended = time.perf_counter()
                     if done.state is not RunState.SUCCEEDED:
                         raise RuntimeError(f"run {run.run_id} ended {done.state}")
+                    return ended
+
+                log(f"{samples} runs parked; signalling them one by one")
+                signal_ms = await latencies_ms(len(parked), signal_parked)
+                log("submit to first step (the baseline)")
+                submit_ms = await latencies_ms(samples, submit_quick)
+                log("Client.submit + Client.wait")
+                client_ms = await latencies_ms(samples, submit_and_wait)
         finally:
             await client.close()
             await pool.close()
