@@ -83,11 +83,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import (
     Confirmed,
     HttpAdapter,
-    NotSent,
-    ReconcileOutcome,
-    Retry,
     SendOutcome,
-    Uncertain,
 )
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import (
@@ -104,7 +100,7 @@ from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import LocalVendor, running_worker
 from orchestrator.worker import worker as supervisor_module
-from serve_harness import Server, create_database, drop_database, server_facts
+from serve_harness import DURABILITY_SHOWN, Server, create_database, drop_database, server_facts
 
 KIND = "crm"
 EFFECT_KEY = "crm-update"
@@ -121,14 +117,7 @@ ADAPTER_TIMEOUT_SECONDS = 10.0
 POLL_INTERVAL = 0.1
 """How often the throughput measurement reads the effects' statuses (completion, in flight)."""
 
-SERVER_SETTINGS_SHOWN = (
-    "server_version",
-    "fsync",
-    "synchronous_commit",
-    "full_page_writes",
-    "wal_sync_method",
-    "shared_buffers",
-)
+SERVER_SETTINGS_SHOWN = (*DURABILITY_SHOWN, "wal_sync_method", "shared_buffers")
 
 LOAD_AT_START = list(os.getloadavg())
 """1, 5 and 15-minute load averages when the benchmark started: other work on the machine
@@ -170,34 +159,11 @@ class SharedClientAdapter(TimedHttpAdapter):
         super().__init__(vendor)
         self._shared: httpx.AsyncClient | None = None
 
-    def _client_for_all(self) -> httpx.AsyncClient:
+    def _client(self) -> httpx.AsyncClient:
+        # HttpAdapter's send and lookup both ask here for their client: this one is kept.
         if self._shared is None:
-            self._shared = self._client()
+            self._shared = super()._client()
         return self._shared
-
-    async def send_untimed(self, effect: EffectRecord) -> SendOutcome:
-        headers = {"Idempotency-Key": effect.idempotency_key}
-        try:
-            response = await self._client_for_all().post(
-                self.url, json=effect.payload, headers=headers
-            )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-            return Retry(f"could not connect: {error}")
-        except httpx.HTTPError as error:
-            return Uncertain(f"{type(error).__name__}: {error}")
-        return self._outcome(response)
-
-    async def reconcile(self, effect: EffectRecord) -> ReconcileOutcome:
-        assert self.lookup_url is not None
-        url = self.lookup_url.format(idempotency_key=effect.idempotency_key)
-        try:
-            response = await self._client_for_all().get(url)
-        except httpx.HTTPError as error:
-            return Uncertain(f"lookup failed: {type(error).__name__}: {error}")
-        if response.status_code == 404:
-            return NotSent()
-        outcome = self._outcome(response)
-        return outcome if isinstance(outcome, Confirmed) else Uncertain("lookup failed")
 
     async def aclose(self) -> None:
         if self._shared is not None:

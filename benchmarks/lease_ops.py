@@ -59,7 +59,7 @@ from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore
 from orchestrator.models import Lease
 from orchestrator.settings import Settings
-from serve_harness import Server, create_database, drop_database, server_facts
+from serve_harness import DURABILITY_SHOWN, Server, create_database, drop_database, server_facts
 
 TARGET_RATIO = 0.80
 MIN_ROUNDS = 3
@@ -235,10 +235,7 @@ RETURNING run_id, lease_owner, fence
 TABLE_STATS_SQL = "SELECT to_jsonb(s) FROM pg_stat_user_tables AS s WHERE relid = 'runs'::regclass"
 
 SERVER_SETTINGS_SHOWN = (
-    "server_version",
-    "fsync",
-    "synchronous_commit",
-    "full_page_writes",
+    *DURABILITY_SHOWN,
     "wal_sync_method",
     "shared_buffers",
     "max_wal_size",

@@ -42,14 +42,9 @@ from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.settings import Settings
 from orchestrator.testing import with_database
 
-SERVER_SETTINGS_SHOWN = (
-    "server_version",
-    "fsync",
-    "synchronous_commit",
-    "full_page_writes",
-    "shared_buffers",
-    "max_connections",
-)
+DURABILITY_SHOWN = ("server_version", "fsync", "synchronous_commit", "full_page_writes")
+"""What every report says of its server: the version, and whether commits are durable."""
+SERVER_SETTINGS_SHOWN = (*DURABILITY_SHOWN, "shared_buffers", "max_connections")
 
 
 # -- the PostgreSQL server -------------------------------------------------------------------------
