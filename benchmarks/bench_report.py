@@ -64,6 +64,15 @@ def workload(config: DataclassInstance, *, leaving_out: Collection[str] = ()) ->
     return {key: value for key, value in asdict(config).items() if key not in left_out}
 
 
+def server_line(server: dict[str, Any]) -> str:
+    """The start of a table's line on its server: version, which server, whether durable."""
+    where = "embedded" if server["embedded"] else "--dsn"
+    return (
+        f"PostgreSQL {server['server_version']} ({where}): fsync={server['fsync']} "
+        f"synchronous_commit={server['synchronous_commit']}"
+    )
+
+
 def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """A plain-text table: first column left-aligned, the others right-aligned."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]

@@ -76,7 +76,7 @@ import asyncpg
 import httpx
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import log, report_heading, verdict
+from bench_report import log, render_table, report_heading, server_line, verdict
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -873,21 +873,6 @@ def build_report(
     }
 
 
-def render_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
-
-    def render(cells: tuple[str, ...]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest])
-
-    return [
-        render(header),
-        render(tuple("-" * width for width in widths)),
-        *(render(cells) for cells in lines),
-    ]
-
-
 def format_table(report: dict[str, Any]) -> str:
     server, machine, config = report["server"], report["machine"], report["config"]
     out = [
@@ -895,9 +880,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"asyncpg {machine['asyncpg']}, httpx {machine['httpx']}; load average "
         f"{machine['load_average_at_start'][0]:.1f} at start, "
         f"{machine['load_average_at_end'][0]:.1f} at end",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}): "
-        f"fsync={server['fsync']} synchronous_commit={server['synchronous_commit']} "
-        f"full_page_writes={server['full_page_writes']}; database clock - host clock "
+        f"{server_line(server)} full_page_writes={server['full_page_writes']}; "
+        "database clock - host clock "
         f"{report['database_clock_minus_host_clock_ms']:+.2f} ms",
         "",
         f"dispatch throughput: {config['effects']:,} accepted effects, one Dispatcher "

@@ -51,7 +51,7 @@ from typing import Any
 import asyncpg
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import elapsed, log, report_heading, workload
+from bench_report import elapsed, log, render_table, report_heading, server_line, workload
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.notifications import FINISHED_CHANNEL
@@ -859,28 +859,18 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{min(paired):.2f}-{max(paired):.2f}" if paired else "-",
             )
         )
-    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
-
-    def render(cells: tuple[str, ...]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest])
-
     server, machine, config = report["server"], report["machine"], report["config"]
     out = [
         f"lease_ops: {report['date']}, {machine['cpus']} CPUs, Python {machine['python']}, "
         f"asyncpg {machine['asyncpg']}",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}): "
-        f"fsync={server['fsync']} synchronous_commit={server['synchronous_commit']} "
-        f"full_page_writes={server['full_page_writes']} shared_buffers={server['shared_buffers']}",
+        f"{server_line(server)} full_page_writes={server['full_page_writes']} "
+        f"shared_buffers={server['shared_buffers']}",
         f"{config['tasks']} concurrent tasks on a pool of {config['pool_size']}; "
         f"{config['rounds']} interleaved rounds after a warm-up ({config['claim1_rounds']} for "
         "claims with batch 1)",
         "ops/s: median of the rounds; store/baseline: median of the per-round ratios",
         "",
-        render(header),
-        render(tuple("-" * width for width in widths)),
-        *(render(cells) for cells in lines),
+        *render_table(header, lines),
         "",
     ]
     out.append("row updates of `runs` per phase (pg_stat_user_tables, warm-up included):")

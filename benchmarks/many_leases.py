@@ -52,7 +52,7 @@ from typing import Any
 import asyncpg
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import fmt, log, render_table, report_heading, workload
+from bench_report import fmt, log, render_table, report_heading, server_line, workload
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from serve_harness import (
@@ -440,8 +440,7 @@ def format_report(report: dict[str, Any]) -> str:
     out = [
         f"many_leases: {report['date']}, {machine['cpus']} CPUs, {machine['memory_gib']} GiB, "
         f"Python {machine['python']}",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}):"
-        f" fsync={server['fsync']} synchronous_commit={server['synchronous_commit']}",
+        server_line(server),
         f"one worker, --concurrency {config['runs']}, lease {report['lease_seconds']:g}s, "
         f"heartbeat {report['heartbeat_seconds']:g}s; {config['runs']:,} sleepy runs of "
         f"{config['steps']} x {config['step_seconds']:g}s; sampled every "

@@ -55,7 +55,16 @@ from typing import Any
 import asyncpg
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import fmt, log, percentile, render_table, report_heading, verdict, workload
+from bench_report import (
+    fmt,
+    log,
+    percentile,
+    render_table,
+    report_heading,
+    server_line,
+    verdict,
+    workload,
+)
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -318,8 +327,7 @@ def format_report(report: dict[str, Any]) -> str:
     machine, server = report["machine"], report["server"]
     out = [
         f"recovery: {report['date']}, {machine['cpus']} CPUs, Python {machine['python']}",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}):"
-        f" fsync={server['fsync']} synchronous_commit={server['synchronous_commit']}",
+        server_line(server),
         "seconds from SIGKILL of the run's owner to the stand-by worker's claim (database clock);"
         f" serve defaults: --poll-seconds {report['poll_seconds']:g}, heartbeat = lease/3",
         "",

@@ -113,7 +113,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import asyncpg
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import fmt, log, render_table, report_heading, verdict, workload
+from bench_report import fmt, log, render_table, report_heading, server_line, verdict, workload
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from serve_harness import (
@@ -982,9 +982,7 @@ def format_report(report: dict[str, Any]) -> str:
     out = [
         f"throughput: {report['date']}, {machine['cpus']} CPUs, Python {machine['python']}, "
         f"PgQueuer {versions['pgqueuer']}, Procrastinate {versions['procrastinate']}",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}):"
-        f" fsync={server['fsync']} synchronous_commit={server['synchronous_commit']} "
-        f"full_page_writes={server['full_page_writes']}",
+        f"{server_line(server)} full_page_writes={server['full_page_writes']}",
         f"{report['config']['jobs']:,} no-op jobs per measurement, queued beforehand; one consumer "
         "process; jobs/s from the first claim to the last completion (database clock)",
         "cores: CPU used during the measurement by the consumer, by PostgreSQL, and by other "
