@@ -51,16 +51,11 @@ polling). Structlog output is limited to warnings, on stderr. The report records
 load average at the start and the end: other work on the machine moves every figure here, and
 the latencies most.
 
-By default the benchmark starts an embedded PostgreSQL (``orchestrator.embedded``) in a temporary
-directory with the project's default server settings (fsync, synchronous_commit and
-full_page_writes on, i.e. durable commits), and stops it and deletes the directory at the end,
-also on error or SIGTERM. ``--dsn`` points it at an existing server instead (the user must be
-allowed to create databases): a scratch database is created there and dropped at the end.
-Every measurement is bounded in time (``--max-seconds``, 45 s, for a dispatch measurement, 30 s
-per latency run); with the defaults the whole benchmark takes two to three minutes.
-
-Progress goes to stderr, the results table to stdout (``--json`` for machine-readable output).
-Run from the repository root: ``.venv/bin/python benchmarks/effects.py``.
+The server (embedded and durable, or ``--dsn``), the scratch database, ``--json`` and the
+clean-up are those of every benchmark ("Common to all" in benchmarks/README.md). Every
+measurement is bounded in time (``--max-seconds``, 45 s, for a dispatch measurement, 30 s per
+latency run); with the defaults the whole benchmark takes two to three minutes. Run from the
+repository root: ``.venv/bin/python benchmarks/effects.py``.
 """
 
 from __future__ import annotations
@@ -80,17 +75,15 @@ import anyio
 import asyncpg
 import httpx
 
+from bench_main import benchmark_parser, run_and_report
+from bench_report import log, render_table, report_heading, server_line, verdict
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import (
     Confirmed,
     HttpAdapter,
-    NotSent,
-    ReconcileOutcome,
-    Retry,
     SendOutcome,
-    Uncertain,
 )
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import (
@@ -105,14 +98,9 @@ from orchestrator.models import RunEvent, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.telemetry import configure_logging
-from orchestrator.testing import LocalVendor, running_worker, with_database
+from orchestrator.testing import LocalVendor, running_worker
 from orchestrator.worker import worker as supervisor_module
-from serve_harness import (
-    elapsed,
-    log,
-    machine_facts,
-    run_and_report,
-)
+from serve_harness import DURABILITY_SHOWN, Server, create_database, drop_database, server_facts
 
 KIND = "crm"
 EFFECT_KEY = "crm-update"
@@ -129,14 +117,7 @@ ADAPTER_TIMEOUT_SECONDS = 10.0
 POLL_INTERVAL = 0.1
 """How often the throughput measurement reads the effects' statuses (completion, in flight)."""
 
-SERVER_SETTINGS_SHOWN = (
-    "server_version",
-    "fsync",
-    "synchronous_commit",
-    "full_page_writes",
-    "wal_sync_method",
-    "shared_buffers",
-)
+SERVER_SETTINGS_SHOWN = (*DURABILITY_SHOWN, "wal_sync_method", "shared_buffers")
 
 LOAD_AT_START = list(os.getloadavg())
 """1, 5 and 15-minute load averages when the benchmark started: other work on the machine
@@ -178,34 +159,11 @@ class SharedClientAdapter(TimedHttpAdapter):
         super().__init__(vendor)
         self._shared: httpx.AsyncClient | None = None
 
-    def _client_for_all(self) -> httpx.AsyncClient:
+    def _client(self) -> httpx.AsyncClient:
+        # HttpAdapter's send and lookup both ask here for their client: this one is kept.
         if self._shared is None:
-            self._shared = self._client()
+            self._shared = super()._client()
         return self._shared
-
-    async def send_untimed(self, effect: EffectRecord) -> SendOutcome:
-        headers = {"Idempotency-Key": effect.idempotency_key}
-        try:
-            response = await self._client_for_all().post(
-                self.url, json=effect.payload, headers=headers
-            )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-            return Retry(f"could not connect: {error}")
-        except httpx.HTTPError as error:
-            return Uncertain(f"{type(error).__name__}: {error}")
-        return self._outcome(response)
-
-    async def reconcile(self, effect: EffectRecord) -> ReconcileOutcome:
-        assert self.lookup_url is not None
-        url = self.lookup_url.format(idempotency_key=effect.idempotency_key)
-        try:
-            response = await self._client_for_all().get(url)
-        except httpx.HTTPError as error:
-            return Uncertain(f"lookup failed: {type(error).__name__}: {error}")
-        if response.status_code == 404:
-            return NotSent()
-        outcome = self._outcome(response)
-        return outcome if isinstance(outcome, Confirmed) else Uncertain("lookup failed")
 
     async def aclose(self) -> None:
         if self._shared is not None:
@@ -821,10 +779,6 @@ async def client_costs(samples: int) -> dict[str, float]:
 # -- the benchmark --------------------------------------------------------------------------------
 
 
-async def server_facts(admin: asyncpg.Connection) -> dict[str, str]:
-    return {name: str(await admin.fetchval(f"SHOW {name}")) for name in SERVER_SETTINGS_SHOWN}
-
-
 async def clock_offset_ms(admin: asyncpg.Connection) -> float:
     """Database clock minus this host's ``time.time()``, from the closest of a few readings."""
     best: tuple[float, float] | None = None
@@ -839,26 +793,20 @@ async def clock_offset_ms(admin: asyncpg.Connection) -> float:
     return ms(best[1])
 
 
-async def benchmark(server_dsn: str, args: Config, embedded: bool) -> dict[str, Any]:
+async def benchmark(server: Server, args: Config) -> dict[str, Any]:
     database = f"orchestrator_bench_effects_{os.getpid()}"
-    dsn = with_database(server_dsn, database)
-    root = await connect(Settings(database_url=server_dsn), application_name="bench-admin")
+    dsn = await create_database(server.dsn, database)
     try:
-        await root.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-        await root.execute(f'CREATE DATABASE "{database}"')
-        try:
-            return await benchmark_in(dsn, args, embedded)
-        finally:
-            await root.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        return await benchmark_in(dsn, args, server.embedded)
     finally:
-        await root.close()
+        await drop_database(server.dsn, database)
 
 
 async def benchmark_in(dsn: str, args: Config, embedded: bool) -> dict[str, Any]:
     admin = await connect(Settings(database_url=dsn), application_name="bench-admin")
     try:
         await migrate(admin)
-        server = await server_facts(admin)
+        server = await server_facts(admin, SERVER_SETTINGS_SHOWN)
         offset = await clock_offset_ms(admin)
         log(
             f"PostgreSQL {server['server_version']}: fsync={server['fsync']} "
@@ -906,14 +854,12 @@ def build_report(
 ) -> dict[str, Any]:
     shipped = [row for row in latency_rows if row["adapter"] == "shipped"]
     return {
-        "benchmark": "effects",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            **machine_facts(),
-            "httpx": httpx.__version__,
-            "load_average_at_start": LOAD_AT_START,
-            "load_average_at_end": list(os.getloadavg()),
-        },
+        **report_heading(
+            "effects",
+            httpx=httpx.__version__,
+            load_average_at_start=LOAD_AT_START,
+            load_average_at_end=list(os.getloadavg()),
+        ),
         "server": {"embedded": embedded, **server},
         "database_clock_minus_host_clock_ms": offset_ms,
         "config": args.describe(),
@@ -924,23 +870,7 @@ def build_report(
         "http_client_costs_ms": costs,
         "dispatch": dispatch_rows,
         "latency": latency_rows,
-        "elapsed_seconds": elapsed(),
     }
-
-
-def render_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
-
-    def render(cells: tuple[str, ...]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest])
-
-    return [
-        render(header),
-        render(tuple("-" * width for width in widths)),
-        *(render(cells) for cells in lines),
-    ]
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -950,9 +880,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"asyncpg {machine['asyncpg']}, httpx {machine['httpx']}; load average "
         f"{machine['load_average_at_start'][0]:.1f} at start, "
         f"{machine['load_average_at_end'][0]:.1f} at end",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}): "
-        f"fsync={server['fsync']} synchronous_commit={server['synchronous_commit']} "
-        f"full_page_writes={server['full_page_writes']}; database clock - host clock "
+        f"{server_line(server)} full_page_writes={server['full_page_writes']}; "
+        "database clock - host clock "
         f"{report['database_clock_minus_host_clock_ms']:+.2f} ms",
         "",
         f"dispatch throughput: {config['effects']:,} accepted effects, one Dispatcher "
@@ -1027,7 +956,7 @@ def format_table(report: dict[str, Any]) -> str:
         ]
     shipped = [row for row in report["latency"] if row["adapter"] == "shipped"]
     p50 = ", ".join(f"{row['latency_ms']['p50']:.1f} ms" for row in shipped)
-    met = "met" if report["target_met"] else "NOT met"
+    met = verdict(report["target_met"])
     out += [
         "",
         f"target: p50 commit -> outcome under {TARGET_P50_MS:.0f} ms with HttpAdapter: {met} "
@@ -1052,11 +981,9 @@ def parse_dispatch(text: str) -> tuple[DispatchSetting, ...]:
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Effect dispatch throughput and commit-to-outcome latency on loopback."
+    parser = benchmark_parser(
+        "Effect dispatch throughput and commit-to-outcome latency on loopback."
     )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--effects", type=int, default=500, help="effects per dispatch run")
     parser.add_argument(
         "--dispatch",
@@ -1102,13 +1029,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(json_logs=True, level="warning")
-    run_and_report(
-        args.dsn,
-        "effects",
-        lambda server: benchmark(server.dsn, args, embedded=server.embedded),
-        format_table,
-        as_json=args.json,
-    )
+    run_and_report(args, "effects", lambda server: benchmark(server, args), format_table)
     return 0
 
 

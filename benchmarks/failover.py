@@ -29,8 +29,6 @@ the repository root: ``.venv/bin/python benchmarks/failover.py``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import sys
@@ -43,23 +41,15 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from bench_main import benchmark_parser, print_report, run_benchmark
+from bench_report import fmt, log, percentile, render_table, report_heading, verdict, workload
 from orchestrator.db.connections import create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.errors import DatabaseError
 from orchestrator.fences import epoch_of
 from orchestrator.testing import ReplicatedPostgres
-from serve_harness import (
-    ServeProcess,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    percentile,
-    render_table,
-    run_benchmark,
-    settings_for,
-)
+from serve_harness import ServeProcess, settings_for
 
 TARGET_P99_SECONDS = 5.0
 STARTUP_SECONDS = 60.0
@@ -197,10 +187,8 @@ def summarise(config: Config, iterations: Sequence[Iteration]) -> dict[str, Any]
     beyond = stats([i.beyond_promotion for i in iterations])
     new_epochs = all(i.new_epoch for i in iterations)
     return {
-        "benchmark": "failover",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
-        "config": {k: v for k, v in asdict(config).items() if k != "json"},
+        **report_heading("failover"),
+        "config": workload(config),
         "death_to_claim": stats([i.death_to_claim for i in iterations]),
         "promotion": stats([i.promotion for i in iterations]),
         "beyond_promotion": beyond,
@@ -208,7 +196,6 @@ def summarise(config: Config, iterations: Sequence[Iteration]) -> dict[str, Any]
         "iterations": [asdict(i) for i in iterations],
         "target_p99_seconds": TARGET_P99_SECONDS,
         "target_met": beyond["p99"] < TARGET_P99_SECONDS and new_epochs,
-        "elapsed_seconds": elapsed(),
     }
 
 
@@ -236,21 +223,19 @@ def format_report(report: dict[str, Any]) -> str:
         "every first claim on a promoted server in its new epoch: "
         + ("yes" if report["fences_in_new_epoch"] else "NO"),
         f"target: p99 beyond the promotion < {report['target_p99_seconds']:g}s: "
-        + ("met" if report["target_met"] else "NOT met")
-        + f" ({len(report['iterations'])} failovers)",
+        f"{verdict(report['target_met'])} ({len(report['iterations'])} failovers)",
     ]
     return "\n".join(out)
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Seconds from a primary's death to the first claim on the promoted standby."
+    parser = benchmark_parser(
+        "Seconds from a primary's death to the first claim on the promoted standby.", dsn=False
     )
     parser.add_argument("--iterations", type=int, default=10, help="failovers (default 10)")
     parser.add_argument("--in-flight", type=int, default=5, help="long runs held throughout")
     parser.add_argument("--due", type=int, default=5, help="runs due at each primary's death")
     parser.add_argument("--synchronous", action="store_true", help="a synchronous standby")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     config = Config(**vars(parser.parse_args(argv)))
     if min(config.iterations, config.due) < 1 or config.in_flight < 0:
         parser.error("--iterations and --due must be at least 1, --in-flight not negative")
@@ -271,9 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             await anyio.to_thread.run_sync(pair.close)
 
-    report = run_benchmark(body)
-    print(json.dumps(report, indent=2, default=str) if config.json else format_report(report))
-    log(f"done in {report['elapsed_seconds']:.0f}s")
+    print_report(run_benchmark(body), format_report, as_json=config.json)
     return 0
 
 

@@ -32,19 +32,13 @@ statistics): the schema was laid out so that a renewal (which touches only ``lea
 ``updated_at``, in no index, on pages kept 30% free) is a HOT update; the reported share of HOT
 updates in the two renewal phases says whether it is.
 
-By default the benchmark starts an embedded PostgreSQL (``orchestrator.embedded``) in a temporary
-directory with the project's default server settings (fsync, synchronous_commit and
-full_page_writes on, i.e. durable commits), and stops it and deletes the directory at the end,
-also on error. ``--dsn`` points it at an existing server instead (the user must be allowed to
-create databases): a scratch database is created there and dropped at the end.
-
-Progress goes to stderr, the results table to stdout (``--json`` for machine-readable output).
-Run from the repository root: ``.venv/bin/python benchmarks/lease_ops.py``.
+The server (embedded and durable, or ``--dsn``), the scratch database, ``--json`` and the
+clean-up are those of every benchmark ("Common to all" in benchmarks/README.md). Run from the
+repository root: ``.venv/bin/python benchmarks/lease_ops.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -52,24 +46,20 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
+from bench_main import benchmark_parser, run_and_report
+from bench_report import elapsed, log, render_table, report_heading, server_line, workload
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
+from orchestrator.db.notifications import FINISHED_CHANNEL
 from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore
 from orchestrator.models import Lease
 from orchestrator.settings import Settings
-from orchestrator.testing import with_database
-from serve_harness import (
-    elapsed,
-    log,
-    machine_facts,
-    run_and_report,
-)
+from serve_harness import DURABILITY_SHOWN, Server, create_database, drop_database, server_facts
 
 TARGET_RATIO = 0.80
 MIN_ROUNDS = 3
@@ -82,7 +72,7 @@ LEASE_SECONDS = 600.0
 # Kept textually identical (comments aside) to the store's; `check_sql_copies` warns when
 # queries.sql changed and these copies no longer measure the same statement.
 
-CLAIM_SQL = """
+CLAIM_SQL = f"""
 WITH expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
            attempt >= max_attempts AS exhausted, wait
@@ -166,7 +156,7 @@ WITH expired AS (
                               'previous_lease_until', previous_lease_until)
     FROM dead
 ), finished_told AS (
-    SELECT pg_notify('orchestrator_finished', run_id) FROM dead WHERE watched
+    SELECT pg_notify('{FINISHED_CHANNEL}', run_id) FROM dead WHERE watched
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
        checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
@@ -245,10 +235,7 @@ RETURNING run_id, lease_owner, fence
 TABLE_STATS_SQL = "SELECT to_jsonb(s) FROM pg_stat_user_tables AS s WHERE relid = 'runs'::regclass"
 
 SERVER_SETTINGS_SHOWN = (
-    "server_version",
-    "fsync",
-    "synchronous_commit",
-    "full_page_writes",
+    *DURABILITY_SHOWN,
     "wal_sync_method",
     "shared_buffers",
     "max_wal_size",
@@ -361,8 +348,7 @@ class Config:
     only: tuple[str, ...]
 
     def describe(self) -> dict[str, Any]:
-        workload = {key: value for key, value in asdict(self).items() if key not in ("dsn", "json")}
-        return {**workload, "pool_size": self.tasks, "renew_batch": RENEW_BATCH}
+        return {**workload(self), "pool_size": self.tasks, "renew_batch": RENEW_BATCH}
 
 
 @dataclass
@@ -382,6 +368,36 @@ class Context:
         return RunStore(self.live_pool)
 
 
+Prepare = Callable[[str, int, float], Awaitable[Worker]]
+"""``prepare(side, round, scale)``: set up one measurement of ``side`` and return its worker."""
+
+
+def paired_case(
+    ctx: Context,
+    name: str,
+    unit: str,
+    prepare: Prepare,
+    *,
+    sides: Sequence[str] = ("store", "baseline"),
+    rounds: int | None = None,
+) -> Case:
+    """A case with a variant for each side, each run by ``ctx.args.tasks`` tasks at once."""
+
+    def measure(side: str) -> Measure:
+        async def run(round_index: int, scale: float) -> Sample:
+            worker = await prepare(side, round_index, scale)
+            return await run_concurrently(ctx.args.tasks, ctx.args.max_seconds, worker)
+
+        return run
+
+    return Case(
+        name=name,
+        unit=unit,
+        rounds=ctx.args.rounds if rounds is None else rounds,
+        variants={side: measure(side) for side in sides},
+    )
+
+
 def worker_id(index: int) -> str:
     return f"bench-w{index}"
 
@@ -394,61 +410,51 @@ async def analyze(ctx: Context) -> None:
 
 
 def claim_case(ctx: Context, limit: int, total: int) -> Case:
-    tasks, max_seconds = ctx.args.tasks, ctx.args.max_seconds
+    tasks = ctx.args.tasks
 
-    def measure(side: str) -> Measure:
-        async def run(round_index: int, scale: float) -> Sample:
-            # Every measurement starts from the same table: only its own `wanted` queued runs.
-            # (How claim cost grows with the backlog is a property of the SQL, the same for
-            # store and baseline; it would only blur the comparison here.)
-            name = f"bench-claim-b{limit}-{side}-r{round_index}"
-            wanted = max(int(total * scale), limit * tasks)
-            await ctx.admin.execute("TRUNCATE runs, run_events")
-            await ctx.admin.execute(INSERT_QUEUED_SQL, f"r_{name}_", name, wanted)
-            await analyze(ctx)
-            claimed = [0]
-            statements_bound = wanted // limit + 4 * tasks
+    async def prepare(side: str, round_index: int, scale: float) -> Worker:
+        # Every measurement starts from the same table: only its own `wanted` queued runs.
+        # (How claim cost grows with the backlog is a property of the SQL, the same for
+        # store and baseline; it would only blur the comparison here.)
+        name = f"bench-claim-b{limit}-{side}-r{round_index}"
+        wanted = max(int(total * scale), limit * tasks)
+        await ctx.admin.execute("TRUNCATE runs, run_events")
+        await ctx.admin.execute(INSERT_QUEUED_SQL, f"r_{name}_", name, wanted)
+        await analyze(ctx)
+        claimed = [0]
+        statements_bound = wanted // limit + 4 * tasks
 
-            async def store_worker(index: int, deadline: float) -> tuple[int, int]:
-                store, me, ops, statements = ctx.store, worker_id(index), 0, 0
-                for _ in range(statements_bound):
-                    if claimed[0] >= wanted or time.perf_counter() > deadline:
-                        break
-                    batch = await store.claim(me, [name], limit=limit, lease_seconds=LEASE_SECONDS)
-                    statements += 1
-                    if not batch.claimed:
-                        break
-                    ops += len(batch.claimed)
-                    claimed[0] += len(batch.claimed)
-                return ops, statements
+        async def store_worker(index: int, deadline: float) -> tuple[int, int]:
+            store, me, ops, statements = ctx.store, worker_id(index), 0, 0
+            for _ in range(statements_bound):
+                if claimed[0] >= wanted or time.perf_counter() > deadline:
+                    break
+                batch = await store.claim(me, [name], limit=limit, lease_seconds=LEASE_SECONDS)
+                statements += 1
+                if not batch.claimed:
+                    break
+                ops += len(batch.claimed)
+                claimed[0] += len(batch.claimed)
+            return ops, statements
 
-            async def baseline_worker(index: int, deadline: float) -> tuple[int, int]:
-                pool, me, agents, ops, statements = ctx.live_pool, worker_id(index), [name], 0, 0
-                for _ in range(statements_bound):
-                    if claimed[0] >= wanted or time.perf_counter() > deadline:
-                        break
-                    records = await pool.fetch(
-                        CLAIM_SQL, me, agents, limit, LEASE_SECONDS, True, None
-                    )
-                    statements += 1
-                    got = sum(1 for record in records if record["outcome"] == "claimed")
-                    if not got:
-                        break
-                    ops += got
-                    claimed[0] += got
-                return ops, statements
+        async def baseline_worker(index: int, deadline: float) -> tuple[int, int]:
+            pool, me, agents, ops, statements = ctx.live_pool, worker_id(index), [name], 0, 0
+            for _ in range(statements_bound):
+                if claimed[0] >= wanted or time.perf_counter() > deadline:
+                    break
+                records = await pool.fetch(CLAIM_SQL, me, agents, limit, LEASE_SECONDS, True, None)
+                statements += 1
+                got = sum(1 for record in records if record["outcome"] == "claimed")
+                if not got:
+                    break
+                ops += got
+                claimed[0] += got
+            return ops, statements
 
-            worker = store_worker if side == "store" else baseline_worker
-            return await run_concurrently(tasks, max_seconds, worker)
+        return store_worker if side == "store" else baseline_worker
 
-        return run
-
-    return Case(
-        name=f"claim, batch {limit}",
-        unit="claims/s",
-        rounds=ctx.args.claim1_rounds if limit == 1 else ctx.args.rounds,
-        variants={"store": measure("store"), "baseline": measure("baseline")},
-    )
+    rounds = ctx.args.claim1_rounds if limit == 1 else ctx.args.rounds
+    return paired_case(ctx, f"claim, batch {limit}", "claims/s", prepare, rounds=rounds)
 
 
 # leases for renewals and commits -----------------------------------------------------------------
@@ -488,98 +494,76 @@ async def create_leases(ctx: Context, agent: str, per_task: int) -> LeaseSet:
 
 
 def renew_one_case(ctx: Context, held: LeaseSet, per_task: int) -> Case:
-    tasks, max_seconds = ctx.args.tasks, ctx.args.max_seconds
+    async def prepare(side: str, round_index: int, scale: float) -> Worker:
+        count = max(int(per_task * scale), 1)
 
-    def measure(side: str) -> Measure:
-        async def run(round_index: int, scale: float) -> Sample:
-            count = max(int(per_task * scale), 1)
+        async def store_worker(index: int, deadline: float) -> tuple[int, int]:
+            store, mine, ops = ctx.store, held.leases[index], 0
+            offset = round_index * count
+            for step in range(count):
+                if time.perf_counter() > deadline:
+                    break
+                lease = mine[(offset + step) % len(mine)]
+                if await store.renew(lease, lease_seconds=LEASE_SECONDS) is None:
+                    raise RuntimeError(f"store renewal of {lease.run_id} did not hold")
+                ops += 1
+            return ops, ops
 
-            async def store_worker(index: int, deadline: float) -> tuple[int, int]:
-                store, mine, ops = ctx.store, held.leases[index], 0
-                offset = round_index * count
-                for step in range(count):
-                    if time.perf_counter() > deadline:
-                        break
-                    lease = mine[(offset + step) % len(mine)]
-                    if await store.renew(lease, lease_seconds=LEASE_SECONDS) is None:
-                        raise RuntimeError(f"store renewal of {lease.run_id} did not hold")
-                    ops += 1
-                return ops, ops
+        async def baseline_worker(index: int, deadline: float) -> tuple[int, int]:
+            pool, me, ops = ctx.live_pool, worker_id(index), 0
+            run_ids, fences = held.run_ids[index], held.fences[index]
+            offset = round_index * count
+            for step in range(count):
+                if time.perf_counter() > deadline:
+                    break
+                at = (offset + step) % len(run_ids)
+                record = await pool.fetchrow(
+                    RENEW_LEASE_SQL, run_ids[at], me, fences[at], LEASE_SECONDS
+                )
+                if record is None:
+                    raise RuntimeError(f"baseline renewal of {run_ids[at]} did not hold")
+                ops += 1
+            return ops, ops
 
-            async def baseline_worker(index: int, deadline: float) -> tuple[int, int]:
-                pool, me, ops = ctx.live_pool, worker_id(index), 0
-                run_ids, fences = held.run_ids[index], held.fences[index]
-                offset = round_index * count
-                for step in range(count):
-                    if time.perf_counter() > deadline:
-                        break
-                    at = (offset + step) % len(run_ids)
-                    record = await pool.fetchrow(
-                        RENEW_LEASE_SQL, run_ids[at], me, fences[at], LEASE_SECONDS
-                    )
-                    if record is None:
-                        raise RuntimeError(f"baseline renewal of {run_ids[at]} did not hold")
-                    ops += 1
-                return ops, ops
+        return store_worker if side == "store" else baseline_worker
 
-            worker = store_worker if side == "store" else baseline_worker
-            return await run_concurrently(tasks, max_seconds, worker)
-
-        return run
-
-    return Case(
-        name="renew, 1 lease/statement",
-        unit="renewals/s",
-        rounds=ctx.args.rounds,
-        variants={"store": measure("store"), "baseline": measure("baseline")},
-    )
+    return paired_case(ctx, "renew, 1 lease/statement", "renewals/s", prepare)
 
 
 def renew_many_case(ctx: Context, held: LeaseSet, statements_per_task: int) -> Case:
-    tasks, max_seconds = ctx.args.tasks, ctx.args.max_seconds
+    async def prepare(side: str, round_index: int, scale: float) -> Worker:
+        count = max(int(statements_per_task * scale), 1)
 
-    def measure(side: str) -> Measure:
-        async def run(round_index: int, scale: float) -> Sample:
-            count = max(int(statements_per_task * scale), 1)
+        async def store_worker(index: int, deadline: float) -> tuple[int, int]:
+            store, me, mine = ctx.store, worker_id(index), held.leases[index]
+            ops = statements = 0
+            for _ in range(count):
+                if time.perf_counter() > deadline:
+                    break
+                renewed = await store.renew_many(me, mine, lease_seconds=LEASE_SECONDS)
+                statements += 1
+                if len(renewed) != len(mine):
+                    raise RuntimeError(f"store renew_many: {len(renewed)}/{len(mine)} held")
+                ops += len(renewed)
+            return ops, statements
 
-            async def store_worker(index: int, deadline: float) -> tuple[int, int]:
-                store, me, mine = ctx.store, worker_id(index), held.leases[index]
-                ops = statements = 0
-                for _ in range(count):
-                    if time.perf_counter() > deadline:
-                        break
-                    renewed = await store.renew_many(me, mine, lease_seconds=LEASE_SECONDS)
-                    statements += 1
-                    if len(renewed) != len(mine):
-                        raise RuntimeError(f"store renew_many: {len(renewed)}/{len(mine)} held")
-                    ops += len(renewed)
-                return ops, statements
+        async def baseline_worker(index: int, deadline: float) -> tuple[int, int]:
+            pool, me, ops, statements = ctx.live_pool, worker_id(index), 0, 0
+            run_ids, fences = held.run_ids[index], held.fences[index]
+            seconds = [LEASE_SECONDS] * len(run_ids)
+            for _ in range(count):
+                if time.perf_counter() > deadline:
+                    break
+                records = await pool.fetch(RENEW_LEASES_SQL, run_ids, fences, seconds, me)
+                statements += 1
+                if len(records) != len(run_ids):
+                    raise RuntimeError(f"baseline renewals: {len(records)}/{len(run_ids)} held")
+                ops += len(records)
+            return ops, statements
 
-            async def baseline_worker(index: int, deadline: float) -> tuple[int, int]:
-                pool, me, ops, statements = ctx.live_pool, worker_id(index), 0, 0
-                run_ids, fences = held.run_ids[index], held.fences[index]
-                seconds = [LEASE_SECONDS] * len(run_ids)
-                for _ in range(count):
-                    if time.perf_counter() > deadline:
-                        break
-                    records = await pool.fetch(RENEW_LEASES_SQL, run_ids, fences, seconds, me)
-                    statements += 1
-                    if len(records) != len(run_ids):
-                        raise RuntimeError(f"baseline renewals: {len(records)}/{len(run_ids)} held")
-                    ops += len(records)
-                return ops, statements
+        return store_worker if side == "store" else baseline_worker
 
-            worker = store_worker if side == "store" else baseline_worker
-            return await run_concurrently(tasks, max_seconds, worker)
-
-        return run
-
-    return Case(
-        name=f"renew, {RENEW_BATCH:,} leases/statement",
-        unit="renewals/s",
-        rounds=ctx.args.rounds,
-        variants={"store": measure("store"), "baseline": measure("baseline")},
-    )
+    return paired_case(ctx, f"renew, {RENEW_BATCH:,} leases/statement", "renewals/s", prepare)
 
 
 # step commits ------------------------------------------------------------------------------------
@@ -595,72 +579,58 @@ def checkpoint_for(version: int) -> dict[str, Any]:
 
 
 def commit_case(ctx: Context, held: LeaseSet, per_task: int) -> Case:
-    tasks, max_seconds = ctx.args.tasks, ctx.args.max_seconds
+    async def prepare(side: str, round_index: int, scale: float) -> Worker:
+        count = max(int(per_task * scale), 1)
+        versions = held.versions
 
-    def measure(side: str) -> Measure:
-        async def run(round_index: int, scale: float) -> Sample:
-            count = max(int(per_task * scale), 1)
-            versions = held.versions
+        async def store_worker(index: int, deadline: float) -> tuple[int, int]:
+            store, mine, ops = ctx.store, held.leases[index], 0
+            for step in range(count):
+                if time.perf_counter() > deadline:
+                    break
+                lease = mine[step % len(mine)]
+                version = versions[lease.run_id]
+                result = await store.commit_step(
+                    lease,
+                    expected_version=version,
+                    next_step=f"step-{version + 1}",
+                    checkpoint=checkpoint_for(version + 1),
+                )
+                if result is None:
+                    raise RuntimeError(f"store commit of {lease.run_id} was refused")
+                versions[lease.run_id] = result.checkpoint_version
+                ops += 1
+            return ops, ops
 
-            async def store_worker(index: int, deadline: float) -> tuple[int, int]:
-                store, mine, ops = ctx.store, held.leases[index], 0
-                for step in range(count):
-                    if time.perf_counter() > deadline:
-                        break
-                    lease = mine[step % len(mine)]
-                    version = versions[lease.run_id]
-                    result = await store.commit_step(
-                        lease,
-                        expected_version=version,
-                        next_step=f"step-{version + 1}",
-                        checkpoint=checkpoint_for(version + 1),
-                    )
-                    if result is None:
-                        raise RuntimeError(f"store commit of {lease.run_id} was refused")
-                    versions[lease.run_id] = result.checkpoint_version
-                    ops += 1
-                return ops, ops
+        async def baseline_worker(index: int, deadline: float) -> tuple[int, int]:
+            pool, me, ops = ctx.live_pool, worker_id(index), 0
+            run_ids, fences = held.run_ids[index], held.fences[index]
+            in_transaction = side == "baseline_txn"
+            for step in range(count):
+                if time.perf_counter() > deadline:
+                    break
+                at = step % len(run_ids)
+                run_id, version = run_ids[at], versions[run_ids[at]]
+                next_step = f"step-{version + 1}"
+                details = {"version": version + 1, "step": next_step}
+                events = [{"kind": "checkpoint", "details": details}]
+                checkpoint = checkpoint_for(version + 1)
+                arguments = (run_id, me, fences[at], version, next_step, checkpoint, events)
+                if in_transaction:
+                    async with pool.acquire() as connection, connection.transaction():
+                        record = await connection.fetchrow(COMMIT_STEP_SQL, *arguments)
+                else:
+                    record = await pool.fetchrow(COMMIT_STEP_SQL, *arguments)
+                if record is None:
+                    raise RuntimeError(f"baseline commit of {run_id} was refused")
+                versions[run_id] = record["checkpoint_version"]
+                ops += 1
+            return ops, ops
 
-            async def baseline_worker(index: int, deadline: float) -> tuple[int, int]:
-                pool, me, ops = ctx.live_pool, worker_id(index), 0
-                run_ids, fences = held.run_ids[index], held.fences[index]
-                in_transaction = side == "baseline_txn"
-                for step in range(count):
-                    if time.perf_counter() > deadline:
-                        break
-                    at = step % len(run_ids)
-                    run_id, version = run_ids[at], versions[run_ids[at]]
-                    next_step = f"step-{version + 1}"
-                    details = {"version": version + 1, "step": next_step}
-                    events = [{"kind": "checkpoint", "details": details}]
-                    checkpoint = checkpoint_for(version + 1)
-                    arguments = (run_id, me, fences[at], version, next_step, checkpoint, events)
-                    if in_transaction:
-                        async with pool.acquire() as connection, connection.transaction():
-                            record = await connection.fetchrow(COMMIT_STEP_SQL, *arguments)
-                    else:
-                        record = await pool.fetchrow(COMMIT_STEP_SQL, *arguments)
-                    if record is None:
-                        raise RuntimeError(f"baseline commit of {run_id} was refused")
-                    versions[run_id] = record["checkpoint_version"]
-                    ops += 1
-                return ops, ops
+        return store_worker if side == "store" else baseline_worker
 
-            worker = store_worker if side == "store" else baseline_worker
-            return await run_concurrently(tasks, max_seconds, worker)
-
-        return run
-
-    return Case(
-        name="step commit",
-        unit="commits/s",
-        rounds=ctx.args.rounds,
-        variants={
-            "store": measure("store"),
-            "baseline": measure("baseline"),
-            "baseline_txn": measure("baseline_txn"),
-        },
-    )
+    sides = ("store", "baseline", "baseline_txn")
+    return paired_case(ctx, "step commit", "commits/s", prepare, sides=sides)
 
 
 # -- running rounds -------------------------------------------------------------------------------
@@ -748,27 +718,14 @@ def update_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }
 
 
-async def server_facts(admin: asyncpg.Connection) -> dict[str, str]:
-    facts: dict[str, str] = {}
-    for name in SERVER_SETTINGS_SHOWN:
-        facts[name] = str(await admin.fetchval(f"SHOW {name}"))
-    return facts
-
-
-async def benchmark(server_dsn: str, args: Config, embedded: bool) -> dict[str, Any]:
+async def benchmark(server: Server, args: Config) -> dict[str, Any]:
     sql_copies = check_sql_copies()
     database = f"orchestrator_bench_{os.getpid()}"
-    dsn = with_database(server_dsn, database)
-    root = await connect(Settings(database_url=server_dsn), application_name="bench-admin")
+    dsn = await create_database(server.dsn, database)
     try:
-        await root.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-        await root.execute(f'CREATE DATABASE "{database}"')
-        try:
-            return await benchmark_in(dsn, args, embedded, sql_copies)
-        finally:
-            await root.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        return await benchmark_in(dsn, args, server.embedded, sql_copies)
     finally:
-        await root.close()
+        await drop_database(server.dsn, database)
 
 
 async def benchmark_in(
@@ -778,7 +735,7 @@ async def benchmark_in(
     try:
         await migrate(admin)
         ctx = Context(args=args, admin=admin)
-        server = await server_facts(admin)
+        server = await server_facts(admin, SERVER_SETTINGS_SHOWN)
         log(
             f"PostgreSQL {server['server_version']}: fsync={server['fsync']} "
             f"synchronous_commit={server['synchronous_commit']} "
@@ -877,9 +834,7 @@ def build_report(
                 rows.append({**row, "in_target": False})
     targeted = [row for row in rows if row["in_target"]]
     return {
-        "benchmark": "lease_ops",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
+        **report_heading("lease_ops"),
         "server": {"embedded": embedded, **server},
         "config": args.describe(),
         "sql_copies_match_store": sql_copies,
@@ -887,7 +842,6 @@ def build_report(
         "target_met": all(row["meets_target"] for row in targeted),
         "results": rows,
         "table_updates": phases,
-        "elapsed_seconds": elapsed(),
     }
 
 
@@ -905,28 +859,18 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{min(paired):.2f}-{max(paired):.2f}" if paired else "-",
             )
         )
-    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
-
-    def render(cells: tuple[str, ...]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest])
-
     server, machine, config = report["server"], report["machine"], report["config"]
     out = [
         f"lease_ops: {report['date']}, {machine['cpus']} CPUs, Python {machine['python']}, "
         f"asyncpg {machine['asyncpg']}",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}): "
-        f"fsync={server['fsync']} synchronous_commit={server['synchronous_commit']} "
-        f"full_page_writes={server['full_page_writes']} shared_buffers={server['shared_buffers']}",
+        f"{server_line(server)} full_page_writes={server['full_page_writes']} "
+        f"shared_buffers={server['shared_buffers']}",
         f"{config['tasks']} concurrent tasks on a pool of {config['pool_size']}; "
         f"{config['rounds']} interleaved rounds after a warm-up ({config['claim1_rounds']} for "
         "claims with batch 1)",
         "ops/s: median of the rounds; store/baseline: median of the per-round ratios",
         "",
-        render(header),
-        render(tuple("-" * width for width in widths)),
-        *(render(cells) for cells in lines),
+        *render_table(header, lines),
         "",
     ]
     out.append("row updates of `runs` per phase (pg_stat_user_tables, warm-up included):")
@@ -957,11 +901,9 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Throughput of RunStore's claim, renew and commit paths against raw asyncpg."
+    parser = benchmark_parser(
+        "Throughput of RunStore's claim, renew and commit paths against raw asyncpg."
     )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--tasks", type=int, default=8, help="concurrent tasks and pool size")
     parser.add_argument("--rounds", type=int, default=6, help="measured rounds per operation")
     parser.add_argument(
@@ -1008,13 +950,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    run_and_report(
-        args.dsn,
-        "lease_ops",
-        lambda server: benchmark(server.dsn, args, embedded=server.embedded),
-        format_table,
-        as_json=args.json,
-    )
+    run_and_report(args, "lease_ops", lambda server: benchmark(server, args), format_table)
     return 0
 
 

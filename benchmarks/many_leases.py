@@ -40,18 +40,19 @@ for JSON). From the repository root: ``.venv/bin/python benchmarks/many_leases.p
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 
+from bench_main import benchmark_parser, run_and_report
+from bench_report import fmt, log, render_table, report_heading, server_line, workload
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from serve_harness import (
@@ -62,12 +63,7 @@ from serve_harness import (
     cpu_shares,
     create_database,
     drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    render_table,
-    run_and_report,
+    queue_runs_sql,
     server_facts,
     settings_for,
 )
@@ -77,20 +73,9 @@ LEASE_SECONDS = 45.0
 STARTUP_SECONDS = 60.0
 LOST_LOG_EVENTS = ("lease lost", "renewal refused", "renewal failed")
 
-LOAD_RUNS_SQL = """
-WITH inserted AS (
-    INSERT INTO runs (run_id, agent, input)
-    SELECT 'r_lease' || lpad(g::text, 7, '0'), 'sleepy',
-           jsonb_build_object('steps', $2::int, 'seconds', $3::float8)
-    FROM generate_series(1, $1) AS g
-    RETURNING run_id, agent, fence, max_attempts, idempotency_key
+LOAD_RUNS_SQL = queue_runs_sql(
+    "r_lease", "sleepy", "jsonb_build_object('steps', $2::int, 'seconds', $3::float8)"
 )
-INSERT INTO run_events (run_id, kind, fence, details)
-SELECT run_id, 'submitted', fence,
-       jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
-                          'idempotency_key', idempotency_key)
-FROM inserted
-"""
 
 SAMPLE_SQL = """
 SELECT clock_timestamp() AS now,
@@ -428,11 +413,9 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
     for problem in checks["problems"]:
         log(f"PROBLEM: {problem}")
     return {
-        "benchmark": "many_leases",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
+        **report_heading("many_leases"),
         "server": {"embedded": server.embedded, **facts},
-        "config": {k: v for k, v in asdict(config).items() if k not in ("dsn", "json")},
+        "config": workload(config),
         "lease_seconds": LEASE_SECONDS,
         "heartbeat_seconds": LEASE_SECONDS / 3,
         "summary": summary,
@@ -443,7 +426,6 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
         "samples": [
             {**asdict(s), "cpu": asdict(s.cpu), "at": s.at.isoformat()} for s in observed.samples
         ],
-        "elapsed_seconds": elapsed(),
     }
 
 
@@ -458,8 +440,7 @@ def format_report(report: dict[str, Any]) -> str:
     out = [
         f"many_leases: {report['date']}, {machine['cpus']} CPUs, {machine['memory_gib']} GiB, "
         f"Python {machine['python']}",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}):"
-        f" fsync={server['fsync']} synchronous_commit={server['synchronous_commit']}",
+        server_line(server),
         f"one worker, --concurrency {config['runs']}, lease {report['lease_seconds']:g}s, "
         f"heartbeat {report['heartbeat_seconds']:g}s; {config['runs']:,} sleepy runs of "
         f"{config['steps']} x {config['step_seconds']:g}s; sampled every "
@@ -528,11 +509,9 @@ def batch_cpu_text(hold: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="One worker holding many leases: renewals/s, CPU, RSS and lost leases."
+    parser = benchmark_parser(
+        "One worker holding many leases: renewals/s, CPU, RSS and lost leases."
     )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--runs", type=int, default=10_000, help="runs held at once")
     parser.add_argument("--steps", type=int, default=2, help="steps per run")
     parser.add_argument("--step-seconds", type=float, default=40.0, help="seconds per step")
@@ -552,11 +531,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     report = run_and_report(
-        config.dsn,
-        "many_leases",
-        lambda server: benchmark(server, config),
-        format_report,
-        as_json=config.json,
+        config, "many_leases", lambda server: benchmark(server, config), format_report
     )
     return 0 if report["ok"] else 1
 

@@ -48,25 +48,15 @@ import anyio
 import asyncpg
 import httpx
 
+from bench_main import benchmark_parser, run_and_report
+from bench_report import fmt, log, machine_facts, percentile, render_table
 from orchestrator.db.connections import create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.effects.fence_store import FenceStore, Remembered
 from orchestrator.effects.proxy import create_app
 from orchestrator.telemetry import configure_logging
-from serve_harness import (
-    Server,
-    create_database,
-    drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    percentile,
-    render_table,
-    run_and_report,
-    settings_for,
-)
+from serve_harness import Server, create_database, drop_database, settings_for
 
 T = TypeVar("T")
 TOKEN = "bench-token"
@@ -291,7 +281,6 @@ async def body(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "requests": args.requests,
         "rounds": args.rounds,
-        "elapsed_seconds": elapsed(),
     }
 
 
@@ -325,17 +314,13 @@ def render(report: dict[str, Any]) -> str:
 
 def main() -> None:
     configure_logging(json_logs=True, level="warning")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dsn", help="An existing server (default: an embedded one).")
+    parser = benchmark_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--ops", type=int, default=500, help="Store operations per kind.")
     parser.add_argument("--requests", type=int, default=1_000, help="Requests per measurement.")
     parser.add_argument("--concurrency", type=int, default=8, help="Requests in flight at once.")
     parser.add_argument("--rounds", type=int, default=5, help="Rounds per workload.")
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
     args = parser.parse_args()
-    run_and_report(
-        args.dsn, "proxy-fences", lambda server: body(server, args), render, as_json=args.json
-    )
+    run_and_report(args, "proxy-fences", lambda server: body(server, args), render)
 
 
 if __name__ == "__main__":

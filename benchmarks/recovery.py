@@ -41,7 +41,6 @@ root: ``.venv/bin/python benchmarks/recovery.py``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -50,11 +49,22 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 
+from bench_main import benchmark_parser, run_and_report
+from bench_report import (
+    fmt,
+    log,
+    percentile,
+    render_table,
+    report_heading,
+    server_line,
+    verdict,
+    workload,
+)
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -64,13 +74,6 @@ from serve_harness import (
     Server,
     create_database,
     drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    percentile,
-    render_table,
-    run_and_report,
     server_facts,
     settings_for,
 )
@@ -309,17 +312,14 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
         await drop_database(server.dsn, name)
     takeover = results[0]
     return {
-        "benchmark": "recovery",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
+        **report_heading("recovery"),
         "server": {"embedded": server.embedded, **facts},
-        "config": {k: v for k, v in asdict(config).items() if k not in ("dsn", "json")},
+        "config": workload(config),
         "poll_seconds": POLL_SECONDS,
         "reap_seconds": REAP_SECONDS,
         "results": results,
         "target_p99_seconds": TARGET_P99_SECONDS,
         "target_met": takeover["p99"] < TARGET_P99_SECONDS and takeover["fences_ok"],
-        "elapsed_seconds": elapsed(),
     }
 
 
@@ -327,8 +327,7 @@ def format_report(report: dict[str, Any]) -> str:
     machine, server = report["machine"], report["server"]
     out = [
         f"recovery: {report['date']}, {machine['cpus']} CPUs, Python {machine['python']}",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}):"
-        f" fsync={server['fsync']} synchronous_commit={server['synchronous_commit']}",
+        server_line(server),
         "seconds from SIGKILL of the run's owner to the stand-by worker's claim (database clock);"
         f" serve defaults: --poll-seconds {report['poll_seconds']:g}, heartbeat = lease/3",
         "",
@@ -357,18 +356,14 @@ def format_report(report: dict[str, Any]) -> str:
     out += [
         "",
         f"target: p99 < {report['target_p99_seconds']:g}s with takeover: "
-        + ("met" if report["target_met"] else "NOT met")
-        + f" (p99 {takeover['p99']:.3f}s over {takeover['iterations']} kills)",
+        f"{verdict(report['target_met'])} "
+        f"(p99 {takeover['p99']:.3f}s over {takeover['iterations']} kills)",
     ]
     return "\n".join(out)
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Seconds from kill -9 of a run's owner to the run's next claim."
-    )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser = benchmark_parser("Seconds from kill -9 of a run's owner to the run's next claim.")
     parser.add_argument("--iterations", type=int, default=20, help="kills with takeover")
     parser.add_argument("--lease-seconds", type=float, default=45.0, help="lease with takeover")
     parser.add_argument("--no-takeover-iterations", type=int, default=5)
@@ -390,13 +385,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
-    run_and_report(
-        config.dsn,
-        "recovery",
-        lambda server: benchmark(server, config),
-        format_report,
-        as_json=config.json,
-    )
+    run_and_report(config, "recovery", lambda server: benchmark(server, config), format_report)
     return 0
 
 

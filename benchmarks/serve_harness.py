@@ -1,6 +1,7 @@
-"""Shared pieces of the benchmarks that run ``orchestrator serve`` as real OS processes.
+"""Shared pieces of the benchmarks that need a PostgreSQL server and child processes.
 
-Used by ``throughput.py``, ``recovery.py`` and ``many_leases.py`` (not a benchmark itself):
+Used by every benchmark but ``history.py`` (not a benchmark itself; their entry point is
+``bench_main.py``, what they print ``bench_report.py``):
 
 * ``postgres_server``: an embedded PostgreSQL in a temporary directory with the project's
   default (durable) settings, stopped and deleted on exit, or an existing server (``--dsn``);
@@ -11,18 +12,14 @@ Used by ``throughput.py``, ``recovery.py`` and ``many_leases.py`` (not a benchma
   benchmarks call it in a ``finally``);
 * ``CpuMeter``: CPU seconds of one process, of the PostgreSQL server's processes and of the
   whole machine, so that each figure can be read against the load that other programs put on
-  this (shared, two-core) machine at the same time;
-* ``run_benchmark``: the common entry point (SIGTERM and Ctrl-C run every ``finally``).
+  this (shared, two-core) machine at the same time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import math
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -30,40 +27,24 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import anyio
 import asyncpg
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
+from bench_report import log
 from orchestrator.db.connections import connect
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.settings import Settings
 from orchestrator.testing import with_database
 
-_STARTED = time.perf_counter()
-
-SERVER_SETTINGS_SHOWN = (
-    "server_version",
-    "fsync",
-    "synchronous_commit",
-    "full_page_writes",
-    "shared_buffers",
-    "max_connections",
-)
-
-
-def log(message: str) -> None:
-    """Progress on stderr, stamped with the seconds since the benchmark started."""
-    print(f"[{elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def elapsed() -> float:
-    return time.perf_counter() - _STARTED
+DURABILITY_SHOWN = ("server_version", "fsync", "synchronous_commit", "full_page_writes")
+"""What every report says of its server: the version, and whether commits are durable."""
+SERVER_SETTINGS_SHOWN = (*DURABILITY_SHOWN, "shared_buffers", "max_connections")
 
 
 # -- the PostgreSQL server -------------------------------------------------------------------------
@@ -133,18 +114,29 @@ async def drop_database(server_dsn: str, name: str) -> None:
         log(f"WARNING: could not drop database {name}: {error}")
 
 
-async def server_facts(connection: asyncpg.Connection) -> dict[str, str]:
-    return {name: str(await connection.fetchval(f"SHOW {name}")) for name in SERVER_SETTINGS_SHOWN}
+def queue_runs_sql(run_id_prefix: str, agent: str, run_input: str) -> str:
+    """One statement that queues ``$1`` runs of ``agent`` with their ``submitted`` events, as
+    ``submit`` would (many times faster); ``run_input`` is the SQL of each run's input."""
+    return f"""
+WITH inserted AS (
+    INSERT INTO runs (run_id, agent, input)
+    SELECT '{run_id_prefix}' || lpad(g::text, 7, '0'), '{agent}', {run_input}
+    FROM generate_series(1, $1) AS g
+    RETURNING run_id, agent, fence, max_attempts, idempotency_key
+)
+INSERT INTO run_events (run_id, kind, fence, details)
+SELECT run_id, 'submitted', fence,
+       jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
+                          'idempotency_key', idempotency_key)
+FROM inserted
+"""
 
 
-def machine_facts() -> dict[str, Any]:
-    return {
-        "cpus": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "asyncpg": asyncpg.__version__,
-    }
+async def server_facts(
+    connection: asyncpg.Connection, shown: Sequence[str] = SERVER_SETTINGS_SHOWN
+) -> dict[str, str]:
+    """The server settings ``shown``, as ``SHOW`` reports them."""
+    return {name: str(await connection.fetchval(f"SHOW {name}")) for name in shown}
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -269,6 +261,9 @@ class Child:
         return self.process.returncode
 
 
+SERVE_COMMAND = ("-m", "orchestrator.cli", "serve", "--log-json")
+
+
 class ServeProcess(Child):
     """``orchestrator serve --log-json --worker-id NAME ARGS...`` in its own process.
 
@@ -280,16 +275,7 @@ class ServeProcess(Child):
     def __init__(
         self, database_url: str, *args: str, name: str, python: Sequence[str] = ()
     ) -> None:
-        argv = [
-            *(python or [sys.executable]),
-            "-m",
-            "orchestrator.cli",
-            "serve",
-            "--log-json",
-            "--worker-id",
-            name,
-            *args,
-        ]
+        argv = [*(python or [sys.executable]), *SERVE_COMMAND, "--worker-id", name, *args]
         env = child_env(database_url)
         if python:
             env.pop("PYTHONPATH", None)
@@ -386,82 +372,3 @@ def cpu_shares(first: CpuSample, last: CpuSample) -> dict[str, float | None]:
         "machine_busy": busy,
         "other": max(other, 0.0),
     }
-
-
-# -- reporting -------------------------------------------------------------------------------------
-
-
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def render(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest]).rstrip()
-
-    return [render(header), render(["-" * width for width in widths]), *map(render, rows)]
-
-
-def percentile(values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile (no interpolation: with 20 samples, p99 is the largest)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
-    return ordered[rank - 1]
-
-
-def fmt(value: float | None, spec: str = ",.0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-# -- entry point -----------------------------------------------------------------------------------
-
-
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
-def run_benchmark(body: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-    """Run ``body`` in an event loop; SIGTERM and Ctrl-C unwind it through every ``finally``,
-    and every child process still running afterwards is killed."""
-    signal.signal(signal.SIGTERM, _terminate)
-
-    async def guarded() -> dict[str, Any]:
-        task = asyncio.current_task()
-        if task is not None:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        return await body()
-
-    try:
-        return asyncio.run(guarded())
-    except asyncio.CancelledError:
-        log("terminated")
-        raise SystemExit(128 + signal.SIGTERM) from None
-    except KeyboardInterrupt:
-        log("interrupted")
-        raise SystemExit(128 + signal.SIGINT) from None
-    finally:
-        signal.signal(signal.SIGTERM, _terminate)
-        left = kill_children()
-        if left:
-            log(f"killed {left} child process(es) still running")
-
-
-def run_and_report(
-    dsn: str | None,
-    name: str,
-    body: Callable[[Server], Awaitable[dict[str, Any]]],
-    render: Callable[[dict[str, Any]], str],
-    *,
-    as_json: bool,
-) -> dict[str, Any]:
-    """A benchmark's main: ``body`` on the server (an embedded one unless ``dsn``), its report
-    printed as JSON or as ``render`` lays it out, and returned. SIGTERM and Ctrl-C unwind
-    through every ``finally`` (pools, workers, scratch databases, the server)."""
-    with postgres_server(dsn, prefix=f"orchestrator-bench-{name}-") as server:
-        report = run_benchmark(lambda: body(server))
-    print(json.dumps(report, indent=2, default=str) if as_json else render(report))
-    log(f"done in {report['elapsed_seconds']:.0f}s")
-    return report

@@ -90,7 +90,6 @@ stderr, the table on stdout (``--json`` for JSON). From the repository root:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -105,14 +104,16 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
 
+from bench_main import benchmark_parser, run_and_report
+from bench_report import fmt, log, render_table, report_heading, server_line, verdict, workload
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from serve_harness import (
@@ -124,16 +125,14 @@ from serve_harness import (
     cpu_shares,
     create_database,
     drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    render_table,
-    run_and_report,
+    queue_runs_sql,
     server_facts,
     settings_for,
     spawn,
 )
+
+if TYPE_CHECKING:
+    from pgqueuer import Queries
 
 TARGET_VS_PGQUEUER = 1.5
 START_POLL_SECONDS = 0.005
@@ -237,19 +236,7 @@ async def open_connection(dsn: str, application_name: str) -> asyncpg.Connection
     )
 
 
-LOAD_RUNS_SQL = """
-WITH inserted AS (
-    INSERT INTO runs (run_id, agent, input)
-    SELECT 'r_bench' || lpad(g::text, 7, '0'), 'noop', '{}'::jsonb
-    FROM generate_series(1, $1) AS g
-    RETURNING run_id, agent, fence, max_attempts, idempotency_key
-)
-INSERT INTO run_events (run_id, kind, fence, details)
-SELECT run_id, 'submitted', fence,
-       jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
-                          'idempotency_key', idempotency_key)
-FROM inserted
-"""
+LOAD_RUNS_SQL = queue_runs_sql("r_bench", "noop", "'{}'::jsonb")
 
 
 class Orchestrator:
@@ -417,6 +404,18 @@ class Baseline(Orchestrator):
         return ServeProcess(dsn, *serve_args(setting), name=name, python=self.python)
 
 
+@contextlib.asynccontextmanager
+async def pgqueuer_queries(dsn: str) -> AsyncIterator[Queries]:
+    """PgQueuer's queries on a connection of their own, closed on leaving."""
+    from pgqueuer import AsyncpgDriver, Queries
+
+    connection = await asyncpg.connect(dsn)
+    try:
+        yield Queries(AsyncpgDriver(connection))
+    finally:
+        await connection.close()
+
+
 class PgQueuer:
     name = "pgqueuer"
     waiting_sql = "SELECT count(*) FROM pgqueuer WHERE status = 'queued'"
@@ -424,23 +423,12 @@ class PgQueuer:
     last_done_sql = "SELECT max(created) FROM pgqueuer_log WHERE status = 'successful'"
 
     async def prepare(self, dsn: str) -> None:
-        from pgqueuer import AsyncpgDriver, Queries
-
-        connection = await asyncpg.connect(dsn)
-        try:
-            await Queries(AsyncpgDriver(connection)).install()
-        finally:
-            await connection.close()
+        async with pgqueuer_queries(dsn) as queries:
+            await queries.install()
 
     async def load(self, dsn: str, jobs: int) -> None:
-        from pgqueuer import AsyncpgDriver, Queries
-
-        connection = await asyncpg.connect(dsn)
-        try:
-            queries = Queries(AsyncpgDriver(connection))
+        async with pgqueuer_queries(dsn) as queries:
             await queries.enqueue(["noop"] * jobs, [None] * jobs, [0] * jobs)
-        finally:
-            await connection.close()
 
     def start(self, dsn: str, setting: Setting, *, profile_to: Path | None = None) -> Child:
         argv = [sys.executable, str(HERE), "consume", "pgqueuer", dsn]
@@ -911,12 +899,10 @@ def build_report(
     vs_pgqueuer = statistics.median(paired) if paired else 0.0
     profiles = [m.profile for m in measurements if m.profile is not None]
     return {
-        "benchmark": "throughput",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_facts(),
+        **report_heading("throughput"),
         "server": {"embedded": server.embedded, **facts},
         "config": {
-            **{k: v for k, v in asdict(config).items() if k not in ("dsn", "json", "grid")},
+            **workload(config, leaving_out=["grid"]),
             "grid": [setting.label() for setting in config.grid],
         },
         "best": {
@@ -948,7 +934,6 @@ def build_report(
         "profile": profiles[0] if profiles else None,
         "problems": [f"{m.system} {m.phase}: {p}" for m in measurements for p in m.problems],
         "versions": peer_versions(),
-        "elapsed_seconds": elapsed(),
     }
 
 
@@ -997,9 +982,7 @@ def format_report(report: dict[str, Any]) -> str:
     out = [
         f"throughput: {report['date']}, {machine['cpus']} CPUs, Python {machine['python']}, "
         f"PgQueuer {versions['pgqueuer']}, Procrastinate {versions['procrastinate']}",
-        f"PostgreSQL {server['server_version']} ({'embedded' if server['embedded'] else '--dsn'}):"
-        f" fsync={server['fsync']} synchronous_commit={server['synchronous_commit']} "
-        f"full_page_writes={server['full_page_writes']}",
+        f"{server_line(server)} full_page_writes={server['full_page_writes']}",
         f"{report['config']['jobs']:,} no-op jobs per measurement, queued beforehand; one consumer "
         "process; jobs/s from the first claim to the last completion (database clock)",
         "cores: CPU used during the measurement by the consumer, by PostgreSQL, and by other "
@@ -1058,7 +1041,7 @@ def format_report(report: dict[str, Any]) -> str:
         + ")",
         f"orchestrator/Procrastinate: {fmt(vs_pro, '.2f')}",
         f"target: orchestrator >= {summary['target_vs_pgqueuer']}x PgQueuer: "
-        + ("met" if summary["target_met"] else "NOT met"),
+        + verdict(summary["target_met"]),
         f"worker CPU per run: orchestrator {fmt(summary['orchestrator_worker_us_per_run'])} µs, "
         f"PgQueuer {fmt(summary['pgqueuer_worker_us_per_job'])} µs (medians of the rounds)",
     ]
@@ -1132,12 +1115,10 @@ def parse_setting(text: str) -> Setting:
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
-    parser = argparse.ArgumentParser(
-        description="Runs/s of no-op runs through one `orchestrator serve`, beside PgQueuer "
+    parser = benchmark_parser(
+        "Runs/s of no-op runs through one `orchestrator serve`, beside PgQueuer "
         "and Procrastinate on the same server."
     )
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--jobs", type=int, default=20_000, help="jobs per measurement")
     parser.add_argument(
         "--grid",
@@ -1189,13 +1170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["consume"]:
         return consume(arguments[1:])
     config = parse_args(arguments)
-    run_and_report(
-        config.dsn,
-        "throughput",
-        lambda server: benchmark(server, config),
-        format_report,
-        as_json=config.json,
-    )
+    run_and_report(config, "throughput", lambda server: benchmark(server, config), format_report)
     return 0
 
 

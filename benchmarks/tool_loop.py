@@ -35,6 +35,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bench_main import benchmark_parser, run_and_report
+from bench_report import fmt, log, machine_facts, percentile, render_table
 from orchestrator import Agent, Finish, Next, Outcome, Step, StepContext, ToolAgent, tool
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
@@ -42,19 +44,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.llm import complete
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, ScriptRequest
 from orchestrator.testing import running_worker, wait_for_run
-from serve_harness import (
-    Server,
-    create_database,
-    drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    percentile,
-    render_table,
-    run_and_report,
-    settings_for,
-)
+from serve_harness import Server, create_database, drop_database, settings_for
 
 PAYLOAD = "x"
 
@@ -219,7 +209,6 @@ async def benchmark(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_facts(),
         "overhead": await overhead(server, args),
         "throughput": await throughput(server, args),
-        "elapsed_seconds": elapsed(),
     }
 
 
@@ -254,9 +243,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--dsn", help="use this PostgreSQL server instead of an embedded one")
-    parser.add_argument("--json", action="store_true")
+    parser = benchmark_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--message-bytes", type=int, default=2048)
     parser.add_argument("--runs", type=int, default=100)
@@ -265,9 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.turns < 20 or args.runs < 1 or args.rounds < 1:
         parser.error("--turns must be at least 20, --runs and --rounds at least 1")
-    run_and_report(
-        args.dsn, "tool_loop", lambda server: benchmark(server, args), render, as_json=args.json
-    )
+    run_and_report(args, "tool_loop", lambda server: benchmark(server, args), render)
     return 0
 
 

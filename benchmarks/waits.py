@@ -26,10 +26,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 
+from bench_main import benchmark_parser, run_and_report
+from bench_report import fmt, log, machine_facts, percentile, render_table
 from orchestrator import Agent, Finish, Outcome, Step, StepContext, Wait
 from orchestrator.client import Client
 from orchestrator.db.connections import connect, create_pool
@@ -39,19 +42,7 @@ from orchestrator.models import RunState
 from orchestrator.signals import SignalStore
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker
-from serve_harness import (
-    Server,
-    create_database,
-    drop_database,
-    elapsed,
-    fmt,
-    log,
-    machine_facts,
-    percentile,
-    render_table,
-    run_and_report,
-    settings_for,
-)
+from serve_harness import Server, create_database, drop_database, settings_for
 
 CLAIM_TARGET = 0.9
 SIGNAL_TARGET_MS = 5.0
@@ -192,6 +183,20 @@ async def step_started(run_id: str, after: float, within: float = 10.0) -> float
     return STARTED[run_id]
 
 
+Probe = Callable[[int, float], Awaitable[float]]
+"""``probe(index, sent)``: start sample ``index`` and return when (``perf_counter``) it ended."""
+
+
+async def latencies_ms(count: int, probe: Probe) -> list[float]:
+    """``count`` samples of ``probe``, each from its start to its end, in ms."""
+    samples: list[float] = []
+    for index in range(count):
+        await anyio.sleep(0.01)  # idle between samples
+        sent = time.perf_counter()
+        samples.append((await probe(index, sent) - sent) * 1000)
+    return samples
+
+
 async def latencies(server: Server, samples: int) -> dict[str, Any]:
     name = "bench_waits_latency"
     dsn = await create_database(server.dsn, name)
@@ -220,30 +225,29 @@ async def latencies(server: Server, samples: int) -> dict[str, Any]:
                         parked
                     ):
                         await anyio.sleep(0.05)
-                log(f"{samples} runs parked; signalling them one by one")
-                signal_ms: list[float] = []
-                for run_id in parked:
-                    await anyio.sleep(0.01)  # idle between samples
-                    sent = time.perf_counter()
-                    await signals.send(run_id, "go", {"n": 1})
-                    signal_ms.append((await step_started(run_id, sent) - sent) * 1000)
-                log("submit to first step (the baseline)")
-                submit_ms: list[float] = []
-                for _ in range(samples):
-                    await anyio.sleep(0.01)
-                    sent = time.perf_counter()
+
+                async def signal_parked(index: int, sent: float) -> float:
+                    await signals.send(parked[index], "go", {"n": 1})
+                    return await step_started(parked[index], sent)
+
+                async def submit_quick(index: int, sent: float) -> float:
                     run_id = (await store.submit("bench_quick", {})).run.run_id
-                    submit_ms.append((await step_started(run_id, sent) - sent) * 1000)
-                log("Client.submit + Client.wait")
-                client_ms: list[float] = []
-                for _ in range(samples):
-                    await anyio.sleep(0.01)
-                    sent = time.perf_counter()
+                    return await step_started(run_id, sent)
+
+                async def submit_and_wait(index: int, sent: float) -> float:
                     run = await client.submit("bench_quick", {})
                     done = await client.wait(run.run_id, within=10)
-                    client_ms.append((time.perf_counter() - sent) * 1000)
+                    ended = time.perf_counter()
                     if done.state is not RunState.SUCCEEDED:
                         raise RuntimeError(f"run {run.run_id} ended {done.state}")
+                    return ended
+
+                log(f"{samples} runs parked; signalling them one by one")
+                signal_ms = await latencies_ms(len(parked), signal_parked)
+                log("submit to first step (the baseline)")
+                submit_ms = await latencies_ms(samples, submit_quick)
+                log("Client.submit + Client.wait")
+                client_ms = await latencies_ms(samples, submit_and_wait)
         finally:
             await client.close()
             await pool.close()
@@ -312,20 +316,17 @@ async def body(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         "latency": latency,
         "claims_target_met": all(v["ratio"] >= CLAIM_TARGET for v in claims.values()),
         "signal_target_met": latency["signal_to_step"]["p50_ms"] < SIGNAL_TARGET_MS,
-        "elapsed_seconds": elapsed(),
     }
 
 
 def main() -> None:
     configure_logging(json_logs=True, level="warning")  # the worker's per-run lines are noise here
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dsn", help="An existing server (default: an embedded one).")
+    parser = benchmark_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--waiting", type=int, default=100_000, help="Parked runs (default 100k).")
     parser.add_argument("--rounds", type=int, default=7, help="Claim rounds per batch size.")
     parser.add_argument("--samples", type=int, default=200, help="Latency samples per path.")
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
     args = parser.parse_args()
-    run_and_report(args.dsn, "waits", lambda server: body(server, args), render, as_json=args.json)
+    run_and_report(args, "waits", lambda server: body(server, args), render)
 
 
 if __name__ == "__main__":
