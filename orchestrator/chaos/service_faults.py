@@ -1,0 +1,55 @@
+"""Faults in the HTTP services the cluster calls: a vendor that times out, fails or is slow,
+and a model that rate-limits, fails or is slow."""
+
+from __future__ import annotations
+
+from orchestrator.chaos.context import FaultContext, FaultRecord, Injector, ScheduledFault, until
+from orchestrator.loopback import RateLimited, ServerError, Slow
+
+
+class ServiceFaults:
+    def __init__(self, context: FaultContext) -> None:
+        self.context = context
+
+    def injectors(self) -> dict[str, Injector]:
+        return {
+            "vendor_accept_timeout": self.vendor_accept_timeout,
+            "vendor_5xx": self.vendor_5xx,
+            "vendor_slow": self.vendor_slow,
+            "model_429": self.model_429,
+            "model_500": self.model_500,
+            "model_slow": self.model_slow,
+        }
+
+    async def vendor_accept_timeout(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        await self._vendor(record, "vendor_accept_timeout")
+
+    async def vendor_5xx(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        await self._vendor(record, "vendor_5xx")
+
+    async def vendor_slow(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        await self._vendor(record, "vendor_slow")
+
+    async def model_429(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        await self._model(record, RateLimited(retry_after=0.2))
+
+    async def model_500(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        await self._model(record, ServerError(500))
+
+    async def model_slow(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        await self._model(record, Slow(self.context.cluster.timing.lease_seconds * 1.5))
+
+    async def _vendor(self, record: FaultRecord, kind: str) -> None:
+        vendor = self.context.vendor
+        record.target = "vendor"
+        before = vendor.fired[kind]
+        vendor.queue(kind)
+        record.fired = await until(lambda: vendor.fired[kind] > before, 30)
+
+    async def _model(self, record: FaultRecord, fault: RateLimited | ServerError | Slow) -> None:
+        model = self.context.model
+        record.target = "model"
+        name = type(fault).__name__
+        before = model.faults_taken[name]
+        model.fail_next(fault)
+        record.fired = await until(lambda: model.faults_taken[name] > before, 30)
