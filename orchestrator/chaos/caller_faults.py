@@ -6,14 +6,8 @@ from __future__ import annotations
 import anyio
 import asyncpg
 
-from orchestrator.chaos.context import (
-    CAMPAIGN_ERRORS,
-    STATEMENT_SECONDS,
-    FaultContext,
-    FaultRecord,
-    Injector,
-    ScheduledFault,
-)
+from orchestrator.chaos.context import FaultContext, FaultGroup, FaultRecord, ScheduledFault
+from orchestrator.chaos.statements import CAMPAIGN_ERRORS, STATEMENT_SECONDS
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.effects.store import EffectStore
@@ -27,20 +21,11 @@ class NoCandidate(OrchestratorError):
     """No run or request the fault could act on appeared in time."""
 
 
-class CallerFaults:
+class CallerFaults(FaultGroup):
     def __init__(self, context: FaultContext) -> None:
-        self.context = context
+        super().__init__(context)
         self.stale_refused = 0
         """Requests under a stale fence the boundary refused."""
-
-    def injectors(self) -> dict[str, Injector]:
-        return {
-            "cancel": self.cancel,
-            "late_approval": self.late_approval,
-            "late_denial": self.late_denial,
-            "duplicate_signal": self.duplicate_signal,
-            "stale_request": self.stale_request,
-        }
 
     async def cancel(self, fault: ScheduledFault, record: FaultRecord) -> None:
         # A run picked while live may finish before the cancel lands; pick again, a few times.

@@ -29,14 +29,7 @@ import asyncpg
 from orchestrator.chaos.agents import CHAOS_SCRIPT, tools_prompt
 from orchestrator.chaos.checker import TERMINAL, Findings, check
 from orchestrator.chaos.cluster import Cluster, Timing
-from orchestrator.chaos.context import (
-    CAMPAIGN_APPLICATION,
-    CAMPAIGN_ERRORS,
-    ClientGate,
-    FaultContext,
-    FaultRecord,
-    ScheduledFault,
-)
+from orchestrator.chaos.context import ClientGate, FaultContext, FaultRecord, ScheduledFault
 from orchestrator.chaos.faults import (
     ALL_FAULT_KINDS,
     FAULT_KINDS,
@@ -46,6 +39,7 @@ from orchestrator.chaos.faults import (
 )
 from orchestrator.chaos.grants import read_grants
 from orchestrator.chaos.proxies import MemberProxy
+from orchestrator.chaos.statements import CAMPAIGN_APPLICATION, CAMPAIGN_ERRORS
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres

@@ -4,7 +4,7 @@ and the few cluster moves several kinds of fault make (revive a member, note the
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,19 +13,11 @@ import anyio
 import asyncpg
 
 from orchestrator.chaos.cluster import Cluster, Member
+from orchestrator.chaos.statements import CAMPAIGN_ERRORS
 from orchestrator.chaos.vendor import ChaosVendor
-from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.replicated import ReplicatedPostgres
-from orchestrator.errors import OrchestratorError
 from orchestrator.loopback import ScriptedModelServer
-
-CAMPAIGN_ERRORS: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, OrchestratorError)
-"""What a fault (or the campaign's person) may meet: the database restarting or backends being
-terminated, or no run to act on."""
-STATEMENT_SECONDS = 5.0
-CAMPAIGN_APPLICATION = "chaos-campaign"
-"""The campaign's own connections, which its faults leave alone."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +45,6 @@ class FaultRecord:
             "fired": self.fired,
             "detail": self.detail,
         }
-
-
-Injector = Callable[[ScheduledFault, FaultRecord], Awaitable[None]]
-"""Injects one scheduled fault and fills in its record (target, whether it fired, detail)."""
 
 
 @dataclass
@@ -103,6 +91,14 @@ class FaultContext:
                 return
             self.cluster.restart(member)
             await anyio.sleep(1.0)
+
+
+class FaultGroup:
+    """Injectors that act on one part of the system, each a method named after the fault kind
+    it injects (``Faults`` finds them by name)."""
+
+    def __init__(self, context: FaultContext) -> None:
+        self.context = context
 
 
 class ClientGate:

@@ -8,33 +8,19 @@ import time
 
 import anyio
 
-from orchestrator.chaos.context import (
-    CAMPAIGN_APPLICATION,
-    CAMPAIGN_ERRORS,
-    STATEMENT_SECONDS,
-    FaultContext,
-    FaultRecord,
-    Injector,
-    ScheduledFault,
-)
+from orchestrator.chaos.context import FaultContext, FaultGroup, FaultRecord, ScheduledFault
+from orchestrator.chaos.statements import CAMPAIGN_APPLICATION, CAMPAIGN_ERRORS, STATEMENT_SECONDS
 from orchestrator.db.replicated import ReplicatedPostgres, ReplicationError
 
 
-class DatabaseFaults:
+class DatabaseFaults(FaultGroup):
     def __init__(self, context: FaultContext) -> None:
-        self.context = context
+        super().__init__(context)
         self.lock = anyio.Lock()
         """One fault on the database at a time."""
         self.failovers = 0
         self.failover_recovery: list[float] = []
         """Seconds from each failover's kill to the first claim the promoted server granted."""
-
-    def injectors(self) -> dict[str, Injector]:
-        return {
-            "pg_terminate_backend": self.pg_terminate_backend,
-            "pg_restart": self.pg_restart,
-            "failover": self.failover,
-        }
 
     async def pg_terminate_backend(self, fault: ScheduledFault, record: FaultRecord) -> None:
         record.target = "postgres"

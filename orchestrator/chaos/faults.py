@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from orchestrator.chaos.caller_faults import CallerFaults
-from orchestrator.chaos.context import (
-    CAMPAIGN_ERRORS,
-    FaultContext,
-    FaultRecord,
-    Injector,
-    ScheduledFault,
-    until,
-)
+from orchestrator.chaos.context import FaultContext, FaultRecord, ScheduledFault, until
 from orchestrator.chaos.database_faults import DatabaseFaults
 from orchestrator.chaos.network_faults import NetworkFaults
 from orchestrator.chaos.process_faults import ProcessFaults
 from orchestrator.chaos.service_faults import ServiceFaults
+from orchestrator.chaos.statements import CAMPAIGN_ERRORS
 from orchestrator.errors import InvalidInput
 
 FAULT_KINDS = (
@@ -51,6 +45,9 @@ FAULT_KINDS = (
 REPLICATED_FAULT_KINDS = ("failover",)
 """Kinds that need a primary and a standby: asked for, they put the campaign on a pair."""
 ALL_FAULT_KINDS = (*FAULT_KINDS, *REPLICATED_FAULT_KINDS)
+
+Injector = Callable[[ScheduledFault, FaultRecord], Awaitable[None]]
+"""Injects one scheduled fault and fills in its record (target, whether it fired, detail)."""
 
 
 def schedule(
@@ -86,14 +83,20 @@ class Faults:
         """Faults injected and not yet over."""
         self._database = DatabaseFaults(context)
         self._callers = CallerFaults(context)
+        groups = (
+            ProcessFaults(context),
+            NetworkFaults(context),
+            self._database,
+            ServiceFaults(context),
+            self._callers,
+        )
         self._injectors: dict[str, Injector] = {
-            **ProcessFaults(context).injectors(),
-            **NetworkFaults(context).injectors(),
-            **self._database.injectors(),
-            **ServiceFaults(context).injectors(),
-            **self._callers.injectors(),
+            kind: getattr(group, kind)
+            for group in groups
+            for kind in ALL_FAULT_KINDS
+            if hasattr(group, kind)
         }
-        assert sorted(self._injectors) == sorted(ALL_FAULT_KINDS)
+        assert sorted(self._injectors) == sorted(ALL_FAULT_KINDS), "a kind without an injector"
 
     @property
     def stale_refused(self) -> int:

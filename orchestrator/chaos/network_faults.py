@@ -5,20 +5,10 @@ from __future__ import annotations
 
 import anyio
 
-from orchestrator.chaos.context import FaultContext, FaultRecord, Injector, ScheduledFault, until
+from orchestrator.chaos.context import FaultGroup, FaultRecord, ScheduledFault, until
 
 
-class NetworkFaults:
-    def __init__(self, context: FaultContext) -> None:
-        self.context = context
-
-    def injectors(self) -> dict[str, Injector]:
-        return {
-            "partition": self.partition,
-            "drop_replies": self.drop_replies,
-            "latency": self.latency,
-        }
-
+class NetworkFaults(FaultGroup):
     async def partition(self, fault: ScheduledFault, record: FaultRecord) -> None:
         lease = self.context.cluster.timing.lease_seconds
         await self._through_proxy(fault, record, "blackhole", lease * 2)

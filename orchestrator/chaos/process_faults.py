@@ -8,29 +8,11 @@ import signal
 import anyio
 
 from orchestrator.chaos.cluster import Member
-from orchestrator.chaos.context import (
-    CAMPAIGN_ERRORS,
-    STATEMENT_SECONDS,
-    FaultContext,
-    FaultRecord,
-    Injector,
-    ScheduledFault,
-)
+from orchestrator.chaos.context import FaultGroup, FaultRecord, ScheduledFault
+from orchestrator.chaos.statements import CAMPAIGN_ERRORS, STATEMENT_SECONDS
 
 
-class ProcessFaults:
-    def __init__(self, context: FaultContext) -> None:
-        self.context = context
-
-    def injectors(self) -> dict[str, Injector]:
-        return {
-            "sigstop_worker": self.sigstop_worker,
-            "sigstop_dispatcher": self.sigstop_dispatcher,
-            "sigkill_worker": self.sigkill_worker,
-            "sigkill_dispatcher": self.sigkill_dispatcher,
-            "kill_on_accept": self.kill_on_accept,
-        }
-
+class ProcessFaults(FaultGroup):
     async def sigstop_worker(self, fault: ScheduledFault, record: FaultRecord) -> None:
         await self._stop("worker", fault, record)
 

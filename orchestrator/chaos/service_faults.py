@@ -3,24 +3,11 @@ and a model that rate-limits, fails or is slow."""
 
 from __future__ import annotations
 
-from orchestrator.chaos.context import FaultContext, FaultRecord, Injector, ScheduledFault, until
+from orchestrator.chaos.context import FaultGroup, FaultRecord, ScheduledFault, until
 from orchestrator.loopback import RateLimited, ServerError, Slow
 
 
-class ServiceFaults:
-    def __init__(self, context: FaultContext) -> None:
-        self.context = context
-
-    def injectors(self) -> dict[str, Injector]:
-        return {
-            "vendor_accept_timeout": self.vendor_accept_timeout,
-            "vendor_5xx": self.vendor_5xx,
-            "vendor_slow": self.vendor_slow,
-            "model_429": self.model_429,
-            "model_500": self.model_500,
-            "model_slow": self.model_slow,
-        }
-
+class ServiceFaults(FaultGroup):
     async def vendor_accept_timeout(self, fault: ScheduledFault, record: FaultRecord) -> None:
         await self._vendor(record, "vendor_accept_timeout")
 
