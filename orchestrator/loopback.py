@@ -157,22 +157,22 @@ class LoopbackHttpServer(LoopbackService):
         ):
             async with stream:
                 while True:
-                    head = await buffered.receive_until(b"\r\n\r\n", 65536)
-                    request_line, *header_lines = head.decode("latin-1").split("\r\n")
-                    headers = {
-                        name.strip().lower(): value.strip()
-                        for name, _, value in (line.partition(":") for line in header_lines)
-                    }
-                    length = int(headers.get("content-length", "0"))
-                    body = await buffered.receive_exactly(length) if length else b""
-                    method, path, _ = request_line.split(" ", 2)
+                    method, path, headers, body = await _read_request(buffered)
                     status, payload = await self.respond(method, path, headers, body)
-                    data = json.dumps(payload).encode()
-                    await stream.send(
-                        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
-                        f"content-length: {len(data)}\r\n\r\n".encode()
-                        + data
-                    )
+                    await _send_json(stream, status, payload)
+
+
+class LoopbackVendorServer(LoopbackHttpServer):
+    """An HTTP vendor's two routes, ``POST /send`` and ``GET /requests/{key}``, as the URLs a
+    vendor config names; subclasses decide how each answers."""
+
+    @property
+    def send_url(self) -> str:
+        return f"{self.url}/send"
+
+    @property
+    def lookup_url(self) -> str:
+        return f"{self.url}/requests/{{idempotency_key}}"
 
 
 class LocalModelServer(LoopbackHttpServer):
@@ -227,7 +227,7 @@ class LocalModelServer(LoopbackHttpServer):
         }
 
 
-class LocalVendor(LoopbackHttpServer):
+class LocalVendor(LoopbackVendorServer):
     """An HTTP vendor that honours ``Idempotency-Key`` the way Stripe does, for tests and demos.
 
     ``POST /send`` delivers once per key (a repeat returns the first answer) and
@@ -245,14 +245,6 @@ class LocalVendor(LoopbackHttpServer):
         self.requests = 0
         self.requests_by_key: collections.Counter[str] = collections.Counter()
         """Raw ``POST /send`` requests per idempotency key, repeats included."""
-
-    @property
-    def send_url(self) -> str:
-        return f"{self.url}/send"
-
-    @property
-    def lookup_url(self) -> str:
-        return f"{self.url}/requests/{{idempotency_key}}"
 
     async def respond(
         self, method: str, path: str, headers: dict[str, str], body: bytes
@@ -475,15 +467,7 @@ class ScriptedModelServer(LoopbackService):
         ):
             async with stream:
                 while True:
-                    head = await buffered.receive_until(b"\r\n\r\n", 65536)
-                    request_line, *header_lines = head.decode("latin-1").split("\r\n")
-                    headers = {
-                        name.strip().lower(): value.strip()
-                        for name, _, value in (line.partition(":") for line in header_lines)
-                    }
-                    length = int(headers.get("content-length", "0"))
-                    body = await buffered.receive_exactly(length) if length else b""
-                    method, path, _ = request_line.split(" ", 2)
+                    method, path, _, body = await _read_request(buffered)
                     if not await self._respond(stream, buffered, method, path, body):
                         return
 
@@ -578,6 +562,23 @@ class ScriptedModelServer(LoopbackService):
             return True
         await _send_stream(stream, model, scripted.content, calls, finish, usage, request)
         return False
+
+
+async def _read_request(
+    buffered: anyio.streams.buffered.BufferedByteReceiveStream,
+) -> tuple[str, str, dict[str, str], bytes]:
+    """One HTTP/1.1 request (method, path, lower-cased headers, body): the servers here read
+    only Content-Length bodies, which is all their clients send."""
+    head = await buffered.receive_until(b"\r\n\r\n", 65536)
+    request_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {
+        name.strip().lower(): value.strip()
+        for name, _, value in (line.partition(":") for line in header_lines)
+    }
+    length = int(headers.get("content-length", "0"))
+    body = await buffered.receive_exactly(length) if length else b""
+    method, path, _ = request_line.split(" ", 2)
+    return method, path, headers, body
 
 
 async def _send_json(

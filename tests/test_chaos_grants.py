@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.chaos.campaign import plans
 from orchestrator.chaos.checker import Findings, check_grants
-from orchestrator.chaos.faults import ClientGate
+from orchestrator.chaos.context import ClientGate
 from orchestrator.chaos.grants import (
     GRANTS_DIR_ENV,
     MEMBER_ENV,

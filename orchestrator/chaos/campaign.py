@@ -29,20 +29,17 @@ import asyncpg
 from orchestrator.chaos.agents import CHAOS_SCRIPT, tools_prompt
 from orchestrator.chaos.checker import TERMINAL, Findings, check
 from orchestrator.chaos.cluster import Cluster, Timing
+from orchestrator.chaos.context import ClientGate, FaultContext, FaultRecord, ScheduledFault
 from orchestrator.chaos.faults import (
     ALL_FAULT_KINDS,
-    CAMPAIGN_APPLICATION,
-    CAMPAIGN_ERRORS,
     FAULT_KINDS,
     REPLICATED_FAULT_KINDS,
-    ClientGate,
-    FaultRecord,
     Faults,
-    ScheduledFault,
     schedule,
 )
 from orchestrator.chaos.grants import read_grants
 from orchestrator.chaos.proxies import MemberProxy
+from orchestrator.chaos.statements import CAMPAIGN_APPLICATION, CAMPAIGN_ERRORS
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
@@ -331,7 +328,8 @@ async def _campaign(
             f"cluster up on {on}: {config.workers} workers, {config.dispatchers} dispatchers, "
             f"each behind its own proxy; logs in {work_dir}"
         )
-        faults = Faults(cluster, vendor, model, pool, database, time.monotonic())
+        context = FaultContext(cluster, vendor, model, pool, database, time.monotonic())
+        faults = Faults(context)
         workload = plans(config.seed, config.runs, config.agents)
         submitted: dict[str, Plan] = {}
         progress(
@@ -339,11 +337,11 @@ async def _campaign(
             f"{config.runs} runs"
         )
         async with anyio.create_task_group() as people:
-            people.start_soon(_person, pool, submitted, faults.clients)
+            people.start_soon(_person, pool, submitted, context.clients)
             people.start_soon(cluster.supervise)
             async with anyio.create_task_group() as window:
                 window.start_soon(
-                    _submit, pool, workload, submitted, config.duration, faults.clients
+                    _submit, pool, workload, submitted, config.duration, context.clients
                 )
                 window.start_soon(_inject, faults, timetable, window)
                 window.start_soon(_report_progress, progress, pool, faults, submitted, config)
@@ -371,7 +369,7 @@ async def _campaign(
                 grants=read_grants(grants_dir),
                 submitted=submitted,
             )
-            recovery = await _recovery(checking, faults.victims)
+            recovery = await _recovery(checking, context.victims)
         finally:
             await checking.close()
         return Report(
@@ -447,7 +445,7 @@ async def _submit(
 
 async def _inject(faults: Faults, timetable: list[Any], window: anyio.abc.TaskGroup) -> None:
     for fault in timetable:
-        await anyio.sleep(max(0.0, faults.started + fault.at - time.monotonic()))
+        await anyio.sleep(max(0.0, faults.context.started + fault.at - time.monotonic()))
         window.start_soon(faults.inject, fault)
 
 
@@ -513,7 +511,7 @@ async def _report_progress(
             )
         except CAMPAIGN_ERRORS:
             finished = "?"
-        elapsed = time.monotonic() - faults.started
+        elapsed = time.monotonic() - faults.context.started
         fired = sum(1 for record in faults.records if record.fired)
         progress(
             f"{elapsed:5.0f}/{config.duration:g}s  runs {finished} finished of "

@@ -61,37 +61,25 @@ class Member:
         return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
+@dataclass(kw_only=True, eq=False)
 class Cluster:
     """Starts, kills and restarts the members. ``command`` is how a member is launched (a
     deliberately broken build may be launched another way); ``env`` is added to each."""
 
-    def __init__(
-        self,
-        *,
-        database_dsn: str,
-        effects_config: Path,
-        work_dir: Path,
-        timing: Timing,
-        model_env: dict[str, str],
-        command: Sequence[str] = (sys.executable, "-m", "orchestrator.cli"),
-        env: dict[str, str] | None = None,
-        worker_concurrency: int = 20,
-        grants_dir: Path | None = None,
-    ) -> None:
-        self.database_dsn = database_dsn
-        self.effects_config = effects_config
-        self.work_dir = work_dir
-        self.timing = timing
-        self.model_env = model_env
-        self.command = list(command)
-        self.env = env or {}
-        self.worker_concurrency = worker_concurrency
-        self.grants_dir = grants_dir
-        """Where each worker process's agents record the (run, fence) they ran under."""
-        self.members: list[Member] = []
-        self.restarts = 0
-        self.exits: list[tuple[str, int | None]] = []
-        """Processes that exited on their own (name, status), restarted by ``supervise``."""
+    database_dsn: str
+    effects_config: Path
+    work_dir: Path
+    timing: Timing
+    model_env: dict[str, str]
+    command: Sequence[str] = (sys.executable, "-m", "orchestrator.cli")
+    env: dict[str, str] = field(default_factory=dict)
+    worker_concurrency: int = 20
+    grants_dir: Path | None = None
+    """Where each worker process's agents record the (run, fence) they ran under."""
+    members: list[Member] = field(default_factory=list, init=False)
+    restarts: int = field(default=0, init=False)
+    exits: list[tuple[str, int | None]] = field(default_factory=list, init=False)
+    """Processes that exited on their own (name, status), restarted by ``supervise``."""
 
     def add(self, role: str, proxy: MemberProxy) -> Member:
         index = sum(1 for member in self.members if member.role == role) + 1

@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from orchestrator.loopback import LoopbackHttpServer
+from orchestrator.loopback import LoopbackVendorServer
 
 OnAccept = Callable[[str], Awaitable[bool]]
 """Called with the key of a delivery the vendor will not answer; whether the fault took."""
@@ -27,7 +27,7 @@ class Delivery:
     """Wall-clock time (``time.time()``) the vendor accepted it: the database's clock too."""
 
 
-class ChaosVendor(LoopbackHttpServer):
+class ChaosVendor(LoopbackVendorServer):
     """``POST /send`` delivers once per key; ``GET /requests/{key}`` looks a delivery up.
 
     ``posts`` counts every raw POST per key, ``resent`` those that came for a key already
@@ -46,14 +46,6 @@ class ChaosVendor(LoopbackHttpServer):
         self.resent: collections.Counter[str] = collections.Counter()
         self.fired: collections.Counter[str] = collections.Counter()
         self._queued: collections.deque[tuple[str, OnAccept | None]] = collections.deque()
-
-    @property
-    def send_url(self) -> str:
-        return f"{self.url}/send"
-
-    @property
-    def lookup_url(self) -> str:
-        return f"{self.url}/requests/{{idempotency_key}}"
 
     def queue(self, fault: str, on_accept: OnAccept | None = None) -> None:
         """The next POST of a new key meets ``fault``; ``kill_on_accept`` calls ``on_accept``."""

@@ -13,28 +13,27 @@ from rich.table import Table
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.campaign import AGENTS
 from orchestrator.chaos.faults import ALL_FAULT_KINDS, FAULT_KINDS, REPLICATED_FAULT_KINDS
+from orchestrator.cli.process_options import defaulted_option
 from orchestrator.cli.support import json_option, run_async, stderr, stdout
 from orchestrator.errors import OrchestratorError
 from orchestrator.presentation import dump_json
 
 
 @click.command("chaos")
-@click.option("--seed", type=click.IntRange(0), default=1, show_default=True)
-@click.option(
+@defaulted_option("--seed", type=click.IntRange(0), default=1)
+@defaulted_option(
     "--duration",
     type=click.FloatRange(10, 86_400),
     default=60.0,
-    show_default=True,
     help="Seconds of faults; then heal, quiescence and the checker.",
 )
-@click.option("--runs", type=click.IntRange(1, 1_000_000), default=200, show_default=True)
-@click.option("--workers", type=click.IntRange(1, 32), default=3, show_default=True)
-@click.option("--dispatchers", type=click.IntRange(1, 32), default=2, show_default=True)
-@click.option(
+@defaulted_option("--runs", type=click.IntRange(1, 1_000_000), default=200)
+@defaulted_option("--workers", type=click.IntRange(1, 32), default=3)
+@defaulted_option("--dispatchers", type=click.IntRange(1, 32), default=2)
+@defaulted_option(
     "--fault-rate",
     type=click.FloatRange(0.01, 50),
     default=1.0,
-    show_default=True,
     help="Faults per second on average (every kind at least once).",
 )
 @click.option(
@@ -46,10 +45,9 @@ from orchestrator.presentation import dump_json
     + ", ".join(ALL_FAULT_KINDS)
     + f". {', '.join(REPLICATED_FAULT_KINDS)} puts the campaign on a replicated pair.",
 )
-@click.option(
+@defaulted_option(
     "--agents",
     default=",".join(AGENTS),
-    show_default=True,
     help="Comma-separated agents of the workload, submitted in turn.",
 )
 @click.option(
@@ -58,11 +56,10 @@ from orchestrator.presentation import dump_json
     help="Run on a primary with an asynchronous streaming standby, the processes reaching it "
     "by a multi-host DSN (implied by the failover fault).",
 )
-@click.option(
+@defaulted_option(
     "--settle-seconds",
     type=click.FloatRange(10, 3600),
     default=180.0,
-    show_default=True,
     help="How long quiescence may take after healing.",
 )
 @click.option(

@@ -14,6 +14,7 @@ import anyio
 import click
 import uvicorn
 
+from orchestrator.cli.process_options import defaulted_option, log_format_option
 from orchestrator.cli.support import async_command, stderr
 from orchestrator.console.auth import TOKEN_ENV, read_token
 from orchestrator.errors import InvalidInput
@@ -22,9 +23,7 @@ from orchestrator.settings import Settings
 
 
 @click.command("console")
-@click.option(
-    "--listen", default="127.0.0.1:8790", show_default=True, help="HOST:PORT to serve on."
-)
+@defaulted_option("--listen", default="127.0.0.1:8790", help="HOST:PORT to serve on.")
 @click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -45,11 +44,10 @@ from orchestrator.settings import Settings
     "allowed: the --listen host, localhost, 127.0.0.1, ::1 (and this machine's names when "
     "listening on every address). Others are refused, against DNS rebinding.",
 )
-@click.option(
+@defaulted_option(
     "--refresh-seconds",
     type=click.FloatRange(0.5, 600),
     default=3.0,
-    show_default=True,
     help="How often live pages re-fetch themselves.",
 )
 @click.option(
@@ -58,7 +56,7 @@ from orchestrator.settings import Settings
     help="Serve a non-loopback --listen address without a token: anyone who reaches it reads "
     "every run (and, with --show-payloads, its contents). Refused without this flag.",
 )
-@click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
+@log_format_option
 @async_command
 async def console(
     settings: Settings,

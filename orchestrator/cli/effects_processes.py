@@ -11,11 +11,7 @@ import anyio
 import click
 import structlog
 
-from orchestrator.cli.process_options import (
-    metrics_listen_option,
-    require_sync_standby_option,
-    start_retry_option,
-)
+from orchestrator.cli.process_options import defaulted_option, log_format_option, process_options
 from orchestrator.cli.support import run_async, settings_of, stderr
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.deadlines import enter_when_reachable
@@ -26,7 +22,7 @@ from orchestrator.retention import parse_age
 
 
 @click.command("serve")
-@click.option("--listen", default="127.0.0.1:8787", show_default=True, help="HOST:PORT")
+@defaulted_option("--listen", default="127.0.0.1:8787", help="HOST:PORT")
 @click.option(
     "--tokens",
     envvar="ORCHESTRATOR_PROXY_TOKENS",
@@ -40,7 +36,7 @@ from orchestrator.retention import parse_age
     type=click.Path(dir_okay=False, path_type=Path),
     help="A file of bearer tokens, one a line or comma-separated (ORCHESTRATOR_PROXY_TOKENS_FILE).",
 )
-@click.option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024, show_default=True)
+@defaulted_option("--max-body-bytes", type=click.IntRange(1024), default=256 * 1024)
 @click.option(
     "--fence-store",
     type=click.Path(path_type=Path),
@@ -49,17 +45,15 @@ from orchestrator.retention import parse_age
     "(ORCHESTRATOR_PROXY_FENCE_STORE; default: none, the database's check alone). "
     "See docs/high-availability.md.",
 )
-@click.option(
+@defaulted_option(
     "--fence-store-retention",
     envvar="ORCHESTRATOR_PROXY_FENCE_RETENTION",
     default="7d",
-    show_default=True,
     help="With --fence-store: forget a run's fence after this long without a request "
     "(at least 1h).",
 )
-@metrics_listen_option
-@require_sync_standby_option
-@click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
+@process_options(start_retry=False)
+@log_format_option
 @click.pass_context
 def effects_serve(
     ctx: click.Context,
@@ -152,26 +146,22 @@ def _proxy_tokens(tokens: str | None, tokens_file: Path | None) -> list[str]:
     type=click.Path(dir_okay=False),
     help="Vendors per effect kind (JSON).",
 )
-@click.option("--lease-seconds", type=click.FloatRange(1), default=60.0, show_default=True)
-@click.option("--poll-seconds", type=click.FloatRange(0.05), default=1.0, show_default=True)
-@click.option(
+@defaulted_option("--lease-seconds", type=click.FloatRange(1), default=60.0)
+@defaulted_option("--poll-seconds", type=click.FloatRange(0.05), default=1.0)
+@defaulted_option(
     "--concurrency",
     type=click.IntRange(1, 1000),
     default=20,
-    show_default=True,
     help="Vendor calls in flight at once.",
 )
-@click.option(
+@defaulted_option(
     "--batch",
     type=click.IntRange(1, 1000),
     default=20,
-    show_default=True,
     help="Effects claimed per statement.",
 )
 @click.option("--dispatcher-id", help="Default: dispatch:host:pid:random.")
-@metrics_listen_option
-@start_retry_option
-@require_sync_standby_option
+@process_options()
 @click.option("--log-json/--log-console", default=None)
 @click.pass_context
 def effects_dispatch(

@@ -11,11 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 import click
 
-from orchestrator.cli.process_options import (
-    metrics_listen_option,
-    require_sync_standby_option,
-    start_retry_option,
-)
+from orchestrator.cli.process_options import defaulted_option, log_format_option, process_options
 from orchestrator.cli.support import run_async, settings_of, stderr
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import MetricsEndpoint
@@ -39,26 +35,24 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     "ORCHESTRATOR_AGENTS takes a space- or comma-separated list).",
 )
 @click.option("--worker-id", help="Default: host:pid:random.")
-@click.option("--concurrency", type=click.IntRange(1, 100_000), default=10, show_default=True)
-@click.option("--lease-seconds", type=click.FloatRange(0.5), default=45.0, show_default=True)
+@defaulted_option("--concurrency", type=click.IntRange(1, 100_000), default=10)
+@defaulted_option("--lease-seconds", type=click.FloatRange(0.5), default=45.0)
 @click.option(
     "--heartbeat-seconds", type=click.FloatRange(0.1), help="Default: a third of the lease."
 )
-@click.option("--poll-seconds", type=click.FloatRange(0.05), default=2.0, show_default=True)
-@click.option("--claim-batch", type=click.IntRange(1, 1000), default=50, show_default=True)
-@click.option("--grace-seconds", type=click.FloatRange(0), default=30.0, show_default=True)
-@click.option("--status-seconds", type=click.FloatRange(0.5), default=10.0, show_default=True)
-@click.option(
+@defaulted_option("--poll-seconds", type=click.FloatRange(0.05), default=2.0)
+@defaulted_option("--claim-batch", type=click.IntRange(1, 1000), default=50)
+@defaulted_option("--grace-seconds", type=click.FloatRange(0), default=30.0)
+@defaulted_option("--status-seconds", type=click.FloatRange(0.5), default=10.0)
+@defaulted_option(
     "--takeover/--no-takeover",
     default=True,
-    show_default=True,
     help="Claim runs of workers whose database session is gone before their lease ends.",
 )
-@click.option(
+@defaulted_option(
     "--reap-seconds",
     type=click.FloatRange(0.05),
     default=1.0,
-    show_default=True,
     help="How often this worker looks for workers whose session is gone (with --takeover): "
     "a killed worker's runs are claimed elsewhere within about this long.",
 )
@@ -68,31 +62,26 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     type=click.Path(dir_okay=False),
     help="Vendors per effect kind (JSON); with it, serve also dispatches effects.",
 )
-@click.option(
+@defaulted_option(
     "--dispatch/--no-dispatch",
     default=True,
-    show_default=True,
     help="Run the effect dispatcher inside serve (needs --effects-config).",
 )
-@click.option(
+@defaulted_option(
     "--dispatch-lease-seconds",
     type=click.FloatRange(1),
     default=60.0,
-    show_default=True,
     help="How long the built-in dispatcher holds an effect it sends. Shorter: an effect in "
     "flight when its worker dies is reconciled sooner. It must outlast the slowest vendor "
     "call: a call still unanswered at 80% of it is given up as uncertain.",
 )
-@metrics_listen_option
-@start_retry_option
-@require_sync_standby_option
-@click.option(
+@process_options()
+@defaulted_option(
     "--retention",
     default=DEFAULT_RETENTION,
-    show_default=True,
     help="Delete finished runs older than this in the background (30d, 12h, ...; off: keep).",
 )
-@click.option("--log-json/--log-console", default=None, help="Default: JSON unless a terminal.")
+@log_format_option
 @click.pass_context
 def serve(
     ctx: click.Context,
