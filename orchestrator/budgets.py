@@ -16,7 +16,7 @@ never from agent code.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -253,23 +253,13 @@ class RunBudget:
             )
         lease = self.lease
         async with pooled(self._pool, within=self._statement_seconds) as db:
-            record = await db.fetchrow(
-                query("reserve_budget"),
-                lease.run_id,
-                lease.worker_id,
-                lease.fence,
-                self.limits.limits(),
-                *counts,
-                cost,
-            )
-        assert record is not None
-        outcome = record["outcome"]
-        if outcome == "not_owner":
+            reservation = await BudgetStore(db).reserve(lease, self.limits, counts, cost)
+        if reservation.outcome == "not_owner":
             raise NotOwner(f"run {lease.run_id}: fence {lease.fence} no longer owns the run")
         self._reserved = True
-        if outcome == "exhausted":
-            raise BudgetExhausted(lease.run_id, record["exhausted_by"])
-        self.tool_calls_left = record["tool_calls_left"]
+        if reservation.outcome == "exhausted":
+            raise BudgetExhausted(lease.run_id, reservation.exhausted_by or "unknown")
+        self.tool_calls_left = reservation.tool_calls_left
 
     def spend(
         self,
@@ -380,9 +370,36 @@ class LedgerEntry:
         }
 
 
+class Reservation(NamedTuple):
+    """What the fenced reservation statement answered."""
+
+    outcome: str
+    """``exhausted``, ``not_owner``, or the reservation was made."""
+    exhausted_by: str | None
+    """The dimension whose limit would be passed (``exhausted``)."""
+    tool_calls_left: int | None
+
+
 class BudgetStore:
     def __init__(self, db: Executor) -> None:
         self.db = db
+
+    async def reserve(
+        self, lease: Lease, limits: Budget, counts: Sequence[int], cost: Decimal
+    ) -> Reservation:
+        """Reserve ``counts`` (turns, input and output tokens) and ``cost`` for ``lease``'s
+        attempt, creating the run's budget row with ``limits`` at its first reservation."""
+        record = await self.db.fetchrow(
+            query("reserve_budget"),
+            lease.run_id,
+            lease.worker_id,
+            lease.fence,
+            limits.limits(),
+            *counts,
+            cost,
+        )
+        assert record is not None
+        return Reservation(record["outcome"], record["exhausted_by"], record["tool_calls_left"])
 
     async def get(self, run_id: str) -> BudgetState | None:
         validate_run_id(run_id)
@@ -408,6 +425,20 @@ class BudgetStore:
             )
             for r in await self.db.fetch(query("budget_ledger"), run_id)
         ]
+
+    async def settle(self, spends: Sequence[tuple[str, Spend]]) -> None:
+        """In a commit's transaction (``db`` is its connection): each step's reservation
+        becomes what it spent."""
+        await self.db.execute(
+            query("settle_budgets"),
+            [run_id for run_id, _ in spends],
+            [spend.fence for _, spend in spends],
+            [spend.turns for _, spend in spends],
+            [spend.tool_calls for _, spend in spends],
+            [spend.input_tokens for _, spend in spends],
+            [spend.output_tokens for _, spend in spends],
+            [spend.cost for _, spend in spends],
+        )
 
     async def top_up(
         self,

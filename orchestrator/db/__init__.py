@@ -17,14 +17,15 @@ if TYPE_CHECKING:
     from orchestrator.db.embedded import EmbeddedPostgres
     from orchestrator.db.executor import Executor
     from orchestrator.db.migrations import check_schema, latest_version, migrate
-    from orchestrator.db.store import RunStore, WorkerRegistry
+    from orchestrator.db.store import RunStore
+    from orchestrator.db.workers import WorkerRegistry
 
 _EXPORTS = {
     "DATABASE_ERRORS": "orchestrator.db.deadlines",
     "EmbeddedPostgres": "orchestrator.db.embedded",
     "Executor": "orchestrator.db.executor",
     "RunStore": "orchestrator.db.store",
-    "WorkerRegistry": "orchestrator.db.store",
+    "WorkerRegistry": "orchestrator.db.workers",
     "check_schema": "orchestrator.db.migrations",
     "connect": "orchestrator.db.connections",
     "create_pool": "orchestrator.db.connections",
