@@ -104,6 +104,12 @@ class EffectStore:
         )
         return [EffectRecord.from_record(record) for record in records]
 
+    async def needing_people(self) -> dict[str, int]:
+        """How many effects are parked for a person (``parked``) or await an approval
+        (``awaiting_approval``)."""
+        record = await self.pool.fetchrow(query("effects_needing_people"))
+        return {} if record is None else dict(record)
+
     async def claim(
         self,
         db: Executor,

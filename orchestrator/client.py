@@ -40,7 +40,6 @@ from orchestrator.db.connections import (
     resolve_dsn,
 )
 from orchestrator.db.notifications import FINISHED_CHANNEL, Listener
-from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.model import EffectRecord
@@ -190,7 +189,7 @@ class Client:
         self._finished.setdefault(run_id, set()).add(event)
         try:
             # Watched before it is read: a final commit after the read will notify.
-            await self.pool.execute(query("watch_run"), run_id)
+            await self.store.watch(run_id)
             with anyio.fail_after(within):
                 while True:
                     run = await self.store.get(run_id)

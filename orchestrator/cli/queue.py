@@ -6,7 +6,6 @@ import click
 
 from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.db.bootstrap import open_store
-from orchestrator.db.queries import query
 from orchestrator.presentation import queue_table
 from orchestrator.settings import Settings
 
@@ -22,5 +21,5 @@ def queue() -> None:
 async def queue_stats(settings: Settings, as_json: bool) -> None:
     """Per agent: runs queued, due now, running, waiting, and the oldest due run's age."""
     async with open_store(settings) as store:
-        rows = [dict(row) for row in await store.pool.fetch(query("queue_stats"))]
+        rows = await store.queue_stats()
     print_found(rows, as_json, queue_table, "no queued, running or waiting runs")

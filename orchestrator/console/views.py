@@ -8,7 +8,6 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.cli.run_filters import select_runs
-from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore, WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.model import EffectRecord, EffectStatus
@@ -210,7 +209,7 @@ async def attention_page(store: RunStore, *, reveal: bool) -> dict[str, Any]:
 async def cluster_page(store: RunStore, schema: str) -> dict[str, Any]:
     """``workers list`` and ``queue stats``, on one page."""
     workers = await WorkerRegistry(schema).list_workers(store.pool)
-    queue = [dict(row) for row in await store.pool.fetch(query("queue_stats"))]
+    queue = await store.queue_stats()
     return {"workers": workers, "queue": queue, "now": await store.database_now()}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from orchestrator.db.executor import Executor
 from orchestrator.db.pool_store import PoolStore
@@ -119,3 +120,8 @@ class RunReads(PoolStore):
             Message(r["turn"], r["role"], r["body"], r["usage"], r["seq"], r["fence"], r["at"])
             for r in records
         ]
+
+    async def queue_stats(self) -> list[dict[str, Any]]:
+        """Per agent: runs queued, due, running and waiting, and the oldest due run's age in
+        seconds (reads only the partial indexes of live runs)."""
+        return [dict(row) for row in await self.pool.fetch(query("queue_stats"))]

@@ -134,6 +134,11 @@ class RunStore(RunReads, Leases, Commits):
             f"run id {run_id!r} is already taken; omit --run-id to get a fresh one"
         )
 
+    async def watch(self, run_id: str) -> None:
+        """Mark the run watched, before a client reads it: its final commit will then NOTIFY
+        orchestrator_finished, so the client waits without polling."""
+        await self.pool.execute(query("watch_run"), run_id)
+
     # -- operator actions ---------------------------------------------------------------------
     async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
         """Cancel an unfinished run and raise its fence, so its owner can no longer act."""
