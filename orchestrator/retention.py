@@ -13,10 +13,9 @@ import anyio
 import asyncpg
 
 from orchestrator.db.executor import Executor
-from orchestrator.db.purges import (
-    RETENTION_LOCK as RETENTION_LOCK,  # re-exported: callers import it here
-)
-from orchestrator.db.purges import Purged, PurgeStore
+from orchestrator.db.purges import RETENTION_LOCK as RETENTION_LOCK  # re-exported
+from orchestrator.db.purges import Purged as Purged  # re-exported
+from orchestrator.db.purges import PurgeStore
 from orchestrator.errors import InvalidInput
 
 DEFAULT_RETENTION = "off"

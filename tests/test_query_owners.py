@@ -27,7 +27,11 @@ STORES = {
 
 def issues_named_statements(tree: ast.Module) -> list[int]:
     """Lines that import the named-statement lookup or call ``query(...)``."""
-    return [node.lineno for node in ast.walk(tree) if _names_statement(node)]
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.stmt | ast.expr) and _names_statement(node)
+    ]
 
 
 def _names_statement(node: ast.AST) -> bool:
