@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypedDict, Unpack
 
 import asyncpg
 import pydantic
@@ -341,13 +341,10 @@ class BudgetState:
         )
 
     def as_json(self) -> dict[str, JSON]:
-        return {
-            "limit": self.limit,
-            "spent": self.spent,
-            "reserved": self.reserved,
-            "reserved_fence": self.reserved_fence,
-            "updated_at": self.updated_at.isoformat(),
-        }
+        """Every field but the run id, in order, the time as ISO 8601."""
+        fields: dict[str, JSON] = asdict(self)
+        del fields["run_id"]
+        return {**fields, "updated_at": self.updated_at.isoformat()}
 
 
 @dataclass(frozen=True)
@@ -378,6 +375,16 @@ class Reservation(NamedTuple):
     exhausted_by: str | None
     """The dimension whose limit would be passed (``exhausted``)."""
     tool_calls_left: int | None
+
+
+class TopUp(TypedDict, total=False):
+    """What a top-up adds to a run's limits; ``None`` (or left out) adds nothing there."""
+
+    turns: int | None
+    tool_calls: int | None
+    input_tokens: int | None
+    output_tokens: int | None
+    cost_usd: Decimal | float | str | None
 
 
 class BudgetStore:
@@ -440,29 +447,20 @@ class BudgetStore:
             [spend.cost for _, spend in spends],
         )
 
-    async def top_up(
-        self,
-        run_id: str,
-        *,
-        turns: int | None = None,
-        tool_calls: int | None = None,
-        input_tokens: int | None = None,
-        output_tokens: int | None = None,
-        cost_usd: Decimal | float | str | None = None,
-    ) -> BudgetState:
+    async def top_up(self, run_id: str, **amounts: Unpack[TopUp]) -> BudgetState:
         """Raise the run's limits (and wake it if it waits for budget). Each amount given must
         be above 0 (``InvalidInput`` otherwise: a top-up of nothing, or a negative one that
         would lower a limit, is a mistake), and at least one must be given."""
         validate_run_id(run_id)
+        unknown = sorted(set(amounts) - set(TopUp.__annotations__))
+        if unknown:  # as a keyword-only signature would refuse them
+            raise TypeError(f"top_up() got unexpected keyword arguments: {', '.join(unknown)}")
         added: dict[str, JSON] = {}
-        for name, value in (
-            ("turns", turns),
-            ("tool_calls", tool_calls),
-            ("input_tokens", input_tokens),
-            ("output_tokens", output_tokens),
-        ):
+        for name in ("turns", "tool_calls", "input_tokens", "output_tokens"):
+            value = amounts.get(name)
             if value is not None:
                 added[name] = _count(value, "--add-" + name.replace("_", "-"), minimum=1)
+        cost_usd = amounts.get("cost_usd")
         if cost_usd is not None:
             added["cost_usd"] = str(_decimal(cost_usd, "--add-usd", positive=True))
         if not added:
@@ -492,4 +490,5 @@ __all__ = [
     "Prices",
     "RunBudget",
     "Spend",
+    "TopUp",
 ]

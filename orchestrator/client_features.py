@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import builtins
 from datetime import datetime, timedelta
-from decimal import Decimal
-from typing import Any
+from typing import Any, Unpack
 
-from orchestrator.budgets import BudgetState, LedgerEntry
+from orchestrator.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.purges import Purged
 from orchestrator.db.stores import Stores
@@ -21,11 +20,15 @@ from orchestrator.retention import PURGE_BATCH, purge
 from orchestrator.signals import Signal
 
 
-class EffectsHandle:
-    """Effect records at the fenced boundary: list, get, and resolve parked ones."""
+class StoresHandle:
+    """A client handle: a thin layer over the client's stores."""
 
     def __init__(self, stores: Stores) -> None:
         self._stores = stores
+
+
+class EffectsHandle(StoresHandle):
+    """Effect records at the fenced boundary: list, get, and resolve parked ones."""
 
     @project_errors
     async def list(
@@ -49,12 +52,9 @@ class EffectsHandle:
         )
 
 
-class ApprovalsHandle:
+class ApprovalsHandle(StoresHandle):
     """Effects awaiting a person's decision. Calling the handle lists them, as the flat
     ``client.approvals(...)`` method did."""
-
-    def __init__(self, stores: Stores) -> None:
-        self._stores = stores
 
     async def __call__(
         self, *, run_id: str | None = None, limit: int = 100
@@ -113,11 +113,8 @@ class ApprovalsHandle:
         )
 
 
-class SignalsHandle:
+class SignalsHandle(StoresHandle):
     """Messages to runs, stored durably and consumed exactly once."""
-
-    def __init__(self, stores: Stores) -> None:
-        self._stores = stores
 
     @project_errors
     async def send(
@@ -137,11 +134,8 @@ class SignalsHandle:
         return await self._stores.signals.history(run_id, newest=newest)
 
 
-class BudgetsHandle:
+class BudgetsHandle(StoresHandle):
     """What runs may spend on models: read a budget and its ledger, top it up."""
-
-    def __init__(self, stores: Stores) -> None:
-        self._stores = stores
 
     @project_errors
     async def get(self, run_id: str) -> BudgetState | None:
@@ -154,32 +148,13 @@ class BudgetsHandle:
         return await self._stores.budgets.ledger(run_id)
 
     @project_errors
-    async def top_up(
-        self,
-        run_id: str,
-        *,
-        turns: int | None = None,
-        tool_calls: int | None = None,
-        input_tokens: int | None = None,
-        output_tokens: int | None = None,
-        cost_usd: Decimal | float | str | None = None,
-    ) -> BudgetState:
+    async def top_up(self, run_id: str, **amounts: Unpack[TopUp]) -> BudgetState:
         """Raise a run's budget (``cost_usd=``, ``turns=``, ...) and wake it if it waits."""
-        return await self._stores.budgets.top_up(
-            run_id,
-            turns=turns,
-            tool_calls=tool_calls,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            cost_usd=cost_usd,
-        )
+        return await self._stores.budgets.top_up(run_id, **amounts)
 
 
-class OpsHandle:
+class OpsHandle(StoresHandle):
     """What an operator looks at and does: the queue, the workers, purging old runs."""
-
-    def __init__(self, stores: Stores) -> None:
-        self._stores = stores
 
     @project_errors
     async def queue_stats(self) -> builtins.list[dict[str, Any]]:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Unpack
 
+from orchestrator.client_features import StoresHandle
 from orchestrator.db.error_projection import project_errors
+from orchestrator.db.run_reads import RunFilters
+from orchestrator.db.store import SubmitOptions
 from orchestrator.db.stores import Stores
 from orchestrator.errors import InvalidInput
-from orchestrator.models import JSON, Run, RunState
+from orchestrator.models import JSON, Run
 from orchestrator.run_detail import DEFAULT_EVENTS, RunDetail, load_run_detail
 from orchestrator.run_waiter import RunWaiter
 
@@ -34,11 +37,11 @@ def start_time(now: datetime, at: datetime | None, delay: float | None) -> datet
     return at
 
 
-class RunsHandle:
+class RunsHandle(StoresHandle):
     """Runs: submit, get, list, wait, cancel, and the whole of one run (``detail``)."""
 
     def __init__(self, stores: Stores, waiter: RunWaiter) -> None:
-        self._stores = stores
+        super().__init__(stores)
         self._waiter = waiter
 
     @project_errors
@@ -47,27 +50,18 @@ class RunsHandle:
         agent: str,
         input: JSON,
         *,
-        idempotency_key: str | None = None,
-        run_id: str | None = None,
-        max_attempts: int = 5,
         at: datetime | None = None,
         delay_seconds: float | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> Run:
-        """Queue a run of ``agent``, due now, ``at`` a time or after ``delay_seconds``. The same
-        idempotency key returns the run it first created."""
+        """Queue a run of ``agent``, due now, ``at`` a time or after ``delay_seconds``
+        (``idempotency_key=``, ``run_id=``, ``max_attempts=`` as ``RunStore.submit`` takes
+        them). The same idempotency key returns the run it first created."""
         runs = self._stores.runs
         not_before = None
         if at is not None or delay_seconds is not None:
             not_before = start_time(await runs.database_now(), at, delay_seconds)
-        submission = await runs.submit(
-            agent,
-            input,
-            run_id=run_id,
-            idempotency_key=idempotency_key,
-            max_attempts=max_attempts,
-            not_before=not_before,
-        )
-        return submission.run
+        return (await runs.submit(agent, input, not_before=not_before, **options)).run
 
     @project_errors
     async def get(self, run_id: str) -> Run:
@@ -75,23 +69,10 @@ class RunsHandle:
         return await self._stores.runs.get(run_id)
 
     @project_errors
-    async def list(
-        self,
-        *,
-        state: RunState | Sequence[RunState] | None = None,
-        agent: str | None = None,
-        limit: int = 100,
-        submitted_after: datetime | None = None,
-        submitted_before: datetime | None = None,
-    ) -> builtins.list[Run]:
-        """Runs newest first, filtered by state(s), agent and submission time."""
-        return await self._stores.runs.list_runs(
-            state=state,
-            agent=agent,
-            limit=limit,
-            submitted_after=submitted_after,
-            submitted_before=submitted_before,
-        )
+    async def list(self, **filters: Unpack[RunFilters]) -> builtins.list[Run]:
+        """Runs newest first, filtered by ``state`` (one or several), ``agent`` and submission
+        time (``submitted_after``, ``submitted_before``); at most ``limit`` (100)."""
+        return await self._stores.runs.list_runs(**filters)
 
     @project_errors
     async def wait(self, run_id: str, *, within: float) -> Run:

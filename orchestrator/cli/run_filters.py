@@ -3,10 +3,11 @@ console lists runs with the same filters."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
@@ -18,11 +19,22 @@ from orchestrator.models import Run, RunState
 from orchestrator.presentation import dump_json
 from orchestrator.retention import AGE_PATTERN, parse_age
 
-F = TypeVar("F", bound=Callable[..., Any])
 
+def filter_options(command: Callable[..., None]) -> Callable[..., None]:
+    """``--state`` (repeatable), ``--agent``, ``--since`` and ``--until``, which the command
+    receives as one ``selection: RunSelection``, then ``--limit`` and ``--all``."""
 
-def filter_options(command: F) -> F:
-    """``--state`` (repeatable), ``--agent``, ``--since``, ``--until``, ``--limit``."""
+    @functools.wraps(command)
+    def selecting(
+        *args: Any,
+        states: tuple[str, ...],
+        agent: str | None,
+        since: str | None,
+        until: str | None,
+        **kwargs: Any,
+    ) -> None:
+        command(*args, selection=RunSelection(states, agent, since, until), **kwargs)
+
     for option in reversed(
         (
             click.option(
@@ -46,8 +58,8 @@ def filter_options(command: F) -> F:
             ),
         )
     ):
-        command = option(command)
-    return command
+        selecting = option(selecting)
+    return selecting
 
 
 def parse_when(raw: str, option: str, now: datetime) -> datetime:

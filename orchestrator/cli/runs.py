@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from orchestrator.cli.purge import runs_purge
@@ -168,10 +170,7 @@ async def runs_events(
 async def runs_cancel(
     settings: Settings,
     run_id: str | None,
-    states: tuple[str, ...],
-    agent: str | None,
-    since: str | None,
-    until: str | None,
+    selection: RunSelection,
     limit: int,
     every: bool,
     reason: str | None,
@@ -180,20 +179,20 @@ async def runs_cancel(
 ) -> None:
     """Cancel a run (or, with filters instead of RUN_ID, every matching unfinished run) and raise
     its fence, so its current owner can no longer act."""
-    check_target(run_id, RunSelection(states, agent, since, until), every, dry_run)
+    check_target(run_id, selection, every, dry_run)
     async with open_stores(settings) as stores:
         store = stores.runs
         if run_id is not None:
             run = await store.cancel(run_id, reason=reason)
             print_acted_on(run, as_json, f"cancelled {run.run_id} (fence now {run.fence})")
             return
-        wanted = states or ("queued", "running", "waiting")
+        wanted = selection.states or ("queued", "running", "waiting")
         unfinished = tuple(state for state in wanted if not RunState(state).terminal)
         if not unfinished:
             raise InvalidInput("only queued, running or waiting runs can be cancelled")
         await bulk(
             store,
-            RunSelection(unfinished, agent, since, until),
+            dataclasses.replace(selection, states=unfinished),
             limit,
             dry_run=dry_run,
             as_json=as_json,
@@ -211,10 +210,7 @@ async def runs_cancel(
 async def runs_retry(
     settings: Settings,
     run_id: str | None,
-    states: tuple[str, ...],
-    agent: str | None,
-    since: str | None,
-    until: str | None,
+    selection: RunSelection,
     limit: int,
     every: bool,
     dry_run: bool,
@@ -222,18 +218,18 @@ async def runs_retry(
 ) -> None:
     """Requeue a dead-lettered run (or, with filters instead of RUN_ID, every matching dead run)
     with a fresh set of attempts."""
-    check_target(run_id, RunSelection(states, agent, since, until), every, dry_run)
+    check_target(run_id, selection, every, dry_run)
     async with open_stores(settings) as stores:
         store = stores.runs
         if run_id is not None:
             run = await store.retry(run_id)
             print_acted_on(run, as_json, f"requeued {run.run_id}")
             return
-        if states and set(states) != {"dead"}:
+        if selection.states and set(selection.states) != {"dead"}:
             raise InvalidInput("only dead runs can be retried: drop --state or use dead")
         await bulk(
             store,
-            RunSelection(("dead",), agent, since, until),
+            dataclasses.replace(selection, states=("dead",)),
             limit,
             dry_run=dry_run,
             as_json=as_json,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TypedDict, Unpack
 
 from orchestrator.db.connections import connect, create_pool, resolve_dsn
 from orchestrator.db.migrations import check_schema, latest_version, migrate
@@ -41,6 +42,13 @@ async def ensure_schema(settings: Settings, dsn: str, *, auto_migrate: bool) -> 
         await connection.close()
 
 
+class PoolOptions(TypedDict, total=False):
+    """How ``open_stores`` sizes and names its pool (``open_store`` passes them on)."""
+
+    application_name: str
+    max_size: int
+
+
 @asynccontextmanager
 async def open_stores(
     settings: Settings, *, application_name: str = "orchestrator-cli", max_size: int = 4
@@ -59,11 +67,7 @@ async def open_stores(
 
 
 @asynccontextmanager
-async def open_store(
-    settings: Settings, *, application_name: str = "orchestrator-cli", max_size: int = 4
-) -> AsyncIterator[RunStore]:
+async def open_store(settings: Settings, **options: Unpack[PoolOptions]) -> AsyncIterator[RunStore]:
     """The run store alone, for callers that need no feature store."""
-    async with open_stores(
-        settings, application_name=application_name, max_size=max_size
-    ) as stores:
+    async with open_stores(settings, **options) as stores:
         yield stores.runs

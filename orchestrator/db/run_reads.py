@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from orchestrator.db.executor import Executor
 from orchestrator.db.pool_store import PoolStore
@@ -15,6 +15,16 @@ from orchestrator.ids import validate_run_id
 from orchestrator.models import Message, Run, RunEvent, RunState, TraceRow
 
 MAX_LIST_LIMIT = 10_000
+
+
+class RunFilters(TypedDict, total=False):
+    """Which runs ``list_runs`` returns, for callers that pass them on."""
+
+    state: RunState | Sequence[RunState] | None
+    agent: str | None
+    limit: int
+    submitted_after: datetime | None
+    submitted_before: datetime | None
 
 
 class RunReads(PoolStore):

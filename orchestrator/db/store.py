@@ -9,7 +9,9 @@ of its parts, one module each: reads (run_reads.py), leases (leases.py) and fenc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
+from typing import TypeAlias, TypedDict
 
 import asyncpg
 
@@ -48,6 +50,9 @@ from orchestrator.telemetry import current_traceparent
 
 MAX_ATTEMPTS_LIMIT = 1_000
 
+Refusal: TypeAlias = "Callable[[Run], str]"
+"""Why an operator's transition was refused, given the run as it is."""
+
 
 def encode_input(value: JSON, *, max_bytes: int) -> JSON:
     """Validate a run's input: a JSON object no larger than ``max_bytes`` once encoded."""
@@ -67,6 +72,14 @@ def encode_input(value: JSON, *, max_bytes: int) -> JSON:
             "elsewhere and pass a reference, or raise ORCHESTRATOR_MAX_INPUT_BYTES"
         )
     return value
+
+
+class SubmitOptions(TypedDict, total=False):
+    """A submission's options besides its agent, input and start time."""
+
+    run_id: str | None
+    idempotency_key: str | None
+    max_attempts: int
 
 
 class RunStore(RunReads, Leases, Commits):
@@ -145,25 +158,36 @@ class RunStore(RunReads, Leases, Commits):
         validate_run_id(run_id)
         if reason is not None:
             check_text(reason, "the cancel reason")
-        record = await self.pool.fetchrow(query("cancel_run"), run_id, reason)
-        if record is None:
-            run = await self.get(run_id)
-            raise InvalidTransition(
-                f"run {run_id} is already {run.state.value}; only queued, waiting or running "
-                "runs can be cancelled"
-            )
-        return await self.get(run_id)
+        return await self._transition(
+            run_id,
+            query("cancel_run"),
+            (run_id, reason),
+            lambda run: (
+                f"run {run_id} is already {run.state.value}; only queued, waiting or "
+                "running runs can be cancelled"
+            ),
+        )
 
     async def retry(self, run_id: str) -> Run:
         """Requeue a dead-lettered run with a fresh set of attempts."""
         validate_run_id(run_id)
-        record = await self.pool.fetchrow(query("requeue_dead"), run_id)
-        if record is None:
-            run = await self.get(run_id)
-            raise InvalidTransition(
-                f"run {run_id} is {run.state.value}, not dead; only dead-lettered runs can be "
-                "retried (submit a new run to repeat a finished one)"
-            )
+        return await self._transition(
+            run_id,
+            query("requeue_dead"),
+            (run_id,),
+            lambda run: (
+                f"run {run_id} is {run.state.value}, not dead; only dead-lettered runs "
+                "can be retried (submit a new run to repeat a finished one)"
+            ),
+        )
+
+    async def _transition(
+        self, run_id: str, statement: str, arguments: tuple[object, ...], refusal: Refusal
+    ) -> Run:
+        """An operator's transition: no row back means the run was in a state it does not
+        apply to, and ``refusal`` says which (``RunNotFound`` if there is no such run)."""
+        if await self.pool.fetchrow(statement, *arguments) is None:
+            raise InvalidTransition(refusal(await self.get(run_id)))
         return await self.get(run_id)
 
 
@@ -180,6 +204,7 @@ __all__ = [
     "RunStore",
     "StepCommit",
     "StepEvent",
+    "SubmitOptions",
     "WorkerRegistry",
     "encode_input",
     "liveness_namespace",

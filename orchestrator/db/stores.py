@@ -3,8 +3,6 @@ needs them, so that no caller builds a store by hand or issues a statement itsel
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import asyncpg
 
 from orchestrator.budgets import BudgetStore
@@ -18,7 +16,7 @@ from orchestrator.signals import SignalStore
 
 
 class Stores:
-    """The run store and the feature stores, each built on first use."""
+    """The run store and the feature stores (small objects: each holds only the pool)."""
 
     def __init__(
         self,
@@ -30,6 +28,12 @@ class Stores:
         self.pool = pool
         self.schema = schema
         self.runs = RunStore(pool, max_input_bytes=max_input_bytes)
+        self.effects = EffectStore(pool)
+        self.approvals = ApprovalStore(pool)
+        self.signals = SignalStore(pool)
+        self.budgets = BudgetStore(pool)
+        self.workers = WorkerRegistry(schema)
+        self.purges = PurgeStore(pool)
 
     @classmethod
     def of(cls, pool: asyncpg.Pool, settings: Settings) -> Stores:
@@ -43,27 +47,3 @@ class Stores:
         stores = cls(runs.pool, max_input_bytes=runs.max_input_bytes)
         stores.runs = runs
         return stores
-
-    @cached_property
-    def effects(self) -> EffectStore:
-        return EffectStore(self.pool)
-
-    @cached_property
-    def approvals(self) -> ApprovalStore:
-        return ApprovalStore(self.pool)
-
-    @cached_property
-    def signals(self) -> SignalStore:
-        return SignalStore(self.pool)
-
-    @cached_property
-    def budgets(self) -> BudgetStore:
-        return BudgetStore(self.pool)
-
-    @cached_property
-    def workers(self) -> WorkerRegistry:
-        return WorkerRegistry(self.schema)
-
-    @cached_property
-    def purges(self) -> PurgeStore:
-        return PurgeStore(self.pool)
