@@ -1,4 +1,5 @@
-"""The effect boundary's statements. The only module of ``effects`` that knows query names."""
+"""The effect boundary's statements: the `effects` table's records and their dispatch (approvals.py
+issues the approval decisions; tests/test_query_owners.py keeps the owners)."""
 
 from __future__ import annotations
 
