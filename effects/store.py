@@ -1,4 +1,5 @@
-"""The effect boundary's statements. The only module of ``effects`` that knows query names."""
+"""The effect boundary's statements: the `effects` table's records and their dispatch (approvals.py
+issues the approval decisions; tests/test_query_owners.py keeps the owners)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,12 @@ class EffectStore:
             query("list_effects"), run_id, status.value if status else None, limit
         )
         return [EffectRecord.from_record(record) for record in records]
+
+    async def needing_people(self) -> dict[str, int]:
+        """How many effects are parked for a person (``parked``) or await an approval
+        (``awaiting_approval``)."""
+        record = await self.pool.fetchrow(query("effects_needing_people"))
+        return {} if record is None else dict(record)
 
     async def claim(
         self,

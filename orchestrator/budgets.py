@@ -16,12 +16,12 @@ never from agent code.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypedDict, Unpack
 
 import asyncpg
 import pydantic
@@ -253,23 +253,13 @@ class RunBudget:
             )
         lease = self.lease
         async with pooled(self._pool, within=self._statement_seconds) as db:
-            record = await db.fetchrow(
-                query("reserve_budget"),
-                lease.run_id,
-                lease.worker_id,
-                lease.fence,
-                self.limits.limits(),
-                *counts,
-                cost,
-            )
-        assert record is not None
-        outcome = record["outcome"]
-        if outcome == "not_owner":
+            reservation = await BudgetStore(db).reserve(lease, self.limits, counts, cost)
+        if reservation.outcome == "not_owner":
             raise NotOwner(f"run {lease.run_id}: fence {lease.fence} no longer owns the run")
         self._reserved = True
-        if outcome == "exhausted":
-            raise BudgetExhausted(lease.run_id, record["exhausted_by"])
-        self.tool_calls_left = record["tool_calls_left"]
+        if reservation.outcome == "exhausted":
+            raise BudgetExhausted(lease.run_id, reservation.exhausted_by or "unknown")
+        self.tool_calls_left = reservation.tool_calls_left
 
     def spend(
         self,
@@ -351,13 +341,10 @@ class BudgetState:
         )
 
     def as_json(self) -> dict[str, JSON]:
-        return {
-            "limit": self.limit,
-            "spent": self.spent,
-            "reserved": self.reserved,
-            "reserved_fence": self.reserved_fence,
-            "updated_at": self.updated_at.isoformat(),
-        }
+        """Every field but the run id, in order, the time as ISO 8601."""
+        fields: dict[str, JSON] = asdict(self)
+        del fields["run_id"]
+        return {**fields, "updated_at": self.updated_at.isoformat()}
 
 
 @dataclass(frozen=True)
@@ -380,9 +367,46 @@ class LedgerEntry:
         }
 
 
+class Reservation(NamedTuple):
+    """What the fenced reservation statement answered."""
+
+    outcome: str
+    """``exhausted``, ``not_owner``, or the reservation was made."""
+    exhausted_by: str | None
+    """The dimension whose limit would be passed (``exhausted``)."""
+    tool_calls_left: int | None
+
+
+class TopUp(TypedDict, total=False):
+    """What a top-up adds to a run's limits; ``None`` (or left out) adds nothing there."""
+
+    turns: int | None
+    tool_calls: int | None
+    input_tokens: int | None
+    output_tokens: int | None
+    cost_usd: Decimal | float | str | None
+
+
 class BudgetStore:
     def __init__(self, db: Executor) -> None:
         self.db = db
+
+    async def reserve(
+        self, lease: Lease, limits: Budget, counts: Sequence[int], cost: Decimal
+    ) -> Reservation:
+        """Reserve ``counts`` (turns, input and output tokens) and ``cost`` for ``lease``'s
+        attempt, creating the run's budget row with ``limits`` at its first reservation."""
+        record = await self.db.fetchrow(
+            query("reserve_budget"),
+            lease.run_id,
+            lease.worker_id,
+            lease.fence,
+            limits.limits(),
+            *counts,
+            cost,
+        )
+        assert record is not None
+        return Reservation(record["outcome"], record["exhausted_by"], record["tool_calls_left"])
 
     async def get(self, run_id: str) -> BudgetState | None:
         validate_run_id(run_id)
@@ -409,29 +433,34 @@ class BudgetStore:
             for r in await self.db.fetch(query("budget_ledger"), run_id)
         ]
 
-    async def top_up(
-        self,
-        run_id: str,
-        *,
-        turns: int | None = None,
-        tool_calls: int | None = None,
-        input_tokens: int | None = None,
-        output_tokens: int | None = None,
-        cost_usd: Decimal | float | str | None = None,
-    ) -> BudgetState:
+    async def settle(self, spends: Sequence[tuple[str, Spend]]) -> None:
+        """In a commit's transaction (``db`` is its connection): each step's reservation
+        becomes what it spent."""
+        await self.db.execute(
+            query("settle_budgets"),
+            [run_id for run_id, _ in spends],
+            [spend.fence for _, spend in spends],
+            [spend.turns for _, spend in spends],
+            [spend.tool_calls for _, spend in spends],
+            [spend.input_tokens for _, spend in spends],
+            [spend.output_tokens for _, spend in spends],
+            [spend.cost for _, spend in spends],
+        )
+
+    async def top_up(self, run_id: str, **amounts: Unpack[TopUp]) -> BudgetState:
         """Raise the run's limits (and wake it if it waits for budget). Each amount given must
         be above 0 (``InvalidInput`` otherwise: a top-up of nothing, or a negative one that
         would lower a limit, is a mistake), and at least one must be given."""
         validate_run_id(run_id)
+        unknown = sorted(set(amounts) - set(TopUp.__annotations__))
+        if unknown:  # as a keyword-only signature would refuse them
+            raise TypeError(f"top_up() got unexpected keyword arguments: {', '.join(unknown)}")
         added: dict[str, JSON] = {}
-        for name, value in (
-            ("turns", turns),
-            ("tool_calls", tool_calls),
-            ("input_tokens", input_tokens),
-            ("output_tokens", output_tokens),
-        ):
+        for name in ("turns", "tool_calls", "input_tokens", "output_tokens"):
+            value = amounts.get(name)
             if value is not None:
                 added[name] = _count(value, "--add-" + name.replace("_", "-"), minimum=1)
+        cost_usd = amounts.get("cost_usd")
         if cost_usd is not None:
             added["cost_usd"] = str(_decimal(cost_usd, "--add-usd", positive=True))
         if not added:
@@ -461,4 +490,5 @@ __all__ = [
     "Prices",
     "RunBudget",
     "Spend",
+    "TopUp",
 ]

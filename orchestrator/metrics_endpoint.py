@@ -22,8 +22,9 @@ import asyncpg
 from prometheus_client import REGISTRY, make_wsgi_app
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.queries import query
+from orchestrator.db.run_reads import RunReads
 from orchestrator.db.sync_standby import SyncStandbyRequirement
+from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.telemetry import QueueGauges, install_sdk_from_env, shutdown_sdk
 
@@ -123,10 +124,10 @@ async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, log: Any) -> No
     while True:
         try:
             with anyio.fail_after(QueueGauges.SAMPLE_SECONDS):
-                gauges.queue = [dict(row) for row in await pool.fetch(query("queue_stats"))]
-                counts = await pool.fetchrow(query("effects_needing_people"))
-                if counts is not None:
-                    gauges.effects = dict(counts)
+                gauges.queue = await RunReads(pool).queue_stats()
+                counts = await EffectStore(pool).needing_people()
+                if counts:
+                    gauges.effects = counts
         except DATABASE_ERRORS as error:
             gauges.queue, gauges.effects = [], {}  # no series rather than stale ones
             log.warning("cannot sample the queue gauges", error=str(error) or type(error).__name__)

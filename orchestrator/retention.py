@@ -7,14 +7,15 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import anyio
 import asyncpg
 
 from orchestrator.db.executor import Executor
-from orchestrator.db.queries import query
+from orchestrator.db.purges import RETENTION_LOCK as RETENTION_LOCK  # re-exported
+from orchestrator.db.purges import Purged as Purged  # re-exported
+from orchestrator.db.purges import PurgeStore
 from orchestrator.errors import InvalidInput
 
 DEFAULT_RETENTION = "off"
@@ -29,9 +30,6 @@ PURGE_BATCHES_PER_ROUND = 20
 PURGE_PAUSE_RATIO = 1.0
 """After each batch a purge pauses this many times as long as the batch took, so that it takes
 at most half of the database's time from the workers running beside it."""
-RETENTION_LOCK = "orchestrator retention of schema "
-"""One worker at a time purges (a transaction-level advisory lock per schema, taken by each
-batch); the others skip their round."""
 
 AGE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
@@ -58,23 +56,14 @@ def parse_retention(text: str) -> timedelta | None:
     return parse_age(text, "--retention")
 
 
-@dataclass(frozen=True)
-class Purged:
-    runs: int
-    other_rows: int
-    """Events, transcript messages, effects, signals, budget rows deleted with them."""
-
-
 async def purgeable(db: Executor, cutoff: datetime) -> int:
     """How many runs a purge before ``cutoff`` would delete now."""
-    return int(await db.fetchval(query("count_purgeable"), cutoff))
+    return await PurgeStore(db).count(cutoff)
 
 
 async def purge_batch(db: Executor, cutoff: datetime, batch: int = PURGE_BATCH) -> Purged:
     """Delete one batch of finished runs older than ``cutoff`` (one short transaction)."""
-    record = await db.fetchrow(query("purge_finished"), cutoff, batch)
-    assert record is not None
-    return Purged(record["runs"], record["other_rows"])
+    return await PurgeStore(db).delete_batch(cutoff, batch)
 
 
 async def purge(
@@ -111,14 +100,10 @@ async def purge_round(pool: asyncpg.Pool, age: timedelta) -> Purged | None:
     for _ in range(PURGE_BATCHES_PER_ROUND):
         began = time.monotonic()
         async with pool.acquire() as connection, connection.transaction():
-            taken = await connection.fetchval(
-                "SELECT pg_try_advisory_xact_lock(hashtextextended($1 || current_schema(), 0))",
-                RETENTION_LOCK,
-            )
-            if not taken:
+            purges = PurgeStore(connection)
+            if not await purges.try_retention_lock():
                 return None if runs == 0 else Purged(runs, other)
-            now = await connection.fetchval("SELECT clock_timestamp()")
-            purged = await purge_batch(connection, now - age)
+            purged = await purges.delete_batch(await purges.clock() - age, PURGE_BATCH)
         runs, other = runs + purged.runs, other + purged.other_rows
         if purged.runs < PURGE_BATCH:
             break

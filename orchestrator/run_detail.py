@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from orchestrator.attempts import Attempt, recent_attempts
-from orchestrator.budgets import BudgetState, BudgetStore
-from orchestrator.db.store import RunStore
+from orchestrator.budgets import BudgetState
+from orchestrator.db.stores import Stores
 from orchestrator.effects.model import EffectRecord
-from orchestrator.effects.store import EffectStore
 from orchestrator.models import Message, Run, RunEvent
-from orchestrator.signals import Signal, SignalStore
+from orchestrator.signals import Signal
 
 DEFAULT_EVENTS = 100
 """Timeline events shown unless asked for more (the newest)."""
@@ -52,25 +51,27 @@ class RunDetail:
 
 
 async def load_run_detail(
-    store: RunStore, run_id: str, *, events: int = DEFAULT_EVENTS
+    stores: Stores, run_id: str, *, events: int = DEFAULT_EVENTS
 ) -> RunDetail:
-    """One run as its pages show it; ``RunNotFound`` / ``InvalidInput`` for a bad id."""
-    run = await store.get(run_id)
-    newest, total = await store.events_tail(run_id, events)
-    _, claims = await store.events_tail(run_id, 1, kinds=["claimed"])
-    stale, _ = await store.events_tail(run_id, STALE_REFUSALS_SHOWN, kinds=["stale_fence_rejected"])
+    """One run as its pages show it; ``RunNotFound`` / ``InvalidInput`` for a bad id. The one
+    entry point of ``runs show``, the console's run page and ``client.runs.detail``."""
+    runs = stores.runs
+    run = await runs.get(run_id)
+    newest, total = await runs.events_tail(run_id, events)
+    _, claims = await runs.events_tail(run_id, 1, kinds=["claimed"])
+    stale, _ = await runs.events_tail(run_id, STALE_REFUSALS_SHOWN, kinds=["stale_fence_rejected"])
     return RunDetail(
         run=run,
         events=newest,
         events_total=total,
         claims=claims,
-        attempts=await recent_attempts(store, run_id),
+        attempts=await recent_attempts(runs, run_id),
         stale_refusals=stale,
-        messages=await store.messages(run_id),
-        effects=await EffectStore(store.pool).list_effects(run_id=run_id, limit=EFFECTS_SHOWN),
-        signals=await SignalStore(store.pool).history(run_id, newest=SIGNALS_SHOWN),
-        budget=await BudgetStore(store.pool).get(run_id),
-        now=await store.database_now(),
+        messages=await runs.messages(run_id),
+        effects=await stores.effects.list_effects(run_id=run_id, limit=EFFECTS_SHOWN),
+        signals=await stores.signals.history(run_id, newest=SIGNALS_SHOWN),
+        budget=await stores.budgets.get(run_id),
+        now=await runs.database_now(),
     )
 
 

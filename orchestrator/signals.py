@@ -21,7 +21,7 @@ from orchestrator.db.queries import query
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
 from orchestrator.ids import validate_run_id
 from orchestrator.jsontext import compact, utf8_size
-from orchestrator.models import JSON, Row
+from orchestrator.models import JSON, Lease, Row
 from orchestrator.storable import check_json, check_text
 
 if TYPE_CHECKING:
@@ -123,6 +123,17 @@ class SignalStore:
                 "for a new signal"
             )
         return SentSignal(signal, created=False)
+
+    async def consume(self, consumed: Sequence[tuple[Lease, Sequence[int]]]) -> None:
+        """In a commit's transaction (``db`` is its connection): the signals each step was
+        given are consumed, by the fence that committed it."""
+        rows = [(lease, seq) for lease, seqs in consumed for seq in seqs]
+        await self.db.execute(
+            query("consume_signals"),
+            [lease.run_id for lease, _ in rows],
+            [seq for _, seq in rows],
+            [lease.fence for lease, _ in rows],
+        )
 
     async def pending(self, run_id: str, awaited: Sequence[str] = ()) -> tuple[Signal, ...]:
         """The run's unconsumed signals (at most 100), in the order they came; those named in

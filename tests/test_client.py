@@ -20,19 +20,21 @@ import anyio
 import asyncpg
 import pytest
 
-import orchestrator.client
+import orchestrator.run_waiter
 from orchestrator import (
     Client,
     DatabaseError,
     DatabaseUnavailable,
     InvalidInput,
+    InvalidTransition,
     RunNotFound,
     SyncClient,
 )
 from orchestrator.agents.noop import noop
 from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.store import EffectNotFound
 from orchestrator.loopback import LocalVendor, ScriptedModelServer
-from orchestrator.models import RunState
+from orchestrator.models import Run, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
 from test_waits import FAST, replies
@@ -45,7 +47,7 @@ async def test_submit_is_idempotent_and_wait_is_woken_by_the_final_commit(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With the safety-net re-read pushed out of reach, only the NOTIFY can end the wait.
-    monkeypatch.setattr(orchestrator.client, "RECHECK_SECONDS", 3600.0)
+    monkeypatch.setattr(orchestrator.run_waiter, "RECHECK_SECONDS", 3600.0)
     async with await Client.connect(settings) as client:
         first = await client.submit("noop", {"n": 1}, idempotency_key="order-17")
         again = await client.submit("noop", {"n": 1}, idempotency_key="order-17")
@@ -77,15 +79,21 @@ async def test_wait_times_out_cancel_ends_it_and_errors_are_clear(settings: Sett
             await client.submit("noop", {}, at=ended[0].created_at, delay_seconds=1)
 
 
+async def waiting_replies_run(client: Client, *, within: float) -> Run:
+    """A run of ``replies`` once it waits for a signal (a worker must be running)."""
+    run = await client.submit("replies", {})
+    with anyio.fail_after(within):
+        while (await client.get(run.run_id)).state is not RunState.WAITING:  # noqa: ASYNC110
+            await anyio.sleep(0.05)
+    return run
+
+
 async def test_a_signal_from_the_client_wakes_the_run(settings: Settings) -> None:
     async with (
         await Client.connect(settings) as client,
         running_worker(settings, [replies], **FAST),
     ):
-        run = await client.submit("replies", {})
-        with anyio.fail_after(60):
-            while (await client.get(run.run_id)).state is not RunState.WAITING:  # noqa: ASYNC110
-                await anyio.sleep(0.05)
+        run = await waiting_replies_run(client, within=60)
         signal = await client.signal(run.run_id, "reply", {"ok": True}, idempotency_key="k")
         assert signal.seq >= 1
         done = await client.wait(run.run_id, within=60)
@@ -200,10 +208,7 @@ async def test_a_signal_without_data_reaches_the_run_as_null(settings: Settings)
         await Client.connect(settings) as client,
         running_worker(settings, [replies], **FAST),
     ):
-        run = await client.submit("replies", {})
-        with anyio.fail_after(10):
-            while (await client.get(run.run_id)).state is not RunState.WAITING:  # noqa: ASYNC110
-                await anyio.sleep(0.05)
+        run = await waiting_replies_run(client, within=10)
         signal = await client.signal(run.run_id, "reply")
         assert signal.data is None
         done = await client.wait(run.run_id, within=20)
@@ -334,3 +339,105 @@ async def test_a_start_time_out_of_range_is_refused(settings: Settings) -> None:
         earlier = await client.submit("noop", {}, at=datetime(2020, 1, 1, tzinfo=UTC))
         assert earlier.available_at is not None
         assert earlier.available_at.year == 2020  # in the past: due at once
+
+
+# -- the feature handles -------------------------------------------------------------------------
+async def test_the_runs_handle_submits_lists_details_and_cancels(settings: Settings) -> None:
+    async with await Client.connect(settings) as client:
+        run = await client.runs.submit("nobody_serves_this", {"n": 1}, idempotency_key="h-1")
+        assert (await client.runs.get(run.run_id)).state is RunState.QUEUED
+        assert [r.run_id for r in await client.runs.list(agent="nobody_serves_this")] == [
+            run.run_id
+        ]
+        assert await client.runs.list(state=RunState.SUCCEEDED) == []
+        detail = await client.runs.detail(run.run_id)
+        assert detail.run.run_id == run.run_id and detail.events_total >= 1
+        assert detail.budget is None and detail.signals == [] and detail.effects == []
+        cancelled = await client.runs.cancel(run.run_id, reason="handle test")
+        assert cancelled.state is RunState.CANCELLED
+        assert (await client.runs.wait(run.run_id, within=5)).state is RunState.CANCELLED
+        # Unknown run ids and bad input are refused, and nothing changes.
+        for call in (client.runs.get, client.runs.detail, client.runs.cancel):
+            with pytest.raises(RunNotFound):
+                await call("r_missing")
+        with pytest.raises(InvalidInput, match="limit"):
+            await client.runs.list(limit=0)
+        with pytest.raises(InvalidInput):
+            await client.runs.submit("nobody_serves_this", ["not", "an", "object"])
+        assert len(await client.runs.list()) == 1
+
+
+async def test_the_signals_and_budgets_handles(settings: Settings) -> None:
+    async with await Client.connect(settings) as client:
+        run = await client.runs.submit("nobody_serves_this", {})
+        sent = await client.signals.send(run.run_id, "reply", {"ok": True}, idempotency_key="s")
+        [(listed, consumed_at, fence)] = await client.signals.list(run.run_id)
+        assert listed == sent and consumed_at is None and fence is None
+        with pytest.raises(RunNotFound):
+            await client.signals.send("r_missing", "reply")
+        with pytest.raises(RunNotFound):
+            await client.signals.list("r_missing")
+        with pytest.raises(InvalidInput, match="malformed signal name"):
+            await client.signals.send(run.run_id, "no spaces please")
+        assert len(await client.signals.list(run.run_id)) == 1  # the refused one stored nothing
+
+        assert await client.budgets.get(run.run_id) is None
+        assert await client.budgets.ledger(run.run_id) == []
+        with pytest.raises(InvalidTransition, match="has no budget"):
+            await client.budgets.top_up(run.run_id, cost_usd="1.50")
+        with pytest.raises(InvalidInput, match="nothing to add"):
+            await client.budgets.top_up(run.run_id)
+        with pytest.raises(InvalidInput):
+            await client.budgets.get("not a run id")
+
+
+async def test_the_effects_and_approvals_handles_refuse_what_does_not_exist(
+    settings: Settings,
+) -> None:
+    async with await Client.connect(settings) as client:
+        run = await client.runs.submit("nobody_serves_this", {})
+        assert await client.effects.list(run_id=run.run_id) == []
+        assert await client.approvals.list() == []
+        assert await client.approvals() == []  # the flat method of earlier releases
+        with pytest.raises(EffectNotFound):
+            await client.effects.get(run.run_id, "refund")
+        with pytest.raises(EffectNotFound):
+            await client.effects.resolve(run.run_id, "refund", sent=True, by="ana")
+        with pytest.raises(EffectNotFound):
+            await client.approvals.approve(run.run_id, "refund", by="ana", payload_sha256="a" * 64)
+        with pytest.raises(InvalidInput, match="--hash"):
+            await client.approvals.deny(run.run_id, "refund", by="ana", payload_sha256="short")
+        with pytest.raises(InvalidInput, match="limit"):
+            await client.effects.list(limit=0)
+
+
+async def test_the_ops_handle_shows_the_queue_and_purges_by_age(settings: Settings) -> None:
+    async with await Client.connect(settings) as client:
+        run = await client.runs.submit("nobody_serves_this", {})
+        [row] = await client.ops.queue_stats()
+        assert row["agent"] == "nobody_serves_this" and row["queued"] == 1
+        assert await client.ops.workers() == []
+        await client.runs.cancel(run.run_id)
+        assert await client.ops.purgeable(timedelta(days=1)) == 0  # finished just now
+        assert (await client.ops.purge(timedelta(days=1))).runs == 0
+        with pytest.raises(InvalidInput, match="above 0"):
+            await client.ops.purge(timedelta(0))
+        with pytest.raises(InvalidInput, match="batch"):
+            await client.ops.purge(timedelta(days=1), batch=0)
+        assert (await client.runs.get(run.run_id)).state is RunState.CANCELLED  # still there
+
+
+def test_the_sync_client_has_the_same_handles(settings: Settings) -> None:
+    with SyncClient(settings) as client:
+        run = client.runs.submit("nobody_serves_this", {})
+        assert client.runs.detail(run.run_id).run.run_id == run.run_id
+        assert [r.run_id for r in client.runs.list()] == [run.run_id]
+        assert client.approvals() == [] and client.approvals.list(run_id=run.run_id) == []
+        assert client.effects.list() == []
+        client.signals.send(run.run_id, "reply")
+        assert len(client.signals.list(run.run_id)) == 1
+        assert client.budgets.get(run.run_id) is None
+        assert client.ops.queue_stats()[0]["queued"] == 1
+        with pytest.raises(RunNotFound):
+            client.runs.get("r_missing")
+        assert client.cancel(run.run_id).state is RunState.CANCELLED  # a flat method

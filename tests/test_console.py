@@ -200,6 +200,13 @@ async def awaiting_approval(store: RunStore, pool: asyncpg.Pool, payload: Any) -
     return run.run_id
 
 
+async def until_event(store: RunStore, run_id: str, kind: str, *, poll: float) -> None:
+    """Until the run's timeline holds an event of ``kind`` (at most a minute)."""
+    with anyio.fail_after(60):
+        while not await events_of(store, run_id, kind):  # noqa: ASYNC110
+            await anyio.sleep(poll)
+
+
 # -- the SIGSTOP story ----------------------------------------------------------------------
 async def test_the_sigstop_story_reads_as_two_attempts_one_refusal_one_send_each(
     database_url: str,
@@ -219,16 +226,12 @@ async def test_the_sigstop_story_reads_as_two_attempts_one_refusal_one_send_each
             ).run.run_id
             other = (await store.submit("sleepy", {"steps": 1})).run.run_id  # filtered out
             with ServeProcess(database_url, *args, name="A") as worker_a:
-                with anyio.fail_after(60):
-                    while not await events_of(store, run_id, "claimed"):  # noqa: ASYNC110
-                        await anyio.sleep(0.02)
+                await until_event(store, run_id, "claimed", poll=0.02)
                 worker_a.signal(signal.SIGSTOP)
                 with ServeProcess(database_url, *args, name="B"):
                     final = await wait_for_run(store, run_id, within=40)
                 worker_a.signal(signal.SIGCONT)
-                with anyio.fail_after(60):
-                    while not await events_of(store, run_id, "lease_lost"):  # noqa: ASYNC110
-                        await anyio.sleep(0.05)
+                await until_event(store, run_id, "lease_lost", poll=0.05)
             async with pool.acquire() as db:  # A, stale, asks anyway
                 stale = await EffectStore(pool).accept(
                     db, run_id, 1, Effect("notice-email", "email", {"to": "x@y.z"}), worker_id="A"

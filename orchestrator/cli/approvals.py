@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, json_option, print_found, stdout
-from orchestrator.db.bootstrap import open_store
-from orchestrator.effects.approvals import ApprovalStore, Decision
-from orchestrator.effects.store import EffectStore
+from orchestrator.cli.support import (
+    async_command,
+    effect_arguments,
+    json_option,
+    print_found,
+    stdout,
+)
+from orchestrator.db.bootstrap import open_stores
+from orchestrator.effects.approvals import Decision
 from orchestrator.presentation import approvals_table, dump_json, effects_table
 from orchestrator.settings import Settings
 
@@ -24,21 +29,20 @@ def approvals() -> None:
 @async_command
 async def approvals_list(settings: Settings, run_id: str | None, limit: int, as_json: bool) -> None:
     """List effects awaiting approval, oldest first."""
-    async with open_store(settings) as store:
-        found = await ApprovalStore(store.pool).pending(run_id=run_id, limit=limit)
+    async with open_stores(settings) as stores:
+        found = await stores.approvals.pending(run_id=run_id, limit=limit)
     print_found(found, as_json, approvals_table, "nothing awaits approval")
 
 
 @approvals.command("show")
-@click.argument("run_id")
-@click.argument("effect_key")
+@effect_arguments
 @json_option()
 @async_command
 async def approvals_show(settings: Settings, run_id: str, effect_key: str, as_json: bool) -> None:
     """Show what approving RUN_ID's EFFECT_KEY would send: its payload and the payload's hash."""
-    async with open_store(settings) as store:
-        effect = await EffectStore(store.pool).get(run_id, effect_key)
-        run = await store.get(run_id)
+    async with open_stores(settings) as stores:
+        effect = await stores.effects.get(run_id, effect_key)
+        run = await stores.runs.get(run_id)
     if as_json:
         stdout.print_json(dump_json({"effect": effect, "run_fence": run.fence}))
         return
@@ -55,8 +59,7 @@ def _decide(decision: Decision) -> click.Command:
     verb = "approve" if decision is Decision.APPROVED else "deny"
 
     @click.command(verb)
-    @click.argument("run_id")
-    @click.argument("effect_key")
+    @effect_arguments
     @click.option("--by", required=True, help="Who decides (recorded in the timeline).")
     @click.option("--note", help="Why (the model is told a denial's note).")
     @click.option(
@@ -79,8 +82,8 @@ def _decide(decision: Decision) -> click.Command:
         fence: int | None,
         as_json: bool,
     ) -> None:
-        async with open_store(settings) as store:
-            decided = await ApprovalStore(store.pool).decide(
+        async with open_stores(settings) as stores:
+            decided = await stores.approvals.decide(
                 run_id,
                 effect_key,
                 decision,

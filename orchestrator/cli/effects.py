@@ -8,10 +8,15 @@ import getpass
 import click
 
 from orchestrator.cli.effects_processes import effects_dispatch, effects_serve
-from orchestrator.cli.support import async_command, json_option, print_found, stdout
-from orchestrator.db.bootstrap import open_store
+from orchestrator.cli.support import (
+    async_command,
+    effect_arguments,
+    json_option,
+    print_found,
+    stdout,
+)
+from orchestrator.db.bootstrap import open_stores
 from orchestrator.effects.model import EffectStatus
-from orchestrator.effects.store import EffectStore
 from orchestrator.presentation import dump_json, effects_table
 from orchestrator.settings import Settings
 
@@ -31,22 +36,21 @@ async def effects_list(
     settings: Settings, run_id: str | None, status: str | None, limit: int, as_json: bool
 ) -> None:
     """List effect records, newest first."""
-    async with open_store(settings) as store:
-        found = await EffectStore(store.pool).list_effects(
+    async with open_stores(settings) as stores:
+        found = await stores.effects.list_effects(
             run_id=run_id, status=EffectStatus(status) if status else None, limit=limit
         )
     print_found(found, as_json, effects_table, "no effects match")
 
 
 @effects.command("show")
-@click.argument("run_id")
-@click.argument("effect_key")
+@effect_arguments
 @json_option()
 @async_command
 async def effects_show(settings: Settings, run_id: str, effect_key: str, as_json: bool) -> None:
     """Show one effect record."""
-    async with open_store(settings) as store:
-        effect = await EffectStore(store.pool).get(run_id, effect_key)
+    async with open_stores(settings) as stores:
+        effect = await stores.effects.get(run_id, effect_key)
     if as_json:
         stdout.print_json(dump_json(effect))
     else:
@@ -54,8 +58,7 @@ async def effects_show(settings: Settings, run_id: str, effect_key: str, as_json
 
 
 @effects.command("resolve")
-@click.argument("run_id")
-@click.argument("effect_key")
+@effect_arguments
 @click.option("--sent", "decision", flag_value="sent", help="It reached the vendor: confirm it.")
 @click.option("--not-sent", "decision", flag_value="not-sent", help="It did not: send it again.")
 @click.option("--external-id", help="The vendor's id for it, when --sent.")
@@ -77,8 +80,8 @@ async def effects_resolve(
     """Decide a parked effect after checking with the vendor by hand."""
     if decision is None:
         raise click.UsageError("say what you found: --sent or --not-sent")
-    async with open_store(settings) as store:
-        effect = await EffectStore(store.pool).resolve(
+    async with open_stores(settings) as stores:
+        effect = await stores.effects.resolve(
             run_id, effect_key, sent=decision == "sent", by=by, external_id=external_id
         )
     stdout.print(f"{run_id} {effect_key}: {effect.status.value} (by {by})", markup=False)

@@ -7,7 +7,7 @@ import time
 import click
 
 from orchestrator.cli.support import async_command, json_option, stderr, stdout
-from orchestrator.db.bootstrap import open_store
+from orchestrator.db.bootstrap import open_stores
 from orchestrator.presentation import dump_json
 from orchestrator.retention import (
     PURGE_BATCH,
@@ -15,7 +15,6 @@ from orchestrator.retention import (
     Purged,
     parse_age,
     purge,
-    purgeable,
 )
 from orchestrator.settings import Settings
 
@@ -57,10 +56,10 @@ async def runs_purge(
     their events, transcripts, effects, signals and budgets. Runs with an effect not yet settled
     are kept. Safe while workers run: batches skip rows others hold."""
     age = parse_age(older_than)
-    async with open_store(settings) as store:
-        cutoff = await store.database_now() - age
+    async with open_stores(settings) as stores:
+        cutoff = await stores.runs.database_now() - age
         if dry_run:
-            count = await purgeable(store.pool, cutoff)
+            count = await stores.purges.count(cutoff)
             result: dict[str, object] = {"dry_run": True, "cutoff": cutoff, "runs": count}
         else:
             shown = [time.monotonic()]
@@ -71,7 +70,7 @@ async def runs_purge(
                     stderr.print(f"purged {total.runs:,} runs so far")
 
             purged = await purge(
-                store.pool, cutoff, batch=batch, pause_ratio=pause_ratio, progress=show
+                stores.pool, cutoff, batch=batch, pause_ratio=pause_ratio, progress=show
             )
             result = {
                 "dry_run": False,

@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.cli.support import async_command, json_option, print_found
-from orchestrator.db.bootstrap import open_store
-from orchestrator.db.queries import query
+from orchestrator.db.bootstrap import open_stores
 from orchestrator.presentation import queue_table
 from orchestrator.settings import Settings
 
@@ -21,6 +20,6 @@ def queue() -> None:
 @async_command
 async def queue_stats(settings: Settings, as_json: bool) -> None:
     """Per agent: runs queued, due now, running, waiting, and the oldest due run's age."""
-    async with open_store(settings) as store:
-        rows = [dict(row) for row in await store.pool.fetch(query("queue_stats"))]
+    async with open_stores(settings) as stores:
+        rows = await stores.runs.queue_stats()
     print_found(rows, as_json, queue_table, "no queued, running or waiting runs")

@@ -3,25 +3,38 @@ console lists runs with the same filters."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from orchestrator.cli.support import parse_time, stderr, stdout
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.store import RunStore
+from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.models import Run, RunState
 from orchestrator.presentation import dump_json
 from orchestrator.retention import AGE_PATTERN, parse_age
 
-F = TypeVar("F", bound=Callable[..., Any])
 
+def filter_options(command: Callable[..., None]) -> Callable[..., None]:
+    """``--state`` (repeatable), ``--agent``, ``--since`` and ``--until``, which the command
+    receives as one ``selection: RunSelection``, then ``--limit`` and ``--all``."""
 
-def filter_options(command: F) -> F:
-    """``--state`` (repeatable), ``--agent``, ``--since``, ``--until``, ``--limit``."""
+    @functools.wraps(command)
+    def selecting(
+        *args: Any,
+        states: tuple[str, ...],
+        agent: str | None,
+        since: str | None,
+        until: str | None,
+        **kwargs: Any,
+    ) -> None:
+        command(*args, selection=RunSelection(states, agent, since, until), **kwargs)
+
     for option in reversed(
         (
             click.option(
@@ -45,8 +58,8 @@ def filter_options(command: F) -> F:
             ),
         )
     ):
-        command = option(command)
-    return command
+        selecting = option(selecting)
+    return selecting
 
 
 def parse_when(raw: str, option: str, now: datetime) -> datetime:
@@ -63,42 +76,42 @@ def parse_when(raw: str, option: str, now: datetime) -> datetime:
     return parse_time(raw, option)
 
 
-def check_target(
-    run_id: str | None,
-    states: tuple[str, ...],
-    agent: str | None,
-    since: str | None,
-    until: str | None,
-    every: bool,
-    dry: bool,
-) -> None:
+@dataclass(frozen=True)
+class RunSelection:
+    """Which runs a listing or a bulk action means: states, agent and submission window (an
+    ISO 8601 time or an age back from the database's clock); empty, it selects every run."""
+
+    states: tuple[str, ...] = ()
+    agent: str | None = None
+    since: str | None = None
+    until: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.states or self.agent or self.since or self.until)
+
+
+def check_target(run_id: str | None, selection: RunSelection, every: bool, dry: bool) -> None:
     """One run, or filters (or ``--all``), never both and never neither: a bulk action with an
     empty RUN_ID variable must not act on every run."""
-    filtered = bool(states or agent or since or until)
     if run_id is None:
-        if not (filtered or every):
+        if not (selection.active or every):
             raise InvalidInput(
                 "give a RUN_ID, or filters (--state, --agent, --since, --until), or --all"
             )
         return
-    if filtered or every or dry:
+    if selection.active or every or dry:
         raise InvalidInput(
             "give a RUN_ID or filters (--state, --agent, --since, --until), not both"
         )
 
 
-async def select_runs(
-    store: RunStore,
-    states: tuple[str, ...],
-    agent: str | None,
-    since: str | None,
-    until: str | None,
-    limit: int,
-) -> list[Run]:
-    now = await store.database_now()
-    return await store.list_runs(
-        state=[RunState(state) for state in states] or None,
-        agent=agent,
+async def select_runs(runs: RunReads, selection: RunSelection, limit: int) -> list[Run]:
+    now = await runs.database_now()
+    since, until = selection.since, selection.until
+    return await runs.list_runs(
+        state=[RunState(state) for state in selection.states] or None,
+        agent=selection.agent,
         limit=limit,
         submitted_after=None if since is None else parse_when(since, "--since", now),
         submitted_before=None if until is None else parse_when(until, "--until", now),
@@ -106,11 +119,8 @@ async def select_runs(
 
 
 async def bulk(
-    store: RunStore,
-    states: tuple[str, ...],
-    agent: str | None,
-    since: str | None,
-    until: str | None,
+    runs: RunReads,
+    selection: RunSelection,
     limit: int,
     *,
     dry_run: bool,
@@ -120,7 +130,7 @@ async def bulk(
 ) -> None:
     """Apply ``act`` to every run the filters select (or, ``dry_run``, only list them). A run
     that moved on meanwhile (finished, already requeued) is reported and skipped."""
-    targets = await select_runs(store, states, agent, since, until, limit)
+    targets = await select_runs(runs, selection, limit)
     done: list[str] = []
     skipped: list[dict[str, str]] = []
     failed: str | None = None

@@ -10,7 +10,7 @@ import anyio
 import click
 
 from orchestrator.cli.support import stdout
-from orchestrator.db.store import RunStore
+from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import OrchestratorError
 from orchestrator.presentation import event_line, jsonable
 
@@ -20,7 +20,7 @@ WATCH_ID_MARGIN = 10_000
 
 
 async def watch(
-    store: RunStore, run_id: str, *, give_up_after: float | None, as_json: bool
+    store: RunReads, run_id: str, *, give_up_after: float | None, as_json: bool
 ) -> None:
     """Poll the run's timeline (4 times a second) and print what is new until the run ends."""
     started = time.monotonic()

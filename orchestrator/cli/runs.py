@@ -3,16 +3,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from orchestrator.cli.purge import runs_purge
-from orchestrator.cli.run_filters import bulk, check_target, filter_options, select_runs
+from orchestrator.cli.run_filters import (
+    RunSelection,
+    bulk,
+    check_target,
+    filter_options,
+    select_runs,
+)
 from orchestrator.cli.run_watch import watch
 from orchestrator.cli.support import async_command, json_option, print_found, stderr, stdout
 from orchestrator.cli.waits import runs_budget, runs_signal
-from orchestrator.db.bootstrap import open_store
+from orchestrator.db.bootstrap import open_stores
 from orchestrator.errors import InvalidInput
-from orchestrator.models import RunState
+from orchestrator.models import Run, RunState
 from orchestrator.presentation import (
     budget_table,
     conversation_table,
@@ -56,9 +64,9 @@ async def runs_list(
     as_json: bool,
 ) -> None:
     """List runs, newest first."""
-    async with open_store(settings) as store:
-        found = await select_runs(store, states, agent, since, until, limit)
-        now = await store.database_now()
+    async with open_stores(settings) as stores:
+        found = await select_runs(stores.runs, RunSelection(states, agent, since, until), limit)
+        now = await stores.runs.database_now()
     print_found(found, as_json, lambda rows: runs_table(rows, now), "no runs match")
 
 
@@ -77,8 +85,8 @@ async def runs_list(
 async def runs_show(settings: Settings, run_id: str, as_json: bool, events_shown: int) -> None:
     """Show a run: state, fence, owner, lease expiry, checkpoint, attempts, the newest timeline
     events and the conversation."""
-    async with open_store(settings) as store:
-        detail = await load_run_detail(store, run_id, events=events_shown)
+    async with open_stores(settings) as stores:
+        detail = await load_run_detail(stores, run_id, events=events_shown)
     if as_json:
         click.echo(  # up to 10,000 events: no highlighting pass
             dump_json(
@@ -136,9 +144,9 @@ async def runs_events(
 ) -> None:
     """Page through a run's timeline, oldest first: a page of --limit events after --after.
     The last line on stderr says how to ask for the next page."""
-    async with open_store(settings) as store:
-        await store.get(run_id)  # RunNotFound for an unknown run, not an empty page
-        events = await store.events(run_id, after=after, limit=limit)
+    async with open_stores(settings) as stores:
+        await stores.runs.get(run_id)  # RunNotFound for an unknown run, not an empty page
+        events = await stores.runs.events(run_id, after=after, limit=limit)
     if as_json:
         click.echo(dump_json(events))  # a page can be megabytes: no highlighting pass
     else:
@@ -162,10 +170,7 @@ async def runs_events(
 async def runs_cancel(
     settings: Settings,
     run_id: str | None,
-    states: tuple[str, ...],
-    agent: str | None,
-    since: str | None,
-    until: str | None,
+    selection: RunSelection,
     limit: int,
     every: bool,
     reason: str | None,
@@ -174,25 +179,20 @@ async def runs_cancel(
 ) -> None:
     """Cancel a run (or, with filters instead of RUN_ID, every matching unfinished run) and raise
     its fence, so its current owner can no longer act."""
-    async with open_store(settings) as store:
-        check_target(run_id, states, agent, since, until, every, dry_run)
+    check_target(run_id, selection, every, dry_run)
+    async with open_stores(settings) as stores:
+        store = stores.runs
         if run_id is not None:
             run = await store.cancel(run_id, reason=reason)
-            if as_json:
-                stdout.print_json(dump_json(run))
-            else:
-                stdout.print(f"cancelled {run.run_id} (fence now {run.fence})", markup=False)
+            print_acted_on(run, as_json, f"cancelled {run.run_id} (fence now {run.fence})")
             return
-        wanted = states or ("queued", "running", "waiting")
-        unfinished = [state for state in wanted if not RunState(state).terminal]
+        wanted = selection.states or ("queued", "running", "waiting")
+        unfinished = tuple(state for state in wanted if not RunState(state).terminal)
         if not unfinished:
             raise InvalidInput("only queued, running or waiting runs can be cancelled")
         await bulk(
             store,
-            tuple(unfinished),
-            agent,
-            since,
-            until,
+            dataclasses.replace(selection, states=unfinished),
             limit,
             dry_run=dry_run,
             as_json=as_json,
@@ -210,10 +210,7 @@ async def runs_cancel(
 async def runs_retry(
     settings: Settings,
     run_id: str | None,
-    states: tuple[str, ...],
-    agent: str | None,
-    since: str | None,
-    until: str | None,
+    selection: RunSelection,
     limit: int,
     every: bool,
     dry_run: bool,
@@ -221,23 +218,18 @@ async def runs_retry(
 ) -> None:
     """Requeue a dead-lettered run (or, with filters instead of RUN_ID, every matching dead run)
     with a fresh set of attempts."""
-    async with open_store(settings) as store:
-        check_target(run_id, states, agent, since, until, every, dry_run)
+    check_target(run_id, selection, every, dry_run)
+    async with open_stores(settings) as stores:
+        store = stores.runs
         if run_id is not None:
             run = await store.retry(run_id)
-            if as_json:
-                stdout.print_json(dump_json(run))
-            else:
-                stdout.print(f"requeued {run.run_id}", markup=False)
+            print_acted_on(run, as_json, f"requeued {run.run_id}")
             return
-        if states and set(states) != {"dead"}:
+        if selection.states and set(selection.states) != {"dead"}:
             raise InvalidInput("only dead runs can be retried: drop --state or use dead")
         await bulk(
             store,
-            ("dead",),
-            agent,
-            since,
-            until,
+            dataclasses.replace(selection, states=("dead",)),
             limit,
             dry_run=dry_run,
             as_json=as_json,
@@ -261,8 +253,16 @@ async def runs_watch(
 ) -> None:
     """Print a run's timeline as it happens; end when the run ends (exit 0), or at --timeout
     (exit 1)."""
-    async with open_store(settings) as store:
-        await watch(store, run_id, give_up_after=give_up_after, as_json=as_json)
+    async with open_stores(settings) as stores:
+        await watch(stores.runs, run_id, give_up_after=give_up_after, as_json=as_json)
+
+
+def print_acted_on(run: Run, as_json: bool, done: str) -> None:
+    """What a single-run action left: the run as JSON, or one line saying what was done."""
+    if as_json:
+        stdout.print_json(dump_json(run))
+    else:
+        stdout.print(done, markup=False)
 
 
 runs.add_command(runs_signal)

@@ -13,8 +13,7 @@ from orchestrator.cli.support import (
     stdout,
 )
 from orchestrator.client import start_time
-from orchestrator.db.bootstrap import open_store
-from orchestrator.db.store import WorkerRegistry
+from orchestrator.db.bootstrap import open_stores
 from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 
@@ -56,7 +55,8 @@ async def submit(
         raise click.UsageError("give --at or --delay, not both")
     payload = read_input(input_)
     moment = parse_time(at, "--at") if at is not None else None
-    async with open_store(settings) as store:
+    async with open_stores(settings) as stores:
+        store = stores.runs
         start = None
         if moment is not None or delay is not None:
             now = await store.database_now()
@@ -75,7 +75,7 @@ async def submit(
             max_attempts=max_attempts,
             not_before=start,
         )
-        served = await WorkerRegistry().served_agents(store.pool)
+        served = await stores.workers.served_agents(stores.pool)
     if agent not in served:
         # Not an error: runs may be queued before any worker starts. But a typo would wait
         # forever, so say what the live workers serve.

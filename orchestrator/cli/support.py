@@ -52,6 +52,11 @@ def json_option(help: str | None = None) -> Callable[[F], F]:
     return click.option("--json", "as_json", is_flag=True, help=help)
 
 
+def effect_arguments(command: F) -> F:
+    """RUN_ID and EFFECT_KEY, the two arguments naming one effect record."""
+    return click.argument("run_id")(click.argument("effect_key")(command))
+
+
 def print_found(
     found: Sequence[T],
     as_json: bool,

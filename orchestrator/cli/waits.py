@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.budgets import BudgetStore
 from orchestrator.cli.support import async_command, json_option, read_json_option, stderr, stdout
-from orchestrator.db.bootstrap import open_store
+from orchestrator.db.bootstrap import open_stores
 from orchestrator.errors import InvalidTransition
 from orchestrator.presentation import budget_table, dump_json, ledger_table
 from orchestrator.settings import Settings
-from orchestrator.signals import SignalStore
 
 
 @click.command("signal")
@@ -32,10 +30,8 @@ async def runs_signal(
     value = read_json_option(
         data, "--data", example='give JSON such as \'{"text": "yes"}\' or null, or @file.json'
     )
-    async with open_store(settings) as store:
-        sent = await SignalStore(store.pool).send(
-            run_id, name, value, idempotency_key=idempotency_key
-        )
+    async with open_stores(settings) as stores:
+        sent = await stores.signals.send(run_id, name, value, idempotency_key=idempotency_key)
     if not sent.created:
         stderr.print(f"idempotency key matched signal #{sent.signal.seq}; nothing new was stored")
     if as_json:
@@ -71,9 +67,9 @@ async def runs_budget(
         value is not None
         for value in (add_usd, add_turns, add_tool_calls, add_input_tokens, add_output_tokens)
     )
-    async with open_store(settings) as store:
-        budgets = BudgetStore(store.pool)
-        await store.get(run_id)  # a clear error for an unknown run
+    async with open_stores(settings) as stores:
+        budgets = stores.budgets
+        await stores.runs.get(run_id)  # a clear error for an unknown run
         if topping_up:
             state = await budgets.top_up(
                 run_id,

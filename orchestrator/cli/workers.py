@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.cli.support import async_command, json_option, print_found
-from orchestrator.db.bootstrap import open_store
-from orchestrator.db.store import WorkerRegistry
+from orchestrator.db.bootstrap import open_stores
 from orchestrator.presentation import workers_table
 from orchestrator.settings import Settings
 
@@ -22,7 +21,7 @@ def workers() -> None:
 async def workers_list(settings: Settings, as_json: bool) -> None:
     """Registered workers: alive (their database session holds its liveness lock) or dead,
     the runs each holds, and when it last renewed or committed one."""
-    async with open_store(settings) as store:
-        found = await WorkerRegistry(settings.schema).list_workers(store.pool)
-        now = await store.database_now()
+    async with open_stores(settings) as stores:
+        found = await stores.workers.list_workers(stores.pool)
+        now = await stores.runs.database_now()
     print_found(found, as_json, lambda rows: workers_table(rows, now), "no workers registered")

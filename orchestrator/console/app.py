@@ -27,9 +27,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.store import RunStore
-from orchestrator.effects.approvals import ApprovalStore, Decision
-from orchestrator.effects.store import EffectNotFound, EffectStore
+from orchestrator.db.stores import Stores
+from orchestrator.effects.approvals import Decision
+from orchestrator.effects.store import EffectNotFound
 from orchestrator.errors import InvalidInput, OrchestratorError, RunNotFound
 
 from . import views
@@ -91,7 +91,7 @@ def _when(value: Any) -> str | Markup:
 
 
 def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
-    store = RunStore(pool)
+    stores = Stores(pool, schema=config.schema)
     templates = _templates()
     auth = config.auth
     flash_key = secrets.token_bytes(32)
@@ -170,24 +170,24 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     @page
     async def runs(request: Request) -> Response:
         filters = views.RunFilters.from_query(request.query_params)
-        context = await views.runs_page(store, filters)
+        context = await views.runs_page(stores, filters)
         return render(request, "runs.html", {**context, "live": True})
 
     @page
     async def run(request: Request) -> Response:
         context = await views.run_page(
-            store, request.path_params["run_id"], reveal=config.show_payloads
+            stores, request.path_params["run_id"], reveal=config.show_payloads
         )
         return render(request, "run.html", context)
 
     @page
     async def attention(request: Request) -> Response:
-        context = await views.attention_page(store, reveal=config.show_payloads)
+        context = await views.attention_page(stores, reveal=config.show_payloads)
         return render(request, "attention.html", {**context, "live": True})
 
     @page
     async def cluster(request: Request) -> Response:
-        context = await views.cluster_page(store, config.schema)
+        context = await views.cluster_page(stores)
         return render(request, "cluster.html", {**context, "live": True})
 
     @page
@@ -237,6 +237,12 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 "posted from another site, or a client that sent none)",
             )
 
+    async def effect_action(request: Request) -> tuple[str, str, FormData]:
+        """An action on one effect: the token checked first, then its run id, key and form."""
+        require_token(request)
+        form = await form_of(request)
+        return request.path_params["run_id"], request.path_params["effect_key"], form
+
     @page
     async def signin(request: Request) -> Response:
         if not auth.enabled:
@@ -269,10 +275,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
 
     @page
     async def decide(request: Request) -> Response:
-        require_token(request)
-        run_id = request.path_params["run_id"]
-        key = request.path_params["effect_key"]
-        form = await form_of(request)
+        run_id, key, form = await effect_action(request)
         verb = request.path_params["verb"]
         decision = {"approve": Decision.APPROVED, "deny": Decision.DENIED}.get(verb)
         if decision is None:
@@ -283,7 +286,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
             raise InvalidInput("an approval must name the payload sha256 it approves")
         fence = _int_field(form, "fence")
         try:
-            await ApprovalStore(pool).decide(
+            await stores.approvals.decide(
                 run_id,
                 key,
                 decision,
@@ -298,16 +301,13 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
 
     @page
     async def resolve(request: Request) -> Response:
-        require_token(request)
-        run_id = request.path_params["run_id"]
-        key = request.path_params["effect_key"]
-        form = await form_of(request)
+        run_id, key, form = await effect_action(request)
         by = actor(_field(form, "by"))
         found = _field(form, "decision")
         if found not in ("sent", "not-sent"):
             raise InvalidInput("say what you found: decision must be 'sent' or 'not-sent'")
         try:
-            await EffectStore(pool).resolve(
+            await stores.effects.resolve(
                 run_id, key, sent=found == "sent", by=by, external_id=_field(form, "external_id")
             )
         except OrchestratorError as error:

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from orchestrator.cli.run_filters import select_runs
-from orchestrator.db.queries import query
-from orchestrator.db.store import RunStore, WorkerRegistry
-from orchestrator.effects.approvals import ApprovalStore
+from orchestrator.cli.run_filters import RunSelection, select_runs
+from orchestrator.db.store import RunStore
+from orchestrator.db.stores import Stores
 from orchestrator.effects.model import EffectRecord, EffectStatus
-from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import Message, RunState
@@ -31,11 +29,8 @@ LIST_LIMIT = 200
 
 
 @dataclass(frozen=True)
-class RunFilters:
-    states: tuple[str, ...] = ()
-    agent: str | None = None
-    since: str | None = None
-    until: str | None = None
+class RunFilters(RunSelection):
+    """The runs list's filters: ``runs list``'s options, read from a query string."""
 
     @classmethod
     def from_query(cls, params: Any) -> RunFilters:
@@ -55,16 +50,10 @@ class RunFilters:
         until = (params.get("until") or "").strip() or None
         return cls(states, agent, since, until)
 
-    @property
-    def active(self) -> bool:
-        return bool(self.states or self.agent or self.since or self.until)
 
-
-async def runs_page(store: RunStore, filters: RunFilters) -> dict[str, Any]:
-    found = await select_runs(
-        store, filters.states, filters.agent, filters.since, filters.until, LIST_LIMIT
-    )
-    now = await store.database_now()
+async def runs_page(stores: Stores, filters: RunFilters) -> dict[str, Any]:
+    found = await select_runs(stores.runs, filters, LIST_LIMIT)
+    now = await stores.runs.database_now()
     return {
         "runs": found,
         "due": {run.run_id: due_text(run, now) for run in found},
@@ -140,8 +129,11 @@ def effect_view(effect: EffectRecord, *, reveal: bool) -> dict[str, Any]:
     }
 
 
-async def run_page(store: RunStore, run_id: str, *, reveal: bool) -> dict[str, Any]:
-    detail = await load_run_detail(store, run_id, events=MAX_ROWS_SHOWN)
+async def run_page(stores: Stores | RunStore, run_id: str, *, reveal: bool) -> dict[str, Any]:
+    """The run page; a bare ``RunStore`` is still taken (tests/test_operations_cli.py)."""
+    if isinstance(stores, RunStore):
+        stores = Stores.around(stores)
+    detail = await load_run_detail(stores, run_id, events=MAX_ROWS_SHOWN)
     run, now, messages, effects = detail.run, detail.now, detail.messages, detail.effects
     signals, budget = detail.signals, detail.budget
     attempts = [
@@ -190,28 +182,28 @@ MAX_ROWS_SHOWN = 500
 every event, ``runs show --json`` has every message)."""
 
 
-async def attention_page(store: RunStore, *, reveal: bool) -> dict[str, Any]:
+async def attention_page(stores: Stores, *, reveal: bool) -> dict[str, Any]:
     """Effects a person must act on: parked ones (resolve) and those awaiting approval."""
-    parked = await EffectStore(store.pool).list_effects(status=EffectStatus.PARKED, limit=1000)
-    pending = await ApprovalStore(store.pool).pending(limit=1000)
+    parked = await stores.effects.list_effects(status=EffectStatus.PARKED, limit=1000)
+    pending = await stores.approvals.pending(limit=1000)
     fences = {}
     for run_id in {effect.run_id for effect in pending}:
-        fences[run_id] = (await store.get(run_id)).fence
+        fences[run_id] = (await stores.runs.get(run_id)).fence
     return {
         "parked": [effect_view(effect, reveal=reveal) for effect in parked],
         "pending": [
             {**effect_view(effect, reveal=reveal), "run_fence": fences[effect.run_id]}
             for effect in pending
         ],
-        "now": await store.database_now(),
+        "now": await stores.runs.database_now(),
     }
 
 
-async def cluster_page(store: RunStore, schema: str) -> dict[str, Any]:
+async def cluster_page(stores: Stores) -> dict[str, Any]:
     """``workers list`` and ``queue stats``, on one page."""
-    workers = await WorkerRegistry(schema).list_workers(store.pool)
-    queue = [dict(row) for row in await store.pool.fetch(query("queue_stats"))]
-    return {"workers": workers, "queue": queue, "now": await store.database_now()}
+    workers = await stores.workers.list_workers(stores.pool)
+    queue = await stores.runs.queue_stats()
+    return {"workers": workers, "queue": queue, "now": await stores.runs.database_now()}
 
 
 __all__ = [

@@ -11,20 +11,23 @@ from typing import TYPE_CHECKING
 from orchestrator.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from orchestrator.db.bootstrap import ensure_schema, open_store
+    from orchestrator.db.bootstrap import ensure_schema, open_store, open_stores
     from orchestrator.db.connections import connect, create_pool, redact_dsn, resolve_dsn
     from orchestrator.db.deadlines import DATABASE_ERRORS
     from orchestrator.db.embedded import EmbeddedPostgres
     from orchestrator.db.executor import Executor
     from orchestrator.db.migrations import check_schema, latest_version, migrate
-    from orchestrator.db.store import RunStore, WorkerRegistry
+    from orchestrator.db.store import RunStore
+    from orchestrator.db.stores import Stores
+    from orchestrator.db.workers import WorkerRegistry
 
 _EXPORTS = {
     "DATABASE_ERRORS": "orchestrator.db.deadlines",
     "EmbeddedPostgres": "orchestrator.db.embedded",
     "Executor": "orchestrator.db.executor",
     "RunStore": "orchestrator.db.store",
-    "WorkerRegistry": "orchestrator.db.store",
+    "Stores": "orchestrator.db.stores",
+    "WorkerRegistry": "orchestrator.db.workers",
     "check_schema": "orchestrator.db.migrations",
     "connect": "orchestrator.db.connections",
     "create_pool": "orchestrator.db.connections",
@@ -32,6 +35,7 @@ _EXPORTS = {
     "latest_version": "orchestrator.db.migrations",
     "migrate": "orchestrator.db.migrations",
     "open_store": "orchestrator.db.bootstrap",
+    "open_stores": "orchestrator.db.bootstrap",
     "redact_dsn": "orchestrator.db.connections",
     "resolve_dsn": "orchestrator.db.connections",
 }
@@ -44,6 +48,7 @@ __all__ = [
     "EmbeddedPostgres",
     "Executor",
     "RunStore",
+    "Stores",
     "WorkerRegistry",
     "check_schema",
     "connect",
@@ -52,6 +57,7 @@ __all__ = [
     "latest_version",
     "migrate",
     "open_store",
+    "open_stores",
     "redact_dsn",
     "resolve_dsn",
 ]

@@ -1,13 +1,15 @@
-"""Open a ready-to-use store: connect, check the schema version, migrate where that is safe."""
+"""Open ready-to-use stores: connect, check the schema version, migrate where that is safe."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TypedDict, Unpack
 
 from orchestrator.db.connections import connect, create_pool, resolve_dsn
 from orchestrator.db.migrations import check_schema, latest_version, migrate
 from orchestrator.db.store import RunStore
+from orchestrator.db.stores import Stores
 from orchestrator.errors import OrchestratorError
 from orchestrator.settings import Settings
 
@@ -40,16 +42,32 @@ async def ensure_schema(settings: Settings, dsn: str, *, auto_migrate: bool) -> 
         await connection.close()
 
 
+class PoolOptions(TypedDict, total=False):
+    """How ``open_stores`` sizes and names its pool (``open_store`` passes them on)."""
+
+    application_name: str
+    max_size: int
+
+
 @asynccontextmanager
-async def open_store(
+async def open_stores(
     settings: Settings, *, application_name: str = "orchestrator-cli", max_size: int = 4
-) -> AsyncIterator[RunStore]:
+) -> AsyncIterator[Stores]:
+    """Every store over one new pool (the schema checked, or migrated where that is safe),
+    closed after."""
     dsn = resolve_dsn(settings)
     await ensure_schema(settings, dsn, auto_migrate=settings.database_url is None)
     pool = await create_pool(
         settings, dsn=dsn, application_name=application_name, min_size=1, max_size=max_size
     )
     try:
-        yield RunStore(pool, max_input_bytes=settings.max_input_bytes)
+        yield Stores.of(pool, settings)
     finally:
         await pool.close()
+
+
+@asynccontextmanager
+async def open_store(settings: Settings, **options: Unpack[PoolOptions]) -> AsyncIterator[RunStore]:
+    """The run store alone, for callers that need no feature store."""
+    async with open_stores(settings, **options) as stores:
+        yield stores.runs

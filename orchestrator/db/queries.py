@@ -1,7 +1,8 @@
 """Named SQL queries, read once from ``sql/queries.sql``.
 
 The file holds blocks that start with a ``-- name --`` header, then comment lines that say what
-the query does, then the statement. Only the store refers to query names.
+the query does, then the statement. Only the stores refer to query names (tests/test_query_owners.py
+lists them, with the tables each owns).
 """
 
 from __future__ import annotations

@@ -1,0 +1,185 @@
+"""The client's handles on what runs wait for and what operators do: ``client.effects``,
+``client.approvals``, ``client.signals``, ``client.budgets`` and ``client.ops``. Each is a thin
+layer over the stores that projects driver errors onto ``DatabaseError``."""
+
+from __future__ import annotations
+
+import builtins
+from datetime import datetime, timedelta
+from typing import Any, Unpack
+
+from orchestrator.budgets import BudgetState, LedgerEntry, TopUp
+from orchestrator.db.error_projection import project_errors
+from orchestrator.db.purges import Purged
+from orchestrator.db.stores import Stores
+from orchestrator.effects.approvals import Decision
+from orchestrator.effects.model import EffectRecord, EffectStatus
+from orchestrator.errors import InvalidInput
+from orchestrator.models import JSON, WorkerInfo
+from orchestrator.retention import PURGE_BATCH, purge
+from orchestrator.signals import Signal
+
+
+class StoresHandle:
+    """A client handle: a thin layer over the client's stores."""
+
+    def __init__(self, stores: Stores) -> None:
+        self._stores = stores
+
+
+class EffectsHandle(StoresHandle):
+    """Effect records at the fenced boundary: list, get, and resolve parked ones."""
+
+    @project_errors
+    async def list(
+        self, *, run_id: str | None = None, status: EffectStatus | None = None, limit: int = 100
+    ) -> builtins.list[EffectRecord]:
+        """Effect records, newest first."""
+        return await self._stores.effects.list_effects(run_id=run_id, status=status, limit=limit)
+
+    @project_errors
+    async def get(self, run_id: str, effect_key: str) -> EffectRecord:
+        return await self._stores.effects.get(run_id, effect_key)
+
+    @project_errors
+    async def resolve(
+        self, run_id: str, effect_key: str, *, sent: bool, by: str, external_id: str | None = None
+    ) -> EffectRecord:
+        """A person's decision on a parked effect, after checking with the vendor by hand:
+        ``sent`` confirms it, otherwise it is sent again."""
+        return await self._stores.effects.resolve(
+            run_id, effect_key, sent=sent, by=by, external_id=external_id
+        )
+
+
+class ApprovalsHandle(StoresHandle):
+    """Effects awaiting a person's decision. Calling the handle lists them, as the flat
+    ``client.approvals(...)`` method did."""
+
+    async def __call__(
+        self, *, run_id: str | None = None, limit: int = 100
+    ) -> builtins.list[EffectRecord]:
+        return await self.list(run_id=run_id, limit=limit)
+
+    @project_errors
+    async def list(
+        self, *, run_id: str | None = None, limit: int = 100
+    ) -> builtins.list[EffectRecord]:
+        """Effects awaiting a person's decision, oldest first."""
+        return await self._stores.approvals.pending(run_id=run_id, limit=limit)
+
+    @project_errors
+    async def approve(
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        by: str,
+        payload_sha256: str,
+        note: str | None = None,
+        run_fence: int | None = None,
+    ) -> EffectRecord:
+        """Approve the payload the person saw (its ``payload_sha256``); refused if it changed."""
+        return await self._stores.approvals.decide(
+            run_id,
+            effect_key,
+            Decision.APPROVED,
+            by=by,
+            note=note,
+            payload_sha256=payload_sha256,
+            run_fence=run_fence,
+        )
+
+    @project_errors
+    async def deny(
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        by: str,
+        note: str | None = None,
+        payload_sha256: str | None = None,
+        run_fence: int | None = None,
+    ) -> EffectRecord:
+        """Deny it; the model is told "denied by reviewer: NOTE"."""
+        return await self._stores.approvals.decide(
+            run_id,
+            effect_key,
+            Decision.DENIED,
+            by=by,
+            note=note,
+            payload_sha256=payload_sha256,
+            run_fence=run_fence,
+        )
+
+
+class SignalsHandle(StoresHandle):
+    """Messages to runs, stored durably and consumed exactly once."""
+
+    @project_errors
+    async def send(
+        self, run_id: str, name: str, data: JSON = None, *, idempotency_key: str | None = None
+    ) -> Signal:
+        """Send ``run_id`` a signal (stored durably; the same key twice is one signal)."""
+        sent = await self._stores.signals.send(run_id, name, data, idempotency_key=idempotency_key)
+        return sent.signal
+
+    @project_errors
+    async def list(
+        self, run_id: str, *, newest: int | None = None
+    ) -> builtins.list[tuple[Signal, datetime | None, int | None]]:
+        """The run's signals (or its ``newest``), oldest first, each with when and by which
+        fence it was consumed (``None`` while it waits)."""
+        await self._stores.runs.get(run_id)  # RunNotFound rather than an empty list
+        return await self._stores.signals.history(run_id, newest=newest)
+
+
+class BudgetsHandle(StoresHandle):
+    """What runs may spend on models: read a budget and its ledger, top it up."""
+
+    @project_errors
+    async def get(self, run_id: str) -> BudgetState | None:
+        """The run's budget; ``None`` if its agent declares none or it made no model call."""
+        return await self._stores.budgets.get(run_id)
+
+    @project_errors
+    async def ledger(self, run_id: str) -> builtins.list[LedgerEntry]:
+        """Every reservation and settlement of the run's budget, oldest first."""
+        return await self._stores.budgets.ledger(run_id)
+
+    @project_errors
+    async def top_up(self, run_id: str, **amounts: Unpack[TopUp]) -> BudgetState:
+        """Raise a run's budget (``cost_usd=``, ``turns=``, ...) and wake it if it waits."""
+        return await self._stores.budgets.top_up(run_id, **amounts)
+
+
+class OpsHandle(StoresHandle):
+    """What an operator looks at and does: the queue, the workers, purging old runs."""
+
+    @project_errors
+    async def queue_stats(self) -> builtins.list[dict[str, Any]]:
+        """Per agent: runs queued, due, running and waiting, and the oldest due run's age."""
+        return await self._stores.runs.queue_stats()
+
+    @project_errors
+    async def workers(self) -> builtins.list[WorkerInfo]:
+        """Registered workers, alive or dead, with the runs each holds."""
+        return await self._stores.workers.list_workers(self._stores.pool)
+
+    @project_errors
+    async def purgeable(self, older_than: timedelta) -> int:
+        """How many finished runs a purge of those ``older_than`` would delete now."""
+        return await self._stores.purges.count(await self._cutoff(older_than))
+
+    @project_errors
+    async def purge(self, older_than: timedelta, *, batch: int = PURGE_BATCH) -> Purged:
+        """Delete finished runs older than ``older_than`` (by the database clock) with all
+        their rows, ``batch`` runs per short transaction."""
+        if not 1 <= batch <= 10_000:
+            raise InvalidInput(f"a purge batch is 1 to 10000 runs, not {batch!r}")
+        return await purge(self._stores.pool, await self._cutoff(older_than), batch=batch)
+
+    async def _cutoff(self, older_than: timedelta) -> datetime:
+        if not older_than > timedelta(0):
+            raise InvalidInput(f"a purge's age must be above 0, not {older_than}")
+        return await self._stores.runs.database_now() - older_than

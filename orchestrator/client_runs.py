@@ -1,0 +1,92 @@
+"""``client.runs``: submitting runs, reading them, waiting for their end and cancelling them."""
+
+from __future__ import annotations
+
+import builtins
+from datetime import datetime, timedelta
+from typing import Unpack
+
+from orchestrator.client_features import StoresHandle
+from orchestrator.db.error_projection import project_errors
+from orchestrator.db.run_reads import RunFilters
+from orchestrator.db.store import SubmitOptions
+from orchestrator.db.stores import Stores
+from orchestrator.errors import InvalidInput
+from orchestrator.models import JSON, Run
+from orchestrator.run_detail import DEFAULT_EVENTS, RunDetail, load_run_detail
+from orchestrator.run_waiter import RunWaiter
+
+MAX_DELAY_SECONDS = 10 * 366 * 86400.0
+
+
+def start_time(now: datetime, at: datetime | None, delay: float | None) -> datetime | None:
+    """When a run submitted ``now`` (the database's clock) is due: ``at``, or ``delay`` seconds
+    on, within ten years of now either way (further is a typo, and past what dates hold). A
+    time in the past is allowed: the run is due at once."""
+    if at is not None and delay is not None:
+        raise InvalidInput("give a start time or a delay, not both")
+    if delay is not None:
+        if not 0 <= delay <= MAX_DELAY_SECONDS:  # NaN fails this too
+            raise InvalidInput(f"a delay is 0 or more seconds, at most ten years, not {delay!r}")
+        return now + timedelta(seconds=delay)
+    if at is not None:
+        if not isinstance(at, datetime) or at.utcoffset() is None:
+            raise InvalidInput("a run's start time must be timezone-aware (e.g. 2026-12-24T09:00Z)")
+        if abs((at - now).total_seconds()) > MAX_DELAY_SECONDS:
+            raise InvalidInput(f"a start time is at most ten years from now, not {at.isoformat()}")
+    return at
+
+
+class RunsHandle(StoresHandle):
+    """Runs: submit, get, list, wait, cancel, and the whole of one run (``detail``)."""
+
+    def __init__(self, stores: Stores, waiter: RunWaiter) -> None:
+        super().__init__(stores)
+        self._waiter = waiter
+
+    @project_errors
+    async def submit(
+        self,
+        agent: str,
+        input: JSON,
+        *,
+        at: datetime | None = None,
+        delay_seconds: float | None = None,
+        **options: Unpack[SubmitOptions],
+    ) -> Run:
+        """Queue a run of ``agent``, due now, ``at`` a time or after ``delay_seconds``
+        (``idempotency_key=``, ``run_id=``, ``max_attempts=`` as ``RunStore.submit`` takes
+        them). The same idempotency key returns the run it first created."""
+        runs = self._stores.runs
+        not_before = None
+        if at is not None or delay_seconds is not None:
+            not_before = start_time(await runs.database_now(), at, delay_seconds)
+        return (await runs.submit(agent, input, not_before=not_before, **options)).run
+
+    @project_errors
+    async def get(self, run_id: str) -> Run:
+        """The run as it is now; ``RunNotFound`` if there is none."""
+        return await self._stores.runs.get(run_id)
+
+    @project_errors
+    async def list(self, **filters: Unpack[RunFilters]) -> builtins.list[Run]:
+        """Runs newest first, filtered by ``state`` (one or several), ``agent`` and submission
+        time (``submitted_after``, ``submitted_before``); at most ``limit`` (100)."""
+        return await self._stores.runs.list_runs(**filters)
+
+    @project_errors
+    async def wait(self, run_id: str, *, within: float) -> Run:
+        """The run once it has ended (succeeded, failed, cancelled or dead); ``TimeoutError``
+        if it has not within ``within`` seconds. Woken by the run's final commit."""
+        return await self._waiter.wait(run_id, within=within)
+
+    @project_errors
+    async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
+        """Cancel an unfinished run and raise its fence, so its owner can no longer act."""
+        return await self._stores.runs.cancel(run_id, reason=reason)
+
+    @project_errors
+    async def detail(self, run_id: str, *, events: int = DEFAULT_EVENTS) -> RunDetail:
+        """Everything ``runs show`` and the console's run page show of one run (the newest
+        ``events`` timeline events, attempts, transcript, effects, signals, budget)."""
+        return await load_run_detail(self._stores, run_id, events=events)

@@ -1,0 +1,109 @@
+"""Run leases: claiming due or lease-expired runs, renewing leases and handing runs back. Each
+statement's WHERE clause proves ownership; a refused one changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from orchestrator.db.commit_records import same_worker
+from orchestrator.db.executor import Executor
+from orchestrator.db.pool_store import PoolStore
+from orchestrator.db.queries import query
+from orchestrator.ids import validate_run_id
+from orchestrator.models import ClaimBatch, ClaimedRun, Lease, Row
+
+
+class Leases(PoolStore):
+    """Claims, renewals and releases of run leases (the ``runs`` table's owner columns)."""
+
+    async def claim(
+        self,
+        worker_id: str,
+        agents: Sequence[str],
+        *,
+        limit: int = 1,
+        lease_seconds: float = 45.0,
+        include_expired: bool = True,
+        db: Executor | None = None,
+    ) -> ClaimBatch:
+        """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement.
+
+        ``include_expired=False`` claims due runs only, without reading the running set to find
+        expired leases (see claim in sql/queries.sql).
+        """
+        # Each agent is probed once; a repeated name would fill the limit with duplicates.
+        unique_agents = list(dict.fromkeys(agents))
+        records = await (db or self.pool).fetch(
+            query("claim"), worker_id, unique_agents, limit, lease_seconds, include_expired, None
+        )
+        return self._claim_batch(records, worker_id)
+
+    async def claim_run(
+        self,
+        worker_id: str,
+        run_id: str,
+        *,
+        lease_seconds: float = 45.0,
+        db: Executor | None = None,
+    ) -> ClaimedRun | None:
+        """Claim one specific run if it is due or its lease expired; ``None`` otherwise."""
+        validate_run_id(run_id)
+        records = await (db or self.pool).fetch(
+            query("claim"), worker_id, [], 1, lease_seconds, True, run_id
+        )
+        batch = self._claim_batch(records, worker_id)
+        return batch.claimed[0] if batch.claimed else None
+
+    @staticmethod
+    def _claim_batch(records: Sequence[Row], worker_id: str) -> ClaimBatch:
+        claimed: list[ClaimedRun] = []
+        dead: list[str] = []
+        for record in records:
+            if record["outcome"] == "claimed":
+                claimed.append(ClaimedRun.from_record(record, worker_id))
+            else:
+                dead.append(record["run_id"])
+        return ClaimBatch(claimed=claimed, dead_lettered=dead)
+
+    async def renew(
+        self, lease: Lease, *, lease_seconds: float = 45.0, db: Executor | None = None
+    ) -> datetime | None:
+        """Extend one lease; ``None`` means ownership is lost or cannot be proven."""
+        record = await (db or self.pool).fetchrow(
+            query("renew_lease"), lease.run_id, lease.worker_id, lease.fence, lease_seconds
+        )
+        return None if record is None else record["lease_until"]
+
+    async def renew_many(
+        self,
+        worker_id: str,
+        leases: Sequence[Lease],
+        *,
+        lease_seconds: float | Sequence[float],
+        db: Executor | None = None,
+    ) -> dict[str, datetime]:
+        """Extend many leases of one worker in one statement; returns the ones that held."""
+        same_worker(worker_id, leases)
+        seconds = (
+            [float(lease_seconds)] * len(leases)
+            if isinstance(lease_seconds, int | float)
+            else [float(value) for value in lease_seconds]
+        )
+        records = await (db or self.pool).fetch(
+            query("renew_leases"),
+            [lease.run_id for lease in leases],
+            [lease.fence for lease in leases],
+            seconds,
+            worker_id,
+        )
+        return {record["run_id"]: record["lease_until"] for record in records}
+
+    async def release(
+        self, lease: Lease, *, reason: str = "shutdown", db: Executor | None = None
+    ) -> bool:
+        """Hand a run back without raising its fence (graceful shutdown)."""
+        record = await (db or self.pool).fetchrow(
+            query("release_lease"), lease.run_id, lease.worker_id, lease.fence, reason
+        )
+        return record is not None

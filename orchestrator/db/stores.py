@@ -1,0 +1,49 @@
+"""Every store over one pool, built once per client, command or console and handed to what
+needs them, so that no caller builds a store by hand or issues a statement itself."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from orchestrator.budgets import BudgetStore
+from orchestrator.db.purges import PurgeStore
+from orchestrator.db.store import RunStore
+from orchestrator.db.workers import WorkerRegistry
+from orchestrator.effects.approvals import ApprovalStore
+from orchestrator.effects.store import EffectStore
+from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA, Settings
+from orchestrator.signals import SignalStore
+
+
+class Stores:
+    """The run store and the feature stores (small objects: each holds only the pool)."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+        schema: str = DEFAULT_SCHEMA,
+    ) -> None:
+        self.pool = pool
+        self.schema = schema
+        self.runs = RunStore(pool, max_input_bytes=max_input_bytes)
+        self.effects = EffectStore(pool)
+        self.approvals = ApprovalStore(pool)
+        self.signals = SignalStore(pool)
+        self.budgets = BudgetStore(pool)
+        self.workers = WorkerRegistry(schema)
+        self.purges = PurgeStore(pool)
+
+    @classmethod
+    def of(cls, pool: asyncpg.Pool, settings: Settings) -> Stores:
+        """The stores as ``settings`` configure them (input limit, schema)."""
+        return cls(pool, max_input_bytes=settings.max_input_bytes, schema=settings.schema)
+
+    @classmethod
+    def around(cls, runs: RunStore) -> Stores:
+        """The stores sharing ``runs``' pool, ``runs`` among them (for callers that hold only
+        the run store)."""
+        stores = cls(runs.pool, max_input_bytes=runs.max_input_bytes)
+        stores.runs = runs
+        return stores
