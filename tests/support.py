@@ -9,15 +9,98 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from orchestrator.models import RunEvent
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.migrations import migrate
+from orchestrator.db.store import RunStore
+from orchestrator.models import JSON, RunEvent
+from orchestrator.settings import Settings
 
 TESTS_DIR = Path(__file__).parent
+
+
+def cli_environment(
+    database_url: str | None, env: Mapping[str, str] | None = None, *, columns: int | None = 200
+) -> dict[str, str]:
+    """The environment of a command run against ``database_url`` (None: the embedded server of
+    ORCHESTRATOR_HOME); ``columns`` None leaves the width to the command, as in a pipe."""
+    base = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    base.pop("ORCHESTRATOR_DATABASE_URL", None)
+    if database_url is not None:
+        base["ORCHESTRATOR_DATABASE_URL"] = database_url
+    if columns is not None:
+        base["COLUMNS"] = str(columns)
+    return {**base, **(env or {})}
+
+
+def cli(
+    database_url: str | None,
+    *args: str,
+    stdin: str | None = None,
+    env: Mapping[str, str] | None = None,
+    columns: int | None = 200,
+) -> subprocess.CompletedProcess[str]:
+    """Run the command line as a user does (a real process); wide by default so tables do not
+    wrap."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=cli_environment(database_url, env, columns=columns),
+        timeout=120,
+        check=False,
+    )
+
+
+def cli_bytes(
+    database_url: str | None,
+    *args: str | bytes,
+    stdin: bytes | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    """``cli`` for input that is not text (invalid UTF-8), at the command's own width."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        input=stdin,
+        capture_output=True,
+        env=cli_environment(database_url, env, columns=None),
+        timeout=60,
+        check=False,
+    )
+
+
+async def migrate_database(settings: Settings) -> None:
+    connection = await connect(settings)
+    try:
+        await migrate(connection)
+    finally:
+        await connection.close()
+
+
+async def started_and_migrated(server: EmbeddedPostgres) -> Settings:
+    """Start ``server``, bring its database to the latest schema, return settings that reach
+    it."""
+    settings = Settings(database_url=server.ensure_running().dsn())
+    await migrate_database(settings)
+    return settings
+
+
+async def submit_all(settings: Settings, agent: str, inputs: Iterable[JSON]) -> list[str]:
+    """Submit one run per input through a pool of its own (the caller may restart the server
+    afterwards); return their ids."""
+    pool = await create_pool(settings, application_name="test-submit")
+    try:
+        store = RunStore(pool)
+        return [(await store.submit(agent, input)).run.run_id for input in inputs]
+    finally:
+        await pool.close()
 
 
 class ServeProcess:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -16,22 +14,8 @@ from orchestrator.db.schema_snapshot import dump_schema
 from orchestrator.db.store import LIVENESS_LOCK_NAMESPACE, RunStore, liveness_namespace
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.testing import DatabaseFactory, with_database
 
 SNAPSHOT = Path(__file__).parent.parent / "sql" / "schema.sql"
-
-
-@pytest.fixture
-async def empty_database(database_factory: DatabaseFactory) -> AsyncIterator[str]:
-    name = f"orchestrator_schema_{uuid.uuid4().hex[:12]}"
-    admin = await connect(database_factory.settings)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(database_factory.server_dsn, name)
-    yield dsn
-    await database_factory.drop(dsn)
 
 
 async def objects_by_schema(dsn: str) -> dict[str, set[str]]:
