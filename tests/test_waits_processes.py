@@ -5,9 +5,7 @@ vendor (counting raw requests per idempotency key) and PostgreSQL are real, on l
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import tempfile
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -17,18 +15,23 @@ import asyncpg
 import pytest
 
 from orchestrator.budgets import BudgetStore
-from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.connections import create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, Slow
 from orchestrator.models import RunState
-from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
-from orchestrator.testing import TEST_SERVER_SETTINGS, wait_for_run
-from support import COMMITS, ServeProcess, fenced_claims, handed_from_a_to_b
-from test_cli import cli
+from orchestrator.testing import wait_for_run
+from support import (
+    COMMITS,
+    ServeProcess,
+    cli,
+    fenced_claims,
+    handed_from_a_to_b,
+    started_and_migrated,
+    submit_all,
+)
 from test_serve_faults import wait_all_terminal
 from test_tool_agent_processes import model_env, until, vendor_config
 from tool_agents_for_tests import BUDGET_TURNS, REFUND_TURNS
@@ -258,49 +261,37 @@ async def test_a_signal_enters_the_run_once_through_a_kill_mid_step(
     assert ran[0][0] < final.fence and len({fence for fence, _ in ran}) == len(ran)
 
 
-async def test_signals_and_waits_survive_a_postgres_restart() -> None:
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-waits-restart-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
-    settings = Settings(database_url=server.ensure_running().dsn())
+async def test_signals_and_waits_survive_a_postgres_restart(
+    own_server: EmbeddedPostgres,
+) -> None:
+    settings = await started_and_migrated(own_server)
     dsn = str(settings.database_url)
+    signalled = await submit_all(settings, "inbox", [{}] * 5)
+    timed = await submit_all(settings, "inbox", [{"seconds": 6}] * 5)
+    with ServeProcess(dsn, *INBOX, "--lease-seconds", "3", name="A") as a:
+        pool = await create_pool(settings)
+        try:
+            for run_id in signalled + timed:
+                await waiting(RunStore(pool), run_id)
+        finally:
+            await pool.close()
+        assert a.stop() == 0  # every run waits in the database, none in a worker
+    pool = await create_pool(settings)
     try:
-        connection = await connect(settings)
-        await migrate(connection)
-        await connection.close()
-        pool = await create_pool(settings)
-        try:
-            store = RunStore(pool)
-            signalled = [(await store.submit("inbox", {})).run.run_id for _ in range(5)]
-            timed = [(await store.submit("inbox", {"seconds": 6})).run.run_id for _ in range(5)]
-        finally:
-            await pool.close()
-        with ServeProcess(dsn, *INBOX, "--lease-seconds", "3", name="A") as a:
-            pool = await create_pool(settings)
-            try:
-                for run_id in signalled + timed:
-                    await waiting(RunStore(pool), run_id)
-            finally:
-                await pool.close()
-            assert a.stop() == 0  # every run waits in the database, none in a worker
-        pool = await create_pool(settings)
-        try:
-            for run_id in signalled[:2]:  # stored before the restart, consumed after it
-                await SignalStore(pool).send(run_id, "reply", {"before": True})
-        finally:
-            await pool.close()
-        await anyio.to_thread.run_sync(lambda: server.restart(down_seconds=2))
-        with ServeProcess(dsn, *INBOX, "--lease-seconds", "3", name="B") as b:
-            pool = await create_pool(settings)
-            try:
-                for run_id in signalled[2:]:
-                    await SignalStore(pool).send(run_id, "reply", {"before": False})
-            finally:
-                await pool.close()
-            runs = await wait_all_terminal(settings, signalled + timed, within=60)
-            alive = b.process.poll()
+        for run_id in signalled[:2]:  # stored before the restart, consumed after it
+            await SignalStore(pool).send(run_id, "reply", {"before": True})
     finally:
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
+        await pool.close()
+    await anyio.to_thread.run_sync(lambda: own_server.restart(down_seconds=2))
+    with ServeProcess(dsn, *INBOX, "--lease-seconds", "3", name="B") as b:
+        pool = await create_pool(settings)
+        try:
+            for run_id in signalled[2:]:
+                await SignalStore(pool).send(run_id, "reply", {"before": False})
+        finally:
+            await pool.close()
+        runs = await wait_all_terminal(settings, signalled + timed, within=60)
+        alive = b.process.poll()
     assert alive is None
     assert [run.state for run in runs] == [RunState.SUCCEEDED] * 10
     by_id = {run.run_id: run.result for run in runs}
