@@ -21,6 +21,7 @@ from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.models import JSON, RunEvent
 from orchestrator.settings import Settings
+from orchestrator.testing import LocalVendor
 
 TESTS_DIR = Path(__file__).parent
 
@@ -74,6 +75,40 @@ def cli_bytes(
         timeout=60,
         check=False,
     )
+
+
+def serve_args(
+    agents: Sequence[str], effects_config: str, *, lease_seconds: str, heartbeat_seconds: str
+) -> list[str]:
+    """`serve` options: ``agents`` (its --agents and polling), effects sent as configured, a
+    lease and heartbeat of the test's choosing."""
+    return [
+        *agents,
+        "--effects-config",
+        effects_config,
+        "--lease-seconds",
+        lease_seconds,
+        "--heartbeat-seconds",
+        heartbeat_seconds,
+    ]
+
+
+def crm_kind(vendor: LocalVendor, **options: JSON) -> dict[str, JSON]:
+    """A vendors-config kind that sends to ``vendor`` and asks it what it has when unsure."""
+    return {
+        "adapter": "http",
+        "url": vendor.send_url,
+        "reconcile": "lookup",
+        "lookup_url": vendor.lookup_url,
+        **options,
+    }
+
+
+def write_vendors_config(directory: Path, kinds: Mapping[str, JSON]) -> str:
+    """Write a vendors config (``--effects-config``) into ``directory``; return its path."""
+    path = directory / "vendors.json"
+    path.write_text(json.dumps({"kinds": dict(kinds)}))
+    return str(path)
 
 
 async def migrate_database(settings: Settings) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,7 +21,7 @@ from orchestrator.errors import InvalidInput
 from orchestrator.loopback import LocalVendor, SmtpSink
 from orchestrator.metrics_endpoint import parse_listen
 from support import ServeProcess, started_and_migrated, submit_all
-from test_effects_processes import start, vendors_config
+from test_effects_processes import start_dispatcher, vendors_config
 from test_effects_proxy import free_port
 from test_serve_faults import wait_all_terminal
 
@@ -170,22 +169,14 @@ async def test_the_dispatcher_counts_outcomes_and_people_waiting(
     async with LocalVendor() as vendor:
         with SmtpSink() as sink:
             config = vendors_config(tmp_path, vendor, sink)
-        dispatcher = start(
-            [
-                sys.executable,
-                "-m",
-                "orchestrator.cli",
-                "effects",
-                "dispatch",
-                "--effects-config",
-                config,
-                "--poll-seconds",
-                "0.1",
-                "--metrics-listen",
-                f"127.0.0.1:{port}",
-                "--log-json",
-            ],
-            {"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""},
+        dispatcher = start_dispatcher(
+            database_url,
+            config,
+            "--poll-seconds",
+            "0.1",
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+            "--log-json",
         )
         try:
             base = f"http://127.0.0.1:{port}"

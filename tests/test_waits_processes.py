@@ -29,22 +29,21 @@ from support import (
     cli,
     fenced_claims,
     handed_from_a_to_b,
+    serve_args,
     started_and_migrated,
     submit_all,
 )
 from test_serve_faults import wait_all_terminal
-from test_tool_agent_processes import model_env, until, vendor_config
+from test_tool_agent_processes import (
+    AGENTS,
+    killed_once_answered,
+    model_env,
+    until,
+    vendor_config,
+)
 from tool_agents_for_tests import BUDGET_TURNS, REFUND_TURNS
 
 pytestmark = pytest.mark.slow
-TOOL_AGENTS = [
-    "--agents",
-    "tool_agents_for_tests",
-    "--poll-seconds",
-    "0.2",
-    "--status-seconds",
-    "60",
-]
 INBOX = ["--agents", "agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
 CONVERSATION = "Refund order o-17, please."
 
@@ -78,15 +77,9 @@ async def test_a_zombie_with_a_pending_approval_never_sends_a_second_refund(
     How many claims it takes depends on the machine (a starved heartbeat loses a lease and the
     run is claimed again), so the fences expected are read from the timeline."""
     async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
-        args = [
-            *TOOL_AGENTS,
-            "--effects-config",
-            vendor_config(tmp_path, vendor),
-            "--lease-seconds",
-            "3",
-            "--heartbeat-seconds",
-            "1",
-        ]
+        args = serve_args(
+            AGENTS, vendor_config(tmp_path, vendor), lease_seconds="3", heartbeat_seconds="1"
+        )
         # Far longer than A can take to be stopped on a loaded machine: A never commits turn 0.
         env = model_env(model, ORDERS_LOOKUP_SECONDS="30")
         run_id = (await store.submit("refunds", {"prompt": CONVERSATION})).run.run_id
@@ -130,13 +123,10 @@ async def test_changed_arguments_on_replay_never_consume_the_old_approval(
     """A is killed between the model's answer (refund 150) and its commit; B's replay asks for
     180. Only 180 ever awaits approval; a decision naming 150's payload is refused."""
     async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
-        args = [*TOOL_AGENTS, "--effects-config", vendor_config(tmp_path, vendor)]
+        args = [*AGENTS, "--effects-config", vendor_config(tmp_path, vendor)]
         env = model_env(model, ORDERS_LOOKUP_SECONDS="60")
         run_id = (await store.submit("refunds", {"prompt": CONVERSATION})).run.run_id
-        with ServeProcess(database_url, *args, name="A", env=env) as a:
-            await until(lambda: model.answered(CONVERSATION, 0) == 1)
-            await anyio.sleep(0.3)
-            a.kill()
+        await killed_once_answered(database_url, args, env, model, CONVERSATION, turn=0)
         with ServeProcess(database_url, *args, name="B", env=env):
             await waiting(store, run_id)
             [pending] = await ApprovalStore(store.pool).pending(run_id=run_id)
@@ -173,7 +163,7 @@ async def test_cancel_while_an_approval_is_pending_withdraws_it_and_sends_nothin
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
-        args = [*TOOL_AGENTS, "--effects-config", vendor_config(tmp_path, vendor)]
+        args = [*AGENTS, "--effects-config", vendor_config(tmp_path, vendor)]
         run_id = (await store.submit("refunds", {"prompt": CONVERSATION})).run.run_id
         with ServeProcess(database_url, *args, name="A", env=model_env(model)):
             await waiting(store, run_id)
@@ -335,11 +325,11 @@ async def test_a_budget_holds_through_kills_mid_model_call_and_resumes_after_a_t
         run_id = (await store.submit("budgeted", {"prompt": prompt})).run.run_id
         model.fail_next(Slow(60), times=2, turn=1)
         for calls, name in enumerate(("A", "B"), start=1):
-            with ServeProcess(database_url, *TOOL_AGENTS, name=name, env=env) as worker:
+            with ServeProcess(database_url, *AGENTS, name=name, env=env) as worker:
                 await until(lambda n=calls: turn_one_calls(model) == n, within=60)  # type: ignore[misc]
                 await anyio.sleep(0.3)  # the turn-1 call is in flight
                 worker.kill()
-        with ServeProcess(database_url, *TOOL_AGENTS, name="C", env=env):
+        with ServeProcess(database_url, *AGENTS, name="C", env=env):
             await waiting(store, run_id)
             run = await store.get(run_id)
             assert run.wait is not None and run.wait["reason"] == "budget"
