@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import asyncpg
 
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.migrations import migrate
+from orchestrator.db.migrations import available_migrations, migrate
 from orchestrator.db.store import RunStore
 from orchestrator.models import JSON, RunEvent
 from orchestrator.settings import Settings
@@ -109,6 +110,22 @@ def write_vendors_config(directory: Path, kinds: Mapping[str, JSON]) -> str:
     path = directory / "vendors.json"
     path.write_text(json.dumps({"kinds": dict(kinds)}))
     return str(path)
+
+
+async def install_an_earlier_release(connection: asyncpg.Connection, *, migrations: int) -> None:
+    """Build what a release that shipped the first ``migrations`` migrations built, in the
+    connection's schema, recording them as that release did."""
+    await connection.execute(
+        "CREATE TABLE orchestrator_schema_migrations (version integer PRIMARY KEY, "
+        "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+    )
+    for migration in available_migrations()[:migrations]:
+        await connection.execute(migration.sql)
+        await connection.execute(
+            "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, $2)",
+            migration.version,
+            migration.name,
+        )
 
 
 async def migrate_database(settings: Settings) -> None:
