@@ -47,6 +47,7 @@ def cli(
     stdin: str | None = None,
     env: Mapping[str, str] | None = None,
     columns: int | None = 200,
+    timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
     """Run the command line as a user does (a real process); wide by default so tables do not
     wrap."""
@@ -56,7 +57,7 @@ def cli(
         capture_output=True,
         text=True,
         env=cli_environment(database_url, env, columns=columns),
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
 

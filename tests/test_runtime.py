@@ -8,7 +8,8 @@ import dataclasses
 import functools
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -399,6 +400,22 @@ def test_serve_usage_errors(database_url: str) -> None:
     assert no_reaper.returncode == 2 and "--reap-seconds" in no_reaper.stderr
 
 
+@asynccontextmanager
+async def lost_mid_step(
+    store: RunStore, settings: Settings, agent: Agent, started: anyio.Event
+) -> AsyncIterator[tuple[str, Worker]]:
+    """Yield a run of ``agent``, alone on a worker, and that worker once the first step has set
+    ``started``; the block makes the worker lose the run, and on leaving it the worker has let
+    the run go and counted it lost."""
+    run_id = (await store.submit(agent.name, {})).run.run_id
+    async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
+        with anyio.fail_after(60):
+            await started.wait()
+        yield run_id, worker
+        await eventually(lambda: run_id not in worker.active, within=60)
+        assert worker.counters.finished == {"lost": 1}
+
+
 class SwallowsCancellation(Step):
     """A badly written step: it catches the cancellation and tries to carry on."""
 
@@ -419,13 +436,11 @@ async def test_a_step_that_swallows_its_cancellation_commits_nothing_after_a_loc
     # commit, so only the runtime's own check stands between the step and a commit.
     SwallowsCancellation.started = anyio.Event()
     agent = Agent("swallower", first=SwallowsCancellation)
-    run_id = (await store.submit("swallower", {})).run.run_id
-    async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
-        with anyio.fail_after(60):
-            await SwallowsCancellation.started.wait()
+    async with lost_mid_step(store, settings, agent, SwallowsCancellation.started) as (
+        run_id,
+        worker,
+    ):
         worker.active[run_id].handle.lose("test: ownership lost locally")
-        await eventually(lambda: run_id not in worker.active, within=60)
-        assert worker.counters.finished == {"lost": 1}
     run = await store.get(run_id)
     assert run.checkpoint_version == 0
     assert run.checkpoint is None
@@ -483,14 +498,9 @@ async def test_a_refused_commit_ends_the_run_lost_and_records_it(
     # the cleanup, which a cancellation of its own task must not cut short.
     NapThenNext.started = anyio.Event()
     agent = Agent("napper", first=NapThenNext)
-    run_id = (await store.submit("napper", {})).run.run_id
-    async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
-        with anyio.fail_after(60):
-            await NapThenNext.started.wait()
+    async with lost_mid_step(store, settings, agent, NapThenNext.started) as (run_id, _):
         # Another claimer's fence, without the NOTIFY a cancel sends: only the commit finds out.
         await pool.execute("UPDATE runs SET fence = fence + 1 WHERE run_id = $1", run_id)
-        await eventually(lambda: run_id not in worker.active, within=60)
-        assert worker.counters.finished == {"lost": 1}
     events = await store.events(run_id)
     lost = [event for event in events if event.kind == "lease_lost"]
     assert len(lost) == 1
