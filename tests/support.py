@@ -20,9 +20,10 @@ from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import available_migrations, migrate
 from orchestrator.db.store import RunStore
-from orchestrator.models import JSON, RunEvent
+from orchestrator.models import JSON, Run, RunEvent
 from orchestrator.settings import Settings
-from orchestrator.testing import LocalVendor
+from orchestrator.steps import Agent
+from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 
 TESTS_DIR = Path(__file__).parent
 
@@ -127,6 +128,21 @@ async def install_an_earlier_release(connection: asyncpg.Connection, *, migratio
             migration.version,
             migration.name,
         )
+
+
+async def run_to_the_end(
+    settings: Settings,
+    store: RunStore,
+    agent: Agent,
+    input: JSON,
+    *,
+    max_attempts: int = 5,
+    **worker_options: Any,
+) -> Run:
+    """Serve ``agent`` in-process until a run of ``input`` has ended; return that run."""
+    async with running_worker(settings, [agent], **worker_options):
+        submitted = await store.submit(agent.name, input, max_attempts=max_attempts)
+        return await wait_for_run(store, submitted.run.run_id, within=60)
 
 
 async def migrate_database(settings: Settings) -> None:

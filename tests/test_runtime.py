@@ -42,6 +42,7 @@ from orchestrator.worker.heartbeat import (
 )
 from orchestrator.worker.run_tasks import RunTasks
 from orchestrator.worker.worker import Worker, WorkerConfig
+from support import run_to_the_end
 
 FAST: dict[str, Any] = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
 
@@ -156,9 +157,8 @@ async def test_a_broken_step_is_retried_then_dead_lettered(
     settings: Settings, store: RunStore, step: type[Step]
 ) -> None:
     agent = Agent("broken", first=step)
-    async with running_worker(settings, [agent], **FAST):
-        run_id = (await store.submit("broken", {}, max_attempts=2)).run.run_id
-        run = await wait_for_run(store, run_id, within=60)
+    run = await run_to_the_end(settings, store, agent, {}, max_attempts=2, **FAST)
+    run_id = run.run_id
     assert run.state is RunState.DEAD
     assert run.error is not None and run.error["type"] in ("TypeError", "LookupError")
     assert "Traceback" in run.error["traceback"]
@@ -170,9 +170,8 @@ async def test_an_exception_is_retried_with_the_checkpoint_intact(
     settings: Settings, store: RunStore
 ) -> None:
     agent = Agent("flaky", first=Flaky, steps=[Finisher])
-    async with running_worker(settings, [agent], **FAST):
-        run_id = (await store.submit("flaky", {})).run.run_id
-        run = await wait_for_run(store, run_id, within=60)
+    run = await run_to_the_end(settings, store, agent, {}, **FAST)
+    run_id = run.run_id
     assert run.state is RunState.SUCCEEDED
     assert run.result == {"recovered_on": 2}
     events = await store.events(run_id)
