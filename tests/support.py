@@ -28,6 +28,12 @@ from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 TESTS_DIR = Path(__file__).parent
 
 
+def serving(agents_module: str) -> list[str]:
+    """`serve` options for the agents of ``agents_module``: quick polling (wake-ups come by
+    NOTIFY anyway) and quiet status lines."""
+    return ["--agents", agents_module, "--poll-seconds", "0.2", "--status-seconds", "60"]
+
+
 def cli_environment(
     database_url: str | None, env: Mapping[str, str] | None = None, *, columns: int | None = 200
 ) -> dict[str, str]:

@@ -54,6 +54,12 @@ async def taken_over_by_b(store: RunStore) -> ClaimedRun:
     return await claim(store, "B")
 
 
+async def retry_later(pool: asyncpg.Pool, run: ClaimedRun, *, seconds: float) -> None:
+    """Fail the claimed attempt with its retry due in ``seconds``: the run waits meanwhile."""
+    patient = RunStore(pool, backoff=Backoff(base_seconds=seconds))
+    assert await patient.fail_attempt(run.lease, error={"message": "try again"})
+
+
 async def effect_rows(pool: asyncpg.Pool) -> list[dict[str, Any]]:
     return [dict(r) for r in await pool.fetch("SELECT * FROM effects ORDER BY run_id, effect_key")]
 
@@ -185,13 +191,11 @@ async def test_a_stale_fence_for_a_waiting_run_says_it_waits_not_that_another_wo
 ) -> None:
     await store.submit("agent", {})
     first = await claim(store, "A")
-    eager = RunStore(pool, backoff=Backoff(base_seconds=0.001))
-    assert await eager.fail_attempt(first.lease, error={"message": "again"})
+    await retry_later(pool, first, seconds=0.001)
     await anyio.sleep(0.05)
     second = await claim(store, "B")
     assert (second.run_id, second.fence) == (first.run_id, first.fence + 1)
-    patient = RunStore(pool, backoff=Backoff(base_seconds=600))
-    assert await patient.fail_attempt(second.lease, error={"message": "later"})
+    await retry_later(pool, second, seconds=600)
     stale = await accept(pool, first, EMAIL)
     assert (stale.outcome, stale.run_state) == ("stale", "waiting")
     said = stale.explain(first.run_id, EMAIL.key)
@@ -205,8 +209,7 @@ async def test_effects_are_refused_for_a_run_not_running_under_that_fence(
     """Waiting (a retry scheduled) and finished runs take no effects, even at their fence."""
     await store.submit("agent", {})
     a = await claim(store, "A")
-    patient = RunStore(pool, backoff=Backoff(base_seconds=600))
-    assert await patient.fail_attempt(a.lease, error={"message": "try again"})
+    await retry_later(pool, a, seconds=600)
     waiting = await accept(pool, a, EMAIL)
     assert (waiting.outcome, waiting.run_state) == ("not_running", "waiting")
     assert "is waiting, not running" in waiting.explain(a.run_id, EMAIL.key)

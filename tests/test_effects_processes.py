@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -32,6 +34,14 @@ def vendors_config(tmp_path: Path, vendor: LocalVendor, sink: SmtpSink) -> str:
     return write_vendors_config(
         tmp_path, {"crm": crm_kind(vendor, timeout_seconds=1), "email": email}
     )
+
+
+@asynccontextmanager
+async def vendors_on_loopback(tmp_path: Path) -> AsyncIterator[tuple[LocalVendor, SmtpSink, str]]:
+    """A CRM vendor and a mail sink on loopback, and the vendors config that reaches them."""
+    async with LocalVendor() as vendor:
+        with SmtpSink() as sink:
+            yield vendor, sink, vendors_config(tmp_path, vendor, sink)
 
 
 def start_dispatcher(database_url: str, config: str, *options: str) -> subprocess.Popen[bytes]:
@@ -91,34 +101,32 @@ async def test_stale_worker_wakes_up_and_the_vendors_see_one_request_each(
     database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
 ) -> None:
     """The seed's case: pause A mid-step, its lease expires, B claims and sends; resume A."""
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
-            args = serve_args(AGENT, config, lease_seconds="2", heartbeat_seconds="0.5")
-            run_id = (
-                await store.submit("contract_notice", {"customer": "ACME", "think_seconds": 3})
-            ).run.run_id
-            with ServeProcess(database_url, *args, name="A") as worker_a:
-                await until_event(store, run_id, "claimed")
-                worker_a.signal(signal.SIGSTOP)
-                with ServeProcess(database_url, *args, name="B"):
-                    final = await wait_for_run(store, run_id, within=40)
-                worker_a.signal(signal.SIGCONT)
-                await until_event(store, run_id, "lease_lost")
-                await anyio.sleep(1)
-            # A loaded machine may add claims (a starved heartbeat loses a lease): the fences
-            # expected are read from the timeline.
-            claims = fenced_claims(await store.events(run_id))
-            a_fence = max(c.fence or 0 for c in claims if c.worker_id == "A")
-            # A stale worker that still holds credentials and a live connection asks anyway:
-            async with pool.acquire() as db:
-                stale = await EffectStore(pool).accept(
-                    db,
-                    run_id,
-                    a_fence,
-                    Effect("notice-email", "email", {"to": "x@y.z"}),
-                    worker_id="A",
-                )
+    async with vendors_on_loopback(tmp_path) as (vendor, sink, config):
+        args = serve_args(AGENT, config, lease_seconds="2", heartbeat_seconds="0.5")
+        run_id = (
+            await store.submit("contract_notice", {"customer": "ACME", "think_seconds": 3})
+        ).run.run_id
+        with ServeProcess(database_url, *args, name="A") as worker_a:
+            await until_event(store, run_id, "claimed")
+            worker_a.signal(signal.SIGSTOP)
+            with ServeProcess(database_url, *args, name="B"):
+                final = await wait_for_run(store, run_id, within=40)
+            worker_a.signal(signal.SIGCONT)
+            await until_event(store, run_id, "lease_lost")
+            await anyio.sleep(1)
+        # A loaded machine may add claims (a starved heartbeat loses a lease): the fences
+        # expected are read from the timeline.
+        claims = fenced_claims(await store.events(run_id))
+        a_fence = max(c.fence or 0 for c in claims if c.worker_id == "A")
+        # A stale worker that still holds credentials and a live connection asks anyway:
+        async with pool.acquire() as db:
+            stale = await EffectStore(pool).accept(
+                db,
+                run_id,
+                a_fence,
+                Effect("notice-email", "email", {"to": "x@y.z"}),
+                worker_id="A",
+            )
     assert final.state is RunState.SUCCEEDED, final.error
     assert claims[0].worker_id == "A" and claims[-1].worker_id == "B"
     assert claims[-1].fence == final.fence and final.result is not None
@@ -141,9 +149,7 @@ async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled
 ) -> None:
     run, effect = await accepted_crm_note(store, pool)
 
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
+    async with vendors_on_loopback(tmp_path) as (vendor, _, config):
         vendor.mode = "accept_then_hang"
         options = ["--lease-seconds", "2", "--poll-seconds", "0.1", "--log-json"]
         first = start_dispatcher(database_url, config, *options)
@@ -171,23 +177,21 @@ async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled
 async def test_one_email_per_run_through_worker_crashes_and_reclaims(
     database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
 ) -> None:
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
-            base = serve_args(AGENT, config, lease_seconds="30", heartbeat_seconds="5")
-            # Run 1 is killed mid-step (before its commit); run 2 right after its commit
-            # requested the effects (its worker does not dispatch, so they are still pending).
-            mid_step = (await store.submit("contract_notice", {"think_seconds": 2})).run.run_id
-            with ServeProcess(database_url, *base, "--no-dispatch", name="A") as worker_a:
-                await until_event(store, mid_step, "claimed")
-                worker_a.kill()
-            committed = (await store.submit("contract_notice", {"think_seconds": 0})).run.run_id
-            with ServeProcess(database_url, *base, "--no-dispatch", name="C") as worker_c:
-                await until_event(store, committed, "effect_accepted")
-                worker_c.kill()
-            with ServeProcess(database_url, *base, name="B"):
-                first = await wait_for_run(store, mid_step, within=40)
-                second = await wait_for_run(store, committed, within=40)
+    async with vendors_on_loopback(tmp_path) as (vendor, sink, config):
+        base = serve_args(AGENT, config, lease_seconds="30", heartbeat_seconds="5")
+        # Run 1 is killed mid-step (before its commit); run 2 right after its commit
+        # requested the effects (its worker does not dispatch, so they are still pending).
+        mid_step = (await store.submit("contract_notice", {"think_seconds": 2})).run.run_id
+        with ServeProcess(database_url, *base, "--no-dispatch", name="A") as worker_a:
+            await until_event(store, mid_step, "claimed")
+            worker_a.kill()
+        committed = (await store.submit("contract_notice", {"think_seconds": 0})).run.run_id
+        with ServeProcess(database_url, *base, "--no-dispatch", name="C") as worker_c:
+            await until_event(store, committed, "effect_accepted")
+            worker_c.kill()
+        with ServeProcess(database_url, *base, name="B"):
+            first = await wait_for_run(store, mid_step, within=40)
+            second = await wait_for_run(store, committed, within=40)
     assert first.state is RunState.SUCCEEDED and second.state is RunState.SUCCEEDED
     keys = await pool.fetch("SELECT idempotency_key FROM effects WHERE effect_key = 'notice-email'")
     expected = sorted(f"<{r['idempotency_key']}@orchestrator>" for r in keys)
@@ -203,9 +207,7 @@ async def test_serve_dispatch_lease_setting_bounds_how_long_a_dead_send_waits(
     """serve --dispatch-lease-seconds: a send cut off by its worker's death is reconciled once
     that lease ends (2 s here), not after the 60 s default."""
     run, effect = await accepted_crm_note(store, pool)
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
+    async with vendors_on_loopback(tmp_path) as (vendor, _, config):
         vendor.mode = "accept_then_hang"
         args = [
             "--agents",

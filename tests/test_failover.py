@@ -122,6 +122,18 @@ async def replicated(*, synchronous: bool) -> AsyncIterator[ReplicatedPostgres]:
 
 
 @asynccontextmanager
+async def async_pair_and_crm() -> AsyncIterator[
+    tuple[ReplicatedPostgres, Settings, LocalVendor, Adapter]
+]:
+    """An asynchronous pair, migrated, with the settings that follow its primary, and a CRM
+    vendor on loopback with the adapter that looks keys up there."""
+    async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
+        settings = Settings(database_url=pair.dsn())
+        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+        yield pair, settings, vendor, looked_up_crm(vendor)
+
+
+@asynccontextmanager
 async def opened(settings: Settings) -> AsyncIterator[tuple[asyncpg.Pool, RunStore]]:
     pool = await create_pool(settings, application_name="failover-test", max_size=4)
     try:
@@ -146,10 +158,7 @@ async def finished(store: RunStore, run_ids: list[str], *, within: float) -> dic
 
 async def test_a_async_failover_grants_no_fence_twice_and_looks_up_before_sending() -> None:
     GRANTS.clear()
-    async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
-        settings = Settings(database_url=pair.dsn())
-        crm = looked_up_crm(vendor)
-        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+    async with async_pair_and_crm() as (pair, settings, vendor, crm):
         async with opened(settings) as (_, store):
             run_ids = await submit_notices(store, 12, {"kind": "crm"})
         await anyio.to_thread.run_sync(pair.wait_replayed)
@@ -188,10 +197,7 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
     """The effects' acceptance reached the standby; their dispatch (claim, send, confirmation)
     happened on the lost primary alone. The promoted server reads them as never dispatched, yet
     looks each up first: the vendor sees every key once."""
-    async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
-        settings = Settings(database_url=pair.dsn())
-        crm = looked_up_crm(vendor)
-        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+    async with async_pair_and_crm() as (pair, settings, vendor, crm):
         async with opened(settings) as (pool, store):
             run_ids = await submit_notices(store, 6, {"kind": "crm"})
             effects = EffectStore(pool)
@@ -229,15 +235,11 @@ async def test_a_a_tool_agent_turn_the_failover_took_back_does_not_send_its_call
     promoted server replays the turns and the model answers the same calls under new call ids:
     the note is keyed by its tool and arguments, looked up first, and not sent again."""
     async with (
-        replicated(synchronous=False) as pair,
-        LocalVendor() as vendor,
+        async_pair_and_crm() as (pair, settings, vendor, crm),
         ScriptedModelServer(SAME_CALLS_ON_A_REPLAY) as model,
     ):
         monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
         monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-        settings = Settings(database_url=pair.dsn())
-        crm = looked_up_crm(vendor)
-        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
         async with opened(settings) as (_, store):
             run_id = (await store.submit("orders", {"prompt": "Where is o-17?"})).run.run_id
             await anyio.to_thread.run_sync(pair.wait_replayed)

@@ -18,10 +18,9 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
-from orchestrator.loopback import LocalVendor, SmtpSink
 from orchestrator.metrics_endpoint import parse_listen
 from support import ServeProcess, started_and_migrated, submit_all
-from test_effects_processes import start_dispatcher, vendors_config
+from test_effects_processes import start_dispatcher, vendors_on_loopback
 from test_effects_proxy import free_port
 from test_serve_faults import wait_all_terminal
 
@@ -166,9 +165,7 @@ async def test_the_dispatcher_counts_outcomes_and_people_waiting(
         gated = Effect("refund", "crm", {"amount": 500}, requires_approval=True)
         await effects.accept(db, second.run_id, second.fence, gated, worker_id="W")
     port = free_port()
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
+    async with vendors_on_loopback(tmp_path) as (vendor, _, config):
         dispatcher = start_dispatcher(
             database_url,
             config,

@@ -8,8 +8,8 @@ import dataclasses
 import functools
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -55,6 +55,20 @@ def fresh_handle(*, lease_seconds: float, confirmed_at: float) -> LeaseHandle:
         lease_until=datetime.now(UTC),
         confirmed_sent_at=confirmed_at,
     )
+
+
+NO_RENEWAL = "no confirmed renewal before the local deadline"
+
+
+@contextmanager
+def cancelled_by_its_guard(handle: LeaseHandle, reason: str) -> Iterator[None]:
+    """Run the block under ``handle``'s guard; it must end cancelled by the guard, the lease
+    lost for ``reason``."""
+    with anyio.CancelScope() as scope:
+        handle.guard(scope.cancel)
+        yield
+    assert scope.cancelled_caught
+    assert handle.lost_reason == reason
 
 
 async def eventually(condition: Callable[[], bool], *, within: float) -> None:
@@ -158,11 +172,10 @@ async def test_a_broken_step_is_retried_then_dead_lettered(
 ) -> None:
     agent = Agent("broken", first=step)
     run = await run_to_the_end(settings, store, agent, {}, max_attempts=2, **FAST)
-    run_id = run.run_id
     assert run.state is RunState.DEAD
     assert run.error is not None and run.error["type"] in ("TypeError", "LookupError")
     assert "Traceback" in run.error["traceback"]
-    kinds = [e.kind for e in await store.events(run_id)]
+    kinds = [e.kind for e in await store.events(run.run_id)]
     assert kinds == ["submitted", "claimed", "retry_scheduled", "claimed", "dead_lettered"]
 
 
@@ -171,10 +184,9 @@ async def test_an_exception_is_retried_with_the_checkpoint_intact(
 ) -> None:
     agent = Agent("flaky", first=Flaky, steps=[Finisher])
     run = await run_to_the_end(settings, store, agent, {}, **FAST)
-    run_id = run.run_id
     assert run.state is RunState.SUCCEEDED
     assert run.result == {"recovered_on": 2}
-    events = await store.events(run_id)
+    events = await store.events(run.run_id)
     retry = next(e for e in events if e.kind == "retry_scheduled")
     assert retry.details["error"]["type"] == "ConnectionError"
 
@@ -243,12 +255,9 @@ async def test_worker_claims_only_its_agents_and_many_at_once(
 async def test_guard_cancels_at_the_local_deadline_without_a_confirmed_renewal() -> None:
     now = anyio.current_time()
     handle = fresh_handle(lease_seconds=1.0, confirmed_at=now)
-    with anyio.CancelScope() as scope:
-        handle.guard(scope.cancel)
+    with cancelled_by_its_guard(handle, NO_RENEWAL):
         await anyio.sleep(5)
     elapsed = anyio.current_time() - now
-    assert scope.cancelled_caught
-    assert handle.lost_reason == "no confirmed renewal before the local deadline"
     # Never before the deadline; after it only by how late a loaded machine runs the loop.
     deadline = 1.0 - safety_margin(1.0)
     assert deadline <= elapsed < deadline + 2
@@ -267,11 +276,8 @@ async def test_guard_follows_confirmed_renewals_and_cancels_on_loss() -> None:
 
     async with anyio.create_task_group() as group:
         group.start_soon(renew_twice_then_lose)
-        with anyio.CancelScope() as scope:
-            handle.guard(scope.cancel)
+        with cancelled_by_its_guard(handle, "renewal refused"):
             await anyio.sleep(5)
-    assert scope.cancelled_caught
-    assert handle.lost_reason == "renewal refused"
     assert anyio.current_time() - start >= 1.2  # outlived the first deadline thanks to renewals
 
 
@@ -512,13 +518,10 @@ async def test_a_shorter_lease_brings_the_local_deadline_forward() -> None:
     # than the one the timer was armed for, and must not wait for it.
     start = anyio.current_time()
     handle = fresh_handle(lease_seconds=30.0, confirmed_at=start)
-    with anyio.CancelScope() as scope:
-        handle.guard(scope.cancel)
+    with cancelled_by_its_guard(handle, NO_RENEWAL):
         await anyio.sleep(0.1)
         handle.confirm(anyio.current_time(), datetime.now(UTC), 0.5)
         await anyio.sleep(10)
-    assert scope.cancelled_caught
-    assert handle.lost_reason == "no confirmed renewal before the local deadline"
     assert anyio.current_time() - start < 1.0
 
 

@@ -35,6 +35,7 @@ from support import (
     fenced_claims,
     handed_from_a_to_b,
     migrate_database,
+    serving,
     started_and_migrated,
     submit_all,
 )
@@ -42,8 +43,7 @@ from support import (
 pytestmark = pytest.mark.slow
 
 T = TypeVar("T")
-FAST = ["--agents", "agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
-"""Test agents, quick polling (wake-ups come by NOTIFY anyway), quiet status lines."""
+FAST = serving("agents_for_tests")
 
 
 async def wait_for(
@@ -243,17 +243,7 @@ async def test_postgres_restart_under_running_workers_loses_no_run(
     # Runs of 3 steps of 3 s: one caught before its first checkpoint still has seconds of
     # work when the database goes down, however slowly a loaded machine gets there.
     run_ids = await submit_sleepy(settings, count=20, seconds=3.0)
-    args = [
-        *FAST,
-        "--agents",
-        "orchestrator.agents.sleepy",
-        "--lease-seconds",
-        "3",
-        "--heartbeat-seconds",
-        "1",
-        "--concurrency",
-        "8",
-    ]
+    args = sleepy_args(concurrency=8)
     dsn = str(settings.database_url)
     with ServeProcess(dsn, *args, name="A") as a, ServeProcess(dsn, *args, name="B") as b:
         await mid_first_step(settings, run_ids)
@@ -318,6 +308,21 @@ async def held_through_the_outage(
         return held
     finally:
         await pool.close()
+
+
+def sleepy_args(*, concurrency: int) -> list[str]:
+    """`serve` options for the sleepy agent on a 3 s lease renewed every second."""
+    return [
+        *FAST,
+        "--agents",
+        "orchestrator.agents.sleepy",
+        "--lease-seconds",
+        "3",
+        "--heartbeat-seconds",
+        "1",
+        "--concurrency",
+        str(concurrency),
+    ]
 
 
 async def submit_sleepy(settings: Settings, *, count: int, seconds: float) -> list[str]:
@@ -430,17 +435,7 @@ async def test_workers_find_the_embedded_server_again_after_db_stop(
     own_server.ensure_running()
     await migrate_database(settings)
     run_ids = await submit_sleepy(settings, count=10, seconds=1.0)
-    args = [
-        *FAST,
-        "--agents",
-        "orchestrator.agents.sleepy",
-        "--lease-seconds",
-        "3",
-        "--heartbeat-seconds",
-        "1",
-        "--concurrency",
-        "10",
-    ]
+    args = sleepy_args(concurrency=10)
     with (
         socket.socket() as squatter,
         ServeProcess(None, *args, name="A", env={"ORCHESTRATOR_HOME": str(home)}) as worker,

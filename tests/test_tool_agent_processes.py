@@ -28,13 +28,14 @@ from support import (
     crm_kind,
     fenced_claims,
     serve_args,
+    serving,
     write_vendors_config,
 )
 from test_runtime import FAST, eventually
 from tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
 
 pytestmark = pytest.mark.slow
-AGENTS = ["--agents", "tool_agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
+AGENTS = serving("tool_agents_for_tests")
 
 
 def vendor_config(tmp_path: Path, vendor: LocalVendor) -> str:

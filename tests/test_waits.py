@@ -651,9 +651,8 @@ async def test_a_loop_that_progresses_between_waits_found_satisfied_is_never_bac
 ) -> None:
     looper = Agent("looper", first=Lap, steps=[AwaitSettled])
     run = await run_to_the_end(settings, store, looper, {}, **FAST)
-    run_id = run.run_id
     assert run.result == {"laps": 8}
-    events = await store.events(run_id)
+    events = await store.events(run.run_id)
     assert not [e for e in events if "backed_off_seconds" in e.details]
 
 

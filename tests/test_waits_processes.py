@@ -30,21 +30,16 @@ from support import (
     fenced_claims,
     handed_from_a_to_b,
     serve_args,
+    serving,
     started_and_migrated,
     submit_all,
 )
 from test_serve_faults import wait_all_terminal
-from test_tool_agent_processes import (
-    AGENTS,
-    killed_once_answered,
-    model_env,
-    until,
-    vendor_config,
-)
+from test_tool_agent_processes import AGENTS, killed_once_answered, model_env, until, vendor_config
 from tool_agents_for_tests import BUDGET_TURNS, REFUND_TURNS
 
 pytestmark = pytest.mark.slow
-INBOX = ["--agents", "agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
+INBOX = serving("agents_for_tests")
 CONVERSATION = "Refund order o-17, please."
 
 
