@@ -73,6 +73,12 @@ def is_json_object(line: str) -> bool:
         return False
 
 
+async def submit_marked(store: RunStore, marker_dir: Path, *, steps: int, seconds: float) -> str:
+    """A run of the ``marked`` agent, whose steps leave marker files in ``marker_dir``."""
+    input = {"steps": steps, "seconds": seconds, "marker_dir": str(marker_dir)}
+    return (await store.submit("marked", input)).run.run_id
+
+
 def commits(events: list[RunEvent]) -> list[RunEvent]:
     return [e for e in events if e.kind in ("checkpoint", "succeeded", "failed")]
 
@@ -81,9 +87,7 @@ async def test_sigkill_mid_step_resumes_elsewhere_from_the_last_checkpoint(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5"]
-    run_id = (
-        await store.submit("marked", {"steps": 4, "seconds": 0.6, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=4, seconds=0.6)
     with ServeProcess(database_url, *args, name="A") as worker_a:
         await wait_for(lambda: store.get(run_id), lambda r: r.checkpoint_version >= 2)
         worker_a.kill()
@@ -119,9 +123,7 @@ async def test_sigstopped_worker_commits_nothing_after_its_lease_expires(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "2", "--heartbeat-seconds", "0.5"]
-    run_id = (
-        await store.submit("marked", {"steps": 2, "seconds": 1.0, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=2, seconds=1.0)
     with ServeProcess(database_url, *args, name="A") as worker_a:
         await wait_for_marker(tmp_path, f"{run_id}.0.*")  # A loaded the checkpoint, is in a step
         worker_a.signal(signal.SIGSTOP)
@@ -157,9 +159,7 @@ async def test_partitioned_worker_gives_up_before_its_lease_ends_and_commits_not
     target = urlsplit(database_url)
     assert target.hostname is not None and target.port is not None
     args = [*FAST, "--lease-seconds", "4", "--heartbeat-seconds", "1"]
-    run_id = (
-        await store.submit("marked", {"steps": 1, "seconds": 8, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=1, seconds=8)
     async with FaultProxy(target.hostname, target.port) as proxy:
         with ServeProcess(proxy.dsn_for(database_url), *args, name="A") as worker_a:
             await wait_for_marker(tmp_path, f"{run_id}.0.*")
@@ -189,9 +189,7 @@ async def test_sigterm_releases_leases_and_another_worker_claims_without_waiting
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5", "--grace-seconds", "0.3"]
-    run_id = (
-        await store.submit("marked", {"steps": 1, "seconds": 60, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=1, seconds=60)
     with ServeProcess(database_url, *args, name="A") as worker_a:
         await wait_for_marker(tmp_path, f"{run_id}.0.*")
         with ServeProcess(database_url, *args, name="B") as worker_b:
@@ -216,9 +214,7 @@ async def test_cancel_reaches_the_owning_worker_process(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "6", "--heartbeat-seconds", "2"]
-    run_id = (
-        await store.submit("marked", {"steps": 3, "seconds": 3, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=3, seconds=3)
     with ServeProcess(database_url, *args, name="A") as worker_a:
         await wait_for_marker(tmp_path, f"{run_id}.0.*")
         await store.cancel(run_id, reason="test")
@@ -355,7 +351,7 @@ async def test_a_second_signal_exits_at_once(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5", "--grace-seconds", "60"]
-    await store.submit("marked", {"steps": 1, "seconds": 60, "marker_dir": str(tmp_path)})
+    await submit_marked(store, tmp_path, steps=1, seconds=60)
     with ServeProcess(database_url, *args, name="A") as worker:
         await wait_for_marker(tmp_path, "*.0.*")
         worker.signal(signal.SIGTERM)
