@@ -1,4 +1,6 @@
-"""Helpers for tests that run `orchestrator serve` as real OS processes."""
+"""Helpers the tests share: the command line and `orchestrator serve` as real OS processes,
+vendors configs, a server of a test's own brought to the latest schema, runs submitted and run
+to their end, and the fencing rules every timeline must obey."""
 
 from __future__ import annotations
 
