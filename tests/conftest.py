@@ -7,15 +7,20 @@ allowed to create databases); otherwise an embedded server is started for the se
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import asyncpg
 import pytest
 
-from orchestrator.db.connections import create_pool
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.store import RunStore
 from orchestrator.settings import Settings
-from orchestrator.testing import DatabaseFactory
+from orchestrator.testing import TEST_SERVER_SETTINGS, DatabaseFactory, with_database
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +52,32 @@ async def pool(settings: Settings) -> AsyncIterator[asyncpg.Pool]:
 @pytest.fixture
 def store(pool: asyncpg.Pool) -> RunStore:
     return RunStore(pool)
+
+
+@pytest.fixture
+async def empty_database(database_factory: DatabaseFactory) -> AsyncIterator[str]:
+    """A database with nothing in it: not even the migrations table."""
+    name = f"orchestrator_empty_{uuid.uuid4().hex[:12]}"
+    admin = await connect(database_factory.settings)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = with_database(database_factory.server_dsn, name)
+    yield dsn
+    await database_factory.drop(dsn)
+
+
+@pytest.fixture
+def own_server() -> Iterator[EmbeddedPostgres]:
+    """An embedded server (not yet started) that the test alone uses, so that it may stop or
+    restart PostgreSQL under the session's other tests' feet."""
+    # Not under pytest's tmp_path: pytest keeps its base directory private to root (0700),
+    # and the server runs as its own user when the tests run as root.
+    home = Path(tempfile.mkdtemp(prefix="orchestrator-own-"))
+    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    try:
+        yield server
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)

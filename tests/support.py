@@ -1,4 +1,6 @@
-"""Helpers for tests that run `orchestrator serve` as real OS processes."""
+"""Helpers the tests share: the command line and `orchestrator serve` as real OS processes,
+vendors configs, a server of a test's own brought to the latest schema, runs submitted and run
+to their end, and the fencing rules every timeline must obey."""
 
 from __future__ import annotations
 
@@ -9,15 +11,173 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+import asyncpg
 
-from orchestrator.models import RunEvent
+from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.migrations import available_migrations, migrate
+from orchestrator.db.store import RunStore
+from orchestrator.models import JSON, Run, RunEvent
+from orchestrator.settings import Settings
+from orchestrator.steps import Agent
+from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 
 TESTS_DIR = Path(__file__).parent
+
+
+def serving(agents_module: str) -> list[str]:
+    """`serve` options for the agents of ``agents_module``: quick polling (wake-ups come by
+    NOTIFY anyway) and quiet status lines."""
+    return ["--agents", agents_module, "--poll-seconds", "0.2", "--status-seconds", "60"]
+
+
+def cli_environment(
+    database_url: str | None, env: Mapping[str, str] | None = None, *, columns: int | None = 200
+) -> dict[str, str]:
+    """The environment of a command run against ``database_url`` (None: the embedded server of
+    ORCHESTRATOR_HOME); ``columns`` None leaves the width to the command, as in a pipe."""
+    base = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    base.pop("ORCHESTRATOR_DATABASE_URL", None)
+    if database_url is not None:
+        base["ORCHESTRATOR_DATABASE_URL"] = database_url
+    if columns is not None:
+        base["COLUMNS"] = str(columns)
+    return {**base, **(env or {})}
+
+
+def cli(
+    database_url: str | None,
+    *args: str,
+    stdin: str | None = None,
+    env: Mapping[str, str] | None = None,
+    columns: int | None = 200,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """Run the command line as a user does (a real process); wide by default so tables do not
+    wrap."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=cli_environment(database_url, env, columns=columns),
+        timeout=timeout,
+        check=False,
+    )
+
+
+def cli_bytes(
+    database_url: str | None,
+    *args: str | bytes,
+    stdin: bytes | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    """``cli`` for input that is not text (invalid UTF-8), at the command's own width."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        input=stdin,
+        capture_output=True,
+        env=cli_environment(database_url, env, columns=None),
+        timeout=60,
+        check=False,
+    )
+
+
+def serve_args(
+    agents: Sequence[str], effects_config: str, *, lease_seconds: str, heartbeat_seconds: str
+) -> list[str]:
+    """`serve` options: ``agents`` (its --agents and polling), effects sent as configured, a
+    lease and heartbeat of the test's choosing."""
+    return [
+        *agents,
+        "--effects-config",
+        effects_config,
+        "--lease-seconds",
+        lease_seconds,
+        "--heartbeat-seconds",
+        heartbeat_seconds,
+    ]
+
+
+def crm_kind(vendor: LocalVendor, **options: JSON) -> dict[str, JSON]:
+    """A vendors-config kind that sends to ``vendor`` and asks it what it has when unsure."""
+    return {
+        "adapter": "http",
+        "url": vendor.send_url,
+        "reconcile": "lookup",
+        "lookup_url": vendor.lookup_url,
+        **options,
+    }
+
+
+def write_vendors_config(directory: Path, kinds: Mapping[str, JSON]) -> str:
+    """Write a vendors config (``--effects-config``) into ``directory``; return its path."""
+    path = directory / "vendors.json"
+    path.write_text(json.dumps({"kinds": dict(kinds)}))
+    return str(path)
+
+
+async def install_an_earlier_release(connection: asyncpg.Connection, *, migrations: int) -> None:
+    """Build what a release that shipped the first ``migrations`` migrations built, in the
+    connection's schema, recording them as that release did."""
+    await connection.execute(
+        "CREATE TABLE orchestrator_schema_migrations (version integer PRIMARY KEY, "
+        "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+    )
+    for migration in available_migrations()[:migrations]:
+        await connection.execute(migration.sql)
+        await connection.execute(
+            "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, $2)",
+            migration.version,
+            migration.name,
+        )
+
+
+async def run_to_the_end(
+    settings: Settings,
+    store: RunStore,
+    agent: Agent,
+    input: JSON,
+    *,
+    max_attempts: int = 5,
+    **worker_options: Any,
+) -> Run:
+    """Serve ``agent`` in-process until a run of ``input`` has ended; return that run."""
+    async with running_worker(settings, [agent], **worker_options):
+        submitted = await store.submit(agent.name, input, max_attempts=max_attempts)
+        return await wait_for_run(store, submitted.run.run_id, within=60)
+
+
+async def migrate_database(settings: Settings) -> None:
+    connection = await connect(settings)
+    try:
+        await migrate(connection)
+    finally:
+        await connection.close()
+
+
+async def started_and_migrated(server: EmbeddedPostgres) -> Settings:
+    """Start ``server``, bring its database to the latest schema, return settings that reach
+    it."""
+    settings = Settings(database_url=server.ensure_running().dsn())
+    await migrate_database(settings)
+    return settings
+
+
+async def submit_all(settings: Settings, agent: str, inputs: Iterable[JSON]) -> list[str]:
+    """Submit one run per input through a pool of its own (the caller may restart the server
+    afterwards); return their ids."""
+    pool = await create_pool(settings, application_name="test-submit")
+    try:
+        store = RunStore(pool)
+        return [(await store.submit(agent, input)).run.run_id for input in inputs]
+    finally:
+        await pool.close()
 
 
 class ServeProcess:

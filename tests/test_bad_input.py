@@ -22,28 +22,10 @@ import httpx
 import pytest
 
 from orchestrator.db.store import RunStore
+from support import cli_bytes
 from test_effects_proxy import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def cli(
-    database_url: str | None,
-    *args: str | bytes,
-    stdin: bytes | None = None,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess[bytes]:
-    base = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    if database_url is not None:
-        base["ORCHESTRATOR_DATABASE_URL"] = database_url
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        input=stdin,
-        capture_output=True,
-        env={**base, **(env or {})},
-        timeout=60,
-        check=False,
-    )
 
 
 async def database_state(pool: asyncpg.Pool) -> tuple[Any, ...]:
@@ -100,7 +82,7 @@ async def test_bad_values_are_refused_on_one_line_and_change_nothing(
     database_url: str, pool: asyncpg.Pool, args: list[str | bytes], stdin: bytes | None, says: str
 ) -> None:
     before = await database_state(pool)
-    one_line_refusal(cli(database_url, *args, stdin=stdin), says)
+    one_line_refusal(cli_bytes(database_url, *args, stdin=stdin), says)
     assert await database_state(pool) == before
 
 
@@ -110,7 +92,9 @@ async def test_a_file_of_invalid_utf8_is_refused(
     path = tmp_path / "input.json"
     path.write_bytes(INVALID_UTF8)
     before = await database_state(pool)
-    one_line_refusal(cli(database_url, "submit", "a", "--input", f"@{path}"), "not valid UTF-8")
+    one_line_refusal(
+        cli_bytes(database_url, "submit", "a", "--input", f"@{path}"), "not valid UTF-8"
+    )
     assert await database_state(pool) == before
 
 
@@ -119,7 +103,7 @@ async def test_large_integers_and_emoji_are_stored_as_given(
 ) -> None:
     """What jsonb holds is accepted: the refusals above are not over-eager."""
     document = {"n": 10**30, "neg": -(2**63), "emoji": "😀", "slash": "\\u0000 is text here"}
-    result = cli(database_url, "submit", "a", "--input", json.dumps(document), "--json")
+    result = cli_bytes(database_url, "submit", "a", "--input", json.dumps(document), "--json")
     assert result.returncode == 0, result.stderr
     run_id = json.loads(result.stdout)["run"]["run_id"]
     assert (await store.get(run_id)).input == document
@@ -137,7 +121,7 @@ async def test_large_integers_and_emoji_are_stored_as_given(
     ],
 )
 def test_a_bad_database_url_is_refused_on_one_line(url: str, says: str) -> None:
-    result = cli(url, "runs", "list")
+    result = cli_bytes(url, "runs", "list")
     one_line_refusal(result, says)
 
 
@@ -154,19 +138,19 @@ def test_a_bad_database_url_is_refused_on_one_line(url: str, says: str) -> None:
 def test_a_bad_setting_is_refused_on_one_line(
     database_url: str, variable: str, value: str, says: str
 ) -> None:
-    one_line_refusal(cli(database_url, "runs", "list", env={variable: value}), says)
+    one_line_refusal(cli_bytes(database_url, "runs", "list", env={variable: value}), says)
 
 
 def test_a_long_error_stays_on_one_line_whatever_the_width(database_url: str) -> None:
     long_id = "r_" + "a" * 120
     for columns in ("20", "80", "300"):
-        result = cli(database_url, "runs", "show", long_id, env={"COLUMNS": columns})
+        result = cli_bytes(database_url, "runs", "show", long_id, env={"COLUMNS": columns})
         one_line_refusal(result, "no run with id")
 
 
 def test_serve_with_an_unreachable_database_exits_1_on_one_line() -> None:
     """A failure inside serve's task group reaches the user as its one line, not a traceback."""
-    result = cli(
+    result = cli_bytes(
         "postgresql://app:hunter2@127.0.0.1:1/orchestrator",
         "serve",
         "--agents",
@@ -189,13 +173,13 @@ def test_libpq_environment_fills_in_what_the_url_leaves_out(database_url: str) -
         "PGUSER": parts.username or "",
         "PGDATABASE": parts.path.lstrip("/"),
     }
-    result = cli("postgresql://", "runs", "list", "--json", env=env)
+    result = cli_bytes("postgresql://", "runs", "list", "--json", env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []
-    disabled = cli(database_url + "?sslmode=disable", "runs", "list", "--json")
+    disabled = cli_bytes(database_url + "?sslmode=disable", "runs", "list", "--json")
     assert disabled.returncode == 0, disabled.stderr
     # The embedded test server has no TLS: sslmode=require is refused, and says so on one line.
-    one_line_refusal(cli(database_url + "?sslmode=require", "runs", "list"), "cannot reach")
+    one_line_refusal(cli_bytes(database_url + "?sslmode=require", "runs", "list"), "cannot reach")
 
 
 # -- amounts, durations and times out of range; signals and budgets from the command line ------
@@ -242,13 +226,15 @@ async def test_amounts_durations_and_times_out_of_range_are_one_line_errors(
     run_id = (await store.submit("nobody_serves_this", {})).run.run_id
     before = await database_state(pool)
     for args, says in OUT_OF_RANGE:
-        one_line_refusal(cli(database_url, *[run_id if a == "RUN" else a for a in args]), says)
+        one_line_refusal(
+            cli_bytes(database_url, *[run_id if a == "RUN" else a for a in args]), says
+        )
     assert await database_state(pool) == before
     assert await pool.fetchval("SELECT count(*) FROM run_signals") == 0
 
 
 async def test_a_bad_signal_data_message_is_one_clear_line(database_url: str) -> None:
-    result = cli(database_url, "runs", "signal", "r_x", "go", "--data", "yes")
+    result = cli_bytes(database_url, "runs", "signal", "r_x", "go", "--data", "yes")
     line = result.stderr.decode().strip()
     assert line == (
         "error: --data is not valid JSON (Expecting value at line 1 column 1); give JSON such "
@@ -260,10 +246,10 @@ async def test_a_signal_without_data_and_a_start_time_in_the_past_are_accepted(
     database_url: str, store: RunStore, pool: asyncpg.Pool
 ) -> None:
     run_id = (await store.submit("nobody_serves_this", {})).run.run_id
-    sent = cli(database_url, "runs", "signal", run_id, "go")
+    sent = cli_bytes(database_url, "runs", "signal", run_id, "go")
     assert sent.returncode == 0, sent.stderr
     assert await pool.fetchval("SELECT jsonb_typeof(data) FROM run_signals") == "null"
-    past = cli(database_url, "submit", "a", "--at", "2020-01-01T00:00:00Z")
+    past = cli_bytes(database_url, "submit", "a", "--at", "2020-01-01T00:00:00Z")
     assert past.returncode == 0, past.stderr
     warned = past.stderr.decode()
     assert "warning: --at 2020-01-01T00:00:00Z is in the past" in warned and "due now" in warned
@@ -310,7 +296,7 @@ async def test_the_console_answers_an_age_out_of_range_with_a_400(database_url: 
     ],
 )
 def test_usage_errors_are_one_error_line_too(database_url: str, args: list[str], says: str) -> None:
-    result = cli(database_url, *args)
+    result = cli_bytes(database_url, *args)
     stderr = result.stderr.decode()
     assert result.returncode == 2, stderr
     assert stderr.startswith("error: ") and says in stderr and "--help" in stderr, stderr

@@ -103,15 +103,14 @@ async def serve(
     return run_id
 
 
+def order_lookups(name: str, budget: Budget) -> ToolAgent:
+    return ToolAgent(name, instructions="Look orders up.", tools=[lookup_order], budget=budget)
+
+
 async def test_a_budget_set_to_fail_ends_the_run_when_exhausted(
     settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    agent = ToolAgent(
-        "strict",
-        instructions="Look orders up.",
-        tools=[lookup_order],
-        budget=Budget(turns=2, on_exhausted="fail"),
-    )
+    agent = order_lookups("strict", Budget(turns=2, on_exhausted="fail"))
     async with ScriptedModelServer(LOOKUPS) as model:
         run_id = await serve(settings, store, agent, model, monkeypatch, {RunState.FAILED})
     run = await store.get(run_id)
@@ -124,12 +123,7 @@ async def test_a_budget_set_to_fail_ends_the_run_when_exhausted(
 async def test_tool_calls_past_the_budget_are_refused_to_the_model_and_the_run_waits(
     settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    agent = ToolAgent(
-        "frugal",
-        instructions="Look orders up.",
-        tools=[lookup_order],
-        budget=Budget(tool_calls=1),
-    )
+    agent = order_lookups("frugal", Budget(tool_calls=1))
     two_calls = turns(
         ScriptedTurn(
             calls=(

@@ -4,7 +4,6 @@ the checker fail (so a passing campaign means something)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 from chaos_mutants import BOUNDARY_WITHOUT_FENCE_CHECK
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.faults import FAULT_KINDS
+from support import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # whole campaigns, minutes each
 
@@ -23,26 +23,21 @@ TESTS_DIR = Path(__file__).parent
 
 def test_a_short_campaign_with_every_fault_keeps_every_promise(tmp_path: Path) -> None:
     """Through the CLI, as a user runs it: progress on stderr, the report as JSON on stdout."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "chaos",
-            "--seed",
-            "7",
-            "--duration",
-            "45",
-            "--runs",
-            "90",
-            "--fault-rate",
-            "1.2",
-            "--work-dir",
-            str(tmp_path / "campaign"),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    done = cli(
+        None,
+        "chaos",
+        "--seed",
+        "7",
+        "--duration",
+        "45",
+        "--runs",
+        "90",
+        "--fault-rate",
+        "1.2",
+        "--work-dir",
+        str(tmp_path / "campaign"),
+        "--json",
+        columns=None,
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -90,20 +85,14 @@ def test_the_checker_catches_a_dispatcher_that_resends_without_reconciling(
 
 
 def test_chaos_bad_input_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "chaos",
-            "--faults",
-            "sigstop_worker,meteor",
-            "--work-dir",
-            str(tmp_path / "never"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = cli(
+        None,
+        "chaos",
+        "--faults",
+        "sigstop_worker,meteor",
+        "--work-dir",
+        str(tmp_path / "never"),
+        columns=None,
     )
     assert done.returncode == 1
     assert "unknown fault kinds ['meteor']" in done.stderr

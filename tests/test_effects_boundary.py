@@ -10,12 +10,18 @@ import asyncpg
 import pytest
 
 from orchestrator.backoff import Backoff
+from orchestrator.db.connections import connect
+from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import ClaimedRun
+from orchestrator.settings import Settings
+from support import install_an_earlier_release
 
 EMAIL = Effect("summary-email", "email", {"to": "a@example.com", "subject": "s", "body": "b"})
+DRAFT = Effect("crm-status", "crm", {"status": "draft"}, EffectPolicy.REPLACEABLE)
+FINAL = Effect("crm-status", "crm", {"status": "final"}, EffectPolicy.REPLACEABLE)
 
 
 async def claim(store: RunStore, worker: str, lease: float = 30) -> ClaimedRun:
@@ -35,6 +41,23 @@ async def accept(
             effect,
             worker_id=run.lease.worker_id,
         )
+
+
+async def claimed_by_a_briefly(store: RunStore) -> ClaimedRun:
+    """A new run, claimed by A on a lease that lapses before ``taken_over_by_b``."""
+    await store.submit("agent", {})
+    return await claim(store, "A", lease=0.2)
+
+
+async def taken_over_by_b(store: RunStore) -> ClaimedRun:
+    await asyncio.sleep(0.3)  # past A's lease
+    return await claim(store, "B")
+
+
+async def retry_later(pool: asyncpg.Pool, run: ClaimedRun, *, seconds: float) -> None:
+    """Fail the claimed attempt with its retry due in ``seconds``: the run waits meanwhile."""
+    patient = RunStore(pool, backoff=Backoff(base_seconds=seconds))
+    assert await patient.fail_attempt(run.lease, error={"message": "try again"})
 
 
 async def effect_rows(pool: asyncpg.Pool) -> list[dict[str, Any]]:
@@ -68,11 +91,9 @@ async def test_the_same_request_again_gets_the_existing_record(
 async def test_irreversible_later_fence_gets_the_existing_outcome_never_a_second_record(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    await store.submit("agent", {})
-    a = await claim(store, "A", lease=0.2)
+    a = await claimed_by_a_briefly(store)
     await accept(pool, a, EMAIL)
-    await asyncio.sleep(0.3)
-    b = await claim(store, "B")
+    b = await taken_over_by_b(store)
     changed = Effect("summary-email", "email", {"to": "other@example.com"})
     answer = await accept(pool, b, changed)
     assert answer.outcome == "existing"
@@ -84,15 +105,10 @@ async def test_irreversible_later_fence_gets_the_existing_outcome_never_a_second
 async def test_replaceable_newer_fence_supersedes_an_undispatched_record(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    crm = Effect("crm-status", "crm", {"status": "draft"}, EffectPolicy.REPLACEABLE)
-    await store.submit("agent", {})
-    a = await claim(store, "A", lease=0.2)
-    await accept(pool, a, crm)
-    await asyncio.sleep(0.3)
-    b = await claim(store, "B")
-    answer = await accept(
-        pool, b, Effect("crm-status", "crm", {"status": "final"}, EffectPolicy.REPLACEABLE)
-    )
+    a = await claimed_by_a_briefly(store)
+    await accept(pool, a, DRAFT)
+    b = await taken_over_by_b(store)
+    answer = await accept(pool, b, FINAL)
     assert answer.outcome == "replaced"
     (row,) = await effect_rows(pool)
     assert (row["fence"], row["payload"], row["status"]) == (2, {"status": "final"}, "accepted")
@@ -104,18 +120,13 @@ async def test_replaceable_newer_fence_supersedes_an_undispatched_record(
 async def test_replaceable_record_already_dispatched_is_not_replaced(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    crm = Effect("crm-status", "crm", {"status": "draft"}, EffectPolicy.REPLACEABLE)
-    await store.submit("agent", {})
-    a = await claim(store, "A", lease=0.2)
-    await accept(pool, a, crm)
+    a = await claimed_by_a_briefly(store)
+    await accept(pool, a, DRAFT)
     async with pool.acquire() as db:
         claimed = await EffectStore(pool).claim(db, "d1", ["crm"], limit=5, lease_seconds=30)
     assert len(claimed) == 1
-    await asyncio.sleep(0.3)
-    b = await claim(store, "B")
-    answer = await accept(
-        pool, b, Effect("crm-status", "crm", {"status": "final"}, EffectPolicy.REPLACEABLE)
-    )
+    b = await taken_over_by_b(store)
+    answer = await accept(pool, b, FINAL)
     assert (answer.outcome, answer.status) == ("existing", EffectStatus.DISPATCHING)
     (row,) = await effect_rows(pool)
     assert row["payload"] == {"status": "draft"}
@@ -124,10 +135,8 @@ async def test_replaceable_record_already_dispatched_is_not_replaced(
 async def test_a_stale_fence_is_rejected_recorded_and_changes_nothing(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    await store.submit("agent", {})
-    a = await claim(store, "A", lease=0.2)
-    await asyncio.sleep(0.3)
-    b = await claim(store, "B")
+    a = await claimed_by_a_briefly(store)
+    b = await taken_over_by_b(store)
     # B has not asked for anything yet; A, woken up, asks first: still stale (fence 1 < 2).
     before = await effect_rows(pool)
     answer = await accept(pool, a, EMAIL)
@@ -182,13 +191,11 @@ async def test_a_stale_fence_for_a_waiting_run_says_it_waits_not_that_another_wo
 ) -> None:
     await store.submit("agent", {})
     first = await claim(store, "A")
-    eager = RunStore(pool, backoff=Backoff(base_seconds=0.001))
-    assert await eager.fail_attempt(first.lease, error={"message": "again"})
+    await retry_later(pool, first, seconds=0.001)
     await anyio.sleep(0.05)
     second = await claim(store, "B")
     assert (second.run_id, second.fence) == (first.run_id, first.fence + 1)
-    patient = RunStore(pool, backoff=Backoff(base_seconds=600))
-    assert await patient.fail_attempt(second.lease, error={"message": "later"})
+    await retry_later(pool, second, seconds=600)
     stale = await accept(pool, first, EMAIL)
     assert (stale.outcome, stale.run_state) == ("stale", "waiting")
     said = stale.explain(first.run_id, EMAIL.key)
@@ -202,8 +209,7 @@ async def test_effects_are_refused_for_a_run_not_running_under_that_fence(
     """Waiting (a retry scheduled) and finished runs take no effects, even at their fence."""
     await store.submit("agent", {})
     a = await claim(store, "A")
-    patient = RunStore(pool, backoff=Backoff(base_seconds=600))
-    assert await patient.fail_attempt(a.lease, error={"message": "try again"})
+    await retry_later(pool, a, seconds=600)
     waiting = await accept(pool, a, EMAIL)
     assert (waiting.outcome, waiting.run_state) == ("not_running", "waiting")
     assert "is waiting, not running" in waiting.explain(a.run_id, EMAIL.key)
@@ -219,36 +225,13 @@ async def test_effects_are_refused_for_a_run_not_running_under_that_fence(
 
 
 async def test_migration_0005_lowers_a_mark_a_fence_from_the_future_had_raised(
-    database_factory: Any,
+    empty_database: str,
 ) -> None:
     """A database that took a fence the run never had (the old rule) lets its owner act again."""
-    from orchestrator.db.connections import connect
-    from orchestrator.db.migrations import available_migrations, migrate
-    from orchestrator.settings import Settings
-    from orchestrator.testing import with_database
-
-    name = "orchestrator_before_0005"
-    admin = await connect(database_factory.settings)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(database_factory.server_dsn, name)
     # A database of a release before 0.2: its objects in public, at version 4.
-    connection = await connect(Settings(database_url=dsn, schema="public"))
+    connection = await connect(Settings(database_url=empty_database, schema="public"))
     try:
-        await connection.execute(
-            "CREATE TABLE orchestrator_schema_migrations (version integer PRIMARY KEY, "
-            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-        )
-        for migration in available_migrations()[:4]:
-            await connection.execute(migration.sql)
-            await connection.execute(
-                "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, $2)",
-                migration.version,
-                migration.name,
-            )
+        await install_an_earlier_release(connection, migrations=4)
         await connection.execute(
             "INSERT INTO runs (run_id, agent, input, state, fence, lease_owner, lease_until) "
             "VALUES ('r_1', 'agent', '{}', 'running', 1, 'A', clock_timestamp() + interval '1h')"
@@ -259,7 +242,7 @@ async def test_migration_0005_lowers_a_mark_a_fence_from_the_future_had_raised(
         )
         assert old_answer == "accepted"  # the defect: the mark is now 1,000,000
         await connection.close()
-        connection = await connect(Settings(database_url=dsn))
+        connection = await connect(Settings(database_url=empty_database))
         await migrate(connection)
         assert await connection.fetchval("SELECT fence FROM effect_fences") == 1
         answer = await connection.fetchval(
@@ -269,7 +252,6 @@ async def test_migration_0005_lowers_a_mark_a_fence_from_the_future_had_raised(
         assert answer == "accepted"
     finally:
         await connection.close()
-        await database_factory.drop(dsn)
 
 
 async def test_cancel_raises_the_boundary_fence_and_withdraws_undispatched_effects(

@@ -72,31 +72,57 @@ def http(
     }
 
 
-async def test_confirmed_once_with_the_stable_key(store: RunStore, pool: asyncpg.Pool) -> None:
-    run_id = await requested(store, pool, CRM)
-    async with LocalVendor() as vendor:
-        record = await dispatch_until(pool, http(vendor), run_id, CRM.key, {EffectStatus.CONFIRMED})
-    assert record.external_id == "op_1"
-    assert list(vendor.deliveries) == [record.idempotency_key]
-    assert vendor.requests == 1
-    kinds = [e.kind for e in await store.events(run_id)]
-    assert kinds[-2:] == ["effect_accepted", "effect_confirmed"]
+def smtp(sink: SmtpSink, **options: Any) -> dict[str, Adapter]:
+    return {
+        "email": SmtpAdapter(
+            "email", host="127.0.0.1", port=sink.port, sender="a@orch.test", **options
+        )
+    }
 
 
-async def test_timeout_after_the_vendor_accepted_is_reconciled_not_resent(
-    store: RunStore, pool: asyncpg.Pool
+async def confirmed_after_a_bad_spell(
+    pool: asyncpg.Pool,
+    vendor: LocalVendor,
+    adapters: Mapping[str, Adapter],
+    run_id: str,
+    *,
+    mode: str,
+    failed_requests: int,
+) -> None:
+    """Dispatch while ``vendor`` misbehaves (``mode``) for ``failed_requests`` requests, then
+    let it recover; return once the effect is confirmed."""
+    vendor.mode = mode
+    async with anyio.create_task_group() as group:
+        group.start_soon(dispatch_until, pool, adapters, run_id, CRM.key, {EffectStatus.CONFIRMED})
+        with anyio.fail_after(60):
+            while vendor.requests < failed_requests:  # noqa: ASYNC110 - vendor state, polled
+                await anyio.sleep(0.02)
+        vendor.mode = "ok"
+
+
+@pytest.mark.parametrize(
+    ("mode", "send_timeout", "first_outcome"),
+    [
+        ("ok", 2.0, "effect_accepted"),
+        # A timeout after the vendor accepted: reconciled by a lookup, not sent again.
+        ("accept_then_hang", 0.5, "effect_uncertain"),
+    ],
+    ids=["answered", "timeout-after-the-vendor-accepted"],
+)
+async def test_confirmed_once_with_the_stable_key(
+    store: RunStore, pool: asyncpg.Pool, mode: str, send_timeout: float, first_outcome: str
 ) -> None:
     run_id = await requested(store, pool, CRM)
     async with LocalVendor() as vendor:
-        vendor.mode = "accept_then_hang"
+        vendor.mode = mode
         record = await dispatch_until(
-            pool, http(vendor, timeout=0.5), run_id, CRM.key, {EffectStatus.CONFIRMED}
+            pool, http(vendor, timeout=send_timeout), run_id, CRM.key, {EffectStatus.CONFIRMED}
         )
     assert record.external_id == "op_1"
-    assert vendor.requests == 1  # the lookup found it: no second POST
-    assert len(vendor.deliveries) == 1
+    assert list(vendor.deliveries) == [record.idempotency_key]
+    assert vendor.requests == 1  # the lookup, when there was one, found it: no second POST
     kinds = [e.kind for e in await store.events(run_id)]
-    assert kinds[-2:] == ["effect_uncertain", "effect_confirmed"]
+    assert kinds[-2:] == [first_outcome, "effect_confirmed"]
 
 
 async def test_replay_reconciliation_resends_with_the_same_key(
@@ -104,16 +130,10 @@ async def test_replay_reconciliation_resends_with_the_same_key(
 ) -> None:
     run_id = await requested(store, pool, CRM)
     async with LocalVendor() as vendor:
-        vendor.mode = "fail_5xx"
-        dispatcher_adapters = http(vendor, reconcile="replay")
-        async with anyio.create_task_group() as group:
-            group.start_soon(
-                dispatch_until, pool, dispatcher_adapters, run_id, CRM.key, {EffectStatus.CONFIRMED}
-            )
-            with anyio.fail_after(60):
-                while vendor.requests < 1:  # noqa: ASYNC110 - vendor state, polled
-                    await anyio.sleep(0.02)
-            vendor.mode = "ok"
+        adapters = http(vendor, reconcile="replay")
+        await confirmed_after_a_bad_spell(
+            pool, vendor, adapters, run_id, mode="fail_5xx", failed_requests=1
+        )
     record = await EffectStore(pool).get(run_id, CRM.key)
     assert record.status is EffectStatus.CONFIRMED
     assert len(vendor.deliveries) == 1 and vendor.requests >= 2
@@ -147,15 +167,9 @@ async def test_busy_vendor_is_retried_and_a_rejection_fails(
 ) -> None:
     busy_run = await requested(store, pool, CRM)
     async with LocalVendor() as vendor:
-        vendor.mode = "busy"
-        async with anyio.create_task_group() as group:
-            group.start_soon(
-                dispatch_until, pool, http(vendor), busy_run, CRM.key, {EffectStatus.CONFIRMED}
-            )
-            with anyio.fail_after(60):
-                while vendor.requests < 2:  # noqa: ASYNC110 - vendor state, polled
-                    await anyio.sleep(0.02)
-            vendor.mode = "ok"
+        await confirmed_after_a_bad_spell(
+            pool, vendor, http(vendor), busy_run, mode="busy", failed_requests=2
+        )
         assert len(vendor.deliveries) == 1
         rejected_run = await requested(store, pool, Effect("crm-2", "crm", {"bad": True}))
         vendor.mode = "reject"
@@ -224,10 +238,7 @@ async def test_smtp_sends_once_with_a_message_id_from_the_key(
 ) -> None:
     run_id = await requested(store, pool, MAIL)
     with SmtpSink() as sink:
-        adapters: dict[str, Adapter] = {
-            "email": SmtpAdapter("email", host="127.0.0.1", port=sink.port, sender="a@orch.test")
-        }
-        record = await dispatch_until(pool, adapters, run_id, MAIL.key, {EffectStatus.CONFIRMED})
+        record = await dispatch_until(pool, smtp(sink), run_id, MAIL.key, {EffectStatus.CONFIRMED})
     assert sink.message_ids() == [f"<{record.idempotency_key}@orchestrator>"]
     assert sink.messages[0]["To"] == "legal@acme.test"
 
@@ -239,16 +250,9 @@ async def test_an_uncertain_smtp_send_is_parked_never_resent(
     with SmtpSink() as sink:
         sink.mode = "hang_after_data"
         sink.hang_seconds = 3
-        adapters: dict[str, Adapter] = {
-            "email": SmtpAdapter(
-                "email",
-                host="127.0.0.1",
-                port=sink.port,
-                sender="a@orch.test",
-                timeout_seconds=0.5,
-            )
-        }
-        record = await dispatch_until(pool, adapters, run_id, MAIL.key, {EffectStatus.PARKED})
+        record = await dispatch_until(
+            pool, smtp(sink, timeout_seconds=0.5), run_id, MAIL.key, {EffectStatus.PARKED}
+        )
         await anyio.sleep(1.0)
         assert len(sink.messages) == 1
     assert record.status is EffectStatus.PARKED

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -15,89 +16,117 @@ import pytest
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
-from orchestrator.models import RunState
+from orchestrator.models import ClaimedRun, RunState
 from orchestrator.testing import LocalVendor, SmtpSink, wait_for_run
-from support import ServeProcess, fenced_claims
+from support import ServeProcess, crm_kind, fenced_claims, serve_args, write_vendors_config
 
 pytestmark = pytest.mark.slow
 AGENT = ["--agents", "orchestrator.agents.contract_notice", "--poll-seconds", "0.2"]
 
 
 def vendors_config(tmp_path: Path, vendor: LocalVendor, sink: SmtpSink) -> str:
-    config = {
-        "kinds": {
-            "crm": {
-                "adapter": "http",
-                "url": vendor.send_url,
-                "reconcile": "lookup",
-                "lookup_url": vendor.lookup_url,
-                "timeout_seconds": 1,
-            },
-            "email": {
-                "adapter": "smtp",
-                "host": "127.0.0.1",
-                "port": sink.port,
-                "sender": "agents@orch.test",
-            },
-        }
+    email = {
+        "adapter": "smtp",
+        "host": "127.0.0.1",
+        "port": sink.port,
+        "sender": "agents@orch.test",
     }
-    path = tmp_path / "vendors.json"
-    path.write_text(json.dumps(config))
-    return str(path)
+    return write_vendors_config(
+        tmp_path, {"crm": crm_kind(vendor, timeout_seconds=1), "email": email}
+    )
 
 
-def start(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+@asynccontextmanager
+async def vendors_on_loopback(tmp_path: Path) -> AsyncIterator[tuple[LocalVendor, SmtpSink, str]]:
+    """A CRM vendor and a mail sink on loopback, and the vendors config that reaches them."""
+    async with LocalVendor() as vendor:
+        with SmtpSink() as sink:
+            yield vendor, sink, vendors_config(tmp_path, vendor, sink)
+
+
+def start_dispatcher(database_url: str, config: str, *options: str) -> subprocess.Popen[bytes]:
+    """`orchestrator effects dispatch` in its own process; PATH empty so that it finds no
+    helper program it should not need."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "effects",
+            "dispatch",
+            "--effects-config",
+            config,
+            *options,
+        ],
+        env={"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""},
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def events_of(store: RunStore, run_id: str, kind: str) -> list[tuple[str | None, int | None]]:
     return [(e.worker_id, e.fence) for e in await store.events(run_id) if e.kind == kind]
 
 
+async def until_event(store: RunStore, run_id: str, kind: str) -> None:
+    with anyio.fail_after(60):
+        while not await events_of(store, run_id, kind):  # noqa: ASYNC110 - database state, polled
+            await anyio.sleep(0.02)
+
+
+async def until_delivered(vendor: LocalVendor) -> None:
+    with anyio.fail_after(60):
+        while not vendor.deliveries:  # noqa: ASYNC110 - vendor state, polled
+            await anyio.sleep(0.02)
+
+
+async def until_confirmed(pool: asyncpg.Pool, run_id: str, effect_key: str) -> None:
+    with anyio.fail_after(60):
+        while (  # noqa: ASYNC110 - database state, polled
+            await EffectStore(pool).get(run_id, effect_key)
+        ).status is not EffectStatus.CONFIRMED:
+            await anyio.sleep(0.05)
+
+
+async def accepted_crm_note(store: RunStore, pool: asyncpg.Pool) -> tuple[ClaimedRun, Effect]:
+    """A run claimed by worker W with a CRM effect accepted and not yet dispatched."""
+    await store.submit("agent", {})
+    run = (await store.claim("W", ["agent"], limit=1, lease_seconds=60)).claimed[0]
+    effect = Effect("crm-note", "crm", {"note": "hello"})
+    async with pool.acquire() as db, db.transaction():
+        await EffectStore(pool).accept(db, run.run_id, run.fence, effect, worker_id="W")
+    return run, effect
+
+
 async def test_stale_worker_wakes_up_and_the_vendors_see_one_request_each(
     database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
 ) -> None:
     """The seed's case: pause A mid-step, its lease expires, B claims and sends; resume A."""
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
-            args = [
-                *AGENT,
-                "--effects-config",
-                config,
-                "--lease-seconds",
-                "2",
-                "--heartbeat-seconds",
-                "0.5",
-            ]
-            run_id = (
-                await store.submit("contract_notice", {"customer": "ACME", "think_seconds": 3})
-            ).run.run_id
-            with ServeProcess(database_url, *args, name="A") as worker_a:
-                with anyio.fail_after(60):
-                    while not await events_of(store, run_id, "claimed"):  # noqa: ASYNC110
-                        await anyio.sleep(0.02)
-                worker_a.signal(signal.SIGSTOP)
-                with ServeProcess(database_url, *args, name="B"):
-                    final = await wait_for_run(store, run_id, within=40)
-                worker_a.signal(signal.SIGCONT)
-                with anyio.fail_after(60):
-                    while not await events_of(store, run_id, "lease_lost"):  # noqa: ASYNC110
-                        await anyio.sleep(0.05)
-                await anyio.sleep(1)
-            # A loaded machine may add claims (a starved heartbeat loses a lease): the fences
-            # expected are read from the timeline.
-            claims = fenced_claims(await store.events(run_id))
-            a_fence = max(c.fence or 0 for c in claims if c.worker_id == "A")
-            # A stale worker that still holds credentials and a live connection asks anyway:
-            async with pool.acquire() as db:
-                stale = await EffectStore(pool).accept(
-                    db,
-                    run_id,
-                    a_fence,
-                    Effect("notice-email", "email", {"to": "x@y.z"}),
-                    worker_id="A",
-                )
+    async with vendors_on_loopback(tmp_path) as (vendor, sink, config):
+        args = serve_args(AGENT, config, lease_seconds="2", heartbeat_seconds="0.5")
+        run_id = (
+            await store.submit("contract_notice", {"customer": "ACME", "think_seconds": 3})
+        ).run.run_id
+        with ServeProcess(database_url, *args, name="A") as worker_a:
+            await until_event(store, run_id, "claimed")
+            worker_a.signal(signal.SIGSTOP)
+            with ServeProcess(database_url, *args, name="B"):
+                final = await wait_for_run(store, run_id, within=40)
+            worker_a.signal(signal.SIGCONT)
+            await until_event(store, run_id, "lease_lost")
+            await anyio.sleep(1)
+        # A loaded machine may add claims (a starved heartbeat loses a lease): the fences
+        # expected are read from the timeline.
+        claims = fenced_claims(await store.events(run_id))
+        a_fence = max(c.fence or 0 for c in claims if c.worker_id == "A")
+        # A stale worker that still holds credentials and a live connection asks anyway:
+        async with pool.acquire() as db:
+            stale = await EffectStore(pool).accept(
+                db,
+                run_id,
+                a_fence,
+                Effect("notice-email", "email", {"to": "x@y.z"}),
+                worker_id="A",
+            )
     assert final.state is RunState.SUCCEEDED, final.error
     assert claims[0].worker_id == "A" and claims[-1].worker_id == "B"
     assert claims[-1].fence == final.fence and final.result is not None
@@ -118,36 +147,14 @@ async def test_stale_worker_wakes_up_and_the_vendors_see_one_request_each(
 async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled(
     database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
 ) -> None:
-    await store.submit("agent", {})
-    run = (await store.claim("W", ["agent"], limit=1, lease_seconds=60)).claimed[0]
-    effect = Effect("crm-note", "crm", {"note": "hello"})
-    async with pool.acquire() as db, db.transaction():
-        await EffectStore(pool).accept(db, run.run_id, run.fence, effect, worker_id="W")
+    run, effect = await accepted_crm_note(store, pool)
 
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
+    async with vendors_on_loopback(tmp_path) as (vendor, _, config):
         vendor.mode = "accept_then_hang"
-        command = [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "effects",
-            "dispatch",
-            "--effects-config",
-            config,
-            "--lease-seconds",
-            "2",
-            "--poll-seconds",
-            "0.1",
-            "--log-json",
-        ]
-        env = {"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""}
-        first = start(command, env)
+        options = ["--lease-seconds", "2", "--poll-seconds", "0.1", "--log-json"]
+        first = start_dispatcher(database_url, config, *options)
         try:
-            with anyio.fail_after(60):
-                while not vendor.deliveries:  # noqa: ASYNC110 - vendor state, polled
-                    await anyio.sleep(0.02)
+            await until_delivered(vendor)
         finally:
             first.kill()
             first.wait(60)
@@ -155,13 +162,9 @@ async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled
             EffectStatus.DISPATCHING
         )
         vendor.mode = "ok"
-        second = start(command, env)
+        second = start_dispatcher(database_url, config, *options)
         try:
-            with anyio.fail_after(60):
-                while (  # noqa: ASYNC110 - database state, polled
-                    await EffectStore(pool).get(run.run_id, effect.key)
-                ).status is not EffectStatus.CONFIRMED:
-                    await anyio.sleep(0.05)
+            await until_confirmed(pool, run.run_id, effect.key)
         finally:
             second.send_signal(signal.SIGTERM)
             assert second.wait(60) == 0
@@ -174,35 +177,21 @@ async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled
 async def test_one_email_per_run_through_worker_crashes_and_reclaims(
     database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
 ) -> None:
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
-            base = [
-                *AGENT,
-                "--effects-config",
-                config,
-                "--lease-seconds",
-                "30",
-                "--heartbeat-seconds",
-                "5",
-            ]
-            # Run 1 is killed mid-step (before its commit); run 2 right after its commit
-            # requested the effects (its worker does not dispatch, so they are still pending).
-            mid_step = (await store.submit("contract_notice", {"think_seconds": 2})).run.run_id
-            with ServeProcess(database_url, *base, "--no-dispatch", name="A") as worker_a:
-                with anyio.fail_after(60):
-                    while not await events_of(store, mid_step, "claimed"):  # noqa: ASYNC110
-                        await anyio.sleep(0.02)
-                worker_a.kill()
-            committed = (await store.submit("contract_notice", {"think_seconds": 0})).run.run_id
-            with ServeProcess(database_url, *base, "--no-dispatch", name="C") as worker_c:
-                with anyio.fail_after(60):
-                    while not await events_of(store, committed, "effect_accepted"):  # noqa: ASYNC110
-                        await anyio.sleep(0.02)
-                worker_c.kill()
-            with ServeProcess(database_url, *base, name="B"):
-                first = await wait_for_run(store, mid_step, within=40)
-                second = await wait_for_run(store, committed, within=40)
+    async with vendors_on_loopback(tmp_path) as (vendor, sink, config):
+        base = serve_args(AGENT, config, lease_seconds="30", heartbeat_seconds="5")
+        # Run 1 is killed mid-step (before its commit); run 2 right after its commit
+        # requested the effects (its worker does not dispatch, so they are still pending).
+        mid_step = (await store.submit("contract_notice", {"think_seconds": 2})).run.run_id
+        with ServeProcess(database_url, *base, "--no-dispatch", name="A") as worker_a:
+            await until_event(store, mid_step, "claimed")
+            worker_a.kill()
+        committed = (await store.submit("contract_notice", {"think_seconds": 0})).run.run_id
+        with ServeProcess(database_url, *base, "--no-dispatch", name="C") as worker_c:
+            await until_event(store, committed, "effect_accepted")
+            worker_c.kill()
+        with ServeProcess(database_url, *base, name="B"):
+            first = await wait_for_run(store, mid_step, within=40)
+            second = await wait_for_run(store, committed, within=40)
     assert first.state is RunState.SUCCEEDED and second.state is RunState.SUCCEEDED
     keys = await pool.fetch("SELECT idempotency_key FROM effects WHERE effect_key = 'notice-email'")
     expected = sorted(f"<{r['idempotency_key']}@orchestrator>" for r in keys)
@@ -217,14 +206,8 @@ async def test_serve_dispatch_lease_setting_bounds_how_long_a_dead_send_waits(
 ) -> None:
     """serve --dispatch-lease-seconds: a send cut off by its worker's death is reconciled once
     that lease ends (2 s here), not after the 60 s default."""
-    await store.submit("agent", {})
-    run = (await store.claim("W", ["agent"], limit=1, lease_seconds=60)).claimed[0]
-    effect = Effect("crm-note", "crm", {"note": "hello"})
-    async with pool.acquire() as db, db.transaction():
-        await EffectStore(pool).accept(db, run.run_id, run.fence, effect, worker_id="W")
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
+    run, effect = await accepted_crm_note(store, pool)
+    async with vendors_on_loopback(tmp_path) as (vendor, _, config):
         vendor.mode = "accept_then_hang"
         args = [
             "--agents",
@@ -237,18 +220,12 @@ async def test_serve_dispatch_lease_setting_bounds_how_long_a_dead_send_waits(
             "2",
         ]
         with ServeProcess(database_url, *args, name="A") as worker_a:
-            with anyio.fail_after(60):
-                while not vendor.deliveries:  # noqa: ASYNC110 - vendor state, polled
-                    await anyio.sleep(0.02)
+            await until_delivered(vendor)
             worker_a.kill()
         killed_at = anyio.current_time()
         vendor.mode = "ok"
         with ServeProcess(database_url, *args, name="B"):
-            with anyio.fail_after(60):
-                while (  # noqa: ASYNC110 - database state, polled
-                    await EffectStore(pool).get(run.run_id, effect.key)
-                ).status is not EffectStatus.CONFIRMED:
-                    await anyio.sleep(0.05)
+            await until_confirmed(pool, run.run_id, effect.key)
             settled_after = anyio.current_time() - killed_at
     # Judged against the 60 s default it replaces: about 2 s when quiet, but the time includes
     # starting B, which took up to 30 s on a loaded two-core machine.

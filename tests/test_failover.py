@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import asyncpg
@@ -35,10 +36,12 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import DatabaseError, OutcomeUnknown
 from orchestrator.fences import EPOCH_BITS, epoch_of
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
-from orchestrator.models import ClaimedRun, RunState
+from orchestrator.models import JSON, ClaimedRun, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
+from orchestrator.worker.worker import Worker
+from support import crm_kind
 from tool_agents_for_tests import orders
 
 pytestmark = pytest.mark.slow
@@ -92,16 +95,20 @@ def granted_twice() -> list[tuple[str, int, str]]:
 
 def looked_up_crm(vendor: LocalVendor) -> Adapter:
     """The CRM vendor as an HTTP adapter that looks a key up before sending it again."""
-    return adapter_from_config(
-        "crm",
-        {
-            "adapter": "http",
-            "url": vendor.send_url,
-            "reconcile": "lookup",
-            "lookup_url": vendor.lookup_url,
-            "timeout_seconds": 2,
-        },
+    return adapter_from_config("crm", crm_kind(vendor, timeout_seconds=2))
+
+
+def notice_worker(
+    settings: Settings, adapters: dict[str, Adapter], **options: Any
+) -> AbstractAsyncContextManager[Worker]:
+    """A worker for ``notice`` that keeps trying to reach a server being promoted."""
+    return running_worker(
+        settings, [notice], effect_adapters=adapters, start_retry_seconds=60, **WORKER, **options
     )
+
+
+async def submit_notices(store: RunStore, count: int, input: JSON) -> list[str]:
+    return [(await store.submit("failover_notice", input)).run.run_id for _ in range(count)]
 
 
 @asynccontextmanager
@@ -112,6 +119,18 @@ async def replicated(*, synchronous: bool) -> AsyncIterator[ReplicatedPostgres]:
         yield pair
     finally:
         await anyio.to_thread.run_sync(pair.close)
+
+
+@asynccontextmanager
+async def async_pair_and_crm() -> AsyncIterator[
+    tuple[ReplicatedPostgres, Settings, LocalVendor, Adapter]
+]:
+    """An asynchronous pair, migrated, with the settings that follow its primary, and a CRM
+    vendor on loopback with the adapter that looks keys up there."""
+    async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
+        settings = Settings(database_url=pair.dsn())
+        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+        yield pair, settings, vendor, looked_up_crm(vendor)
 
 
 @asynccontextmanager
@@ -139,25 +158,12 @@ async def finished(store: RunStore, run_ids: list[str], *, within: float) -> dic
 
 async def test_a_async_failover_grants_no_fence_twice_and_looks_up_before_sending() -> None:
     GRANTS.clear()
-    async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
-        settings = Settings(database_url=pair.dsn())
-        crm = looked_up_crm(vendor)
-        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+    async with async_pair_and_crm() as (pair, settings, vendor, crm):
         async with opened(settings) as (_, store):
-            run_ids = [
-                (await store.submit("failover_notice", {"kind": "crm"})).run.run_id
-                for _ in range(12)
-            ]
+            run_ids = await submit_notices(store, 12, {"kind": "crm"})
         await anyio.to_thread.run_sync(pair.wait_replayed)
         await anyio.to_thread.run_sync(pair.stop_standby)
-        async with running_worker(
-            settings,
-            [notice],
-            effect_adapters={"crm": crm},
-            dispatch_lease_seconds=5,
-            start_retry_seconds=60,
-            **WORKER,
-        ):
+        async with notice_worker(settings, {"crm": crm}, dispatch_lease_seconds=5):
             async with opened(settings) as (_, store):
                 # On the primary alone: every run claimed, its notice sent and confirmed.
                 lost_states = await finished(store, run_ids, within=90)
@@ -191,15 +197,9 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
     """The effects' acceptance reached the standby; their dispatch (claim, send, confirmation)
     happened on the lost primary alone. The promoted server reads them as never dispatched, yet
     looks each up first: the vendor sees every key once."""
-    async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
-        settings = Settings(database_url=pair.dsn())
-        crm = looked_up_crm(vendor)
-        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
+    async with async_pair_and_crm() as (pair, settings, vendor, crm):
         async with opened(settings) as (pool, store):
-            run_ids = [
-                (await store.submit("failover_notice", {"kind": "crm"})).run.run_id
-                for _ in range(6)
-            ]
+            run_ids = await submit_notices(store, 6, {"kind": "crm"})
             effects = EffectStore(pool)
             # A worker without a vendor for "crm": the runs ask for their notices and wait.
             async with running_worker(settings, [notice], grace_seconds=0.5, **WORKER):
@@ -217,9 +217,7 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
                 group.cancel_scope.cancel()
         await anyio.to_thread.run_sync(pair.failover)
         async with (
-            running_worker(
-                settings, [notice], effect_adapters={"crm": crm}, start_retry_seconds=60, **WORKER
-            ),
+            notice_worker(settings, {"crm": crm}),
             opened(settings) as (pool, store),
         ):
             states = await finished(store, run_ids, within=120)
@@ -237,15 +235,11 @@ async def test_a_a_tool_agent_turn_the_failover_took_back_does_not_send_its_call
     promoted server replays the turns and the model answers the same calls under new call ids:
     the note is keyed by its tool and arguments, looked up first, and not sent again."""
     async with (
-        replicated(synchronous=False) as pair,
-        LocalVendor() as vendor,
+        async_pair_and_crm() as (pair, settings, vendor, crm),
         ScriptedModelServer(SAME_CALLS_ON_A_REPLAY) as model,
     ):
         monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
         monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-        settings = Settings(database_url=pair.dsn())
-        crm = looked_up_crm(vendor)
-        await ensure_schema(settings, pair.dsn(), auto_migrate=True)
         async with opened(settings) as (_, store):
             run_id = (await store.submit("orders", {"prompt": "Where is o-17?"})).run.run_id
             await anyio.to_thread.run_sync(pair.wait_replayed)
@@ -396,23 +390,9 @@ async def _email_through_a_failover(*, require_sync_standby: bool) -> tuple[list
                 "email",
                 {"adapter": "smtp", "host": "127.0.0.1", "port": sink.port, "sender": "a@b.c"},
             )
-            async with running_worker(
-                settings,
-                [notice],
-                effect_adapters={"email": email},
-                dispatch_lease_seconds=5,
-                start_retry_seconds=60,
-                **WORKER,
-            ):
+            async with notice_worker(settings, {"email": email}, dispatch_lease_seconds=5):
                 async with opened(settings) as (_, store):
-                    run_ids = [
-                        (
-                            await store.submit(
-                                "failover_notice", {"kind": "email", "think_seconds": 2}
-                            )
-                        ).run.run_id
-                        for _ in range(3)
-                    ]
+                    run_ids = await submit_notices(store, 3, {"kind": "email", "think_seconds": 2})
                 with anyio.fail_after(60):
                     while len(GRANTS) < 3:  # noqa: ASYNC110
                         await anyio.sleep(0.05)

@@ -4,10 +4,7 @@ endpoint that fails while PostgreSQL is down and recovers after."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import sys
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,19 +13,14 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
-from orchestrator.loopback import LocalVendor, SmtpSink
 from orchestrator.metrics_endpoint import parse_listen
-from orchestrator.settings import Settings
-from orchestrator.testing import TEST_SERVER_SETTINGS
-from support import ServeProcess
-from test_effects_processes import start, vendors_config
+from support import ServeProcess, started_and_migrated, submit_all
+from test_effects_processes import start_dispatcher, vendors_on_loopback
 from test_effects_proxy import free_port
 from test_serve_faults import wait_all_terminal
 
@@ -71,69 +63,56 @@ def by_agent(found: dict[str, float]) -> dict[str, float]:
     }
 
 
-async def test_metrics_are_scraped_and_readiness_follows_the_database() -> None:
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-metrics-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
-    settings = Settings(database_url=server.ensure_running().dsn())
+async def test_metrics_are_scraped_and_readiness_follows_the_database(
+    own_server: EmbeddedPostgres,
+) -> None:
+    settings = await started_and_migrated(own_server)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    try:
-        connection = await connect(settings)
-        await migrate(connection)
-        await connection.close()
-        pool = await create_pool(settings)
-        try:
-            store = RunStore(pool)
-            done = [(await store.submit("noop", {})).run.run_id for _ in range(5)]
-            for _ in range(3):  # a backlog nobody serves: the queue gauges show it
-                await store.submit("backlog", {})
-        finally:
-            await pool.close()
-        with ServeProcess(
-            settings.database_url,
-            "--agents",
-            "orchestrator.agents.noop",
-            "--metrics-listen",
-            f"127.0.0.1:{port}",
-            "--poll-seconds",
-            "0.2",
-            name="metrics-worker",
-        ) as worker:
-            await wait_all_terminal(settings, done, within=60)
-            await until_status(f"{base}/ready", 200, within=60)
-            text = await until_status(f"{base}/metrics", 200, within=60)
-            claims = samples(text, "orchestrator_claims_total")
-            assert sum(claims.values()) == 5 and all('agent="noop"' in k for k in claims)
-            finished = samples(text, "orchestrator_runs_finished_total")
-            assert sum(finished.values()) == 5, text
-            assert samples(text, "orchestrator_step_duration_seconds_count")
-            # The gauges are sampled every 10 s: the first sample may predate the claims.
-            for _ in range(100):
-                queued = by_agent(samples(text, "orchestrator_runs_queued"))
-                if queued == {"backlog": 3.0}:
-                    break
-                await anyio.sleep(0.25)
-                text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
-            assert queued == {"backlog": 3.0}, text
-            oldest = by_agent(samples(text, "orchestrator_runs_oldest_due_age_seconds"))
-            assert oldest["backlog"] > 0
-            assert samples(text, "orchestrator_effects_awaiting_approval") == {
-                '{otel_scope_name="orchestrator",otel_scope_schema_url="",otel_scope_version=""}': 0
-            }
-            assert "metrics-worker" not in text  # no series per worker id (a new one per restart)
-            assert (await anyio.to_thread.run_sync(get, f"{base}/nothing"))[0] == 404
+    done = await submit_all(settings, "noop", [{}] * 5)
+    await submit_all(settings, "backlog", [{}] * 3)  # nobody serves it: the queue gauges show it
+    with ServeProcess(
+        settings.database_url,
+        "--agents",
+        "orchestrator.agents.noop",
+        "--metrics-listen",
+        f"127.0.0.1:{port}",
+        "--poll-seconds",
+        "0.2",
+        name="metrics-worker",
+    ) as worker:
+        await wait_all_terminal(settings, done, within=60)
+        await until_status(f"{base}/ready", 200, within=60)
+        text = await until_status(f"{base}/metrics", 200, within=60)
+        claims = samples(text, "orchestrator_claims_total")
+        assert sum(claims.values()) == 5 and all('agent="noop"' in k for k in claims)
+        finished = samples(text, "orchestrator_runs_finished_total")
+        assert sum(finished.values()) == 5, text
+        assert samples(text, "orchestrator_step_duration_seconds_count")
+        # The gauges are sampled every 10 s: the first sample may predate the claims.
+        for _ in range(100):
+            queued = by_agent(samples(text, "orchestrator_runs_queued"))
+            if queued == {"backlog": 3.0}:
+                break
+            await anyio.sleep(0.25)
+            text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
+        assert queued == {"backlog": 3.0}, text
+        oldest = by_agent(samples(text, "orchestrator_runs_oldest_due_age_seconds"))
+        assert oldest["backlog"] > 0
+        assert samples(text, "orchestrator_effects_awaiting_approval") == {
+            '{otel_scope_name="orchestrator",otel_scope_schema_url="",otel_scope_version=""}': 0
+        }
+        assert "metrics-worker" not in text  # no series per worker id (a new one per restart)
+        assert (await anyio.to_thread.run_sync(get, f"{base}/nothing"))[0] == 404
 
-            await anyio.to_thread.run_sync(lambda: server.stop(mode="fast"))
-            down = json.loads(await until_status(f"{base}/ready", 503, within=60))
-            assert down["ready"] is False and "database" in down["reason"]
-            assert (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[0] == 200
-            await anyio.to_thread.run_sync(server.ensure_running)
-            up = json.loads(await until_status(f"{base}/ready", 200, within=60))
-            assert up == {"ready": True, "reason": "ready"}
-            assert worker.process.poll() is None
-    finally:
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
+        await anyio.to_thread.run_sync(lambda: own_server.stop(mode="fast"))
+        down = json.loads(await until_status(f"{base}/ready", 503, within=60))
+        assert down["ready"] is False and "database" in down["reason"]
+        assert (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[0] == 200
+        await anyio.to_thread.run_sync(own_server.ensure_running)
+        up = json.loads(await until_status(f"{base}/ready", 200, within=60))
+        assert up == {"ready": True, "reason": "ready"}
+        assert worker.process.poll() is None
 
 
 async def test_every_counter_is_exposed_at_zero_before_its_first_event(database_url: str) -> None:
@@ -186,25 +165,15 @@ async def test_the_dispatcher_counts_outcomes_and_people_waiting(
         gated = Effect("refund", "crm", {"amount": 500}, requires_approval=True)
         await effects.accept(db, second.run_id, second.fence, gated, worker_id="W")
     port = free_port()
-    async with LocalVendor() as vendor:
-        with SmtpSink() as sink:
-            config = vendors_config(tmp_path, vendor, sink)
-        dispatcher = start(
-            [
-                sys.executable,
-                "-m",
-                "orchestrator.cli",
-                "effects",
-                "dispatch",
-                "--effects-config",
-                config,
-                "--poll-seconds",
-                "0.1",
-                "--metrics-listen",
-                f"127.0.0.1:{port}",
-                "--log-json",
-            ],
-            {"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""},
+    async with vendors_on_loopback(tmp_path) as (vendor, _, config):
+        dispatcher = start_dispatcher(
+            database_url,
+            config,
+            "--poll-seconds",
+            "0.1",
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+            "--log-json",
         )
         try:
             base = f"http://127.0.0.1:{port}"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -13,21 +11,6 @@ from orchestrator.db.connections import connect
 from orchestrator.db.migrations import available_migrations, check_schema, latest_version, migrate
 from orchestrator.errors import DatabaseUnavailable, SchemaTooNew
 from orchestrator.settings import Settings
-from orchestrator.testing import DatabaseFactory, with_database
-
-
-@pytest.fixture
-async def empty_database(database_factory: DatabaseFactory) -> AsyncIterator[str]:
-    """A database with nothing in it: not even the migrations table."""
-    name = f"orchestrator_empty_{uuid.uuid4().hex[:12]}"
-    admin = await connect(database_factory.settings)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(database_factory.server_dsn, name)
-    yield dsn
-    await database_factory.drop(dsn)
 
 
 async def test_migrating_an_empty_database_reaches_the_latest_schema(empty_database: str) -> None:

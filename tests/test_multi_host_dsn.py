@@ -6,10 +6,7 @@ through a real promotion."""
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -20,6 +17,7 @@ from orchestrator.db.connections import redact_dsn
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
+from support import cli
 
 
 def _closed_port() -> int:
@@ -53,22 +51,10 @@ async def test_client_and_worker_reach_the_primary_through_a_multi_host_url(
 
 def test_the_command_line_takes_a_multi_host_url(database_url: str) -> None:
     url = multi_host(database_url)
-    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": url, "COLUMNS": "200"}
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-            check=False,
-        )
-
-    submitted = cli("submit", "noop", "--input", "{}")
+    submitted = cli(url, "submit", "noop", "--input", "{}")
     assert submitted.returncode == 0, submitted.stderr
     run_id = submitted.stdout.strip()
-    listed = cli("runs", "list", "--json")
+    listed = cli(url, "runs", "list", "--json")
     assert listed.returncode == 0, listed.stderr
     assert run_id in {run["run_id"] for run in json.loads(listed.stdout)}
 

@@ -19,7 +19,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
-from test_cli import cli
+from support import cli
 
 pytestmark = pytest.mark.slow
 

@@ -52,6 +52,19 @@ class Clock:
 
 
 @pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def clocked_fences(tmp_path: Path, clock: Clock) -> Iterator[FenceStore]:
+    """A fence store whose wall time is ``clock``."""
+    store = FenceStore.open(tmp_path / "f.sqlite3", clock=clock)
+    yield store
+    store.close()
+
+
+@pytest.fixture
 def fences(tmp_path: Path) -> Iterator[FenceStore]:
     store = FenceStore.open(tmp_path / "fences.sqlite3")
     yield store
@@ -556,54 +569,43 @@ async def test_pruning_forgets_runs_untouched_for_the_retention_in_batches(
         fences.close()
 
 
-async def test_a_round_prunes_a_bounded_number_of_batches(tmp_path: Path) -> None:
-    clock = Clock()
-    fences = FenceStore.open(tmp_path / "f.sqlite3", clock=clock)
-    try:
-        for i in range(PRUNE_BATCHES_PER_ROUND * 5 + 3):
-            await fences.remember(f"r_{i}", 1)
-        clock.now += DEFAULT_RETENTION.total_seconds() + 1
-        assert await fences.prune_round(batch=5) == PRUNE_BATCHES_PER_ROUND * 5
-        assert await fences.prune_round(batch=5) == 3
-    finally:
-        fences.close()
+async def test_a_round_prunes_a_bounded_number_of_batches(
+    clocked_fences: FenceStore, clock: Clock
+) -> None:
+    for i in range(PRUNE_BATCHES_PER_ROUND * 5 + 3):
+        await clocked_fences.remember(f"r_{i}", 1)
+    clock.now += DEFAULT_RETENTION.total_seconds() + 1
+    assert await clocked_fences.prune_round(batch=5) == PRUNE_BATCHES_PER_ROUND * 5
+    assert await clocked_fences.prune_round(batch=5) == 3
 
 
-async def test_a_re_request_under_the_same_fence_writes_only_to_refresh(tmp_path: Path) -> None:
-    clock = Clock()
-    fences = FenceStore.open(tmp_path / "f.sqlite3", clock=clock)
-    try:
-        assert fences.needs_admit(None, 4)
-        assert await fences.admit("r_a", 4) is None
-        seen = await fences.remembered("r_a")
-        assert seen == Remembered(4, clock.now)
-        clock.now += TOUCH_SECONDS / 2
-        assert not fences.needs_admit(seen, 4)
-        assert fences.needs_admit(seen, 5)
-        assert await fences.admit("r_a", 4) is None  # admitted, nothing to write
-        assert await fences.remembered("r_a") == seen
-        clock.now += TOUCH_SECONDS
-        assert fences.needs_admit(seen, 4)
-        assert await fences.admit("r_a", 4) is None
-        assert await fences.remembered("r_a") == Remembered(4, clock.now)
-    finally:
-        fences.close()
+async def test_a_re_request_under_the_same_fence_writes_only_to_refresh(
+    clocked_fences: FenceStore, clock: Clock
+) -> None:
+    assert clocked_fences.needs_admit(None, 4)
+    assert await clocked_fences.admit("r_a", 4) is None
+    seen = await clocked_fences.remembered("r_a")
+    assert seen == Remembered(4, clock.now)
+    clock.now += TOUCH_SECONDS / 2
+    assert not clocked_fences.needs_admit(seen, 4)
+    assert clocked_fences.needs_admit(seen, 5)
+    assert await clocked_fences.admit("r_a", 4) is None  # admitted, nothing to write
+    assert await clocked_fences.remembered("r_a") == seen
+    clock.now += TOUCH_SECONDS
+    assert clocked_fences.needs_admit(seen, 4)
+    assert await clocked_fences.admit("r_a", 4) is None
+    assert await clocked_fences.remembered("r_a") == Remembered(4, clock.now)
 
 
 async def test_admit_refuses_a_lower_fence_with_the_entry_and_writes_nothing(
-    tmp_path: Path,
+    clocked_fences: FenceStore, clock: Clock
 ) -> None:
-    clock = Clock()
-    fences = FenceStore.open(tmp_path / "f.sqlite3", clock=clock)
-    try:
-        assert await fences.admit("r_a", 9) is None
-        clock.now += 2 * TOUCH_SECONDS
-        assert await fences.admit("r_a", 8) == Remembered(9, clock.now - 2 * TOUCH_SECONDS)
-        assert await fences.remembered("r_a") == Remembered(9, clock.now - 2 * TOUCH_SECONDS)
-        assert await fences.admit("r_a", 10) is None
-        assert await fences.remembered("r_a") == Remembered(10, clock.now)
-    finally:
-        fences.close()
+    assert await clocked_fences.admit("r_a", 9) is None
+    clock.now += 2 * TOUCH_SECONDS
+    assert await clocked_fences.admit("r_a", 8) == Remembered(9, clock.now - 2 * TOUCH_SECONDS)
+    assert await clocked_fences.remembered("r_a") == Remembered(9, clock.now - 2 * TOUCH_SECONDS)
+    assert await clocked_fences.admit("r_a", 10) is None
+    assert await clocked_fences.remembered("r_a") == Remembered(10, clock.now)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from orchestrator.retention import (
     purge_round,
     purgeable,
 )
-from test_cli import cli
+from support import cli
 
 TABLES = (
     "runs",

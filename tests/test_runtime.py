@@ -8,7 +8,8 @@ import dataclasses
 import functools
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -41,6 +42,7 @@ from orchestrator.worker.heartbeat import (
 )
 from orchestrator.worker.run_tasks import RunTasks
 from orchestrator.worker.worker import Worker, WorkerConfig
+from support import run_to_the_end
 
 FAST: dict[str, Any] = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
 
@@ -53,6 +55,20 @@ def fresh_handle(*, lease_seconds: float, confirmed_at: float) -> LeaseHandle:
         lease_until=datetime.now(UTC),
         confirmed_sent_at=confirmed_at,
     )
+
+
+NO_RENEWAL = "no confirmed renewal before the local deadline"
+
+
+@contextmanager
+def cancelled_by_its_guard(handle: LeaseHandle, reason: str) -> Iterator[None]:
+    """Run the block under ``handle``'s guard; it must end cancelled by the guard, the lease
+    lost for ``reason``."""
+    with anyio.CancelScope() as scope:
+        handle.guard(scope.cancel)
+        yield
+    assert scope.cancelled_caught
+    assert handle.lost_reason == reason
 
 
 async def eventually(condition: Callable[[], bool], *, within: float) -> None:
@@ -155,13 +171,11 @@ async def test_a_broken_step_is_retried_then_dead_lettered(
     settings: Settings, store: RunStore, step: type[Step]
 ) -> None:
     agent = Agent("broken", first=step)
-    async with running_worker(settings, [agent], **FAST):
-        run_id = (await store.submit("broken", {}, max_attempts=2)).run.run_id
-        run = await wait_for_run(store, run_id, within=60)
+    run = await run_to_the_end(settings, store, agent, {}, max_attempts=2, **FAST)
     assert run.state is RunState.DEAD
     assert run.error is not None and run.error["type"] in ("TypeError", "LookupError")
     assert "Traceback" in run.error["traceback"]
-    kinds = [e.kind for e in await store.events(run_id)]
+    kinds = [e.kind for e in await store.events(run.run_id)]
     assert kinds == ["submitted", "claimed", "retry_scheduled", "claimed", "dead_lettered"]
 
 
@@ -169,12 +183,10 @@ async def test_an_exception_is_retried_with_the_checkpoint_intact(
     settings: Settings, store: RunStore
 ) -> None:
     agent = Agent("flaky", first=Flaky, steps=[Finisher])
-    async with running_worker(settings, [agent], **FAST):
-        run_id = (await store.submit("flaky", {})).run.run_id
-        run = await wait_for_run(store, run_id, within=60)
+    run = await run_to_the_end(settings, store, agent, {}, **FAST)
     assert run.state is RunState.SUCCEEDED
     assert run.result == {"recovered_on": 2}
-    events = await store.events(run_id)
+    events = await store.events(run.run_id)
     retry = next(e for e in events if e.kind == "retry_scheduled")
     assert retry.details["error"]["type"] == "ConnectionError"
 
@@ -243,12 +255,9 @@ async def test_worker_claims_only_its_agents_and_many_at_once(
 async def test_guard_cancels_at_the_local_deadline_without_a_confirmed_renewal() -> None:
     now = anyio.current_time()
     handle = fresh_handle(lease_seconds=1.0, confirmed_at=now)
-    with anyio.CancelScope() as scope:
-        handle.guard(scope.cancel)
+    with cancelled_by_its_guard(handle, NO_RENEWAL):
         await anyio.sleep(5)
     elapsed = anyio.current_time() - now
-    assert scope.cancelled_caught
-    assert handle.lost_reason == "no confirmed renewal before the local deadline"
     # Never before the deadline; after it only by how late a loaded machine runs the loop.
     deadline = 1.0 - safety_margin(1.0)
     assert deadline <= elapsed < deadline + 2
@@ -267,11 +276,8 @@ async def test_guard_follows_confirmed_renewals_and_cancels_on_loss() -> None:
 
     async with anyio.create_task_group() as group:
         group.start_soon(renew_twice_then_lose)
-        with anyio.CancelScope() as scope:
-            handle.guard(scope.cancel)
+        with cancelled_by_its_guard(handle, "renewal refused"):
             await anyio.sleep(5)
-    assert scope.cancelled_caught
-    assert handle.lost_reason == "renewal refused"
     assert anyio.current_time() - start >= 1.2  # outlived the first deadline thanks to renewals
 
 
@@ -399,6 +405,22 @@ def test_serve_usage_errors(database_url: str) -> None:
     assert no_reaper.returncode == 2 and "--reap-seconds" in no_reaper.stderr
 
 
+@asynccontextmanager
+async def lost_mid_step(
+    store: RunStore, settings: Settings, agent: Agent, started: anyio.Event
+) -> AsyncIterator[tuple[str, Worker]]:
+    """Yield a run of ``agent``, alone on a worker, and that worker once the first step has set
+    ``started``; the block makes the worker lose the run, and on leaving it the worker has let
+    the run go and counted it lost."""
+    run_id = (await store.submit(agent.name, {})).run.run_id
+    async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
+        with anyio.fail_after(60):
+            await started.wait()
+        yield run_id, worker
+        await eventually(lambda: run_id not in worker.active, within=60)
+        assert worker.counters.finished == {"lost": 1}
+
+
 class SwallowsCancellation(Step):
     """A badly written step: it catches the cancellation and tries to carry on."""
 
@@ -419,13 +441,11 @@ async def test_a_step_that_swallows_its_cancellation_commits_nothing_after_a_loc
     # commit, so only the runtime's own check stands between the step and a commit.
     SwallowsCancellation.started = anyio.Event()
     agent = Agent("swallower", first=SwallowsCancellation)
-    run_id = (await store.submit("swallower", {})).run.run_id
-    async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
-        with anyio.fail_after(60):
-            await SwallowsCancellation.started.wait()
+    async with lost_mid_step(store, settings, agent, SwallowsCancellation.started) as (
+        run_id,
+        worker,
+    ):
         worker.active[run_id].handle.lose("test: ownership lost locally")
-        await eventually(lambda: run_id not in worker.active, within=60)
-        assert worker.counters.finished == {"lost": 1}
     run = await store.get(run_id)
     assert run.checkpoint_version == 0
     assert run.checkpoint is None
@@ -483,14 +503,9 @@ async def test_a_refused_commit_ends_the_run_lost_and_records_it(
     # the cleanup, which a cancellation of its own task must not cut short.
     NapThenNext.started = anyio.Event()
     agent = Agent("napper", first=NapThenNext)
-    run_id = (await store.submit("napper", {})).run.run_id
-    async with running_worker(settings, [agent], concurrency=1, **FAST) as worker:
-        with anyio.fail_after(60):
-            await NapThenNext.started.wait()
+    async with lost_mid_step(store, settings, agent, NapThenNext.started) as (run_id, _):
         # Another claimer's fence, without the NOTIFY a cancel sends: only the commit finds out.
         await pool.execute("UPDATE runs SET fence = fence + 1 WHERE run_id = $1", run_id)
-        await eventually(lambda: run_id not in worker.active, within=60)
-        assert worker.counters.finished == {"lost": 1}
     events = await store.events(run_id)
     lost = [event for event in events if event.kind == "lease_lost"]
     assert len(lost) == 1
@@ -503,13 +518,10 @@ async def test_a_shorter_lease_brings_the_local_deadline_forward() -> None:
     # than the one the timer was armed for, and must not wait for it.
     start = anyio.current_time()
     handle = fresh_handle(lease_seconds=30.0, confirmed_at=start)
-    with anyio.CancelScope() as scope:
-        handle.guard(scope.cancel)
+    with cancelled_by_its_guard(handle, NO_RENEWAL):
         await anyio.sleep(0.1)
         handle.confirm(anyio.current_time(), datetime.now(UTC), 0.5)
         await anyio.sleep(10)
-    assert scope.cancelled_caught
-    assert handle.lost_reason == "no confirmed renewal before the local deadline"
     assert anyio.current_time() - start < 1.0
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -11,27 +9,14 @@ import pytest
 
 from orchestrator.db.bootstrap import SchemaBehind, ensure_schema
 from orchestrator.db.connections import connect, create_pool
-from orchestrator.db.migrations import available_migrations, latest_version, migrate
+from orchestrator.db.migrations import latest_version, migrate
 from orchestrator.db.schema_snapshot import dump_schema
 from orchestrator.db.store import LIVENESS_LOCK_NAMESPACE, RunStore, liveness_namespace
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.testing import DatabaseFactory, with_database
+from support import install_an_earlier_release
 
 SNAPSHOT = Path(__file__).parent.parent / "sql" / "schema.sql"
-
-
-@pytest.fixture
-async def empty_database(database_factory: DatabaseFactory) -> AsyncIterator[str]:
-    name = f"orchestrator_schema_{uuid.uuid4().hex[:12]}"
-    admin = await connect(database_factory.settings)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(database_factory.server_dsn, name)
-    yield dsn
-    await database_factory.drop(dsn)
 
 
 async def objects_by_schema(dsn: str) -> dict[str, set[str]]:
@@ -106,17 +91,7 @@ async def test_a_database_of_an_earlier_release_moves_into_the_schema_with_its_h
     legacy = Settings(database_url=empty_database, schema="public")
     connection = await connect(legacy)
     try:  # what release 0.1 built: migrations 1-6 in public
-        await connection.execute(
-            "CREATE TABLE orchestrator_schema_migrations (version integer PRIMARY KEY, "
-            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-        )
-        for migration in available_migrations()[:6]:
-            await connection.execute(migration.sql)
-            await connection.execute(
-                "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, $2)",
-                migration.version,
-                migration.name,
-            )
+        await install_an_earlier_release(connection, migrations=6)
         # A run and its timeline as that release wrote them (today's store speaks today's
         # schema, so the rows are written by hand).
         await connection.execute(

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -25,22 +21,29 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.connections import create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.errors import OrchestratorError
 from orchestrator.models import Run, RunEvent, RunState
 from orchestrator.settings import Settings
 from orchestrator.telemetry import RUN_FENCE, RUN_ID
-from orchestrator.testing import TEST_SERVER_SETTINGS, FaultProxy, wait_for_run
-from support import ServeProcess, fenced_claims, handed_from_a_to_b
+from orchestrator.testing import FaultProxy, wait_for_run
+from support import (
+    ServeProcess,
+    cli,
+    fenced_claims,
+    handed_from_a_to_b,
+    migrate_database,
+    serving,
+    started_and_migrated,
+    submit_all,
+)
 
 pytestmark = pytest.mark.slow
 
 T = TypeVar("T")
-FAST = ["--agents", "agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
-"""Test agents, quick polling (wake-ups come by NOTIFY anyway), quiet status lines."""
+FAST = serving("agents_for_tests")
 
 
 async def wait_for(
@@ -70,6 +73,12 @@ def is_json_object(line: str) -> bool:
         return False
 
 
+async def submit_marked(store: RunStore, marker_dir: Path, *, steps: int, seconds: float) -> str:
+    """A run of the ``marked`` agent, whose steps leave marker files in ``marker_dir``."""
+    input = {"steps": steps, "seconds": seconds, "marker_dir": str(marker_dir)}
+    return (await store.submit("marked", input)).run.run_id
+
+
 def commits(events: list[RunEvent]) -> list[RunEvent]:
     return [e for e in events if e.kind in ("checkpoint", "succeeded", "failed")]
 
@@ -78,9 +87,7 @@ async def test_sigkill_mid_step_resumes_elsewhere_from_the_last_checkpoint(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5"]
-    run_id = (
-        await store.submit("marked", {"steps": 4, "seconds": 0.6, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=4, seconds=0.6)
     with ServeProcess(database_url, *args, name="A") as worker_a:
         await wait_for(lambda: store.get(run_id), lambda r: r.checkpoint_version >= 2)
         worker_a.kill()
@@ -116,9 +123,7 @@ async def test_sigstopped_worker_commits_nothing_after_its_lease_expires(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "2", "--heartbeat-seconds", "0.5"]
-    run_id = (
-        await store.submit("marked", {"steps": 2, "seconds": 1.0, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=2, seconds=1.0)
     with ServeProcess(database_url, *args, name="A") as worker_a:
         await wait_for_marker(tmp_path, f"{run_id}.0.*")  # A loaded the checkpoint, is in a step
         worker_a.signal(signal.SIGSTOP)
@@ -154,9 +159,7 @@ async def test_partitioned_worker_gives_up_before_its_lease_ends_and_commits_not
     target = urlsplit(database_url)
     assert target.hostname is not None and target.port is not None
     args = [*FAST, "--lease-seconds", "4", "--heartbeat-seconds", "1"]
-    run_id = (
-        await store.submit("marked", {"steps": 1, "seconds": 8, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=1, seconds=8)
     async with FaultProxy(target.hostname, target.port) as proxy:
         with ServeProcess(proxy.dsn_for(database_url), *args, name="A") as worker_a:
             await wait_for_marker(tmp_path, f"{run_id}.0.*")
@@ -186,9 +189,7 @@ async def test_sigterm_releases_leases_and_another_worker_claims_without_waiting
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5", "--grace-seconds", "0.3"]
-    run_id = (
-        await store.submit("marked", {"steps": 1, "seconds": 60, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=1, seconds=60)
     with ServeProcess(database_url, *args, name="A") as worker_a:
         await wait_for_marker(tmp_path, f"{run_id}.0.*")
         with ServeProcess(database_url, *args, name="B") as worker_b:
@@ -213,9 +214,7 @@ async def test_cancel_reaches_the_owning_worker_process(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "6", "--heartbeat-seconds", "2"]
-    run_id = (
-        await store.submit("marked", {"steps": 3, "seconds": 3, "marker_dir": str(tmp_path)})
-    ).run.run_id
+    run_id = await submit_marked(store, tmp_path, steps=3, seconds=3)
     with ServeProcess(database_url, *args, name="A") as worker_a:
         await wait_for_marker(tmp_path, f"{run_id}.0.*")
         await store.cancel(run_id, reason="test")
@@ -233,59 +232,38 @@ async def test_cancel_reaches_the_owning_worker_process(
     ]
 
 
-async def test_postgres_restart_under_running_workers_loses_no_run() -> None:
-    # Not under pytest's tmp_path: pytest keeps its base directory private to root (0700),
-    # and the server runs as its own user when the tests run as root.
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-restart-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
-    settings = Settings(database_url=server.ensure_running().dsn())
-    try:
-        connection = await connect(settings)
-        await migrate(connection)
-        await connection.close()
-        # Runs of 3 steps of 3 s: one caught before its first checkpoint still has seconds of
-        # work when the database goes down, however slowly a loaded machine gets there.
-        run_ids = await submit_sleepy(settings, count=20, seconds=3.0)
-        args = [
-            *FAST,
-            "--agents",
-            "orchestrator.agents.sleepy",
-            "--lease-seconds",
-            "3",
-            "--heartbeat-seconds",
-            "1",
-            "--concurrency",
-            "8",
-        ]
-        dsn = str(settings.database_url)
-        with ServeProcess(dsn, *args, name="A") as a, ServeProcess(dsn, *args, name="B") as b:
-            await mid_first_step(settings, run_ids)
-            await anyio.to_thread.run_sync(server.restart)  # a quick restart: leases survive
-            await anyio.sleep(1.0)
-            # A long outage: every lease outlives its local deadline; the workers keep running,
-            # give their runs up, and pick them up again when the database is back.
-            before = await mid_first_step(settings, run_ids)
-            await anyio.to_thread.run_sync(lambda: server.restart(down_seconds=5))
-            runs = await wait_all_terminal(settings, run_ids, within=180)
-            logs = a.tail() + b.tail()
-            not_json = [line for line in a.raw + b.raw if not is_json_object(line)]
-            alive = [a.process.poll(), b.process.poll()]
-            lost_logged = {
-                line.get(RUN_ID) for line in a.events("lease lost") + b.events("lease lost")
-            }
-        assert alive == [None, None], logs
-        assert {run.state for run in runs} == {RunState.SUCCEEDED}, logs
-        assert all(run.result == {"count": 3} for run in runs)
-        held = await held_through_the_outage(settings, run_ids, before)
-        # At least the run caught mid-step was held when the database went down for longer
-        # than a lease: its owner gave it up, and a newer fence finished it.
-        assert held, "no run was in flight during the outage"
-        assert held <= lost_logged, (held, lost_logged, logs)
-        # Every line is JSON with --log-json, the connection pool's own warnings included.
-        assert not_json == [], "".join(not_json[:20])
-    finally:
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
+async def test_postgres_restart_under_running_workers_loses_no_run(
+    own_server: EmbeddedPostgres,
+) -> None:
+    settings = await started_and_migrated(own_server)
+    # Runs of 3 steps of 3 s: one caught before its first checkpoint still has seconds of
+    # work when the database goes down, however slowly a loaded machine gets there.
+    run_ids = await submit_sleepy(settings, count=20, seconds=3.0)
+    args = sleepy_args(concurrency=8)
+    dsn = str(settings.database_url)
+    with ServeProcess(dsn, *args, name="A") as a, ServeProcess(dsn, *args, name="B") as b:
+        await mid_first_step(settings, run_ids)
+        await anyio.to_thread.run_sync(own_server.restart)  # a quick restart: leases survive
+        await anyio.sleep(1.0)
+        # A long outage: every lease outlives its local deadline; the workers keep running,
+        # give their runs up, and pick them up again when the database is back.
+        before = await mid_first_step(settings, run_ids)
+        await anyio.to_thread.run_sync(lambda: own_server.restart(down_seconds=5))
+        runs = await wait_all_terminal(settings, run_ids, within=180)
+        logs = a.tail() + b.tail()
+        not_json = [line for line in a.raw + b.raw if not is_json_object(line)]
+        alive = [a.process.poll(), b.process.poll()]
+        lost_logged = {line.get(RUN_ID) for line in a.events("lease lost") + b.events("lease lost")}
+    assert alive == [None, None], logs
+    assert {run.state for run in runs} == {RunState.SUCCEEDED}, logs
+    assert all(run.result == {"count": 3} for run in runs)
+    held = await held_through_the_outage(settings, run_ids, before)
+    # At least the run caught mid-step was held when the database went down for longer
+    # than a lease: its owner gave it up, and a newer fence finished it.
+    assert held, "no run was in flight during the outage"
+    assert held <= lost_logged, (held, lost_logged, logs)
+    # Every line is JSON with --log-json, the connection pool's own warnings included.
+    assert not_json == [], "".join(not_json[:20])
 
 
 async def mid_first_step(settings: Settings, run_ids: list[str]) -> datetime:
@@ -328,16 +306,25 @@ async def held_through_the_outage(
         await pool.close()
 
 
+def sleepy_args(*, concurrency: int) -> list[str]:
+    """`serve` options for the sleepy agent on a 3 s lease renewed every second."""
+    return [
+        *FAST,
+        "--agents",
+        "orchestrator.agents.sleepy",
+        "--lease-seconds",
+        "3",
+        "--heartbeat-seconds",
+        "1",
+        "--concurrency",
+        str(concurrency),
+    ]
+
+
 async def submit_sleepy(settings: Settings, *, count: int, seconds: float) -> list[str]:
-    pool = await create_pool(settings, application_name="test-submit")
-    try:
-        store = RunStore(pool)
-        return [
-            (await store.submit("sleepy", {"steps": 3, "seconds": seconds, "n": n})).run.run_id
-            for n in range(count)
-        ]
-    finally:
-        await pool.close()
+    return await submit_all(
+        settings, "sleepy", ({"steps": 3, "seconds": seconds, "n": n} for n in range(count))
+    )
 
 
 async def wait_all_terminal(settings: Settings, run_ids: list[str], *, within: float) -> list[Run]:
@@ -364,7 +351,7 @@ async def test_a_second_signal_exits_at_once(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     args = [*FAST, "--lease-seconds", "30", "--heartbeat-seconds", "5", "--grace-seconds", "60"]
-    await store.submit("marked", {"steps": 1, "seconds": 60, "marker_dir": str(tmp_path)})
+    await submit_marked(store, tmp_path, steps=1, seconds=60)
     with ServeProcess(database_url, *args, name="A") as worker:
         await wait_for_marker(tmp_path, "*.0.*")
         worker.signal(signal.SIGTERM)
@@ -377,150 +364,97 @@ async def test_a_second_signal_exits_at_once(
 
 
 async def test_after_a_postgres_restart_workers_register_again_and_takeover_still_works(
-    tmp_path: Path,
+    own_server: EmbeddedPostgres, tmp_path: Path
 ) -> None:
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-liveness-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
-    settings = Settings(database_url=server.ensure_running().dsn())
+    settings = await started_and_migrated(own_server)
     dsn = str(settings.database_url)
     # Room for all six runs on B and C together, whichever worker holds which.
     args = [*FAST, "--lease-seconds", "10", "--heartbeat-seconds", "2", "--concurrency", "4"]
-    try:
-        connection = await connect(settings)
-        await migrate(connection)
-        await connection.close()
-        pool = await create_pool(settings, application_name="test-liveness")
-        store = RunStore(pool)
-        run_ids = [
-            (
-                await store.submit(
-                    "marked", {"steps": 1, "seconds": 60, "marker_dir": str(tmp_path), "n": n}
-                )
-            ).run.run_id
-            for n in range(6)
-        ]
-        await pool.close()
+    run_ids = await submit_all(
+        settings,
+        "marked",
+        ({"steps": 1, "seconds": 60, "marker_dir": str(tmp_path), "n": n} for n in range(6)),
+    )
+    with ServeProcess(dsn, *args, name="A") as a:
+        await a.wait_for_log("serving", within=60)
+        await wait_for_marker(tmp_path, f"*.0.{a.process.pid}.*")  # A holds runs
         with (
-            ServeProcess(dsn, *args, name="A") as a,
+            ServeProcess(dsn, *args, name="B") as b,
+            ServeProcess(dsn, *args, name="C") as c,
         ):
-            await a.wait_for_log("serving", within=60)
-            await wait_for_marker(tmp_path, f"*.0.{a.process.pid}.*")  # A holds runs
-            with (
-                ServeProcess(dsn, *args, name="B") as b,
-                ServeProcess(dsn, *args, name="C") as c,
-            ):
-                await restart_then_kill_a(a, b, c, tmp_path, run_ids, server, settings)
-
-    finally:
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
+            await restart_then_kill_a(a, b, c, tmp_path, run_ids, own_server, settings)
 
 
 def embedded_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if key != "ORCHESTRATOR_DATABASE_URL"}
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        env={**env, "ORCHESTRATOR_HOME": str(home)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    return cli(None, *args, env={"ORCHESTRATOR_HOME": str(home)}, columns=None)
+
+
+def test_the_embedded_server_comes_back_on_the_same_port(own_server: EmbeddedPostgres) -> None:
+    first = own_server.ensure_running().port
+    assert own_server.stop()
+    assert own_server.ensure_running().port == first
+    assert own_server.remembered_port() == first
+
+
+async def test_db_stop_refuses_while_other_processes_are_connected_unless_forced(
+    own_server: EmbeddedPostgres,
+) -> None:
+    home = own_server.home
+    running = own_server.ensure_running()
+    console = await asyncpg.connect(
+        running.dsn("postgres"), server_settings={"application_name": "my-console"}
     )
-
-
-def test_the_embedded_server_comes_back_on_the_same_port() -> None:
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-port-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
     try:
-        first = server.ensure_running().port
-        assert server.stop()
-        assert server.ensure_running().port == first
-        assert server.remembered_port() == first
+        refused = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
+        assert refused.returncode == 1, refused.stderr
+        [line] = refused.stderr.strip().splitlines()
+        assert "1 session" in line and "'my-console'" in line and "--force" in line, line
+        assert await console.fetchval("SELECT 1") == 1  # nothing was stopped
+        assert own_server.running() is not None
+        forced = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop", "--force"))
+        assert forced.returncode == 0, forced.stderr
+        assert own_server.running() is None
     finally:
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
-
-
-async def test_db_stop_refuses_while_other_processes_are_connected_unless_forced() -> None:
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-dbstop-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
-    try:
-        running = server.ensure_running()
-        console = await asyncpg.connect(
-            running.dsn("postgres"), server_settings={"application_name": "my-console"}
-        )
-        try:
-            refused = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
-            assert refused.returncode == 1, refused.stderr
-            [line] = refused.stderr.strip().splitlines()
-            assert "1 session" in line and "'my-console'" in line and "--force" in line, line
-            assert await console.fetchval("SELECT 1") == 1  # nothing was stopped
-            assert server.running() is not None
-            forced = await anyio.to_thread.run_sync(
-                lambda: embedded_cli(home, "db", "stop", "--force")
-            )
-            assert forced.returncode == 0, forced.stderr
-            assert server.running() is None
-        finally:
-            console.terminate()
-        alone = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
-        assert alone.returncode == 0 and "not running" in alone.stderr, alone.stderr
-    finally:
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
+        console.terminate()
+    alone = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "db", "stop"))
+    assert alone.returncode == 0 and "not running" in alone.stderr, alone.stderr
 
 
 @pytest.mark.parametrize("port_taken", [False, True], ids=["same-port", "port-taken"])
-async def test_workers_find_the_embedded_server_again_after_db_stop(port_taken: bool) -> None:
+async def test_workers_find_the_embedded_server_again_after_db_stop(
+    own_server: EmbeddedPostgres, port_taken: bool
+) -> None:
     """`db stop`, then any command starts the server again: running workers reconnect to it,
     on its old port, or on a new one when something else took the old one meanwhile."""
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-dbstop-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
+    home = own_server.home
     settings = Settings(home=home)
-    squatter: socket.socket | None = None
-    try:
-        server.ensure_running()
-        connection = await connect(settings)
-        await migrate(connection)
-        await connection.close()
-        run_ids = await submit_sleepy(settings, count=10, seconds=1.0)
-        args = [
-            *FAST,
-            "--agents",
-            "orchestrator.agents.sleepy",
-            "--lease-seconds",
-            "3",
-            "--heartbeat-seconds",
-            "1",
-            "--concurrency",
-            "10",
-        ]
-        with ServeProcess(None, *args, name="A", env={"ORCHESTRATOR_HOME": str(home)}) as worker:
-            await worker.wait_for_log("serving", within=60)
-            await anyio.sleep(1.0)
-            stopped = await anyio.to_thread.run_sync(
-                lambda: embedded_cli(home, "db", "stop", "--force")
-            )
-            assert stopped.returncode == 0, stopped.stderr
-            old_port = server.remembered_port()
-            assert old_port is not None
-            if port_taken:
-                squatter = socket.socket()
-                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                squatter.bind(("127.0.0.1", old_port))
-                squatter.listen()
-            listed = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "runs", "list"))
-            assert listed.returncode == 0, listed.stderr
-            assert (server.remembered_port() == old_port) is not port_taken
-            runs = await wait_all_terminal(settings, run_ids, within=60)
-            alive = worker.process.poll()
-        assert alive is None, worker.tail()
-        assert {run.state for run in runs} == {RunState.SUCCEEDED}, worker.tail()
-    finally:
-        if squatter is not None:
-            squatter.close()
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
+    own_server.ensure_running()
+    await migrate_database(settings)
+    run_ids = await submit_sleepy(settings, count=10, seconds=1.0)
+    args = sleepy_args(concurrency=10)
+    with (
+        socket.socket() as squatter,
+        ServeProcess(None, *args, name="A", env={"ORCHESTRATOR_HOME": str(home)}) as worker,
+    ):
+        await worker.wait_for_log("serving", within=60)
+        await anyio.sleep(1.0)
+        stopped = await anyio.to_thread.run_sync(
+            lambda: embedded_cli(home, "db", "stop", "--force")
+        )
+        assert stopped.returncode == 0, stopped.stderr
+        old_port = own_server.remembered_port()
+        assert old_port is not None
+        if port_taken:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", old_port))
+            squatter.listen()
+        listed = await anyio.to_thread.run_sync(lambda: embedded_cli(home, "runs", "list"))
+        assert listed.returncode == 0, listed.stderr
+        assert (own_server.remembered_port() == old_port) is not port_taken
+        runs = await wait_all_terminal(settings, run_ids, within=60)
+        alive = worker.process.poll()
+    assert alive is None, worker.tail()
+    assert {run.state for run in runs} == {RunState.SUCCEEDED}, worker.tail()
 
 
 async def restart_then_kill_a(
@@ -573,27 +507,20 @@ async def restart_then_kill_a(
         await pool.close()
 
 
-async def test_a_worker_started_while_postgres_is_down_comes_up_with_it() -> None:
+async def test_a_worker_started_while_postgres_is_down_comes_up_with_it(
+    own_server: EmbeddedPostgres,
+) -> None:
     """A pod that starts during a database restart or failover: `serve` keeps trying (each try
     logged) for --start-retry-seconds, then serves; `effects dispatch` does the same."""
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-late-db-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
-    settings = Settings(database_url=server.ensure_running().dsn())
-    try:
-        connection = await connect(settings)
-        await migrate(connection)
-        await connection.close()
-        run_ids = await submit_sleepy(settings, count=3, seconds=0.1)
-        await anyio.to_thread.run_sync(lambda: server.stop(mode="fast"))
-        dsn = str(settings.database_url)
-        with ServeProcess(
-            dsn, *FAST, "--agents", "orchestrator.agents.sleepy", "--start-retry-seconds", "60"
-        ) as worker:
-            await worker.wait_for_log("database unavailable at start; retrying", within=60)
-            await anyio.to_thread.run_sync(server.ensure_running)
-            runs = await wait_all_terminal(settings, run_ids, within=60)
-            assert worker.process.poll() is None
-        assert {run.state for run in runs} == {RunState.SUCCEEDED}
-    finally:
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
+    settings = await started_and_migrated(own_server)
+    run_ids = await submit_sleepy(settings, count=3, seconds=0.1)
+    await anyio.to_thread.run_sync(lambda: own_server.stop(mode="fast"))
+    dsn = str(settings.database_url)
+    with ServeProcess(
+        dsn, *FAST, "--agents", "orchestrator.agents.sleepy", "--start-retry-seconds", "60"
+    ) as worker:
+        await worker.wait_for_log("database unavailable at start; retrying", within=60)
+        await anyio.to_thread.run_sync(own_server.ensure_running)
+        runs = await wait_all_terminal(settings, run_ids, within=60)
+        assert worker.process.poll() is None
+    assert {run.state for run in runs} == {RunState.SUCCEEDED}

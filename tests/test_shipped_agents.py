@@ -14,39 +14,51 @@ from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.local_scripts import contract_summary_script, support_script
-from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
-from orchestrator.models import RunState
+from orchestrator.loopback import LocalVendor, Script, ScriptedModelServer, SmtpSink
+from orchestrator.models import JSON, Run, RunState
 from orchestrator.settings import Settings
+from orchestrator.steps import Agent
 from orchestrator.testing import running_worker, wait_for_run
 from test_runtime import FAST
+
+
+async def run_with_a_vendor_and_mail(
+    settings: Settings,
+    store: RunStore,
+    monkeypatch: pytest.MonkeyPatch,
+    agent: Agent,
+    script: Script,
+    vendor_kind: str,
+    input: JSON,
+) -> tuple[Run, ScriptedModelServer, LocalVendor, SmtpSink]:
+    """Run ``input`` through ``agent`` on a scripted model, its ``vendor_kind`` effects sent to a
+    vendor and its email to a sink on loopback; return the finished run and what they saw."""
+    async with ScriptedModelServer(script) as model, LocalVendor() as vendor:
+        with SmtpSink() as sink:
+            monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+            adapters = {
+                vendor_kind: HttpAdapter(vendor_kind, url=vendor.send_url, reconcile="replay"),
+                "email": SmtpAdapter("email", host="127.0.0.1", port=sink.port, sender="a@o.test"),
+            }
+            run_id = (await store.submit(agent.name, input)).run.run_id
+            async with running_worker(settings, [agent], effect_adapters=adapters, **FAST):
+                run = await wait_for_run(store, run_id, within=60)
+    return run, model, vendor, sink
 
 
 async def test_contract_summary_emails_once_and_updates_the_crm(
     settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with ScriptedModelServer(contract_summary_script) as model, LocalVendor() as crm:
-        with SmtpSink() as sink:
-            monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
-            adapters = {
-                "crm": HttpAdapter("crm", url=crm.send_url, reconcile="replay"),
-                "email": SmtpAdapter("email", host="127.0.0.1", port=sink.port, sender="a@o.test"),
-            }
-            run_id = (
-                await store.submit(
-                    "contract_summary",
-                    {"contract_id": "c-1001", "to": "legal@acme.test", "account": "ACME"},
-                )
-            ).run.run_id
-            async with running_worker(
-                settings, [contract_summary], effect_adapters=adapters, **FAST
-            ):
-                run = await wait_for_run(store, run_id, within=60)
+    input: JSON = {"contract_id": "c-1001", "to": "legal@acme.test", "account": "ACME"}
+    run, _, crm, sink = await run_with_a_vendor_and_mail(
+        settings, store, monkeypatch, contract_summary, contract_summary_script, "crm", input
+    )
     assert run.state is RunState.SUCCEEDED, run.error
     assert run.result is not None and "ACME Corp and Northwind" in run.result["output"]
     assert [str(m["To"]) for m in sink.messages] == ["legal@acme.test"]
     assert "Master services agreement" in sink.messages[0].get_content()
     assert [d["payload"]["status"] for d in crm.deliveries.values()] == ["summarised"]
-    records = await EffectStore(store.pool).list_effects(run_id=run_id)
+    records = await EffectStore(store.pool).list_effects(run_id=run.run_id)
     assert {(r.kind, r.status) for r in records} == {
         ("email", EffectStatus.CONFIRMED),
         ("crm", EffectStatus.CONFIRMED),
@@ -56,20 +68,10 @@ async def test_contract_summary_emails_once_and_updates_the_crm(
 async def test_support_opens_a_ticket_and_replies_quoting_its_id(
     settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with ScriptedModelServer(support_script) as model, LocalVendor() as tickets:
-        with SmtpSink() as sink:
-            monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
-            adapters = {
-                "tickets": HttpAdapter("tickets", url=tickets.send_url, reconcile="replay"),
-                "email": SmtpAdapter("email", host="127.0.0.1", port=sink.port, sender="s@o.test"),
-            }
-            run_id = (
-                await store.submit(
-                    "support", {"customer": "ana@example.com", "order_id": "o-17", "message": "?"}
-                )
-            ).run.run_id
-            async with running_worker(settings, [support], effect_adapters=adapters, **FAST):
-                run = await wait_for_run(store, run_id, within=60)
+    input: JSON = {"customer": "ana@example.com", "order_id": "o-17", "message": "?"}
+    run, model, tickets, sink = await run_with_a_vendor_and_mail(
+        settings, store, monkeypatch, support, support_script, "tickets", input
+    )
     assert run.state is RunState.SUCCEEDED, run.error
     assert sorted(tickets.requests_by_key.values()) == [1]
     ticket_id = next(iter(tickets.deliveries.values()))["id"]

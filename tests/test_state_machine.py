@@ -385,6 +385,24 @@ class RunStateMachine(RuleBasedStateMachine):
                 batch.append(lease)
         return batch
 
+    def pick_group(self, data: st.DataObject, count: int) -> tuple[str, list[tuple[Lease, int]]]:
+        """A group commit's worker and its leases, each with the version its commit expects
+        (most often the run's current one)."""
+        leases = self.pick_batch(data, count)
+        return leases[0].worker_id, [
+            (lease, self.model[lease.run_id].version + data.draw(VERSION_OFFSETS, label="offset"))
+            for lease in leases
+        ]
+
+    def taking_effect(self, group: list[tuple[Lease, int]]) -> set[str]:
+        """The runs of a group commit that must take effect: each by its own conditions."""
+        return {
+            lease.run_id
+            for lease, expected_version in group
+            if self.model[lease.run_id].accepts(lease)
+            and expected_version == self.model[lease.run_id].version
+        }
+
     def has_runs(self) -> bool:
         return bool(self.model)
 
@@ -691,28 +709,21 @@ class RunStateMachine(RuleBasedStateMachine):
     @rule(data=st.data(), count=st.integers(1, 3))
     def commit_steps(self, data: st.DataObject, count: int) -> None:
         """A group commit: each run's commit must stand or fall on its own conditions."""
-        leases = self.pick_batch(data, count)
-        worker = leases[0].worker_id
+        worker, group = self.pick_group(data, count)
         commits: list[StepCommit] = []
         extras: dict[str, list[int]] = {}
-        for lease in leases:
-            offset = data.draw(VERSION_OFFSETS, label="version offset")
+        for lease, expected_version in group:
             extras[lease.run_id] = data.draw(EXTRA_EVENTS, label="extra events")
             commits.append(
                 StepCommit(
                     lease,
-                    self.model[lease.run_id].version + offset,
+                    expected_version,
                     data.draw(STEP_NAMES, label="next step"),
                     data.draw(CHECKPOINTS, label="checkpoint"),
                     [StepEvent("note", {"i": i}) for i in extras[lease.run_id]],
                 )
             )
-        expected = {
-            commit.lease.run_id
-            for commit in commits
-            if self.model[commit.lease.run_id].accepts(commit.lease)
-            and commit.expected_version == self.model[commit.lease.run_id].version
-        }
+        expected = self.taking_effect(group)
         before = self.snapshot()
         results = self.run(self.store.commit_steps(worker, commits))
         assert set(results) == expected, "the group commit took effect for the wrong runs"
@@ -781,12 +792,10 @@ class RunStateMachine(RuleBasedStateMachine):
     @rule(data=st.data(), count=st.integers(1, 3))
     def finish_many(self, data: st.DataObject, count: int) -> None:
         """A group final commit: each run finishes or not on its own conditions."""
-        leases = self.pick_batch(data, count)
-        worker = leases[0].worker_id
+        worker, group = self.pick_group(data, count)
         finishes: list[RunFinish] = []
         plans: dict[str, tuple[bool, int, JSON]] = {}
-        for lease in leases:
-            offset = data.draw(VERSION_OFFSETS, label="version offset")
+        for lease, expected_version in group:
             succeed = data.draw(st.booleans(), label="succeed")
             value = data.draw(st.integers(0, 9), label="value")
             checkpoint = data.draw(FINAL_CHECKPOINTS, label="final checkpoint")
@@ -794,19 +803,14 @@ class RunStateMachine(RuleBasedStateMachine):
             finishes.append(
                 RunFinish(
                     lease,
-                    self.model[lease.run_id].version + offset,
+                    expected_version,
                     RunState.SUCCEEDED if succeed else RunState.FAILED,
                     result={"answer": value} if succeed else None,
                     error=None if succeed else refusal(value),
                     checkpoint=checkpoint,
                 )
             )
-        expected = {
-            finish.lease.run_id
-            for finish in finishes
-            if self.model[finish.lease.run_id].accepts(finish.lease)
-            and finish.expected_version == self.model[finish.lease.run_id].version
-        }
+        expected = self.taking_effect(group)
         before = self.snapshot()
         finished = self.run(self.store.finish_many(worker, finishes))
         assert finished == expected, "the group finish took effect for the wrong runs"

@@ -22,31 +22,40 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.tool_agent import effect_keys
-from support import ServeProcess, fenced_claims
+from support import (
+    ServeProcess,
+    cli,
+    crm_kind,
+    fenced_claims,
+    serve_args,
+    serving,
+    write_vendors_config,
+)
 from test_runtime import FAST, eventually
 from tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
 
 pytestmark = pytest.mark.slow
-AGENTS = ["--agents", "tool_agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
+AGENTS = serving("tool_agents_for_tests")
 
 
 def vendor_config(tmp_path: Path, vendor: LocalVendor) -> str:
-    path = tmp_path / "vendors.json"
-    path.write_text(
-        json.dumps(
-            {
-                "kinds": {
-                    "crm": {
-                        "adapter": "http",
-                        "url": vendor.send_url,
-                        "reconcile": "lookup",
-                        "lookup_url": vendor.lookup_url,
-                    }
-                }
-            }
-        )
-    )
-    return str(path)
+    return write_vendors_config(tmp_path, {"crm": crm_kind(vendor)})
+
+
+async def killed_once_answered(
+    database_url: str,
+    args: list[str],
+    env: dict[str, str],
+    model: ScriptedModelServer,
+    conversation: str,
+    turn: int,
+) -> None:
+    """Run worker A until the model has answered ``turn`` once, then SIGKILL it: with a slow
+    tool in that turn, A dies between the model's answer and the turn's commit."""
+    with ServeProcess(database_url, *args, name="A", env=env) as a:
+        await until(lambda: model.answered(conversation, turn) == 1)
+        await anyio.sleep(0.3)
+        a.kill()
 
 
 def model_env(model: ScriptedModelServer, **more: str) -> dict[str, str]:
@@ -68,22 +77,14 @@ async def test_killed_between_the_model_answer_and_the_commit_the_replayed_turn_
     """The replacement replays turn 1 and the model answers differently: only the committed
     call is ever dispatched; nothing was sent for the killed worker's call."""
     async with ScriptedModelServer(SLOW_TURN_1) as model, LocalVendor() as vendor:
-        args = [
-            *AGENTS,
-            "--effects-config",
-            vendor_config(tmp_path, vendor),
-            "--lease-seconds",
-            "10",
-            "--heartbeat-seconds",
-            "2",
-        ]
+        args = serve_args(
+            AGENTS, vendor_config(tmp_path, vendor), lease_seconds="10", heartbeat_seconds="2"
+        )
         env = model_env(model, ORDERS_LOOKUP_SECONDS="60")
         run_id = (await store.submit("orders", {"prompt": "Where is o-17?"})).run.run_id
         conversation = "Where is o-17?"
-        with ServeProcess(database_url, *args, name="A", env=env) as a:
-            await until(lambda: model.answered(conversation, 1) == 1)
-            await anyio.sleep(0.3)  # A is in the slow lookup: turn 1 is answered, not committed
-            a.kill()
+        # A is in the slow lookup: turn 1 is answered, not committed.
+        await killed_once_answered(database_url, args, env, model, conversation, turn=1)
         with ServeProcess(database_url, *args, name="B", env=env):
             final = await wait_for_run(store, run_id, within=40)
             await until(lambda: len(vendor.requests_by_key) == 1, within=60)
@@ -135,15 +136,9 @@ async def test_a_paused_owner_resumes_after_a_replacement_and_its_stale_fence_is
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     async with ScriptedModelServer(ORDERS_TURNS) as model, LocalVendor() as vendor:
-        args = [
-            *AGENTS,
-            "--effects-config",
-            vendor_config(tmp_path, vendor),
-            "--lease-seconds",
-            "2",
-            "--heartbeat-seconds",
-            "0.5",
-        ]
+        args = serve_args(
+            AGENTS, vendor_config(tmp_path, vendor), lease_seconds="2", heartbeat_seconds="0.5"
+        )
         conversation = "stop and go"
         model.fail_next(Slow(2.5), turn=2, conversation=conversation)
         run_id = (await store.submit("orders", {"prompt": conversation})).run.run_id
@@ -230,8 +225,6 @@ async def test_a_model_call_outlasting_the_lease_while_renewals_are_blocked_comm
 async def test_runs_show_prints_the_conversation_and_json_gives_it_whole(
     settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from test_cli import cli
-
     async with ScriptedModelServer(ORDERS_TURNS) as model, LocalVendor() as vendor:
         monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
         adapters = {"crm": HttpAdapter("crm", url=vendor.send_url, reconcile="replay")}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, ClassVar
@@ -22,7 +24,7 @@ from orchestrator.models import RunState, StoredWait
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
-from support import fenced_claims
+from support import fenced_claims, run_to_the_end
 
 FAST: dict[str, Any] = {"lease_seconds": 5.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
 
@@ -109,6 +111,16 @@ def crm(vendor: LocalVendor, kind: str = "crm") -> HttpAdapter:
     return HttpAdapter(kind, url=vendor.send_url, lookup_url=vendor.lookup_url, reconcile="lookup")
 
 
+@asynccontextmanager
+async def serving_refunds(settings: Settings) -> AsyncIterator[LocalVendor]:
+    """A worker for ``refunds`` whose CRM is a vendor on loopback, which is yielded."""
+    async with (
+        LocalVendor() as vendor,
+        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
+    ):
+        yield vendor
+
+
 async def parked(store: RunStore, run_id: str) -> None:
     run = await wait_for_run(store, run_id, states={RunState.WAITING}, within=60)
     assert run.wait is not None
@@ -178,18 +190,14 @@ async def test_a_signal_sent_before_the_wait_wakes_it_at_once(
 async def test_a_wait_with_a_deadline_resumes_with_a_timeout_it_can_see(
     settings: Settings, store: RunStore
 ) -> None:
-    async with running_worker(settings, [replies], **FAST):
-        run_id = (await store.submit("replies", {"seconds": 0.5})).run.run_id
-        run = await wait_for_run(store, run_id, within=60)
+    run = await run_to_the_end(settings, store, replies, {"seconds": 0.5}, **FAST)
     assert run.result == {"timed_out": True, "fence": 2}
 
 
 async def test_a_timer_fires_within_a_poll_interval_of_its_time(
     settings: Settings, store: RunStore
 ) -> None:
-    async with running_worker(settings, [sleeper], **FAST):
-        run_id = (await store.submit("sleeper", {"seconds": 1.0})).run.run_id
-        run = await wait_for_run(store, run_id, within=60)
+    run = await run_to_the_end(settings, store, sleeper, {"seconds": 1.0}, **FAST)
     woke = datetime.fromisoformat(run.result["woke_at"])
     due = datetime.fromisoformat(run.result["until"])
     assert timedelta(0) <= woke - due < timedelta(seconds=FAST["poll_seconds"] + 0.4)
@@ -221,10 +229,7 @@ async def test_waiting_runs_do_not_hold_worker_slots(settings: Settings, store: 
 async def test_a_run_waits_for_its_effect_to_settle_without_a_lease(
     settings: Settings, store: RunStore
 ) -> None:
-    async with (
-        LocalVendor() as vendor,
-        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
-    ):
+    async with serving_refunds(settings) as vendor:
         run_id = (await store.submit("refunds", {"order": 42, "amount": 10})).run.run_id
         run = await wait_for_run(store, run_id, within=60)
     assert run.result == {"status": "confirmed", "error": None}
@@ -251,10 +256,7 @@ async def test_an_approved_effect_is_sent_once_and_only_for_the_payload_shown(
     settings: Settings, store: RunStore, pool: asyncpg.Pool
 ) -> None:
     approvals = ApprovalStore(pool)
-    async with (
-        LocalVendor() as vendor,
-        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
-    ):
+    async with serving_refunds(settings) as vendor:
         input = {"order": 42, "amount": 120, "approval": True}
         run_id = (await store.submit("refunds", input)).run.run_id
         await parked(store, run_id)
@@ -300,10 +302,7 @@ async def test_an_approved_effect_is_sent_once_and_only_for_the_payload_shown(
 async def test_a_denied_effect_is_never_sent_and_the_step_sees_why(
     settings: Settings, store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    async with (
-        LocalVendor() as vendor,
-        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
-    ):
+    async with serving_refunds(settings) as vendor:
         run_id = (await store.submit("refunds", {"order": 7, "amount": 5, "approval": True})).run
         await parked(store, run_id.run_id)
         await ApprovalStore(pool).decide(
@@ -318,10 +317,7 @@ async def test_a_denied_effect_is_never_sent_and_the_step_sees_why(
 async def test_an_approval_nobody_gives_expires_as_a_denial(
     settings: Settings, store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    async with (
-        LocalVendor() as vendor,
-        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
-    ):
+    async with serving_refunds(settings) as vendor:
         input = {"order": 1, "amount": 1, "approval": True, "approval_seconds": 0.5}
         run_id = (await store.submit("refunds", input)).run.run_id
         run = await wait_for_run(store, run_id, within=60)
@@ -336,10 +332,7 @@ async def test_an_approval_nobody_gives_expires_as_a_denial(
 async def test_cancel_withdraws_a_pending_approval(
     settings: Settings, store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    async with (
-        LocalVendor() as vendor,
-        running_worker(settings, [refunds], effect_adapters={"crm": crm(vendor)}, **FAST),
-    ):
+    async with serving_refunds(settings) as vendor:
         input = {"order": 9, "amount": 99, "approval": True}
         run_id = (await store.submit("refunds", input)).run.run_id
         await parked(store, run_id)
@@ -408,9 +401,7 @@ async def test_a_wait_naming_a_missing_step_fails_the_attempt(
     settings: Settings, store: RunStore
 ) -> None:
     agent = Agent("bad_wait", first=BadWait)
-    async with running_worker(settings, [agent], **FAST):
-        run_id = (await store.submit("bad_wait", {}, max_attempts=1)).run.run_id
-        run = await wait_for_run(store, run_id, within=60)
+    run = await run_to_the_end(settings, store, agent, {}, max_attempts=1, **FAST)
     assert run.state is RunState.DEAD
     assert "Wait names step 'nowhere'" in run.error["message"]
 
@@ -659,11 +650,9 @@ async def test_a_loop_that_progresses_between_waits_found_satisfied_is_never_bac
     settings: Settings, store: RunStore
 ) -> None:
     looper = Agent("looper", first=Lap, steps=[AwaitSettled])
-    async with running_worker(settings, [looper], **FAST):
-        run_id = (await store.submit("looper", {})).run.run_id
-        run = await wait_for_run(store, run_id, within=60)
+    run = await run_to_the_end(settings, store, looper, {}, **FAST)
     assert run.result == {"laps": 8}
-    events = await store.events(run_id)
+    events = await store.events(run.run_id)
     assert not [e for e in events if "backed_off_seconds" in e.details]
 
 

@@ -5,9 +5,7 @@ vendor (counting raw requests per idempotency key) and PostgreSQL are real, on l
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import tempfile
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -17,32 +15,31 @@ import asyncpg
 import pytest
 
 from orchestrator.budgets import BudgetStore
-from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.connections import create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.loopback import LocalVendor, ScriptedModelServer, Slow
 from orchestrator.models import RunState
-from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
-from orchestrator.testing import TEST_SERVER_SETTINGS, wait_for_run
-from support import COMMITS, ServeProcess, fenced_claims, handed_from_a_to_b
-from test_cli import cli
+from orchestrator.testing import wait_for_run
+from support import (
+    COMMITS,
+    ServeProcess,
+    cli,
+    fenced_claims,
+    handed_from_a_to_b,
+    serve_args,
+    serving,
+    started_and_migrated,
+    submit_all,
+)
 from test_serve_faults import wait_all_terminal
-from test_tool_agent_processes import model_env, until, vendor_config
+from test_tool_agent_processes import AGENTS, killed_once_answered, model_env, until, vendor_config
 from tool_agents_for_tests import BUDGET_TURNS, REFUND_TURNS
 
 pytestmark = pytest.mark.slow
-TOOL_AGENTS = [
-    "--agents",
-    "tool_agents_for_tests",
-    "--poll-seconds",
-    "0.2",
-    "--status-seconds",
-    "60",
-]
-INBOX = ["--agents", "agents_for_tests", "--poll-seconds", "0.2", "--status-seconds", "60"]
+INBOX = serving("agents_for_tests")
 CONVERSATION = "Refund order o-17, please."
 
 
@@ -75,15 +72,9 @@ async def test_a_zombie_with_a_pending_approval_never_sends_a_second_refund(
     How many claims it takes depends on the machine (a starved heartbeat loses a lease and the
     run is claimed again), so the fences expected are read from the timeline."""
     async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
-        args = [
-            *TOOL_AGENTS,
-            "--effects-config",
-            vendor_config(tmp_path, vendor),
-            "--lease-seconds",
-            "3",
-            "--heartbeat-seconds",
-            "1",
-        ]
+        args = serve_args(
+            AGENTS, vendor_config(tmp_path, vendor), lease_seconds="3", heartbeat_seconds="1"
+        )
         # Far longer than A can take to be stopped on a loaded machine: A never commits turn 0.
         env = model_env(model, ORDERS_LOOKUP_SECONDS="30")
         run_id = (await store.submit("refunds", {"prompt": CONVERSATION})).run.run_id
@@ -127,13 +118,10 @@ async def test_changed_arguments_on_replay_never_consume_the_old_approval(
     """A is killed between the model's answer (refund 150) and its commit; B's replay asks for
     180. Only 180 ever awaits approval; a decision naming 150's payload is refused."""
     async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
-        args = [*TOOL_AGENTS, "--effects-config", vendor_config(tmp_path, vendor)]
+        args = [*AGENTS, "--effects-config", vendor_config(tmp_path, vendor)]
         env = model_env(model, ORDERS_LOOKUP_SECONDS="60")
         run_id = (await store.submit("refunds", {"prompt": CONVERSATION})).run.run_id
-        with ServeProcess(database_url, *args, name="A", env=env) as a:
-            await until(lambda: model.answered(CONVERSATION, 0) == 1)
-            await anyio.sleep(0.3)
-            a.kill()
+        await killed_once_answered(database_url, args, env, model, CONVERSATION, turn=0)
         with ServeProcess(database_url, *args, name="B", env=env):
             await waiting(store, run_id)
             [pending] = await ApprovalStore(store.pool).pending(run_id=run_id)
@@ -170,7 +158,7 @@ async def test_cancel_while_an_approval_is_pending_withdraws_it_and_sends_nothin
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
     async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
-        args = [*TOOL_AGENTS, "--effects-config", vendor_config(tmp_path, vendor)]
+        args = [*AGENTS, "--effects-config", vendor_config(tmp_path, vendor)]
         run_id = (await store.submit("refunds", {"prompt": CONVERSATION})).run.run_id
         with ServeProcess(database_url, *args, name="A", env=model_env(model)):
             await waiting(store, run_id)
@@ -258,49 +246,37 @@ async def test_a_signal_enters_the_run_once_through_a_kill_mid_step(
     assert ran[0][0] < final.fence and len({fence for fence, _ in ran}) == len(ran)
 
 
-async def test_signals_and_waits_survive_a_postgres_restart() -> None:
-    home = Path(tempfile.mkdtemp(prefix="orchestrator-waits-restart-"))
-    server = EmbeddedPostgres(home, server_settings=TEST_SERVER_SETTINGS)
-    settings = Settings(database_url=server.ensure_running().dsn())
+async def test_signals_and_waits_survive_a_postgres_restart(
+    own_server: EmbeddedPostgres,
+) -> None:
+    settings = await started_and_migrated(own_server)
     dsn = str(settings.database_url)
+    signalled = await submit_all(settings, "inbox", [{}] * 5)
+    timed = await submit_all(settings, "inbox", [{"seconds": 6}] * 5)
+    with ServeProcess(dsn, *INBOX, "--lease-seconds", "3", name="A") as a:
+        pool = await create_pool(settings)
+        try:
+            for run_id in signalled + timed:
+                await waiting(RunStore(pool), run_id)
+        finally:
+            await pool.close()
+        assert a.stop() == 0  # every run waits in the database, none in a worker
+    pool = await create_pool(settings)
     try:
-        connection = await connect(settings)
-        await migrate(connection)
-        await connection.close()
-        pool = await create_pool(settings)
-        try:
-            store = RunStore(pool)
-            signalled = [(await store.submit("inbox", {})).run.run_id for _ in range(5)]
-            timed = [(await store.submit("inbox", {"seconds": 6})).run.run_id for _ in range(5)]
-        finally:
-            await pool.close()
-        with ServeProcess(dsn, *INBOX, "--lease-seconds", "3", name="A") as a:
-            pool = await create_pool(settings)
-            try:
-                for run_id in signalled + timed:
-                    await waiting(RunStore(pool), run_id)
-            finally:
-                await pool.close()
-            assert a.stop() == 0  # every run waits in the database, none in a worker
-        pool = await create_pool(settings)
-        try:
-            for run_id in signalled[:2]:  # stored before the restart, consumed after it
-                await SignalStore(pool).send(run_id, "reply", {"before": True})
-        finally:
-            await pool.close()
-        await anyio.to_thread.run_sync(lambda: server.restart(down_seconds=2))
-        with ServeProcess(dsn, *INBOX, "--lease-seconds", "3", name="B") as b:
-            pool = await create_pool(settings)
-            try:
-                for run_id in signalled[2:]:
-                    await SignalStore(pool).send(run_id, "reply", {"before": False})
-            finally:
-                await pool.close()
-            runs = await wait_all_terminal(settings, signalled + timed, within=60)
-            alive = b.process.poll()
+        for run_id in signalled[:2]:  # stored before the restart, consumed after it
+            await SignalStore(pool).send(run_id, "reply", {"before": True})
     finally:
-        server.stop(mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
+        await pool.close()
+    await anyio.to_thread.run_sync(lambda: own_server.restart(down_seconds=2))
+    with ServeProcess(dsn, *INBOX, "--lease-seconds", "3", name="B") as b:
+        pool = await create_pool(settings)
+        try:
+            for run_id in signalled[2:]:
+                await SignalStore(pool).send(run_id, "reply", {"before": False})
+        finally:
+            await pool.close()
+        runs = await wait_all_terminal(settings, signalled + timed, within=60)
+        alive = b.process.poll()
     assert alive is None
     assert [run.state for run in runs] == [RunState.SUCCEEDED] * 10
     by_id = {run.run_id: run.result for run in runs}
@@ -344,11 +320,11 @@ async def test_a_budget_holds_through_kills_mid_model_call_and_resumes_after_a_t
         run_id = (await store.submit("budgeted", {"prompt": prompt})).run.run_id
         model.fail_next(Slow(60), times=2, turn=1)
         for calls, name in enumerate(("A", "B"), start=1):
-            with ServeProcess(database_url, *TOOL_AGENTS, name=name, env=env) as worker:
+            with ServeProcess(database_url, *AGENTS, name=name, env=env) as worker:
                 await until(lambda n=calls: turn_one_calls(model) == n, within=60)  # type: ignore[misc]
                 await anyio.sleep(0.3)  # the turn-1 call is in flight
                 worker.kill()
-        with ServeProcess(database_url, *TOOL_AGENTS, name="C", env=env):
+        with ServeProcess(database_url, *AGENTS, name="C", env=env):
             await waiting(store, run_id)
             run = await store.get(run_id)
             assert run.wait is not None and run.wait["reason"] == "budget"

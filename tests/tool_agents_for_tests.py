@@ -15,7 +15,7 @@ import anyio
 from orchestrator import Budget, EffectPolicy
 from orchestrator.loopback import ScriptedCall, ScriptedTurn, turns
 from orchestrator.tool_agent import ToolAgent
-from orchestrator.tools import ToolContext, tool
+from orchestrator.tools import Tool, ToolContext, tool
 
 
 @tool.read_only(timeout=30)
@@ -36,11 +36,13 @@ def notify(order_id: str, note: str) -> dict[str, object]:
     return {"order_id": order_id, "note": note}
 
 
-orders = ToolAgent(
-    "orders",
-    instructions="You handle order questions. Look the order up, then note the answer.",
-    tools=[lookup_order, notify],
-    max_turns=6,
+def looks_up_then(name: str, instructions: str, effect: Tool) -> ToolAgent:
+    """A tool agent that looks an order up and acts on it through one effect tool."""
+    return ToolAgent(name, instructions=instructions, tools=[lookup_order, effect], max_turns=6)
+
+
+orders = looks_up_then(
+    "orders", "You handle order questions. Look the order up, then note the answer.", notify
 )
 
 
@@ -87,11 +89,8 @@ def refund(order_id: str, amount: float) -> dict[str, object]:
     return {"order_id": order_id, "amount": amount}
 
 
-refunds = ToolAgent(
-    "refunds",
-    instructions="You handle refund requests. Look the order up, then refund it.",
-    tools=[lookup_order, refund],
-    max_turns=6,
+refunds = looks_up_then(
+    "refunds", "You handle refund requests. Look the order up, then refund it.", refund
 )
 
 REFUND_TURNS = turns(
