@@ -14,23 +14,9 @@ import asyncpg
 import pytest
 
 from orchestrator.db.store import RunStore
+from support import cli
 
 pytestmark = pytest.mark.slow
-
-
-def cli(
-    database_url: str, *args: str, stdin: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url, "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
 
 
 async def table_counts(pool: asyncpg.Pool) -> tuple[int, int]:

@@ -32,8 +32,7 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from orchestrator.testing import running_worker, wait_for_run
-from support import ServeProcess
-from test_cli import cli
+from support import ServeProcess, cli
 from test_effects_processes import AGENT, events_of, vendors_config
 from test_effects_proxy import free_port
 from test_privacy import CANARY, run_with_canaries
