@@ -78,6 +78,7 @@ class Worker:
         self.worker_id = config.worker_id
         self.log = log.bind(**{WORKER_ID: self.worker_id})
         self.runs = ActiveRuns(self.wake, self.log)
+        # The runs' state under the names serve, orchestrator.testing and the tests read.
         self.active = self.runs.active
         self.counters = self.runs.counters
         self.run_tasks = self.runs.run_tasks
