@@ -23,7 +23,7 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol, TypeAlias
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
@@ -113,12 +113,9 @@ class RunServices:
     prices: Prices = field(default_factory=Prices)
 
 
-class Position(NamedTuple):
-    """Where the run stands between two steps: what its last commit left."""
-
-    step_name: str | None
-    checkpoint: JSON
-    version: int
+Position: TypeAlias = tuple[str | None, JSON, int]
+"""Where a run stands between two steps: the step to run (``None``: the first), its checkpoint
+and that checkpoint's version. A plain tuple: one is built per step, a NamedTuple costs more."""
 
 
 class RunExecution:
@@ -298,9 +295,9 @@ class RunExecution:
             woken, still_waiting = await read_wait(claimed, claimed.wait, signals, self.effects)
             if still_waiting:  # woken by one of several awaited effects: wait on
                 return await self._wait_again(claimed.wait, woken)
-        at = Position(claimed.step, claimed.checkpoint, claimed.checkpoint_version)
+        at: Position = (claimed.step, claimed.checkpoint, claimed.checkpoint_version)
         while True:
-            step_class = await self._next_step(agent, at.step_name)
+            step_class = await self._next_step(agent, at)
             if isinstance(step_class, Disposition):
                 return step_class
             if self.signalled:
@@ -310,15 +307,13 @@ class RunExecution:
             context = self._context(agent, step_class, at, signals, woken, budget)
             woken = None
             advanced = await self._step(agent, step_class, context, at, signals, budget)
-            if not isinstance(advanced, Position):
+            if not isinstance(advanced, tuple):
                 return advanced
             at = advanced
             signals = ()  # consumed by this commit
 
-    async def _next_step(
-        self, agent: steps.Agent, step_name: str | None
-    ) -> type[steps.Step] | Disposition:
-        """The step to run next, under a lease as long as it asks for; or how the execution
+    async def _next_step(self, agent: steps.Agent, at: Position) -> type[steps.Step] | Disposition:
+        """The step to run at ``at``, under a lease as long as it asks for; or how the execution
         ends instead (ownership lost, the worker draining, no such step)."""
         if self._ownership_lost():
             return Disposition.LOST  # no step starts without ownership
@@ -326,7 +321,7 @@ class RunExecution:
         if services.host.draining():
             return await self._writes().release_before_step()
         try:
-            step_class = agent.step(step_name)
+            step_class = agent.step(at[0])
         except Exception as error:
             return await self._fail_attempt(error)
         wanted = step_class.lease_seconds or services.config.lease_seconds
@@ -347,6 +342,7 @@ class RunExecution:
         budget: RunBudget | None,
     ) -> steps.StepContext:
         claimed, lease = self.claimed, self.claimed.lease
+        _, checkpoint, version = at
         this_step = step_class.step_name()
         return steps.StepContext(
             run_id=lease.run_id,
@@ -357,8 +353,8 @@ class RunExecution:
             max_attempts=claimed.max_attempts,
             worker_id=lease.worker_id,
             input=claimed.input,
-            checkpoint=at.checkpoint,
-            checkpoint_version=at.version,
+            checkpoint=checkpoint,
+            checkpoint_version=version,
             lease_until=self.handle.lease_until,
             log=self.log.bind(step=this_step),
             effects=self.effects,
@@ -381,6 +377,7 @@ class RunExecution:
         """One step under its span: run, validate, commit. Where the run stands after its
         commit, or how the execution ends (``None``: the final commit is with the committer)."""
         services, lease = self.services, self.claimed.lease
+        _, checkpoint, version = at
         started = time.monotonic()
         # A span its owner ends: a final commit's span ends with the committer's answer, so
         # that every step's span says whether the step was committed.
@@ -391,7 +388,7 @@ class RunExecution:
                 self.claimed,
                 services.config.worker_id,
                 self.handle,
-                at.version,
+                version,
                 context.step,
                 step_class,
                 agent.name,
@@ -417,7 +414,7 @@ class RunExecution:
                     messages = await self.transcript.numbered(outcome.messages, lease.fence)
                 extras = step_extras(signals, budget)
                 if isinstance(outcome, (steps.Finish, steps.Fail)):
-                    finish = run_finish(outcome, lease, at.version, encoded, messages, extras)
+                    finish = run_finish(outcome, lease, version, encoded, messages, extras)
                     self._finish(finish, started, span)
                     handed_over = True
                     return None
@@ -426,11 +423,11 @@ class RunExecution:
                 commit = step_commit(
                     outcome,
                     lease,
-                    at.version,
+                    version,
                     encoded,
                     messages,
                     extras,
-                    current_checkpoint=at.checkpoint,
+                    current_checkpoint=checkpoint,
                     claimed_version=self.claimed.checkpoint_version,
                 )
                 try:
@@ -449,7 +446,7 @@ class RunExecution:
                     return Disposition.WAITING
                 if committed.signals_pending > len(signals):
                     self.signalled = True  # some came after the step was given its own
-                return Position(outcome.step_name, outcome.checkpoint, committed.checkpoint_version)
+                return outcome.step_name, outcome.checkpoint, committed.checkpoint_version
         finally:
             if not handed_over:
                 span.set_attribute(COMMITTED, committed_here)
