@@ -22,7 +22,7 @@ import heapq
 import itertools
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime, timedelta
 from typing import ClassVar
 
@@ -226,26 +226,21 @@ class LeaseDeadlines:
             self._arm(heap[0][0])
 
 
+@dataclass(eq=False)
 class LeaseKeeper:
     """Renews all tracked leases of one worker, batched, on a dedicated connection."""
 
-    def __init__(
-        self,
-        store: RunStore,
-        worker_id: str,
-        connection: DedicatedConnection,
-        *,
-        heartbeat_seconds: float,
-        metrics: Metrics,
-    ) -> None:
-        self.store = store
-        self.worker_id = worker_id
-        self.connection = connection
-        self.heartbeat_seconds = heartbeat_seconds
-        self.metrics = metrics
-        self.handles: dict[str, LeaseHandle] = {}
-        self._deadlines: LeaseDeadlines | None = None
-        self.failures = 0
+    store: RunStore
+    worker_id: str
+    connection: DedicatedConnection
+    _: KW_ONLY
+    heartbeat_seconds: float
+    metrics: Metrics
+    handles: dict[str, LeaseHandle] = field(default_factory=dict, init=False)
+    failures: int = field(default=0, init=False)
+    """Renewal statements that failed (the worker's status line)."""
+    _deadlines: LeaseDeadlines | None = field(default=None, init=False, repr=False)
+    """Made by the first ``track``, on the running event loop whose timer it uses."""
 
     def track(self, claimed: ClaimedRun, *, sent_at: float, lease_seconds: float) -> LeaseHandle:
         if self._deadlines is None:

@@ -14,6 +14,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 import anyio
 import asyncpg
@@ -31,37 +32,32 @@ _REGISTRATION_ERRORS: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, Runti
 """A database still down, or (RuntimeError) a lock key another session holds: try again."""
 
 
+@dataclass(eq=False)
 class Liveness:
     """``register()`` once before serving, then ``run()`` in the worker's task group."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        dsn: str,
-        worker_id: str,
-        agents: Sequence[str],
-        *,
-        check_seconds: float,
-        statement_seconds: float,
-    ) -> None:
-        self._settings = settings
-        self._dsn = dsn
-        self.worker_id = worker_id
-        self._agents = list(agents)
-        self._check_seconds = check_seconds
-        self._statement_seconds = statement_seconds
-        self._registry = WorkerRegistry(settings.schema)
-        self._connection: asyncpg.Connection | None = None
-        self.session_key: int | None = None
-        self.registrations = 0
-        """How many times this worker has registered (more than one: its session was lost)."""
+    settings: Settings
+    dsn: str
+    worker_id: str
+    agents: Sequence[str]
+    _: KW_ONLY
+    check_seconds: float
+    statement_seconds: float
+    session_key: int | None = field(default=None, init=False)
+    registrations: int = field(default=0, init=False)
+    """How many times this worker has registered (more than one: its session was lost)."""
+    _registry: WorkerRegistry = field(init=False, repr=False)
+    _connection: asyncpg.Connection | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._registry = WorkerRegistry(self.settings.schema)
 
     async def register(self) -> None:
         """Take a fresh liveness lock and record the worker (raises if the database is down)."""
         self._drop()
-        with anyio.fail_after(self._statement_seconds):
+        with anyio.fail_after(self.statement_seconds):
             connection = await connect(
-                self._settings, dsn=self._dsn, application_name=self.worker_id + ":liveness"
+                self.settings, dsn=self.dsn, application_name=self.worker_id + ":liveness"
             )
             try:
                 self.session_key = await self._registry.register(
@@ -69,7 +65,7 @@ class Liveness:
                     worker_id=self.worker_id,
                     host=socket.gethostname(),
                     pid=os.getpid(),
-                    agents=self._agents,
+                    agents=list(self.agents),
                 )
             except BaseException:
                 connection.terminate()
@@ -81,7 +77,7 @@ class Liveness:
         """Check the session every interval; when it is gone, register again until it works,
         then call ``registered_again``."""
         while True:
-            await anyio.sleep(self._check_seconds)
+            await anyio.sleep(self.check_seconds)
             if await self._alive():
                 continue
             self._drop()
@@ -91,7 +87,7 @@ class Liveness:
                     await self.register()
                 except _REGISTRATION_ERRORS as error:
                     log.debug("cannot register yet", error=str(error) or type(error).__name__)
-                    await anyio.sleep(self._check_seconds)
+                    await anyio.sleep(self.check_seconds)
                     continue
                 log.info(
                     "liveness re-established",
@@ -107,7 +103,7 @@ class Liveness:
         if connection is None or connection.is_closed():
             return False
         try:
-            with anyio.fail_after(self._statement_seconds):
+            with anyio.fail_after(self.statement_seconds):
                 await connection.execute("SELECT 1")
         except DATABASE_ERRORS:
             return False

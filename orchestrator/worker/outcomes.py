@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import NamedTuple
 
-from orchestrator.budgets import Spend
+from orchestrator.budgets import RunBudget, Spend
 from orchestrator.db.store import Park, RunFinish, StepCommit
 from orchestrator.effects.model import Effect
 from orchestrator.models import JSON, ROLES, Lease, Message, RunState
+from orchestrator.signals import Signal
 from orchestrator.steps import Fail, Finish, Next, Outcome, Wait, encode_json, validate_json
 
 
@@ -24,6 +25,16 @@ class Extras(NamedTuple):
 
 
 NOTHING_ELSE = Extras((), None)
+
+
+def step_extras(signals: Sequence[Signal], budget: RunBudget | None) -> Extras:
+    """What a step given ``signals`` settles in its commit (``NOTHING_ELSE``, built once, for
+    the usual step: no signals, no budget)."""
+    if not signals and budget is None:
+        return NOTHING_ELSE
+    return Extras(
+        tuple(signal.seq for signal in signals), None if budget is None else budget.settlement()
+    )
 
 
 class Encoded(NamedTuple):

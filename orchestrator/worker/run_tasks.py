@@ -5,8 +5,8 @@ costs several times ``loop.create_task`` (docs/performance.md). ``RunTasks`` kee
 guarantee that matters from the task group: it lives as a task *in* the worker's group, and
 when that group ends, for whatever reason, every run task still going is cancelled and awaited
 before the group exits, so no run outlives its worker. A run task must not raise:
-``Worker._execute`` catches and logs everything below ``BaseException``, and calls ``done`` as
-it ends.
+``ActiveRuns._execute`` catches and logs everything below ``BaseException``, and calls ``done``
+as it ends.
 """
 
 from __future__ import annotations

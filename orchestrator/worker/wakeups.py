@@ -1,0 +1,64 @@
+"""What a claimed run was woken with: its pending signals and, after a ``Wait``, what it waited
+for (read back from ``runs.wait``) and whether it must wait on, parked again as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from orchestrator.db.deadlines import pooled
+from orchestrator.db.store import Park, RunStore, StepCommit
+from orchestrator.effects.store import EffectNotFound
+from orchestrator.models import JSON, ClaimedRun, StoredWait
+from orchestrator.signals import Signal, SignalStore
+from orchestrator.steps import AgentRegistry, EffectView, WaitState
+
+
+def claimed_signals(claimed: ClaimedRun) -> tuple[Signal, ...]:
+    """The signals the claim gave; any it did not give (over 100) go to the steps after this."""
+    if claimed.signals is None:
+        return ()
+    return tuple(Signal.from_json(value) for value in claimed.signals)
+
+
+async def pending_signals(
+    store: RunStore, run_id: str, awaited: Sequence[str], *, within: float
+) -> tuple[Signal, ...]:
+    """The run's unconsumed signals, those it was woken for first."""
+    async with pooled(store.pool, within=within) as db:
+        return await SignalStore(db).pending(run_id, awaited)
+
+
+async def read_wait(
+    claimed: ClaimedRun, wait: JSON, signals: tuple[Signal, ...], effects: EffectView
+) -> tuple[WaitState, bool]:
+    """What the run waited for; and whether it must wait on (nothing it waits for has
+    happened yet, and its time has not come)."""
+    stored = StoredWait.from_json(wait)
+    names, keys, until, reason = stored.signals, stored.effects, stored.until, stored.reason
+    signalled = any(signal.name in names for signal in signals)
+    settled = bool(keys) and all([await _settled(effects, key) for key in keys])
+    happened = signalled or settled or reason == "budget"
+    due = until is not None and claimed.claimed_at >= until  # the database's clock
+    state = WaitState(names, keys, until, reason, timed_out=due and not happened)
+    return state, not happened and not due and bool(names or keys)
+
+
+async def _settled(effects: EffectView, effect_key: str) -> bool:
+    try:
+        record = await effects.get(effect_key)
+    except EffectNotFound:  # never recorded: nothing to wait for
+        return True
+    return record.status.settled
+
+
+def park_again(
+    claimed: ClaimedRun, wait: JSON, state: WaitState, registry: AgentRegistry
+) -> StepCommit:
+    """The commit that parks a run woken too early as it was, without running its step."""
+    return StepCommit(
+        claimed.lease,
+        claimed.checkpoint_version,
+        claimed.step or registry.get(claimed.agent).first.step_name(),
+        claimed.checkpoint,
+        park=Park(wait, state.until),
+    )
