@@ -16,7 +16,7 @@ from orchestrator.effects.approvals import Decision
 from orchestrator.effects.model import EffectRecord, EffectStatus
 from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, WorkerInfo
-from orchestrator.retention import PURGE_BATCH, purge
+from orchestrator.retention import MAX_AGE, PURGE_BATCH, purge
 from orchestrator.signals import Signal
 
 
@@ -140,12 +140,18 @@ class BudgetsHandle(StoresHandle):
     @project_errors
     async def get(self, run_id: str) -> BudgetState | None:
         """The run's budget; ``None`` if its agent declares none or it made no model call."""
-        return await self._stores.budgets.get(run_id)
+        budget = await self._stores.budgets.get(run_id)
+        if budget is None:
+            await self._stores.runs.get(run_id)  # RunNotFound rather than "no budget"
+        return budget
 
     @project_errors
     async def ledger(self, run_id: str) -> builtins.list[LedgerEntry]:
         """Every reservation and settlement of the run's budget, oldest first."""
-        return await self._stores.budgets.ledger(run_id)
+        ledger = await self._stores.budgets.ledger(run_id)
+        if not ledger:
+            await self._stores.runs.get(run_id)  # RunNotFound rather than an empty ledger
+        return ledger
 
     @project_errors
     async def top_up(self, run_id: str, **amounts: Unpack[TopUp]) -> BudgetState:
@@ -180,6 +186,9 @@ class OpsHandle(StoresHandle):
         return await purge(self._stores.pool, await self._cutoff(older_than), batch=batch)
 
     async def _cutoff(self, older_than: timedelta) -> datetime:
-        if not older_than > timedelta(0):
-            raise InvalidInput(f"a purge's age must be above 0, not {older_than}")
+        if not timedelta(0) < older_than <= MAX_AGE:
+            raise InvalidInput(
+                f"a purge's age must be above 0 and at most 100 years (36500 days), "
+                f"not {older_than}"
+            )
         return await self._stores.runs.database_now() - older_than

@@ -12,6 +12,7 @@ from orchestrator.attempts import Attempt, recent_attempts
 from orchestrator.budgets import BudgetState
 from orchestrator.db.stores import Stores
 from orchestrator.effects.model import EffectRecord
+from orchestrator.errors import InvalidInput
 from orchestrator.models import Message, Run, RunEvent
 from orchestrator.signals import Signal
 
@@ -55,6 +56,8 @@ async def load_run_detail(
 ) -> RunDetail:
     """One run as its pages show it; ``RunNotFound`` / ``InvalidInput`` for a bad id. The one
     entry point of ``runs show``, the console's run page and ``client.runs.detail``."""
+    if not 1 <= events <= MAX_EVENTS:
+        raise InvalidInput(f"events shown must be 1 to {MAX_EVENTS:,}, not {events!r}")
     runs = stores.runs
     run = await runs.get(run_id)
     newest, total = await runs.events_tail(run_id, events)

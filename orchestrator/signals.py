@@ -147,6 +147,8 @@ class SignalStore:
         """Every signal of the run (or the ``newest`` ones), oldest first, with when, and by
         which fence, it was consumed."""
         validate_run_id(run_id)
+        if newest is not None and newest < 0:
+            raise InvalidInput(f"the newest signals shown must be 0 or more, not {newest!r}")
         records = await self.db.fetch(query("run_signals"), run_id, newest)
         return [(Signal.from_record(r), r["consumed_at"], r["consumed_fence"]) for r in records]
 

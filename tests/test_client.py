@@ -353,6 +353,9 @@ async def test_the_runs_handle_submits_lists_details_and_cancels(settings: Setti
         detail = await client.runs.detail(run.run_id)
         assert detail.run.run_id == run.run_id and detail.events_total >= 1
         assert detail.budget is None and detail.signals == [] and detail.effects == []
+        for shown in (0, -5, 10**9):  # a page is bounded: no LIMIT error, no unbounded read
+            with pytest.raises(InvalidInput, match="events shown must be 1 to 10,000"):
+                await client.runs.detail(run.run_id, events=shown)
         cancelled = await client.runs.cancel(run.run_id, reason="handle test")
         assert cancelled.state is RunState.CANCELLED
         assert (await client.runs.wait(run.run_id, within=5)).state is RunState.CANCELLED
@@ -377,6 +380,8 @@ async def test_the_signals_and_budgets_handles(settings: Settings) -> None:
             await client.signals.send("r_missing", "reply")
         with pytest.raises(RunNotFound):
             await client.signals.list("r_missing")
+        with pytest.raises(InvalidInput, match="0 or more"):
+            await client.signals.list(run.run_id, newest=-1)
         with pytest.raises(InvalidInput, match="malformed signal name"):
             await client.signals.send(run.run_id, "no spaces please")
         assert len(await client.signals.list(run.run_id)) == 1  # the refused one stored nothing
@@ -389,6 +394,10 @@ async def test_the_signals_and_budgets_handles(settings: Settings) -> None:
             await client.budgets.top_up(run.run_id)
         with pytest.raises(InvalidInput):
             await client.budgets.get("not a run id")
+        with pytest.raises(RunNotFound):  # not "no budget": there is no such run
+            await client.budgets.get("r_missing")
+        with pytest.raises(RunNotFound):
+            await client.budgets.ledger("r_missing")
 
 
 async def test_the_effects_and_approvals_handles_refuse_what_does_not_exist(
@@ -424,6 +433,9 @@ async def test_the_ops_handle_shows_the_queue_and_purges_by_age(settings: Settin
             await client.ops.purge(timedelta(0))
         with pytest.raises(InvalidInput, match="batch"):
             await client.ops.purge(timedelta(days=1), batch=0)
+        for ages in (timedelta(days=999_999_999), timedelta(days=-1)):  # no OverflowError
+            with pytest.raises(InvalidInput, match="at most 100 years"):
+                await client.ops.purgeable(ages)
         assert (await client.runs.get(run.run_id)).state is RunState.CANCELLED  # still there
 
 

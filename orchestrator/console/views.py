@@ -8,7 +8,6 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.cli.run_filters import RunSelection, select_runs
-from orchestrator.db.store import RunStore
 from orchestrator.db.stores import Stores
 from orchestrator.effects.model import EffectRecord, EffectStatus
 from orchestrator.errors import InvalidInput
@@ -129,10 +128,7 @@ def effect_view(effect: EffectRecord, *, reveal: bool) -> dict[str, Any]:
     }
 
 
-async def run_page(stores: Stores | RunStore, run_id: str, *, reveal: bool) -> dict[str, Any]:
-    """The run page; a bare ``RunStore`` is still taken (tests/test_operations_cli.py)."""
-    if isinstance(stores, RunStore):
-        stores = Stores.around(stores)
+async def run_page(stores: Stores, run_id: str, *, reveal: bool) -> dict[str, Any]:
     detail = await load_run_detail(stores, run_id, events=MAX_ROWS_SHOWN)
     run, now, messages, effects = detail.run, detail.now, detail.messages, detail.effects
     signals, budget = detail.signals, detail.budget
