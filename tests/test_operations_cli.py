@@ -252,7 +252,7 @@ async def test_a_run_with_100000_events_is_shown_in_bounded_memory_and_paged_in_
     assert peak_kb < 300_000, f"runs show --json peaked at {peak_kb:,} kB"
 
     # The console's run page reads as little.
-    page = await run_page(Stores.around(store), run_id, reveal=False)
+    page = await run_page(Stores(pool), run_id, reveal=False)
     assert len(page["events"]) == MAX_ROWS_SHOWN and page["events_total"] == total
     assert len(page["attempts"]) <= 100 and len(page["stale_refusals"]) <= 100
 

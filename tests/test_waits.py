@@ -517,7 +517,7 @@ async def test_a_top_up_and_a_step_commit_settling_the_budget_do_not_deadlock(
             group.start_soon(lambda: BudgetStore(pool).top_up(run_id, turns=1))
             await blocked_on_a_lock(pool)  # the top-up is now waiting for the run's row
             spend = Spend(claimed.fence, 1, 0, 0, 0, Decimal(0))
-            await store.settle_budgets([(run_id, spend)], db=db)  # deadlocked before the fix
+            await BudgetStore(db).settle([(run_id, spend)])  # deadlocked before the fix
             await transaction.commit()
     state = await BudgetStore(pool).get(run_id)
     assert state is not None

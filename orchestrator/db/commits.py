@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 import asyncpg
 
 from orchestrator.backoff import Backoff
-from orchestrator.budgets import BudgetStore, Spend
 from orchestrator.db.commit_records import (
     FailOutcome,
     InTransaction,
@@ -29,7 +28,6 @@ from orchestrator.db.pool_store import PoolStore
 from orchestrator.db.queries import query
 from orchestrator.jsontext import compact
 from orchestrator.models import JSON, CommitResult, Lease, Message, RunState, TraceRow
-from orchestrator.signals import SignalStore
 
 
 class Commits(PoolStore):
@@ -227,18 +225,6 @@ class Commits(PoolStore):
             [park.progressed for _, park in parks],
         )
         return {record["run_id"] for record in records}
-
-    async def consume_signals(
-        self, consumed: Sequence[tuple[Lease, Sequence[int]]], *, db: Executor
-    ) -> None:
-        """In a commit's transaction: the signals its step was given are consumed (by the
-        signal store, their tables' only writer; kept here for the group committer)."""
-        await SignalStore(db).consume(consumed)
-
-    async def settle_budgets(self, spends: Sequence[tuple[str, Spend]], *, db: Executor) -> None:
-        """In a commit's transaction: each step's reservation becomes what it spent (by the
-        budget store, the budget tables' only writer; kept here for the group committer)."""
-        await BudgetStore(db).settle(spends)
 
     async def fail_attempt(
         self, lease: Lease, *, error: Mapping[str, JSON], db: Executor | None = None

@@ -39,11 +39,3 @@ class Stores:
     def of(cls, pool: asyncpg.Pool, settings: Settings) -> Stores:
         """The stores as ``settings`` configure them (input limit, schema)."""
         return cls(pool, max_input_bytes=settings.max_input_bytes, schema=settings.schema)
-
-    @classmethod
-    def around(cls, runs: RunStore) -> Stores:
-        """The stores sharing ``runs``' pool, ``runs`` among them (for callers that hold only
-        the run store)."""
-        stores = cls(runs.pool, max_input_bytes=runs.max_input_bytes)
-        stores.runs = runs
-        return stores

@@ -28,12 +28,13 @@ import structlog
 from opentelemetry import context
 from opentelemetry.context import Context
 
-from orchestrator.budgets import Spend
+from orchestrator.budgets import BudgetStore, Spend
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import AcceptOutcome
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import CommitResult, Lease
+from orchestrator.signals import SignalStore
 from orchestrator.telemetry import (
     RUN_FENCE,
     RUN_ID,
@@ -356,9 +357,9 @@ class GroupCommitter:
             if park is not None:
                 parks.append((request.lease, park))
         if consumed:
-            await self.store.consume_signals(consumed, db=db)
+            await SignalStore(db).consume(consumed)
         if spends:
-            await self.store.settle_budgets(spends, db=db)
+            await BudgetStore(db).settle(spends)
         if parks:
             parked = await self.store.park_many(self.worker_id, parks, db=db)
             if len(parked) != len(parks):  # the commit just took effect: only a bug gets here
