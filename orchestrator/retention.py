@@ -12,7 +12,6 @@ from datetime import datetime, timedelta
 import anyio
 import asyncpg
 
-from orchestrator.db.executor import Executor
 from orchestrator.db.purges import RETENTION_LOCK as RETENTION_LOCK  # re-exported
 from orchestrator.db.purges import Purged as Purged  # re-exported
 from orchestrator.db.purges import PurgeStore
@@ -56,16 +55,6 @@ def parse_retention(text: str) -> timedelta | None:
     return parse_age(text, "--retention")
 
 
-async def purgeable(db: Executor, cutoff: datetime) -> int:
-    """How many runs a purge before ``cutoff`` would delete now."""
-    return await PurgeStore(db).count(cutoff)
-
-
-async def purge_batch(db: Executor, cutoff: datetime, batch: int = PURGE_BATCH) -> Purged:
-    """Delete one batch of finished runs older than ``cutoff`` (one short transaction)."""
-    return await PurgeStore(db).delete_batch(cutoff, batch)
-
-
 async def purge(
     pool: asyncpg.Pool,
     cutoff: datetime,
@@ -82,7 +71,7 @@ async def purge(
     done = 0
     while max_batches is None or done < max_batches:
         began = time.monotonic()
-        purged = await purge_batch(pool, cutoff, batch)
+        purged = await PurgeStore(pool).delete_batch(cutoff, batch)
         done += 1
         runs, other = runs + purged.runs, other + purged.other_rows
         progress(Purged(runs, other))

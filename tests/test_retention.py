@@ -10,6 +10,7 @@ import asyncpg
 import pytest
 
 from orchestrator import Effect
+from orchestrator.db.purges import PurgeStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
@@ -20,7 +21,6 @@ from orchestrator.retention import (
     parse_retention,
     purge,
     purge_round,
-    purgeable,
 )
 from support import cli
 
@@ -111,7 +111,7 @@ async def test_only_old_finished_runs_are_deleted_with_everything_kept_for_them(
     for run_id in old.values():
         assert all((await rows_of(pool, run_id)).values())  # something in every table
     cutoff = await store.database_now() - timedelta(days=30)
-    assert await purgeable(pool, cutoff) == 4
+    assert await PurgeStore(pool).count(cutoff) == 4
 
     purged = await purge(pool, cutoff, batch=3)  # two batches
 
@@ -123,7 +123,7 @@ async def test_only_old_finished_runs_are_deleted_with_everything_kept_for_them(
         assert (await rows_of(pool, run_id))["run_events"] >= 1
     for state, run_id in live.items():
         assert (await store.get(run_id)).state is RunState(state)
-    assert await purgeable(pool, cutoff) == 0
+    assert await PurgeStore(pool).count(cutoff) == 0
     assert (await purge(pool, cutoff)).runs == 0
 
 
