@@ -1322,3 +1322,109 @@ ORDER BY agent
 -- How many effects are parked for a person or awaiting an approval (partial indexes only).
 SELECT (SELECT count(*) FROM effects WHERE status = 'parked') AS parked,
        (SELECT count(*) FROM effects WHERE status = 'awaiting_approval') AS awaiting_approval
+
+-- set_principal --
+-- params: $1 name text, $2 kind text, $3 role text, $4 created_by text
+-- Add a person or service, or change its kind and role (enabling it again if disabled). Returns
+-- the row and whether it was new.
+INSERT INTO principals AS p (name, kind, role, created_by)
+VALUES ($1, $2, $3, coalesce($4::text, session_user))
+ON CONFLICT (name) DO UPDATE
+SET kind = EXCLUDED.kind, role = EXCLUDED.role, updated_at = clock_timestamp(),
+    disabled_at = NULL
+RETURNING name, kind, role, created_at, created_by, disabled_at, (xmax = 0) AS created
+
+-- disable_principal --
+-- params: $1 name text
+-- Disable a principal: its tokens stop working at once (they are kept for the record).
+UPDATE principals SET disabled_at = coalesce(disabled_at, clock_timestamp()),
+                      updated_at = clock_timestamp()
+WHERE name = $1
+RETURNING name, kind, role, created_at, created_by, disabled_at
+
+-- get_principal --
+-- params: $1 name text
+SELECT name, kind, role, created_at, created_by, disabled_at FROM principals WHERE name = $1
+
+-- list_principals --
+-- params: (none)
+-- Every principal with how many tokens it holds that still work.
+SELECT p.name, p.kind, p.role, p.created_at, p.created_by, p.disabled_at,
+       (SELECT count(*) FROM access_tokens AS t
+        WHERE t.principal = p.name AND t.revoked_at IS NULL
+          AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp())) AS live_tokens
+FROM principals AS p
+ORDER BY p.name
+
+-- create_token --
+-- params: $1 token_id text, $2 principal text, $3 sha256 text, $4 description text,
+--         $5 scope jsonb, $6 expires_in_seconds float8 (NULL: never), $7 created_by text
+-- Store a new token's hash. No row: the principal does not exist or is disabled.
+INSERT INTO access_tokens (token_id, principal, sha256, description, scope, expires_at,
+                           created_by)
+SELECT $1, p.name, $3, $4, $5,
+       clock_timestamp() + make_interval(secs => $6::float8), coalesce($7::text, session_user)
+FROM principals AS p
+WHERE p.name = $2 AND p.disabled_at IS NULL
+RETURNING token_id, principal, description, scope, created_at, created_by, expires_at,
+          revoked_at, revoked_by, last_used_at
+
+-- authenticate_token --
+-- params: $1 sha256 text
+-- The principal and scope of a working token (not revoked, not expired, its principal enabled),
+-- stamping its last use at most once a minute (a read otherwise).
+WITH found AS (
+    SELECT t.token_id, t.scope, p.name, p.kind, p.role
+    FROM access_tokens AS t JOIN principals AS p ON p.name = t.principal
+    WHERE t.sha256 = $1 AND t.revoked_at IS NULL AND p.disabled_at IS NULL
+      AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp())
+), stamped AS (
+    UPDATE access_tokens AS t SET last_used_at = clock_timestamp()
+    FROM found AS f
+    WHERE t.token_id = f.token_id
+      AND (t.last_used_at IS NULL OR t.last_used_at < clock_timestamp() - interval '1 minute')
+)
+SELECT token_id, scope, name, kind, role FROM found
+
+-- revoke_token --
+-- params: $1 token_id text, $2 revoked_by text
+-- Revoke a token (kept for the record). Returns the row, revoked now or before.
+WITH revoked AS (
+    UPDATE access_tokens SET revoked_at = clock_timestamp(),
+                         revoked_by = coalesce($2::text, session_user)
+    WHERE token_id = $1 AND revoked_at IS NULL
+    RETURNING token_id
+)
+SELECT token_id, principal, description, scope, created_at, created_by, expires_at, revoked_at,
+       revoked_by, last_used_at, EXISTS (SELECT 1 FROM revoked) AS revoked_now
+FROM access_tokens WHERE token_id = $1
+
+-- list_tokens --
+-- params: $1 principal text (NULL: every principal's)
+-- Tokens without their hashes, newest first.
+SELECT token_id, principal, description, scope, created_at, created_by, expires_at, revoked_at,
+       revoked_by, last_used_at
+FROM access_tokens
+WHERE $1::text IS NULL OR principal = $1
+ORDER BY created_at DESC, token_id
+
+-- audit_append --
+-- params: $1 principal text (NULL: the connected role), $2 via text, $3 action text,
+--         $4 run_id text, $5 effect_key text, $6 detail jsonb
+-- Append one decision to the chained audit log (in the caller's transaction); returns its seq.
+SELECT audit_append($1, $2, $3, $4, $5, $6)
+
+-- audit_list --
+-- params: $1 after_seq bigint, $2 limit int, $3 run_id text (NULL: any), $4 principal text
+--         (NULL: any), $5 action text (NULL: any)
+-- Audit rows after seq $1, oldest first, with what their hash covers spelled out for a verifier.
+SELECT seq, at, db_user, principal, via, action, run_id, effect_key, detail,
+       detail::text AS detail_text,
+       ((extract(epoch FROM at) * 1000000)::bigint) AS at_micros, prev_sha256, sha256
+FROM audit_log
+WHERE seq > $1
+  AND ($3::text IS NULL OR run_id = $3)
+  AND ($4::text IS NULL OR principal = $4)
+  AND ($5::text IS NULL OR action = $5)
+ORDER BY seq
+LIMIT $2

@@ -1,6 +1,50 @@
 -- The orchestrator schema as migrations 0001..N produce it (generated: do not edit).
 -- Regenerate: python -m orchestrator.db.schema_snapshot > sql/schema.sql
 CREATE SCHEMA orchestrator;
+CREATE FUNCTION orchestrator.audit_append(p_principal text, p_via text, p_action text, p_run_id text, p_effect_key text, p_detail jsonb) RETURNS bigint
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    last_seq bigint;
+    last_sha text;
+    new_seq bigint;
+    new_at timestamptz := clock_timestamp();
+    principal_name text := coalesce(p_principal, session_user);
+    via_name text := coalesce(p_via, 'database-role');
+    detail_doc jsonb := coalesce(p_detail, '{}'::jsonb);
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('orchestrator.audit_log'),
+                                  hashtext(current_schema()));
+    SELECT seq, sha256 INTO last_seq, last_sha FROM audit_log ORDER BY seq DESC LIMIT 1;
+    new_seq := coalesce(last_seq, 0) + 1;
+    last_sha := coalesce(last_sha, repeat('0', 64));
+    INSERT INTO audit_log (seq, at, db_user, principal, via, action, run_id, effect_key, detail,
+                           prev_sha256, sha256)
+    VALUES (new_seq, new_at, session_user, principal_name, via_name, p_action, p_run_id,
+            p_effect_key, detail_doc, last_sha,
+            encode(sha256(convert_to(audit_row_text(
+                last_sha, new_seq, new_at, session_user, principal_name, via_name, p_action,
+                p_run_id, p_effect_key, detail_doc), 'UTF8')), 'hex'));
+    RETURN new_seq;
+END
+$$;
+CREATE FUNCTION orchestrator.audit_log_is_append_only() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    RAISE EXCEPTION 'the audit log is append-only: % refused', TG_OP
+        USING HINT = 'decisions are appended by audit_append(); nothing may change or remove one';
+END
+$$;
+CREATE FUNCTION orchestrator.audit_row_text(p_prev text, p_seq bigint, p_at timestamp with time zone, p_db_user text, p_principal text, p_via text, p_action text, p_run_id text, p_effect_key text, p_detail jsonb) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    AS $$
+    SELECT concat_ws(E'\n', p_prev, p_seq::text,
+                     ((extract(epoch FROM p_at) * 1000000)::bigint)::text, p_db_user,
+                     p_principal, p_via, p_action, coalesce(p_run_id, ''),
+                     coalesce(p_effect_key, ''), p_detail::text)
+$$;
 CREATE FUNCTION orchestrator.fence_epoch() RETURNS bigint
     LANGUAGE plpgsql
     AS $_$
@@ -206,6 +250,35 @@ BEGIN
     outcome := 'reserved';
 END
 $$;
+CREATE TABLE orchestrator.access_tokens (
+    token_id text NOT NULL,
+    principal text NOT NULL,
+    sha256 text NOT NULL,
+    description text,
+    scope jsonb,
+    created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    created_by text NOT NULL,
+    expires_at timestamp with time zone,
+    revoked_at timestamp with time zone,
+    revoked_by text,
+    last_used_at timestamp with time zone,
+    CONSTRAINT access_tokens_sha256_check CHECK ((sha256 ~ '^[0-9a-f]{64}$'::text)),
+    CONSTRAINT access_tokens_token_id_check CHECK ((token_id ~ '^[a-z0-9]{12}$'::text))
+);
+CREATE TABLE orchestrator.audit_log (
+    seq bigint NOT NULL,
+    at timestamp with time zone NOT NULL,
+    db_user text NOT NULL,
+    principal text NOT NULL,
+    via text NOT NULL,
+    action text NOT NULL,
+    run_id text,
+    effect_key text,
+    detail jsonb NOT NULL,
+    prev_sha256 text NOT NULL,
+    sha256 text NOT NULL,
+    CONSTRAINT audit_log_seq_check CHECK ((seq > 0))
+);
 CREATE TABLE orchestrator.budget_ledger (
     run_id text NOT NULL,
     entry bigint NOT NULL,
@@ -269,6 +342,18 @@ CREATE TABLE orchestrator.orchestrator_schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
     applied_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+);
+CREATE TABLE orchestrator.principals (
+    name text NOT NULL,
+    kind text NOT NULL,
+    role text NOT NULL,
+    created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    created_by text NOT NULL,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    disabled_at timestamp with time zone,
+    CONSTRAINT principals_kind_check CHECK ((kind = ANY (ARRAY['person'::text, 'service'::text]))),
+    CONSTRAINT principals_name_check CHECK ((name ~ '^[A-Za-z0-9][A-Za-z0-9._@+-]{0,199}$'::text)),
+    CONSTRAINT principals_role_check CHECK ((role = ANY (ARRAY['viewer'::text, 'approver'::text, 'operator'::text, 'admin'::text])))
 );
 CREATE TABLE orchestrator.run_budgets (
     run_id text NOT NULL,
@@ -398,6 +483,12 @@ CREATE TABLE orchestrator.workers (
     server_started_at timestamp with time zone,
     last_renewal_at timestamp with time zone
 );
+ALTER TABLE ONLY orchestrator.access_tokens
+    ADD CONSTRAINT access_tokens_pkey PRIMARY KEY (token_id);
+ALTER TABLE ONLY orchestrator.access_tokens
+    ADD CONSTRAINT access_tokens_sha256_key UNIQUE (sha256);
+ALTER TABLE ONLY orchestrator.audit_log
+    ADD CONSTRAINT audit_log_pkey PRIMARY KEY (seq);
 ALTER TABLE ONLY orchestrator.budget_ledger
     ADD CONSTRAINT budget_ledger_pkey PRIMARY KEY (run_id, entry);
 ALTER TABLE ONLY orchestrator.effect_fences
@@ -408,6 +499,8 @@ ALTER TABLE ONLY orchestrator.effects
     ADD CONSTRAINT effects_pkey PRIMARY KEY (run_id, effect_key);
 ALTER TABLE ONLY orchestrator.orchestrator_schema_migrations
     ADD CONSTRAINT orchestrator_schema_migrations_pkey PRIMARY KEY (version);
+ALTER TABLE ONLY orchestrator.principals
+    ADD CONSTRAINT principals_pkey PRIMARY KEY (name);
 ALTER TABLE ONLY orchestrator.run_budgets
     ADD CONSTRAINT run_budgets_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.run_events
@@ -424,6 +517,8 @@ ALTER TABLE ONLY orchestrator.workers
     ADD CONSTRAINT workers_pkey PRIMARY KEY (worker_id);
 ALTER TABLE ONLY orchestrator.workers
     ADD CONSTRAINT workers_session_key_key UNIQUE (session_key);
+CREATE INDEX access_tokens_of_principal ON orchestrator.access_tokens USING btree (principal);
+CREATE INDEX audit_log_of_run ON orchestrator.audit_log USING btree (run_id, seq) WHERE (run_id IS NOT NULL);
 CREATE INDEX effects_awaiting_approval ON orchestrator.effects USING btree (approval_expires_at) WHERE (status = 'awaiting_approval'::text);
 CREATE INDEX effects_dispatching ON orchestrator.effects USING btree (dispatcher_until) WHERE (status = 'dispatching'::text);
 CREATE INDEX effects_due ON orchestrator.effects USING btree (available_at) WHERE (status = ANY (ARRAY['accepted'::text, 'uncertain'::text]));
@@ -437,3 +532,7 @@ CREATE INDEX runs_finished ON orchestrator.runs USING btree (finished_at) WHERE 
 CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);
 CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (state = 'running'::text);
 CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state = 'running'::text);
+CREATE TRIGGER audit_log_append_only BEFORE DELETE OR UPDATE ON orchestrator.audit_log FOR EACH ROW EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
+CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log FOR EACH STATEMENT EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
+ALTER TABLE ONLY orchestrator.access_tokens
+    ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;

@@ -21,6 +21,8 @@ STORES = {
     "orchestrator/budgets.py": "run_budgets, budget_ledger",
     "effects/store.py": "effects: the boundary's records and their dispatch",
     "effects/approvals.py": "effects: the approval columns and their decisions",
+    "orchestrator/db/access.py": "principals, access_tokens",
+    "orchestrator/db/audit.py": "audit_log: appends and reads (never changes)",
 }
 """Module -> the tables whose statements it alone issues."""
 

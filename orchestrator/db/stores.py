@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncpg
 
 from orchestrator.budgets import BudgetStore
+from orchestrator.db.access import AccessStore
+from orchestrator.db.audit import AuditStore
 from orchestrator.db.purges import PurgeStore
 from orchestrator.db.store import RunStore
 from orchestrator.db.workers import WorkerRegistry
@@ -34,6 +36,8 @@ class Stores:
         self.budgets = BudgetStore(pool)
         self.workers = WorkerRegistry(schema)
         self.purges = PurgeStore(pool)
+        self.access = AccessStore(pool)
+        self.audit = AuditStore(pool)
 
     @classmethod
     def of(cls, pool: asyncpg.Pool, settings: Settings) -> Stores:

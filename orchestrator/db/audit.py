@@ -1,0 +1,182 @@
+"""The audit trail: every human and service decision, appended in the decision's transaction to
+a hash-chained, append-only table (migration 0016), and the check that the chain is whole."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from orchestrator.access import Actor
+from orchestrator.db.executor import Executor
+from orchestrator.db.queries import query
+from orchestrator.errors import InvalidInput
+
+GENESIS = "0" * 64
+"""The ``prev_sha256`` of the first row."""
+MAX_LIST = 10_000
+VERIFY_PAGE = 5_000
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    seq: int
+    at: datetime
+    db_user: str
+    principal: str
+    via: str
+    action: str
+    run_id: str | None
+    effect_key: str | None
+    detail: dict[str, Any]
+    prev_sha256: str
+    sha256: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "at": self.at.isoformat(),
+            "db_user": self.db_user,
+            "principal": self.principal,
+            "via": self.via,
+            "action": self.action,
+            "run_id": self.run_id,
+            "effect_key": self.effect_key,
+            "detail": self.detail,
+            "prev_sha256": self.prev_sha256,
+            "sha256": self.sha256,
+        }
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What ``audit verify`` found: ``problems`` empty means the chain is whole."""
+
+    rows: int
+    head_seq: int
+    head_sha256: str
+    problems: list[str]
+
+    @property
+    def intact(self) -> bool:
+        return not self.problems
+
+
+def row_sha256(row: Mapping[str, Any]) -> str:
+    """The hash a row must carry, rebuilt from its columns as ``audit_row_text`` lays them out."""
+    text = "\n".join(
+        [
+            row["prev_sha256"],
+            str(row["seq"]),
+            str(row["at_micros"]),
+            row["db_user"],
+            row["principal"],
+            row["via"],
+            row["action"],
+            row["run_id"] or "",
+            row["effect_key"] or "",
+            row["detail_text"],
+        ]
+    )
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class AuditStore:
+    def __init__(self, db: Executor) -> None:
+        self.db = db
+
+    async def append(
+        self,
+        actor: Actor | None,
+        action: str,
+        *,
+        run_id: str | None = None,
+        effect_key: str | None = None,
+        detail: Mapping[str, Any] | None = None,
+        db: Executor | None = None,
+    ) -> int:
+        """Append one row; pass the decision's own connection as ``db`` so the row commits (or
+        rolls back) with it. ``actor`` None: the database role that connected decided."""
+        document = dict(detail or {})
+        if actor is not None and actor.note is not None:
+            document.setdefault("note", actor.note)
+        seq = await (db or self.db).fetchval(
+            query("audit_append"),
+            None if actor is None else actor.principal,
+            None if actor is None else actor.via.value,
+            action,
+            run_id,
+            effect_key,
+            document,
+        )
+        return int(seq)
+
+    async def entries(
+        self,
+        *,
+        after: int = 0,
+        limit: int = 100,
+        run_id: str | None = None,
+        principal: str | None = None,
+        action: str | None = None,
+    ) -> list[AuditEntry]:
+        """Rows after seq ``after``, oldest first."""
+        if not 1 <= limit <= MAX_LIST:
+            raise InvalidInput(f"the limit must be between 1 and {MAX_LIST}")
+        if not 0 <= after < 2**63:
+            raise InvalidInput("--after must be a seq of 0 or more")
+        rows = await self.db.fetch(query("audit_list"), after, limit, run_id, principal, action)
+        return [_entry(row) for row in rows]
+
+    async def verify(self, *, expect_head: str | None = None) -> Verification:
+        """Rebuild every row's hash and link, in pages. Finds an edited row (its hash no longer
+        matches), a deleted or inserted one (a gap in seq, or a link to the wrong row), and,
+        given the head recorded earlier, rows removed from the end."""
+        problems: list[str] = []
+        previous_sha, previous_seq, rows, after = GENESIS, 0, 0, 0
+        seen_expected = expect_head is None
+        while True:
+            page = await self.db.fetch(query("audit_list"), after, VERIFY_PAGE, None, None, None)
+            for row in page:
+                seq = int(row["seq"])
+                rows += 1
+                if seq != previous_seq + 1:
+                    problems.append(
+                        f"rows {previous_seq + 1}-{seq - 1} are missing (deleted?)"
+                        if seq > previous_seq + 1
+                        else f"row {seq} is out of order"
+                    )
+                if row["prev_sha256"] != previous_sha:
+                    problems.append(f"row {seq} does not link to the row before it")
+                if row_sha256(row) != row["sha256"]:
+                    problems.append(f"row {seq} was changed after it was written")
+                if row["sha256"] == expect_head:
+                    seen_expected = True
+                previous_sha, previous_seq = row["sha256"], seq
+            if len(page) < VERIFY_PAGE:
+                break
+            after = previous_seq
+        if not seen_expected:
+            problems.append(
+                f"the head recorded earlier ({expect_head}) is no longer in the chain: rows were "
+                "removed from its end, or the chain was rewritten"
+            )
+        return Verification(rows, previous_seq, previous_sha, problems)
+
+
+def _entry(row: Mapping[str, Any]) -> AuditEntry:
+    return AuditEntry(
+        seq=int(row["seq"]),
+        at=row["at"],
+        db_user=row["db_user"],
+        principal=row["principal"],
+        via=row["via"],
+        action=row["action"],
+        run_id=row["run_id"],
+        effect_key=row["effect_key"],
+        detail=row["detail"],
+        prev_sha256=row["prev_sha256"],
+        sha256=row["sha256"],
+    )
