@@ -15,7 +15,9 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from orchestrator.db.executor import Executor
+from orchestrator.access import Actor
+from orchestrator.db.audit import AuditStore
+from orchestrator.db.executor import Executor, in_transaction
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition
 from orchestrator.ids import validate_run_id
@@ -60,17 +62,18 @@ class ApprovalStore:
         effect_key: str,
         decision: Decision,
         *,
-        by: str,
+        by: str | None = None,
         note: str | None = None,
         payload_sha256: str | None = None,
         run_fence: int | None = None,
+        actor: Actor | None = None,
     ) -> EffectRecord:
-        """Record a person's decision; ``DecisionRefused`` says why it could not be."""
+        """Record a decision by ``actor`` (None: the database role that connected; ``by``, a
+        typed name, is kept as a note) with its audit row; ``DecisionRefused`` says why it
+        could not be."""
         validate_run_id(run_id)
         validate_effect_key(effect_key)
-        check_text(by, "--by")
-        if not 1 <= len(by) <= 200:
-            raise InvalidInput("--by must name who decides, in 1-200 characters")
+        acting = Actor.acting(actor, by)
         if note is not None:
             check_text(note, "--note")
             if len(note) > 2000:
@@ -82,23 +85,41 @@ class ApprovalStore:
                 "--hash must be the 64 lower-case hex digits of the payload's SHA-256, as "
                 "`orchestrator approvals show` prints it"
             )
-        record = await self.db.fetchrow(
-            query("decide_approval"),
-            run_id,
-            effect_key,
-            decision.value,
-            by,
-            note,
-            payload_sha256,
-            run_fence,
-        )
-        if record is None:
-            raise EffectNotFound(run_id, effect_key)
-        if not record["decided"]:
-            raise DecisionRefused(_refusal(record, effect_key, decision, payload_sha256, run_fence))
-        effect = await self.db.fetchrow(query("get_effect"), run_id, effect_key)
-        assert effect is not None
-        return EffectRecord.from_record(effect)
+        async with in_transaction(self.db) as db:
+            record = await db.fetchrow(
+                query("decide_approval"),
+                run_id,
+                effect_key,
+                decision.value,
+                acting.principal,
+                note,
+                payload_sha256,
+                run_fence,
+                acting.via.value,
+                acting.note,
+            )
+            if record is None:
+                raise EffectNotFound(run_id, effect_key)
+            if not record["decided"]:
+                raise DecisionRefused(
+                    _refusal(record, effect_key, decision, payload_sha256, run_fence)
+                )
+            row = await db.fetchrow(query("get_effect"), run_id, effect_key)
+            assert row is not None
+            effect = EffectRecord.from_record(row)
+            await AuditStore(db).append(
+                acting,
+                _VERB[decision],
+                run_id=run_id,
+                effect_key=effect_key,
+                detail={
+                    "payload_sha256": effect.payload_sha256,
+                    "run_fence": record["run_fence"],
+                    "decision_note": note,
+                },
+                db=db,
+            )
+        return effect
 
     async def expire(self, *, limit: int = 100) -> int:
         """Deny (by expiry) approvals nobody gave in time; returns how many."""

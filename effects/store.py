@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from orchestrator.db.executor import Executor
+from orchestrator.access import Actor
+from orchestrator.db.audit import AuditStore
+from orchestrator.db.executor import Executor, in_transaction
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.ids import validate_run_id
@@ -189,23 +191,39 @@ class EffectStore:
         effect_key: str,
         *,
         sent: bool,
-        by: str,
+        by: str | None = None,
         external_id: str | None = None,
+        actor: Actor | None = None,
     ) -> EffectRecord:
-        """A person's decision on a parked effect; ``by`` (who decided) goes into the timeline."""
+        """A decision on a parked effect by ``actor`` (None: the database role that connected;
+        ``by``, a typed name, is kept as a note), in the timeline and the audit trail."""
         if external_id is not None:
             check_text(external_id, "the external id")
-        check_text(by, "who resolves (by)")
-        if not 1 <= len(by) <= 200:
-            raise InvalidInput("who resolves (by) must be 1-200 characters")
+        acting = Actor.acting(actor, by)
         effect = await self.get(run_id, effect_key)
         decision = EffectStatus.CONFIRMED if sent else EffectStatus.ACCEPTED
-        record = await self.pool.fetchrow(
-            query("resolve_parked_effect"), run_id, effect_key, decision.value, external_id, by
-        )
-        if record is None:
-            raise InvalidTransition(
-                f"effect {effect_key!r} of run {run_id} is {effect.status.value}, not parked; "
-                "only parked effects wait for a person's decision"
+        async with in_transaction(self.pool) as db:
+            record = await db.fetchrow(
+                query("resolve_parked_effect"),
+                run_id,
+                effect_key,
+                decision.value,
+                external_id,
+                acting.principal,
+                acting.via.value,
+                acting.note,
+            )
+            if record is None:
+                raise InvalidTransition(
+                    f"effect {effect_key!r} of run {run_id} is {effect.status.value}, not parked; "
+                    "only parked effects wait for a person's decision"
+                )
+            await AuditStore(db).append(
+                acting,
+                "resolve_sent" if sent else "resolve_not_sent",
+                run_id=run_id,
+                effect_key=effect_key,
+                detail={"external_id": external_id},
+                db=db,
             )
         return await self.get(run_id, effect_key)

@@ -11,9 +11,11 @@ calls fit any framework (``Client`` for an async one).
                                "fence": N, "note": "..."}
 
 Who decides comes from the ``X-User`` header, standing in for your application's own
-authentication: put this behind it. A decision carries the payload hash and fence the person was
-shown, so approving a payload that changed since (a replayed turn asked for another amount) or a
-run another attempt owns now is refused (409), never applied to something nobody saw.
+authentication: put this behind it. The audit log records the decision under the database role
+the desk connects as (its principal); the ``X-User`` name is kept beside it as ``typed_by``.
+A decision carries the payload hash and fence the person was shown, so approving a payload that
+changed since (a replayed turn asked for another amount) or a run another attempt owns now is
+refused (409), never applied to something nobody saw.
 """
 
 from __future__ import annotations

@@ -86,11 +86,31 @@ class Principal:
 @dataclass(frozen=True)
 class Actor:
     """Who did an action and how the server knows: what the audit trail and timeline record.
-    ``note`` is what the person typed (a name, a ticket): kept, never trusted."""
+    ``principal`` None: the database role that connected (``session_user``), which is what a
+    command run straight against the database proves. ``note`` is what the person typed (a
+    name, a ticket): kept beside the principal, never trusted as one."""
 
-    principal: str
+    principal: str | None
     via: Via
     note: str | None = None
+
+    @classmethod
+    def acting(cls, actor: Actor | None, typed_by: str | None) -> Actor:
+        """``actor`` (or the connected database role) with ``typed_by`` as its note."""
+        if typed_by is not None:
+            check_text(typed_by, "--by")
+            if not 1 <= len(typed_by) <= 200:
+                raise InvalidInput(
+                    "--by must name who decides, in 1-200 characters (it is kept as a note; "
+                    "the principal recorded is who the server authenticated)"
+                )
+        if actor is None:
+            return cls(None, Via.DATABASE_ROLE, typed_by)
+        return actor if typed_by is None else cls(actor.principal, actor.via, typed_by)
+
+
+SHARED_TOKEN_PRINCIPAL = "shared-token"
+"""The principal of the console's shared-token mode: whoever holds the one token."""
 
 
 MAX_SCOPE_ITEMS = 100

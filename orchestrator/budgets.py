@@ -26,8 +26,10 @@ from typing import Literal, NamedTuple, TypedDict, Unpack
 import asyncpg
 import pydantic
 
+from orchestrator.access import Actor
+from orchestrator.db.audit import AuditStore
 from orchestrator.db.deadlines import pooled
-from orchestrator.db.executor import Executor
+from orchestrator.db.executor import Executor, in_transaction
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.ids import validate_run_id
@@ -447,10 +449,13 @@ class BudgetStore:
             [spend.cost for _, spend in spends],
         )
 
-    async def top_up(self, run_id: str, **amounts: Unpack[TopUp]) -> BudgetState:
-        """Raise the run's limits (and wake it if it waits for budget). Each amount given must
-        be above 0 (``InvalidInput`` otherwise: a top-up of nothing, or a negative one that
-        would lower a limit, is a mistake), and at least one must be given."""
+    async def top_up(
+        self, run_id: str, *, actor: Actor | None = None, **amounts: Unpack[TopUp]
+    ) -> BudgetState:
+        """Raise the run's limits (and wake it if it waits for budget), by ``actor`` (None: the
+        database role that connected) as the audit trail records. Each amount given must be
+        above 0 (``InvalidInput`` otherwise: a top-up of nothing, or a negative one that would
+        lower a limit, is a mistake), and at least one must be given."""
         validate_run_id(run_id)
         unknown = sorted(set(amounts) - set(TopUp.__annotations__))
         if unknown:  # as a keyword-only signature would refuse them
@@ -468,7 +473,12 @@ class BudgetStore:
                 "nothing to add: give --add-usd, --add-turns, --add-tool-calls, "
                 "--add-input-tokens or --add-output-tokens, each above 0"
             )
-        record = await self.db.fetchrow(query("top_up_budget"), run_id, added)
+        async with in_transaction(self.db) as db:
+            record = await db.fetchrow(query("top_up_budget"), run_id, added)
+            if record is not None:
+                await AuditStore(db).append(
+                    Actor.acting(actor, None), "top_up", run_id=run_id, detail=added, db=db
+                )
         if record is None:
             raise InvalidTransition(
                 f"run {run_id} has no budget (its agent declares none, or it has not made a "

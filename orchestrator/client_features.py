@@ -43,10 +43,17 @@ class EffectsHandle(StoresHandle):
 
     @project_errors
     async def resolve(
-        self, run_id: str, effect_key: str, *, sent: bool, by: str, external_id: str | None = None
+        self,
+        run_id: str,
+        effect_key: str,
+        *,
+        sent: bool,
+        by: str | None = None,
+        external_id: str | None = None,
     ) -> EffectRecord:
         """A person's decision on a parked effect, after checking with the vendor by hand:
-        ``sent`` confirms it, otherwise it is sent again."""
+        ``sent`` confirms it, otherwise it is sent again. The principal recorded is the
+        database role the client connected as; ``by`` is kept as a note."""
         return await self._stores.effects.resolve(
             run_id, effect_key, sent=sent, by=by, external_id=external_id
         )
@@ -74,7 +81,7 @@ class ApprovalsHandle(StoresHandle):
         run_id: str,
         effect_key: str,
         *,
-        by: str,
+        by: str | None = None,
         payload_sha256: str,
         note: str | None = None,
         run_fence: int | None = None,
@@ -96,7 +103,7 @@ class ApprovalsHandle(StoresHandle):
         run_id: str,
         effect_key: str,
         *,
-        by: str,
+        by: str | None = None,
         note: str | None = None,
         payload_sha256: str | None = None,
         run_fence: int | None = None,

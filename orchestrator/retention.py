@@ -12,6 +12,9 @@ from datetime import datetime, timedelta
 import anyio
 import asyncpg
 
+from orchestrator.access import Actor
+from orchestrator.db.audit import AuditStore
+from orchestrator.db.executor import in_transaction
 from orchestrator.db.purges import RETENTION_LOCK as RETENTION_LOCK  # re-exported
 from orchestrator.db.purges import Purged as Purged  # re-exported
 from orchestrator.db.purges import PurgeStore
@@ -63,15 +66,27 @@ async def purge(
     max_batches: int | None = None,
     pause_ratio: float = PURGE_PAUSE_RATIO,
     progress: Callable[[Purged], None] = lambda total: None,
+    actor: Actor | None = None,
 ) -> Purged:
     """Batch after batch until none is left (or ``max_batches``), pausing ``pause_ratio`` times
     each batch's duration after it (0: flat out); ``progress`` sees the running total after
-    each."""
+    each. Each batch that deleted runs is audited as ``actor``'s (None: the database role that
+    connected) in its own transaction."""
     runs = other = 0
     done = 0
     while max_batches is None or done < max_batches:
         began = time.monotonic()
-        purged = await PurgeStore(pool).delete_batch(cutoff, batch)
+        async with in_transaction(pool) as db:
+            purged = await PurgeStore(db).delete_batch(cutoff, batch)
+            if purged.runs:
+                detail = {
+                    "cutoff": cutoff.isoformat(),
+                    "runs": purged.runs,
+                    "other_rows": purged.other_rows,
+                }
+                await AuditStore(db).append(
+                    Actor.acting(actor, None), "purge", detail=detail, db=db
+                )
         done += 1
         runs, other = runs + purged.runs, other + purged.other_rows
         progress(Purged(runs, other))

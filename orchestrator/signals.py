@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from orchestrator.access import Actor
+from orchestrator.db.audit import AuditStore
+from orchestrator.db.executor import in_transaction
 from orchestrator.db.notifications import SIGNALS_CHANNEL
 from orchestrator.db.queries import query
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
@@ -78,9 +81,16 @@ class SignalStore:
         self.db = db
 
     async def send(
-        self, run_id: str, name: str, data: JSON = None, *, idempotency_key: str | None = None
+        self,
+        run_id: str,
+        name: str,
+        data: JSON = None,
+        *,
+        idempotency_key: str | None = None,
+        actor: Actor | None = None,
     ) -> SentSignal:
-        """Store a signal for ``run_id`` (and wake it if it waits for ``name``)."""
+        """Store a signal for ``run_id`` (and wake it if it waits for ``name``), sent by
+        ``actor`` (None: the database role that connected) as the audit trail records."""
         validate_run_id(run_id)
         validate_signal_name(name)
         check_json(data, "signal data")
@@ -94,9 +104,16 @@ class SignalStore:
             check_text(idempotency_key, "the idempotency key")
             if not 1 <= len(idempotency_key) <= 200:
                 raise InvalidInput("an idempotency key must be 1-200 characters")
-        record = await self.db.fetchrow(query("send_signal"), run_id, name, data, idempotency_key)
-        assert record is not None
-        state, seq = record["state"], record["seq"]
+        async with in_transaction(self.db) as db:
+            record = await db.fetchrow(query("send_signal"), run_id, name, data, idempotency_key)
+            assert record is not None
+            seq = record["seq"]
+            if seq is not None:
+                detail = {"name": name, "seq": seq, "idempotency_key": idempotency_key}
+                await AuditStore(db).append(
+                    Actor.acting(actor, None), "signal", run_id=run_id, detail=detail, db=db
+                )
+        state = record["state"]
         if state is None:
             raise RunNotFound(run_id)
         if seq is not None:

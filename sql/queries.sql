@@ -303,7 +303,7 @@ WITH released AS (
 SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM released
 
 -- cancel_run --
--- params: $1 run_id text, $2 reason text
+-- params: $1 run_id text, $2 reason text, $3 by text (NULL: the database role that connected)
 -- Cancel a run that has not finished: state cancelled, fence + 1 (so the owner's renewals,
 -- commits and effect requests with the old fence are all rejected, at the boundary too), lease
 -- cleared, undispatched effects withdrawn, the owner told through NOTIFY. Returns no row when
@@ -325,7 +325,7 @@ WITH target AS (
     INSERT INTO run_events (run_id, kind, fence, details)
     SELECT run_id, 'cancelled', fence,
            jsonb_build_object('previous_state', previous_state, 'previous_owner', previous_owner,
-                              'reason', $2::text)
+                              'reason', $2::text, 'by', coalesce($3::text, session_user))
     FROM cancelled
 ), fenced AS (
     -- The effect boundary learns the new fence too: the old owner's requests are now stale.
@@ -358,7 +358,7 @@ SELECT run_id, fence, previous_state, previous_owner, (SELECT count(*) FROM told
 FROM cancelled
 
 -- requeue_dead --
--- params: $1 run_id text
+-- params: $1 run_id text, $2 by text (NULL: the database role that connected)
 -- Put a dead-lettered run back in the queue with a fresh set of attempts.
 WITH requeued AS (
     UPDATE runs
@@ -368,7 +368,9 @@ WITH requeued AS (
     RETURNING run_id, fence, agent, error
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT run_id, 'requeued', fence, jsonb_build_object('previous_error', error) FROM requeued
+    SELECT run_id, 'requeued', fence,
+           jsonb_build_object('previous_error', error, 'by', coalesce($2::text, session_user))
+    FROM requeued
 ), woken AS (
     SELECT pg_notify('orchestrator_runs', agent) FROM requeued
 )
@@ -786,6 +788,7 @@ SELECT status, (SELECT count(*) FROM told) AS notified FROM settled
 
 -- resolve_parked_effect --
 -- params: $1 run_id text, $2 effect_key text, $3 decision text, $4 external_id text, $5 by text
+--         (NULL: the database role that connected), $6 via text, $7 typed_by text (a note)
 -- A person ($5, recorded in the timeline) decided a parked effect: $3 'confirmed' (it was sent;
 -- external id $4) or 'accepted' (it was not sent: send it again with the same idempotency key).
 WITH locked AS (
@@ -795,7 +798,8 @@ WITH locked AS (
     SET status = $3, external_id = coalesce($4, external_id), updated_at = clock_timestamp(),
         available_at = clock_timestamp(),
         settled_at = CASE WHEN $3 = 'confirmed' THEN clock_timestamp() END,
-        result = CASE WHEN $3 = 'confirmed' THEN jsonb_build_object('resolved_by', $5::text)
+        result = CASE WHEN $3 = 'confirmed'
+                      THEN jsonb_build_object('resolved_by', coalesce($5::text, session_user))
                       ELSE result END
     WHERE run_id = $1 AND effect_key = $2 AND status = 'parked'
       AND (SELECT count(*) FROM locked) >= 0
@@ -803,7 +807,9 @@ WITH locked AS (
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, details)
     SELECT run_id, 'effect_resolved', fence,
-           jsonb_build_object('effect_key', effect_key, 'decision', status, 'by', $5::text)
+           jsonb_build_object('effect_key', effect_key, 'decision', status,
+                              'by', coalesce($5::text, session_user), 'via', $6::text,
+                              'typed_by', $7::text)
     FROM resolved
 ), woken AS (
     UPDATE runs AS r
@@ -1023,7 +1029,9 @@ LIMIT $2
 -- decide_approval --
 -- params: $1 run_id text, $2 effect_key text, $3 decision text ('approved' | 'denied'),
 --         $4 decided_by text, $5 note text, $6 payload_sha256 text (NULL: the current payload),
---         $7 run_fence bigint (NULL: any; else the run's fence when the person looked)
+--         $7 run_fence bigint (NULL: any; else the run's fence when the person looked),
+--         $8 via text (how the server knows who decided), $9 typed_by text (a name the person
+--         typed: a note, never trusted). $4 NULL: the database role that connected decided.
 -- A person's decision on an effect awaiting approval, bound to the payload they saw: refused (no
 -- row decided) when it is not awaiting approval (already decided, withdrawn, or never needed
 -- one), its run is no longer live, it has expired, its payload is not the one $6 names, or the
@@ -1044,10 +1052,11 @@ WITH run AS (
     UPDATE effects AS e
     SET status = CASE WHEN $3 = 'approved' THEN 'accepted' ELSE 'rejected' END,
         approved_sha256 = CASE WHEN $3 = 'approved' THEN e.payload_sha256 END,
-        decided_by = $4, decided_at = clock_timestamp(), decision_note = $5,
+        decided_by = coalesce($4::text, session_user), decided_at = clock_timestamp(),
+        decision_note = $5,
         settled_at = CASE WHEN $3 = 'denied' THEN clock_timestamp() END,
         error = CASE WHEN $3 = 'denied' THEN jsonb_build_object(
-            'type', 'Denied', 'by', $4::text,
+            'type', 'Denied', 'by', coalesce($4::text, session_user),
             'message', 'denied by reviewer' || coalesce(': ' || $5::text, '')) END,
         available_at = clock_timestamp(), updated_at = clock_timestamp()
     FROM target AS t
@@ -1061,7 +1070,8 @@ WITH run AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT d.run_id, CASE WHEN $3 = 'approved' THEN 'approval_granted' ELSE 'approval_denied' END,
            d.fence, NULL,
-           jsonb_build_object('effect_key', d.effect_key, 'by', $4::text, 'note', $5::text,
+           jsonb_build_object('effect_key', d.effect_key, 'by', coalesce($4::text, session_user),
+                              'via', $8::text, 'typed_by', $9::text, 'note', $5::text,
                               'payload_sha256', d.payload_sha256,
                               'run_fence', (SELECT run_fence FROM target))
     FROM decided AS d

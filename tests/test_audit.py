@@ -3,6 +3,7 @@ forced past the trigger."""
 
 from __future__ import annotations
 
+import anyio
 import asyncpg
 import pytest
 
@@ -116,11 +117,13 @@ async def test_a_rolled_back_decision_leaves_no_row_and_no_gap(pool: asyncpg.Poo
 
 
 async def test_concurrent_appends_keep_one_line(pool: asyncpg.Pool) -> None:
-    import anyio
-
     audit = AuditStore(pool)
+
+    async def append(number: int) -> None:
+        await audit.append(None, "signal", detail={"n": number})
+
     async with anyio.create_task_group() as group:
         for number in range(40):
-            group.start_soon(lambda n=number: audit.append(None, "signal", detail={"n": n}))
+            group.start_soon(append, number)
     verified = await audit.verify()
     assert verified.intact and verified.rows == 40

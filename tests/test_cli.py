@@ -178,7 +178,7 @@ async def test_effects_list_show_and_resolve(
     no_decision = cli(database_url, "effects", "resolve", run.run_id, "k1")
     assert no_decision.returncode == 2 and "--sent or --not-sent" in no_decision.stderr
     resolved = cli(database_url, "effects", "resolve", run.run_id, "k1", "--sent", "--by", "ana")
-    assert resolved.returncode == 0 and "confirmed (by ana)" in resolved.stdout
+    assert resolved.returncode == 0 and "(note: ana)" in resolved.stdout
     again = cli(database_url, "effects", "resolve", run.run_id, "k1", "--not-sent")
     assert again.returncode == 1 and "not parked" in again.stderr
     unknown = cli(database_url, "effects", "show", run.run_id, "nope")

@@ -378,7 +378,8 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
 
             await page.goto(f"{running.url}/runs/{approved_id}")
             granted = page.locator("#timeline tr.kind-approval_granted")
-            await expect(granted).to_contain_text("by=console:alice")
+            await expect(granted).to_contain_text("by=shared-token, via=shared-token")
+            await expect(granted).to_contain_text("typed_by=alice")
             await expect(page.locator("#run-state")).to_have_text("succeeded")
             await shot(page, screenshots, "run-approved")
             # The refund's result answers turn 1's call, though the run reads it in turn 2.
@@ -401,9 +402,11 @@ async def test_a_person_approves_in_the_browser_and_the_run_proceeds(
         for run_id in (approved_id, denied_id)
     }
     [granted_details] = [d for k, d in events[approved_id] if k == "approval_granted"]
-    assert isinstance(granted_details, dict) and granted_details["by"] == "console:alice"
+    assert isinstance(granted_details, dict)
+    assert (granted_details["by"], granted_details["typed_by"]) == ("shared-token", "alice")
     [denied_details] = [d for k, d in events[denied_id] if k == "approval_denied"]
-    assert isinstance(denied_details, dict) and denied_details["by"] == "console:alice"
+    assert isinstance(denied_details, dict)
+    assert (denied_details["by"], denied_details["typed_by"]) == ("shared-token", "alice")
     record = await EffectStore(pool).get(denied_id, effect.effect_key)
     assert (record.status, record.decision_note) == (EffectStatus.REJECTED, "not eligible")
 
@@ -437,7 +440,7 @@ async def test_the_live_run_page_follows_the_run_until_it_ends(
                 )
                 assert answer.status_code == 200, answer.text
             await expect(page.locator("#run-state")).to_have_text("succeeded", timeout=20_000)
-            await expect(page.locator("#timeline")).to_contain_text("by=console:api")
+            await expect(page.locator("#timeline")).to_contain_text("typed_by=api")
             assert await page.locator("#live").get_attribute("data-refresh") is None
 
 
@@ -539,7 +542,7 @@ async def test_a_wrong_token_or_a_missing_origin_is_refused_and_changes_nothing(
         done = await client.post(path, headers={**session, **origin}, data={**fields, "by": "eve"})
         assert done.status_code == 303, done.text
     after = await EffectStore(pool).get(run_id, "refund")
-    assert (after.status, after.decided_by) == (EffectStatus.ACCEPTED, "console:eve")
+    assert (after.status, after.decided_by) == (EffectStatus.ACCEPTED, "shared-token")
 
 
 async def test_what_a_hostile_page_or_link_could_send_is_refused(
@@ -664,12 +667,12 @@ async def test_a_parked_effect_is_resolved_from_the_browser(
         await row.locator("select[name=decision]").select_option("sent")
         await row.locator("input[name=external_id]").fill("op_1")
         await row.get_by_role("button", name="resolve").click()
-        await expect(page.locator("#flash")).to_contain_text("resolved sent by console:bob")
+        await expect(page.locator("#flash")).to_contain_text("resolved sent by shared-token (bob)")
         await expect(page.locator("#no-parked")).to_be_visible()
         await page.goto(f"{running.url}/runs/{run.run_id}")
-        await expect(page.locator("#timeline tr.kind-effect_resolved")).to_contain_text(
-            "by=console:bob"
-        )
+        resolved = page.locator("#timeline tr.kind-effect_resolved")
+        await expect(resolved).to_contain_text("by=shared-token, via=shared-token")
+        await expect(resolved).to_contain_text("typed_by=bob")
     record = await EffectStore(pool).get(run.run_id, "crm-note")
     assert (record.status, record.external_id) == (EffectStatus.CONFIRMED, "op_1")
     assert len(vendor.deliveries) == 1

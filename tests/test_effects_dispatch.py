@@ -155,7 +155,14 @@ async def test_an_adapter_that_cannot_reconcile_parks_then_a_person_resolves(
     )
     assert (resolved.status, resolved.external_id) == (EffectStatus.CONFIRMED, "manual-7")
     (event,) = [e for e in await store.events(run_id) if e.kind == "effect_resolved"]
-    assert event.details == {"effect_key": CRM.key, "decision": "confirmed", "by": "ana"}
+    role = await pool.fetchval("SELECT session_user")
+    assert event.details == {
+        "effect_key": CRM.key,
+        "decision": "confirmed",
+        "by": role,  # the principal the database proved, not the typed name
+        "via": "database-role",
+        "typed_by": "ana",
+    }
     from orchestrator.errors import InvalidTransition
 
     with pytest.raises(InvalidTransition, match="not parked"):

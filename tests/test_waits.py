@@ -290,13 +290,16 @@ async def test_an_approved_effect_is_sent_once_and_only_for_the_payload_shown(
             run_fence=run.fence,
         )
         assert approved.approved_sha256 == pending.payload_sha256
-        with pytest.raises(DecisionRefused, match="already decided by ana"):
+        with pytest.raises(DecisionRefused, match="already decided by "):
             await approvals.decide(run_id, "refund", Decision.DENIED, by="bo")
         run = await wait_for_run(store, run_id, within=60)
     assert run.result == {"status": "confirmed", "error": None}
     assert vendor.requests == 1
     granted = [e for e in await store.events(run_id) if e.kind == "approval_granted"]
-    assert [(e.details["by"], e.details["note"]) for e in granted] == [("ana", "ok")]
+    role = await pool.fetchval("SELECT session_user")
+    assert [(e.details["by"], e.details["typed_by"], e.details["note"]) for e in granted] == [
+        (role, "ana", "ok")
+    ]
 
 
 async def test_a_denied_effect_is_never_sent_and_the_step_sees_why(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from orchestrator.cli.support import (
+    BY_NOTE_HELP,
     async_command,
+    decided_as,
     effect_arguments,
     json_option,
     print_found,
@@ -60,7 +62,7 @@ def _decide(decision: Decision) -> click.Command:
 
     @click.command(verb)
     @effect_arguments
-    @click.option("--by", required=True, help="Who decides (recorded in the timeline).")
+    @click.option("--by", help=BY_NOTE_HELP)
     @click.option("--note", help="Why (the model is told a denial's note).")
     @click.option(
         "--hash",
@@ -76,7 +78,7 @@ def _decide(decision: Decision) -> click.Command:
         settings: Settings,
         run_id: str,
         effect_key: str,
-        by: str,
+        by: str | None,
         note: str | None,
         payload_sha256: str | None,
         fence: int | None,
@@ -97,7 +99,7 @@ def _decide(decision: Decision) -> click.Command:
         else:
             stdout.print(
                 f"{decision.value} {run_id} {effect_key} (payload sha256 "
-                f"{decided.payload_sha256}) by {by}",
+                f"{decided.payload_sha256}) by {decided_as(decided.decided_by, by)}",
                 markup=False,
             )
 

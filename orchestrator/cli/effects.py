@@ -3,13 +3,13 @@ and ``dispatch`` from effects_processes.py."""
 
 from __future__ import annotations
 
-import getpass
-
 import click
 
 from orchestrator.cli.effects_processes import effects_dispatch, effects_serve
 from orchestrator.cli.support import (
+    BY_NOTE_HELP,
     async_command,
+    decided_as,
     effect_arguments,
     json_option,
     print_found,
@@ -62,12 +62,7 @@ async def effects_show(settings: Settings, run_id: str, effect_key: str, as_json
 @click.option("--sent", "decision", flag_value="sent", help="It reached the vendor: confirm it.")
 @click.option("--not-sent", "decision", flag_value="not-sent", help="It did not: send it again.")
 @click.option("--external-id", help="The vendor's id for it, when --sent.")
-@click.option(
-    "--by",
-    default=getpass.getuser,
-    show_default="the OS user",
-    help="Who decides (recorded in the timeline).",
-)
+@click.option("--by", help=BY_NOTE_HELP)
 @async_command
 async def effects_resolve(
     settings: Settings,
@@ -75,7 +70,7 @@ async def effects_resolve(
     effect_key: str,
     decision: str | None,
     external_id: str | None,
-    by: str,
+    by: str | None,
 ) -> None:
     """Decide a parked effect after checking with the vendor by hand."""
     if decision is None:
@@ -84,7 +79,11 @@ async def effects_resolve(
         effect = await stores.effects.resolve(
             run_id, effect_key, sent=decision == "sent", by=by, external_id=external_id
         )
-    stdout.print(f"{run_id} {effect_key}: {effect.status.value} (by {by})", markup=False)
+    principal = effect.decided_by or (effect.result or {}).get("resolved_by")
+    stdout.print(
+        f"{run_id} {effect_key}: {effect.status.value} (by {decided_as(principal, by)})",
+        markup=False,
+    )
 
 
 effects.add_command(effects_serve)

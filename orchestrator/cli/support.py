@@ -183,3 +183,15 @@ def parse_time(raw: str, option: str) -> datetime:
         raise InvalidInput(
             f"{option} {raw!r} is out of range; give a time between years 1 and 9999 in UTC"
         ) from None
+
+
+BY_NOTE_HELP = (
+    "A note of who you say you are (a name, a ticket). The principal recorded is the database "
+    "role you connected as: a typed name is never trusted as one."
+)
+
+
+def decided_as(principal: str | None, typed_by: str | None) -> str:
+    """Who a decision is recorded as, with the typed note beside it."""
+    who = principal or "the database role you connected as"
+    return who if typed_by is None else f"{who} (note: {typed_by})"

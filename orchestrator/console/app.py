@@ -26,6 +26,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from orchestrator.access import Actor
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.stores import Stores
 from orchestrator.effects.approvals import Decision
@@ -257,7 +258,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         secure = request.url.scheme == "https"
         for cookie, value in (
             (SESSION_COOKIE, auth.session_value()),
-            (NAME_COOKIE, name.removeprefix("console:")),
+            (NAME_COOKIE, name.note or ""),
         ):
             response.set_cookie(
                 cookie, value, httponly=True, samesite="strict", secure=secure, path="/"
@@ -290,14 +291,14 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 run_id,
                 key,
                 decision,
-                by=by,
+                actor=by,
                 note=_field(form, "note"),
                 payload_sha256=sha,
                 run_fence=fence,
             )
         except OrchestratorError as error:
             return back(request, form, error=error)
-        return back(request, form, flash=f"{decision.value} {key} of {run_id} as {by}")
+        return back(request, form, flash=f"{decision.value} {key} of {run_id} as {_signed(by)}")
 
     @page
     async def resolve(request: Request) -> Response:
@@ -308,11 +309,11 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
             raise InvalidInput("say what you found: decision must be 'sent' or 'not-sent'")
         try:
             await stores.effects.resolve(
-                run_id, key, sent=found == "sent", by=by, external_id=_field(form, "external_id")
+                run_id, key, sent=found == "sent", actor=by, external_id=_field(form, "external_id")
             )
         except OrchestratorError as error:
             return back(request, form, error=error)
-        return back(request, form, flash=f"{key} of {run_id} resolved {found} by {by}")
+        return back(request, form, flash=f"{key} of {run_id} resolved {found} by {_signed(by)}")
 
     def back(
         request: Request,
@@ -411,3 +412,8 @@ def _local(target: str | None) -> str:
     ):
         return "/"
     return target
+
+
+def _signed(actor: Actor) -> str:
+    """``shared-token (alice)``: the principal, then the name the person typed."""
+    return f"{actor.principal} ({actor.note})" if actor.note else str(actor.principal)

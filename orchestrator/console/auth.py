@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
+from orchestrator import access
+from orchestrator.access import SHARED_TOKEN_PRINCIPAL, Actor
 from orchestrator.errors import InvalidInput
 from orchestrator.storable import check_text
 
@@ -83,15 +85,16 @@ def origin_acceptable(request: Request, via: Via) -> bool:
     return same_origin(request)
 
 
-def actor(raw: str | None) -> str:
-    """The ``by=`` a store method records: ``console:NAME``, from the person's own field."""
+def actor(raw: str | None) -> Actor:
+    """Who a decision in the shared-token console is recorded as: whoever holds the token (the
+    principal ``shared-token``), with the name the person typed kept as a note."""
     name = " ".join((raw or "").split())
     if not name:
         raise InvalidInput("say who you are: the 'your name' field is required")
     check_text(name, "your name")
     if len(name) > MAX_NAME:
         raise InvalidInput(f"your name must be at most {MAX_NAME} characters")
-    return f"console:{name}"
+    return Actor(SHARED_TOKEN_PRINCIPAL, access.Via.SHARED_TOKEN, note=name)
 
 
 def read_token(env_value: str | None, token_file: Path | None) -> bytes | None:

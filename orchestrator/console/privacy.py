@@ -47,6 +47,8 @@ BOOKKEEPING_KEYS = frozenset(
         "due_at",
         "decision",
         "by",
+        "via",
+        "typed_by",
         "resolved_by",
         "external_id",
         "seq",

@@ -23,6 +23,7 @@ from orchestrator.access import (
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.models import Row
 from orchestrator.storable import check_text
 
 TOKEN_PREFIX = "orc_"
@@ -269,17 +270,17 @@ def _scope(document: Mapping[str, Any] | None) -> TokenScope:
     return TokenScope.from_json(document)
 
 
-def _principal(row: Mapping[str, Any]) -> Principal:
+def _principal(row: Row) -> Principal:
     return Principal(row["name"], PrincipalKind(row["kind"]), Role(row["role"]))
 
 
-def _principal_entry(row: Mapping[str, Any], live_tokens: int | None = None) -> PrincipalEntry:
+def _principal_entry(row: Row, live_tokens: int | None = None) -> PrincipalEntry:
     return PrincipalEntry(
         _principal(row), row["created_at"], row["created_by"], row["disabled_at"], live_tokens
     )
 
 
-def _token_entry(row: Mapping[str, Any]) -> TokenEntry:
+def _token_entry(row: Row) -> TokenEntry:
     return TokenEntry(
         token_id=row["token_id"],
         principal=row["principal"],

@@ -13,6 +13,7 @@ from orchestrator.access import Actor
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput
+from orchestrator.models import Row
 
 GENESIS = "0" * 64
 """The ``prev_sha256`` of the first row."""
@@ -64,7 +65,7 @@ class Verification:
         return not self.problems
 
 
-def row_sha256(row: Mapping[str, Any]) -> str:
+def row_sha256(row: Row) -> str:
     """The hash a row must carry, rebuilt from its columns as ``audit_row_text`` lays them out."""
     text = "\n".join(
         [
@@ -166,7 +167,7 @@ class AuditStore:
         return Verification(rows, previous_seq, previous_sha, problems)
 
 
-def _entry(row: Mapping[str, Any]) -> AuditEntry:
+def _entry(row: Row) -> AuditEntry:
     return AuditEntry(
         seq=int(row["seq"]),
         at=row["at"],

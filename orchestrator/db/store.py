@@ -15,7 +15,9 @@ from typing import TypeAlias, TypedDict
 
 import asyncpg
 
+from orchestrator.access import Actor
 from orchestrator.backoff import Backoff
+from orchestrator.db.audit import AuditStore
 from orchestrator.db.commit_records import (
     FailOutcome,
     InTransaction,
@@ -25,6 +27,7 @@ from orchestrator.db.commit_records import (
     StepEvent,
 )
 from orchestrator.db.commits import Commits
+from orchestrator.db.executor import in_transaction
 from orchestrator.db.leases import Leases
 from orchestrator.db.queries import query
 from orchestrator.db.run_reads import MAX_LIST_LIMIT, RunReads
@@ -153,40 +156,59 @@ class RunStore(RunReads, Leases, Commits):
         await self.pool.execute(query("watch_run"), run_id)
 
     # -- operator actions ---------------------------------------------------------------------
-    async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
-        """Cancel an unfinished run and raise its fence, so its owner can no longer act."""
+    async def cancel(
+        self, run_id: str, *, reason: str | None = None, actor: Actor | None = None
+    ) -> Run:
+        """Cancel an unfinished run and raise its fence, so its owner can no longer act; by
+        ``actor`` (None: the database role that connected), in the timeline and audit trail."""
         validate_run_id(run_id)
         if reason is not None:
             check_text(reason, "the cancel reason")
+        acting = Actor.acting(actor, None)
         return await self._transition(
             run_id,
             query("cancel_run"),
-            (run_id, reason),
+            (run_id, reason, acting.principal),
             lambda run: (
                 f"run {run_id} is already {run.state.value}; only queued, waiting or "
                 "running runs can be cancelled"
             ),
+            audited=(acting, "cancel", {"reason": reason}),
         )
 
-    async def retry(self, run_id: str) -> Run:
-        """Requeue a dead-lettered run with a fresh set of attempts."""
+    async def retry(self, run_id: str, *, actor: Actor | None = None) -> Run:
+        """Requeue a dead-lettered run with a fresh set of attempts (audited like a cancel)."""
         validate_run_id(run_id)
+        acting = Actor.acting(actor, None)
         return await self._transition(
             run_id,
             query("requeue_dead"),
-            (run_id,),
+            (run_id, acting.principal),
             lambda run: (
                 f"run {run_id} is {run.state.value}, not dead; only dead-lettered runs "
                 "can be retried (submit a new run to repeat a finished one)"
             ),
+            audited=(acting, "retry", {}),
         )
 
     async def _transition(
-        self, run_id: str, statement: str, arguments: tuple[object, ...], refusal: Refusal
+        self,
+        run_id: str,
+        statement: str,
+        arguments: tuple[object, ...],
+        refusal: Refusal,
+        *,
+        audited: tuple[Actor, str, dict[str, JSON]],
     ) -> Run:
-        """An operator's transition: no row back means the run was in a state it does not
-        apply to, and ``refusal`` says which (``RunNotFound`` if there is no such run)."""
-        if await self.pool.fetchrow(statement, *arguments) is None:
+        """An operator's transition and its audit row, in one transaction: no row back means
+        the run was in a state it does not apply to, and ``refusal`` says which
+        (``RunNotFound`` if there is no such run)."""
+        actor, action, detail = audited
+        async with in_transaction(self.pool) as db:
+            done = await db.fetchrow(statement, *arguments)
+            if done is not None:
+                await AuditStore(db).append(actor, action, run_id=run_id, detail=detail, db=db)
+        if done is None:
             raise InvalidTransition(refusal(await self.get(run_id)))
         return await self.get(run_id)
 
