@@ -1399,15 +1399,20 @@ SELECT token_id, scope, name, kind, role FROM found
 -- revoke_token --
 -- params: $1 token_id text, $2 revoked_by text
 -- Revoke a token (kept for the record). Returns the row, revoked now or before.
+-- (The CTE's RETURNING, not a read of the table: a read in the same statement sees the row as it
+-- was before the UPDATE.)
 WITH revoked AS (
     UPDATE access_tokens SET revoked_at = clock_timestamp(),
                          revoked_by = coalesce($2::text, session_user)
     WHERE token_id = $1 AND revoked_at IS NULL
-    RETURNING token_id
+    RETURNING token_id, principal, description, scope, created_at, created_by, expires_at,
+              revoked_at, revoked_by, last_used_at
 )
+SELECT *, true AS revoked_now FROM revoked
+UNION ALL
 SELECT token_id, principal, description, scope, created_at, created_by, expires_at, revoked_at,
-       revoked_by, last_used_at, EXISTS (SELECT 1 FROM revoked) AS revoked_now
-FROM access_tokens WHERE token_id = $1
+       revoked_by, last_used_at, false
+FROM access_tokens WHERE token_id = $1 AND NOT EXISTS (SELECT 1 FROM revoked)
 
 -- list_tokens --
 -- params: $1 principal text (NULL: every principal's)

@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator import Agent, Effect, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.client import Client
+from orchestrator.db.audit import AuditStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
@@ -300,6 +301,14 @@ async def test_an_approved_effect_is_sent_once_and_only_for_the_payload_shown(
     assert [(e.details["by"], e.details["typed_by"], e.details["note"]) for e in granted] == [
         (role, "ana", "ok")
     ]
+    # One audit row: the approval, under the connected role; the refused attempts left none.
+    audited = await AuditStore(pool).entries(run_id=run_id)
+    assert [(e.action, e.principal, e.via, e.effect_key) for e in audited] == [
+        ("approve", role, "database-role", "refund")
+    ]
+    assert audited[0].detail["payload_sha256"] == pending.payload_sha256
+    assert audited[0].detail["note"] == "ana"  # the typed name, kept as a note
+    assert (await AuditStore(pool).verify()).intact
 
 
 async def test_a_denied_effect_is_never_sent_and_the_step_sees_why(

@@ -14,6 +14,7 @@ import click
 from orchestrator import __version__
 from orchestrator.cli import (
     approvals,
+    audit,
     chaos,
     console,
     db,
@@ -23,6 +24,7 @@ from orchestrator.cli import (
     runs,
     serve,
     submit,
+    users,
     workers,
 )
 from orchestrator.cli.support import OneLineErrors, print_error
@@ -56,6 +58,7 @@ def main(ctx: click.Context, database_url: str | None, home: Path | None) -> Non
 
 for command in (
     approvals.approvals,
+    audit.audit,
     chaos.chaos,
     console.console,
     db.db,
@@ -65,6 +68,7 @@ for command in (
     runs.runs,
     serve.serve,
     submit.submit,
+    users.users,
     workers.workers,
 ):
     main.add_command(command)

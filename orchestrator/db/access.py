@@ -21,6 +21,7 @@ from orchestrator.access import (
     check_principal_name,
 )
 from orchestrator.db.audit import AuditStore
+from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.models import Row
@@ -151,17 +152,7 @@ class AccessStore:
         """Add ``name`` or change its kind and role."""
         check_principal_name(name)
         async with self.pool.acquire() as db, db.transaction():
-            row = await db.fetchrow(
-                query("set_principal"), name, kind.value, role.value, _who(actor)
-            )
-            assert row is not None
-            await AuditStore(db).append(
-                actor,
-                "principal_added" if row["created"] else "principal_changed",
-                detail={"name": name, "kind": kind.value, "role": role.value},
-                db=db,
-            )
-        return _principal_entry(row)
+            return await _set_principal(db, name, kind, role, actor)
 
     async def disable(self, name: str, *, actor: Actor | None = None) -> PrincipalEntry:
         """Disable ``name``: its tokens stop working at once."""
@@ -182,8 +173,11 @@ class AccessStore:
         scope: TokenScope | None = None,
         description: str | None = None,
         actor: Actor | None = None,
+        add_as: tuple[PrincipalKind, Role] | None = None,
     ) -> IssuedToken:
-        """A new token for ``principal``; its secret exists only in the answer."""
+        """A new token for ``principal``; its secret exists only in the answer. ``add_as``: add
+        a missing principal with this kind and role in the same transaction, so a refused token
+        leaves no principal behind."""
         if expires_in is not None and not 60 <= expires_in <= MAX_TOKEN_SECONDS:
             raise InvalidInput(
                 "a token's lifetime must be between 1 minute and 10 years (or never expire)"
@@ -194,7 +188,11 @@ class AccessStore:
                 raise InvalidInput("the token's description must be at most 500 characters")
         scope = scope or TokenScope()
         token_id, secret = new_token()
+        if add_as is not None:
+            check_principal_name(principal)
         async with self.pool.acquire() as db, db.transaction():
+            if add_as is not None and await db.fetchrow(query("get_principal"), principal) is None:
+                await _set_principal(db, principal, *add_as, actor)
             row = await db.fetchrow(
                 query("create_token"),
                 token_id,
@@ -258,6 +256,20 @@ class AccessStore:
             token_id=row["token_id"],
             scope=_scope(row["scope"]),
         )
+
+
+async def _set_principal(
+    db: Executor, name: str, kind: PrincipalKind, role: Role, actor: Actor | None
+) -> PrincipalEntry:
+    row = await db.fetchrow(query("set_principal"), name, kind.value, role.value, _who(actor))
+    assert row is not None
+    await AuditStore(db).append(
+        actor,
+        "principal_added" if row["created"] else "principal_changed",
+        detail={"name": name, "kind": kind.value, "role": role.value},
+        db=db,
+    )
+    return _principal_entry(row)
 
 
 def _who(actor: Actor | None) -> str | None:

@@ -4,7 +4,8 @@ a hash-chained, append-only table (migration 0016), and the check that the chain
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -18,6 +19,7 @@ from orchestrator.models import Row
 GENESIS = "0" * 64
 """The ``prev_sha256`` of the first row."""
 MAX_LIST = 10_000
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 VERIFY_PAGE = 5_000
 
 
@@ -131,12 +133,21 @@ class AuditStore:
         rows = await self.db.fetch(query("audit_list"), after, limit, run_id, principal, action)
         return [_entry(row) for row in rows]
 
-    async def verify(self, *, expect_head: str | None = None) -> Verification:
+    async def verify(
+        self,
+        *,
+        expect_head: str | None = None,
+        progress: Callable[[int], None] = lambda rows: None,
+    ) -> Verification:
         """Rebuild every row's hash and link, in pages. Finds an edited row (its hash no longer
         matches), a deleted or inserted one (a gap in seq, or a link to the wrong row), and,
         given the head recorded earlier, rows removed from the end."""
         problems: list[str] = []
         previous_sha, previous_seq, rows, after = GENESIS, 0, 0, 0
+        if expect_head is not None and not SHA256_HEX.fullmatch(expect_head):
+            raise InvalidInput(
+                "--expect-head takes the 64 hex digits `audit verify` printed as the head"
+            )
         seen_expected = expect_head is None
         while True:
             page = await self.db.fetch(query("audit_list"), after, VERIFY_PAGE, None, None, None)
@@ -158,6 +169,7 @@ class AuditStore:
                 previous_sha, previous_seq = row["sha256"], seq
             if len(page) < VERIFY_PAGE:
                 break
+            progress(rows)
             after = previous_seq
         if not seen_expected:
             problems.append(

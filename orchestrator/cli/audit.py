@@ -1,0 +1,109 @@
+"""``orchestrator audit``: the hash-chained record of every human and service decision."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import click
+from rich.table import Table
+
+from orchestrator.cli.support import async_command, json_option, print_found, stderr, stdout
+from orchestrator.db.audit import MAX_LIST, AuditEntry
+from orchestrator.db.bootstrap import open_stores
+from orchestrator.jsontext import compact
+from orchestrator.presentation import dump_json
+from orchestrator.settings import Settings
+
+
+@click.group()
+def audit() -> None:
+    """The audit trail: list its rows, verify its hash chain."""
+
+
+@audit.command("list")
+@click.option("--after", type=click.IntRange(0), default=0, help="Only rows after this seq.")
+@click.option("--limit", type=click.IntRange(1, MAX_LIST), default=100, show_default=True)
+@click.option("--run", "run_id", help="Only this run's rows.")
+@click.option("--principal", help="Only what this principal did.")
+@click.option("--action", help="Only this action (approve, cancel, token_created, ...).")
+@json_option("Print the rows as a JSON array, with their hashes.")
+@async_command
+async def audit_list(
+    settings: Settings,
+    after: int,
+    limit: int,
+    run_id: str | None,
+    principal: str | None,
+    action: str | None,
+    as_json: bool,
+) -> None:
+    """List audit rows, oldest first: who (principal, how authenticated, database role) did
+    what, when."""
+    async with open_stores(settings) as stores:
+        found = await stores.audit.entries(
+            after=after, limit=limit, run_id=run_id, principal=principal, action=action
+        )
+    if as_json:
+        stdout.print_json(dump_json([entry.as_json() for entry in found]))
+    else:
+        print_found(found, False, audit_table, "no audit rows")
+
+
+@audit.command("verify")
+@click.option(
+    "--expect-head",
+    help="The head sha256 an earlier verify printed (kept elsewhere): also catches rows "
+    "removed from the end.",
+)
+@json_option()
+@async_command
+async def audit_verify(settings: Settings, expect_head: str | None, as_json: bool) -> None:
+    """Rebuild every row's hash and link; exit 1 if a row was edited, deleted or inserted."""
+    async with open_stores(settings) as stores:
+        verification = await stores.audit.verify(
+            expect_head=expect_head,
+            progress=lambda rows: stderr.print(f"checked {rows} rows …"),
+        )
+    if as_json:
+        stdout.print_json(
+            dump_json(
+                {
+                    "intact": verification.intact,
+                    "rows": verification.rows,
+                    "head_seq": verification.head_seq,
+                    "head_sha256": verification.head_sha256,
+                    "problems": verification.problems,
+                }
+            )
+        )
+    else:
+        for problem in verification.problems:
+            stderr.print(f"problem: {problem}", markup=False)
+        state = "intact" if verification.intact else "BROKEN"
+        stdout.print(
+            f"{state}: {verification.rows} rows, head seq {verification.head_seq} "
+            f"sha256 {verification.head_sha256}",
+            markup=False,
+        )
+    if not verification.intact:
+        sys.exit(1)
+
+
+def audit_table(entries: Sequence[AuditEntry]) -> Table:
+    table = Table(show_edge=False, header_style="bold")
+    for column in ("seq", "at", "principal", "via", "db role", "action", "run", "effect", "detail"):
+        table.add_column(column)
+    for entry in entries:
+        table.add_row(
+            str(entry.seq),
+            entry.at.isoformat(timespec="seconds"),
+            entry.principal,
+            entry.via,
+            entry.db_user,
+            entry.action,
+            entry.run_id or "",
+            entry.effect_key or "",
+            compact(entry.detail) if entry.detail else "",
+        )
+    return table
