@@ -1,13 +1,17 @@
 """A canary secret in a run's input, the prompt, a tool call's effect payload, the model API key
-and a vendor token appears nowhere in spans, metrics or logs."""
+and a vendor token appears nowhere in spans, metrics or logs; nor does an access token, which the
+database keeps only as its hash."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import asyncpg
 import pytest
 
+from orchestrator.access import PrincipalKind, Role
+from orchestrator.db.access import AccessStore, token_sha256
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.loopback import (
@@ -93,3 +97,35 @@ async def test_the_canary_appears_in_no_span_metric_or_log(
         ("stderr", captured.err),
     ):
         assert CANARY not in text, f"the canary leaked into {where}"
+
+
+async def test_a_token_is_stored_only_as_its_hash_and_logged_nowhere(
+    pool: asyncpg.Pool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spans = capture_spans()
+    reader = capture_metrics()
+    assert spans is not None and reader is not None
+    spans.clear()
+    access = AccessStore(pool)
+    await access.set_principal("billing", kind=PrincipalKind.SERVICE, role=Role.OPERATOR)
+    issued = await access.create_token("billing", expires_in=3600, description="canary test")
+    assert await access.authenticate(issued.secret) is not None
+    assert await access.authenticate(issued.secret + "x") is None
+    await access.revoke_token(issued.entry.token_id)
+    assert await access.authenticate(issued.secret) is None
+    secret = issued.secret.removeprefix(f"orc_{issued.entry.token_id}_")
+    assert len(secret) >= 40  # the part that is secret: everything after the public id
+    stored = await pool.fetchval(
+        "SELECT (SELECT string_agg(t::text, ' ') FROM access_tokens t) || "
+        "(SELECT string_agg(a::text, ' ') FROM audit_log a)"
+    )
+    captured = capsys.readouterr()
+    for where, text in (
+        ("the database", stored),
+        ("the token's repr", repr(issued)),
+        ("spans and metrics", everything_in(spans, reader)),
+        ("stdout", captured.out),
+        ("stderr", captured.err),
+    ):
+        assert secret not in text, f"the token leaked into {where}"
+    assert token_sha256(issued.secret) in stored  # what is kept instead
