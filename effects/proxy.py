@@ -17,6 +17,22 @@ the rules a step's commit applies, in one transaction, and answers:
 
 ``GET /v1/effects/{run_id}/{effect_key}`` reads a record. ``GET /healthz`` needs no token.
 
+**Tokens.** Two kinds of bearer are accepted. The flat tokens given at start
+(``ORCHESTRATOR_PROXY_TOKENS``, ``--tokens-file``) allow anything, as they always did. With an
+``AccessStore`` (``effects serve`` always passes one), a bearer shaped ``orc_<id>_<secret>`` is a
+database token (``orchestrator users token create``): only a working token (not revoked, not
+expired) of an enabled principal of kind ``service`` is taken; a person's token is answered 403
+``forbidden`` (people use the console and the CLI; services use the proxy), any other 401. A
+database token's scope (agents, effect kinds, a maximum amount at a payload field) is checked
+before anything is recorded: a request outside it is answered 403 ``forbidden`` with the
+``reason``, counted (``orchestrator_proxy_requests_total{outcome="forbidden"}``), and nothing is
+recorded; reading an effect of a run whose agent is outside the token's agents is 403 too.
+The database's answer about a token is cached in memory (by the token's sha256, never the
+token; ``auth_cache_seconds``, 5 s by default, bounded in size), so **a revoked or expired
+token, or a disabled principal's, still works for up to that long** in a proxy that saw it just
+before. A token is never logged, nor put in a metric label; a database token's principal and
+token id are logged with the proxy's refusals.
+
 **Fence regressions** (with ``effects serve --fence-store PATH``; without one the proxy checks
 fences against the database alone, as it always did). The proxy remembers, in a store of its own
 (``effects/fence_store.py``: a SQLite file on its own disk, outside the database that may fail
@@ -43,9 +59,13 @@ transaction rolls back and the answer is 503 ``unavailable``: nothing was record
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -57,8 +77,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from orchestrator.access import PrincipalKind, TokenScope
+from orchestrator.db.access import AccessStore, Authenticated, looks_like_token, token_sha256
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.executor import Executor
+from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.ids import RUN_ID_PATTERN
 from orchestrator.jsontext import jsonable
@@ -80,12 +103,101 @@ DEFAULT_MAX_BODY_BYTES = 256 * 1024
 MAX_WORKER_ID = 200
 FENCE_REGRESSION = "fence_regression"
 """The proxy's own refusal (reason code and metric outcome): a fence below the one it remembers."""
+FORBIDDEN = "forbidden"
+"""The proxy's refusal of a database token (reason code and metric outcome): a person's token, or
+a request outside the token's scope."""
+DEFAULT_AUTH_CACHE_SECONDS = 5.0
+DEFAULT_AUTH_CACHE_SIZE = 1024
 
 log = structlog.get_logger("orchestrator.proxy")
 
 
 def _error(status: int, error: str, detail: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": error, "detail": detail, **extra}, status_code=status)
+
+
+def _forbidden(reason: str) -> JSONResponse:
+    """403 ``forbidden``: the reason both as the usual ``detail`` and as ``reason``."""
+    return _error(403, FORBIDDEN, reason, reason=reason)
+
+
+def _unauthorized() -> JSONResponse:
+    return _error(401, "unauthorized", "send Authorization: Bearer <token>")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who presented the bearer: a flat token's holder (no principal, no limits, as before
+    database tokens) or a service's database token, so a request is judged by its scope."""
+
+    principal: str | None = None
+    token_id: str | None = None
+    scope: TokenScope = dataclasses.field(default_factory=TokenScope)
+
+    def log_fields(self) -> dict[str, str]:
+        """What a log line may say about the caller: never the token, only its public id (and
+        nothing for a flat token's holder, whose lines stay as they were)."""
+        fields = {"principal": self.principal, "token_id": self.token_id}
+        return {name: value for name, value in fields.items() if value is not None}
+
+
+FLAT_TOKEN = Caller()
+
+
+class AuthCache:
+    """The database's recent answers about presented tokens, keyed by the token's sha256 (the
+    token itself is never kept), so a busy agent costs no query per request; an answer is
+    trusted for ``seconds``, which bounds how late a revocation takes effect here."""
+
+    def __init__(
+        self,
+        access: AccessStore,
+        *,
+        seconds: float = DEFAULT_AUTH_CACHE_SECONDS,
+        size: int = DEFAULT_AUTH_CACHE_SIZE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if seconds < 0 or size < 1:
+            raise InvalidInput("the token cache needs seconds >= 0 and a size of at least 1")
+        self.access = access
+        self.seconds = seconds
+        self.size = size
+        self.clock = clock
+        self._answers: OrderedDict[str, tuple[float, Authenticated | None]] = OrderedDict()
+
+    async def authenticate(self, token: str) -> Authenticated | None:
+        """The token's owner and scope (None: not a working token), from the cache while fresh."""
+        key = token_sha256(token)
+        now = self.clock()
+        cached = self._answers.get(key)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        answer = await self.access.authenticate(token)
+        if self.seconds > 0:
+            self._remember(key, now + self.seconds, answer)
+        return answer
+
+    def _remember(self, key: str, until: float, answer: Authenticated | None) -> None:
+        """Keep an answer, forgetting the oldest ones beyond ``size``."""
+        self._answers.pop(key, None)
+        self._answers[key] = (until, answer)
+        while len(self._answers) > self.size:
+            self._answers.popitem(last=False)
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def _agent_refusal(scope: TokenScope, agent: str) -> str | None:
+    """Why a token may not read a run of ``agent`` (None: it may)."""
+    if scope.agents is None or agent in scope.agents:
+        return None
+    listed = ", ".join(repr(name) for name in sorted(scope.agents))
+    return f"this token may read effects of agents {listed} only, not of agent {agent!r}"
 
 
 class _Regressed(Exception):
@@ -120,18 +232,24 @@ class _RunTurns:
 
 def create_app(
     pool: asyncpg.Pool,
-    tokens: Iterable[str],
+    tokens: Iterable[str] = (),
     *,
     fences: FenceStore | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access: AccessStore | None = None,
+    auth_cache_seconds: float = DEFAULT_AUTH_CACHE_SECONDS,
 ) -> Starlette:
     """The proxy over ``pool``. With ``fences`` (opened by the caller, closed by it after serving;
     the app prunes it in the background while it serves) it remembers the highest fence it
-    accepted per run and refuses a lower one; without, the database's rule alone applies."""
+    accepted per run and refuses a lower one; without, the database's rule alone applies. With
+    ``access`` it also takes services' database tokens, held to their scopes, trusting the
+    database's answer about a token for ``auth_cache_seconds``."""
     allowed = [token.encode() for token in tokens if token]
-    if not allowed:
+    if not allowed and access is None:
         raise InvalidInput("the action proxy needs at least one bearer token")
+    cache = None if access is None else AuthCache(access, seconds=auth_cache_seconds)
     store = EffectStore(pool)
+    runs = RunReads(pool)
     requests = metrics.get_meter(TRACER_NAME).create_counter(
         "orchestrator.proxy.requests",
         unit="{request}",
@@ -171,17 +289,68 @@ def create_app(
                         raise _Regressed(higher)
                 return answer, await record_of(db, answer, run_id, effect.key)
 
-    def authorised(request: Request) -> bool:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return False
-        presented = token.strip().encode()
+    def flat(token: str) -> bool:
+        presented = token.encode()
         return any(hmac.compare_digest(presented, candidate) for candidate in allowed)
 
+    async def caller_of(request: Request) -> Caller | JSONResponse:
+        """The caller, or the answer that refuses it (401, 403 for a person, 503)."""
+        token = _bearer(request)
+        if token is None:
+            return _unauthorized()
+        if flat(token):
+            return FLAT_TOKEN
+        if cache is None or not looks_like_token(token):
+            return _unauthorized()
+        try:
+            found = await cache.authenticate(token)
+        except DATABASE_ERRORS as error:
+            return _unavailable(error)
+        if found is None:
+            return _error(
+                401, "unauthorized", "unknown, revoked or expired token: send a working token"
+            )
+        caller = Caller(found.principal.name, found.token_id, found.scope)
+        if found.principal.kind is not PrincipalKind.SERVICE:
+            log.warning("a person's token was refused by the action proxy", **caller.log_fields())
+            return _forbidden(
+                f"this token belongs to {found.principal.name!r}, a person: people act through "
+                "the console or the CLI; the action proxy takes service tokens"
+            )
+        return caller
+
+    async def scope_refusal(
+        caller: Caller, run_id: str, effect: Effect
+    ) -> tuple[JSONResponse, str] | None:
+        """The answer and metric outcome refusing a request outside the caller's scope (nothing
+        is recorded); None when the scope covers it."""
+        if caller.scope.unlimited:
+            return None
+        agent = ""
+        if caller.scope.agents is not None:
+            found = await runs.agent_of(run_id)
+            if found is None:
+                unknown = Acceptance(AcceptOutcome.UNKNOWN_RUN, None, None)
+                return _refusal(unknown, run_id, effect.key), AcceptOutcome.UNKNOWN_RUN.value
+            agent = found
+        reason = caller.scope.refusal(agent=agent, kind=effect.kind, payload=effect.payload)
+        if reason is None:
+            return None
+        log.warning(
+            "effect request outside the token's scope refused",
+            reason=reason,
+            kind=effect.kind,
+            **caller.log_fields(),
+            **{RUN_ID: run_id, EFFECT_KEY: effect.key},
+        )
+        return _forbidden(reason), FORBIDDEN
+
     async def accept(request: Request) -> JSONResponse:
-        if not authorised(request):
-            return _error(401, "unauthorized", "send Authorization: Bearer <token>")
+        caller = await caller_of(request)
+        if isinstance(caller, JSONResponse):
+            if caller.status_code == 403:
+                requests.add(1, {"outcome": FORBIDDEN})
+            return caller
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > max_body_bytes):
             return _error(413, "too_large", f"the body is over {max_body_bytes} bytes")
@@ -201,6 +370,13 @@ def create_app(
         except InvalidInput as error:
             return _error(422, "invalid_request", str(error))
         try:
+            refused = await scope_refusal(caller, run_id, effect)
+        except DATABASE_ERRORS as error:
+            return _unavailable(error)
+        if refused is not None:
+            requests.add(1, {"outcome": refused[1]})
+            return refused[0]
+        try:
             if fences is None:
                 async with pool.acquire() as db, db.transaction():
                     answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
@@ -210,20 +386,19 @@ def create_app(
             requests.add(1, {"outcome": answer.outcome.value})
         except _Regressed as regressed:
             requests.add(1, {"outcome": FENCE_REGRESSION})
-            return _regression(regressed.seen, run_id, fence, effect.key, worker_id)
+            return _regression(regressed.seen, run_id, fence, effect.key, worker_id, caller)
         except FenceStoreUnavailable as error:
             log.error(
                 "the fence store failed: refusing effect requests until it works",
                 **{RUN_ID: run_id, RUN_FENCE: fence, EFFECT_KEY: effect.key},
+                **caller.log_fields(),
                 **error_fields(error),
             )
             return _error(503, "unavailable", f"{error}; nothing was recorded: retry the request")
         except asyncpg.DataError as error:  # a value validation missed: the client's, not ours
             return _error(422, "invalid_request", f"the database refused a value: {error}")
         except DATABASE_ERRORS as error:
-            return _error(
-                503, "unavailable", f"the database is unavailable: {type(error).__name__}"
-            )
+            return _unavailable(error)
         if record is None:
             return _refusal(answer, run_id, effect.key)
         status_code = 201 if answer.outcome is AcceptOutcome.ACCEPTED else 200
@@ -231,21 +406,39 @@ def create_app(
             {"outcome": answer.outcome.value, "effect": jsonable(record)}, status_code=status_code
         )
 
+    async def read_refusal(caller: Caller, run_id: str) -> JSONResponse | None:
+        """403 when the run's agent is outside the caller's agents (an unknown run is left to
+        the read, which answers 404)."""
+        if caller.scope.agents is None:
+            return None
+        agent = await runs.agent_of(run_id)
+        reason = None if agent is None else _agent_refusal(caller.scope, agent)
+        if reason is None:
+            return None
+        log.warning(
+            "effect read outside the token's scope refused",
+            reason=reason,
+            **caller.log_fields(),
+            **{RUN_ID: run_id},
+        )
+        return _forbidden(reason)
+
     async def read(request: Request) -> JSONResponse:
-        if not authorised(request):
-            return _error(401, "unauthorized", "send Authorization: Bearer <token>")
+        caller = await caller_of(request)
+        if isinstance(caller, JSONResponse):
+            return caller
+        run_id, effect_key = request.path_params["run_id"], request.path_params["effect_key"]
         try:
-            record = await store.get(
-                request.path_params["run_id"], request.path_params["effect_key"]
-            )
+            refused = await read_refusal(caller, run_id)
+            if refused is not None:
+                return refused
+            record = await store.get(run_id, effect_key)
         except EffectNotFound as error:
             return _error(404, "not_found", str(error))
         except InvalidInput as error:
             return _error(422, "invalid_request", str(error))
         except DATABASE_ERRORS as error:
-            return _error(
-                503, "unavailable", f"the database is unavailable: {type(error).__name__}"
-            )
+            return _unavailable(error)
         return JSONResponse({"effect": jsonable(record)})
 
     async def health(request: Request) -> JSONResponse:
@@ -254,7 +447,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # Serving, so the command's meter provider is installed: every answer's series at 0.
-        for outcome in [*(o.value for o in AcceptOutcome), FENCE_REGRESSION]:
+        for outcome in [*(o.value for o in AcceptOutcome), FENCE_REGRESSION, FORBIDDEN]:
             requests.add(0, {"outcome": outcome})
         if fences is None:
             yield
@@ -274,8 +467,17 @@ def create_app(
     )
 
 
+def _unavailable(error: BaseException) -> JSONResponse:
+    return _error(503, "unavailable", f"the database is unavailable: {type(error).__name__}")
+
+
 def _regression(
-    seen: Remembered, run_id: str, fence: int, effect_key: str, worker_id: str | None
+    seen: Remembered,
+    run_id: str,
+    fence: int,
+    effect_key: str,
+    worker_id: str | None,
+    caller: Caller,
 ) -> JSONResponse:
     """409 ``fence_regression``, loudly: it means the database forgot a fence (a failover that
     lost transactions) or a replaced worker is still acting; either way a person should know."""
@@ -287,6 +489,7 @@ def _regression(
     log.error(
         "fence regression refused",
         remembered_fence=seen.fence,
+        **caller.log_fields(),
         **{RUN_ID: run_id, RUN_FENCE: fence, EFFECT_KEY: effect_key, WORKER_ID: worker_id},
     )
     return _error(

@@ -415,6 +415,12 @@ SELECT run_id, fence, traceparent, worker_id FROM run_traces WHERE run_id = $1 O
 -- A run's current fence (what a refusal tells a stale owner).
 SELECT fence FROM runs WHERE run_id = $1
 
+-- run_agent --
+-- params: $1 run_id text
+-- A run's agent (set when it is submitted, never changed): what a scoped proxy token is checked
+-- against.
+SELECT agent FROM runs WHERE run_id = $1
+
 -- attempt_trace --
 -- params: $1 run_id text, $2 fence bigint
 -- The trace context of the attempt that held fence $2 (the one that requested an effect).

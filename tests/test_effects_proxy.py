@@ -332,6 +332,7 @@ async def test_the_proxy_serves_metrics_and_readiness(database_url: str) -> None
             assert counted == {
                 **{o.value: 1.0 if o.value == "unknown_run" else 0.0 for o in AcceptOutcome},
                 "fence_regression": 0.0,
+                "forbidden": 0.0,
             }
     finally:
         process.terminate()  # uvicorn ends on SIGTERM by re-raising it: no exit status to check

@@ -11,8 +11,10 @@ import anyio
 import click
 import structlog
 
+from orchestrator.access import PrincipalKind
 from orchestrator.cli.process_options import defaulted_option, log_format_option, process_options
 from orchestrator.cli.support import run_async, settings_of, stderr
+from orchestrator.db.access import AccessStore
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.deadlines import enter_when_reachable
 from orchestrator.db.sync_standby import SyncStandbyRequirement
@@ -28,7 +30,8 @@ from orchestrator.retention import parse_age
     envvar="ORCHESTRATOR_PROXY_TOKENS",
     help="Comma-separated bearer tokens callers must present. On the command line they are "
     "visible to every user of the machine (ps): prefer ORCHESTRATOR_PROXY_TOKENS or "
-    "--tokens-file.",
+    "--tokens-file. Optional when a service holds a database token (`orchestrator users token "
+    "create`), which the proxy always accepts within its scope.",
 )
 @click.option(
     "--tokens-file",
@@ -82,13 +85,9 @@ def effects_serve(
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise click.UsageError(f"--listen must be HOST:PORT, not {listen!r}")
-    if not tokens and tokens_file is None:
-        raise click.UsageError(
-            "no bearer tokens: set ORCHESTRATOR_PROXY_TOKENS or pass --tokens-file"
-        )
 
     async def body() -> None:
-        token_list = _proxy_tokens(tokens, tokens_file)
+        token_list = _proxy_tokens(tokens, tokens_file) if tokens or tokens_file else []
         retention = check_retention(parse_age(fence_store_retention, "--fence-store-retention"))
         async with AsyncExitStack() as stack:
             # Before the database: a bad path is a one-line error at once, not after a wait.
@@ -100,7 +99,19 @@ def effects_serve(
                 open_store(settings, application_name="orchestrator-proxy", max_size=10)
             )
             await requirement.require_at_start(store.pool)
-            app = create_app(store.pool, token_list, fences=fences, max_body_bytes=max_body_bytes)
+            access = AccessStore(store.pool)
+            if not token_list and not await _service_tokens_exist(access):
+                raise InvalidInput(
+                    "no bearer tokens: set ORCHESTRATOR_PROXY_TOKENS, pass --tokens-file, or "
+                    "create a service token with `orchestrator users token create`"
+                )
+            app = create_app(
+                store.pool,
+                token_list,
+                fences=fences,
+                max_body_bytes=max_body_bytes,
+                access=access,
+            )
             # log_config=None: uvicorn's records go through configure_logging's handler.
             config = uvicorn.Config(
                 app, host=host.strip("[]"), port=int(port), log_level="warning", log_config=None
@@ -119,6 +130,17 @@ def effects_serve(
                 await server.serve()
 
     run_async(body)
+
+
+async def _service_tokens_exist(access: AccessStore) -> bool:
+    """Whether an enabled service holds a working token: without one, and without flat tokens,
+    nobody could use the proxy, which is a mistake to say at once."""
+    return any(
+        entry.principal.kind is PrincipalKind.SERVICE
+        and entry.disabled_at is None
+        and entry.live_tokens
+        for entry in await access.principals()
+    )
 
 
 def _proxy_tokens(tokens: str | None, tokens_file: Path | None) -> list[str]:

@@ -42,6 +42,12 @@ class RunReads(PoolStore):
         fence = await (db or self.pool).fetchval(query("run_fence"), run_id)
         return None if fence is None else int(fence)
 
+    async def agent_of(self, run_id: str) -> str | None:
+        """The run's agent (``None``: no such run), so a scoped token is held to its agents."""
+        validate_run_id(run_id)
+        agent = await self.pool.fetchval(query("run_agent"), run_id)
+        return None if agent is None else str(agent)
+
     async def list_runs(
         self,
         *,
