@@ -1385,6 +1385,18 @@ WHERE p.name = $2 AND p.disabled_at IS NULL
 RETURNING token_id, principal, description, scope, created_at, created_by, expires_at,
           revoked_at, revoked_by, last_used_at
 
+-- principal_of_session --
+-- params: $1 name text, $2 token_id text (NULL: signed in without a token)
+-- The principal behind a console session, while it is enabled and the token it signed in with
+-- (if any) still works: a disable or a revoke ends the session at its next request.
+SELECT p.name, p.kind, p.role, p.created_at, p.created_by, p.disabled_at
+FROM principals AS p
+WHERE p.name = $1 AND p.disabled_at IS NULL
+  AND ($2::text IS NULL OR EXISTS (
+      SELECT 1 FROM access_tokens AS t
+      WHERE t.token_id = $2 AND t.principal = p.name AND t.revoked_at IS NULL
+        AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp())))
+
 -- authenticate_token --
 -- params: $1 sha256 text
 -- The principal and scope of a working token (not revoked, not expired, its principal enabled),

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import click
@@ -20,6 +21,12 @@ from orchestrator.console.auth import TOKEN_ENV, read_token
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import parse_listen
 from orchestrator.settings import Settings
+
+if TYPE_CHECKING:
+    from orchestrator.console.oidc import OidcConfig
+
+OIDC_SECRET_ENV = "ORCHESTRATOR_OIDC_CLIENT_SECRET"
+SESSION_KEY_ENV = "ORCHESTRATOR_CONSOLE_SESSION_KEY"
 
 
 @click.command("console")
@@ -56,6 +63,42 @@ from orchestrator.settings import Settings
     help="Serve a non-loopback --listen address without a token: anyone who reaches it reads "
     "every run (and, with --show-payloads, its contents). Refused without this flag.",
 )
+@click.option(
+    "--accounts",
+    is_flag=True,
+    help="People sign in as themselves (a personal token from `orchestrator users token "
+    "create`, or --oidc-issuer, or behind --trusted-proxy) and their role decides what they "
+    "may see and do. Implied by --oidc-issuer and --trusted-proxy.",
+)
+@click.option(
+    "--oidc-issuer", help="Sign in through this OpenID Connect provider (its issuer URL)."
+)
+@click.option("--oidc-client-id", help="This console's client id at the provider.")
+@click.option(
+    "--oidc-client-secret-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help=f"A file holding the client secret (or set {OIDC_SECRET_ENV}).",
+)
+@defaulted_option(
+    "--oidc-claim", default="email", help="The ID token claim naming the person (as added)."
+)
+@click.option(
+    "--oidc-redirect-url",
+    help="The callback URL registered at the provider (default: this console's "
+    "/signin/oidc/callback as the browser reached it).",
+)
+@click.option(
+    "--trusted-proxy",
+    "trusted_proxies",
+    multiple=True,
+    help="An address or network (repeatable) of a reverse proxy that signs people in and names "
+    "them in --user-header; the header from any other address is refused.",
+)
+@defaulted_option(
+    "--user-header",
+    default="X-Forwarded-Email",
+    help="The header a --trusted-proxy names people in.",
+)
 @log_format_option
 @async_command
 async def console(
@@ -66,19 +109,38 @@ async def console(
     refresh_seconds: float,
     allowed_hosts: tuple[str, ...],
     allow_public_read_only: bool,
+    accounts: bool,
+    oidc_issuer: str | None,
+    oidc_client_id: str | None,
+    oidc_client_secret_file: Path | None,
+    oidc_claim: str,
+    oidc_redirect_url: str | None,
+    trusted_proxies: tuple[str, ...],
+    user_header: str,
     log_json: bool | None,
 ) -> None:
     """Serve the web console: runs, attempts, timelines, effects, approvals, workers, queue."""
     from orchestrator.console.app import ConsoleConfig, create_app
     from orchestrator.console.auth import Auth
+    from orchestrator.console.identity import Accounts, TrustedProxy, parse_networks
     from orchestrator.db.bootstrap import open_store
     from orchestrator.telemetry import configure_logging
 
     host, port = parse_listen(listen, "--listen")
     auth = Auth(read_token(os.environ.get(TOKEN_ENV), token_file))
+    oidc = _oidc(
+        oidc_issuer, oidc_client_id, oidc_client_secret_file, oidc_claim, oidc_redirect_url
+    )
+    proxy = TrustedProxy(parse_networks(trusted_proxies), user_header) if trusted_proxies else None
+    people = Accounts(trusted_proxy=proxy) if accounts or oidc or proxy else None
+    if people is not None and auth.enabled:
+        raise InvalidInput(
+            f"choose one: accounts (people sign in as themselves) or the shared token "
+            f"({TOKEN_ENV} / --token-file), not both"
+        )
     configure_logging(json_logs=log_json)
     sock = bind(host, port, listen)
-    if not (auth.enabled or allow_public_read_only or is_loopback(host)):
+    if not (auth.enabled or people or allow_public_read_only or is_loopback(host)):
         sock.close()
         raise public_without_token(listen, show_payloads)
     async with open_store(settings, application_name="orchestrator-console", max_size=5) as store:
@@ -86,6 +148,9 @@ async def console(
             store.pool,
             ConsoleConfig(
                 auth=auth,
+                accounts=people,
+                oidc=oidc,
+                session_key=os.environ.get(SESSION_KEY_ENV, ""),
                 show_payloads=show_payloads,
                 schema=settings.schema,
                 refresh_seconds=refresh_seconds,
@@ -97,7 +162,9 @@ async def console(
         server = _Server(config)
         shown = f"[{host}]" if ":" in host else host
         mode = "actions allowed with the token" if auth.enabled else "read-only (no token)"
-        if show_payloads:
+        if people is not None:
+            mode = "accounts: people sign in as themselves" + (" (OpenID Connect)" if oidc else "")
+        if show_payloads and people is None:
             mode += "; contents shown (--show-payloads)"
         stderr.print(f"console listening on http://{shown}:{port}/ ({mode})", markup=False)
         with sock:
@@ -106,6 +173,29 @@ async def console(
                 await server.serve(sockets=[sock])
                 group.cancel_scope.cancel()
     stderr.print("console stopped")
+
+
+def _oidc(
+    issuer: str | None,
+    client_id: str | None,
+    secret_file: Path | None,
+    claim: str,
+    redirect_url: str | None,
+) -> OidcConfig | None:
+    from orchestrator.console.oidc import OidcConfig
+
+    if issuer is None:
+        if client_id or secret_file or redirect_url:
+            raise InvalidInput("--oidc-client-id and the other --oidc-* options need --oidc-issuer")
+        return None
+    secret = os.environ.get(OIDC_SECRET_ENV, "")
+    if secret_file is not None:
+        try:
+            secret = secret_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or str(error)
+            raise InvalidInput(f"cannot read --oidc-client-secret-file: {reason}") from None
+    return OidcConfig(issuer, client_id or "", secret, claim=claim, redirect_url=redirect_url)
 
 
 def hosts_allowed(listen_host: str, extra: tuple[str, ...]) -> list[str]:

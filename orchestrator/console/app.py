@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
@@ -26,7 +27,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from orchestrator.access import Actor
+from orchestrator import access
+from orchestrator.access import Actor, Permission
+from orchestrator.db.audit import AuditStore
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.stores import Stores
 from orchestrator.effects.approvals import Decision
@@ -35,6 +38,8 @@ from orchestrator.errors import InvalidInput, OrchestratorError, RunNotFound
 
 from . import views
 from .auth import NAME_COOKIE, SESSION_COOKIE, TOKEN_ENV, Auth, Via, actor, origin_acceptable
+from .identity import Accounts, NotAllowed, Visitor, not_a_user, start_session, visitor_of
+from .oidc import CALLBACK_PATH, OidcConfig, OidcSignIn
 from .privacy import MAX_SHOWN_BYTES, Shown
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -50,9 +55,17 @@ MAX_FORM_BYTES = 64 * 1024
 """No form of the console is larger; a bigger body is refused before it is read."""
 
 
+ACCOUNTS_COOKIE = "orchestrator_console_account"
+
+
 @dataclass(frozen=True)
 class ConsoleConfig:
     auth: Auth
+    accounts: Accounts | None = None
+    """Accounts mode: people sign in as themselves and their role decides (``auth`` unused)."""
+    oidc: OidcConfig | None = None
+    session_key: str = ""
+    """Signs accounts-mode session cookies; empty: a random key (sessions end on restart)."""
     show_payloads: bool = False
     schema: str = "orchestrator"
     refresh_seconds: float = REFRESH_SECONDS
@@ -95,6 +108,11 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     stores = Stores(pool, schema=config.schema)
     templates = _templates()
     auth = config.auth
+    accounts = config.accounts
+    oidc = OidcSignIn(config.oidc) if config.oidc is not None else None
+    if oidc is not None and accounts is None:
+        raise ValueError("OpenID Connect sign-in needs accounts mode")
+    can_sign_in = accounts is not None or auth.enabled
     flash_key = secrets.token_bytes(32)
     """Signs the messages a redirect carries, so that a link cannot put words in the banner."""
 
@@ -108,16 +126,46 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
             return None
         return message
 
+    async def visitor(request: Request) -> Visitor:
+        """Who sent ``request`` (worked out once per request): in accounts mode, a principal of
+        ``orchestrator users``; else whether it holds the shared token."""
+        known = getattr(request.state, "visitor", None)
+        if isinstance(known, Visitor):
+            return known
+        if accounts is not None:
+            found = await visitor_of(request, accounts, stores.access)
+        else:
+            via = auth.via(request)
+            found = Visitor(shared_token=via is not Via.NONE, session=via is Via.COOKIE)
+        request.state.visitor = found
+        return found
+
+    async def reader(request: Request) -> Visitor:
+        """The visitor of a page: in accounts mode, only someone signed in reads."""
+        found = await visitor(request)
+        if accounts is not None and not found.known:
+            raise NotAllowed(401, "sign in first: this console shows runs to its users only")
+        return found
+
+    def reveal(found: Visitor) -> bool:
+        """Contents are shown to roles that see payloads (accounts mode), else with
+        --show-payloads."""
+        return found.may(Permission.SEE_PAYLOADS) if accounts is not None else config.show_payloads
+
     def render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
-        via = auth.via(request)
+        found = getattr(request.state, "visitor", None) or Visitor()
         common = {
-            "can_act": via is not Via.NONE,
-            "auth_enabled": auth.enabled,
-            "signed_in": via is Via.COOKIE,
-            "show_payloads": config.show_payloads,
+            "can_decide": found.may(Permission.DECIDE),
+            "can_resolve": found.may(Permission.OPERATE),
+            "auth_enabled": can_sign_in,
+            "accounts": accounts is not None,
+            "oidc": oidc is not None,
+            "signed_in": found.session,
+            "who": found.label,
+            "show_payloads": reveal(found),
             "refresh_seconds": config.refresh_seconds,
             "live": False,
-            "name": request.cookies.get(NAME_COOKIE, ""),
+            "name": request.cookies.get(NAME_COOKIE, "") if accounts is None else "",
             "flash": message_of(request, "flash"),
             "flash_error": message_of(request, "error"),
             "max_shown_bytes": MAX_SHOWN_BYTES,
@@ -150,6 +198,13 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 )
             except Refused as refused:
                 return error_page(request, refused.status, str(refused))
+            except NotAllowed as refused:
+                if refused.status == 401 and not _api_client(request) and request.method == "GET":
+                    target = quote(
+                        request.url.path + (f"?{request.url.query}" if request.url.query else "")
+                    )
+                    return RedirectResponse(f"/signin?next={target}", status_code=303)
+                return error_page(request, refused.status, str(refused))
             except (RunNotFound, EffectNotFound) as error:
                 return error_page(request, 404, str(error))
             except OrchestratorError as error:
@@ -170,29 +225,39 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     # -- pages ---------------------------------------------------------------------------------
     @page
     async def runs(request: Request) -> Response:
+        await reader(request)
         filters = views.RunFilters.from_query(request.query_params)
         context = await views.runs_page(stores, filters)
         return render(request, "runs.html", {**context, "live": True})
 
     @page
     async def run(request: Request) -> Response:
+        found = await reader(request)
         context = await views.run_page(
-            stores, request.path_params["run_id"], reveal=config.show_payloads
+            stores,
+            request.path_params["run_id"],
+            reveal=reveal(found),
+            reveal_awaiting=found.may(Permission.DECIDE),
         )
         return render(request, "run.html", context)
 
     @page
     async def attention(request: Request) -> Response:
-        context = await views.attention_page(stores, reveal=config.show_payloads)
+        found = await reader(request)
+        context = await views.attention_page(
+            stores, reveal=reveal(found), reveal_awaiting=found.may(Permission.DECIDE)
+        )
         return render(request, "attention.html", {**context, "live": True})
 
     @page
     async def cluster(request: Request) -> Response:
+        await reader(request)
         context = await views.cluster_page(stores)
         return render(request, "cluster.html", {**context, "live": True})
 
     @page
     async def signin_form(request: Request) -> Response:
+        await visitor(request)
         return render(request, "signin.html", {"next": _local(request.query_params.get("next"))})
 
     async def healthz(request: Request) -> Response:
@@ -201,7 +266,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 await pool.fetchval("SELECT 1")
         except DATABASE_ERRORS as error:  # TimeoutError among them
             return JSONResponse({"ok": False, "reason": type(error).__name__}, status_code=503)
-        return JSONResponse({"ok": True, "read_only": not auth.enabled})
+        return JSONResponse({"ok": True, "read_only": not can_sign_in})
 
     # -- actions -------------------------------------------------------------------------------
     async def form_of(request: Request) -> FormData:
@@ -215,42 +280,61 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         except HTTPException as error:
             raise Refused(400, f"the form could not be read: {error.detail}") from None
 
-    def require_token(request: Request) -> None:
-        if not auth.enabled:
+    async def require(request: Request, permission: Permission) -> Visitor:
+        """The visitor, if they may do this: who they are, then their role, then the Origin."""
+        if not can_sign_in:
             raise Refused(
                 403,
                 "this console is read-only: start it with ORCHESTRATOR_CONSOLE_TOKEN or "
-                "--token-file to allow actions",
+                "--token-file (or --accounts) to allow actions",
             )
-        via = auth.via(request)
-        if via is Via.NONE and _api_client(request):
+        found = await visitor(request)
+        if not found.known and _api_client(request):
             raise Refused(
-                401, f"wrong bearer token: nothing changed; send this console's {TOKEN_ENV}"
+                401,
+                f"wrong bearer token: nothing changed; send this console's {TOKEN_ENV}"
+                if accounts is None
+                else "unknown bearer token: nothing changed",
             )
-        if via is Via.NONE:
+        if not found.known:
             raise Refused(
-                403, "sign in first (or send Authorization: Bearer TOKEN): actions need the token"
+                403, "sign in first (or send Authorization: Bearer TOKEN): actions need it"
             )
-        if not origin_acceptable(request, via):
+        if not found.may(permission):
+            raise Refused(
+                403,
+                f"refused: {found.label} may not {_ACTION_OF[permission]}; nothing changed (an "
+                "admin changes roles with `orchestrator users add NAME --role ROLE`)",
+            )
+        # A bearer header cannot be forged by another site; a cookie or a proxy's header can.
+        bearer = not found.session and (found.shared_token or found.via is access.Via.TOKEN)
+        if not origin_acceptable(request, Via.BEARER if bearer else Via.COOKIE):
             raise Refused(
                 403,
                 "refused: the request's Origin header does not name this console (a form "
                 "posted from another site, or a client that sent none)",
             )
+        return found
 
-    async def effect_action(request: Request) -> tuple[str, str, FormData]:
-        """An action on one effect: the token checked first, then its run id, key and form."""
-        require_token(request)
+    async def effect_action(
+        request: Request, permission: Permission
+    ) -> tuple[str, str, FormData, Actor]:
+        """An action on one effect: who may do it checked first, then its run id, key and form,
+        and the actor it is recorded as."""
+        found = await require(request, permission)
         form = await form_of(request)
-        return request.path_params["run_id"], request.path_params["effect_key"], form
+        by = actor(_field(form, "by")) if found.shared_token else found.actor()
+        return request.path_params["run_id"], request.path_params["effect_key"], form, by
 
     @page
     async def signin(request: Request) -> Response:
-        if not auth.enabled:
+        if not can_sign_in:
             raise Refused(403, "this console is read-only: there is no token to sign in with")
         if not origin_acceptable(request, Via.COOKIE):
             raise Refused(403, "refused: the sign-in form was not posted from this console")
         form = await form_of(request)
+        if accounts is not None:
+            return await signin_with_token(request, form)
         name = actor(_field(form, "name"))
         if not auth.token_matches(_field(form, "token") or ""):
             raise Refused(403, "wrong token: nothing changed; check ORCHESTRATOR_CONSOLE_TOKEN")
@@ -265,23 +349,70 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
             )
         return response
 
+    async def signin_with_token(request: Request, form: FormData) -> Response:
+        """A person's own token (``orchestrator users token create``) starts a session that
+        lasts while the token works."""
+        found = await stores.access.authenticate(_field(form, "token") or "")
+        if found is None:
+            raise Refused(403, "unknown, revoked or expired token: nothing changed")
+        if found.principal.kind is not access.PrincipalKind.PERSON:
+            raise Refused(403, "a service's token cannot sign in to the console: use your own")
+        return await signed_in(request, found.principal, access.Via.TOKEN, found.token_id, form)
+
+    async def signed_in(
+        request: Request,
+        principal: access.Principal,
+        via: access.Via,
+        token_id: str | None,
+        form: FormData | None = None,
+    ) -> Response:
+        start_session(request, principal, via, token_id)
+        await AuditStore(pool).append(
+            Actor(principal.name, via),
+            "sign_in",
+            detail={"role": principal.role.value, "token_id": token_id},
+        )
+        target = _local(_field(form, "next") if form is not None else None)
+        return RedirectResponse(target, status_code=303)
+
+    @page
+    async def oidc_start(request: Request) -> Response:
+        if oidc is None:
+            raise Refused(404, "this console does not sign in through OpenID Connect")
+        request.session["next"] = _local(request.query_params.get("next"))
+        return await oidc.redirect(request)
+
+    @page
+    async def oidc_callback(request: Request) -> Response:
+        if oidc is None:
+            raise Refused(404, "this console does not sign in through OpenID Connect")
+        name = await oidc.principal_name(request)
+        principal = await stores.access.principal(name)
+        if principal is None or principal.kind is not access.PrincipalKind.PERSON:
+            raise not_a_user(name)
+        target = _local(request.session.get("next"))
+        response = await signed_in(request, principal, access.Via.OIDC, None)
+        response.headers["location"] = target
+        return response
+
     @page
     async def signout(request: Request) -> Response:
         if not origin_acceptable(request, Via.COOKIE):
             raise Refused(403, "refused: the sign-out form was not posted from this console")
         response = RedirectResponse("/", status_code=303)
+        if accounts is not None:
+            request.session.clear()
         response.delete_cookie(SESSION_COOKIE, path="/")
         response.delete_cookie(NAME_COOKIE, path="/")
         return response
 
     @page
     async def decide(request: Request) -> Response:
-        run_id, key, form = await effect_action(request)
+        run_id, key, form, by = await effect_action(request, Permission.DECIDE)
         verb = request.path_params["verb"]
         decision = {"approve": Decision.APPROVED, "deny": Decision.DENIED}.get(verb)
         if decision is None:
             raise Refused(404, f"no action {verb!r}: approve, deny or resolve")
-        by = actor(_field(form, "by"))
         sha = _field(form, "payload_sha256")
         if decision is Decision.APPROVED and not sha:
             raise InvalidInput("an approval must name the payload sha256 it approves")
@@ -302,8 +433,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
 
     @page
     async def resolve(request: Request) -> Response:
-        run_id, key, form = await effect_action(request)
-        by = actor(_field(form, "by"))
+        run_id, key, form, by = await effect_action(request, Permission.OPERATE)
         found = _field(form, "decision")
         if found not in ("sent", "not-sent"):
             raise InvalidInput("say what you found: decision must be 'sent' or 'not-sent'")
@@ -344,6 +474,8 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         Route("/signin", signin_form, methods=["GET"]),
         Route("/signin", signin, methods=["POST"]),
         Route("/signout", signout, methods=["POST"]),
+        Route("/signin/oidc", oidc_start, methods=["GET"]),
+        Route(CALLBACK_PATH, oidc_callback, methods=["GET"], name="oidc_callback"),
         Route("/runs/{run_id}/effects/{effect_key:path}/resolve", resolve, methods=["POST"]),
         Route("/runs/{run_id}/effects/{effect_key:path}/{verb}", decide, methods=["POST"]),
         Route("/healthz", healthz),
@@ -353,15 +485,26 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
-        if request.method == "POST" and not auth.enabled:
+        if request.method == "POST" and not can_sign_in:
             # Read-only: say so for every POST, whatever its path.
             return error_page(request, 403, "this console is read-only: nothing can be changed")
         return error_page(request, status, f"{detail}: {request.url.path}")
 
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))]
+    if accounts is not None:
+        # Signed, not encrypted: it holds a principal's name and the public id of their token.
+        # SameSite=Lax, so the provider's redirect back carries the sign-in's state.
+        middleware.append(
+            Middleware(
+                SessionMiddleware,
+                secret_key=config.session_key or secrets.token_urlsafe(32),
+                session_cookie=ACCOUNTS_COOKIE,
+                max_age=int(accounts.session_seconds),
+                same_site="lax",
+            )
+        )
     return Starlette(
-        routes=routes,
-        exception_handlers={HTTPException: not_found},
-        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))],
+        routes=routes, exception_handlers={HTTPException: not_found}, middleware=middleware
     )
 
 
@@ -412,6 +555,12 @@ def _local(target: str | None) -> str:
     ):
         return "/"
     return target
+
+
+_ACTION_OF = {
+    Permission.DECIDE: "approve or deny (approvers and admins do)",
+    Permission.OPERATE: "resolve, cancel or retry (operators and admins do)",
+}
 
 
 def _signed(actor: Actor) -> str:

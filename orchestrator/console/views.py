@@ -119,7 +119,12 @@ def message_views(
     return views
 
 
-def effect_view(effect: EffectRecord, *, reveal: bool) -> dict[str, Any]:
+def effect_view(
+    effect: EffectRecord, *, reveal: bool, reveal_awaiting: bool = False
+) -> dict[str, Any]:
+    """An effect's row; ``reveal_awaiting``: its payload shown while it awaits a decision (what
+    an approver must see to decide)."""
+    reveal = reveal or (reveal_awaiting and effect.status is EffectStatus.AWAITING_APPROVAL)
     return {
         "record": effect,
         "payload": show(effect.payload, reveal=reveal),
@@ -128,7 +133,9 @@ def effect_view(effect: EffectRecord, *, reveal: bool) -> dict[str, Any]:
     }
 
 
-async def run_page(stores: Stores, run_id: str, *, reveal: bool) -> dict[str, Any]:
+async def run_page(
+    stores: Stores, run_id: str, *, reveal: bool, reveal_awaiting: bool = False
+) -> dict[str, Any]:
     detail = await load_run_detail(stores, run_id, events=MAX_ROWS_SHOWN)
     run, now, messages, effects = detail.run, detail.now, detail.messages, detail.effects
     signals, budget = detail.signals, detail.budget
@@ -159,7 +166,10 @@ async def run_page(stores: Stores, run_id: str, *, reveal: bool) -> dict[str, An
         "messages": message_views(messages, effects, reveal=reveal, last=MAX_ROWS_SHOWN),
         "messages_total": len(messages),
         "max_rows": MAX_ROWS_SHOWN,
-        "effects": [effect_view(effect, reveal=reveal) for effect in effects],
+        "effects": [
+            effect_view(effect, reveal=reveal, reveal_awaiting=reveal_awaiting)
+            for effect in effects
+        ],
         "signals": [
             {
                 "signal": signal,
@@ -178,7 +188,9 @@ MAX_ROWS_SHOWN = 500
 every event, ``runs show --json`` has every message)."""
 
 
-async def attention_page(stores: Stores, *, reveal: bool) -> dict[str, Any]:
+async def attention_page(
+    stores: Stores, *, reveal: bool, reveal_awaiting: bool = False
+) -> dict[str, Any]:
     """Effects a person must act on: parked ones (resolve) and those awaiting approval."""
     parked = await stores.effects.list_effects(status=EffectStatus.PARKED, limit=1000)
     pending = await stores.approvals.pending(limit=1000)
@@ -188,7 +200,10 @@ async def attention_page(stores: Stores, *, reveal: bool) -> dict[str, Any]:
     return {
         "parked": [effect_view(effect, reveal=reveal) for effect in parked],
         "pending": [
-            {**effect_view(effect, reveal=reveal), "run_fence": fences[effect.run_id]}
+            {
+                **effect_view(effect, reveal=reveal, reveal_awaiting=reveal_awaiting),
+                "run_fence": fences[effect.run_id],
+            }
             for effect in pending
         ],
         "now": await stores.runs.database_now(),

@@ -140,6 +140,11 @@ class AccessStore:
             return None
         return _principal(row)
 
+    async def session_principal(self, name: str, token_id: str | None) -> Principal | None:
+        """``name`` while enabled and, when it signed in with a token, while that token works."""
+        row = await self.pool.fetchrow(query("principal_of_session"), name, token_id)
+        return None if row is None else _principal(row)
+
     async def principals(self) -> list[PrincipalEntry]:
         return [
             _principal_entry(row, live_tokens=int(row["live_tokens"]))

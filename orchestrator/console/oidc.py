@@ -1,0 +1,100 @@
+"""Console sign-in through OpenID Connect: the authorization code flow with PKCE, done by
+authlib's Starlette client (discovery, state, nonce and ID token checks are its, not ours)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from authlib.integrations.starlette_client import OAuth, OAuthError
+from joserfc.errors import JoseError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from orchestrator.errors import InvalidInput
+
+from .identity import NotAllowed
+
+CALLBACK_PATH = "/signin/oidc/callback"
+
+
+@dataclass(frozen=True)
+class OidcConfig:
+    issuer: str
+    client_id: str
+    client_secret: str
+    claim: str = "email"
+    """The ID token claim naming the principal (as ``orchestrator users add`` named them)."""
+    redirect_url: str | None = None
+    """Where the provider sends people back; None: this console's own callback URL."""
+    scope: str = "openid email profile"
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.issuer)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise InvalidInput(f"--oidc-issuer must be an http(s) URL, not {self.issuer!r}")
+        if not self.client_id or not self.client_secret:
+            raise InvalidInput(
+                "OpenID Connect needs --oidc-client-id and the client secret "
+                "(ORCHESTRATOR_OIDC_CLIENT_SECRET or --oidc-client-secret-file)"
+            )
+
+    @property
+    def discovery_url(self) -> str:
+        return self.issuer.rstrip("/") + "/.well-known/openid-configuration"
+
+
+class OidcSignIn:
+    """The two halves of a sign-in: send the browser to the provider, and read who came back."""
+
+    def __init__(self, config: OidcConfig) -> None:
+        self.config = config
+        oauth = OAuth()
+        oauth.register(
+            "oidc",
+            server_metadata_url=config.discovery_url,
+            client_id=config.client_id,
+            client_secret=config.client_secret,
+            client_kwargs={"scope": config.scope, "code_challenge_method": "S256"},
+        )
+        self.client: Any = oauth.create_client("oidc")
+
+    async def redirect(self, request: Request) -> Response:
+        target = self.config.redirect_url or str(request.url_for("oidc_callback"))
+        try:
+            response: Response = await self.client.authorize_redirect(request, target)
+        except httpx.HTTPError as error:
+            raise _unreachable(self.config, error) from None
+        return response
+
+    async def principal_name(self, request: Request) -> str:
+        """The name the provider vouches for, read from the verified ID token."""
+        try:
+            token = await self.client.authorize_access_token(request)
+        except OAuthError as error:
+            raise NotAllowed(403, f"sign-in failed: {error.description or error.error}") from None
+        except JoseError as error:
+            raise NotAllowed(
+                403, f"sign-in failed: the ID token did not verify ({error})"
+            ) from None
+        except httpx.HTTPError as error:
+            raise _unreachable(self.config, error) from None
+        claims = token.get("userinfo")
+        if not isinstance(claims, dict):
+            raise NotAllowed(403, "sign-in failed: the provider sent no ID token")
+        name = claims.get(self.config.claim)
+        if not isinstance(name, str) or not name:
+            raise NotAllowed(
+                403, f"sign-in failed: the ID token has no {self.config.claim!r} claim"
+            )
+        if self.config.claim == "email" and claims.get("email_verified") is False:
+            raise NotAllowed(403, f"sign-in failed: the provider has not verified {name}")
+        return name
+
+
+def _unreachable(config: OidcConfig, error: httpx.HTTPError) -> NotAllowed:
+    return NotAllowed(
+        503, f"the OpenID provider at {config.issuer} did not answer ({type(error).__name__})"
+    )
