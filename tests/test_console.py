@@ -110,15 +110,24 @@ async def browser(tmp_path: Path) -> AsyncIterator[BrowserContext]:
 class Console:
     """`orchestrator console` in its own process, on a free port."""
 
-    def __init__(self, database_url: str, log: Path, *args: str, token: str | None = None) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        log: Path,
+        *args: str,
+        token: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra_env = env
         env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": database_url}
         env.pop("ORCHESTRATOR_CONSOLE_TOKEN", None)
         # The secrets of the machine it runs on must not reach a page either.
         env.update({"OPENAI_API_KEY": f"sk-{CANARY}-key", "CRM_TOKEN": f"{CANARY}-vendor-token"})
         if token is not None:
             env["ORCHESTRATOR_CONSOLE_TOKEN"] = token
+        env.update(extra_env or {})
         self.log = log
         self._log_file = log.open("w")
         self.process = subprocess.Popen(
@@ -165,9 +174,14 @@ class Console:
 
 @asynccontextmanager
 async def console(
-    database_url: str, tmp_path: Path, *args: str, token: str | None = None
+    database_url: str,
+    tmp_path: Path,
+    *args: str,
+    token: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[Console]:
-    running = Console(database_url, tmp_path / f"console-{free_port()}.log", *args, token=token)
+    log = tmp_path / f"console-{free_port()}.log"
+    running = Console(database_url, log, *args, token=token, env=env)
     try:
         await running.ready()
         yield running
