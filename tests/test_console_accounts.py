@@ -232,6 +232,8 @@ async def test_a_proxy_header_is_believed_only_from_a_trusted_address(
     ):
         stranger = await http.get("/attention", headers={"X-Forwarded-Email": "eve"})
         assert stranger.status_code == 403 and "eve is not a person" in stranger.text
+        huge = await http.get("/attention", headers={"X-Forwarded-Email": "a" * 5000})
+        assert huge.status_code == 403 and "must name one person" in huge.text
         page = await http.get("/attention", headers=as_alice)
         assert page.status_code == 200 and "alice@example.com (approver)" in page.text
         # The header rides on every request the browser makes, so a form needs our Origin.

@@ -17,11 +17,13 @@ from orchestrator.db.access import AccessStore, looks_like_token
 from orchestrator.errors import InvalidInput
 
 SESSION_SECONDS = 12 * 3600
+MAX_NAME = 200
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class NotAllowed(Exception):
-    """A request that proves nobody (401) or somebody this console refuses (403)."""
+    """A request served as nobody: it proves nobody (401), somebody this console refuses (403),
+    or the sign-in could not be checked (503)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -106,9 +108,11 @@ async def _from_proxy(request: Request, proxy: TrustedProxy, people: AccessStore
             "which is not a --trusted-proxy; nothing changed",
         )
     name = request.headers[proxy.user_header].strip()
-    principal = await people.principal(name) if name else None
+    if not 1 <= len(name) <= MAX_NAME:
+        raise NotAllowed(403, f"the {proxy.user_header} header must name one person")
+    principal = await people.principal(name)
     if principal is None or principal.kind is not PrincipalKind.PERSON:
-        raise NotAllowed(403, _not_a_user(name or "(an empty name)"))
+        raise NotAllowed(403, _not_a_user(name))
     return Visitor(principal, access.Via.PROXY_HEADER)
 
 
