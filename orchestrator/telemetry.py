@@ -39,6 +39,11 @@ IDEMPOTENCY_KEY = "orchestrator.effect.idempotency_key"
 EXTERNAL_ID = "orchestrator.effect.external_id"
 EFFECT_DISPOSITION = "orchestrator.effect.disposition"
 LINK_KIND = "orchestrator.link"
+DECISION = "orchestrator.decision"
+"""On a decision's span (approve, cancel, sign_in, ...), with its principal and how it was known."""
+PRINCIPAL = "orchestrator.principal"
+PRINCIPAL_VIA = "orchestrator.principal.via"
+AUDIT_SEQ = "orchestrator.audit.seq"
 """On a span link: ``submitted`` (the submitter's span) or ``earlier_attempt``."""
 
 

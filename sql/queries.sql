@@ -1444,8 +1444,9 @@ ORDER BY created_at DESC, token_id
 -- audit_append --
 -- params: $1 principal text (NULL: the connected role), $2 via text, $3 action text,
 --         $4 run_id text, $5 effect_key text, $6 detail jsonb
--- Append one decision to the chained audit log (in the caller's transaction); returns its seq.
-SELECT audit_append($1, $2, $3, $4, $5, $6)
+-- Append one decision to the chained audit log (in the caller's transaction); returns its seq
+-- and the principal recorded (the connected role when $1 is NULL).
+SELECT audit_append($1, $2, $3, $4, $5, $6) AS seq, coalesce($1::text, session_user) AS principal
 
 -- audit_list --
 -- params: $1 after_seq bigint, $2 limit int, $3 run_id text (NULL: any), $4 principal text

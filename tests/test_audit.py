@@ -1,5 +1,5 @@
 """The audit trail: append-only, hash-chained, and ``audit verify`` catching what a superuser
-forced past the trigger."""
+forced past the trigger; each decision is also a span naming its principal."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import pytest
 
 from orchestrator.access import Actor, Via
 from orchestrator.db.audit import AuditStore
+from orchestrator.db.store import RunStore
+from orchestrator.effects.approvals import ApprovalStore, Decision
+from orchestrator.effects.store import EffectStore
+from orchestrator.telemetry import AUDIT_SEQ, EFFECT_KEY, PRINCIPAL, PRINCIPAL_VIA, RUN_ID
+from orchestrator.testing import capture_spans
+from test_console import awaiting_approval
 
 
 async def _three_rows(pool: asyncpg.Pool) -> AuditStore:
@@ -127,3 +133,27 @@ async def test_concurrent_appends_keep_one_line(pool: asyncpg.Pool) -> None:
             group.start_soon(append, number)
     verified = await audit.verify()
     assert verified.intact and verified.rows == 40
+
+
+async def test_a_decision_is_a_span_naming_its_principal(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    spans = capture_spans()
+    assert spans is not None
+    spans.clear()
+    run_id = await awaiting_approval(store, pool, {"order": "o-1", "amount": 3})
+    effect = await EffectStore(pool).get(run_id, "refund")
+    await ApprovalStore(pool).decide(
+        run_id,
+        "refund",
+        Decision.APPROVED,
+        actor=Actor("alice@example.com", Via.OIDC),
+        payload_sha256=effect.payload_sha256,
+    )
+    [span] = [s for s in spans.get_finished_spans() if s.name == "orchestrator.decision approve"]
+    attributes = dict(span.attributes or {})
+    assert attributes[PRINCIPAL] == "alice@example.com"
+    assert attributes[PRINCIPAL_VIA] == "oidc"
+    assert (attributes[RUN_ID], attributes[EFFECT_KEY]) == (run_id, "refund")
+    [row] = await AuditStore(pool).entries(run_id=run_id)
+    assert attributes[AUDIT_SEQ] == row.seq and row.principal == "alice@example.com"

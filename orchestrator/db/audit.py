@@ -10,11 +10,20 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from orchestrator.access import Actor
+from orchestrator.access import Actor, Via
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Row
+from orchestrator.telemetry import (
+    AUDIT_SEQ,
+    DECISION,
+    EFFECT_KEY,
+    PRINCIPAL,
+    PRINCIPAL_VIA,
+    RUN_ID,
+    start_span,
+)
 
 GENESIS = "0" * 64
 """The ``prev_sha256`` of the first row."""
@@ -105,16 +114,28 @@ class AuditStore:
         document = dict(detail or {})
         if actor is not None and actor.note is not None:
             document.setdefault("note", actor.note)
-        seq = await (db or self.db).fetchval(
-            query("audit_append"),
-            None if actor is None else actor.principal,
-            None if actor is None else actor.via.value,
-            action,
-            run_id,
-            effect_key,
-            document,
-        )
-        return int(seq)
+        via = Via.DATABASE_ROLE if actor is None else actor.via
+        known = {RUN_ID: run_id, EFFECT_KEY: effect_key}
+        attributes = {
+            DECISION: action,
+            PRINCIPAL_VIA: via.value,
+            **{key: value for key, value in known.items() if value is not None},
+        }
+        # A span per decision, so a trace search by run id finds who decided what, and when.
+        with start_span(f"orchestrator.decision {action}", attributes=attributes) as span:
+            row = await (db or self.db).fetchrow(
+                query("audit_append"),
+                None if actor is None else actor.principal,
+                None if actor is None else actor.via.value,
+                action,
+                run_id,
+                effect_key,
+                document,
+            )
+            assert row is not None
+            span.set_attribute(PRINCIPAL, row["principal"])
+            span.set_attribute(AUDIT_SEQ, int(row["seq"]))
+        return int(row["seq"])
 
     async def entries(
         self,
