@@ -256,6 +256,12 @@ async def test_a_proxy_header_is_believed_only_from_a_trusted_address(
         (("--oidc-client-id", "c"), {}, "need --oidc-issuer"),
         (("--oidc-issuer", "ftp://x", "--oidc-client-id", "c"), {}, "http(s) URL"),
         (("--oidc-issuer", "http://127.0.0.1:1"), {}, "needs --oidc-client-id"),
+        (("--oidc-group", "ops=operator"), {}, "need --oidc-issuer"),
+        (
+            ("--oidc-issuer", "http://127.0.0.1:1", "--oidc-group", "ops=root"),
+            {"ORCHESTRATOR_OIDC_CLIENT_SECRET": "s"},
+            "GROUP=ROLE",
+        ),
     ],
 )
 def test_bad_accounts_options_are_one_line_errors(
@@ -269,3 +275,54 @@ def test_bad_accounts_options_are_one_line_errors(
 
 def _token_id(token: str) -> str:
     return token.split("_")[1]
+
+
+async def sign_in_through(http: httpx.AsyncClient, console_url: str, email: str) -> httpx.Response:
+    """The authorization code flow as a browser follows it: to the provider's login page, its
+    button for ``email``, and back to the console's callback."""
+    login = await http.get(f"{console_url}/signin/oidc", follow_redirects=True)
+    assert login.status_code == 200 and email in login.text, login.text
+    return await http.post(str(login.url), data={"user": email}, follow_redirects=True)
+
+
+async def test_the_providers_groups_decide_the_role_when_mapped(
+    database_url: str, tmp_path: Path, pool: asyncpg.Pool
+) -> None:
+    access = AccessStore(pool)
+    await access.set_principal("dana@example.com", kind=PrincipalKind.PERSON, role=Role.ADMIN)
+    await access.disable("dana@example.com")
+    users: dict[str, dict[str, Any]] = {
+        "gina@example.com": {"name": "Gina", "groups": ["staff", "approvers"]},
+        "olga@example.com": {"name": "Olga", "groups": ["approvers", "ops"]},
+        "hank@example.com": {"name": "Hank", "groups": ["contractors"]},
+        "dana@example.com": {"name": "Dana", "groups": ["ops"]},
+    }
+    with OidcProvider(users=users) as provider:
+        args = (
+            *("--oidc-issuer", provider.issuer, "--oidc-client-id", "console"),
+            *("--oidc-group", "ops=operator", "--oidc-group", "approvers=approver"),
+        )
+        env = {"ORCHESTRATOR_OIDC_CLIENT_SECRET": SECRET}
+        async with console(database_url, tmp_path, *args, env=env) as running:
+            provider.add_client("console", SECRET, [f"{running.url}/signin/oidc/callback"])
+            seen = {}
+            for email in users:
+                async with httpx.AsyncClient(timeout=10) as http:
+                    seen[email] = await sign_in_through(http, running.url, email)
+        assert "groups" in provider.last_authorization_request["scope"].split()
+    assert "gina@example.com (approver)" in seen["gina@example.com"].text
+    assert "olga@example.com (operator)" in seen["olga@example.com"].text  # the first listed
+    assert seen["hank@example.com"].status_code == 403
+    assert "none of the groups" in seen["hank@example.com"].text
+    assert seen["dana@example.com"].status_code == 403  # disabled stays out, whatever the groups
+    roles = {entry.principal.name: entry.principal.role for entry in await access.principals()}
+    assert roles == {
+        "gina@example.com": Role.APPROVER,
+        "olga@example.com": Role.OPERATOR,
+        "dana@example.com": Role.ADMIN,
+    }
+    added = await AuditStore(pool).entries(action="principal_added")
+    assert {(row.principal, row.via) for row in added} >= {
+        ("gina@example.com", "oidc"),
+        ("olga@example.com", "oidc"),
+    }

@@ -15,6 +15,7 @@ import anyio
 import click
 import uvicorn
 
+from orchestrator.access import Role
 from orchestrator.cli.process_options import defaulted_option, log_format_option
 from orchestrator.cli.support import async_command, stderr
 from orchestrator.console.auth import TOKEN_ENV, read_token
@@ -88,6 +89,17 @@ SESSION_KEY_ENV = "ORCHESTRATOR_CONSOLE_SESSION_KEY"
     "/signin/oidc/callback as the browser reached it).",
 )
 @click.option(
+    "--oidc-group",
+    "oidc_groups",
+    multiple=True,
+    metavar="GROUP=ROLE",
+    help="Give members of the provider's GROUP this role (repeatable; the first listed group a "
+    "person is in decides). With any, people need not be added first: their sign-in adds them.",
+)
+@defaulted_option(
+    "--oidc-groups-claim", default="groups", help="The ID token claim listing a person's groups."
+)
+@click.option(
     "--trusted-proxy",
     "trusted_proxies",
     multiple=True,
@@ -115,6 +127,8 @@ async def console(
     oidc_client_secret_file: Path | None,
     oidc_claim: str,
     oidc_redirect_url: str | None,
+    oidc_groups: tuple[str, ...],
+    oidc_groups_claim: str,
     trusted_proxies: tuple[str, ...],
     user_header: str,
     log_json: bool | None,
@@ -129,7 +143,13 @@ async def console(
     host, port = parse_listen(listen, "--listen")
     auth = Auth(read_token(os.environ.get(TOKEN_ENV), token_file))
     oidc = _oidc(
-        oidc_issuer, oidc_client_id, oidc_client_secret_file, oidc_claim, oidc_redirect_url
+        oidc_issuer,
+        oidc_client_id,
+        oidc_client_secret_file,
+        oidc_claim,
+        oidc_redirect_url,
+        group_roles(oidc_groups),
+        oidc_groups_claim,
     )
     proxy = TrustedProxy(parse_networks(trusted_proxies), user_header) if trusted_proxies else None
     people = Accounts(trusted_proxy=proxy) if accounts or oidc or proxy else None
@@ -181,11 +201,13 @@ def _oidc(
     secret_file: Path | None,
     claim: str,
     redirect_url: str | None,
+    groups: tuple[tuple[str, Role], ...],
+    groups_claim: str,
 ) -> OidcConfig | None:
     from orchestrator.console.oidc import OidcConfig
 
     if issuer is None:
-        if client_id or secret_file or redirect_url:
+        if client_id or secret_file or redirect_url or groups:
             raise InvalidInput("--oidc-client-id and the other --oidc-* options need --oidc-issuer")
         return None
     secret = os.environ.get(OIDC_SECRET_ENV, "")
@@ -195,7 +217,29 @@ def _oidc(
         except (OSError, UnicodeDecodeError) as error:
             reason = getattr(error, "strerror", None) or str(error)
             raise InvalidInput(f"cannot read --oidc-client-secret-file: {reason}") from None
-    return OidcConfig(issuer, client_id or "", secret, claim=claim, redirect_url=redirect_url)
+    return OidcConfig(
+        issuer,
+        client_id or "",
+        secret,
+        claim=claim,
+        redirect_url=redirect_url,
+        group_roles=groups,
+        groups_claim=groups_claim,
+    )
+
+
+def group_roles(values: tuple[str, ...]) -> tuple[tuple[str, Role], ...]:
+    """``--oidc-group approvers=approver`` values, in the order given."""
+    pairs = []
+    for value in values:
+        group, _, role = value.rpartition("=")
+        if not group or role not in {role.value for role in Role}:
+            raise InvalidInput(
+                f"--oidc-group takes GROUP=ROLE with ROLE one of viewer, approver, operator, "
+                f"admin, such as approvers=approver, not {value!r}"
+            )
+        pairs.append((group, Role(role)))
+    return tuple(pairs)
 
 
 def hosts_allowed(listen_host: str, extra: tuple[str, ...]) -> list[str]:

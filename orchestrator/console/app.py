@@ -382,12 +382,36 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         request.session["next"] = _local(request.query_params.get("next"))
         return await oidc.redirect(request)
 
+    async def role_from_groups(name: str, claims: dict[str, Any]) -> access.Principal:
+        """With ``--oidc-group``, the provider's groups decide the role: the person is added or
+        their role changed (audited as done by their own sign-in); a disabled one stays out."""
+        assert oidc is not None
+        role = oidc.config.role_of(claims)
+        if role is None:
+            raise NotAllowed(
+                403,
+                f"{name} is in none of the groups this console gives a role to (--oidc-group)",
+            )
+        known = await stores.access.entry(name)
+        if known is not None and (
+            known.disabled_at is not None or known.principal.kind is not access.PrincipalKind.PERSON
+        ):
+            raise not_a_user(name)  # an admin's disable outranks the provider's groups
+        if known is not None and known.principal.role is role:
+            return known.principal
+        entry = await stores.access.set_principal(
+            name, kind=access.PrincipalKind.PERSON, role=role, actor=Actor(name, access.Via.OIDC)
+        )
+        return entry.principal
+
     @page
     async def oidc_callback(request: Request) -> Response:
         if oidc is None:
             raise Refused(404, "this console does not sign in through OpenID Connect")
-        name = await oidc.principal_name(request)
+        name, claims = await oidc.signed_in(request)
         principal = await stores.access.principal(name)
+        if oidc.config.group_roles:
+            principal = await role_from_groups(name, claims)
         if principal is None or principal.kind is not access.PrincipalKind.PERSON:
             raise not_a_user(name)
         target = _local(request.session.get("next"))

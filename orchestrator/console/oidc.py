@@ -3,6 +3,7 @@ authlib's Starlette client (discovery, state, nonce and ID token checks are its,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,6 +14,7 @@ from joserfc.errors import JoseError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from orchestrator.access import Role
 from orchestrator.errors import InvalidInput
 
 from .identity import NotAllowed
@@ -29,7 +31,10 @@ class OidcConfig:
     """The ID token claim naming the principal (as ``orchestrator users add`` named them)."""
     redirect_url: str | None = None
     """Where the provider sends people back; None: this console's own callback URL."""
-    scope: str = "openid email profile"
+    group_roles: tuple[tuple[str, Role], ...] = ()
+    """``(group, role)`` pairs: with any, a person's role comes from the first pair whose group
+    the ID token's ``groups_claim`` lists, and they need not be added beforehand."""
+    groups_claim: str = "groups"
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.issuer)
@@ -40,6 +45,16 @@ class OidcConfig:
                 "OpenID Connect needs --oidc-client-id and the client secret "
                 "(ORCHESTRATOR_OIDC_CLIENT_SECRET or --oidc-client-secret-file)"
             )
+
+    @property
+    def scope(self) -> str:
+        return "openid email profile" + (" groups" if self.group_roles else "")
+
+    def role_of(self, claims: Mapping[str, Any]) -> Role | None:
+        """The role the first matching ``group_roles`` pair grants, or None."""
+        listed = claims.get(self.groups_claim)
+        groups = {str(group) for group in listed} if isinstance(listed, list) else set()
+        return next((role for group, role in self.group_roles if group in groups), None)
 
     @property
     def discovery_url(self) -> str:
@@ -69,8 +84,8 @@ class OidcSignIn:
             raise _unreachable(self.config, error) from None
         return response
 
-    async def principal_name(self, request: Request) -> str:
-        """The name the provider vouches for, read from the verified ID token."""
+    async def signed_in(self, request: Request) -> tuple[str, dict[str, Any]]:
+        """The name the provider vouches for and the verified ID token's claims."""
         try:
             token = await self.client.authorize_access_token(request)
         except OAuthError as error:
@@ -91,7 +106,7 @@ class OidcSignIn:
             )
         if self.config.claim == "email" and claims.get("email_verified") is False:
             raise NotAllowed(403, f"sign-in failed: the provider has not verified {name}")
-        return name
+        return name, claims
 
 
 def _unreachable(config: OidcConfig, error: httpx.HTTPError) -> NotAllowed:

@@ -134,6 +134,11 @@ class AccessStore:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
 
+    async def entry(self, name: str) -> PrincipalEntry | None:
+        """``name``'s record, disabled or not."""
+        row = await self.pool.fetchrow(query("get_principal"), name)
+        return None if row is None else _principal_entry(row)
+
     async def principal(self, name: str) -> Principal | None:
         row = await self.pool.fetchrow(query("get_principal"), name)
         if row is None or row["disabled_at"] is not None:
