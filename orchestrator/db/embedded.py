@@ -186,6 +186,8 @@ class EmbeddedPostgres:
     def _run(self, argv: list[str], *, timeout: float = 120) -> str:
         command = [str(self._bin / argv[0]), *argv[1:]]
         entry = self._server_user() if self._as_root else None
+        if entry is not None:
+            self._traversable()
         try:
             # Output goes to files, not pipes: pg_ctl's forked server inherits the descriptors,
             # and a pipe would keep this call waiting for the server to exit.
@@ -244,13 +246,19 @@ class EmbeddedPostgres:
             ) from None
         return pwd.getpwnam(SERVER_USER)
 
-    def _prepare_for_server_user(self) -> None:
-        """Under root: let the server user traverse to its files and own its data directory."""
-        entry = self._server_user()
+    def _traversable(self) -> None:
+        """Under root: let the server user reach its data and binaries. Checked before every
+        command it runs, as something may have closed a parent since (pytest resets its own
+        ``pytest-of-USER`` directory to 0700 whenever another session starts)."""
         for path in [self.home, *self.home.parents, self._bin, *self._bin.parents]:
             mode = path.stat().st_mode
             if not mode & stat.S_IXOTH:
                 path.chmod(mode | stat.S_IXOTH)
+
+    def _prepare_for_server_user(self) -> None:
+        """Under root: let the server user traverse to its files and own its data directory."""
+        entry = self._server_user()
+        self._traversable()
         for directory in (self._bin, self._bin.parent / "lib", self._bin.parent / "share"):
             for root, dirs, files in os.walk(directory):
                 for name in dirs:
