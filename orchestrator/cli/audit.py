@@ -44,10 +44,7 @@ async def audit_list(
         found = await stores.audit.entries(
             after=after, limit=limit, run_id=run_id, principal=principal, action=action
         )
-    if as_json:
-        stdout.print_json(dump_json([entry.as_json() for entry in found]))
-    else:
-        print_found(found, False, audit_table, "no audit rows")
+    print_found(found, as_json, audit_table, "no audit rows", AuditEntry.as_json)
 
 
 @audit.command("verify")

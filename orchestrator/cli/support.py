@@ -62,15 +62,25 @@ def print_found(
     as_json: bool,
     table: Callable[[Sequence[T]], RenderableType],
     nothing: str,
+    document: Callable[[T], Any] | None = None,
 ) -> None:
     """A listing: a JSON array (empty too) with ``--json``, else a table, else ``nothing`` on
-    stderr, so that a script reading stdout never reads a sentence as data."""
+    stderr, so that a script reading stdout never reads a sentence as data. ``document``: each
+    item's JSON, where it is not the item's own fields."""
     if as_json:
-        stdout.print_json(dump_json(found))
+        stdout.print_json(dump_json(found if document is None else [document(x) for x in found]))
     elif found:
         stdout.print(table(found))
     else:
         stderr.print(nothing)
+
+
+def print_done(document: Any, as_json: bool, line: str) -> None:
+    """What a command changed: its record as JSON with ``--json``, else one line."""
+    if as_json:
+        stdout.print_json(dump_json(document))
+    else:
+        stdout.print(line, markup=False)
 
 
 class OneLineErrors(click.Group):

@@ -11,7 +11,14 @@ import click
 from rich.table import Table
 
 from orchestrator.access import PrincipalKind, Role, TokenScope
-from orchestrator.cli.support import async_command, json_option, print_found, stderr, stdout
+from orchestrator.cli.support import (
+    async_command,
+    json_option,
+    print_done,
+    print_found,
+    stderr,
+    stdout,
+)
 from orchestrator.db.access import PrincipalEntry, TokenEntry
 from orchestrator.db.bootstrap import open_stores
 from orchestrator.errors import InvalidInput
@@ -43,10 +50,8 @@ async def users_add(settings: Settings, name: str, role: str, service: bool, as_
     kind = PrincipalKind.SERVICE if service else PrincipalKind.PERSON
     async with open_stores(settings) as stores:
         entry = await stores.access.set_principal(name, kind=kind, role=Role(role))
-    if as_json:
-        stdout.print_json(dump_json(entry.as_json()))
-    else:
-        stdout.print(f"{entry.principal.kind.value} {name} is {entry.principal.role.value}")
+    line = f"{entry.principal.kind.value} {name} is {entry.principal.role.value}"
+    print_done(entry.as_json(), as_json, line)
 
 
 @users.command("list")
@@ -56,10 +61,8 @@ async def users_list(settings: Settings, as_json: bool) -> None:
     """List people and services with their roles and how many working tokens each holds."""
     async with open_stores(settings) as stores:
         found = await stores.access.principals()
-    if as_json:
-        stdout.print_json(dump_json([entry.as_json() for entry in found]))
-    else:
-        print_found(found, False, principals_table, "nobody yet: `orchestrator users add NAME`")
+    nothing = "nobody yet: `orchestrator users add NAME`"
+    print_found(found, as_json, principals_table, nothing, PrincipalEntry.as_json)
 
 
 @users.command("disable")
@@ -70,10 +73,7 @@ async def users_disable(settings: Settings, name: str, as_json: bool) -> None:
     """Disable NAME: every token of theirs stops working at once."""
     async with open_stores(settings) as stores:
         entry = await stores.access.disable(name)
-    if as_json:
-        stdout.print_json(dump_json(entry.as_json()))
-    else:
-        stdout.print(f"disabled {name}")
+    print_done(entry.as_json(), as_json, f"disabled {name}")
 
 
 @users.group("token")
@@ -164,10 +164,7 @@ async def token_list(settings: Settings, principal: str | None, as_json: bool) -
     """List tokens: id, owner, scope, expiry and whether revoked; never a secret."""
     async with open_stores(settings) as stores:
         found = await stores.access.tokens(principal)
-    if as_json:
-        stdout.print_json(dump_json([entry.as_json() for entry in found]))
-    else:
-        print_found(found, False, tokens_table, "no tokens")
+    print_found(found, as_json, tokens_table, "no tokens", TokenEntry.as_json)
 
 
 @token.command("revoke")
@@ -182,10 +179,7 @@ async def token_revoke(settings: Settings, token_id: str, as_json: bool) -> None
         )
     async with open_stores(settings) as stores:
         entry = await stores.access.revoke_token(token_id)
-    if as_json:
-        stdout.print_json(dump_json(entry.as_json()))
-    else:
-        stdout.print(f"revoked {token_id} of {entry.principal}")
+    print_done(entry.as_json(), as_json, f"revoked {token_id} of {entry.principal}")
 
 
 def _lifetime(text: str) -> float | None:
