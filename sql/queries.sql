@@ -308,54 +308,10 @@ SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM released
 -- commits and effect requests with the old fence are all rejected, at the boundary too), lease
 -- cleared, undispatched effects withdrawn, the owner told through NOTIFY. Returns no row when
 -- the run is already finished or does not exist.
-WITH target AS (
-    SELECT run_id, state AS previous_state, lease_owner AS previous_owner
-    FROM runs
-    WHERE run_id = $1 AND state IN ('queued', 'running', 'waiting')
-    FOR UPDATE
-), cancelled AS (
-    UPDATE runs AS r
-    SET state = 'cancelled', fence = greatest(r.fence + 1, (SELECT fence_floor())),
-        lease_owner = NULL, lease_until = NULL,
-        wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp()
-    FROM target AS t
-    WHERE r.run_id = t.run_id
-    RETURNING r.run_id, r.fence, t.previous_state, t.previous_owner, r.watched
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT run_id, 'cancelled', fence,
-           jsonb_build_object('previous_state', previous_state, 'previous_owner', previous_owner,
-                              'reason', $2::text, 'by', coalesce($3::text, session_user))
-    FROM cancelled
-), fenced AS (
-    -- The effect boundary learns the new fence too: the old owner's requests are now stale.
-    INSERT INTO effect_fences (run_id, fence)
-    SELECT run_id, fence FROM cancelled
-    ON CONFLICT (run_id) DO UPDATE
-    SET fence = greatest(effect_fences.fence, EXCLUDED.fence), updated_at = clock_timestamp()
-), withdrawn AS (
-    -- Effects not yet handed to a vendor, and approvals still pending, are withdrawn: nobody
-    -- will send them now, and approving one afterwards is refused.
-    UPDATE effects AS e
-    SET status = 'rejected', settled_at = clock_timestamp(), updated_at = clock_timestamp(),
-        error = jsonb_build_object('type', 'RunCancelled',
-                                   'message', 'the run was cancelled before this was sent')
-    FROM cancelled AS c
-    WHERE e.run_id = c.run_id AND e.status IN ('accepted', 'awaiting_approval')
-    RETURNING e.run_id, e.effect_key, e.fence, e.requires_approval AND e.decided_at IS NULL
-        AS pending_approval
-), withdrawn_logged AS (
-    INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT run_id, 'approval_withdrawn', fence,
-           jsonb_build_object('effect_key', effect_key, 'reason', 'the run was cancelled')
-    FROM withdrawn WHERE pending_approval
-), told AS (
-    SELECT pg_notify('orchestrator_cancel', run_id) FROM cancelled
-    UNION ALL
-    SELECT pg_notify('orchestrator_finished', run_id) FROM cancelled WHERE watched
-)
-SELECT run_id, fence, previous_state, previous_owner, (SELECT count(*) FROM told) AS notified
-FROM cancelled
+-- The statement is orchestrator_cancel_run (migration 0017): it raises the fence, so it runs as
+-- the schema owner, and only roles granted EXECUTE may cancel.
+SELECT run_id, fence, previous_state, previous_owner, notified
+FROM orchestrator_cancel_run($1, $2, $3)
 
 -- requeue_dead --
 -- params: $1 run_id text, $2 by text (NULL: the database role that connected)
@@ -1102,37 +1058,9 @@ FROM target AS t
 -- expire_approvals --
 -- params: $1 limit int
 -- Approvals nobody gave in time are denied by expiry (at most $1 per call); their runs woken.
-WITH expired AS (
-    UPDATE effects AS e
-    SET status = 'rejected', decided_by = 'expiry', decided_at = clock_timestamp(),
-        settled_at = clock_timestamp(), updated_at = clock_timestamp(),
-        error = jsonb_build_object('type', 'ApprovalExpired', 'message',
-                                   'denied: nobody approved it before it expired')
-    -- The run's row with the effect's (skipping either if locked): never waiting for a lock
-    -- while holding another, so never in a deadlock with a commit or a cancel.
-    FROM (SELECT e.run_id, e.effect_key FROM effects AS e JOIN runs AS r ON r.run_id = e.run_id
-          WHERE e.status = 'awaiting_approval' AND e.approval_expires_at <= clock_timestamp()
-          ORDER BY e.approval_expires_at LIMIT $1 FOR NO KEY UPDATE OF r, e SKIP LOCKED) AS due
-    WHERE e.run_id = due.run_id AND e.effect_key = due.effect_key
-    RETURNING e.run_id, e.effect_key, e.fence, e.approval_expires_at
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT run_id, 'approval_expired', fence,
-           jsonb_build_object('effect_key', effect_key, 'expired_at', approval_expires_at)
-    FROM expired
-), woken AS (
-    UPDATE runs AS r
-    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? x.effect_key
-                            THEN clock_timestamp() ELSE r.available_at END
-    FROM expired AS x
-    WHERE r.run_id = x.run_id AND r.state IN ('running', 'waiting')
-    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
-), told AS (
-    SELECT pg_notify('orchestrator_effects', run_id) FROM expired
-    UNION ALL
-    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
-)
-SELECT run_id, effect_key, (SELECT count(*) FROM told) AS notified FROM expired
+-- The statement is orchestrator_expire_approvals (migration 0017), run as the schema owner: a
+-- worker runs it as a chore but may not write effects otherwise.
+SELECT run_id, effect_key, notified FROM orchestrator_expire_approvals($1)
 
 -- reserve_budget --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 limits jsonb, $5 turns bigint,
@@ -1245,39 +1173,9 @@ FROM budget_ledger WHERE run_id = $1 ORDER BY entry
 -- still has an effect not settled (accepted, dispatching, uncertain, parked, awaiting approval)
 -- is kept: deleting it would lose a side effect in flight. Rows another transaction holds are
 -- skipped (SKIP LOCKED), so a purge never waits on a worker. Returns the runs deleted.
-WITH doomed AS MATERIALIZED (
-    SELECT r.run_id FROM runs AS r
-    WHERE r.state IN ('succeeded', 'failed', 'cancelled', 'dead') AND r.finished_at < $1
-      AND NOT EXISTS (
-          SELECT 1 FROM effects AS e
-          WHERE e.run_id = r.run_id AND e.status NOT IN ('confirmed', 'failed', 'rejected'))
-    ORDER BY r.finished_at
-    LIMIT $2
-    FOR UPDATE OF r SKIP LOCKED
-), events AS (
-    DELETE FROM run_events WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
-), messages AS (
-    DELETE FROM run_messages WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
-), effects_gone AS (
-    DELETE FROM effects WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
-), fences AS (
-    DELETE FROM effect_fences WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
-), signals AS (
-    DELETE FROM run_signals WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
-), budgets AS (
-    DELETE FROM run_budgets WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
-), ledger AS (
-    DELETE FROM budget_ledger WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
-), traces AS (
-    DELETE FROM run_traces WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
-), gone AS (
-    DELETE FROM runs WHERE run_id IN (SELECT run_id FROM doomed) RETURNING run_id
-)
-SELECT (SELECT count(*) FROM gone) AS runs,
-       (SELECT count(*) FROM events) + (SELECT count(*) FROM messages)
-       + (SELECT count(*) FROM effects_gone) + (SELECT count(*) FROM fences)
-       + (SELECT count(*) FROM signals) + (SELECT count(*) FROM budgets)
-       + (SELECT count(*) FROM ledger) + (SELECT count(*) FROM traces) AS other_rows
+-- The statement is orchestrator_purge_finished (migration 0017), run as the schema owner: no
+-- other role may delete runs, effects or the boundary's fences directly.
+SELECT runs, other_rows FROM orchestrator_purge_finished($1, $2)
 
 -- count_purgeable --
 -- params: $1 cutoff timestamptz

@@ -3,7 +3,7 @@
 CREATE SCHEMA orchestrator;
 CREATE FUNCTION orchestrator.audit_append(p_principal text, p_via text, p_action text, p_run_id text, p_effect_key text, p_detail jsonb) RETURNS bigint
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'orchestrator'
+    SET search_path TO 'orchestrator', 'pg_temp'
     AS $$
 DECLARE
     last_seq bigint;
@@ -79,8 +79,8 @@ CREATE FUNCTION orchestrator.fence_floor() RETURNS bigint
     SELECT fence_epoch() << 40
 $$;
 CREATE FUNCTION orchestrator.orchestrator_accept_effect(p_run_id text, p_effect_key text, p_fence bigint, p_kind text, p_policy text, p_payload jsonb, p_idempotency_key text, p_worker_id text, p_requires_approval boolean, p_approval_seconds double precision, OUT outcome text, OUT accepted_fence bigint, OUT status text, OUT run_state text, OUT run_fence bigint) RETURNS record
-    LANGUAGE plpgsql
-    SET search_path TO 'orchestrator'
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator', 'pg_temp'
     AS $$
 DECLARE
     high_water bigint;
@@ -177,6 +177,133 @@ BEGIN
     status := existing.status;
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_cancel_run(p_run_id text, p_reason text, p_by text) RETURNS TABLE(run_id text, fence bigint, previous_state text, previous_owner text, notified bigint)
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'orchestrator', 'pg_temp'
+    AS $_$
+WITH target AS (
+    SELECT run_id, state AS previous_state, lease_owner AS previous_owner
+    FROM runs
+    WHERE run_id = $1 AND state IN ('queued', 'running', 'waiting')
+    FOR UPDATE
+), cancelled AS (
+    UPDATE runs AS r
+    SET state = 'cancelled', fence = greatest(r.fence + 1, (SELECT fence_floor())),
+        lease_owner = NULL, lease_until = NULL,
+        wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp()
+    FROM target AS t
+    WHERE r.run_id = t.run_id
+    RETURNING r.run_id, r.fence, t.previous_state, t.previous_owner, r.watched
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'cancelled', fence,
+           jsonb_build_object('previous_state', previous_state, 'previous_owner', previous_owner,
+                              'reason', $2::text, 'by', coalesce($3::text, session_user))
+    FROM cancelled
+), fenced AS (
+    -- The effect boundary learns the new fence too: the old owner's requests are now stale.
+    INSERT INTO effect_fences (run_id, fence)
+    SELECT run_id, fence FROM cancelled
+    ON CONFLICT (run_id) DO UPDATE
+    SET fence = greatest(effect_fences.fence, EXCLUDED.fence), updated_at = clock_timestamp()
+), withdrawn AS (
+    -- Effects not yet handed to a vendor, and approvals still pending, are withdrawn: nobody
+    -- will send them now, and approving one afterwards is refused.
+    UPDATE effects AS e
+    SET status = 'rejected', settled_at = clock_timestamp(), updated_at = clock_timestamp(),
+        error = jsonb_build_object('type', 'RunCancelled',
+                                   'message', 'the run was cancelled before this was sent')
+    FROM cancelled AS c
+    WHERE e.run_id = c.run_id AND e.status IN ('accepted', 'awaiting_approval')
+    RETURNING e.run_id, e.effect_key, e.fence, e.requires_approval AND e.decided_at IS NULL
+        AS pending_approval
+), withdrawn_logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'approval_withdrawn', fence,
+           jsonb_build_object('effect_key', effect_key, 'reason', 'the run was cancelled')
+    FROM withdrawn WHERE pending_approval
+), told AS (
+    SELECT pg_notify('orchestrator_cancel', run_id) FROM cancelled
+    UNION ALL
+    SELECT pg_notify('orchestrator_finished', run_id) FROM cancelled WHERE watched
+)
+SELECT run_id, fence, previous_state, previous_owner, (SELECT count(*) FROM told) AS notified
+FROM cancelled
+$_$;
+CREATE FUNCTION orchestrator.orchestrator_expire_approvals(p_limit integer) RETURNS TABLE(run_id text, effect_key text, notified bigint)
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'orchestrator', 'pg_temp'
+    AS $_$
+WITH expired AS (
+    UPDATE effects AS e
+    SET status = 'rejected', decided_by = 'expiry', decided_at = clock_timestamp(),
+        settled_at = clock_timestamp(), updated_at = clock_timestamp(),
+        error = jsonb_build_object('type', 'ApprovalExpired', 'message',
+                                   'denied: nobody approved it before it expired')
+    -- The run's row with the effect's (skipping either if locked): never waiting for a lock
+    -- while holding another, so never in a deadlock with a commit or a cancel.
+    FROM (SELECT e.run_id, e.effect_key FROM effects AS e JOIN runs AS r ON r.run_id = e.run_id
+          WHERE e.status = 'awaiting_approval' AND e.approval_expires_at <= clock_timestamp()
+          ORDER BY e.approval_expires_at LIMIT $1 FOR NO KEY UPDATE OF r, e SKIP LOCKED) AS due
+    WHERE e.run_id = due.run_id AND e.effect_key = due.effect_key
+    RETURNING e.run_id, e.effect_key, e.fence, e.approval_expires_at
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'approval_expired', fence,
+           jsonb_build_object('effect_key', effect_key, 'expired_at', approval_expires_at)
+    FROM expired
+), woken AS (
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? x.effect_key
+                            THEN clock_timestamp() ELSE r.available_at END
+    FROM expired AS x
+    WHERE r.run_id = x.run_id AND r.state IN ('running', 'waiting')
+    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
+), told AS (
+    SELECT pg_notify('orchestrator_effects', run_id) FROM expired
+    UNION ALL
+    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
+)
+SELECT run_id, effect_key, (SELECT count(*) FROM told) AS notified FROM expired
+$_$;
+CREATE FUNCTION orchestrator.orchestrator_purge_finished(p_cutoff timestamp with time zone, p_batch integer) RETURNS TABLE(runs bigint, other_rows bigint)
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'orchestrator', 'pg_temp'
+    AS $_$
+WITH doomed AS MATERIALIZED (
+    SELECT r.run_id FROM runs AS r
+    WHERE r.state IN ('succeeded', 'failed', 'cancelled', 'dead') AND r.finished_at < $1
+      AND NOT EXISTS (
+          SELECT 1 FROM effects AS e
+          WHERE e.run_id = r.run_id AND e.status NOT IN ('confirmed', 'failed', 'rejected'))
+    ORDER BY r.finished_at
+    LIMIT $2
+    FOR UPDATE OF r SKIP LOCKED
+), events AS (
+    DELETE FROM run_events WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), messages AS (
+    DELETE FROM run_messages WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), effects_gone AS (
+    DELETE FROM effects WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), fences AS (
+    DELETE FROM effect_fences WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), signals AS (
+    DELETE FROM run_signals WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), budgets AS (
+    DELETE FROM run_budgets WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), ledger AS (
+    DELETE FROM budget_ledger WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), traces AS (
+    DELETE FROM run_traces WHERE run_id IN (SELECT run_id FROM doomed) RETURNING 1
+), gone AS (
+    DELETE FROM runs WHERE run_id IN (SELECT run_id FROM doomed) RETURNING run_id
+)
+SELECT (SELECT count(*) FROM gone) AS runs,
+       (SELECT count(*) FROM events) + (SELECT count(*) FROM messages)
+       + (SELECT count(*) FROM effects_gone) + (SELECT count(*) FROM fences)
+       + (SELECT count(*) FROM signals) + (SELECT count(*) FROM budgets)
+       + (SELECT count(*) FROM ledger) + (SELECT count(*) FROM traces) AS other_rows
+$_$;
 CREATE FUNCTION orchestrator.orchestrator_reserve_budget(p_run_id text, p_worker_id text, p_fence bigint, p_limits jsonb, p_turns bigint, p_input_tokens bigint, p_output_tokens bigint, p_cost numeric, OUT outcome text, OUT exhausted_by text, OUT tool_calls_left bigint) RETURNS record
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator'
@@ -248,6 +375,27 @@ BEGIN
     VALUES (p_run_id, 'reserve', p_fence, p_turns, p_input_tokens, p_output_tokens, p_cost);
     tool_calls_left := b.tool_calls_limit - b.tool_calls_spent;
     outcome := 'reserved';
+END
+$$;
+CREATE FUNCTION orchestrator.runs_fence_moves_only_by_claim() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator', 'pg_temp'
+    AS $$
+BEGIN
+    IF pg_has_role(current_user, (SELECT relowner FROM pg_class WHERE oid = TG_RELID), 'USAGE')
+    THEN
+        RETURN NEW;
+    END IF;
+    IF NEW.fence > OLD.fence + 1 AND NEW.fence = fence_floor() AND NEW.state = 'running'
+       AND ((OLD.state IN ('queued', 'waiting') AND OLD.available_at <= clock_timestamp())
+            OR (OLD.state = 'running' AND OLD.lease_until < clock_timestamp())) THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'run %: only a claim may move its fence (from % to % refused for role %)',
+        OLD.run_id, OLD.fence, NEW.fence, current_user
+        USING ERRCODE = 'insufficient_privilege',
+              HINT = 'a claim raises the fence of a due or expired run by one; a cancel '
+                     '(orchestrator_cancel_run) raises it too; nothing lowers it';
 END
 $$;
 CREATE TABLE orchestrator.access_tokens (
@@ -534,5 +682,6 @@ CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (st
 CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state = 'running'::text);
 CREATE TRIGGER audit_log_append_only BEFORE DELETE OR UPDATE ON orchestrator.audit_log FOR EACH ROW EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log FOR EACH STATEMENT EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
+CREATE TRIGGER runs_fence_guard BEFORE UPDATE OF fence ON orchestrator.runs FOR EACH ROW WHEN (((new.fence IS DISTINCT FROM old.fence) AND (NOT ((new.fence = (old.fence + 1)) AND (new.state = 'running'::text) AND (((old.state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (old.available_at <= clock_timestamp())) OR ((old.state = 'running'::text) AND (old.lease_until < clock_timestamp()))))))) EXECUTE FUNCTION orchestrator.runs_fence_moves_only_by_claim();
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;

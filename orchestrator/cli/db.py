@@ -1,12 +1,16 @@
-"""``orchestrator db``: migrate, status, the DSN in use, stopping the embedded server."""
+"""``orchestrator db``: migrate, status, least-privilege roles, the DSN in use, stopping the
+embedded server."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
-from orchestrator.cli.support import async_command, json_option, stderr, stdout
+from orchestrator.cli.support import F, async_command, json_option, stderr, stdout
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.grants import RoleNames, apply_grants, plan_grants
 from orchestrator.db.migrations import (
     available_migrations,
     current_version,
@@ -20,7 +24,7 @@ from orchestrator.settings import Settings
 
 @click.group()
 def db() -> None:
-    """Database: migrate, show the DSN in use, stop the embedded server."""
+    """Database: migrate, grant roles, show the DSN in use, stop the embedded server."""
 
 
 @db.command("migrate")
@@ -37,6 +41,59 @@ async def db_migrate(settings: Settings) -> None:
     for migration in applied:
         stderr.print(f"  applied {migration.version:04d}_{migration.name}")
     stdout.print(f"schema at version {latest_version()}" + ("" if applied else " (no change)"))
+
+
+def _role(kind: str, does: str) -> Callable[[F], F]:
+    """``--KIND NAME``: the role of one kind, by default ``RoleNames``' name for it."""
+    return click.option(
+        f"--{kind}", default=getattr(RoleNames(), kind), show_default=True, help=f"The role {does}."
+    )
+
+
+@db.command("grant")
+@_role("worker", "`orchestrator serve` connects as")
+@_role("dispatcher", "`orchestrator effects` (dispatch, reconcile) connects as")
+@_role("proxy", "the action proxy (`orchestrator effects serve`) connects as")
+@_role("console", "the web console and applications' clients connect as")
+@_role("migrator", "that owns the schema: runs migrations and the admin commands")
+@click.option("--dry-run", is_flag=True, help="Print the SQL it would run, and run nothing.")
+@json_option("What it did: the roles, those created, how many owner changes and statements.")
+@async_command
+async def db_grant(
+    settings: Settings,
+    worker: str,
+    dispatcher: str,
+    proxy: str,
+    console: str,
+    migrator: str,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Create or update the least-privilege roles (docs/database-roles.md): missing roles are
+    created NOLOGIN (grant them to login roles), the migrator role is made the schema's owner,
+    and the other four get exactly their grants. Rerun it after every `db migrate`."""
+    roles = RoleNames(worker, dispatcher, proxy, console, migrator)
+    dsn = resolve_dsn(settings)
+    connection = await connect(settings, dsn=dsn, application_name="orchestrator-grant")
+    try:
+        plan = await plan_grants(connection, settings.schema, roles)
+        if dry_run:
+            stdout.print(plan.sql(), markup=False)
+            return
+        await apply_grants(connection, plan)
+    finally:
+        await connection.close()
+    if as_json:
+        stdout.print_json(dump_json(plan.summary()))
+        return
+    for name in plan.created:
+        stderr.print(f"  created role {name} (NOLOGIN)", markup=False)
+    stdout.print(
+        f"granted schema {settings.schema} to "
+        + ", ".join(f"{kind} {name}" for kind, name in roles.by_kind().items())
+        + f" ({len(plan.owner_changes)} owner changes)",
+        markup=False,
+    )
 
 
 @db.command("url")

@@ -22,6 +22,7 @@ from importlib import resources
 
 import asyncpg
 
+from orchestrator.db.grants import quote_ident
 from orchestrator.errors import InvalidInput, SchemaTooNew
 from orchestrator.settings import check_schema_name
 
@@ -133,6 +134,7 @@ async def migrate(connection: asyncpg.Connection) -> list[Migration]:
             if migration.version <= version:
                 continue
             async with connection.transaction():
+                await _act_as_schema_owner(connection, schema)
                 await connection.execute(migration.sql)
                 await connection.execute(
                     f"INSERT INTO {VERSION_TABLE} (version, name) VALUES ($1, $2)",
@@ -143,6 +145,20 @@ async def migrate(connection: asyncpg.Connection) -> list[Migration]:
         return applied
     finally:
         await connection.execute("SELECT pg_advisory_unlock(hashtextextended($1, 0))", lock)
+
+
+async def _act_as_schema_owner(connection: asyncpg.Connection, schema: str) -> None:
+    """Within a migration's transaction, act as the schema's owner when the connected role is
+    only a member of it (a login granted ``orchestrator_migrator``, docs/database-roles.md), so
+    that what the migration creates belongs to the owner and ``db grant`` keeps its matrix."""
+    owner = await connection.fetchval(
+        "SELECT r.rolname FROM pg_namespace AS n JOIN pg_roles AS r ON r.oid = n.nspowner "
+        "WHERE n.nspname = $1 AND r.rolname <> current_user "
+        "AND pg_has_role(current_user, r.oid, 'MEMBER') AND NOT r.rolsuper",
+        schema,
+    )
+    if owner is not None:
+        await connection.execute(f"SET LOCAL ROLE {quote_ident(owner)}")
 
 
 async def _adopt_public_objects(connection: asyncpg.Connection, schema: str) -> None:
