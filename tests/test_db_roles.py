@@ -24,6 +24,7 @@ from orchestrator.access import PrincipalKind, Role, TokenScope
 from orchestrator.budgets import Budget, BudgetStore, Spend
 from orchestrator.db.access import AccessStore
 from orchestrator.db.connections import connect, create_pool
+from orchestrator.db.executor import Executor
 from orchestrator.db.grants import RoleNames, apply_grants, plan_grants, quote_ident
 from orchestrator.db.migrations import _act_as_schema_owner, migrate
 from orchestrator.db.purges import PurgeStore
@@ -124,8 +125,8 @@ async def refused(action: Callable[[], Awaitable[object]]) -> None:
     assert error is not None, f"not refused for privilege: {caught.value!r}"
 
 
-def refusing(pool: asyncpg.Pool, statement: str, *args: Any) -> Callable[[], Awaitable[object]]:
-    return lambda: pool.execute(statement, *args)
+def refusing(db: Executor, statement: str, *args: Any) -> Callable[[], Awaitable[object]]:
+    return lambda: db.execute(statement, *args)
 
 
 async def claimed_run(store: RunStore, worker: RunStore, agent: str = "roles") -> Any:
@@ -225,6 +226,35 @@ async def test_a_worker_cannot_decide_rewrite_an_effect_or_move_a_fence(logins: 
     await refused(
         refusing(console.pool, "UPDATE runs SET lease_until = now() WHERE run_id = $1", run_id)
     )
+
+
+async def test_a_worker_claims_onto_a_failover_floor_but_cannot_jump_there_by_hand(
+    logins: Logins,
+) -> None:
+    """After a failover a claim jumps to the new epoch's first fence: the guard lets the worker
+    role's claim through (by its function, since the fence moves by more than one) and still
+    refuses the same jump by hand under a live lease."""
+    admin = await asyncpg.connect(logins.admin_dsn)
+    try:
+        database = await admin.fetchval("SELECT current_database()")
+        await admin.execute(
+            f"ALTER DATABASE {quote_ident(database)} SET orchestrator.fence_epoch_offset = '1'"
+        )
+    finally:
+        await admin.close()
+    console = RunStore(await logins.pool("console"))  # new sessions: they see the epoch
+    worker = RunStore(await logins.pool("worker"))
+    claimed = await claimed_run(console, worker)
+    assert claimed.fence == 1 << 40
+    other = (await console.submit("roles", {})).run.run_id
+    [live] = (await worker.claim("w2", ["roles"], lease_seconds=30)).claimed
+    assert (live.run_id, live.fence) == (other, 1 << 40)
+    async with worker.pool.acquire() as db:
+        await db.execute("SET orchestrator.fence_epoch_offset = '2'")
+        await refused(
+            refusing(db, "UPDATE runs SET fence = fence_floor() WHERE run_id = $1", other)
+        )
+    assert (await console.get(other)).fence == 1 << 40
 
 
 # -- the console ------------------------------------------------------------------------------
