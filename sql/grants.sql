@@ -49,9 +49,10 @@ GRANT EXECUTE ON FUNCTION
     {schema}.audit_append(text, text, text, text, text, jsonb)
     TO {worker};
 
--- DISPATCHER (`orchestrator effects`): claims due effects under its own lease, re-checks them,
--- settles them and wakes their runs. Of a run it sees only what waking needs (never the input,
--- checkpoint or result); of an effect it may not change the payload, fence or approval.
+-- DISPATCHER (`orchestrator effects dispatch`): claims due effects under its own lease,
+-- re-checks them, settles them and wakes their runs. Of a run it sees only what waking needs
+-- (never the input, checkpoint or result); of an effect it may not change the payload, fence or
+-- approval.
 GRANT SELECT ON {schema}.effects TO {dispatcher};
 GRANT UPDATE (status, dispatcher, dispatcher_until, attempts, ever_dispatched, lookup_first,
               known_epoch, external_id, result, error, available_at, settled_at, updated_at)

@@ -52,7 +52,7 @@ def _role(kind: str, does: str) -> Callable[[F], F]:
 
 @db.command("grant")
 @_role("worker", "`orchestrator serve` connects as")
-@_role("dispatcher", "`orchestrator effects` (dispatch, reconcile) connects as")
+@_role("dispatcher", "`orchestrator effects dispatch` connects as")
 @_role("proxy", "the action proxy (`orchestrator effects serve`) connects as")
 @_role("console", "the web console and applications' clients connect as")
 @_role("migrator", "that owns the schema: runs migrations and the admin commands")
