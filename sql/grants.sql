@@ -97,6 +97,10 @@ GRANT UPDATE (turns_limit, tool_calls_limit, input_tokens_limit, output_tokens_l
               updated_at)
     ON {schema}.run_budgets TO {console};
 GRANT UPDATE (last_used_at) ON {schema}.access_tokens TO {console};
+-- Accounts mode with --oidc-group: a sign-in adds the person, or changes their role, from the
+-- provider's groups (audited). Tokens stay the admin's: the console cannot create or revoke one.
+GRANT INSERT (name, kind, role, created_by), UPDATE (kind, role, updated_at, disabled_at)
+    ON {schema}.principals TO {console};
 GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_cancel_run(text, text, text),
     {schema}.audit_append(text, text, text, text, text, jsonb)

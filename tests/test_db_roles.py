@@ -20,7 +20,7 @@ import asyncpg
 import httpx
 import pytest
 
-from orchestrator.access import PrincipalKind, Role, TokenScope
+from orchestrator.access import Actor, PrincipalKind, Role, TokenScope, Via
 from orchestrator.budgets import Budget, BudgetStore, Spend
 from orchestrator.db.access import AccessStore
 from orchestrator.db.connections import connect, create_pool
@@ -287,11 +287,21 @@ async def test_the_console_reads_and_decides_but_cannot_claim(logins: Logins) ->
     )
     cancelled = await console.cancel(waiting, reason="not needed")
     assert cancelled.state is RunState.CANCELLED
+    # Accounts mode: an OpenID Connect sign-in adds the person; tokens stay the admin's.
+    people = AccessStore(pool)
+    await people.set_principal(
+        "ana@example.com",
+        kind=PrincipalKind.PERSON,
+        role=Role.APPROVER,
+        actor=Actor("ana@example.com", Via.OIDC),
+    )
+    await refused(lambda: people.create_token("ana@example.com", expires_in=None))
     audit = await pool.fetch("SELECT principal, db_user, action FROM audit_log ORDER BY seq")
     console_login = logins.logins["console"]
     assert [tuple(row) for row in audit] == [
         (console_login, console_login, "approve"),
         (console_login, console_login, "cancel"),
+        ("ana@example.com", console_login, "principal_added"),
     ]
 
 
