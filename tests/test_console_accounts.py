@@ -188,6 +188,7 @@ async def test_a_personal_token_signs_in_and_its_revocation_ends_the_session(
     browser: BrowserContext,  # noqa: F811
 ) -> None:
     tokens = await people(pool)
+    approval = await awaiting_approval(store, pool, PAYLOAD)
     async with console(database_url, tmp_path, "--accounts") as running:
         page = await browser.new_page()
         await page.goto(f"{running.url}/runs")
@@ -199,6 +200,11 @@ async def test_a_personal_token_signs_in_and_its_revocation_ends_the_session(
         await page.get_by_role("button", name="sign in").click()
         await expect(page).to_have_url(f"{running.url}/cluster")
         await expect(page.locator("#mode")).to_contain_text("victor (viewer)")
+        await page.goto(f"{running.url}/attention")  # a viewer sees what waits, sizes only
+        row = page.locator(f"tr.effect:has(a:text('{approval}'))")
+        await expect(row).to_contain_text("your role may not act on this")
+        await expect(row).not_to_contain_text("refund-visible-to-approvers")
+        assert await row.get_by_role("button", name="approve").count() == 0
         cookies = "".join(str(cookie) for cookie in await browser.cookies())
         assert tokens["victor"] not in cookies
         revoked = cli(database_url, "users", "token", "revoke", _token_id(tokens["victor"]))
