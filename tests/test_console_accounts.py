@@ -332,3 +332,22 @@ async def test_the_providers_groups_decide_the_role_when_mapped(
         ("gina@example.com", "oidc"),
         ("olga@example.com", "oidc"),
     }
+
+
+@pytest.mark.parametrize("secure", [False, True])
+async def test_the_session_cookie_is_http_only_and_secure_when_asked(
+    database_url: str, tmp_path: Path, pool: asyncpg.Pool, secure: bool
+) -> None:
+    tokens = await people(pool)
+    args = ("--accounts", "--secure-cookies") if secure else ("--accounts",)
+    async with (
+        console(database_url, tmp_path, *args) as running,
+        httpx.AsyncClient(base_url=running.url, timeout=10) as http,
+    ):
+        form = {"token": tokens["victor"], "next": "/runs"}
+        signed = await http.post("/signin", data=form, headers={"Origin": running.url})
+    assert signed.status_code == 303 and signed.headers["location"] == "/runs"
+    cookie = signed.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=lax" in cookie
+    assert ("secure" in cookie.split("; ")) is secure
+    assert tokens["victor"].lower() not in cookie

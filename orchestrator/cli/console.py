@@ -72,6 +72,12 @@ SESSION_KEY_ENV = "ORCHESTRATOR_CONSOLE_SESSION_KEY"
     "may see and do. Implied by --oidc-issuer and --trusted-proxy.",
 )
 @click.option(
+    "--secure-cookies",
+    is_flag=True,
+    help="Accounts mode: mark the session cookie Secure (browsers reach the console over https, "
+    "for example through a TLS-terminating proxy).",
+)
+@click.option(
     "--oidc-issuer", help="Sign in through this OpenID Connect provider (its issuer URL)."
 )
 @click.option("--oidc-client-id", help="This console's client id at the provider.")
@@ -122,6 +128,7 @@ async def console(
     allowed_hosts: tuple[str, ...],
     allow_public_read_only: bool,
     accounts: bool,
+    secure_cookies: bool,
     oidc_issuer: str | None,
     oidc_client_id: str | None,
     oidc_client_secret_file: Path | None,
@@ -171,6 +178,7 @@ async def console(
                 accounts=people,
                 oidc=oidc,
                 session_key=os.environ.get(SESSION_KEY_ENV, ""),
+                secure_cookies=secure_cookies,
                 show_payloads=show_payloads,
                 schema=settings.schema,
                 refresh_seconds=refresh_seconds,

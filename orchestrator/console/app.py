@@ -66,6 +66,8 @@ class ConsoleConfig:
     oidc: OidcConfig | None = None
     session_key: str = ""
     """Signs accounts-mode session cookies; empty: a random key (sessions end on restart)."""
+    secure_cookies: bool = False
+    """Accounts-mode session cookies only over https (browsers reach the console through TLS)."""
     show_payloads: bool = False
     schema: str = "orchestrator"
     refresh_seconds: float = REFRESH_SECONDS
@@ -525,6 +527,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 session_cookie=ACCOUNTS_COOKIE,
                 max_age=int(accounts.session_seconds),
                 same_site="lax",
+                https_only=config.secure_cookies,
             )
         )
     return Starlette(
