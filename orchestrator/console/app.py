@@ -29,7 +29,6 @@ from starlette.templating import Jinja2Templates
 
 from orchestrator import access
 from orchestrator.access import Actor, Permission
-from orchestrator.db.audit import AuditStore
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.stores import Stores
 from orchestrator.effects.approvals import Decision
@@ -38,9 +37,10 @@ from orchestrator.errors import InvalidInput, OrchestratorError, RunNotFound
 
 from . import views
 from .auth import NAME_COOKIE, SESSION_COOKIE, TOKEN_ENV, Auth, Via, actor, origin_acceptable
-from .identity import Accounts, NotAllowed, Visitor, not_a_user, start_session, visitor_of
+from .identity import Accounts, NotAllowed, Visitor, visitor_of
 from .oidc import CALLBACK_PATH, OidcConfig, OidcSignIn
 from .privacy import MAX_SHOWN_BYTES, Shown
+from .signin import AccountSignIn
 
 TEMPLATES = Path(__file__).parent / "templates"
 STATIC = Path(__file__).parent / "static"
@@ -115,6 +115,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     if oidc is not None and accounts is None:
         raise ValueError("OpenID Connect sign-in needs accounts mode")
     can_sign_in = accounts is not None or auth.enabled
+    sign_in = AccountSignIn(stores.access, stores.audit, oidc)
     flash_key = secrets.token_bytes(32)
     """Signs the messages a redirect carries, so that a link cannot put words in the banner."""
 
@@ -352,30 +353,9 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         return response
 
     async def signin_with_token(request: Request, form: FormData) -> Response:
-        """A person's own token (``orchestrator users token create``) starts a session that
-        lasts while the token works."""
-        found = await stores.access.authenticate(_field(form, "token") or "")
-        if found is None:
-            raise Refused(403, "unknown, revoked or expired token: nothing changed")
-        if found.principal.kind is not access.PrincipalKind.PERSON:
-            raise Refused(403, "a service's token cannot sign in to the console: use your own")
-        return await signed_in(request, found.principal, access.Via.TOKEN, found.token_id, form)
-
-    async def signed_in(
-        request: Request,
-        principal: access.Principal,
-        via: access.Via,
-        token_id: str | None,
-        form: FormData | None = None,
-    ) -> Response:
-        start_session(request, principal, via, token_id)
-        await AuditStore(pool).append(
-            Actor(principal.name, via),
-            "sign_in",
-            detail={"role": principal.role.value, "token_id": token_id},
-        )
-        target = _local(_field(form, "next") if form is not None else None)
-        return RedirectResponse(target, status_code=303)
+        principal, token_id = await sign_in.with_token(_field(form, "token") or "")
+        await sign_in.begin(request, principal, access.Via.TOKEN, token_id)
+        return RedirectResponse(_local(_field(form, "next")), status_code=303)
 
     @page
     async def oidc_start(request: Request) -> Response:
@@ -384,42 +364,14 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         request.session["next"] = _local(request.query_params.get("next"))
         return await oidc.redirect(request)
 
-    async def role_from_groups(name: str, claims: dict[str, Any]) -> access.Principal:
-        """With ``--oidc-group``, the provider's groups decide the role: the person is added or
-        their role changed (audited as done by their own sign-in); a disabled one stays out."""
-        assert oidc is not None
-        role = oidc.config.role_of(claims)
-        if role is None:
-            raise NotAllowed(
-                403,
-                f"{name} is in none of the groups this console gives a role to (--oidc-group)",
-            )
-        known = await stores.access.entry(name)
-        if known is not None and (
-            known.disabled_at is not None or known.principal.kind is not access.PrincipalKind.PERSON
-        ):
-            raise not_a_user(name)  # an admin's disable outranks the provider's groups
-        if known is not None and known.principal.role is role:
-            return known.principal
-        entry = await stores.access.set_principal(
-            name, kind=access.PrincipalKind.PERSON, role=role, actor=Actor(name, access.Via.OIDC)
-        )
-        return entry.principal
-
     @page
     async def oidc_callback(request: Request) -> Response:
         if oidc is None:
             raise Refused(404, "this console does not sign in through OpenID Connect")
-        name, claims = await oidc.signed_in(request)
-        principal = await stores.access.principal(name)
-        if oidc.config.group_roles:
-            principal = await role_from_groups(name, claims)
-        if principal is None or principal.kind is not access.PrincipalKind.PERSON:
-            raise not_a_user(name)
+        principal = await sign_in.with_oidc(request)
         target = _local(request.session.get("next"))
-        response = await signed_in(request, principal, access.Via.OIDC, None)
-        response.headers["location"] = target
-        return response
+        await sign_in.begin(request, principal, access.Via.OIDC, None)
+        return RedirectResponse(target, status_code=303)
 
     @page
     async def signout(request: Request) -> Response:
