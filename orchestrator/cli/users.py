@@ -137,6 +137,12 @@ async def token_create(
                 f"{name} is {existing.role.value}, not {role}: change the role with "
                 f"`orchestrator users add {name} --role {role}` first"
             )
+        person = existing.kind is PrincipalKind.PERSON if existing else not service
+        if person and not scope.unlimited:
+            raise InvalidInput(
+                f"{name} is a person: --agent, --kind and --max-amount limit what a service "
+                "asks the action proxy for (add it with --service)"
+            )
         issued = await stores.access.create_token(
             name,
             expires_in=expires_in,
