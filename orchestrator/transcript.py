@@ -37,16 +37,20 @@ class Transcript:
         self._loaded = False
 
     async def messages(self) -> list[Message]:
+        return list(await self._committed())
+
+    async def _committed(self) -> list[Message]:
+        """The kept list itself (not a copy: a turn must not cost more as the transcript grows)."""
         if not self._loaded:
             self._messages = await self.store.messages(self.run_id)
             self._loaded = True
-        return list(self._messages)
+        return self._messages
 
     async def numbered(self, new: Sequence[Message], fence: int) -> list[Message]:
         """``new`` as they will be committed: numbered after the committed ones, under ``fence``."""
         if not new:
             return []
-        start = len(await self.messages())
+        start = len(await self._committed())
         return [replace(message, seq=start + i, fence=fence) for i, message in enumerate(new)]
 
     def committed(self, messages: Sequence[Message]) -> None:
