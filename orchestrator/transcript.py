@@ -30,11 +30,13 @@ class Transcript:
 
     __slots__ = ("_loaded", "_messages", "run_id", "store")
 
-    def __init__(self, store: RunStore, run_id: str) -> None:
+    def __init__(self, store: RunStore, run_id: str, *, empty: bool = False) -> None:
+        """``empty``: the run has committed nothing yet (messages are only written with a step's
+        commit), so there is nothing to read."""
         self.store = store
         self.run_id = run_id
         self._messages: list[Message] = []
-        self._loaded = False
+        self._loaded = empty
 
     async def messages(self) -> list[Message]:
         return list(await self._committed())
