@@ -42,7 +42,7 @@ class Transcript:
         return list(await self._committed())
 
     async def _committed(self) -> list[Message]:
-        """The kept list itself (not a copy: a turn must not cost more as the transcript grows)."""
+        """The kept list itself, not a copy: counting it must not cost more as it grows."""
         if not self._loaded:
             self._messages = await self.store.messages(self.run_id)
             self._loaded = True
