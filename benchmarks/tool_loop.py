@@ -1,48 +1,61 @@
-"""The tool loop's own cost: per-turn overhead as a conversation grows, and runs/s against the
-plain step API doing the same work.
+"""The tool loop's own cost: the worker's CPU per turn as a conversation grows, and runs/s
+against the plain step API doing the same work.
 
 Both measurements run one in-process worker (``orchestrator.testing.running_worker``) on a
 durable embedded PostgreSQL, against the scripted OpenAI-compatible model server
 (``orchestrator.loopback.ScriptedModelServer``) with no added latency, over real HTTP through
-the official ``openai`` client.
+the official ``openai`` client. The model server runs in a child process, so that the CPU this
+process spends is the worker's (and a poll of the run's state once a second).
 
-1. **Per-turn overhead.** One run of ``--turns`` (200) turns; each turn's model answer is one
-   read-only tool call whose result is a ``--message-bytes`` (2 KB) message, so the transcript
-   grows by about 4 KB a turn. The overhead of turn N is the time between the end of its
-   ``chat`` span (the model's answer is in) and the start of turn N+1's ``chat`` span: running
-   the tool, the fenced commit of the turn's messages and checkpoint, and preparing the next
-   turn (the transcript comes from the execution's cache). Sending a longer conversation to the
-   model is the model call's own cost and is not in it. Reported: the median overhead of turns
-   1-10 and of the last ten, their ratio (target: at most 1.2, i.e. flat), and p50/p99 overall.
-2. **Runs/s against the step API.** ``--runs`` (100) runs of three model turns each, one
+1. **CPU per turn.** One run of each of ``--turns`` (200 and 1,000) turns; each turn's model
+   answer is one read-only tool call whose result is a ``--message-bytes`` (2 KB) message, so
+   the transcript grows by about 2 KB a turn. Turn k's CPU is the process CPU time
+   (``time.process_time``) from the start of its ``chat`` span to the start of turn k+1's: the
+   loop's part (from the model's answer to the next model call: the tool, the fenced commit of
+   the turn's messages and checkpoint, preparing the next turn) and the model call's part
+   (encoding the request, which holds the whole conversation, and reading the answer). A least
+   squares line through each series (the first five turns, warming up, left out) gives the CPU
+   of turn 10 and of the last turn, their ratio (target: at most 1.2, i.e. flat) and the slope
+   in µs per turn per turn. Wall-clock medians are too noisy on a shared machine to tell a
+   flat cost from a growing one; CPU time is not.
+2. **Runs/s against the step API.** ``--runs`` (300) runs of three model turns each, one
    read-only tool call per turn, through the ``ToolAgent``; and the same runs through a plain
    three-step agent whose every step makes the same model call (``llm.complete``) and calls the
    same function, then commits its checkpoint. The loop's own cost is how much lower the tool
-   agent's runs/s is, in percent, as the median over ``--rounds`` (3) alternating rounds.
+   agent's runs/s is, in percent, as the median over ``--rounds`` (5) alternating rounds; the
+   same for this process's CPU per run (less noisy than runs/s on a shared machine).
 
-From the repository root: ``.venv/bin/python benchmarks/tool_loop.py`` (``--json`` for JSON;
-``--dsn`` for an existing server). About a minute.
+The worker logs at WARNING to stderr, so stdout holds only the report. From the repository
+root: ``.venv/bin/python benchmarks/tool_loop.py`` (``--json`` for JSON; ``--dsn`` for an
+existing server). About three minutes.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
 import os
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import anyio
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+
 from bench_main import benchmark_parser, run_and_report
-from bench_report import fmt, log, machine_facts, percentile, render_table
+from bench_report import fmt, log, machine_facts, render_table
 from orchestrator import Agent, Finish, Next, Outcome, Step, StepContext, ToolAgent, tool
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.llm import complete
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, ScriptRequest
+from orchestrator.models import TERMINAL_STATES, Run
+from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker, wait_for_run
 from serve_harness import Server, create_database, drop_database, settings_for
 
@@ -103,53 +116,140 @@ async def prepare(server: Server, name: str) -> tuple[str, RunStore]:
     return dsn, RunStore(pool)
 
 
-async def overhead(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+def serve_model(turns: int, size: int) -> None:
+    """The child process: the scripted model server until the parent closes our stdin."""
+
+    async def serve() -> None:
+        async with ScriptedModelServer(make_script(turns, size)) as model:
+            print(model.base_url, flush=True)
+            await anyio.to_thread.run_sync(sys.stdin.read)
+
+    anyio.run(serve)
+
+
+@contextlib.contextmanager
+def model_server(turns: int, size: int) -> Iterator[str]:
+    """A scripted model server in a child process (its CPU is not the worker's); its base URL."""
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--serve-model", str(turns), str(size)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        base_url = process.stdout.readline().strip()
+        if not base_url:
+            raise RuntimeError("the model server process did not start")
+        yield base_url
+    finally:
+        process.stdin.close()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class ChatCpu(SpanProcessor):
+    """This process's CPU time at the start and the end of every ``chat`` span (a model call):
+    the boundaries of each turn and of its model call."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        if span.name.startswith("chat "):
+            self.starts.append(time.process_time())
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.name.startswith("chat "):
+            self.ends.append(time.process_time())
+
+    def clear(self) -> None:
+        self.starts.clear()
+        self.ends.clear()
+
+
+CHAT_CPU = ChatCpu()
+WARM_UP_TURNS = 5
+"""Turns left out of the fit: the first pay for imports, the model client and connections."""
+
+
+def install_tracing() -> None:
+    """An SDK tracer provider whose only processor is ``CHAT_CPU`` (no span is exported)."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    exporter = InMemorySpanExporter()
     provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.add_span_processor(CHAT_CPU)
     trace.set_tracer_provider(provider)
+
+
+def line(name: str, turns: Sequence[int], micros: Sequence[float], last: int) -> dict[str, Any]:
+    """The least squares line through one series of CPU per turn: its value at turn 10 and at
+    turn ``last``, their ratio and its slope."""
+    slope, intercept = statistics.linear_regression(turns, micros)
+    at_10, at_last = intercept + 10 * slope, intercept + last * slope
+    return {
+        "series": name,
+        "us_at_turn_10": at_10,
+        "us_at_last_turn": at_last,
+        "ratio": at_last / at_10,
+        "slope_us_per_turn": slope,
+        "median_us": statistics.median(micros),
+    }
+
+
+async def finished(store: RunStore, run_id: str, within: float) -> Run:
+    """The run once it has finished, polled once a second (this process's CPU is measured)."""
+    with anyio.fail_after(within):
+        while True:
+            run = await store.get(run_id)
+            if run.state in TERMINAL_STATES:
+                return run
+            await anyio.sleep(1.0)
+
+
+async def cpu_per_turn(server: Server, args: argparse.Namespace, turns: int) -> dict[str, Any]:
     agent = ToolAgent(
-        "long_talk", instructions="Read every page.", tools=[fetch_page], max_turns=args.turns + 1
+        "long_talk", instructions="Read every page.", tools=[fetch_page], max_turns=turns + 1
     )
-    dsn, store = await prepare(server, f"bench_tool_overhead_{os.getpid()}")
+    name = f"bench_tool_overhead_{os.getpid()}_{turns}"
+    dsn, store = await prepare(server, name)
     try:
-        async with ScriptedModelServer(make_script(args.turns, args.message_bytes)) as model:
-            os.environ["OPENAI_BASE_URL"] = model.base_url
+        with model_server(turns, args.message_bytes) as base_url:
+            os.environ["OPENAI_BASE_URL"] = base_url
             os.environ.pop("OPENAI_API_KEY", None)
             run_id = (await store.submit(agent.name, {"prompt": "long"})).run.run_id
-            log(f"overhead: one run of {args.turns} turns, {args.message_bytes:,}-byte messages")
+            log(f"cpu per turn: one run of {turns} turns, {args.message_bytes:,}-byte messages")
+            CHAT_CPU.clear()
             async with running_worker(
                 settings_for(dsn), [agent], lease_seconds=30, heartbeat_seconds=10, poll_seconds=0.2
             ):
-                run = await wait_for_run(store, run_id, within=args.max_seconds)
-        chats = sorted(
-            (s for s in exporter.get_finished_spans() if s.name.startswith("chat ")),
-            key=lambda s: s.start_time or 0,
-        )
-        gaps = [
-            ((nxt.start_time or 0) - (this.end_time or 0)) / 1e6
-            for this, nxt in itertools.pairwise(chats)
-        ]
+                run = await finished(store, run_id, args.max_seconds)
+            starts, ends = list(CHAT_CPU.starts), list(CHAT_CPU.ends)
         messages = await store.messages(run_id)
     finally:
         await store.pool.close()
-        await drop_database(server.dsn, f"bench_tool_overhead_{os.getpid()}")
-    early, late = statistics.median(gaps[:10]), statistics.median(gaps[-10:])
+        await drop_database(server.dsn, name)
+    # Turn k (1-based) runs from chat start k to chat start k+1; the last turn has no successor.
+    numbers = list(range(WARM_UP_TURNS + 1, len(starts)))
+    total = [(starts[k] - starts[k - 1]) * 1e6 for k in numbers]
+    model = [(ends[k - 1] - starts[k - 1]) * 1e6 for k in numbers]
+    loop = [(starts[k] - ends[k - 1]) * 1e6 for k in numbers]
+    last = numbers[-1]
     return {
         "state": run.state.value,
-        "turns": len(chats),
+        "turns": len(starts),
         "transcript_messages": len(messages),
         "transcript_bytes": sum(len(str(m.body)) for m in messages),
-        "overhead_ms_first_10": early,
-        "overhead_ms_last_10": late,
-        "ratio_last_to_first": late / early,
-        "overhead_ms_p50": percentile(gaps, 0.5),
-        "overhead_ms_p99": percentile(gaps, 0.99),
+        "fits": [
+            line("turn (all)", numbers, total, last),
+            line("loop (tool, commit, next turn)", numbers, loop, last),
+            line("model call (client side)", numbers, model, last),
+        ],
         "target_ratio": 1.2,
     }
 
@@ -157,8 +257,9 @@ async def overhead(server: Server, args: argparse.Namespace) -> dict[str, Any]:
 async def throughput(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     tool_agent = ToolAgent("short_talk", instructions="", tools=[fetch_page], max_turns=5)
     rates: dict[str, list[float]] = {"tool_agent": [], "step_api": []}
-    async with ScriptedModelServer(make_script(3, 64)) as model:
-        os.environ["OPENAI_BASE_URL"] = model.base_url
+    cpu: dict[str, list[float]] = {"tool_agent": [], "step_api": []}
+    with model_server(3, 64) as base_url:
+        os.environ["OPENAI_BASE_URL"] = base_url
         for round_index in range(args.rounds):
             order = (
                 ("tool_agent", "step_api") if round_index % 2 == 0 else ("step_api", "tool_agent")
@@ -172,7 +273,7 @@ async def throughput(server: Server, args: argparse.Namespace) -> dict[str, Any]
                         (await store.submit(agent.name, {"prompt": f"{kind} {n}"})).run.run_id
                         for n in range(args.runs)
                     ]
-                    began = time.monotonic()
+                    began, cpu_began = time.monotonic(), time.process_time()
                     async with running_worker(
                         settings_for(dsn),
                         [agent],
@@ -185,6 +286,7 @@ async def throughput(server: Server, args: argparse.Namespace) -> dict[str, Any]
                         for run_id in run_ids:
                             await wait_for_run(store, run_id, within=args.max_seconds)
                     rate = args.runs / (time.monotonic() - began)
+                    cpu[kind].append((time.process_time() - cpu_began) / args.runs * 1e6)
                 finally:
                     await store.pool.close()
                     await drop_database(server.dsn, name)
@@ -193,68 +295,101 @@ async def throughput(server: Server, args: argparse.Namespace) -> dict[str, Any]
     ratios = [
         step / tool_ for tool_, step in zip(rates["tool_agent"], rates["step_api"], strict=True)
     ]
+    cpu_ratios = [
+        tool_ / step for tool_, step in zip(cpu["tool_agent"], cpu["step_api"], strict=True)
+    ]
     return {
         "runs_per_round": args.runs,
         "turns_per_run": 3,
         "tool_agent_runs_per_s": statistics.median(rates["tool_agent"]),
         "step_api_runs_per_s": statistics.median(rates["step_api"]),
         "loop_cost_percent": (statistics.median(ratios) - 1) * 100,
+        "loop_cost_percent_rounds": [(ratio - 1) * 100 for ratio in ratios],
         "rounds": dict(rates.items()),
+        "tool_agent_cpu_us_per_run": statistics.median(cpu["tool_agent"]),
+        "step_api_cpu_us_per_run": statistics.median(cpu["step_api"]),
+        "loop_cpu_cost_percent": (statistics.median(cpu_ratios) - 1) * 100,
+        "target_percent": 15.0,
     }
 
 
 async def benchmark(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    configure_logging(json_logs=True, level="warning")
+    install_tracing()
     return {
         "benchmark": "tool_loop",
         "machine": machine_facts(),
-        "overhead": await overhead(server, args),
+        "cpu_per_turn": [await cpu_per_turn(server, args, turns) for turns in args.turns],
         "throughput": await throughput(server, args),
     }
 
 
 def render(report: dict[str, Any]) -> str:
-    o, t = report["overhead"], report["throughput"]
-    lines = [
-        f"tool_loop: {report['machine'].get('cpus')} CPUs, Python {sys.version.split()[0]}",
+    t = report["throughput"]
+    lines = [f"tool_loop: {report['machine'].get('cpus')} CPUs, Python {sys.version.split()[0]}"]
+    for o in report["cpu_per_turn"]:
+        last = o["turns"] - 1
+        lines += [
+            "",
+            f"worker CPU per turn over one {o['turns']}-turn conversation "
+            f"({o['transcript_messages']} messages, {o['transcript_bytes']:,} bytes of "
+            "transcript; least squares line):",
+            *render_table(
+                ["series", "µs at turn 10", f"µs at turn {last}", "ratio", "slope µs/turn"],
+                [
+                    [
+                        f["series"],
+                        fmt(f["us_at_turn_10"]),
+                        fmt(f["us_at_last_turn"]),
+                        fmt(f["ratio"], ".2f"),
+                        fmt(f["slope_us_per_turn"], ".3f"),
+                    ]
+                    for f in o["fits"]
+                ],
+            ),
+        ]
+    lines += [
         "",
-        f"per-turn overhead over one {o['turns']}-turn conversation "
-        f"({o['transcript_messages']} messages, {o['transcript_bytes']:,} bytes of transcript):",
+        f"runs/s, {t['runs_per_round']} runs of {t['turns_per_run']} turns "
+        f"(median of {len(t['rounds']['tool_agent'])} rounds):",
         *render_table(
-            ["turns", "overhead (median ms)"],
+            ["agent", "runs/s", "worker CPU µs/run"],
             [
-                ["1-10", fmt(o["overhead_ms_first_10"], ".2f")],
-                ["last 10", fmt(o["overhead_ms_last_10"], ".2f")],
+                [
+                    "ToolAgent",
+                    fmt(t["tool_agent_runs_per_s"], ",.1f"),
+                    fmt(t["tool_agent_cpu_us_per_run"]),
+                ],
+                [
+                    "plain steps, same calls",
+                    fmt(t["step_api_runs_per_s"], ",.1f"),
+                    fmt(t["step_api_cpu_us_per_run"]),
+                ],
             ],
         ),
-        f"ratio last/first: {o['ratio_last_to_first']:.2f} (target <= {o['target_ratio']}); "
-        f"p50 {o['overhead_ms_p50']:.2f} ms, p99 {o['overhead_ms_p99']:.2f} ms",
-        "",
-        f"runs/s, {t['runs_per_round']} runs of {t['turns_per_run']} turns (median of rounds):",
-        *render_table(
-            ["agent", "runs/s"],
-            [
-                ["ToolAgent", fmt(t["tool_agent_runs_per_s"], ",.1f")],
-                ["plain steps, same calls", fmt(t["step_api_runs_per_s"], ",.1f")],
-            ],
-        ),
-        f"the loop's own cost: {t['loop_cost_percent']:.1f}%",
+        f"the loop's own cost: {t['loop_cost_percent']:.1f}% (target < {t['target_percent']:g}%; "
+        f"rounds: {', '.join(f'{p:.1f}' for p in t['loop_cost_percent_rounds'])}); "
+        f"in worker CPU per run: {t['loop_cpu_cost_percent']:.1f}%",
     ]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = benchmark_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--turns", type=int, nargs="+", default=[200, 1000])
     parser.add_argument("--message-bytes", type=int, default=2048)
-    parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-seconds", type=float, default=300.0)
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-seconds", type=float, default=600.0)
     args = parser.parse_args(argv)
-    if args.turns < 20 or args.runs < 1 or args.rounds < 1:
+    if min(args.turns) < 20 or args.runs < 1 or args.rounds < 1:
         parser.error("--turns must be at least 20, --runs and --rounds at least 1")
     run_and_report(args, "tool_loop", lambda server: benchmark(server, args), render)
     return 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve-model"]:
+        serve_model(int(sys.argv[2]), int(sys.argv[3]))
+        sys.exit(0)
     sys.exit(main())

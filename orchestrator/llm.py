@@ -336,7 +336,14 @@ async def _request(
     response_format: Mapping[str, Any] | None,
     max_tokens: int | None = None,
 ) -> tuple[str | None, tuple[ToolCall, ...], str, str | None, int | None, int | None]:
-    options: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages]}
+    # The messages go in ``extra_body``, sent as they are: they are JSON already, and the
+    # client's typed transform walks every field of every message, a cost that grows with the
+    # conversation on each turn (the transform only renames aliased fields chat messages lack).
+    options: dict[str, Any] = {
+        "model": model,
+        "messages": [],
+        "extra_body": {"messages": [m if isinstance(m, dict) else dict(m) for m in messages]},
+    }
     if max_tokens is not None:
         options["max_tokens"] = max_tokens
     if tools:

@@ -270,11 +270,11 @@ class ToolLoop:
         new += results
         if state.turn >= self.max_turns:
             return Fail(f"the turn limit of {self.max_turns} was reached", details=state.summary())
-        committed = [m.body for m in await ctx.transcript.messages()]
+        request = [m.body for m in await ctx.transcript.messages()]
+        request += (m.body for m in new)
         span = trace.get_current_span()  # the turn's own span (see step_class)
         span.set_attribute("gen_ai.conversation.id", ctx.run_id)
         span.set_attribute("orchestrator.turn", state.turn)
-        request = [*committed, *(m.body for m in new)]
         spending = _Spending(ctx, self, request)
         try:
             reply = await complete(
@@ -621,7 +621,10 @@ class _Spending:
         self.budget = ctx.budget
         self.loop = loop
         # Every token is at least one byte of the request: its size bounds the input tokens.
-        self.worst_input = len(json.dumps([request, loop.definitions]).encode())
+        # Only a budget reads it: encoding the whole conversation costs more every turn.
+        self.worst_input = (
+            len(json.dumps([request, loop.definitions]).encode()) if self.budget is not None else 0
+        )
         self.worst_output = loop.max_output_tokens or DEFAULT_WORST_OUTPUT_TOKENS
         self.model = ""
         self.attempts: tuple[ModelAttempt, ...] = ()

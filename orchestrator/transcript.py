@@ -30,23 +30,29 @@ class Transcript:
 
     __slots__ = ("_loaded", "_messages", "run_id", "store")
 
-    def __init__(self, store: RunStore, run_id: str) -> None:
+    def __init__(self, store: RunStore, run_id: str, *, empty: bool = False) -> None:
+        """``empty``: the run has committed nothing yet (messages are only written with a step's
+        commit), so there is nothing to read."""
         self.store = store
         self.run_id = run_id
         self._messages: list[Message] = []
-        self._loaded = False
+        self._loaded = empty
 
     async def messages(self) -> list[Message]:
+        return list(await self._committed())
+
+    async def _committed(self) -> list[Message]:
+        """The kept list itself, not a copy: counting it must not cost more as it grows."""
         if not self._loaded:
             self._messages = await self.store.messages(self.run_id)
             self._loaded = True
-        return list(self._messages)
+        return self._messages
 
     async def numbered(self, new: Sequence[Message], fence: int) -> list[Message]:
         """``new`` as they will be committed: numbered after the committed ones, under ``fence``."""
         if not new:
             return []
-        start = len(await self.messages())
+        start = len(await self._committed())
         return [replace(message, seq=start + i, fence=fence) for i, message in enumerate(new)]
 
     def committed(self, messages: Sequence[Message]) -> None:

@@ -4,7 +4,7 @@ scripted model server, a real HTTP vendor behind the dispatcher."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import pydantic
 import pytest
@@ -20,15 +20,17 @@ from orchestrator.loopback import (
     ScriptedCall,
     ScriptedModelServer,
     ScriptedTurn,
+    ScriptRequest,
     Slow,
     turns,
 )
-from orchestrator.models import RunState
+from orchestrator.models import Message, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent, effect_keys, recorded_effect_keys
 from orchestrator.tools import tool
+from orchestrator.transcript import Transcript
 from test_runtime import FAST
 from tool_agents_for_tests import ORDERS_TURNS, lookup_order, notify, orders
 
@@ -404,3 +406,35 @@ def test_effects_keyed_by_call_id_by_earlier_versions_are_still_shown() -> None:
     assert recorded_effect_keys(1, calls, {"call:1:call_1"}) == ["call:1:call_1", None]
     assert recorded_effect_keys(1, calls, {new}) == [new, None]
     assert recorded_effect_keys(1, calls, set()) == [None, None]
+
+
+async def test_each_turn_sends_the_model_the_committed_transcript_as_it_is(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[list[dict[str, Any]]] = []
+
+    def script(request: ScriptRequest) -> ScriptedTurn:
+        seen.append(request.messages)
+        return ORDERS_TURNS(request)
+
+    async with ScriptedModelServer(script) as model:
+        run_id, _ = await serve_one(
+            settings, store, orders, model, monkeypatch, {"prompt": "Where is o-17?"}
+        )
+    assert (await store.get(run_id)).state is RunState.SUCCEEDED
+    bodies = [m.body for m in await store.messages(run_id)]
+    # Turn N's request is the transcript up to its own assistant message, field for field.
+    assistants = [i for i, body in enumerate(bodies) if body["role"] == "assistant"]
+    assert seen == [bodies[:i] for i in assistants]
+
+
+class _NoReads:
+    async def messages(self, run_id: str) -> list[Message]:
+        raise AssertionError("a run that has committed nothing has no transcript to read")
+
+
+async def test_a_run_that_has_committed_nothing_does_not_read_its_transcript() -> None:
+    transcript = Transcript(cast(RunStore, _NoReads()), "r_x", empty=True)
+    assert await transcript.messages() == []
+    new = [Message(0, "user", {"role": "user", "content": "hi"})]
+    assert [m.seq for m in await transcript.numbered(new, fence=3)] == [0]

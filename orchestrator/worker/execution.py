@@ -148,7 +148,9 @@ class RunExecution:
         self.handle = handle
         self.services = services
         self.effects = effects
-        self.transcript = Transcript(services.store, claimed.run_id)
+        self.transcript = Transcript(
+            services.store, claimed.run_id, empty=claimed.checkpoint_version == 0
+        )
         self.span: Span = INVALID_SPAN
         """The attempt's span (see ``open_span``), ended when the attempt ends."""
         self.shutdown_requested = False
