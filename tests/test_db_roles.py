@@ -136,6 +136,17 @@ async def claimed_run(store: RunStore, worker: RunStore, agent: str = "roles") -
     return claimed
 
 
+async def awaiting_refund(console: RunStore, worker: RunStore, amount: int = 1) -> Any:
+    """A run the worker claimed, holding a refund that awaits approval."""
+    claimed = await claimed_run(console, worker)
+    async with worker.pool.acquire() as db:
+        effect = Effect("refund", "crm", {"amount": amount}, requires_approval=True)
+        await EffectStore(worker.pool).accept(
+            db, claimed.run_id, claimed.fence, effect, worker_id="w1"
+        )
+    return claimed
+
+
 # -- the worker -----------------------------------------------------------------------------
 async def test_a_worker_claims_commits_and_requests_effects(logins: Logins) -> None:
     console = RunStore(await logins.pool("console"))
@@ -262,12 +273,7 @@ async def test_the_console_reads_and_decides_but_cannot_claim(logins: Logins) ->
     pool = await logins.pool("console")
     console = RunStore(pool)
     worker = RunStore(await logins.pool("worker"))
-    claimed = await claimed_run(console, worker)
-    async with worker.pool.acquire() as db:
-        effect = Effect("refund", "crm", {"amount": 1}, requires_approval=True)
-        await EffectStore(worker.pool).accept(
-            db, claimed.run_id, claimed.fence, effect, worker_id="w1"
-        )
+    claimed = await awaiting_refund(console, worker)
     waiting = (await console.submit("roles", {"n": 2})).run.run_id
     await refused(lambda: console.claim("console", ["roles"]))
     await refused(lambda: console.claim_run("console", waiting))
@@ -311,12 +317,7 @@ async def test_the_console_process_serves_its_pages_as_the_console_role(
     """`orchestrator console` itself, connected as the console login: every page reads."""
     console = RunStore(await logins.pool("console"))
     worker = RunStore(await logins.pool("worker"))
-    claimed = await claimed_run(console, worker)
-    async with worker.pool.acquire() as db:
-        effect = Effect("refund", "crm", {"amount": 1}, requires_approval=True)
-        await EffectStore(worker.pool).accept(
-            db, claimed.run_id, claimed.fence, effect, worker_id="w1"
-        )
+    claimed = await awaiting_refund(console, worker)
     async with (
         running_console(logins.dsn("console"), tmp_path) as running,
         httpx.AsyncClient(base_url=running.url, timeout=30) as client,
@@ -558,12 +559,7 @@ async def test_db_grant_refuses_one_role_for_two_kinds(database_url: str) -> Non
 async def test_a_cli_decision_as_a_migrator_login_records_that_login(logins: Logins) -> None:
     console = RunStore(await logins.pool("console"))
     worker = RunStore(await logins.pool("worker"))
-    claimed = await claimed_run(console, worker)
-    async with worker.pool.acquire() as db:
-        effect = Effect("refund", "crm", {"amount": 3}, requires_approval=True)
-        await EffectStore(worker.pool).accept(
-            db, claimed.run_id, claimed.fence, effect, worker_id="w1"
-        )
+    claimed = await awaiting_refund(console, worker, amount=3)
     record = await EffectStore(console.pool).get(claimed.run_id, "refund")
     result = cli(
         logins.dsn("migrator"),
