@@ -676,6 +676,9 @@ async def test_a_parked_effect_is_resolved_from_the_browser(
     async with console(database_url, tmp_path, token=TOKEN) as running:
         page = await browser.new_page()
         await sign_in(page, running.url, "bob")
+        await page.goto(f"{running.url}/no-such-page")  # an error page knows who is signed in
+        await expect(page.locator("#mode")).to_have_text("signed in as bob")
+        await page.goto(f"{running.url}/attention")
         row = page.locator(f"tr.effect:has(a:text('{run.run_id}'))")
         await expect(row).to_contain_text("parked")
         await row.locator("select[name=decision]").select_option("sent")

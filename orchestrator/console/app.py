@@ -138,10 +138,14 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         if accounts is not None:
             found = await visitor_of(request, accounts, stores.access)
         else:
-            via = auth.via(request)
-            found = Visitor(shared_token=via is not Via.NONE, session=via is Via.COOKIE)
+            found = token_holder(request)
         request.state.visitor = found
         return found
+
+    def token_holder(request: Request) -> Visitor:
+        """Shared-token mode: whether the request holds the token (no database read)."""
+        via = auth.via(request)
+        return Visitor(shared_token=via is not Via.NONE, session=via is Via.COOKIE)
 
     async def reader(request: Request) -> Visitor:
         """The visitor of a page: in accounts mode, only someone signed in reads."""
@@ -156,7 +160,11 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         return found.may(Permission.SEE_PAYLOADS) if accounts is not None else config.show_payloads
 
     def render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
-        found = getattr(request.state, "visitor", None) or Visitor()
+        # A page rendered before anyone asked who is visiting (an unknown path's 404) still
+        # shows a shared-token holder as signed in; in accounts mode it shows nobody.
+        found = getattr(request.state, "visitor", None)
+        if found is None:
+            found = token_holder(request) if accounts is None else Visitor()
         common = {
             "can_decide": found.may(Permission.DECIDE),
             "can_resolve": found.may(Permission.OPERATE),
