@@ -364,7 +364,6 @@ async def measure_dispatch(
             )
             started.append(setup)
             made = await setup.answer()
-            interpreter.check(made["installed"])
             log(
                 f"{label}: {made['accepted']:,} accepted effects created in "
                 f"{time.perf_counter() - started_at:.1f}s"
@@ -463,28 +462,27 @@ async def measure_raw(vendor: VendorProcess, args: Config, client: str) -> dict[
     prefix = f"raw-{client}-"
     async with helpers() as started:
         argv = [sys.executable, str(SENDER_SCRIPT), "raw", vendor.url, str(args.effects)]
-        helper = await Helper.start(
-            [*argv, str(args.concurrency), client, prefix], env=dict(os.environ), name=label
-        )
+        argv += [str(args.concurrency), client, prefix, str(args.max_seconds)]
+        helper = await Helper.start(argv, env=dict(os.environ), name=label)
         started.append(helper)
         await helper.answer()
         vendor_cpu = await vendor.reset()
         await helper.tell("go")
-        report = await helper.answer(within=args.max_seconds + 10)
+        report = await helper.answer(within=args.max_seconds + 30)
         stats = await vendor.stats()
-    seconds = float(report["seconds"])
-    once = exactly_once(stats["counts"], {f"{prefix}{n:06d}" for n in range(1, args.effects + 1)})
+    seconds, sent = float(report["seconds"]), int(report["sent"])
+    once = exactly_once(stats["counts"], {f"{prefix}{n:06d}" for n in range(1, sent + 1)})
     row = {
         "kind": "raw",
         "label": label,
         "client": client,
         "effects": args.effects,
-        "confirmed": args.effects - int(report["errors"]),
+        "confirmed": sent - int(report["errors"]),
         "seconds": seconds,
-        "effects_per_s": args.effects / seconds if seconds > 0 else 0.0,
-        "timed_out": False,
+        "effects_per_s": sent / seconds if seconds > 0 else 0.0,
+        "timed_out": bool(report["timed_out"]),
         "cpu_seconds": float(report["cpu_seconds"]),
-        "cpu_ms_per_effect": 1000 * float(report["cpu_seconds"]) / args.effects,
+        "cpu_ms_per_effect": 1000 * float(report["cpu_seconds"]) / sent if sent else None,
         "vendor_cores": (float(stats["cpu_seconds"]) - vendor_cpu) / seconds if seconds else None,
         "errors": report["errors"],
         "first_error": report["first_error"],
@@ -493,7 +491,7 @@ async def measure_raw(vendor: VendorProcess, args: Config, client: str) -> dict[
     }
     log(
         f"{label}: {row['effects_per_s']:,.0f} requests/s, "
-        f"{row['cpu_ms_per_effect']:.3f} CPU ms/request, POSTs per key: {once_text(once)}"
+        f"{fmt(row['cpu_ms_per_effect'], '.3f')} CPU ms/request, POSTs per key: {once_text(once)}"
     )
     return row
 
@@ -1001,6 +999,14 @@ async def benchmark(server: Server, args: Config) -> dict[str, Any]:
     baseline = Interpreter(args.baseline_python) if args.baseline_python else None
     notes: list[str] = []
     async with helpers() as started:
+        for interpreter in [current, baseline] if baseline else [current]:
+            probe = await Helper.start(
+                [*interpreter.argv, str(SENDER_SCRIPT), "installed"],
+                env=interpreter.env(server.dsn),
+                name=f"{interpreter.label} interpreter",
+            )
+            started.append(probe)
+            interpreter.check((await probe.answer(within=60))["installed"])
         vendor = await start_vendor(started)
         try:
             raw_rows = [await measure_raw(vendor, args, "httpx")]

@@ -8,6 +8,7 @@ poll_seconds=)``, ``adapter_from_config``, ``RunStore.claim``, ``EffectStore.acc
 ``migrate``, ``connect`` and ``create_pool``. Each command prints its answers on stdout as
 ``@@ {json}`` lines (anything else there is ignored) and reads its cues on stdin:
 
+* ``installed``: which orchestrator this interpreter imports (checked before anything runs);
 * ``setup DSN PREFIX AGENT COUNT``: migrate the database with this release's migrations, then
   create COUNT accepted effect records the way a step commit does (runs inserted, claimed, and
   each run's effect accepted in a transaction); answers which orchestrator it imported;
@@ -15,10 +16,11 @@ poll_seconds=)``, ``adapter_from_config``, ``RunStore.claim``, ``EffectStore.acc
   and build a ``Dispatcher`` for kind ``crm`` (``http`` adapter, reconcile ``lookup``), say
   ``ready``, start at ``go``, and at ``stop`` answer the CPU time this process spent between
   the two (``resource.getrusage``: user + system) and the dispatcher's outcome counts;
-* ``raw URL COUNT CONCURRENCY CLIENT PREFIX``: the physical limit of the same requests, with
-  ``httpx`` or ``aiohttp`` (one client, CONCURRENCY tasks, keep-alive): ``ready``, then at
-  ``go`` COUNT POSTs of the dispatcher's payloads, each with its own ``Idempotency-Key``;
-  answers the seconds from go to the last answer and the CPU time over the same span.
+* ``raw URL COUNT CONCURRENCY CLIENT PREFIX MAX_SECONDS``: the physical limit of the same
+  requests, with ``httpx`` or ``aiohttp`` (one client, CONCURRENCY tasks, keep-alive):
+  ``ready``, then at ``go`` COUNT POSTs of the dispatcher's payloads, each with its own
+  ``Idempotency-Key``; answers the seconds from go to the last answer and the CPU time over
+  the same span (after MAX_SECONDS no new request is started: it answers how many it sent).
 """
 
 from __future__ import annotations
@@ -201,8 +203,12 @@ async def dispatch(
         await pool.close()
 
 
-async def raw(url: str, count: int, concurrency: int, client: str, prefix: str) -> None:
+async def raw(
+    url: str, count: int, concurrency: int, client: str, prefix: str, max_seconds: float
+) -> None:
     numbers = iter(range(1, count + 1))
+    sent = 0
+    deadline = float("inf")
     errors: list[str] = []
     post: Callable[[int], Awaitable[None]]
     close: Callable[[], Awaitable[None]]
@@ -244,31 +250,45 @@ async def raw(url: str, count: int, concurrency: int, client: str, prefix: str) 
         raise SystemExit(f"unknown client {client!r}")
 
     async def sender() -> None:
+        nonlocal sent
         for n in numbers:
             await post(n)
+            sent += 1
+            if time.perf_counter() > deadline:
+                return
 
     try:
         await post(0)  # connect once outside the timing
         say(ready=True)
         await cue("go")
         cpu_start, started = cpu_seconds(), time.perf_counter()
+        deadline = started + max_seconds
         await asyncio.gather(*(sender() for _ in range(concurrency)))
         seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu_start
     finally:
         await close()
-    say(seconds=seconds, cpu_seconds=cpu, sent=count, errors=len(errors), first_error=errors[:1])
+    say(
+        seconds=seconds,
+        cpu_seconds=cpu,
+        sent=sent,
+        timed_out=sent < count,
+        errors=len(errors),
+        first_error=errors[:1],
+    )
 
 
 def main(argv: list[str]) -> None:
     command, *args = argv
-    if command == "setup":
+    if command == "installed":
+        say(installed=installed())
+    elif command == "setup":
         asyncio.run(setup(args[0], args[1], args[2], int(args[3])))
     elif command == "dispatch":
         dsn, url, concurrency, batch, poll, name = args
         asyncio.run(dispatch(dsn, url, int(concurrency), int(batch), float(poll), name))
     elif command == "raw":
-        url, count, concurrency, client, prefix = args
-        asyncio.run(raw(url, int(count), int(concurrency), client, prefix))
+        url, count, concurrency, client, prefix, max_seconds = args
+        asyncio.run(raw(url, int(count), int(concurrency), client, prefix, float(max_seconds)))
     else:
         raise SystemExit(f"unknown command {command!r}")
 
