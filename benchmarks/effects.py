@@ -120,9 +120,11 @@ from orchestrator.testing import running_worker
 from orchestrator.worker import worker as supervisor_module
 from serve_harness import (
     DURABILITY_SHOWN,
+    CpuMeter,
     ServeProcess,
     Server,
     child_env,
+    cpu_shares,
     create_database,
     drop_database,
     queue_runs_sql,
@@ -385,6 +387,8 @@ async def measure_dispatch(
                     for row in await connection.fetch("SELECT idempotency_key FROM effects")
                 }
                 vendor_cpu = await vendor.reset()
+                meter = CpuMeter(None, server.postmaster_pid)
+                first = meter.sample()
                 db_start: datetime = await connection.fetchval("SELECT clock_timestamp()")
                 for sender in senders:
                     await sender.tell("go")
@@ -409,6 +413,7 @@ async def measure_dispatch(
                     await sender.tell("stop")
                 reports = [await sender.answer() for sender in senders]
                 stats = await vendor.stats()
+                shares = cpu_shares(first, meter.sample())
                 statuses = dict(
                     await connection.fetch("SELECT status, count(*) FROM effects GROUP BY 1")
                 )
@@ -441,7 +446,7 @@ async def measure_dispatch(
             1000 * float(report["cpu_seconds"]) * processes / confirmed if confirmed else None
             for report in reports
         ],
-        "vendor_cores": (float(stats["cpu_seconds"]) - vendor_cpu) / seconds if seconds else None,
+        **cores(shares, cpu, float(stats["cpu_seconds"]) - vendor_cpu),
         "vendor_lookups": stats["lookups"],
         "dispatcher_outcomes": dict(outcomes),
         "once": once,
@@ -456,7 +461,9 @@ async def measure_dispatch(
     return row
 
 
-async def measure_raw(vendor: VendorProcess, args: Config, client: str) -> dict[str, Any]:
+async def measure_raw(
+    server: Server, vendor: VendorProcess, args: Config, client: str
+) -> dict[str, Any]:
     """The same POSTs, payloads and concurrency as a dispatcher, from a bare client loop."""
     label = f"raw {client} loop"
     prefix = f"raw-{client}-"
@@ -467,8 +474,11 @@ async def measure_raw(vendor: VendorProcess, args: Config, client: str) -> dict[
         started.append(helper)
         await helper.answer()
         vendor_cpu = await vendor.reset()
+        meter = CpuMeter(None, server.postmaster_pid)
+        first = meter.sample()
         await helper.tell("go")
         report = await helper.answer(within=args.max_seconds + 30)
+        shares = cpu_shares(first, meter.sample())
         stats = await vendor.stats()
     seconds, sent = float(report["seconds"]), int(report["sent"])
     once = exactly_once(stats["counts"], {f"{prefix}{n:06d}" for n in range(1, sent + 1)})
@@ -483,7 +493,7 @@ async def measure_raw(vendor: VendorProcess, args: Config, client: str) -> dict[
         "timed_out": bool(report["timed_out"]),
         "cpu_seconds": float(report["cpu_seconds"]),
         "cpu_ms_per_effect": 1000 * float(report["cpu_seconds"]) / sent if sent else None,
-        "vendor_cores": (float(stats["cpu_seconds"]) - vendor_cpu) / seconds if seconds else None,
+        **cores(shares, float(report["cpu_seconds"]), float(stats["cpu_seconds"]) - vendor_cpu),
         "errors": report["errors"],
         "first_error": report["first_error"],
         "once": once,
@@ -494,6 +504,21 @@ async def measure_raw(vendor: VendorProcess, args: Config, client: str) -> dict[
         f"{fmt(row['cpu_ms_per_effect'], '.3f')} CPU ms/request, POSTs per key: {once_text(once)}"
     )
     return row
+
+
+def cores(shares: dict[str, float | None], senders: float, vendor: float) -> dict[str, Any]:
+    """Cores used from go to stop: by the dispatchers, the vendor, PostgreSQL (embedded server
+    only), this benchmark and every other program on the machine (the noise)."""
+    wall = shares["seconds"] or 0.0
+    if wall <= 0:
+        return dict.fromkeys(("dispatcher_cores", "vendor_cores", "postgres_cores", "other_cores"))
+    ours = senders / wall + vendor / wall + (shares["benchmark"] or 0.0)
+    return {
+        "dispatcher_cores": senders / wall,
+        "vendor_cores": vendor / wall,
+        "postgres_cores": shares["postgres"],
+        "other_cores": max((shares["machine_busy"] or 0.0) - ours - (shares["postgres"] or 0.0), 0),
+    }
 
 
 def aiohttp_missing() -> str | None:
@@ -1009,10 +1034,10 @@ async def benchmark(server: Server, args: Config) -> dict[str, Any]:
             interpreter.check((await probe.answer(within=60))["installed"])
         vendor = await start_vendor(started)
         try:
-            raw_rows = [await measure_raw(vendor, args, "httpx")]
+            raw_rows = [await measure_raw(server, vendor, args, "httpx")]
             missing = aiohttp_missing()
             if missing is None:
-                raw_rows.append(await measure_raw(vendor, args, "aiohttp"))
+                raw_rows.append(await measure_raw(server, vendor, args, "aiohttp"))
             else:
                 notes.append(missing)
                 log(missing)
@@ -1152,7 +1177,10 @@ def format_table(report: dict[str, Any]) -> str:
         "seconds",
         "confirmed",
         "CPU ms/effect",
-        "vendor cores",
+        "cores: sender",
+        "vendor",
+        "PostgreSQL",
+        "other",
         "POSTs per key",
     )
     lines = [throughput_line(row) for row in [*report["raw"], *report["dispatch"]]]
@@ -1226,7 +1254,10 @@ def format_table(report: dict[str, Any]) -> str:
             "x 1 process",
             "seconds",
             "CPU ms/effect",
-            "vendor cores",
+            "cores: dispatchers",
+            "vendor",
+            "PostgreSQL",
+            "other",
             "POSTs per key",
         ),
         [
@@ -1236,7 +1267,10 @@ def format_table(report: dict[str, Any]) -> str:
                 fmt(ratio(row["effects_per_s"], base), ".2f"),
                 seconds_text(row),
                 fmt(row["cpu_ms_per_effect"], ".3f"),
+                fmt(row["dispatcher_cores"], ".2f"),
                 fmt(row["vendor_cores"], ".2f"),
+                fmt(row["postgres_cores"], ".2f"),
+                fmt(row["other_cores"], ".2f"),
                 once_text(row["once"]),
             )
             for row in report["scaling"]
@@ -1261,7 +1295,10 @@ def throughput_line(row: dict[str, Any]) -> tuple[str, ...]:
         seconds_text(row),
         f"{row['confirmed']:,}/{row['effects']:,}",
         fmt(row["cpu_ms_per_effect"], ".3f"),
+        fmt(row["dispatcher_cores"], ".2f"),
         fmt(row["vendor_cores"], ".2f"),
+        fmt(row["postgres_cores"], ".2f"),
+        fmt(row["other_cores"], ".2f"),
         once_text(row["once"]),
     )
 
