@@ -9,9 +9,10 @@ the **dispatchers** and the **raw client loops** (``effects_dispatch.py``, which
 API that every release shares: ``Dispatcher(pool, adapters, dispatcher_id=, lease_seconds=,
 batch=, concurrency=, poll_seconds=)``, ``adapter_from_config`` with an ``http`` adapter,
 reconcile ``lookup``, ``RunStore.claim``, ``EffectStore.accept``, the migrations); and this
-process, which starts them, polls PostgreSQL and reports. ``LocalVendor`` (the test vendor)
-serves a few hundred requests per second of one core and would be the limit; this vendor
-serves several thousand, and its CPU share is reported so that one can see it was not.
+process, which starts them, polls PostgreSQL and reports. ``LocalVendor`` (the test vendor, on
+anyio streams) answered about 6,700 POSTs/s to the aiohttp loop in a check on this machine;
+this vendor answers 10,000/s on a fifth of a core, so it stays far from being the limit, and
+the table shows the cores it used in every measurement.
 
 What is measured, in ONE run:
 
@@ -30,7 +31,10 @@ What is measured, in ONE run:
    concurrency (that many tasks on one client, keep-alive) to the same vendor, with ``httpx``
    (the client ``HttpAdapter`` uses) and with ``aiohttp`` (optional: its row is skipped with a
    note if it is not installed), timed in their own process from go to the last answer.
-   Reported: dispatcher/baseline and dispatcher/best raw loop.
+   Reported: dispatcher/baseline and dispatcher/best raw loop, and for every row the cores used
+   from go to stop by the sender(s), the vendor, PostgreSQL (the embedded server only: psutil
+   over the postmaster and its children) and everything else on the machine ("other": other
+   programs on this shared machine, the noise to read every figure against).
 
 2. **Dispatcher CPU per effect**: the dispatcher process's own CPU time (``getrusage``, user +
    system) from go until it is told to stop (right after the last settle is seen), divided by
@@ -341,11 +345,14 @@ async def measure_dispatch(
     args: Config,
     index: int,
     processes: int,
+    round_number: int | None = None,
 ) -> dict[str, Any]:
     """``processes`` dispatcher processes of ``interpreter`` over ``args.effects`` effects."""
     label = f"Dispatcher ({interpreter.label}), {processes} process" + (
         "es" if processes > 1 else ""
     )
+    if round_number is not None and args.rounds > 1:
+        label += f", round {round_number}"
     database = f"orchestrator_bench_effects_{os.getpid()}_{index}"
     dsn = await create_database(server.dsn, database)
     try:
@@ -434,6 +441,7 @@ async def measure_dispatch(
         "label": label,
         "interpreter": interpreter.label,
         "processes": processes,
+        "round": round_number,
         "effects": args.effects,
         "confirmed": confirmed,
         "statuses": statuses,
@@ -974,6 +982,7 @@ class Config:
     batch: int
     dispatch_poll_seconds: float
     processes: tuple[int, ...]
+    rounds: int
     max_seconds: float
     noop_runs: int
     runs: int
@@ -1043,14 +1052,23 @@ async def benchmark(server: Server, args: Config) -> dict[str, Any]:
                 log(missing)
             index = 0
             dispatch_rows: list[dict[str, Any]] = []
-            # The baseline right before the current tree: the two figures of the ratio are
-            # measured as close together as they can be.
-            for interpreter in [baseline, current] if baseline else [current]:
-                index += 1
-                dispatch_rows.append(
-                    await measure_dispatch(server, vendor, interpreter, args, index, 1)
-                )
-            scaling_rows = [dispatch_rows[-1]]
+            # Each round measures the baseline and the current tree back to back (the two figures
+            # of a ratio as close together as they can be), in an order that alternates.
+            for round_number in range(1, args.rounds + 1):
+                order = [baseline, current] if baseline else [current]
+                if round_number % 2 == 0:
+                    order.reverse()
+                for interpreter in order:
+                    index += 1
+                    dispatch_rows.append(
+                        await measure_dispatch(
+                            server, vendor, interpreter, args, index, 1, round_number
+                        )
+                    )
+            # The 1-process row of the scaling table: the current tree's last round.
+            scaling_rows = [
+                next(row for row in reversed(dispatch_rows) if row["interpreter"] == "current")
+            ]
             for processes in args.processes:
                 if processes == 1:
                     continue
@@ -1086,6 +1104,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds of one release's 1-process dispatcher."""
+    cpu = [row["cpu_ms_per_effect"] for row in rows if row["cpu_ms_per_effect"] is not None]
+    return {
+        "rounds": len(rows),
+        "effects_per_s": statistics.median(row["effects_per_s"] for row in rows),
+        "cpu_ms_per_effect": statistics.median(cpu) if cpu else None,
+    }
+
+
 def build_report(
     args: Config,
     server: dict[str, str],
@@ -1100,8 +1128,16 @@ def build_report(
     baseline: Interpreter | None,
     notes: list[str],
 ) -> dict[str, Any]:
-    ours = next(row for row in dispatch_rows if row["interpreter"] == "current")
-    theirs = next((row for row in dispatch_rows if row["interpreter"] == "baseline"), None)
+    ours = summarize([row for row in dispatch_rows if row["interpreter"] == "current"])
+    theirs_rows = [row for row in dispatch_rows if row["interpreter"] == "baseline"]
+    theirs = summarize(theirs_rows) if theirs_rows else None
+    round_ratios = [
+        ratio(a["effects_per_s"], b["effects_per_s"])
+        for a in dispatch_rows
+        for b in theirs_rows
+        if a["interpreter"] == "current" and a["round"] == b["round"]
+    ]
+    known_ratios = [value for value in round_ratios if value is not None]
     best_raw = max(raw_rows, key=lambda row: row["effects_per_s"])
     cpu_ratio = ratio(ours["cpu_ms_per_effect"], noop["cpu_ms_per_run"])
     exact = all(row["exact"] for row in [*raw_rows, *dispatch_rows, *scaling_rows, latency])
@@ -1121,9 +1157,10 @@ def build_report(
         },
         "notes": notes,
         "ratios": {
-            "dispatcher_vs_baseline": ratio(
-                ours["effects_per_s"], theirs["effects_per_s"] if theirs else None
-            ),
+            "dispatcher_vs_baseline": statistics.median(known_ratios) if known_ratios else None,
+            "dispatcher_vs_baseline_rounds": known_ratios,
+            "current": ours,
+            "baseline": theirs,
             "dispatcher_vs_best_raw": ratio(ours["effects_per_s"], best_raw["effects_per_s"]),
             "best_raw": best_raw["label"],
             "dispatcher_cpu_vs_worker_run": cpu_ratio,
@@ -1186,16 +1223,27 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [throughput_line(row) for row in [*report["raw"], *report["dispatch"]]]
     out += render_table(header, lines)
     out += [f"  note: {note}" for note in report["notes"]]
+    ours, theirs = ratios["current"], ratios["baseline"]
+    rounds = f"median of {ours['rounds']} rounds" if ours["rounds"] > 1 else "1 round"
+    medians = f"  dispatcher (current): {ours['effects_per_s']:,.0f} effects/s ({rounds})"
+    if theirs is not None:
+        medians += f"; baseline: {theirs['effects_per_s']:,.0f} effects/s"
     out += [
+        medians,
         f"  dispatcher/baseline: {fmt(ratios['dispatcher_vs_baseline'], '.2f')}"
-        + ("" if ratios["dispatcher_vs_baseline"] is not None else " (no --baseline-python)"),
+        + (
+            " (median of the per-round ratios: "
+            + ", ".join(f"{value:.2f}" for value in ratios["dispatcher_vs_baseline_rounds"])
+            + ")"
+            if ratios["dispatcher_vs_baseline"] is not None
+            else " (no --baseline-python)"
+        ),
         f"  dispatcher/best raw loop ({ratios['best_raw']}): "
         f"{fmt(ratios['dispatcher_vs_best_raw'], '.2f')}",
     ]
     noop = report["noop_worker"]
-    ours = next(row for row in report["dispatch"] if row["interpreter"] == "current")
     cpu_line = (
-        f"2. CPU: dispatcher {fmt(ours['cpu_ms_per_effect'], '.3f')} ms/effect; worker "
+        f"2. CPU: dispatcher {fmt(ours['cpu_ms_per_effect'], '.3f')} ms/effect ({rounds}); worker "
         f"{fmt(noop['cpu_ms_per_run'], '.3f')} ms per no-op run ({noop['succeeded']:,} runs, "
         f"serve {noop['setting']}, {noop['runs_per_s']:,.0f} runs/s); dispatcher/worker "
         f"{fmt(ratios['dispatcher_cpu_vs_worker_run'], '.1f')}x (target <= "
@@ -1337,6 +1385,13 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         help="dispatcher process counts of the scaling table (default 1,2,4)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the 1-process dispatcher measurement (with --baseline-python: current "
+        "and baseline back to back, alternating order); medians are reported",
+    )
+    parser.add_argument(
         "--max-seconds", type=float, default=60.0, help="time bound of one measurement"
     )
     parser.add_argument(
@@ -1360,7 +1415,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     )
     config = Config(**vars(parser.parse_args(argv)))
     positive: list[float] = [config.effects, config.runs, config.worker_concurrency]
-    positive += [config.concurrency, config.batch, config.noop_runs]
+    positive += [config.concurrency, config.batch, config.noop_runs, config.rounds]
     positive += [config.max_seconds, config.poll_seconds, config.dispatch_poll_seconds]
     if any(value <= 0 for value in positive) or config.warmup_runs < 0:
         parser.error("every count and duration must be positive (--warmup-runs may be 0)")
