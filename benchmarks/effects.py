@@ -31,18 +31,21 @@ What is measured, in ONE run:
    concurrency (that many tasks on one client, keep-alive) to the same vendor, with ``httpx``
    (the client ``HttpAdapter`` uses) and with ``aiohttp`` (optional: its row is skipped with a
    note if it is not installed), timed in their own process from go to the last answer.
-   Reported: dispatcher/baseline and dispatcher/best raw loop, and for every row the cores used
+   The 1-process dispatcher is measured ``--rounds`` (3) times; with a baseline, each round
+   measures both back to back, in an order that alternates (baseline first in odd rounds).
+   Reported: dispatcher/baseline (the median of the per-round ratios) and dispatcher/best raw
+   loop (the median of the rounds over the faster loop), and for every row the cores used
    from go to stop by the sender(s), the vendor, PostgreSQL (the embedded server only: psutil
    over the postmaster and its children) and everything else on the machine ("other": other
    programs on this shared machine, the noise to read every figure against).
 
 2. **Dispatcher CPU per effect**: the dispatcher process's own CPU time (``getrusage``, user +
-   system) from go until it is told to stop (right after the last settle is seen), divided by
-   the effects confirmed; beside the **worker's CPU per no-op run**, measured in the same run:
-   ``--noop-runs`` (3,000) no-op runs queued in one statement and run by ``orchestrator serve
-   --agents orchestrator.agents.noop --concurrency 100 --claim-batch 50`` in its own process
-   (its CPU read with psutil from its first claim to its last completion). The ratio
-   dispatcher/worker is the figure issue 24 targets (10x or less): sending an effect should
+   system) from go until it is told to stop (right after the last settle is seen), divided by the
+   effects confirmed (the median of the rounds); beside the **worker's CPU per no-op run**,
+   measured in the same run: ``--noop-runs`` (3,000) no-op runs queued in one statement and run
+   by ``orchestrator serve --agents orchestrator.agents.noop --concurrency 100 --claim-batch 50``
+   in its own process (its CPU read with psutil from its first claim to its last completion). The
+   ratio dispatcher/worker is the figure issue 24 targets (10x or less): sending an effect should
    not cost much more than a whole run.
 
 3. **Commit-to-outcome latency** (ms). A worker runs in this process
@@ -68,21 +71,21 @@ What is measured, in ONE run:
 
 5. **Scaling**: 1, 2 and 4 dispatcher processes (``--processes``) of the current tree against
    the one vendor and one PostgreSQL, over the same number of effects (each process with the
-   same concurrency x batch): effects/s, the POSTs per key, and their CPU per effect. The
-   1-process row is measurement 1's.
+   same concurrency x batch): effects/s, the POSTs per key, their CPU per effect and the cores
+   of each party. The 1-process row is the current tree's last round of measurement 1.
 
 Why: the effect boundary is a transactional outbox. Its throughput bounds how many side effects
 a deployment can send, its CPU what sending them costs beside the runs that request them, and
 its latency is added to every step that waits for an outcome.
 
-This machine is shared (two cores): figures move with other work, the latencies most; compare
-the ratios, which are measured minutes apart in the same run, and read the load averages at the
-start and the end. The server (embedded and durable, or ``--dsn``), the scratch databases,
-``--json`` and the clean-up are those of every benchmark ("Common to all" in
-benchmarks/README.md); every child process is killed on the way out. Every measurement is
-bounded in time (``--max-seconds``, 60 s; 30 s per latency run); the defaults take two to three
-minutes. Run from the repository root: ``.venv/bin/python benchmarks/effects.py
-[--baseline-python ../base-venv/bin/python]``.
+This machine is shared (two cores): figures move with other work, the latencies most; compare the
+ratios, whose two sides are measured seconds apart in the same run, and read the load averages at
+the start and the end. The server (embedded and durable, or ``--dsn``), the scratch databases,
+``--json`` and the clean-up are those of every benchmark ("Common to all" in benchmarks/README.md);
+every child process is killed on the way out. Every measurement is bounded in time
+(``--max-seconds``, 60 s; 30 s per latency run); the defaults take two to three minutes. Run from
+the repository root: ``.venv/bin/python benchmarks/effects.py [--baseline-python
+../base-venv/bin/python]``.
 """
 
 from __future__ import annotations
