@@ -59,9 +59,9 @@ What is measured, in ONE run:
    p99 15 ms or less. The worker polls every ``--poll-seconds`` (2 s, serve's default), the
    fallback for missed NOTIFYs. Each run is split into consecutive parts from its events, the
    adapter (when ``send`` was called), the vendor (when the request arrived) and, while the
-   dispatcher still has them, its private claim and wake hooks (a subclass records them; parts
-   whose timestamps are missing are skipped, so the breakdown degrades instead of failing when
-   the internals change). Timestamps come from the database clock and this host's
+   dispatcher still has them, its private claim and wake hooks (a subclass records them; when a
+   timestamp is missing the parts around it are merged, so the breakdown degrades instead of
+   failing when the internals change). Timestamps come from the database clock and this host's
    ``time.time()`` (the vendor's too); the report shows the offset between the two clocks.
 
 4. **Exactly once**: after every measurement the vendor's POST count per idempotency key must
@@ -93,6 +93,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -424,9 +425,12 @@ async def measure_dispatch(
                 reports = [await sender.answer() for sender in senders]
                 stats = await vendor.stats()
                 shares = cpu_shares(first, meter.sample())
-                statuses = dict(
-                    await connection.fetch("SELECT status, count(*) FROM effects GROUP BY 1")
-                )
+                statuses: dict[str, int] = {
+                    row["status"]: row["count"]
+                    for row in await connection.fetch(
+                        "SELECT status, count(*) FROM effects GROUP BY 1"
+                    )
+                }
             finally:
                 await connection.close()
     finally:
@@ -612,9 +616,10 @@ async def measure_noop_runs(server: Server, args: Config) -> dict[str, Any]:
         "timed_out": timed_out,
         "setting": f"{NOOP_CONCURRENCY}x{NOOP_BATCH}",
     }
+    cpu_ms = row["cpu_ms_per_run"]
     log(
         f"worker: {finished:,} no-op runs at {row['runs_per_s']:,.0f} runs/s, "
-        f"{fmt(row['cpu_ms_per_run'], '.3f')} CPU ms/run"
+        f"{fmt(cpu_ms if isinstance(cpu_ms, float) else None, '.3f')} CPU ms/run"
     )
     return row
 
@@ -777,8 +782,33 @@ PARTS = {
     "vendor_to_confirmed": "vendor has it -> effect_confirmed event (answer, settle statement)",
     "confirmed_to_seen": "effect_confirmed -> step 2 sees it (COMMIT, NOTIFY, wake, re-read)",
 }
-"""The parts of one run's latency, in order. A part whose ends are not both known (a hook the
-dispatcher no longer has) is left out, and its neighbours are not merged across it."""
+"""The parts of one run's latency, in order; they add up to the total."""
+MOMENTS = (
+    "checkpoint event",
+    "effect_accepted",
+    "dispatcher woken",
+    "claim returned",
+    "send() called",
+    "vendor has the request",
+    "effect_confirmed",
+    "step 2 sees it",
+)
+"""The ends of the parts. When some are unknown (a hook the dispatcher no longer has), the parts
+around them are merged into one, named ``merged:FIRST -> LAST``: the parts still add up."""
+
+
+def split(moments: Sequence[float | None]) -> dict[str, float]:
+    """The parts (ms) between the known moments, in order."""
+    known = [(index, value) for index, value in enumerate(moments) if value is not None]
+    parts: dict[str, float] = {}
+    for (first, start), (last, end) in itertools.pairwise(known):
+        name = (
+            list(PARTS)[first]
+            if last == first + 1
+            else f"merged:{MOMENTS[first]} -> {MOMENTS[last]}"
+        )
+        parts[name] = ms(end - start)
+    return parts
 
 
 def breakdown(
@@ -816,11 +846,7 @@ def breakdown(
         "total_wall_ms": ms(observation.seen_wall - checkpoint.at.timestamp()),
         "probe_ms": ms(observation.probe_seconds),
         "dispatcher_woken": claim is not None and claim[0] is not None,
-        "parts_ms": {
-            part: ms(end - start)
-            for part, start, end in zip(PARTS, moments, moments[1:], strict=False)
-            if start is not None and end is not None
-        },
+        "parts_ms": split(moments),
     }
 
 
@@ -911,12 +937,13 @@ async def measure_latency(server: Server, vendor: VendorProcess, args: Config) -
                         seen.append((run_id, list(events), PROBE.observations[run_id]))
                         if len(seen) % 50 == 0:
                             log(f"  {len(seen)}/{args.runs} runs")
-            keys = dict(
-                await pool.fetch(
+            keys = {
+                row["idempotency_key"]: row["run_id"]
+                for row in await pool.fetch(
                     "SELECT idempotency_key, run_id FROM effects WHERE run_id = ANY($1)",
                     [run_id for run_id, _, _ in seen],
                 )
-            )
+            }
             all_keys = {
                 row["idempotency_key"]
                 for row in await pool.fetch("SELECT idempotency_key FROM effects")
@@ -952,7 +979,7 @@ async def measure_latency(server: Server, vendor: VendorProcess, args: Config) -
         "probe_ms": percentiles([row["probe_ms"] for row in rows]),
         "parts_ms": {
             part: percentiles([row["parts_ms"][part] for row in rows if part in row["parts_ms"]])
-            for part in PARTS
+            for part in dict.fromkeys(part for row in rows for part in row["parts_ms"])
         },
         "woken_by_notify": sum(1 for row in rows if row["dispatcher_woken"]),
         "dispatcher_hooks": bool(claims),
@@ -1282,15 +1309,15 @@ def format_table(report: dict[str, Any]) -> str:
         f"the dispatcher was woken by NOTIFY for {latency['woken_by_notify']} of "
         f"{latency['runs']} runs"
         if latency["dispatcher_hooks"]
-        else "the dispatcher's claim/wake hooks are gone: its parts are skipped"
+        else "the dispatcher's claim/wake hooks are gone: its parts are merged"
     )
     out.append(
         f"  where the time goes (p50 / p99 ms; {hooks}; {latency['over_poll_interval']} took a "
         "poll interval or longer):"
     )
-    for part, description in PARTS.items():
-        values = latency["parts_ms"].get(part) or {}
+    for part, values in latency["parts_ms"].items():
         if values:
+            description = PARTS.get(part, part.removeprefix("merged:") + " (parts merged)")
             out.append(f"    {description}: {values['p50']:.1f} / {values['p99']:.1f}")
     out += [
         "",

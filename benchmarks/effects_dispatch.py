@@ -99,7 +99,7 @@ async def open_connection(dsn: str) -> Any:
     try:
         from orchestrator.db.connections import connect
     except ModuleNotFoundError:  # older releases
-        from orchestrator.database import connect  # type: ignore[import-not-found,no-redef]
+        from orchestrator.database import connect  # type: ignore[import-not-found,no-redef,unused-ignore]
     return await connect(Settings(database_url=dsn), application_name="bench-effects-setup")
 
 
@@ -109,7 +109,7 @@ async def open_pool(dsn: str, name: str, size: int) -> Any:
     try:
         from orchestrator.db.connections import create_pool
     except ModuleNotFoundError:  # older releases
-        from orchestrator.database import create_pool  # type: ignore[import-not-found,no-redef]
+        from orchestrator.database import create_pool  # type: ignore[import-not-found,no-redef,unused-ignore]
     return await create_pool(
         Settings(database_url=dsn), application_name=name, min_size=size, max_size=size
     )
@@ -123,7 +123,7 @@ async def setup(dsn: str, prefix: str, agent: str, count: int) -> None:
     try:
         from orchestrator.db.migrations import migrate
     except ModuleNotFoundError:  # older releases
-        from orchestrator.migrations import migrate  # type: ignore[import-not-found,no-redef]
+        from orchestrator.migrations import migrate  # type: ignore[import-not-found,no-redef,unused-ignore]
 
     started = time.perf_counter()
     connection = await open_connection(dsn)
