@@ -1,245 +1,685 @@
-"""The effect path: dispatcher throughput, and commit-to-outcome latency, on loopback.
+"""The effect path: dispatcher throughput and CPU against its physical limit and an older release,
+its scaling over processes, and commit-to-outcome latency, on loopback (issue 24).
 
-What is measured, on one PostgreSQL server with durable commits and a local HTTP vendor
-(``orchestrator.testing.LocalVendor`` on 127.0.0.1, which honours ``Idempotency-Key``), sent to
-through ``orchestrator.effects.adapters.HttpAdapter`` (kind ``crm``, reconcile ``lookup``):
+Three kinds of process take part, each in its own: the **vendor** (``effects_vendor.py``: a
+lean HTTP/1.1 keep-alive server on 127.0.0.1, standard library only, that honours
+``Idempotency-Key``: ``POST /send`` delivers once per key and answers repeats with the first
+answer, ``GET /requests/{key}`` answers 200 or 404, ``GET /stats`` reports the POSTs per key);
+the **dispatchers** and the **raw client loops** (``effects_dispatch.py``, which imports only the
+API that every release shares: ``Dispatcher(pool, adapters, dispatcher_id=, lease_seconds=,
+batch=, concurrency=, poll_seconds=)``, ``adapter_from_config`` with an ``http`` adapter,
+reconcile ``lookup``, ``RunStore.claim``, ``EffectStore.accept``, the migrations); and this
+process, which starts them, polls PostgreSQL and reports. ``LocalVendor`` (the test vendor, on
+anyio streams) answered about 6,700 POSTs/s to the aiohttp loop in a check on this machine;
+this vendor answers 10,000/s on a fifth of a core, so it stays far from being the limit, and
+the table shows the cores it used in every measurement.
 
-1. **Dispatch throughput** (effects/s). ``--effects`` accepted effect records (500) are created
-   up front the way a step commit creates them: runs are inserted, claimed with
-   ``RunStore.claim``, and each run's effect is accepted with ``EffectStore.accept`` inside a
-   transaction (500 per transaction). Then one ``orchestrator.effects.dispatcher.Dispatcher`` is
-   started with each ``--dispatch`` setting (concurrency x batch: 20x20 and 50x50; its poll
-   interval is ``--dispatch-poll-seconds``, 1 s, the default of ``Dispatcher`` and of
-   ``orchestrator effects dispatch``) on a pool of its own (concurrency + 2 connections, opened
-   beforehand). The time runs from the database clock just before the dispatcher starts to the
-   last ``settled_at``. Every setting gets fresh records and a fresh vendor, whose request count
-   must equal the number of effects: a duplicate send would show there. The largest number of
-   records seen in ``dispatching`` at once (sampled every 0.1 s) is reported beside the
-   dispatcher's concurrency.
+What is measured, in ONE run:
 
-2. **Commit-to-outcome latency** (ms). A worker runs in this process
+1. **Dispatch throughput** (effects/s). A fresh database per measurement, migrated and filled by
+   the interpreter that dispatches (``effects_dispatch.py setup``: ``--effects`` runs, 5,000,
+   inserted, claimed with ``RunStore.claim`` and each run's effect accepted with
+   ``EffectStore.accept`` in transactions of 500, the way a step commit accepts it). Then the
+   dispatcher process opens its pool (concurrency + 2 connections) and builds its
+   ``Dispatcher`` (``--concurrency`` x ``--batch``, 50 x 50; poll ``--dispatch-poll-seconds``,
+   1 s, the default); the clock starts on the database clock just before it is told to go and
+   stops at the last ``settled_at``. Effects/s = confirmed / that span. Measured for the current
+   tree and, with ``--baseline-python PATH``, for an older release installed (not editable) in
+   another virtualenv: its interpreter runs the same script with ``-P`` (this tree is not on its
+   path) and the benchmark refuses it if it imports this tree. Beside them, the **raw client
+   loops**, the physical limit: the same number of POSTs with the same payloads and the same
+   concurrency (that many tasks on one client, keep-alive) to the same vendor, with ``httpx``
+   (the client ``HttpAdapter`` uses) and with ``aiohttp`` (optional: its row is skipped with a
+   note if it is not installed), timed in their own process from go to the last answer.
+   The 1-process dispatcher is measured ``--rounds`` (3) times; with a baseline, each round
+   measures both back to back, in an order that alternates (baseline first in odd rounds).
+   Reported: dispatcher/baseline (the median of the per-round ratios) and dispatcher/best raw
+   loop (the median of the rounds over the faster loop), and for every row the cores used
+   from go to stop by the sender(s), the vendor, PostgreSQL (the embedded server only: psutil
+   over the postmaster and its children) and everything else on the machine ("other": other
+   programs on this shared machine, the noise to read every figure against).
+
+2. **Dispatcher CPU per effect**: the dispatcher process's own CPU time (``getrusage``, user +
+   system) from go until it is told to stop (right after the last settle is seen), divided by the
+   effects confirmed (the median of the rounds); beside the **worker's CPU per no-op run**,
+   measured in the same run: ``--noop-runs`` (3,000) no-op runs queued in one statement and run
+   by ``orchestrator serve --agents orchestrator.agents.noop --concurrency 100 --claim-batch 50``
+   in its own process (its CPU read with psutil from its first claim to its last completion). The
+   ratio dispatcher/worker is the figure issue 24 targets (10x or less): sending an effect should
+   not cost much more than a whole run.
+
+3. **Commit-to-outcome latency** (ms). A worker runs in this process
    (``orchestrator.testing.running_worker``, its built-in dispatcher sending ``crm`` effects
-   through the same adapter) with a small agent defined below: step 1 requests one effect in the
-   commit of its checkpoint; step 2 awaits it with ``ctx.effects.wait`` and reads the database
-   clock as soon as that returns. A run's latency is that reading minus the ``at`` of the run's
-   ``checkpoint`` event. That event is written by step 1's commit statement, on the database
-   clock, a little before the COMMIT, so the figure slightly overstates the latency. ``--runs``
-   runs (150) go one at a time, after ``--warmup-runs`` (5) that are not counted. The target is
-   a p50 under 20 ms. The worker uses serve's default poll interval (``--poll-seconds``, 2 s),
-   which is only the fallback for missed NOTIFYs.
+   through ``adapter_from_config``'s adapter to the vendor process) with a small agent defined
+   below: step 1 requests one effect in the commit of its checkpoint; step 2 awaits it with
+   ``ctx.effects.wait`` and reads the database clock as soon as that returns. A run's latency
+   is that reading minus the ``at`` of its ``checkpoint`` event (written by step 1's commit
+   statement, a little before the COMMIT: the figure slightly overstates the latency).
+   ``--runs`` (150) runs one at a time after ``--warmup-runs`` (5). Targets: p50 5 ms or less,
+   p99 15 ms or less. The worker polls every ``--poll-seconds`` (2 s, serve's default), the
+   fallback for missed NOTIFYs. Each run is split into consecutive parts from its events, the
+   adapter (when ``send`` was called), the vendor (when the request arrived) and, while the
+   dispatcher still has them, its private claim and wake hooks (a subclass records them; when a
+   timestamp is missing the parts around it are merged, so the breakdown degrades instead of
+   failing when the internals change). Timestamps come from the database clock and this host's
+   ``time.time()`` (the vendor's too); the report shows the offset between the two clocks.
 
-   Each run's latency is split into seven consecutive parts, from the run's events, from a
-   ``TimedDispatcher`` (the shipped ``Dispatcher`` recording when NOTIFY woke it and when its
-   claim returned; the worker is made to build it for this measurement only), from the adapter
-   (when ``send`` was called) and from the vendor (when the request arrived). These timestamps
-   come from the database clock and from this host's ``time.time()``; the embedded server runs
-   on the same host, and the report shows the measured offset between the two clocks.
+4. **Exactly once**: after every measurement the vendor's POST count per idempotency key must
+   be exactly 1 for every key of the measurement (and no other key may have arrived), and every
+   effect must be ``confirmed``; the table prints it, and the benchmark exits with status 1
+   otherwise.
+
+5. **Scaling**: 1, 2 and 4 dispatcher processes (``--processes``) of the current tree against
+   the one vendor and one PostgreSQL, over the same number of effects (each process with the
+   same concurrency x batch): effects/s, the POSTs per key, their CPU per effect and the cores
+   of each party. The 1-process row is the current tree's last round of measurement 1.
 
 Why: the effect boundary is a transactional outbox. Its throughput bounds how many side effects
-a deployment can send, and its latency is added to every step that waits for an outcome.
+a deployment can send, its CPU what sending them costs beside the runs that request them, and
+its latency is added to every step that waits for an outcome.
 
-Diagnostics (skip them with ``--no-diagnostics``): the cost of one ``HttpAdapter.send`` and of
-the ``httpx.AsyncClient`` it builds for every request, timed one at a time against the same
-vendor; the throughput and latency measurements repeated with ``SharedClientAdapter``, a variant
-defined here (not shipped) that keeps one ``httpx.AsyncClient`` for all its sends; and one more
-throughput row with that variant and a 0.05 s dispatcher poll interval. They show how much of
-the figures above is the HTTP client's set-up, and how much the dispatcher's claim loop.
-
-The vendor runs in this process and shares its event loop and CPU with the dispatcher and the
-worker. "CPU ms/effect" is this process's CPU time per effect (dispatcher, vendor, pool and
-polling). Structlog output is limited to warnings, on stderr. The report records the machine's
-load average at the start and the end: other work on the machine moves every figure here, and
-the latencies most.
-
-The server (embedded and durable, or ``--dsn``), the scratch database, ``--json`` and the
-clean-up are those of every benchmark ("Common to all" in benchmarks/README.md). Every
-measurement is bounded in time (``--max-seconds``, 45 s, for a dispatch measurement, 30 s per
-latency run); with the defaults the whole benchmark takes two to three minutes. Run from the
-repository root: ``.venv/bin/python benchmarks/effects.py``.
+This machine is shared (two cores): figures move with other work, the latencies most; compare the
+ratios, whose two sides are measured seconds apart in the same run, and read the load averages at
+the start and the end. The server (embedded and durable, or ``--dsn``), the scratch databases,
+``--json`` and the clean-up are those of every benchmark ("Common to all" in benchmarks/README.md);
+every child process is killed on the way out. Every measurement is bounded in time
+(``--max-seconds``, 60 s; 30 s per latency run); the defaults take two to three minutes. Run from
+the repository root: ``.venv/bin/python benchmarks/effects.py [--baseline-python
+../base-venv/bin/python]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import itertools
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
-from typing import Any
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
 
 import anyio
 import asyncpg
 import httpx
+import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
 from bench_main import benchmark_parser, run_and_report
-from bench_report import log, render_table, report_heading, server_line, verdict
+from bench_report import fmt, log, render_table, report_heading, server_line, verdict, workload
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import (
-    Confirmed,
-    HttpAdapter,
-    SendOutcome,
-)
+from orchestrator.effects.adapters import adapter_from_config
 from orchestrator.effects.dispatcher import Dispatcher
-from orchestrator.effects.model import (
-    Effect,
-    EffectPolicy,
-    EffectRecord,
-    EffectStatus,
-    idempotency_key,
-)
-from orchestrator.effects.store import ClaimedEffect, EffectStore
+from orchestrator.effects.model import Effect
 from orchestrator.models import RunEvent, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.telemetry import configure_logging
-from orchestrator.testing import LocalVendor, running_worker
+from orchestrator.testing import running_worker
 from orchestrator.worker import worker as supervisor_module
-from serve_harness import DURABILITY_SHOWN, Server, create_database, drop_database, server_facts
+from serve_harness import (
+    DURABILITY_SHOWN,
+    CpuMeter,
+    ServeProcess,
+    Server,
+    child_env,
+    cpu_shares,
+    create_database,
+    drop_database,
+    queue_runs_sql,
+    server_facts,
+)
 
+HERE = Path(__file__).resolve().parent
+REPOSITORY = HERE.parent
+VENDOR_SCRIPT = HERE / "effects_vendor.py"
+SENDER_SCRIPT = HERE / "effects_dispatch.py"
+MARK = "@@ "
+"""How the helper processes prefix their answers on stdout."""
 KIND = "crm"
 EFFECT_KEY = "crm-update"
-TARGET_P50_MS = 20.0
-ACCEPT_BATCH = 500
-"""Effects accepted per set-up transaction (and runs claimed per set-up claim)."""
-SETUP_LEASE_SECONDS = 3_600.0
-"""The set-up runs' leases: long enough never to expire while the benchmark runs."""
-FAST_POLL = 0.05
-"""The dispatcher poll interval of the last diagnostic dispatch row."""
+TARGET_P50_MS = 5.0
+TARGET_P99_MS = 15.0
+TARGET_CPU_RATIO = 10.0
+"""Dispatcher CPU per effect over the worker's CPU per no-op run, at most."""
+NOOP_CONCURRENCY, NOOP_BATCH = 100, 50
 RUN_SECONDS = 30.0
 """Bound of one latency run, from its submit to its end."""
+HELPER_SECONDS = 120.0
+"""Longest wait for a helper process's answer (set-up included)."""
 ADAPTER_TIMEOUT_SECONDS = 10.0
 POLL_INTERVAL = 0.1
-"""How often the throughput measurement reads the effects' statuses (completion, in flight)."""
+"""How often a dispatch measurement reads the effects' statuses."""
+SEARCH_PATH = "orchestrator, public"
+"""The benchmark's own polling connections: the current layout keeps the tables in schema
+``orchestrator``, older releases in ``public``; unqualified names find both."""
 
 SERVER_SETTINGS_SHOWN = (*DURABILITY_SHOWN, "wal_sync_method", "shared_buffers")
 
 LOAD_AT_START = list(os.getloadavg())
-"""1, 5 and 15-minute load averages when the benchmark started: other work on the machine
-shows in every figure here, the latencies most."""
+"""1, 5 and 15-minute load averages when the benchmark started."""
 
 
-# -- adapters -------------------------------------------------------------------------------------
+# -- helper processes -----------------------------------------------------------------------------
 
 
-class TimedHttpAdapter(HttpAdapter):
-    """The shipped ``HttpAdapter``, recording when the dispatcher calls ``send`` (wall clock)."""
+class Helper:
+    """A child process answering ``@@ {json}`` lines on stdout and reading cues on stdin; its
+    stderr goes to a temporary file, shown when it fails."""
 
-    def __init__(self, vendor: LocalVendor) -> None:
-        super().__init__(
-            KIND,
-            url=vendor.send_url,
-            reconcile="lookup",
-            lookup_url=vendor.lookup_url,
-            timeout_seconds=ADAPTER_TIMEOUT_SECONDS,
+    def __init__(self, name: str, process: asyncio.subprocess.Process, stderr: IO[bytes]) -> None:
+        self.name = name
+        self.process = process
+        self._stderr = stderr
+
+    @classmethod
+    async def start(cls, argv: Sequence[str], *, env: dict[str, str], name: str) -> Helper:
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            env=env,
         )
-        self.sent_at: dict[str, float] = {}
+        return cls(name, process, stderr)
 
-    async def send(self, effect: EffectRecord) -> SendOutcome:
-        self.sent_at.setdefault(effect.idempotency_key, time.time())
-        return await self.send_untimed(effect)
+    async def answer(self, within: float = HELPER_SECONDS) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + within
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                line = await asyncio.wait_for(self.process.stdout.readline(), max(left, 0.001))
+            except TimeoutError:
+                raise RuntimeError(f"{self.name} did not answer within {within:.0f}s") from None
+            if not line:
+                await self.process.wait()
+                raise RuntimeError(
+                    f"{self.name} exited ({self.process.returncode}) without answering:\n"
+                    + self.tail()
+                )
+            text = line.decode(errors="replace")
+            if text.startswith(MARK):
+                answer: dict[str, Any] = json.loads(text[len(MARK) :])
+                return answer
 
-    async def send_untimed(self, effect: EffectRecord) -> SendOutcome:
-        return await super().send(effect)
+    async def tell(self, cue: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{cue}\n".encode())
+        await self.process.stdin.drain()
 
-    async def aclose(self) -> None:
-        """Nothing to close: the shipped adapter opens and closes a client per request."""
+    def tail(self, count: int = 20) -> str:
+        self._stderr.seek(0)
+        return "\n".join(self._stderr.read().decode(errors="replace").splitlines()[-count:])
 
-
-class SharedClientAdapter(TimedHttpAdapter):
-    """Diagnostic only, not shipped: the same requests and outcomes as ``HttpAdapter``, on one
-    ``httpx.AsyncClient`` kept for all sends (one SSL context, keep-alive connections)."""
-
-    def __init__(self, vendor: LocalVendor) -> None:
-        super().__init__(vendor)
-        self._shared: httpx.AsyncClient | None = None
-
-    def _client(self) -> httpx.AsyncClient:
-        # HttpAdapter's send and lookup both ask here for their client: this one is kept.
-        if self._shared is None:
-            self._shared = super()._client()
-        return self._shared
-
-    async def aclose(self) -> None:
-        if self._shared is not None:
-            await self._shared.aclose()
-            self._shared = None
-
-
-ADAPTERS: dict[str, type[TimedHttpAdapter]] = {
-    "shipped": TimedHttpAdapter,
-    "shared": SharedClientAdapter,
-}
-ADAPTER_LABELS = {
-    "shipped": "HttpAdapter",
-    "shared": "shared client (diagnostic)",
-}
-
-
-class TimedVendor(LocalVendor):
-    """``LocalVendor`` recording when each idempotency key's first request arrived."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.arrivals: dict[str, float] = {}
-
-    async def respond(
-        self, method: str, path: str, headers: dict[str, str], body: bytes
-    ) -> tuple[int, Any]:
-        if method == "POST" and path == "/send":
-            self.arrivals.setdefault(headers.get("idempotency-key", ""), time.time())
-        return await super().respond(method, path, headers, body)
+    async def close(self) -> None:
+        """End the process (closing its stdin first: the vendor and a finished helper exit)."""
+        if self.process.returncode is None:
+            if self.process.stdin is not None:
+                self.process.stdin.close()
+            try:
+                await asyncio.wait_for(self.process.wait(), 5)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        self._stderr.close()
 
 
-@dataclass(frozen=True)
-class ClaimTiming:
-    woken_at: float | None
-    """When NOTIFY woke the dispatcher before this claim (``None``: its poll timer did)."""
-    claimed_at: float
+@contextlib.asynccontextmanager
+async def helpers() -> Any:
+    """A list to start helpers into; every one still running is ended on leaving."""
+    started: list[Helper] = []
+    try:
+        yield started
+    finally:
+        for helper in started:
+            with anyio.CancelScope(shield=True):
+                await helper.close()
+
+
+class Interpreter:
+    """The Python that runs the dispatcher: this one (the current tree) or a baseline."""
+
+    def __init__(self, python: str | None) -> None:
+        self.baseline = python is not None
+        self.argv = [python, "-P"] if python is not None else [sys.executable]
+        self.label = "baseline" if python is not None else "current"
+        self.installed: dict[str, Any] | None = None
+
+    def env(self, dsn: str) -> dict[str, str]:
+        env = child_env(dsn)
+        if self.baseline:
+            env.pop("PYTHONPATH", None)
+        return env
+
+    def check(self, installed: dict[str, Any]) -> None:
+        """A baseline must not import this tree (an editable install would measure it twice);
+        the current interpreter must."""
+        if self.installed is not None:
+            return
+        package = Path(installed["package"]).resolve()
+        inside = package.is_relative_to(REPOSITORY)
+        if self.baseline and inside:
+            raise RuntimeError(
+                f"{self.argv[0]} imports the current tree ({package}), not an installed release: "
+                "install the baseline non-editable in a virtualenv of its own"
+            )
+        if not self.baseline and not inside:
+            raise RuntimeError(f"this interpreter imports {package}, not the tree at {REPOSITORY}")
+        self.installed = installed
+        log(
+            f"{self.label}: {installed['distribution']} {installed['orchestrator_version']} at "
+            f"{package} (Python {installed['python']})"
+        )
+
+
+class VendorProcess:
+    """The vendor in its own process, and an HTTP client to read its statistics."""
+
+    def __init__(self, helper: Helper, port: int) -> None:
+        self.helper = helper
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
+
+    async def reset(self) -> float:
+        """Forget every key; return the vendor's CPU seconds so far."""
+        await self.client.post("/reset")
+        return float((await self.stats())["cpu_seconds"])
+
+    async def stats(self) -> dict[str, Any]:
+        response = await self.client.get("/stats")
+        response.raise_for_status()
+        stats: dict[str, Any] = response.json()
+        return stats
+
+
+def exactly_once(counts: dict[str, int], expected: set[str]) -> dict[str, Any]:
+    """The vendor's POSTs per key against the keys of one measurement."""
+    per_key = Counter(counts.get(key, 0) for key in expected)
+    return {
+        "keys": len(expected),
+        "posts": sum(counts.values()),
+        "posts_per_key": {str(n): per_key[n] for n in sorted(per_key)},
+        "unexpected_keys": len(set(counts) - expected),
+        "exact": set(per_key) == {1} and not set(counts) - expected,
+    }
+
+
+def once_text(check: dict[str, Any]) -> str:
+    if check["exact"]:
+        return f"1 for all {check['keys']:,}"
+    parts = [f"{n}: {keys:,} keys" for n, keys in check["posts_per_key"].items()]
+    if check["unexpected_keys"]:
+        parts.append(f"{check['unexpected_keys']} unknown keys")
+    return "NO (" + ", ".join(parts) + ")"
+
+
+# -- dispatch and raw measurements ----------------------------------------------------------------
+
+
+async def open_connection(dsn: str) -> asyncpg.Connection:
+    """The benchmark's own connection: plain asyncpg, either release's table layout."""
+    return await asyncpg.connect(
+        dsn, server_settings={"application_name": "bench-effects", "search_path": SEARCH_PATH}
+    )
+
+
+PROGRESS_SQL = """
+SELECT count(*) FILTER (WHERE status = 'confirmed') AS confirmed,
+       count(*) FILTER (WHERE status IN ('failed', 'rejected', 'parked')) AS settled_otherwise,
+       max(settled_at) AS last_settled
+FROM effects
+"""
+
+
+async def measure_dispatch(
+    server: Server,
+    vendor: VendorProcess,
+    interpreter: Interpreter,
+    args: Config,
+    index: int,
+    processes: int,
+    round_number: int | None = None,
+) -> dict[str, Any]:
+    """``processes`` dispatcher processes of ``interpreter`` over ``args.effects`` effects."""
+    label = f"Dispatcher ({interpreter.label}), {processes} process" + (
+        "es" if processes > 1 else ""
+    )
+    if round_number is not None and args.rounds > 1:
+        label += f", round {round_number}"
+    database = f"orchestrator_bench_effects_{os.getpid()}_{index}"
+    dsn = await create_database(server.dsn, database)
+    try:
+        async with helpers() as started:
+            started_at = time.perf_counter()
+            setup = await Helper.start(
+                [
+                    *interpreter.argv,
+                    str(SENDER_SCRIPT),
+                    "setup",
+                    dsn,
+                    "r_fx_",
+                    "bench_fx",
+                    str(args.effects),
+                ],
+                env=interpreter.env(dsn),
+                name=f"{interpreter.label} set-up",
+            )
+            started.append(setup)
+            made = await setup.answer()
+            log(
+                f"{label}: {made['accepted']:,} accepted effects created in "
+                f"{time.perf_counter() - started_at:.1f}s"
+            )
+            senders = []
+            for number in range(processes):
+                name = f"bench-dispatch-{index}-{number}"
+                argv = [*interpreter.argv, str(SENDER_SCRIPT), "dispatch", dsn, vendor.url]
+                argv += [str(args.concurrency), str(args.batch), str(args.dispatch_poll_seconds)]
+                sender = await Helper.start([*argv, name], env=interpreter.env(dsn), name=name)
+                started.append(sender)
+                senders.append(sender)
+            for sender in senders:
+                await sender.answer()
+            connection = await open_connection(dsn)
+            try:
+                keys = {
+                    row["idempotency_key"]
+                    for row in await connection.fetch("SELECT idempotency_key FROM effects")
+                }
+                vendor_cpu = await vendor.reset()
+                meter = CpuMeter(None, server.postmaster_pid)
+                first = meter.sample()
+                db_start: datetime = await connection.fetchval("SELECT clock_timestamp()")
+                for sender in senders:
+                    await sender.tell("go")
+                wall_start = time.perf_counter()
+                deadline, last_logged = wall_start + args.max_seconds, wall_start
+                timed_out = False
+                while True:
+                    await anyio.sleep(POLL_INTERVAL)
+                    progress = await connection.fetchrow(PROGRESS_SQL)
+                    assert progress is not None
+                    done = progress["confirmed"] + progress["settled_otherwise"]
+                    now = time.perf_counter()
+                    if done >= args.effects:
+                        break
+                    if now > deadline:
+                        timed_out = True
+                        break
+                    if now - last_logged >= 5:
+                        last_logged = now
+                        log(f"  {done:,}/{args.effects:,} settled after {now - wall_start:.0f}s")
+                for sender in senders:
+                    await sender.tell("stop")
+                reports = [await sender.answer() for sender in senders]
+                stats = await vendor.stats()
+                shares = cpu_shares(first, meter.sample())
+                statuses: dict[str, int] = {
+                    row["status"]: row["count"]
+                    for row in await connection.fetch(
+                        "SELECT status, count(*) FROM effects GROUP BY 1"
+                    )
+                }
+            finally:
+                await connection.close()
+    finally:
+        await drop_database(server.dsn, database)
+    confirmed = int(progress["confirmed"])
+    last_settled: datetime | None = progress["last_settled"]
+    seconds = (last_settled - db_start).total_seconds() if last_settled else args.max_seconds
+    cpu = sum(float(report["cpu_seconds"]) for report in reports)
+    outcomes: Counter[str] = Counter()
+    for report in reports:
+        outcomes.update(report.get("outcomes") or {})
+    once = exactly_once(stats["counts"], keys)
+    row = {
+        "kind": "dispatcher",
+        "label": label,
+        "interpreter": interpreter.label,
+        "processes": processes,
+        "round": round_number,
+        "effects": args.effects,
+        "confirmed": confirmed,
+        "statuses": statuses,
+        "seconds": seconds,
+        "effects_per_s": confirmed / seconds if seconds > 0 else 0.0,
+        "timed_out": timed_out,
+        "cpu_seconds": cpu,
+        "cpu_ms_per_effect": 1000 * cpu / confirmed if confirmed else None,
+        "cpu_ms_per_effect_by_process": [
+            1000 * float(report["cpu_seconds"]) * processes / confirmed if confirmed else None
+            for report in reports
+        ],
+        **cores(shares, cpu, float(stats["cpu_seconds"]) - vendor_cpu),
+        "vendor_lookups": stats["lookups"],
+        "dispatcher_outcomes": dict(outcomes),
+        "once": once,
+        "exact": once["exact"] and confirmed == args.effects and not timed_out,
+    }
+    log(
+        f"{label}: {row['effects_per_s']:,.0f} effects/s, {confirmed:,} confirmed in "
+        f"{seconds:.2f}s, {fmt(row['cpu_ms_per_effect'], '.3f')} CPU ms/effect, POSTs per key: "
+        + once_text(once)
+        + (" (TIMED OUT)" if timed_out else "")
+    )
+    return row
+
+
+async def measure_raw(
+    server: Server, vendor: VendorProcess, args: Config, client: str
+) -> dict[str, Any]:
+    """The same POSTs, payloads and concurrency as a dispatcher, from a bare client loop."""
+    label = f"raw {client} loop"
+    prefix = f"raw-{client}-"
+    async with helpers() as started:
+        argv = [sys.executable, str(SENDER_SCRIPT), "raw", vendor.url, str(args.effects)]
+        argv += [str(args.concurrency), client, prefix, str(args.max_seconds)]
+        helper = await Helper.start(argv, env=dict(os.environ), name=label)
+        started.append(helper)
+        await helper.answer()
+        vendor_cpu = await vendor.reset()
+        meter = CpuMeter(None, server.postmaster_pid)
+        first = meter.sample()
+        await helper.tell("go")
+        report = await helper.answer(within=args.max_seconds + 30)
+        shares = cpu_shares(first, meter.sample())
+        stats = await vendor.stats()
+    seconds, sent = float(report["seconds"]), int(report["sent"])
+    once = exactly_once(stats["counts"], {f"{prefix}{n:06d}" for n in range(1, sent + 1)})
+    row = {
+        "kind": "raw",
+        "label": label,
+        "client": client,
+        "effects": args.effects,
+        "confirmed": sent - int(report["errors"]),
+        "seconds": seconds,
+        "effects_per_s": sent / seconds if seconds > 0 else 0.0,
+        "timed_out": bool(report["timed_out"]),
+        "cpu_seconds": float(report["cpu_seconds"]),
+        "cpu_ms_per_effect": 1000 * float(report["cpu_seconds"]) / sent if sent else None,
+        **cores(shares, float(report["cpu_seconds"]), float(stats["cpu_seconds"]) - vendor_cpu),
+        "errors": report["errors"],
+        "first_error": report["first_error"],
+        "once": once,
+        "exact": once["exact"] and not report["errors"],
+    }
+    log(
+        f"{label}: {row['effects_per_s']:,.0f} requests/s, "
+        f"{fmt(row['cpu_ms_per_effect'], '.3f')} CPU ms/request, POSTs per key: {once_text(once)}"
+    )
+    return row
+
+
+def cores(shares: dict[str, float | None], senders: float, vendor: float) -> dict[str, Any]:
+    """Cores used from go to stop: by the dispatchers, the vendor, PostgreSQL (embedded server
+    only), this benchmark and every other program on the machine (the noise)."""
+    wall = shares["seconds"] or 0.0
+    if wall <= 0:
+        return dict.fromkeys(("dispatcher_cores", "vendor_cores", "postgres_cores", "other_cores"))
+    ours = senders / wall + vendor / wall + (shares["benchmark"] or 0.0)
+    return {
+        "dispatcher_cores": senders / wall,
+        "vendor_cores": vendor / wall,
+        "postgres_cores": shares["postgres"],
+        "other_cores": max((shares["machine_busy"] or 0.0) - ours - (shares["postgres"] or 0.0), 0),
+    }
+
+
+def aiohttp_missing() -> str | None:
+    """Why the aiohttp row is skipped, or ``None`` if aiohttp can be imported."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError as error:
+        return f"aiohttp is not installed ({error}): its raw loop is skipped"
+    return None
+
+
+# -- the worker's CPU per no-op run ---------------------------------------------------------------
+
+NOOP_QUEUE_SQL = queue_runs_sql("r_noop", "noop", "'{}'::jsonb")
+
+
+async def measure_noop_runs(server: Server, args: Config) -> dict[str, Any]:
+    """CPU per no-op run of one ``orchestrator serve`` process (the current tree)."""
+    database = f"orchestrator_bench_effects_{os.getpid()}_noop"
+    dsn = await create_database(server.dsn, database)
+    try:
+        admin = await connect(Settings(database_url=dsn), application_name="bench-setup")
+        try:
+            await migrate(admin)
+        finally:
+            await admin.close()
+        connection = await open_connection(dsn)
+        try:
+            await connection.execute(NOOP_QUEUE_SQL, args.noop_runs)
+            await connection.execute("ANALYZE")
+            worker = ServeProcess(
+                dsn,
+                "--agents",
+                "orchestrator.agents.noop",
+                "--concurrency",
+                str(NOOP_CONCURRENCY),
+                "--claim-batch",
+                str(NOOP_BATCH),
+                name="bench-noop-worker",
+            )
+            try:
+                process = psutil.Process(worker.pid)
+
+                def cpu() -> float:
+                    times = process.cpu_times()
+                    return float(times.user + times.system)
+
+                deadline = time.monotonic() + args.max_seconds + 30
+                queued = "SELECT count(*) FROM runs WHERE state = 'queued'"
+                while await connection.fetchval(queued) >= args.noop_runs:
+                    if time.monotonic() > deadline or not worker.alive():
+                        raise RuntimeError(f"the no-op worker never claimed:\n{worker.tail()}")
+                    await anyio.sleep(0.005)
+                cpu_start, wall_start = cpu(), time.perf_counter()
+                done = "SELECT count(*) FROM runs WHERE state = 'succeeded'"
+                timed_out = False
+                while True:
+                    finished = await connection.fetchval(done)
+                    cpu_end = cpu()
+                    if finished >= args.noop_runs:
+                        break
+                    if time.monotonic() > deadline:
+                        timed_out = True
+                        break
+                    await anyio.sleep(POLL_INTERVAL)
+                seconds = time.perf_counter() - wall_start
+            finally:
+                await worker.stop()
+        finally:
+            await connection.close()
+    finally:
+        await drop_database(server.dsn, database)
+    row = {
+        "runs": args.noop_runs,
+        "succeeded": int(finished),
+        "seconds": seconds,
+        "runs_per_s": finished / seconds if seconds > 0 else 0.0,
+        "cpu_seconds": cpu_end - cpu_start,
+        "cpu_ms_per_run": 1000 * (cpu_end - cpu_start) / finished if finished else None,
+        "timed_out": timed_out,
+        "setting": f"{NOOP_CONCURRENCY}x{NOOP_BATCH}",
+    }
+    cpu_ms = row["cpu_ms_per_run"]
+    log(
+        f"worker: {finished:,} no-op runs at {row['runs_per_s']:,.0f} runs/s, "
+        f"{fmt(cpu_ms if isinstance(cpu_ms, float) else None, '.3f')} CPU ms/run"
+    )
+    return row
+
+
+# -- latency --------------------------------------------------------------------------------------
+
+CLAIM_HOOK, WAKE_HOOK = "_claim", "wake"
+"""The dispatcher's private claim and wake methods that ``TimedDispatcher`` wraps, while they
+exist: the breakdown's dispatcher parts are skipped when they do not."""
 
 
 class TimedDispatcher(Dispatcher):
     """The shipped ``Dispatcher``, recording (wall clock) when it was woken and when each claim
-    returned. Used for the latency breakdown only; it changes no behaviour."""
+    returned, through its private hooks if it still has them; it changes no behaviour, and when
+    the hooks are gone it records nothing."""
 
     def __init__(self, *args: Any, **options: Any) -> None:
         super().__init__(*args, **options)
-        self._woken_at: float | None = None
-        self.claims: dict[str, ClaimTiming] = {}
+        self.bench_woken_at: float | None = None
+        self.claims: dict[str, tuple[float | None, float]] = {}
+        """Idempotency key: (when NOTIFY woke the dispatcher before its claim, or ``None``,
+        when the claim returned)."""
+        for hook, timed in ((CLAIM_HOOK, self._timed_claim), (WAKE_HOOK, self._timed_wake)):
+            original = getattr(self, hook, None)
+            if callable(original):
+                setattr(self, f"_bench_original{hook}", original)
+                setattr(self, hook, timed)
 
-    def wake(self) -> None:
-        if self._woken_at is None:
-            self._woken_at = time.time()
-        super().wake()
+    def _timed_wake(self, *args: Any, **options: Any) -> Any:
+        if self.bench_woken_at is None:
+            self.bench_woken_at = time.time()
+        return getattr(self, f"_bench_original{WAKE_HOOK}")(*args, **options)
 
-    async def _claim(self) -> list[ClaimedEffect]:
-        woken_at, self._woken_at = self._woken_at, None
-        claimed = await super()._claim()
+    async def _timed_claim(self, *args: Any, **options: Any) -> Any:
+        woken_at, self.bench_woken_at = self.bench_woken_at, None
+        claimed = await getattr(self, f"_bench_original{CLAIM_HOOK}")(*args, **options)
         claimed_at = time.time()
-        for effect in claimed:
-            self.claims[effect.record.idempotency_key] = ClaimTiming(woken_at, claimed_at)
+        with contextlib.suppress(TypeError):
+            for effect in claimed:
+                record = getattr(effect, "record", effect)
+                key = getattr(record, "idempotency_key", None)
+                if isinstance(key, str):
+                    self.claims[key] = (woken_at, claimed_at)
         return claimed
 
 
-@contextmanager
+@contextlib.contextmanager
 def timed_worker_dispatcher() -> Iterator[None]:
-    """Workers started inside build a ``TimedDispatcher`` (``Worker.run`` looks the name up
-    in its module when it starts)."""
+    """Workers started inside build a ``TimedDispatcher`` if their module still looks
+    ``Dispatcher`` up when it starts one (else they build theirs, and the parts are skipped)."""
     namespace = vars(supervisor_module)
-    original = namespace["Dispatcher"]
+    original = namespace.get("Dispatcher")
+    if original is not Dispatcher:
+        yield
+        return
     namespace["Dispatcher"] = TimedDispatcher
     try:
         yield
     finally:
         namespace["Dispatcher"] = original
-
-
-# -- the latency agent ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -316,228 +756,6 @@ def latency_agent(name: str) -> Agent:
     return Agent(name, first=RequestEffect, steps=[AwaitOutcome])
 
 
-# -- configuration --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DispatchSetting:
-    concurrency: int
-    batch: int
-    poll_seconds: float | None = None
-    """The dispatcher's poll interval; ``None``: ``--dispatch-poll-seconds``."""
-
-    @property
-    def label(self) -> str:
-        poll = f", poll {self.poll_seconds:g}s" if self.poll_seconds is not None else ""
-        return f"{self.concurrency}x{self.batch}{poll}"
-
-
-@dataclass(frozen=True)
-class Config:
-    """The workload; every field has a command-line flag of the same name."""
-
-    dsn: str | None
-    json: bool
-    effects: int
-    dispatch: tuple[DispatchSetting, ...]
-    max_seconds: float
-    runs: int
-    warmup_runs: int
-    dispatch_poll_seconds: float
-    poll_seconds: float
-    worker_concurrency: int
-    diagnostics: bool
-
-    def describe(self) -> dict[str, Any]:
-        described = {key: value for key, value in asdict(self).items() if key not in ("dsn",)}
-        described["dispatch"] = [setting.label for setting in self.dispatch]
-        described.pop("json")
-        return described
-
-    def dispatch_runs(self) -> list[tuple[str, DispatchSetting]]:
-        """(adapter, setting) of every dispatch measurement, in order."""
-        runs = [("shipped", setting) for setting in self.dispatch]
-        if self.diagnostics:
-            runs += [("shared", setting) for setting in self.dispatch]
-            last = self.dispatch[-1]
-            runs.append(("shared", DispatchSetting(last.concurrency, last.batch, FAST_POLL)))
-        return runs
-
-    @property
-    def adapters(self) -> list[str]:
-        return ["shipped", "shared"] if self.diagnostics else ["shipped"]
-
-
-# -- throughput -----------------------------------------------------------------------------------
-
-INSERT_RUNS_SQL = """
-INSERT INTO runs (run_id, agent, input)
-SELECT $1 || lpad(g::text, 6, '0'), $2, jsonb_build_object('n', g)
-FROM generate_series(1, $3) AS g
-"""
-
-PROGRESS_SQL = """
-SELECT count(*) FILTER (WHERE status = 'confirmed') AS confirmed,
-       count(*) FILTER (WHERE status IN ('failed', 'rejected', 'parked')) AS settled_otherwise,
-       count(*) FILTER (WHERE status = 'dispatching') AS dispatching,
-       max(settled_at) AS last_settled
-FROM effects
-WHERE run_id LIKE $1 || '%'
-"""
-
-WITHDRAW_SQL = """
-DELETE FROM effects
-WHERE run_id LIKE $1 || '%' AND status IN ('accepted', 'dispatching', 'uncertain')
-"""
-
-
-async def accepted_effects(
-    pool: asyncpg.Pool, admin: asyncpg.Connection, prefix: str, agent: str, count: int
-) -> set[str]:
-    """``count`` accepted effect records, created the way a step commit creates them: the run is
-    claimed (so its fence is current) and the effect accepted at the boundary in a transaction.
-    Returns their idempotency keys."""
-    await admin.execute(INSERT_RUNS_SQL, prefix, agent, count)
-    store, effects = RunStore(pool), EffectStore(pool)
-    keys: set[str] = set()
-    while len(keys) < count:
-        batch = await store.claim(
-            "bench-requester",
-            [agent],
-            limit=min(ACCEPT_BATCH, count - len(keys)),
-            lease_seconds=SETUP_LEASE_SECONDS,
-        )
-        if not batch.claimed:
-            raise RuntimeError(f"set-up claimed {len(keys)} of {count} runs, then none")
-        async with pool.acquire() as connection, connection.transaction():
-            for run in batch.claimed:
-                effect = Effect(EFFECT_KEY, KIND, {"customer": "bench", "n": run.input["n"]})
-                answer = await effects.accept(
-                    connection, run.run_id, run.fence, effect, worker_id="bench-requester"
-                )
-                if answer.outcome != "accepted":
-                    raise RuntimeError(f"set-up effect of {run.run_id}: {answer.outcome}")
-        keys.update(idempotency_key(run.run_id, EFFECT_KEY) for run in batch.claimed)
-    await admin.execute("ANALYZE runs, effects, run_events")
-    return keys
-
-
-async def measure_dispatch(
-    admin: asyncpg.Connection,
-    dsn: str,
-    args: Config,
-    index: int,
-    setting: DispatchSetting,
-    adapter_name: str,
-) -> dict[str, Any]:
-    prefix, agent = f"r_tp{index}_", f"bench_tp_{index}"
-    settings = Settings(database_url=dsn)
-    pool_size = setting.concurrency + 2
-    poll = setting.poll_seconds if setting.poll_seconds is not None else args.dispatch_poll_seconds
-    label = f"{ADAPTER_LABELS[adapter_name]}, {setting.label}"
-    pool = await create_pool(
-        settings,
-        application_name=f"bench-dispatch-{index}",
-        min_size=pool_size,
-        max_size=pool_size,
-        keep_session_state=True,
-    )
-    try:
-        started = time.perf_counter()
-        keys = await accepted_effects(pool, admin, prefix, agent, args.effects)
-        log(
-            f"dispatch {label}: {len(keys):,} accepted effects created in "
-            f"{time.perf_counter() - started:.1f}s; dispatching"
-        )
-        async with TimedVendor() as vendor:
-            adapter = ADAPTERS[adapter_name](vendor)
-            dispatcher = Dispatcher(
-                pool,
-                {KIND: adapter},
-                dispatcher_id=f"bench-dispatch-{index}",
-                batch=setting.batch,
-                concurrency=setting.concurrency,
-                poll_seconds=poll,
-            )
-            max_dispatching = 0
-            progress: asyncpg.Record | None = None
-            timed_out = False
-            try:
-                async with anyio.create_task_group() as group:
-                    db_start: datetime = await admin.fetchval("SELECT clock_timestamp()")
-                    cpu_start, wall_start = time.process_time(), time.perf_counter()
-                    group.start_soon(dispatcher.run)
-                    deadline = wall_start + args.max_seconds
-                    last_logged = wall_start
-                    while True:
-                        await anyio.sleep(POLL_INTERVAL)
-                        progress = await admin.fetchrow(PROGRESS_SQL, prefix)
-                        assert progress is not None
-                        max_dispatching = max(max_dispatching, progress["dispatching"])
-                        done = progress["confirmed"] + progress["settled_otherwise"]
-                        now = time.perf_counter()
-                        if done >= args.effects:
-                            break
-                        if now > deadline:
-                            timed_out = True
-                            break
-                        if now - last_logged >= 10:
-                            last_logged = now
-                            log(
-                                f"  {done:,}/{args.effects:,} settled after {now - wall_start:.0f}s"
-                            )
-                    cpu_seconds = time.process_time() - cpu_start
-                    group.cancel_scope.cancel()
-            finally:
-                await adapter.aclose()
-        if timed_out:
-            await admin.execute(WITHDRAW_SQL, prefix)
-        assert progress is not None
-        confirmed = int(progress["confirmed"])
-        last_settled: datetime | None = progress["last_settled"]
-        seconds = (last_settled - db_start).total_seconds() if last_settled else args.max_seconds
-        delivered = set(vendor.deliveries)
-        row = {
-            "adapter": adapter_name,
-            "label": label,
-            "concurrency": setting.concurrency,
-            "batch": setting.batch,
-            "poll_seconds": poll,
-            "pool_size": pool_size,
-            "effects": args.effects,
-            "confirmed": confirmed,
-            "settled_otherwise": int(progress["settled_otherwise"]),
-            "seconds": seconds,
-            "effects_per_s": confirmed / seconds if seconds > 0 else 0.0,
-            "timed_out": timed_out,
-            "vendor_requests": vendor.requests,
-            "vendor_deliveries": len(delivered),
-            "duplicates": vendor.requests - len(delivered),
-            "unknown_keys_delivered": len(delivered - keys),
-            "max_dispatching_seen": max_dispatching,
-            "cpu_ms_per_effect": 1000 * cpu_seconds / confirmed if confirmed else None,
-            "dispatcher_outcomes": dict(dispatcher.outcomes),
-        }
-        row["exact"] = (
-            not timed_out
-            and confirmed == args.effects
-            and vendor.requests == args.effects
-            and len(delivered) == args.effects
-            and not row["unknown_keys_delivered"]
-        )
-        log(
-            f"dispatch {label}: {row['effects_per_s']:,.1f} effects/s, {confirmed:,} confirmed in "
-            f"{seconds:.1f}s, vendor requests {vendor.requests:,}, at most "
-            f"{max_dispatching} dispatching at once" + (" (TIMED OUT)" if timed_out else "")
-        )
-        return row
-    finally:
-        await pool.close()
-
-
-# -- latency --------------------------------------------------------------------------------------
-
-
 def ms(seconds: float) -> float:
     return seconds * 1000.0
 
@@ -555,14 +773,52 @@ async def one_run(store: RunStore, agent: str, number: int) -> str:
     return run_id
 
 
+PARTS = {
+    "checkpoint_to_accepted": "checkpoint event -> effect_accepted event (same transaction)",
+    "accepted_to_woken": "effect_accepted -> dispatcher woken (COMMIT, NOTIFY)",
+    "woken_to_claimed": "dispatcher woken -> claim returned (claim statement)",
+    "claimed_to_send": "claim returned -> send() called (task start, re-check statement)",
+    "send_to_vendor": "send() called -> vendor has the request (HTTP client, loopback)",
+    "vendor_to_confirmed": "vendor has it -> effect_confirmed event (answer, settle statement)",
+    "confirmed_to_seen": "effect_confirmed -> step 2 sees it (COMMIT, NOTIFY, wake, re-read)",
+}
+"""The parts of one run's latency, in order; they add up to the total."""
+MOMENTS = (
+    "checkpoint event",
+    "effect_accepted",
+    "dispatcher woken",
+    "claim returned",
+    "send() called",
+    "vendor has the request",
+    "effect_confirmed",
+    "step 2 sees it",
+)
+"""The ends of the parts. When some are unknown (a hook the dispatcher no longer has), the parts
+around them are merged into one, named ``merged:FIRST -> LAST``: the parts still add up."""
+
+
+def split(moments: Sequence[float | None]) -> dict[str, float]:
+    """The parts (ms) between the known moments, in order."""
+    known = [(index, value) for index, value in enumerate(moments) if value is not None]
+    parts: dict[str, float] = {}
+    for (first, start), (last, end) in itertools.pairwise(known):
+        name = (
+            list(PARTS)[first]
+            if last == first + 1
+            else f"merged:{MOMENTS[first]} -> {MOMENTS[last]}"
+        )
+        parts[name] = ms(end - start)
+    return parts
+
+
 def breakdown(
     run_id: str,
     key: str,
     events: Sequence[RunEvent],
     observation: Observation,
-    dispatcher: TimedDispatcher,
-    adapter: TimedHttpAdapter,
-    vendor: TimedVendor,
+    claims: dict[str, tuple[float | None, float]],
+    sent_at: dict[str, float],
+    arrivals: dict[str, float],
 ) -> dict[str, Any]:
     """One run's latency and its parts, in ms."""
 
@@ -572,31 +828,26 @@ def breakdown(
 
     checkpoint = next(event for event in events if event.kind == "checkpoint")
     total = ms((observation.seen_db - checkpoint.at).total_seconds())
-    row: dict[str, Any] = {
+    claim = claims.get(key)
+    moments = [
+        checkpoint.at.timestamp(),
+        at("effect_accepted"),
+        claim[0] if claim is not None else None,
+        claim[1] if claim is not None else None,
+        sent_at.get(key),
+        arrivals.get(key),
+        at("effect_confirmed"),
+        observation.seen_db.timestamp(),
+    ]
+    return {
         "run_id": run_id,
         "status": observation.status,
         "total_ms": total,
         "total_wall_ms": ms(observation.seen_wall - checkpoint.at.timestamp()),
         "probe_ms": ms(observation.probe_seconds),
+        "dispatcher_woken": claim is not None and claim[0] is not None,
+        "parts_ms": split(moments),
     }
-    claim = dispatcher.claims.get(key)
-    row["dispatcher_woken"] = claim is not None and claim.woken_at is not None
-    moments = [
-        checkpoint.at.timestamp(),
-        at("effect_accepted"),
-        claim.woken_at if claim is not None else None,
-        claim.claimed_at if claim is not None else None,
-        adapter.sent_at.get(key),
-        vendor.arrivals.get(key),
-        at("effect_confirmed"),
-        observation.seen_db.timestamp(),
-    ]
-    row["parts_ms"] = {
-        part: ms(end - start)
-        for part, start, end in zip(PARTS, moments, moments[1:], strict=False)
-        if start is not None and end is not None
-    }
-    return row
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -618,165 +869,157 @@ def percentiles(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-PARTS = {
-    "checkpoint_to_accepted": "checkpoint event -> effect_accepted event (same transaction)",
-    "accepted_to_woken": "effect_accepted -> dispatcher woken (COMMIT, NOTIFY)",
-    "woken_to_claimed": "dispatcher woken -> claim returned (claim statement)",
-    "claimed_to_send": "claim returned -> send() called (task start, re-check statement)",
-    "send_to_vendor": "send() called -> vendor has the request (HTTP client set-up, connect)",
-    "vendor_to_confirmed": "vendor has it -> effect_confirmed event (answer, settle statement)",
-    "confirmed_to_seen": "effect_confirmed -> step 2 sees it (COMMIT, NOTIFY, wake, re-read)",
-}
-"""The parts of one run's latency, in order; they add up to the total."""
+def timed_adapter(vendor: VendorProcess) -> tuple[Any, dict[str, float]]:
+    """The shipped HTTP adapter for kind ``crm`` (``adapter_from_config``), its ``send``
+    wrapped on the instance to note when each key was first sent (the class is untouched)."""
+    adapter = adapter_from_config(
+        KIND,
+        {
+            "adapter": "http",
+            "url": f"{vendor.url}/send",
+            "reconcile": "lookup",
+            "lookup_url": f"{vendor.url}/requests/{{idempotency_key}}",
+            "timeout_seconds": ADAPTER_TIMEOUT_SECONDS,
+        },
+    )
+    sent_at: dict[str, float] = {}
+    send = getattr(adapter, "send", None)
+    if callable(send):
+
+        async def timed_send(effect: Any, *args: Any, **options: Any) -> Any:
+            key = getattr(effect, "idempotency_key", None)
+            if isinstance(key, str):
+                sent_at.setdefault(key, time.time())
+            return await send(effect, *args, **options)
+
+        setattr(adapter, "send", timed_send)  # noqa: B010 - an instance attribute, on purpose
+    return adapter, sent_at
 
 
-async def measure_latency(
-    admin: asyncpg.Connection, dsn: str, args: Config, index: int, adapter_name: str
-) -> dict[str, Any]:
-    agent_name = f"bench_latency_{index}"
+async def measure_latency(server: Server, vendor: VendorProcess, args: Config) -> dict[str, Any]:
+    agent_name = "bench_latency"
     agent = latency_agent(agent_name)
+    database = f"orchestrator_bench_effects_{os.getpid()}_latency"
+    dsn = await create_database(server.dsn, database)
     settings = Settings(database_url=dsn)
-    pool = await create_pool(settings, application_name="bench-latency", min_size=2, max_size=2)
-    PROBE.pool = pool
-    label = ADAPTER_LABELS[adapter_name]
     rows: list[dict[str, Any]] = []
+    keys: dict[str, str] = {}
     try:
-        store = RunStore(pool)
-        async with TimedVendor() as vendor:
-            adapter = ADAPTERS[adapter_name](vendor)
-            try:
-                with timed_worker_dispatcher():
-                    async with running_worker(
-                        settings,
-                        [agent],
-                        worker_id=f"bench-worker-{index}",
-                        effect_adapters={KIND: adapter},
-                        concurrency=args.worker_concurrency,
-                        poll_seconds=args.poll_seconds,
-                    ) as supervisor:
-                        assert supervisor.running is not None
-                        dispatcher = supervisor.running.dispatcher
-                        assert isinstance(dispatcher, TimedDispatcher)
-                        for number in range(args.warmup_runs + args.runs):
-                            run_id = await one_run(store, agent_name, number)
-                            if number < args.warmup_runs:
-                                continue
-                            rows.append(
-                                breakdown(
-                                    run_id,
-                                    idempotency_key(run_id, EFFECT_KEY),
-                                    await store.events(run_id),
-                                    PROBE.observations[run_id],
-                                    dispatcher,
-                                    adapter,
-                                    vendor,
-                                )
-                            )
-                            if len(rows) % 50 == 0:
-                                log(f"  {len(rows)}/{args.runs} runs")
-            finally:
-                await adapter.aclose()
-        totals = [row["total_ms"] for row in rows]
-        confirmed = sum(1 for row in rows if row["status"] == EffectStatus.CONFIRMED.value)
-        parts = {
-            part: percentiles([row["parts_ms"][part] for row in rows if part in row["parts_ms"]])
-            for part in PARTS
-        }
-        summary = percentiles(totals)
-        result = {
-            "adapter": adapter_name,
-            "label": label,
-            "runs": len(rows),
-            "confirmed": confirmed,
-            "latency_ms": summary,
-            "latency_wall_ms": percentiles([row["total_wall_ms"] for row in rows]),
-            "probe_ms": percentiles([row["probe_ms"] for row in rows]),
-            "parts_ms": parts,
-            "vendor_requests": vendor.requests,
-            "duplicates": vendor.requests - len(vendor.deliveries),
-            "woken_by_notify": sum(1 for row in rows if row["dispatcher_woken"]),
-            "over_poll_interval": sum(1 for value in totals if value >= 1000 * args.poll_seconds),
-            "meets_target": bool(summary) and summary["p50"] < TARGET_P50_MS,
-            "samples_ms": totals,
-        }
-        log(
-            f"latency {label}: p50 {summary['p50']:.1f} ms, p99 {summary['p99']:.1f} ms, "
-            f"max {summary['max']:.1f} ms over {len(rows)} runs"
-        )
-        return result
+        admin = await connect(settings, application_name="bench-setup")
+        try:
+            await migrate(admin)
+        finally:
+            await admin.close()
+        pool = await create_pool(settings, application_name="bench-latency", min_size=2, max_size=2)
+        PROBE.pool = pool
+        try:
+            store = RunStore(pool)
+            await vendor.reset()
+            adapter, sent_at = timed_adapter(vendor)
+            seen: list[tuple[str, list[RunEvent], Observation]] = []
+            with timed_worker_dispatcher():
+                async with running_worker(
+                    settings,
+                    [agent],
+                    worker_id="bench-latency-worker",
+                    effect_adapters={KIND: adapter},
+                    concurrency=args.worker_concurrency,
+                    poll_seconds=args.poll_seconds,
+                ) as supervisor:
+                    running = getattr(supervisor, "running", None)
+                    dispatcher = getattr(running, "dispatcher", None)
+                    claims = dispatcher.claims if isinstance(dispatcher, TimedDispatcher) else {}
+                    for number in range(args.warmup_runs + args.runs):
+                        run_id = await one_run(store, agent_name, number)
+                        if number < args.warmup_runs:
+                            continue
+                        events = await store.events(run_id)
+                        seen.append((run_id, list(events), PROBE.observations[run_id]))
+                        if len(seen) % 50 == 0:
+                            log(f"  {len(seen)}/{args.runs} runs")
+            keys = {
+                row["idempotency_key"]: row["run_id"]
+                for row in await pool.fetch(
+                    "SELECT idempotency_key, run_id FROM effects WHERE run_id = ANY($1)",
+                    [run_id for run_id, _, _ in seen],
+                )
+            }
+            all_keys = {
+                row["idempotency_key"]
+                for row in await pool.fetch("SELECT idempotency_key FROM effects")
+            }
+            stats = await vendor.stats()
+            key_of = {run_id: key for key, run_id in keys.items()}
+            for run_id, events, observation in seen:
+                rows.append(
+                    breakdown(
+                        run_id,
+                        key_of.get(run_id, ""),
+                        events,
+                        observation,
+                        claims,
+                        sent_at,
+                        stats["arrivals"],
+                    )
+                )
+        finally:
+            PROBE.pool = None
+            await pool.close()
     finally:
-        PROBE.pool = None
-        await pool.close()
-
-
-# -- diagnostics ----------------------------------------------------------------------------------
-
-
-async def client_costs(samples: int) -> dict[str, float]:
-    """Per-request costs of the HTTP client, one at a time (ms, median of ``samples``)."""
-    timeout = httpx.Timeout(ADAPTER_TIMEOUT_SECONDS)
-
-    async def timed(action: Callable[[], Awaitable[None]]) -> float:
-        values = []
-        for _ in range(samples):
-            started = time.perf_counter()
-            await action()
-            values.append(ms(time.perf_counter() - started))
-        return statistics.median(values)
-
-    async def new_client() -> None:
-        client = httpx.AsyncClient(timeout=timeout)
-        await client.aclose()
-
-    async def new_client_without_tls() -> None:
-        client = httpx.AsyncClient(timeout=timeout, verify=False)
-        await client.aclose()
-
-    costs: dict[str, float] = {
-        "new_async_client": await timed(new_client),
-        "new_async_client_verify_false": await timed(new_client_without_tls),
+        await drop_database(server.dsn, database)
+    totals = [row["total_ms"] for row in rows]
+    confirmed = sum(1 for row in rows if row["status"] == "confirmed")
+    summary = percentiles(totals)
+    once = exactly_once(stats["counts"], all_keys)
+    result = {
+        "runs": len(rows),
+        "confirmed": confirmed,
+        "latency_ms": summary,
+        "latency_wall_ms": percentiles([row["total_wall_ms"] for row in rows]),
+        "probe_ms": percentiles([row["probe_ms"] for row in rows]),
+        "parts_ms": {
+            part: percentiles([row["parts_ms"][part] for row in rows if part in row["parts_ms"]])
+            for part in dict.fromkeys(part for row in rows for part in row["parts_ms"])
+        },
+        "woken_by_notify": sum(1 for row in rows if row["dispatcher_woken"]),
+        "dispatcher_hooks": bool(claims),
+        "over_poll_interval": sum(1 for value in totals if value >= 1000 * args.poll_seconds),
+        "meets_target": bool(summary)
+        and summary["p50"] <= TARGET_P50_MS
+        and summary["p99"] <= TARGET_P99_MS,
+        "once": once,
+        "exact": once["exact"] and confirmed == len(rows) == args.runs,
+        "samples_ms": totals,
     }
-    async with TimedVendor() as vendor:
-        counter = iter(range(10 * samples))
-
-        def record() -> EffectRecord:
-            now, key = datetime.now(UTC), f"probe-{next(counter)}"
-            return EffectRecord(
-                run_id="r_probe",
-                effect_key=key,
-                kind=KIND,
-                policy=EffectPolicy.IRREVERSIBLE,
-                fence=1,
-                status=EffectStatus.DISPATCHING,
-                payload={"probe": True},
-                idempotency_key=key,
-                external_id=None,
-                result=None,
-                error=None,
-                attempts=1,
-                available_at=now,
-                created_at=now,
-                updated_at=now,
-                settled_at=None,
-            )
-
-        for name in ADAPTERS:
-            adapter = ADAPTERS[name](vendor)
-            try:
-                await adapter.send(record())  # a first request outside the timing
-
-                async def send(adapter: TimedHttpAdapter = adapter) -> None:
-                    outcome = await adapter.send(record())
-                    if not isinstance(outcome, Confirmed):
-                        raise RuntimeError(f"probe send failed: {outcome}")
-
-                costs[f"send_{name}"] = await timed(send)
-            finally:
-                await adapter.aclose()
-    return costs
+    log(
+        f"latency: p50 {summary['p50']:.1f} ms, p99 {summary['p99']:.1f} ms, "
+        f"max {summary['max']:.1f} ms over {len(rows)} runs; POSTs per key: {once_text(once)}"
+    )
+    return result
 
 
 # -- the benchmark --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """The workload; every field has a command-line flag of the same name."""
+
+    dsn: str | None
+    json: bool
+    effects: int
+    concurrency: int
+    batch: int
+    dispatch_poll_seconds: float
+    processes: tuple[int, ...]
+    rounds: int
+    max_seconds: float
+    noop_runs: int
+    runs: int
+    warmup_runs: int
+    poll_seconds: float
+    worker_concurrency: int
+    baseline_python: str | None
 
 
 async def clock_offset_ms(admin: asyncpg.Connection) -> float:
@@ -793,54 +1036,112 @@ async def clock_offset_ms(admin: asyncpg.Connection) -> float:
     return ms(best[1])
 
 
+async def start_vendor(started: list[Helper]) -> VendorProcess:
+    helper = await Helper.start(
+        [sys.executable, str(VENDOR_SCRIPT)], env=dict(os.environ), name="vendor"
+    )
+    started.append(helper)
+    port = int((await helper.answer(within=30))["port"])
+    log(f"vendor (effects_vendor.py) listening on 127.0.0.1:{port}, pid {helper.process.pid}")
+    return VendorProcess(helper, port)
+
+
 async def benchmark(server: Server, args: Config) -> dict[str, Any]:
-    database = f"orchestrator_bench_effects_{os.getpid()}"
-    dsn = await create_database(server.dsn, database)
+    admin = await connect(Settings(database_url=server.dsn), application_name="bench-admin")
     try:
-        return await benchmark_in(dsn, args, server.embedded)
-    finally:
-        await drop_database(server.dsn, database)
-
-
-async def benchmark_in(dsn: str, args: Config, embedded: bool) -> dict[str, Any]:
-    admin = await connect(Settings(database_url=dsn), application_name="bench-admin")
-    try:
-        await migrate(admin)
-        server = await server_facts(admin, SERVER_SETTINGS_SHOWN)
+        facts = await server_facts(admin, SERVER_SETTINGS_SHOWN)
         offset = await clock_offset_ms(admin)
-        log(
-            f"PostgreSQL {server['server_version']}: fsync={server['fsync']} "
-            f"synchronous_commit={server['synchronous_commit']} "
-            f"full_page_writes={server['full_page_writes']}; database clock - host clock: "
-            f"{offset:+.2f} ms"
-        )
-        costs: dict[str, float] = {}
-        if args.diagnostics:
-            costs = await client_costs(samples=10)
-            log(
-                "HTTP client: new httpx.AsyncClient "
-                f"{costs['new_async_client']:.1f} ms (verify=False: "
-                f"{costs['new_async_client_verify_false']:.1f} ms); HttpAdapter.send "
-                f"{costs['send_shipped']:.1f} ms, on a shared client {costs['send_shared']:.1f} ms"
-            )
-        dispatch_rows: list[dict[str, Any]] = []
-        index = 0
-        for adapter_name, setting in args.dispatch_runs():
-            index += 1
-            dispatch_rows.append(
-                await measure_dispatch(admin, dsn, args, index, setting, adapter_name)
-            )
-        latency_rows: list[dict[str, Any]] = []
-        for adapter_name in args.adapters:
-            index += 1
-            log(f"latency {ADAPTER_LABELS[adapter_name]}: {args.runs} runs, one at a time")
-            latency_rows.append(await measure_latency(admin, dsn, args, index, adapter_name))
-        return build_report(args, server, offset, embedded, costs, dispatch_rows, latency_rows)
     finally:
         await admin.close()
+    log(
+        f"PostgreSQL {facts['server_version']}: fsync={facts['fsync']} "
+        f"synchronous_commit={facts['synchronous_commit']} "
+        f"full_page_writes={facts['full_page_writes']}; database clock - host clock: "
+        f"{offset:+.2f} ms"
+    )
+    current = Interpreter(None)
+    baseline = Interpreter(args.baseline_python) if args.baseline_python else None
+    notes: list[str] = []
+    async with helpers() as started:
+        for interpreter in [current, baseline] if baseline else [current]:
+            probe = await Helper.start(
+                [*interpreter.argv, str(SENDER_SCRIPT), "installed"],
+                env=interpreter.env(server.dsn),
+                name=f"{interpreter.label} interpreter",
+            )
+            started.append(probe)
+            interpreter.check((await probe.answer(within=60))["installed"])
+        vendor = await start_vendor(started)
+        try:
+            raw_rows = [await measure_raw(server, vendor, args, "httpx")]
+            missing = aiohttp_missing()
+            if missing is None:
+                raw_rows.append(await measure_raw(server, vendor, args, "aiohttp"))
+            else:
+                notes.append(missing)
+                log(missing)
+            index = 0
+            dispatch_rows: list[dict[str, Any]] = []
+            # Each round measures the baseline and the current tree back to back (the two figures
+            # of a ratio as close together as they can be), in an order that alternates.
+            for round_number in range(1, args.rounds + 1):
+                order = [baseline, current] if baseline else [current]
+                if round_number % 2 == 0:
+                    order.reverse()
+                for interpreter in order:
+                    index += 1
+                    dispatch_rows.append(
+                        await measure_dispatch(
+                            server, vendor, interpreter, args, index, 1, round_number
+                        )
+                    )
+            # The 1-process row of the scaling table: the current tree's last round.
+            scaling_rows = [
+                next(row for row in reversed(dispatch_rows) if row["interpreter"] == "current")
+            ]
+            for processes in args.processes:
+                if processes == 1:
+                    continue
+                index += 1
+                scaling_rows.append(
+                    await measure_dispatch(server, vendor, current, args, index, processes)
+                )
+            noop = await measure_noop_runs(server, args)
+            log(f"latency: {args.runs} runs one at a time, after {args.warmup_runs} warm-up runs")
+            latency = await measure_latency(server, vendor, args)
+        finally:
+            await vendor.client.aclose()
+    return build_report(
+        args,
+        facts,
+        offset,
+        server.embedded,
+        raw_rows,
+        dispatch_rows,
+        scaling_rows,
+        noop,
+        latency,
+        current,
+        baseline,
+        notes,
+    )
 
 
 # -- reporting ------------------------------------------------------------------------------------
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds of one release's 1-process dispatcher."""
+    cpu = [row["cpu_ms_per_effect"] for row in rows if row["cpu_ms_per_effect"] is not None]
+    return {
+        "rounds": len(rows),
+        "effects_per_s": statistics.median(row["effects_per_s"] for row in rows),
+        "cpu_ms_per_effect": statistics.median(cpu) if cpu else None,
+    }
 
 
 def build_report(
@@ -848,11 +1149,28 @@ def build_report(
     server: dict[str, str],
     offset_ms: float,
     embedded: bool,
-    costs: dict[str, float],
+    raw_rows: list[dict[str, Any]],
     dispatch_rows: list[dict[str, Any]],
-    latency_rows: list[dict[str, Any]],
+    scaling_rows: list[dict[str, Any]],
+    noop: dict[str, Any],
+    latency: dict[str, Any],
+    current: Interpreter,
+    baseline: Interpreter | None,
+    notes: list[str],
 ) -> dict[str, Any]:
-    shipped = [row for row in latency_rows if row["adapter"] == "shipped"]
+    ours = summarize([row for row in dispatch_rows if row["interpreter"] == "current"])
+    theirs_rows = [row for row in dispatch_rows if row["interpreter"] == "baseline"]
+    theirs = summarize(theirs_rows) if theirs_rows else None
+    round_ratios = [
+        ratio(a["effects_per_s"], b["effects_per_s"])
+        for a in dispatch_rows
+        for b in theirs_rows
+        if a["interpreter"] == "current" and a["round"] == b["round"]
+    ]
+    known_ratios = [value for value in round_ratios if value is not None]
+    best_raw = max(raw_rows, key=lambda row: row["effects_per_s"])
+    cpu_ratio = ratio(ours["cpu_ms_per_effect"], noop["cpu_ms_per_run"])
+    exact = all(row["exact"] for row in [*raw_rows, *dispatch_rows, *scaling_rows, latency])
     return {
         **report_heading(
             "effects",
@@ -862,19 +1180,43 @@ def build_report(
         ),
         "server": {"embedded": embedded, **server},
         "database_clock_minus_host_clock_ms": offset_ms,
-        "config": args.describe(),
-        "target_p50_ms": TARGET_P50_MS,
-        "target_met": bool(shipped) and all(row["meets_target"] for row in shipped),
-        "no_duplicates": all(row["duplicates"] == 0 for row in dispatch_rows + latency_rows),
-        "all_dispatched_exactly_once": all(row["exact"] for row in dispatch_rows),
-        "http_client_costs_ms": costs,
+        "config": workload(args),
+        "installed": {
+            "current": current.installed,
+            "baseline": baseline.installed if baseline else None,
+        },
+        "notes": notes,
+        "ratios": {
+            "dispatcher_vs_baseline": statistics.median(known_ratios) if known_ratios else None,
+            "dispatcher_vs_baseline_rounds": known_ratios,
+            "current": ours,
+            "baseline": theirs,
+            "dispatcher_vs_best_raw": ratio(ours["effects_per_s"], best_raw["effects_per_s"]),
+            "best_raw": best_raw["label"],
+            "dispatcher_cpu_vs_worker_run": cpu_ratio,
+            "baseline_cpu_vs_worker_run": ratio(
+                theirs["cpu_ms_per_effect"] if theirs else None, noop["cpu_ms_per_run"]
+            ),
+        },
+        "targets": {
+            "cpu_ratio_at_most": TARGET_CPU_RATIO,
+            "cpu_ratio_met": cpu_ratio is not None and cpu_ratio <= TARGET_CPU_RATIO,
+            "p50_ms_at_most": TARGET_P50_MS,
+            "p99_ms_at_most": TARGET_P99_MS,
+            "latency_met": latency["meets_target"],
+        },
+        "exactly_once": exact,
+        "raw": raw_rows,
         "dispatch": dispatch_rows,
-        "latency": latency_rows,
+        "scaling": scaling_rows,
+        "noop_worker": noop,
+        "latency": latency,
     }
 
 
 def format_table(report: dict[str, Any]) -> str:
     server, machine, config = report["server"], report["machine"], report["config"]
+    ratios, targets = report["ratios"], report["targets"]
     out = [
         f"effects: {report['date']}, {machine['cpus']} CPUs, Python {machine['python']}, "
         f"asyncpg {machine['asyncpg']}, httpx {machine['httpx']}; load average "
@@ -883,126 +1225,210 @@ def format_table(report: dict[str, Any]) -> str:
         f"{server_line(server)} full_page_writes={server['full_page_writes']}; "
         "database clock - host clock "
         f"{report['database_clock_minus_host_clock_ms']:+.2f} ms",
+    ]
+    for which, installed in report["installed"].items():
+        if installed:
+            out.append(
+                f"{which}: {installed['distribution']} {installed['orchestrator_version']} "
+                f"({installed['package']})"
+            )
+    out += [
         "",
-        f"dispatch throughput: {config['effects']:,} accepted effects, one Dispatcher "
-        f"(poll {config['dispatch_poll_seconds']:g}s unless shown), LocalVendor on 127.0.0.1",
+        f"1. dispatch: {config['effects']:,} effects (POSTs), concurrency {config['concurrency']}"
+        f" x batch {config['batch']} (dispatcher poll {config['dispatch_poll_seconds']:g}s), "
+        "vendor in its own process",
     ]
     header = (
-        "adapter, concurrency x batch",
-        "pool",
+        "sender (own process)",
         "effects/s",
         "seconds",
         "confirmed",
-        "vendor POSTs",
-        "duplicates",
-        "max dispatching",
         "CPU ms/effect",
+        "cores: sender",
+        "vendor",
+        "PostgreSQL",
+        "other",
+        "POSTs per key",
     )
-    lines: list[tuple[str, ...]] = []
-    for row in report["dispatch"]:
-        cpu = row["cpu_ms_per_effect"]
-        lines.append(
-            (
-                row["label"],
-                str(row["pool_size"]),
-                f"{row['effects_per_s']:,.1f}",
-                f"{row['seconds']:.1f}" + (" (timed out)" if row["timed_out"] else ""),
-                f"{row['confirmed']:,}/{row['effects']:,}",
-                f"{row['vendor_requests']:,}",
-                str(row["duplicates"]),
-                str(row["max_dispatching_seen"]),
-                f"{cpu:.2f}" if cpu is not None else "-",
-            )
-        )
+    lines = [throughput_line(row) for row in [*report["raw"], *report["dispatch"]]]
     out += render_table(header, lines)
+    out += [f"  note: {note}" for note in report["notes"]]
+    ours, theirs = ratios["current"], ratios["baseline"]
+    rounds = f"median of {ours['rounds']} rounds" if ours["rounds"] > 1 else "1 round"
+    medians = f"  dispatcher (current): {ours['effects_per_s']:,.0f} effects/s ({rounds})"
+    if theirs is not None:
+        medians += f"; baseline: {theirs['effects_per_s']:,.0f} effects/s"
     out += [
-        "",
-        f"commit -> awaiting step sees the outcome: {config['runs']} runs one at a time "
-        f"(after {config['warmup_runs']} warm-up runs), worker poll {config['poll_seconds']:g}s, "
-        "database clock",
+        medians,
+        f"  dispatcher/baseline: {fmt(ratios['dispatcher_vs_baseline'], '.2f')}"
+        + (
+            " (median of the per-round ratios: "
+            + ", ".join(f"{value:.2f}" for value in ratios["dispatcher_vs_baseline_rounds"])
+            + ")"
+            if ratios["dispatcher_vs_baseline"] is not None
+            else " (no --baseline-python)"
+        ),
+        f"  dispatcher/best raw loop ({ratios['best_raw']}): "
+        f"{fmt(ratios['dispatcher_vs_best_raw'], '.2f')}",
     ]
-    latency_header = ("adapter", "confirmed", "p50 ms", "p90 ms", "p99 ms", "max ms", "POSTs")
-    latency_lines: list[tuple[str, ...]] = []
-    for row in report["latency"]:
-        summary = row["latency_ms"]
-        latency_lines.append(
-            (
-                row["label"],
-                f"{row['confirmed']}/{row['runs']}",
-                *(f"{summary[p]:.1f}" for p in ("p50", "p90", "p99", "max")),
-                str(row["vendor_requests"]),
-            )
-        )
-    out += render_table(latency_header, latency_lines)
-    for row in report["latency"]:
-        out.append(
-            f"  where the time goes, {row['label']} (p50 / p99 ms; the dispatcher was woken by "
-            f"NOTIFY for {row['woken_by_notify']} of {row['runs']} runs; "
-            f"{row['over_poll_interval']} took a poll interval or longer):"
-        )
-        for part, description in PARTS.items():
-            values = row["parts_ms"].get(part) or {}
-            if values:
-                out.append(f"    {description}: {values['p50']:.1f} / {values['p99']:.1f}")
-    costs = report["http_client_costs_ms"]
-    if costs:
-        out += [
-            "",
-            "HTTP client, one request at a time (median ms): new httpx.AsyncClient + aclose "
-            f"{costs['new_async_client']:.1f} (verify=False: "
-            f"{costs['new_async_client_verify_false']:.1f}); HttpAdapter.send "
-            f"{costs['send_shipped']:.1f}; the same request on a shared client "
-            f"{costs['send_shared']:.1f}",
-        ]
-    shipped = [row for row in report["latency"] if row["adapter"] == "shipped"]
-    p50 = ", ".join(f"{row['latency_ms']['p50']:.1f} ms" for row in shipped)
-    met = verdict(report["target_met"])
+    noop = report["noop_worker"]
+    cpu_line = (
+        f"2. CPU: dispatcher {fmt(ours['cpu_ms_per_effect'], '.3f')} ms/effect ({rounds}); worker "
+        f"{fmt(noop['cpu_ms_per_run'], '.3f')} ms per no-op run ({noop['succeeded']:,} runs, "
+        f"serve {noop['setting']}, {noop['runs_per_s']:,.0f} runs/s); dispatcher/worker "
+        f"{fmt(ratios['dispatcher_cpu_vs_worker_run'], '.1f')}x (target <= "
+        f"{targets['cpu_ratio_at_most']:g}x: {verdict(targets['cpu_ratio_met'])})"
+    )
+    if ratios["baseline_cpu_vs_worker_run"] is not None:
+        cpu_line += f"; baseline/worker {ratios['baseline_cpu_vs_worker_run']:.1f}x"
+    out += ["", cpu_line]
+    latency = report["latency"]
+    summary = latency["latency_ms"]
     out += [
         "",
-        f"target: p50 commit -> outcome under {TARGET_P50_MS:.0f} ms with HttpAdapter: {met} "
-        f"({p50})",
-        "every effect sent exactly once (vendor POSTs = effects, no duplicate keys): "
-        + ("yes" if report["all_dispatched_exactly_once"] and report["no_duplicates"] else "NO"),
+        f"3. commit -> awaiting step sees 'confirmed': {latency['runs']} runs one at a time "
+        f"(after {config['warmup_runs']} warm-up), in-process worker, poll "
+        f"{config['poll_seconds']:g}s, database clock",
+    ]
+    out += render_table(
+        ("", "confirmed", "p50 ms", "p90 ms", "p99 ms", "max ms", "POSTs per key"),
+        [
+            (
+                "latency",
+                f"{latency['confirmed']}/{latency['runs']}",
+                *(f"{summary[p]:.1f}" for p in ("p50", "p90", "p99", "max")),
+                once_text(latency["once"]),
+            )
+        ],
+    )
+    out.append(
+        f"  target p50 <= {targets['p50_ms_at_most']:g} ms and p99 <= "
+        f"{targets['p99_ms_at_most']:g} ms: {verdict(targets['latency_met'])}"
+    )
+    hooks = (
+        f"the dispatcher was woken by NOTIFY for {latency['woken_by_notify']} of "
+        f"{latency['runs']} runs"
+        if latency["dispatcher_hooks"]
+        else "the dispatcher's claim/wake hooks are gone: its parts are merged"
+    )
+    out.append(
+        f"  where the time goes (p50 / p99 ms; {hooks}; {latency['over_poll_interval']} took a "
+        "poll interval or longer):"
+    )
+    for part, values in latency["parts_ms"].items():
+        if values:
+            description = PARTS.get(part, part.removeprefix("merged:") + " (parts merged)")
+            out.append(f"    {description}: {values['p50']:.1f} / {values['p99']:.1f}")
+    out += [
+        "",
+        "5. scaling: dispatcher processes (current tree) against one vendor and one PostgreSQL, "
+        f"{config['effects']:,} effects",
+    ]
+    base = report["scaling"][0]["effects_per_s"]
+    out += render_table(
+        (
+            "processes",
+            "effects/s",
+            "x 1 process",
+            "seconds",
+            "CPU ms/effect",
+            "cores: dispatchers",
+            "vendor",
+            "PostgreSQL",
+            "other",
+            "POSTs per key",
+        ),
+        [
+            (
+                str(row["processes"]),
+                f"{row['effects_per_s']:,.0f}",
+                fmt(ratio(row["effects_per_s"], base), ".2f"),
+                seconds_text(row),
+                fmt(row["cpu_ms_per_effect"], ".3f"),
+                fmt(row["dispatcher_cores"], ".2f"),
+                fmt(row["vendor_cores"], ".2f"),
+                fmt(row["postgres_cores"], ".2f"),
+                fmt(row["other_cores"], ".2f"),
+                once_text(row["once"]),
+            )
+            for row in report["scaling"]
+        ],
+    )
+    out += [
+        "",
+        "4. exactly once (every key POSTed once, every effect confirmed, in every measurement): "
+        + ("yes" if report["exactly_once"] else "NO"),
     ]
     return "\n".join(out)
+
+
+def seconds_text(row: dict[str, Any]) -> str:
+    return f"{row['seconds']:.2f}" + (" (timed out)" if row["timed_out"] else "")
+
+
+def throughput_line(row: dict[str, Any]) -> tuple[str, ...]:
+    return (
+        row["label"],
+        f"{row['effects_per_s']:,.0f}",
+        seconds_text(row),
+        f"{row['confirmed']:,}/{row['effects']:,}",
+        fmt(row["cpu_ms_per_effect"], ".3f"),
+        fmt(row["dispatcher_cores"], ".2f"),
+        fmt(row["vendor_cores"], ".2f"),
+        fmt(row["postgres_cores"], ".2f"),
+        fmt(row["other_cores"], ".2f"),
+        once_text(row["once"]),
+    )
 
 
 # -- entry point ----------------------------------------------------------------------------------
 
 
-def parse_dispatch(text: str) -> tuple[DispatchSetting, ...]:
-    settings = []
-    for part in text.split(","):
-        concurrency, sep, batch = part.strip().partition("x")
-        if not sep or not concurrency.isdigit() or not batch.isdigit():
-            raise argparse.ArgumentTypeError(f"{part!r} is not CONCURRENCYxBATCH (e.g. 20x20)")
-        settings.append(DispatchSetting(int(concurrency), int(batch)))
-    return tuple(settings)
+def parse_processes(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of counts (1,2,4)") from None
+    if not counts or any(count <= 0 for count in counts):
+        raise argparse.ArgumentTypeError("process counts must be positive")
+    return counts
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
     parser = benchmark_parser(
-        "Effect dispatch throughput and commit-to-outcome latency on loopback."
+        "Effect dispatch throughput, CPU and scaling against raw clients and a baseline release; "
+        "commit-to-outcome latency; exactly-once checks."
     )
-    parser.add_argument("--effects", type=int, default=500, help="effects per dispatch run")
-    parser.add_argument(
-        "--dispatch",
-        type=parse_dispatch,
-        default=parse_dispatch("20x20,50x50"),
-        help="comma-separated dispatcher settings CONCURRENCYxBATCH",
-    )
-    parser.add_argument(
-        "--max-seconds", type=float, default=45.0, help="time bound of one dispatch run"
-    )
-    parser.add_argument("--runs", type=int, default=150, help="latency runs measured")
-    parser.add_argument("--warmup-runs", type=int, default=5, help="latency runs not counted")
+    parser.add_argument("--effects", type=int, default=5_000, help="effects per measurement")
+    parser.add_argument("--concurrency", type=int, default=50, help="dispatcher concurrency")
+    parser.add_argument("--batch", type=int, default=50, help="dispatcher claim batch")
     parser.add_argument(
         "--dispatch-poll-seconds",
         type=float,
         default=1.0,
-        help="the standalone dispatcher's poll interval (Dispatcher's and `effects dispatch`'s "
-        "default: 1)",
+        help="the dispatcher's poll interval (Dispatcher's and `effects dispatch`'s default: 1)",
     )
+    parser.add_argument(
+        "--processes",
+        type=parse_processes,
+        default=(1, 2, 4),
+        help="dispatcher process counts of the scaling table (default 1,2,4)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the 1-process dispatcher measurement (with --baseline-python: current "
+        "and baseline back to back, alternating order); medians are reported",
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=60.0, help="time bound of one measurement"
+    )
+    parser.add_argument(
+        "--noop-runs", type=int, default=3_000, help="no-op runs of the worker CPU measurement"
+    )
+    parser.add_argument("--runs", type=int, default=150, help="latency runs measured")
+    parser.add_argument("--warmup-runs", type=int, default=5, help="latency runs not counted")
     parser.add_argument(
         "--poll-seconds",
         type=float,
@@ -1012,24 +1438,29 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     )
     parser.add_argument("--worker-concurrency", type=int, default=10)
     parser.add_argument(
-        "--no-diagnostics",
-        dest="diagnostics",
-        action="store_false",
-        help="skip the HTTP client costs and the shared-client rows",
+        "--baseline-python",
+        metavar="PATH",
+        help="the interpreter of a virtualenv with an older orchestrator installed (not "
+        "editable): its dispatcher is measured beside the current one",
     )
     config = Config(**vars(parser.parse_args(argv)))
     positive: list[float] = [config.effects, config.runs, config.worker_concurrency]
+    positive += [config.concurrency, config.batch, config.noop_runs, config.rounds]
     positive += [config.max_seconds, config.poll_seconds, config.dispatch_poll_seconds]
-    positive += [n for setting in config.dispatch for n in (setting.concurrency, setting.batch)]
     if any(value <= 0 for value in positive) or config.warmup_runs < 0:
         parser.error("every count and duration must be positive (--warmup-runs may be 0)")
+    if config.baseline_python and not os.access(config.baseline_python, os.X_OK):
+        parser.error(f"--baseline-python {config.baseline_python}: not an executable file")
     return config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(json_logs=True, level="warning")
-    run_and_report(args, "effects", lambda server: benchmark(server, args), format_table)
+    report = run_and_report(args, "effects", lambda server: benchmark(server, args), format_table)
+    if not report["exactly_once"]:
+        log("FAILED: an effect was not sent exactly once, or not confirmed (see the table)")
+        return 1
     return 0
 
 
