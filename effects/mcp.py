@@ -22,7 +22,6 @@ or ``"command": "python", "args": ["server.py"]`` for a stdio server.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from orchestrator.errors import InvalidInput
@@ -33,8 +32,9 @@ from orchestrator.mcp_client import (
     McpConnectionLost,
     McpServerSpec,
     McpUnreachable,
+    result_json,
+    result_text,
 )
-from orchestrator.models import JSON
 
 from .adapters import (
     Confirmed,
@@ -106,8 +106,8 @@ class McpAdapter:
                 return Failed(f"MCP error {error.code}: {error.message}")
             return Uncertain(f"MCP error {error.code}: {error.message}")
         if result.is_error:
-            return Failed(_text(result) or f"{tool} answered with an error")
-        body = _body(result)
+            return Failed(result_text(result) or f"{tool} answered with an error")
+        body = result_json(result)
         external = body.get("id") if isinstance(body, dict) else None
         return Confirmed(str(external) if external is not None else None, body)
 
@@ -128,8 +128,8 @@ class McpAdapter:
         except (McpUnreachable, McpConnectionLost, TimeoutError, MCPError) as error:
             return Uncertain(f"lookup failed: {error}")
         if result.is_error:
-            return Uncertain(f"lookup failed: {_text(result)}")
-        body = _body(result)
+            return Uncertain(f"lookup failed: {result_text(result)}")
+        body = result_json(result)
         found = body.get("found") if isinstance(body, dict) else None
         if found is False:
             return NotSent()
@@ -142,26 +142,3 @@ class McpAdapter:
 
     async def aclose(self) -> None:
         await self.connection.aclose()
-
-
-def _text(result: Any) -> str:
-    return " ".join(
-        str(block.text) for block in result.content if getattr(block, "type", "") == "text"
-    )[:2000]
-
-
-def _body(result: Any) -> JSON:
-    """A result as JSON: its structured content, else its one text block parsed as JSON (or
-    kept as text), else its content blocks."""
-    if result.structured_content is not None:
-        value: JSON = result.structured_content
-        return value
-    blocks = result.content
-    if len(blocks) == 1 and getattr(blocks[0], "type", "") == "text":
-        text = str(blocks[0].text)
-        try:
-            parsed: JSON = json.loads(text)
-        except ValueError:
-            return text
-        return parsed
-    return [block.model_dump(mode="json", by_alias=True, exclude_none=True) for block in blocks]

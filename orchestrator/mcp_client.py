@@ -13,6 +13,7 @@ never the caller, and the next call opens a new connection.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from contextlib import AsyncExitStack
@@ -23,6 +24,7 @@ import anyio
 import structlog
 
 from orchestrator.errors import InvalidInput
+from orchestrator.models import JSON
 
 log = structlog.get_logger("orchestrator.mcp")
 
@@ -304,3 +306,27 @@ def _first_error(error: BaseException | None) -> str:
     while isinstance(error, BaseExceptionGroup) and error.exceptions:
         error = error.exceptions[0]
     return f"{type(error).__name__}: {error}" if error is not None else ""
+
+
+def result_text(result: Any) -> str:
+    """A ``CallToolResult``'s text blocks, joined (for an error message)."""
+    return " ".join(
+        str(block.text) for block in result.content if getattr(block, "type", "") == "text"
+    )[:2000]
+
+
+def result_json(result: Any) -> JSON:
+    """A ``CallToolResult`` as JSON: its structured content, else its one text block parsed as
+    JSON (or kept as text), else its content blocks."""
+    if result.structured_content is not None:
+        value: JSON = result.structured_content
+        return value
+    blocks = result.content
+    if len(blocks) == 1 and getattr(blocks[0], "type", "") == "text":
+        text = str(blocks[0].text)
+        try:
+            parsed: JSON = json.loads(text)
+        except ValueError:
+            return text
+        return parsed
+    return [block.model_dump(mode="json", by_alias=True, exclude_none=True) for block in blocks]

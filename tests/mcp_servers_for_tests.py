@@ -177,3 +177,33 @@ def http_server(ledger: Path, hang: Path | None = None) -> Iterator[dict[str, An
     finally:
         process.kill()
         process.wait(10)
+
+
+def classification(server: dict[str, Any]) -> dict[str, Any]:
+    """The operator's classification of this server for the tests' agents: ``drop_all_orders``
+    (which calls itself read-only) and ``reject_order`` are left out, so never offered."""
+    return {
+        "servers": {
+            "tickets": {
+                **server,
+                "effect_kind": "tickets",
+                "tools": {
+                    "order_status": {"class": "read_only", "timeout_seconds": 10},
+                    "open_ticket": {"class": "effect", "policy": "irreversible"},
+                    "refund": {"class": "effect", "approve": True, "approval_seconds": 600},
+                    "find_ticket": {"class": "read_only"},
+                },
+            }
+        }
+    }
+
+
+def tickets_kind(server: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """The dispatcher's vendor entry for this server's effect tools."""
+    return {
+        "adapter": "mcp",
+        **server,
+        "tools": ["open_ticket", "refund", "reject_order"],
+        "lookup_tool": "find_ticket",
+        **options,
+    }

@@ -13,7 +13,13 @@ import anyio
 import asyncpg
 import pytest
 
-from mcp_servers_for_tests import calls_per_key, http_server, ledger, stdio_server
+from mcp_servers_for_tests import (
+    calls_per_key,
+    http_server,
+    ledger,
+    stdio_server,
+    tickets_kind,
+)
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import adapter_from_config
 from orchestrator.effects.dispatcher import Dispatcher
@@ -35,16 +41,6 @@ def tickets_server(
             yield options
     else:
         yield stdio_server(ledger_file, hang)
-
-
-def tickets_kind(server: dict[str, Any], **options: Any) -> dict[str, Any]:
-    return {
-        "adapter": "mcp",
-        **server,
-        "tools": ["open_ticket", "refund", "reject_order"],
-        "lookup_tool": "find_ticket",
-        **options,
-    }
 
 
 def ticket(key: str = "ticket-1", tool: str = "open_ticket", **arguments: Any) -> Effect:

@@ -1,0 +1,216 @@
+"""MCP servers as tool sources of a ``ToolAgent``: classified read-only tools called in the turn,
+effect tools sent once by the dispatcher, unclassified tools denied, approvals bound to the
+exact arguments. A real MCP server over streamable HTTP and stdio, the scripted model server,
+PostgreSQL; a worker and a dispatcher in this process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from mcp_servers_for_tests import (
+    calls_per_key,
+    classification,
+    http_server,
+    ledger,
+    stdio_server,
+    tickets_kind,
+)
+from orchestrator.client import Client
+from orchestrator.db.store import RunStore
+from orchestrator.effects.adapters import adapter_from_config
+from orchestrator.effects.model import EffectStatus
+from orchestrator.effects.store import EffectStore
+from orchestrator.errors import InvalidInput
+from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
+from orchestrator.mcp_tools import McpToolSource, load_classification
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import running_worker, wait_for_run
+from orchestrator.tool_agent import ToolAgent, effect_keys
+from test_runtime import FAST
+
+pytest.importorskip("mcp")
+
+TICKET_TURNS = turns(
+    ScriptedTurn(
+        calls=(
+            ScriptedCall("order_status", {"order_id": "o-17"}),
+            ScriptedCall("drop_all_orders", {}),
+        )
+    ),
+    ScriptedTurn(calls=(ScriptedCall("open_ticket", {"title": "o-17 arrived damaged"}),)),
+    ScriptedTurn(content="Ticket opened."),
+)
+REFUND_TURNS = turns(
+    ScriptedTurn(calls=(ScriptedCall("refund", {"order_id": "o-17", "amount": 120.0}),)),
+    ScriptedTurn(content="Refunded."),
+)
+
+
+@contextmanager
+def tickets_server(transport: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    ledger_file = tmp_path / "ledger.jsonl"
+    if transport == "http":
+        with http_server(ledger_file) as options:
+            yield options
+    else:
+        yield stdio_server(ledger_file)
+
+
+@asynccontextmanager
+async def mcp_agent(server: dict[str, Any]) -> AsyncIterator[ToolAgent]:
+    sources = load_classification(classification(server))
+    agent = ToolAgent(
+        "mcp_tickets",
+        instructions="You help with orders through the tickets server.",
+        tools=sources,
+        max_turns=6,
+    )
+    try:
+        yield agent
+    finally:
+        for source in sources:
+            await source.aclose()
+
+
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+async def test_classified_mcp_tools_are_offered_and_an_unlisted_one_is_denied(
+    transport: str,
+    tmp_path: Path,
+    settings: Settings,
+    store: RunStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OPENAI_BASE_URL", "")
+    with tickets_server(transport, tmp_path) as server:
+        async with ScriptedModelServer(TICKET_TURNS) as model, mcp_agent(server) as agent:
+            monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+            monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+            adapter = adapter_from_config("tickets", tickets_kind(server))
+            run_id = (await store.submit(agent.name, {"prompt": "o-17 is damaged"})).run.run_id
+            async with running_worker(
+                settings, [agent], effect_adapters={"tickets": adapter}, **FAST
+            ):
+                await wait_for_run(store, run_id, within=60)
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED, run.error
+    # Only classified tools reached the model; the unlisted one was refused as denied.
+    offered = set(model.requests[0]["tools"])
+    assert offered == {"order_status", "open_ticket", "refund", "find_ticket"}
+    transcript = await store.messages(run_id)
+    told = [json.loads(m.body["content"]) for m in transcript if m.role == "tool"]
+    assert told[0]["status"] == "shipped"  # the read-only call, made in the turn
+    assert told[1]["error"].startswith("denied: drop_all_orders")
+    assert told[2]["status"] == "confirmed"
+    calls = [entry["tool"] for entry in ledger(tmp_path / "ledger.jsonl")]
+    assert "drop_all_orders" not in calls
+    # The effect: recorded as (server, tool, arguments), sent once by the dispatcher.
+    assistant = [m for m in transcript if m.role == "assistant"][1]
+    [key] = effect_keys(1, assistant.body["tool_calls"])
+    record = await EffectStore(store.pool).get(run_id, key)
+    assert record.payload == {
+        "server": "tickets",
+        "tool": "open_ticket",
+        "arguments": {"title": "o-17 arrived damaged"},
+    }
+    assert record.status is EffectStatus.CONFIRMED
+    assert calls_per_key(tmp_path / "ledger.jsonl", "open_ticket") == {record.idempotency_key: 1}
+
+
+async def test_an_approval_gated_mcp_tool_is_called_once_after_approval_of_its_arguments(
+    tmp_path: Path, settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger_file = tmp_path / "ledger.jsonl"
+    with http_server(ledger_file) as server:
+        async with ScriptedModelServer(REFUND_TURNS) as model, mcp_agent(server) as agent:
+            monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+            monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+            adapter = adapter_from_config("tickets", tickets_kind(server))
+            run_id = (await store.submit(agent.name, {"prompt": "refund o-17"})).run.run_id
+            async with (
+                running_worker(settings, [agent], effect_adapters={"tickets": adapter}, **FAST),
+                await Client.connect(settings) as client,
+            ):
+                with anyio.fail_after(60):
+                    while not (pending := await client.approvals.list(run_id=run_id)):  # noqa: ASYNC110
+                        await anyio.sleep(0.05)
+                [waiting] = pending
+                assert waiting.payload == {
+                    "server": "tickets",
+                    "tool": "refund",
+                    "arguments": {"order_id": "o-17", "amount": 120.0},
+                }
+                await anyio.sleep(0.5)  # a dispatcher that ignored approval would have sent it
+                assert calls_per_key(ledger_file, "refund") == {}
+                assert waiting.payload_sha256 is not None
+                await client.approvals.approve(
+                    run_id, waiting.effect_key, by="ana", payload_sha256=waiting.payload_sha256
+                )
+                await wait_for_run(store, run_id, within=60)
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED, run.error
+    record = await EffectStore(store.pool).get(run_id, waiting.effect_key)
+    assert record.status is EffectStatus.CONFIRMED and record.decided_by is not None
+    assert calls_per_key(ledger_file, "refund") == {record.idempotency_key: 1}
+    [call] = [e for e in ledger(ledger_file) if e["tool"] == "refund"]
+    assert call["arguments"] == {"order_id": "o-17", "amount": 120.0}
+
+
+async def test_a_classified_tool_the_server_does_not_list_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    document = classification(stdio_server(tmp_path / "ledger.jsonl"))
+    document["servers"]["tickets"]["tools"]["close_ticket"] = {"class": "effect"}
+    [source] = load_classification(document)
+    try:
+        with pytest.raises(
+            InvalidInput, match=r"does not list the classified tool\(s\) close_ticket"
+        ):
+            await source.load()
+    finally:
+        await source.aclose()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tools": {}}, "lists no tools"),
+        ({"tools": {"a": {"class": "maybe"}}}, 'class must be "read_only" or "effect"'),
+        ({"tools": {"a": {"class": "read_only", "approve": True}}}, "unknown option(s) approve"),
+        ({"tools": {"a": {"class": "effect", "policy": "twice"}}}, "policy must be"),
+        ({"tools": {"a b": {"class": "effect"}}}, "1-64 letters"),
+        ({"url": None, "command": None}, "exactly one of url or command"),
+        ({"transport": "carrier pigeon"}, "unknown option(s) transport"),
+    ],
+)
+def test_bad_classifications_are_one_clear_line(change: dict[str, Any], message: str) -> None:
+    server: dict[str, Any] = {"url": "http://127.0.0.1:9/mcp", "tools": {"a": {"class": "effect"}}}
+    server.update(change)
+    server = {k: v for k, v in server.items() if v is not None}
+    with pytest.raises(InvalidInput) as raised:
+        load_classification({"servers": {"tickets": server}})
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_classification_file_is_json_or_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "mcp.toml"
+    toml.write_text(
+        '[servers.tickets]\nurl = "http://127.0.0.1:9/mcp"\n'
+        '[servers.tickets.tools.open_ticket]\nclass = "effect"\napprove = true\n'
+    )
+    [source] = load_classification(toml)
+    assert isinstance(source, McpToolSource)
+    assert source.effect_kind == "tickets" and source.rules["open_ticket"].approve
+    with pytest.raises(InvalidInput, match="cannot read MCP classification"):
+        load_classification(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(InvalidInput, match="is not valid json"):
+        load_classification(broken)
