@@ -27,6 +27,8 @@ import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
 
+from orchestrator.loopback import ScriptedCall, ScriptedTurn, turns
+
 IDEMPOTENCY_META = "orchestrator/idempotency_key"
 
 
@@ -207,3 +209,16 @@ def tickets_kind(server: dict[str, Any], **options: Any) -> dict[str, Any]:
         "lookup_tool": "find_ticket",
         **options,
     }
+
+
+TICKET_TURNS = turns(
+    ScriptedTurn(
+        calls=(
+            ScriptedCall("order_status", {"order_id": "o-17"}),
+            ScriptedCall("drop_all_orders", {}),
+        )
+    ),
+    ScriptedTurn(calls=(ScriptedCall("open_ticket", {"title": "o-17 arrived damaged"}),)),
+    ScriptedTurn(content="Ticket opened."),
+)
+"""A read-only call and a call to an unclassified tool, then an effect, then the answer."""

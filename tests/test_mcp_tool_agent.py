@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from mcp_servers_for_tests import (
+    TICKET_TURNS,
     calls_per_key,
     classification,
     http_server,
@@ -38,16 +39,6 @@ from test_runtime import FAST
 
 pytest.importorskip("mcp")
 
-TICKET_TURNS = turns(
-    ScriptedTurn(
-        calls=(
-            ScriptedCall("order_status", {"order_id": "o-17"}),
-            ScriptedCall("drop_all_orders", {}),
-        )
-    ),
-    ScriptedTurn(calls=(ScriptedCall("open_ticket", {"title": "o-17 arrived damaged"}),)),
-    ScriptedTurn(content="Ticket opened."),
-)
 REFUND_TURNS = turns(
     ScriptedTurn(calls=(ScriptedCall("refund", {"order_id": "o-17", "amount": 120.0}),)),
     ScriptedTurn(content="Refunded."),
