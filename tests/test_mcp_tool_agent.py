@@ -35,6 +35,7 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent, effect_keys
+from support import cli
 from test_runtime import FAST
 
 pytest.importorskip("mcp")
@@ -205,3 +206,31 @@ def test_a_classification_file_is_json_or_toml(tmp_path: Path) -> None:
     broken.write_text("{")
     with pytest.raises(InvalidInput, match="is not valid json"):
         load_classification(broken)
+
+
+def test_mcp_import_prints_a_draft_from_the_hints_that_an_operator_then_owns(
+    tmp_path: Path,
+) -> None:
+    server = stdio_server(tmp_path / "ledger.jsonl")
+    arguments = [f"--arg={a}" for a in server["args"]]
+    shown = cli(None, "mcp", "import", "tickets", "--command", server["command"], *arguments)
+    assert shown.returncode == 0, shown.stderr
+    assert "DRAFT" in shown.stdout and "drop_all_orders" in shown.stdout
+    printed = cli(
+        None, "mcp", "import", "tickets", "--command", server["command"], *arguments, "--json"
+    )
+    draft = json.loads(printed.stdout)
+    tools = draft["servers"]["tickets"]["tools"]
+    # Hints pre-fill, never decide: the server's false readOnlyHint shows up in the draft,
+    # for the operator to catch; nothing is offered until a classification is given.
+    assert tools["order_status"] == {"class": "read_only"}
+    assert tools["drop_all_orders"] == {"class": "read_only"}
+    assert tools["open_ticket"] == {"class": "effect", "policy": "irreversible", "approve": False}
+    assert tools["refund"]["approve"] is True
+    [source] = load_classification(draft)
+    assert set(source.rules) == set(tools)
+    assert calls_per_key(tmp_path / "ledger.jsonl", "drop_all_orders") == {}
+    unreachable = cli(None, "mcp", "import", "tickets", "--url", "http://127.0.0.1:9/mcp")
+    assert unreachable.returncode == 1
+    assert unreachable.stderr.startswith("error: cannot connect to MCP server tickets")
+    assert unreachable.stderr.count("\n") == 1
