@@ -225,37 +225,32 @@ class McpConnection:
         assert live is not None
         answer: list[Any] = []
         failure: list[BaseException] = []
-        try:
-            async with anyio.create_task_group() as group:
+        # A timeout or a caller's cancellation leaves the session usable (the SDK cancels the
+        # request): other calls in flight on it go on. Only a lost connection ends it.
+        async with anyio.create_task_group() as group:
 
-                async def call() -> None:
-                    try:
-                        answer.append(
-                            await client.call_tool(
-                                name, arguments, read_timeout_seconds=seconds, meta=meta
-                            )
+            async def call() -> None:
+                try:
+                    answer.append(
+                        await client.call_tool(
+                            name, arguments, read_timeout_seconds=seconds, meta=meta
                         )
-                    except Exception as error:
-                        failure.append(error)
-                    group.cancel_scope.cancel()
+                    )
+                except Exception as error:
+                    failure.append(error)
+                group.cancel_scope.cancel()
 
-                async def watch() -> None:
-                    await live.closed.wait()
-                    group.cancel_scope.cancel()
+            async def watch() -> None:
+                await live.closed.wait()
+                group.cancel_scope.cancel()
 
-                group.start_soon(call)
-                group.start_soon(watch)
-        except BaseException:
-            # Cancelled mid-call (the dispatcher's own deadline): the session may be left
-            # holding a request nobody awaits; start afresh next time.
-            await self._drop(live)
-            raise
+            group.start_soon(call)
+            group.start_soon(watch)
         if answer:
             return answer[0]
         if failure:
             error = failure[0]
             if isinstance(error, MCPError) and error.code == REQUEST_TIMEOUT:
-                await self._drop(live)
                 raise TimeoutError(f"no answer from MCP server {self.spec.name} in {seconds}s")
             if isinstance(error, MCPError) and error.code != CONNECTION_CLOSED:
                 raise error

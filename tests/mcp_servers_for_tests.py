@@ -63,6 +63,14 @@ def _key(ctx: Context) -> str | None:
     return str(value) if value is not None else None
 
 
+def _die_if_asked() -> None:
+    """While ``MCP_TEST_DIE`` names a file that exists: remove it and die, having acted."""
+    die = os.environ.get("MCP_TEST_DIE")
+    if die and os.path.exists(die):
+        os.unlink(die)
+        os._exit(1)
+
+
 async def _hang_while_asked() -> None:
     hang = os.environ.get("MCP_TEST_HANG")
     if not hang:
@@ -80,6 +88,7 @@ def build_server() -> MCPServer:
         """Open a support ticket."""
         key = _key(ctx)
         _record("open_ticket", key, {"title": title})
+        _die_if_asked()
         await _hang_while_asked()
         return {"id": f"T-{key}", "title": title}
 
@@ -142,16 +151,22 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def server_env(ledger: Path, hang: Path | None = None) -> dict[str, str]:
+def server_env(ledger: Path, hang: Path | None = None, die: Path | None = None) -> dict[str, str]:
     env = {"MCP_TEST_LEDGER": str(ledger), "PATH": os.environ.get("PATH", "")}
     if hang is not None:
         env["MCP_TEST_HANG"] = str(hang)
+    if die is not None:
+        env["MCP_TEST_DIE"] = str(die)
     return env
 
 
-def stdio_server(ledger: Path, hang: Path | None = None) -> dict[str, Any]:
+def stdio_server(ledger: Path, hang: Path | None = None, die: Path | None = None) -> dict[str, Any]:
     """The connection options of this server over stdio (a child of whoever connects)."""
-    return {"command": sys.executable, "args": [SERVER, "stdio"], "env": server_env(ledger, hang)}
+    return {
+        "command": sys.executable,
+        "args": [SERVER, "stdio"],
+        "env": server_env(ledger, hang, die),
+    }
 
 
 @contextmanager

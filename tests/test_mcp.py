@@ -102,6 +102,47 @@ async def test_an_unanswered_call_is_reconciled_through_the_lookup_tool_never_re
     assert calls_per_key(tmp_path / "ledger.jsonl", "open_ticket") == {key: 1}
 
 
+async def test_a_stdio_server_that_dies_after_acting_is_reconciled_never_resent(
+    tmp_path: Path, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    die = tmp_path / "die"
+    die.touch()  # the first server to open a ticket dies before it answers
+    server = stdio_server(tmp_path / "ledger.jsonl", die=die)
+    effect = ticket()
+    run_id = await requested(store, pool, effect)
+    adapter = adapter_from_config("tickets", tickets_kind(server))
+    record = await dispatch_until(pool, {"tickets": adapter}, run_id, effect.key, SETTLED)
+    assert not die.exists()
+    assert record.status is EffectStatus.CONFIRMED
+    key = idempotency_key(run_id, effect.key)
+    assert record.external_id == f"T-{key}" and record.attempts >= 2
+    assert calls_per_key(tmp_path / "ledger.jsonl", "open_ticket") == {key: 1}
+
+
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+async def test_concurrent_effects_share_one_connection_each_called_once(
+    transport: str, tmp_path: Path, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    effects = [ticket(f"ticket-{n}", title=f"t{n}") for n in range(6)]
+    runs = [await requested(store, pool, effect) for effect in effects]
+    records = EffectStore(pool)
+    with tickets_server(transport, tmp_path) as server:
+        adapter = adapter_from_config("tickets", tickets_kind(server))
+        dispatcher = Dispatcher(pool, {"tickets": adapter}, lease_seconds=5, poll_seconds=0.05)
+        async with anyio.create_task_group() as group:
+            group.start_soon(dispatcher.run)
+            with anyio.fail_after(60):
+                for run_id, effect in zip(runs, effects, strict=True):
+                    while (await records.get(run_id, effect.key)).status not in SETTLED:  # noqa: ASYNC110
+                        await anyio.sleep(0.05)
+            group.cancel_scope.cancel()
+    for run_id, effect in zip(runs, effects, strict=True):
+        assert (await records.get(run_id, effect.key)).status is EffectStatus.CONFIRMED
+    assert calls_per_key(tmp_path / "ledger.jsonl", "open_ticket") == {
+        idempotency_key(run_id, effect.key): 1 for run_id, effect in zip(runs, effects, strict=True)
+    }
+
+
 async def test_without_a_lookup_tool_an_unanswered_call_is_parked(
     tmp_path: Path, store: RunStore, pool: asyncpg.Pool
 ) -> None:
