@@ -155,6 +155,37 @@ async def test_an_approval_gated_mcp_tool_is_called_once_after_approval_of_its_a
     assert call["arguments"] == {"order_id": "o-17", "amount": 120.0}
 
 
+async def test_arguments_are_checked_against_the_listed_schema_before_any_call(
+    tmp_path: Path, settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = turns(
+        ScriptedTurn(
+            calls=(
+                ScriptedCall("order_status", {"order": "o-17"}),  # not the schema's field
+                ScriptedCall("open_ticket", {"title": 17}),  # not a string
+            )
+        ),
+        ScriptedTurn(content="Sorry."),
+    )
+    server = stdio_server(tmp_path / "ledger.jsonl")
+    async with ScriptedModelServer(script) as model, mcp_agent(server) as agent:
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        adapter = adapter_from_config("tickets", tickets_kind(server))
+        run_id = (await store.submit(agent.name, {"prompt": "bad arguments"})).run.run_id
+        async with running_worker(settings, [agent], effect_adapters={"tickets": adapter}, **FAST):
+            await wait_for_run(store, run_id, within=60)
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED and run.result is not None
+    assert run.result["invalid_calls"] == 2
+    told = [json.loads(m.body["content"]) for m in await store.messages(run_id) if m.role == "tool"]
+    assert told[0]["error"].startswith("invalid arguments for order_status:")
+    assert "'order_id' is a required property" in told[0]["error"]
+    assert told[1]["error"].startswith("invalid arguments for open_ticket: title:")
+    assert ledger(tmp_path / "ledger.jsonl") == []
+    assert await EffectStore(store.pool).list_effects(run_id=run_id) == []
+
+
 async def test_a_classified_tool_the_server_does_not_list_is_a_clear_error(
     tmp_path: Path,
 ) -> None:
