@@ -161,10 +161,15 @@ class McpConnection:
         from mcp import StdioServerParameters
         from mcp.client.stdio import stdio_client
         from mcp.client.streamable_http import streamable_http_client
-        from mcp.shared._httpx_utils import create_mcp_http_client
 
         if self.spec.url is not None:
-            http = create_mcp_http_client(headers=self.spec.headers or None)
+            if not self.spec.headers:
+                return streamable_http_client(self.spec.url)
+            import httpx2  # the SDK's HTTP client; the same timeouts as its own default
+
+            http = httpx2.AsyncClient(
+                headers=self.spec.headers, timeout=httpx2.Timeout(30.0, read=300.0)
+            )
             stack.push_async_callback(http.aclose)  # a client passed in is ours to close
             return streamable_http_client(self.spec.url, http_client=http)
         assert self.spec.command is not None
@@ -197,10 +202,13 @@ class McpConnection:
 
     async def client(self) -> Any:
         """The open ``mcp.Client``; ``McpUnreachable`` when none can be opened."""
+        return (await self._connected()).client
+
+    async def _connected(self) -> _Live:
         async with self._opening:
             live = self._live
             if live is not None and not live.closed.is_set():
-                return live.client
+                return live
             live = self._live = _Live()
             live.task = asyncio.get_running_loop().create_task(self._own(live))
             with anyio.move_on_after(self.spec.connect_seconds):
@@ -210,7 +218,7 @@ class McpConnection:
                 self._live = None
                 why = _first_error(live.error) if live.error else "timed out"
                 raise McpUnreachable(f"cannot connect to MCP server {self.spec.name}: {why}")
-            return live.client
+            return live
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], *, meta: dict[str, Any] | None, seconds: float
@@ -220,9 +228,8 @@ class McpConnection:
         from mcp import MCPError
         from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
-        client = await self.client()
-        live = self._live
-        assert live is not None
+        live = await self._connected()
+        client = live.client
         answer: list[Any] = []
         failure: list[BaseException] = []
         # A timeout or a caller's cancellation leaves the session usable (the SDK cancels the
@@ -262,7 +269,8 @@ class McpConnection:
 
     async def list_tools(self, *, seconds: float) -> list[Any]:
         """Every tool the server lists (all pages)."""
-        client = await self.client()
+        live = await self._connected()
+        client = live.client
         tools: list[Any] = []
         cursor: str | None = None
         try:
@@ -274,8 +282,7 @@ class McpConnection:
                     if cursor is None:
                         break
         except BaseException:
-            if self._live is not None:
-                await self._drop(self._live)
+            await self._drop(live)
             raise
         return tools
 

@@ -25,6 +25,7 @@ from orchestrator.effects.adapters import adapter_from_config
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
+from orchestrator.mcp_client import McpConnection, McpServerSpec
 from test_effects_dispatch import dispatch_until, requested
 
 pytest.importorskip("mcp")
@@ -211,3 +212,18 @@ def test_bad_mcp_adapter_config_is_one_clear_line(options: dict[str, Any], messa
     with pytest.raises(ValueError, match=re.escape(message)) as raised:
         adapter_from_config("tickets", {"adapter": "mcp", **options})
     assert "\n" not in str(raised.value)
+
+
+async def test_a_bearer_token_from_the_environment_reaches_an_http_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORCH_TEST_MCP_TOKEN", "s3cret")
+    with http_server(tmp_path / "ledger.jsonl") as server:
+        spec = McpServerSpec.from_config("tickets", {**server, "token_env": "ORCH_TEST_MCP_TOKEN"})
+        assert spec.headers == {"Authorization": "Bearer s3cret"}
+        connection = McpConnection(spec)
+        try:
+            names = {tool.name for tool in await connection.list_tools(seconds=30)}
+        finally:
+            await connection.aclose()
+    assert {"open_ticket", "find_ticket"} <= names
