@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,8 +68,24 @@ class ToolRule:
     read_only: bool
     timeout_seconds: float = DEFAULT_TOOL_TIMEOUT_SECONDS
     policy: EffectPolicy = EffectPolicy.IRREVERSIBLE
-    approve: bool = False
+    approve: bool | tuple[str, float] = False
+    """True: every call waits for a person; (ARGUMENT, LIMIT): calls whose numeric ARGUMENT is
+    above LIMIT (or not a number) do."""
     approval_seconds: float = DEFAULT_APPROVAL_SECONDS
+
+    def approval(self) -> bool | Callable[..., bool]:
+        """``approve=`` as ``EffectTool`` takes it."""
+        if isinstance(self.approve, bool):
+            return self.approve
+        argument, limit = self.approve
+
+        def above(**arguments: Any) -> bool:
+            value = arguments.get(argument)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return True  # when unsure, a person decides
+            return value > limit
+
+        return above
 
 
 def _rule(server: str, name: str, options: Any) -> ToolRule:
@@ -94,9 +110,22 @@ def _rule(server: str, name: str, options: Any) -> ToolRule:
         policy = EffectPolicy(options.get("policy", "irreversible"))
     except ValueError:
         raise InvalidInput(f"{where}: policy must be irreversible or replaceable") from None
-    approve = options.get("approve", False)
-    if not isinstance(approve, bool):
-        raise InvalidInput(f"{where}: approve must be true or false")
+    raw = options.get("approve", False)
+    approve: bool | tuple[str, float]
+    if isinstance(raw, bool):
+        approve = raw
+    elif (
+        isinstance(raw, dict)
+        and set(raw) == {"argument", "above"}
+        and isinstance(raw["argument"], str)
+        and isinstance(raw["above"], int | float)
+        and not isinstance(raw["above"], bool)
+    ):
+        approve = (raw["argument"], float(raw["above"]))
+    else:
+        raise InvalidInput(
+            f'{where}: approve must be true, false or {{"argument": NAME, "above": NUMBER}}'
+        )
     seconds = options.get("approval_seconds", DEFAULT_APPROVAL_SECONDS)
     if not (isinstance(seconds, int | float) and 0 < seconds <= MAX_APPROVAL_SECONDS):
         raise InvalidInput(f"{where}: approval_seconds must be above 0, at most a year")
@@ -288,7 +317,7 @@ class McpEffectTool(EffectTool):
         self.kind = source.effect_kind
         self.policy = rule.policy
         self.result = default_result
-        self.approve = rule.approve
+        self.approve = rule.approval()
         self.approval_seconds = rule.approval_seconds
         self.validator = _validator(schema, f"MCP tool {name}")
 

@@ -30,7 +30,7 @@ from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
-from orchestrator.mcp_tools import McpToolSource, load_classification
+from orchestrator.mcp_tools import McpEffectTool, McpToolSource, load_classification
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker, wait_for_run
@@ -208,6 +208,7 @@ async def test_a_classified_tool_the_server_does_not_list_is_a_clear_error(
         ({"tools": {"a": {"class": "maybe"}}}, 'class must be "read_only" or "effect"'),
         ({"tools": {"a": {"class": "read_only", "approve": True}}}, "unknown option(s) approve"),
         ({"tools": {"a": {"class": "effect", "policy": "twice"}}}, "policy must be"),
+        ({"tools": {"a": {"class": "effect", "approve": {"argument": "x"}}}}, "approve must be"),
         ({"tools": {"a b": {"class": "effect"}}}, "1-64 letters"),
         ({"url": None, "command": None}, "exactly one of url or command"),
         ({"transport": "carrier pigeon"}, "unknown option(s) transport"),
@@ -220,6 +221,18 @@ def test_bad_classifications_are_one_clear_line(change: dict[str, Any], message:
     with pytest.raises(InvalidInput) as raised:
         load_classification({"servers": {"tickets": server}})
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_an_approval_threshold_asks_a_person_above_it_or_when_unsure() -> None:
+    rule = {"class": "effect", "approve": {"argument": "amount", "above": 100}}
+    [source] = load_classification(
+        {"servers": {"tickets": {"url": "http://127.0.0.1:9/mcp", "tools": {"refund": rule}}}}
+    )
+    schema = {"type": "object", "properties": {"amount": {"type": "number"}}}
+    refund = McpEffectTool(source, "refund", "Refund.", schema, source.rules["refund"])
+    assert not refund.needs_approval({"amount": 50})
+    assert refund.needs_approval({"amount": 150})
+    assert refund.needs_approval({"amount": "a lot"}) and refund.needs_approval({})
 
 
 def test_a_classification_file_is_json_or_toml(tmp_path: Path) -> None:
