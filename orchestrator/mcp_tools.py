@@ -245,35 +245,43 @@ def _validator(schema: dict[str, Any], where: str) -> Any:
     return cls(schema)
 
 
-def _parse(tool: Tool, validator: Any, arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments.strip() or "{}")
-    except ValueError as error:
-        raise ToolArgumentsInvalid(f"arguments: not JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise ToolArgumentsInvalid("arguments: must be a JSON object")
-    problems = [
-        f"{'.'.join(str(p) for p in e.absolute_path) or 'arguments'}: {e.message}"
-        for e in list(validator.iter_errors(value))[:10]
-    ]
-    if problems:
-        raise ToolArgumentsInvalid("; ".join(problems))
-    return value
+class _ListedTool(Tool):
+    """A tool as its MCP server lists it: description and JSON schema from the listing, the
+    model's arguments checked against that schema (there is no local function)."""
 
+    def __init__(
+        self, source: McpToolSource, name: str, description: str, schema: dict[str, Any]
+    ) -> None:
+        # Not Tool.__init__: it builds the schema from a Python function's signature.
+        self.function = _no_function
+        self.name = name
+        self.description = description
+        self.parameters = schema
+        self.takes_context = False
+        self.source = source
+        self.validator = _validator(schema, f"MCP tool {name}")
 
-def _describe(tool: Tool, name: str, description: str, schema: dict[str, Any]) -> None:
-    tool.function = _no_function
-    tool.name = name
-    tool.description = description
-    tool.parameters = schema
-    tool.takes_context = False
+    def parse(self, arguments: str) -> dict[str, Any]:
+        try:
+            value = json.loads(arguments.strip() or "{}")
+        except ValueError as error:
+            raise ToolArgumentsInvalid(f"arguments: not JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise ToolArgumentsInvalid("arguments: must be a JSON object")
+        problems = [
+            f"{'.'.join(str(p) for p in e.absolute_path) or 'arguments'}: {e.message}"
+            for e in list(self.validator.iter_errors(value))[:10]
+        ]
+        if problems:
+            raise ToolArgumentsInvalid("; ".join(problems))
+        return value
 
 
 def _no_function(**arguments: Any) -> JSON:
     raise AssertionError("an MCP tool has no local function")
 
 
-class McpReadOnlyTool(ReadOnlyTool):
+class McpReadOnlyTool(_ListedTool, ReadOnlyTool):
     """A classified read-only MCP tool: the worker calls it during the turn."""
 
     def __init__(
@@ -284,13 +292,8 @@ class McpReadOnlyTool(ReadOnlyTool):
         schema: dict[str, Any],
         rule: ToolRule,
     ) -> None:
-        _describe(self, name, description, schema)
-        self.source = source
+        _ListedTool.__init__(self, source, name, description, schema)
         self.timeout = rule.timeout_seconds
-        self.validator = _validator(schema, f"MCP tool {name}")
-
-    def parse(self, arguments: str) -> dict[str, Any]:
-        return _parse(self, self.validator, arguments)
 
     async def call(self, ctx: ToolContext, arguments: dict[str, Any]) -> JSON:
         result = await self.source.connection.call_tool(
@@ -301,7 +304,7 @@ class McpReadOnlyTool(ReadOnlyTool):
         return result_json(result)
 
 
-class McpEffectTool(EffectTool):
+class McpEffectTool(_ListedTool, EffectTool):
     """A classified effectful MCP tool: the call becomes a fenced effect the dispatcher sends."""
 
     def __init__(
@@ -312,17 +315,12 @@ class McpEffectTool(EffectTool):
         schema: dict[str, Any],
         rule: ToolRule,
     ) -> None:
-        _describe(self, name, description, schema)
-        self.source = source
+        _ListedTool.__init__(self, source, name, description, schema)
         self.kind = source.effect_kind
         self.policy = rule.policy
         self.result = default_result
         self.approve = rule.approval()
         self.approval_seconds = rule.approval_seconds
-        self.validator = _validator(schema, f"MCP tool {name}")
-
-    def parse(self, arguments: str) -> dict[str, Any]:
-        return _parse(self, self.validator, arguments)
 
     async def payload(self, arguments: dict[str, Any]) -> JSON:
         return {"server": self.source.name, "tool": self.name, "arguments": arguments}

@@ -196,6 +196,18 @@ def http_server(ledger: Path, hang: Path | None = None) -> Iterator[dict[str, An
         process.wait(10)
 
 
+@contextmanager
+def tickets_server(
+    transport: str, ledger: Path, hang: Path | None = None
+) -> Iterator[dict[str, Any]]:
+    """This server's connection options over ``transport`` ("http" or "stdio")."""
+    if transport == "http":
+        with http_server(ledger, hang) as options:
+            yield options
+    else:
+        yield stdio_server(ledger, hang)
+
+
 def classification(server: dict[str, Any]) -> dict[str, Any]:
     """The operator's classification of this server for the tests' agents: ``drop_all_orders``
     (which calls itself read-only) and ``reject_order`` are left out, so never offered."""

@@ -4,8 +4,6 @@ over streamable HTTP and over stdio, counting its calls per idempotency key."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from mcp_servers_for_tests import (
     ledger,
     stdio_server,
     tickets_kind,
+    tickets_server,
 )
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import adapter_from_config
@@ -30,18 +29,6 @@ from test_effects_dispatch import dispatch_until, requested
 
 pytest.importorskip("mcp")
 SETTLED = {EffectStatus.CONFIRMED, EffectStatus.FAILED, EffectStatus.PARKED}
-
-
-@contextmanager
-def tickets_server(
-    transport: str, tmp_path: Path, hang: Path | None = None
-) -> Iterator[dict[str, Any]]:
-    ledger_file = tmp_path / "ledger.jsonl"
-    if transport == "http":
-        with http_server(ledger_file, hang) as options:
-            yield options
-    else:
-        yield stdio_server(ledger_file, hang)
 
 
 def ticket(key: str = "ticket-1", tool: str = "open_ticket", **arguments: Any) -> Effect:
@@ -56,7 +43,7 @@ def ticket(key: str = "ticket-1", tool: str = "open_ticket", **arguments: Any) -
 async def test_an_effectful_mcp_tool_is_called_once_with_the_key_in_meta(
     transport: str, tmp_path: Path, store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    with tickets_server(transport, tmp_path) as server:
+    with tickets_server(transport, tmp_path / "ledger.jsonl") as server:
         adapter = adapter_from_config("tickets", tickets_kind(server))
         effect = ticket()
         run_id = await requested(store, pool, effect)
@@ -72,7 +59,7 @@ async def test_an_effectful_mcp_tool_is_called_once_with_the_key_in_meta(
 async def test_a_tool_error_fails_the_effect_and_an_unlisted_tool_is_never_called(
     transport: str, tmp_path: Path, store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    with tickets_server(transport, tmp_path) as server:
+    with tickets_server(transport, tmp_path / "ledger.jsonl") as server:
         adapter = adapter_from_config("tickets", tickets_kind(server))
         failing = ticket("reject", "reject_order", order_id="o-1")
         unlisted = ticket("drop", "drop_all_orders")
@@ -91,7 +78,7 @@ async def test_an_unanswered_call_is_reconciled_through_the_lookup_tool_never_re
 ) -> None:
     hang = tmp_path / "hang"
     hang.touch()
-    with tickets_server(transport, tmp_path, hang) as server:
+    with tickets_server(transport, tmp_path / "ledger.jsonl", hang) as server:
         adapter = adapter_from_config("tickets", tickets_kind(server, timeout_seconds=1))
         effect = ticket()
         run_id = await requested(store, pool, effect)
@@ -127,7 +114,7 @@ async def test_concurrent_effects_share_one_connection_each_called_once(
     effects = [ticket(f"ticket-{n}", title=f"t{n}") for n in range(6)]
     runs = [await requested(store, pool, effect) for effect in effects]
     records = EffectStore(pool)
-    with tickets_server(transport, tmp_path) as server:
+    with tickets_server(transport, tmp_path / "ledger.jsonl") as server:
         adapter = adapter_from_config("tickets", tickets_kind(server))
         dispatcher = Dispatcher(pool, {"tickets": adapter}, lease_seconds=5, poll_seconds=0.05)
         async with anyio.create_task_group() as group:

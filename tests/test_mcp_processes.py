@@ -19,9 +19,8 @@ from mcp_servers_for_tests import (
     TICKET_TURNS,
     calls_per_key,
     classification,
-    http_server,
-    stdio_server,
     tickets_kind,
+    tickets_server,
 )
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
@@ -45,11 +44,8 @@ def hanging_server(transport: str, tmp_path: Path) -> Iterator[tuple[dict[str, A
     hang = tmp_path / "hang"
     hang.touch()
     try:
-        if transport == "http":
-            with http_server(tmp_path / LEDGER, hang) as server:
-                yield server, hang
-        else:
-            yield stdio_server(tmp_path / LEDGER, hang), hang
+        with tickets_server(transport, tmp_path / LEDGER, hang) as server:
+            yield server, hang
     finally:
         hang.unlink(missing_ok=True)
 

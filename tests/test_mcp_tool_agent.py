@@ -6,8 +6,8 @@ PostgreSQL; a worker and a dispatcher in this process."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from mcp_servers_for_tests import (
     ledger,
     stdio_server,
     tickets_kind,
+    tickets_server,
 )
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
@@ -44,16 +45,6 @@ REFUND_TURNS = turns(
     ScriptedTurn(calls=(ScriptedCall("refund", {"order_id": "o-17", "amount": 120.0}),)),
     ScriptedTurn(content="Refunded."),
 )
-
-
-@contextmanager
-def tickets_server(transport: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    ledger_file = tmp_path / "ledger.jsonl"
-    if transport == "http":
-        with http_server(ledger_file) as options:
-            yield options
-    else:
-        yield stdio_server(ledger_file)
 
 
 @asynccontextmanager
@@ -81,7 +72,7 @@ async def test_classified_mcp_tools_are_offered_and_an_unlisted_one_is_denied(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("OPENAI_BASE_URL", "")
-    with tickets_server(transport, tmp_path) as server:
+    with tickets_server(transport, tmp_path / "ledger.jsonl") as server:
         async with ScriptedModelServer(TICKET_TURNS) as model, mcp_agent(server) as agent:
             monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
             monkeypatch.delenv("OPENAI_API_KEY", raising=False)
