@@ -7,8 +7,9 @@ A tool agent is an ``Agent`` whose one step, ``turn``, is one model turn:
    and turns each into the tool message the model reads.
 2. One model call (``llm.complete``: its own retries, each attempt's usage counted), with the
    committed transcript and the tools' schemas.
-3. Each tool call is checked: an unknown tool, malformed JSON or arguments that fail the schema
-   go back to the model as a tool error, counted. A read-only call runs now, with its timeout.
+3. Each tool call is checked: an unknown tool (or one a tool source, such as an MCP server,
+   lists but its classification denies), malformed JSON or arguments that fail the schema go
+   back to the model as a tool error, counted. A read-only call runs now, with its timeout.
    An effect call only builds its payload: an ``Effect`` keyed by the turn, the tool and its
    arguments (``effect_keys``).
 4. One fenced commit holds it all: the messages of the turn (tool results, the assistant message
