@@ -294,4 +294,10 @@ def adapter_from_config(kind: str, config: dict[str, Any]) -> Adapter:
         return HttpAdapter(kind, **options)
     if adapter == "smtp":
         return SmtpAdapter(kind, **options)
-    raise ValueError(f"effect kind {kind!r}: adapter must be 'http' or 'smtp', not {adapter!r}")
+    if adapter == "mcp":
+        from .mcp import McpAdapter  # the mcp extra: imported only when configured
+
+        return McpAdapter(kind, **options)
+    raise ValueError(
+        f"effect kind {kind!r}: adapter must be 'http', 'smtp' or 'mcp', not {adapter!r}"
+    )

@@ -7,8 +7,9 @@ A tool agent is an ``Agent`` whose one step, ``turn``, is one model turn:
    and turns each into the tool message the model reads.
 2. One model call (``llm.complete``: its own retries, each attempt's usage counted), with the
    committed transcript and the tools' schemas.
-3. Each tool call is checked: an unknown tool, malformed JSON or arguments that fail the schema
-   go back to the model as a tool error, counted. A read-only call runs now, with its timeout.
+3. Each tool call is checked: an unknown tool (or one a tool source, such as an MCP server,
+   lists but its classification denies), malformed JSON or arguments that fail the schema go
+   back to the model as a tool error, counted. A read-only call runs now, with its timeout.
    An effect call only builds its payload: an ``Effect`` keyed by the turn, the tool and its
    arguments (``effect_keys``).
 4. One fenced commit holds it all: the messages of the turn (tool results, the assistant message
@@ -51,6 +52,7 @@ from orchestrator.tools import (
     Tool,
     ToolArgumentsInvalid,
     ToolContext,
+    ToolSource,
 )
 
 DEFAULT_SETTLE_GRACE_SECONDS = 2.0
@@ -122,7 +124,7 @@ class ToolAgent(Agent):
         name: str,
         *,
         instructions: str,
-        tools: Sequence[Tool] = (),
+        tools: Sequence[Tool | ToolSource] = (),
         model: str | None = None,
         output: Any = None,
         max_turns: int = 20,
@@ -175,7 +177,7 @@ class ToolLoop:
         *,
         agent: str,
         instructions: str,
-        tools: Sequence[Tool],
+        tools: Sequence[Tool | ToolSource],
         model: str | None,
         output: Any,
         max_turns: int,
@@ -201,7 +203,11 @@ class ToolLoop:
         self.agent = agent
         self.instructions = instructions
         self.tools: dict[str, Tool] = {}
+        self.sources: list[ToolSource] = []
         for candidate in tools:
+            if isinstance(candidate, ToolSource) and not isinstance(candidate, Tool):
+                self.sources.append(candidate)  # its tools are loaded before the first turn
+                continue
             if not isinstance(candidate, ReadOnlyTool | EffectTool):
                 raise InvalidInput(
                     f"agent {agent}: {candidate!r} is not a tool; label each with "
@@ -211,6 +217,8 @@ class ToolLoop:
                 raise InvalidInput(f"agent {agent}: two tools are named {candidate.name!r}")
             self.tools[candidate.name] = candidate
         self.definitions = [t.definition() for t in self.tools.values()]
+        self._sources_loaded = not self.sources
+        self._loading = anyio.Lock()
         self.model = model
         self.output = None if output is None else pydantic.TypeAdapter(output)
         self.max_turns = max_turns
@@ -250,10 +258,30 @@ class ToolLoop:
         Turn.__qualname__ = f"{self.agent}.{name}"
         return Turn
 
+    async def load_sources(self) -> None:
+        """Add the tools of the tool sources (MCP servers), once per process."""
+        async with self._loading:
+            if self._sources_loaded:
+                return
+            tools = dict(self.tools)
+            for source in self.sources:
+                for found in await source.load():
+                    if found.name in tools:
+                        raise InvalidInput(
+                            f"agent {self.agent}: two tools are named {found.name!r} "
+                            f"(one from {source.name})"
+                        )
+                    tools[found.name] = found
+            self.tools = tools
+            self.definitions = [t.definition() for t in tools.values()]
+            self._sources_loaded = True
+
     # -- the turn ---------------------------------------------------------------------------
     async def turn(
         self, ctx: StepContext, *, self_step: type[Step], then: type[Step] | None
     ) -> Outcome:
+        if not self._sources_loaded:
+            await self.load_sources()
         rest = dict(ctx.checkpoint) if isinstance(ctx.checkpoint, dict) else {}
         state = _LoopState.load(rest.pop(LOOP_KEY, None), self, ctx)
         new: list[Message] = []
@@ -417,12 +445,16 @@ class ToolLoop:
             ) as span:
                 if found is None:
                     state.invalid_calls += 1
-                    span.set_status(Status(StatusCode.ERROR, "unknown tool"))
+                    refusal = next(filter(None, (s.refusal(name) for s in self.sources)), None)
+                    span.set_status(
+                        Status(StatusCode.ERROR, "denied" if refusal else "unknown tool")
+                    )
                     new.append(
                         _tool_error(
                             state.turn,
                             call_id,
-                            f"there is no tool named "
+                            refusal
+                            or f"there is no tool named "
                             f"{name!r}; the tools are: {', '.join(self.tools) or 'none'}",
                         )
                     )

@@ -27,9 +27,9 @@ from __future__ import annotations
 import inspect
 import re
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Protocol, overload, runtime_checkable
 
 import pydantic
 from pydantic_core import to_jsonable_python
@@ -275,6 +275,22 @@ SETTLED_FOR_THE_MODEL = frozenset(
     (EffectStatus.CONFIRMED, EffectStatus.FAILED, EffectStatus.REJECTED)
 )
 """Outcomes the model may be told; uncertain and parked ones are waited out, never reported."""
+
+
+@runtime_checkable
+class ToolSource(Protocol):
+    """Tools that are known only once a process asks for them (an MCP server's, see
+    ``orchestrator.mcp_tools``): loaded before a tool loop's first turn in each process."""
+
+    name: str
+
+    async def load(self) -> Sequence[Tool]:
+        """The tools to offer the model."""
+        ...
+
+    def refusal(self, name: str) -> str | None:
+        """Why a call to ``name`` (a tool this source knows but does not offer) is refused."""
+        ...
 
 
 class _ToolDecorators:

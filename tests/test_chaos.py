@@ -48,6 +48,7 @@ def test_a_short_campaign_with_every_fault_keeps_every_promise(tmp_path: Path) -
     assert report["runs_submitted"] == 90
     assert report["lost_runs"] == 0 and report["duplicate_posts"] == 0
     assert report["deliveries"] > 90  # every run emails; most note the CRM and refund
+    assert report["mcp_deliveries"] >= 1  # tool runs open a case through an MCP server
     assert report["stale_requests_refused"] >= 1
     assert "quiescent" in done.stderr and "healed" in done.stderr
 

@@ -30,3 +30,26 @@ async def test_the_scripted_model_example_runs_a_tool_agent_through_a_429(
     assert printed["state"] == "succeeded", printed
     assert printed["result"]["output"] == "Order o-17 has shipped."
     assert printed["model_answered"] == ["429", "tool_calls", "text"]
+
+
+async def test_the_mcp_example_offers_classified_tools_and_sends_its_effect_once(
+    database_url: str,
+) -> None:
+    pytest.importorskip("mcp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    with anyio.fail_after(120):
+        finished = await anyio.run_process(
+            [sys.executable, str(EXAMPLES / "mcp_tickets.py")],
+            env={**env, "ORCHESTRATOR_DATABASE_URL": database_url},
+            check=False,
+        )
+    stderr = finished.stderr.decode()
+    assert finished.returncode == 0, stderr
+    printed = json.loads(finished.stdout.decode().strip().splitlines()[-1])
+    assert printed == {
+        "state": "succeeded",
+        "output": "I opened ticket T-1 for your damaged order.",
+        "error": None,
+    }
+    opened = [line for line in stderr.splitlines() if line.startswith('{"opened"')]
+    assert opened == ['{"opened": {"id": "T-1", "title": "o-17 arrived damaged"}}']

@@ -5,7 +5,9 @@
 (``work_seconds``, a window for faults to land in) and optionally asks for a refund a person
 must approve, waiting for it to settle, then finishes. ``chaos_tools`` is a tool agent under a
 budget: the model looks the customer up, emails them and notes the CRM, asks for a refund (above
-100 needs approval), then answers. ``CHAOS_SCRIPT`` is what the campaign's scripted model
+100 needs approval), then answers; with the ``mcp`` extra it also opens a case through an MCP
+server's effectful tool (``open_case``, sent once by the dispatcher's ``mcp`` adapter).
+``CHAOS_SCRIPT`` is what the campaign's scripted model
 answers; a replayed turn proposes other arguments, as a real model may.
 
 Every step, and the read-only lookup, first records the (run, fence) it runs under outside the
@@ -14,6 +16,7 @@ database (``orchestrator.chaos.grants``): the checker's evidence that survives a
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import timedelta
 
@@ -36,6 +39,7 @@ from orchestrator import (
 )
 from orchestrator.chaos.grants import record_grant
 from orchestrator.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
+from orchestrator.tools import ToolSource
 
 SIGNAL_WAIT_SECONDS = 120.0
 """How long a step run waits for ``go`` before going on without it."""
@@ -165,10 +169,38 @@ def refund(customer: str, amount: float) -> dict[str, object]:
     return {"customer": customer, "amount": amount}
 
 
+MCP_URL_ENV = "ORCHESTRATOR_CHAOS_MCP_URL"
+"""The campaign's MCP server (``orchestrator.chaos.mcp_vendor``), set in the cluster's
+processes when the ``mcp`` extra is installed."""
+MCP_SERVER = "cases"
+
+
+def mcp_classification(url: str) -> dict[str, object]:
+    """The operator's classification of the campaign's MCP server: one effectful tool."""
+    return {
+        "servers": {
+            MCP_SERVER: {
+                "url": url,
+                "effect_kind": MCP_SERVER,
+                "tools": {"open_case": {"class": "effect", "policy": "irreversible"}},
+            }
+        }
+    }
+
+
+def _mcp_tools() -> list[ToolSource]:
+    url = os.environ.get(MCP_URL_ENV)
+    if not url:
+        return []
+    from orchestrator.mcp_tools import load_classification
+
+    return list(load_classification(mcp_classification(url)))
+
+
 chaos_tools = ToolAgent(
     "chaos_tools",
     instructions="Look the customer up, email them, note the CRM, refund what they ask.",
-    tools=[lookup_customer, send_email, note_crm, refund],
+    tools=[lookup_customer, send_email, note_crm, refund, *_mcp_tools()],
     max_turns=8,
     max_output_tokens=300,
     budget=Budget(turns=12, tool_calls=16),
@@ -188,6 +220,11 @@ def CHAOS_SCRIPT(request: ScriptRequest) -> ScriptedTurn:
             calls=(
                 ScriptedCall("send_email", {"to": f"{customer}@customer.test", "body": note}),
                 ScriptedCall("note_crm", {"customer": customer, "note": note}),
+                *(
+                    (ScriptedCall("open_case", {"customer": customer, "summary": note}),)
+                    if "open_case" in request.tools
+                    else ()
+                ),
             )
         ),
         ScriptedTurn(calls=(ScriptedCall("refund", {"customer": customer, "amount": amount}),)),

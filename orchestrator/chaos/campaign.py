@@ -9,6 +9,7 @@ Everything listens on 127.0.0.1.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import shutil
@@ -26,7 +27,7 @@ from typing import Any
 import anyio
 import asyncpg
 
-from orchestrator.chaos.agents import CHAOS_SCRIPT, tools_prompt
+from orchestrator.chaos.agents import CHAOS_SCRIPT, MCP_SERVER, MCP_URL_ENV, tools_prompt
 from orchestrator.chaos.checker import TERMINAL, Findings, check
 from orchestrator.chaos.cluster import Cluster, Timing
 from orchestrator.chaos.context import ClientGate, FaultContext, FaultRecord, ScheduledFault
@@ -299,8 +300,16 @@ async def _campaign(
         stack.push_async_callback(pool.close)
         vendor = await stack.enter_async_context(ChaosVendor(hang_seconds=20))
         model = await stack.enter_async_context(ScriptedModelServer(CHAOS_SCRIPT, latency=0.02))
+        vendors = _vendors(vendor)
+        env = dict(config.env)
+        if importlib.util.find_spec("mcp") is not None:  # the mcp extra: an MCP effect too
+            from orchestrator.chaos import mcp_vendor
+
+            url = await stack.enter_async_context(mcp_vendor.serving(vendor))
+            vendors["kinds"][MCP_SERVER] = mcp_vendor.dispatcher_kind(url)
+            env[MCP_URL_ENV] = url
         effects_config = work_dir / "vendors.json"
-        effects_config.write_text(json.dumps(_vendors(vendor)))
+        effects_config.write_text(json.dumps(vendors))
         grants_dir = work_dir / "grants"
         grants_dir.mkdir(exist_ok=True)
         cluster = Cluster(
@@ -310,7 +319,7 @@ async def _campaign(
             timing=config.timing,
             model_env={"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "chaos"},
             command=config.command,
-            env=config.env,
+            env=env,
             grants_dir=grants_dir,
         )
         for role, count in (("worker", config.workers), ("dispatcher", config.dispatchers)):

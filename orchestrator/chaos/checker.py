@@ -37,6 +37,8 @@ class Findings:
     violations: list[Violation] = field(default_factory=list)
     runs_by_state: dict[str, int] = field(default_factory=dict)
     deliveries: int = 0
+    mcp_deliveries: int = 0
+    """Deliveries made by an MCP tool call (the dispatcher's ``mcp`` adapter)."""
     duplicate_posts: int = 0
     lost_runs: int = 0
     stale_fence_rejections: int = 0
@@ -60,6 +62,7 @@ class Findings:
             "runs_by_state": self.runs_by_state,
             "effects_by_status": self.effects_by_status,
             "deliveries": self.deliveries,
+            "mcp_deliveries": self.mcp_deliveries,
             "duplicate_posts": self.duplicate_posts,
             "lost_runs": self.lost_runs,
             "stale_fence_rejections": self.stale_fence_rejections,
@@ -183,6 +186,11 @@ def _check_deliveries(
 ) -> None:
     by_key = {row["idempotency_key"]: row for row in effects}
     found.deliveries = len(vendor.deliveries)
+    found.mcp_deliveries = sum(
+        1
+        for delivery in vendor.deliveries.values()
+        if isinstance(delivery.payload, dict) and "tool" in delivery.payload
+    )
     found.duplicate_posts = sum(vendor.resent.values())
     for key, resent in vendor.resent.items():
         effect = by_key.get(key)

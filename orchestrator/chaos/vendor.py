@@ -72,6 +72,11 @@ class ChaosVendor(LoopbackVendorServer):
         key = headers.get("idempotency-key")
         if not key:
             return 400, {"error": "Idempotency-Key header required"}
+        return await self.deliver(key, json.loads(body or b"null"))
+
+    async def deliver(self, key: str, payload: Any) -> tuple[int, Any]:
+        """One request for ``key`` (an HTTP POST, or an MCP tool call): delivered once per key,
+        unless the next queued fault says otherwise. Returns (HTTP status, answer)."""
         self.posts[key] += 1
         if key in self.deliveries:
             self.resent[key] += 1
@@ -83,7 +88,6 @@ class ChaosVendor(LoopbackVendorServer):
         if fault == "vendor_slow":
             self.fired[fault] += 1
             await anyio.sleep(self.slow_seconds)
-        payload = json.loads(body or b"null")
         self.deliveries[key] = Delivery(key, payload, time.time())
         if fault == "vendor_accept_timeout":
             self.fired[fault] += 1
