@@ -23,7 +23,13 @@ from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
-from orchestrator.loopback import LocalVendor, ScriptedModelServer, Slow
+from orchestrator.loopback import (
+    LocalVendor,
+    RateLimited,
+    ScriptedModelServer,
+    ServerError,
+    Slow,
+)
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent
@@ -182,6 +188,28 @@ async def test_the_budget_counts_pydantic_ai_model_requests(
     assert budget is not None and budget.spent["turns"] == 2
     assert budget.spent["input_tokens"] > 0
     assert model.answered("budget o-17", 2) == 0  # the third turn was never asked
+
+
+async def test_a_rate_limited_or_failing_model_request_is_retried_by_our_layer_alone(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ScriptedModelServer(ORDERS_TURNS) as model, LocalVendor() as vendor:
+        use_model(monkeypatch, model)
+        model.fail_next(RateLimited(retry_after=0.1), turn=0)
+        model.fail_next(ServerError(502), turn=1)
+        run_id = await serve_one(settings, store, pai_orders, vendor, {"prompt": "retry o-17"})
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert model.faults_taken == {"RateLimited": 1, "ServerError": 1}
+    # One retry each: the SDK's own retries are off, so each fault cost one request.
+    assert [r["answer"] for r in model.requests] == [
+        "429",
+        "tool_calls",
+        "502",
+        "tool_calls",
+        "text",
+    ]
+    assert sorted(vendor.requests_by_key.values()) == [1]
 
 
 def test_bad_configuration_is_refused_with_one_line() -> None:

@@ -27,6 +27,7 @@ Only public Pydantic AI modules are used (``pydantic_ai``, ``pydantic_ai.capabil
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ try:
         ApprovalRequired,
         CallDeferred,
         ModelRequestNode,
+        RetryModelRequest,
         RunContext,
     )
     from pydantic_ai.capabilities import (
@@ -54,6 +56,13 @@ try:
         ValidatedToolArgs,
         WrapModelRequestHandler,
         WrapToolExecuteHandler,
+    )
+    from pydantic_ai.exceptions import (
+        ModelAPIError,
+        ModelConnectionError,
+        ModelRateLimitError,
+        ModelServerError,
+        ModelUnavailableError,
     )
     from pydantic_ai.messages import (
         ModelMessage,
@@ -91,6 +100,7 @@ from orchestrator.effects.model import (
     validate_effect_key,
 )
 from orchestrator.errors import InvalidInput
+from orchestrator.llm import BACKOFF_SECONDS, MODEL_ATTEMPTS
 from orchestrator.models import JSON, Message, Role
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.telemetry import (
@@ -400,6 +410,8 @@ class OrchestratorCapability(AbstractCapability[Any]):
         self.input_tokens = 0
         self.output_tokens = 0
         self.requests = 0
+        self.failed_attempts: list[Exception] = []
+        """The failed attempts of the model request in flight."""
 
     def _attributes(self) -> dict[str, Any]:
         ctx = self.step
@@ -429,14 +441,17 @@ class OrchestratorCapability(AbstractCapability[Any]):
         model = request_context.model.model_name
         budget = self.step.budget
         worst_input = worst_output = 0
+        # This capability is the one retry layer (on_model_request_error): not the SDK's own.
+        settings: dict[str, Any] = dict(request_context.model_settings or {})
+        settings["max_retries"] = 0
+        request_context.model_settings = settings  # type: ignore[assignment]
+        self.failed_attempts = []
         if budget is not None:
             worst_input = len(ModelMessagesTypeAdapter.dump_json(request_context.messages))
             worst_output = self.wrapper.max_output_tokens or DEFAULT_WORST_OUTPUT_TOKENS
-            settings: dict[str, Any] = dict(request_context.model_settings or {})
             settings["max_tokens"] = min(
                 int(settings.get("max_tokens") or worst_output), worst_output
             )
-            request_context.model_settings = settings  # type: ignore[assignment]
             await budget.reserve(
                 turns=1,
                 input_tokens=worst_input,
@@ -481,8 +496,58 @@ class OrchestratorCapability(AbstractCapability[Any]):
         self.output_tokens += usage.output_tokens
         if budget is not None:
             calls = sum(1 for part in response.parts if isinstance(part, ToolCallPart))
-            self._spend(model, usage.input_tokens, usage.output_tokens, turns=1, calls=calls)
+            # An attempt cut off without an answer may have been billed: its worst case counts.
+            unanswered = sum(1 for e in self.failed_attempts if isinstance(e, ModelConnectionError))
+            self._spend(
+                model,
+                usage.input_tokens + unanswered * worst_input,
+                usage.output_tokens + unanswered * worst_output,
+                turns=1,
+                calls=calls,
+            )
         return response
+
+    async def on_model_request_error(
+        self,
+        ctx: RunContext[Any],
+        *,
+        request_context: ModelRequestContext,
+        error: Exception,
+    ) -> ModelResponse:
+        """429, 5xx, timeouts and dropped connections are tried again with backoff (the
+        server's ``Retry-After`` honoured), up to ``llm.MODEL_ATTEMPTS`` attempts, as
+        ``llm.complete`` does; other errors are not."""
+        transient = (
+            ModelRateLimitError,
+            ModelServerError,
+            ModelUnavailableError,
+            ModelConnectionError,
+        )
+        status = getattr(error, "status_code", None)
+        if not isinstance(error, transient) and not (
+            isinstance(status, int) and (status == 429 or status >= 500)
+        ):
+            raise error
+        self.failed_attempts.append(error)
+        attempts = len(self.failed_attempts)
+        with start_span(
+            f"chat {request_context.model.model_name}",
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "error.type": type(error).__name__,
+                "orchestrator.model.attempt": attempts,
+                **self._attributes(),
+            },
+        ):
+            pass
+        if attempts >= MODEL_ATTEMPTS:
+            raise error
+        after = error.retry_after if isinstance(error, ModelAPIError) else None
+        wait = (
+            after if after is not None else BACKOFF_SECONDS[attempts - 1] * random.uniform(0.5, 1)
+        )
+        await anyio.sleep(min(wait, 30.0))
+        raise RetryModelRequest()
 
     def _cost(self, model: str, input_tokens: int, output_tokens: int) -> Decimal:
         budget = self.step.budget
