@@ -30,3 +30,21 @@ async def test_the_scripted_model_example_runs_a_tool_agent_through_a_429(
     assert printed["state"] == "succeeded", printed
     assert printed["result"]["output"] == "Order o-17 has shipped."
     assert printed["model_answered"] == ["429", "tool_calls", "text"]
+
+
+async def test_the_pydantic_ai_example_runs_an_existing_agent_with_one_send_per_key(
+    database_url: str,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    with anyio.fail_after(120):
+        finished = await anyio.run_process(
+            [sys.executable, str(EXAMPLES / "pydantic_ai_agent.py")],
+            env={**env, "ORCHESTRATOR_DATABASE_URL": database_url},
+            check=False,
+        )
+    assert finished.returncode == 0, finished.stderr.decode()
+    printed = json.loads(finished.stdout.decode().strip().splitlines()[-1])
+    assert printed["state"] == "succeeded", printed
+    assert printed["result"]["output"] == "Order o-17 has shipped; the CRM is noted."
+    assert printed["model_answered"] == ["tool_calls", "tool_calls", "text"]
+    assert printed["vendor_requests_per_key"] == [1]
