@@ -184,10 +184,26 @@ async def test_the_budget_counts_pydantic_ai_model_requests(
                 ) != "budget":
                     assert run.state in (RunState.QUEUED, RunState.RUNNING, RunState.WAITING)
                     await anyio.sleep(0.05)
-    budget = await BudgetStore(store.pool).get(run_id)
-    assert budget is not None and budget.spent["turns"] == 2
-    assert budget.spent["input_tokens"] > 0
-    assert model.answered("budget o-17", 2) == 0  # the third turn was never asked
+            budgets = BudgetStore(store.pool)
+            budget = await budgets.get(run_id)
+            assert budget is not None and budget.spent["turns"] == 2
+            assert budget.spent["input_tokens"] > 0
+            # Topped up, the run resumes the turn that was told of the settled effect: the
+            # model reads its record, and nothing is recorded or sent again.
+            await budgets.top_up(run_id, turns=5)
+            final = await wait_for_run(store, run_id, within=60)
+    assert final.state is RunState.SUCCEEDED, final.error
+    assert len(await EffectStore(store.pool).list_effects(run_id=run_id)) == 1
+    assert sorted(vendor.requests_by_key.values()) == [1]
+    told = [
+        part["content"]
+        for m in await store.messages(run_id)
+        if m.role != "assistant"
+        for part in m.body["pydantic_ai"]["parts"]
+        if part.get("tool_name") == "notify"
+    ]
+    assert [t["status"] for t in told] == ["confirmed"]
+    assert model.answered("budget o-17", 2) == 1  # asked once, after the top-up
 
 
 async def test_a_rate_limited_or_failing_model_request_is_retried_by_our_layer_alone(

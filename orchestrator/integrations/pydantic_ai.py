@@ -274,6 +274,9 @@ class PydanticAIAgent(Agent):
         ended: Any = None
         trailing: ModelRequest | None = None
         run: AgentRun[Any, Any]
+        # The settled calls stay pending in the checkpoint until a turn that told the model of
+        # them commits: a turn cut short (a budget wait) hands them over again when it resumes.
+        told_pending, state.pending = state.pending, []
         try:
             async with self.pydantic_agent.iter(
                 prompt,
@@ -297,6 +300,7 @@ class PydanticAIAgent(Agent):
                     node = await run.next(node)
                 messages = run.all_messages()
         except BudgetExhausted as exhausted:
+            state.pending = told_pending
             span.set_attribute("orchestrator.budget.exhausted", exhausted.dimension)
             if ctx.budget is not None and ctx.budget.limits.on_exhausted == "fail":
                 return Fail(str(exhausted), details=state.summary())
@@ -391,7 +395,6 @@ class PydanticAIAgent(Agent):
             else:  # approved (and sent, or failed): the settled record is the call's return
                 results.approvals[call_id] = ToolApproved()
                 results.metadata[call_id] = {_SETTLED: told}
-        state.pending = []
         return results
 
 
@@ -632,18 +635,15 @@ class OrchestratorCapability(AbstractCapability[Any]):
         raise CallDeferred(metadata)
 
     def _effect_key(self, ctx: RunContext[Any], call: ToolCallPart) -> str:
-        """The call's key among its response's calls, as ``ToolAgent`` keys them."""
-        response = next(
-            (
-                m
-                for m in reversed(ctx.messages)
-                if isinstance(m, ModelResponse)
-                and any(c.tool_call_id == call.tool_call_id for c in m.tool_calls)
-            ),
-            None,
-        )
-        calls = response.tool_calls if response is not None else [call]
-        keys = effect_keys(self.turn, [_openai_call(c) for c in calls])
+        """The call's key among its response's calls, as ``ToolAgent`` keys them, the turn being
+        the response's place among the run's responses: the same response's calls, run again
+        for any reason, meet the records (and the vendor's lookups) they already have."""
+        turn, calls = self.turn, [call]
+        responses = [m for m in ctx.messages if isinstance(m, ModelResponse)]
+        for number, response in enumerate(responses):
+            if any(c.tool_call_id == call.tool_call_id for c in response.tool_calls):
+                turn, calls = number, response.tool_calls
+        keys = effect_keys(turn, [_openai_call(c) for c in calls])
         index = next(i for i, c in enumerate(calls) if c.tool_call_id == call.tool_call_id)
         return keys[index]
 
