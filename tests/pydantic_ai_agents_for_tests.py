@@ -14,6 +14,7 @@ import os
 from functools import cache
 
 import anyio
+from pydantic import BaseModel
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
@@ -128,3 +129,34 @@ REFUND_TURNS = turns(
     ScriptedTurn(content="The refund is handled."),
 )
 """A lookup beside a refund that needs approval, then an answer."""
+
+
+class OrderAnswer(BaseModel):
+    order_id: str
+    status: str
+
+
+structured_agent = Agent(output_type=OrderAnswer, instructions="Answer with the order's status.")
+structured_agent.tool_plain(lookup_order)
+
+
+@structured_agent.tool_plain
+def delete_everything() -> str:
+    """A tool nobody classified: hidden from the model, refused if called."""
+    raise AssertionError("an unclassified tool never runs")
+
+
+pai_structured = PydanticAIAgent(
+    "pai_structured", structured_agent, model=local_model, read_only=["lookup_order"], max_turns=4
+)
+
+STRUCTURED_TURNS = turns(
+    ScriptedTurn(
+        calls=(
+            ScriptedCall("lookup_order", {"order_id": "o-17"}),
+            ScriptedCall("delete_everything", {}),
+        )
+    ),
+    ScriptedTurn(calls=(ScriptedCall("final_result", {"order_id": "o-17", "status": "shipped"}),)),
+)
+"""A lookup beside a call of a tool the model was never offered, then a structured answer."""

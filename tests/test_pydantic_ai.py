@@ -16,6 +16,7 @@ import pytest
 from pydantic_ai import Agent as PydanticAgent
 
 from orchestrator.budgets import BudgetStore
+from orchestrator.console.views import message_views
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
@@ -39,10 +40,12 @@ from pydantic_ai_agents_for_tests import (
     ORDERS_TURNS,
     REFUND_TURNS,
     SLOW_TURN_1,
+    STRUCTURED_TURNS,
     orders_agent,
     pai_budgeted,
     pai_orders,
     pai_refunds,
+    pai_structured,
 )
 from support import ServeProcess, crm_kind, fenced_claims, serve_args, serving, write_vendors_config
 from test_runtime import FAST, eventually
@@ -100,6 +103,9 @@ async def test_a_pydantic_ai_agent_runs_turn_by_turn_and_its_effect_is_sent_once
     assert record.payload == {"order_id": "o-17", "note": "shipped today"}
     assert sorted(vendor.requests_by_key.values()) == [1]
     assert vendor.requests_by_key[record.idempotency_key] == 1
+    # runs show and the console map each call to its effect's status.
+    shown = message_views(transcript, [record], last=20, reveal=False)
+    assert [c["effect_status"] for v in shown for c in v.calls] == [None, "confirmed"]
     # The model read the settled record as the call's return.
     last = model.requests[-1]
     assert last["answer"] == "text"
@@ -226,6 +232,30 @@ async def test_a_rate_limited_or_failing_model_request_is_retried_by_our_layer_a
         "text",
     ]
     assert sorted(vendor.requests_by_key.values()) == [1]
+
+
+async def test_a_structured_output_and_an_unclassified_tool_the_model_was_never_offered(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ScriptedModelServer(STRUCTURED_TURNS) as model, LocalVendor() as vendor:
+        use_model(monkeypatch, model)
+        run_id = await serve_one(settings, store, pai_structured, vendor, {"prompt": "o-17?"})
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert run.result is not None
+    assert run.result["output"] == {"order_id": "o-17", "status": "shipped"}
+    assert "delete_everything" not in model.requests[0]["tools"]
+    assert "lookup_order" in model.requests[0]["tools"]
+    refused = [
+        part
+        for m in await store.messages(run_id)
+        if m.role != "assistant"
+        for part in m.body["pydantic_ai"]["parts"]
+        if part.get("tool_name") == "delete_everything"
+    ]
+    # Refused by Pydantic AI itself (an unknown tool), never run: told back to the model.
+    assert len(refused) == 1 and refused[0]["outcome"] != "success"
+    assert vendor.requests == 0
 
 
 def test_bad_configuration_is_refused_with_one_line() -> None:
