@@ -346,3 +346,41 @@ async def test_a_paused_owner_replaced_and_resumed_never_sends_twice(
     ]
     assert [t["status"] for t in told] == ["confirmed"]
     assert json.dumps(told)  # plain JSON
+
+
+async def committed_an_effect(effects: EffectStore, run_id: str, within: float = 30) -> None:
+    """Until the run has an effect record (its turn committed), polled; bounded."""
+    with anyio.fail_after(within):
+        for _ in range(int(within / 0.05) + 1):
+            if await effects.list_effects(run_id=run_id):
+                return
+            await anyio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_a_worker_killed_between_the_commit_and_the_dispatch_the_effect_is_sent_once(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    """A (no dispatcher) commits the effect turn and is SIGKILLed; B dispatches it once and
+    resumes from the transcript without asking the model again for the committed turns."""
+    async with ScriptedModelServer(ORDERS_TURNS) as model, LocalVendor() as vendor:
+        config = vendor_config(tmp_path, vendor)
+        base = [*AGENTS, "--lease-seconds", "10", "--heartbeat-seconds", "2"]
+        conversation = "o-17, please"
+        run_id = (await store.submit("pai_orders", {"prompt": conversation})).run.run_id
+        effects = EffectStore(store.pool)
+        with ServeProcess(
+            database_url, *base, "--no-dispatch", name="A", env=model_env(model)
+        ) as a:
+            await eventually(lambda: model.answered(conversation, 1) == 1, within=30)
+            await committed_an_effect(effects, run_id)
+            a.kill()
+        with ServeProcess(
+            database_url, *base, "--effects-config", config, name="B", env=model_env(model)
+        ):
+            final = await wait_for_run(store, run_id, within=40)
+    assert final.state is RunState.SUCCEEDED, final.error
+    assert sorted(vendor.requests_by_key.values()) == [1]
+    assert model.answered(conversation, 0) == 1 and model.answered(conversation, 1) == 1
+    [record] = await effects.list_effects(run_id=run_id)
+    assert record.status is EffectStatus.CONFIRMED
