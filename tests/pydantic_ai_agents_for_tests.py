@@ -160,3 +160,23 @@ STRUCTURED_TURNS = turns(
     ScriptedTurn(calls=(ScriptedCall("final_result", {"order_id": "o-17", "status": "shipped"}),)),
 )
 """A lookup beside a call of a tool the model was never offered, then a structured answer."""
+
+pai_frugal = PydanticAIAgent(
+    "pai_frugal",
+    orders_agent,
+    model=local_model,
+    read_only=["lookup_order"],
+    effects={"notify": effect("crm")},
+    budget=Budget(tool_calls=1),
+)
+
+TWO_LOOKUPS = turns(
+    ScriptedTurn(
+        calls=(
+            ScriptedCall("lookup_order", {"order_id": "o-1"}),
+            ScriptedCall("lookup_order", {"order_id": "o-2"}),
+        )
+    ),
+    ScriptedTurn(content="done"),
+)
+"""Two calls in one turn, against a budget of one."""

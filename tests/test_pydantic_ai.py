@@ -41,8 +41,10 @@ from pydantic_ai_agents_for_tests import (
     REFUND_TURNS,
     SLOW_TURN_1,
     STRUCTURED_TURNS,
+    TWO_LOOKUPS,
     orders_agent,
     pai_budgeted,
+    pai_frugal,
     pai_orders,
     pai_refunds,
     pai_structured,
@@ -210,6 +212,30 @@ async def test_the_budget_counts_pydantic_ai_model_requests(
     ]
     assert [t["status"] for t in told] == ["confirmed"]
     assert model.answered("budget o-17", 2) == 1  # asked once, after the top-up
+
+
+async def test_tool_calls_past_the_budget_are_not_run_and_the_model_is_told(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ScriptedModelServer(TWO_LOOKUPS) as model, LocalVendor() as vendor:
+        use_model(monkeypatch, model)
+        run_id = (await store.submit("pai_frugal", {"prompt": "two lookups"})).run.run_id
+        async with running_worker(settings, [pai_frugal], effect_adapters=crm(vendor), **FAST):
+            run = await wait_for_run(
+                store, run_id, states={RunState.WAITING, RunState.SUCCEEDED}, within=60
+            )
+    assert run.state is RunState.WAITING  # for a top-up of tool calls
+    returns = [
+        part["content"]
+        for m in await store.messages(run_id)
+        if m.role != "assistant"
+        for part in m.body["pydantic_ai"]["parts"]
+        if part.get("tool_name") == "lookup_order"
+    ]
+    assert returns[0]["status"] == "shipped"
+    assert "tool-call budget is exhausted" in returns[1]["error"]
+    budget = await BudgetStore(store.pool).get(run_id)
+    assert budget is not None and budget.spent["tool_calls"] == 1
 
 
 async def test_a_rate_limited_or_failing_model_request_is_retried_by_our_layer_alone(

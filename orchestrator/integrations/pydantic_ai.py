@@ -413,6 +413,8 @@ class OrchestratorCapability(AbstractCapability[Any]):
         self.input_tokens = 0
         self.output_tokens = 0
         self.requests = 0
+        self.calls = 0
+        """Tool calls this turn made, against the run's tool-call budget."""
         self.failed_attempts: list[Exception] = []
         """The failed attempts of the model request in flight."""
 
@@ -498,7 +500,6 @@ class OrchestratorCapability(AbstractCapability[Any]):
         self.input_tokens += usage.input_tokens
         self.output_tokens += usage.output_tokens
         if budget is not None:
-            calls = sum(1 for part in response.parts if isinstance(part, ToolCallPart))
             # An attempt cut off without an answer may have been billed: its worst case counts.
             unanswered = sum(1 for e in self.failed_attempts if isinstance(e, ModelConnectionError))
             self._spend(
@@ -506,7 +507,6 @@ class OrchestratorCapability(AbstractCapability[Any]):
                 usage.input_tokens + unanswered * worst_input,
                 usage.output_tokens + unanswered * worst_output,
                 turns=1,
-                calls=calls,
             )
         return response
 
@@ -559,14 +559,11 @@ class OrchestratorCapability(AbstractCapability[Any]):
             return Decimal(0)
         return budget.prices.cost(model, input_tokens, output_tokens)
 
-    def _spend(
-        self, model: str, input_tokens: int, output_tokens: int, *, turns: int, calls: int = 0
-    ) -> None:
+    def _spend(self, model: str, input_tokens: int, output_tokens: int, *, turns: int) -> None:
         budget = self.step.budget
         assert budget is not None
         budget.spend(
             turns=turns,
-            tool_calls=calls,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
             cost_usd=self._cost(model, input_tokens, output_tokens),
@@ -583,9 +580,17 @@ class OrchestratorCapability(AbstractCapability[Any]):
     ) -> Any:
         name = call.tool_name
         marked = self.wrapper.effects.get(name)
+        if marked is None and name not in self.wrapper.read_only:
+            return {"error": f"tool {name!r} is not allowed in this run"}
+        budget = self.step.budget
+        if budget is not None and not ctx.tool_call_approved:
+            # The run's tool-call budget, as ToolAgent keeps it: calls past it are not run.
+            left = budget.tool_calls_left
+            if left is not None and self.calls >= left:
+                return {"error": "not run: the run's tool-call budget is exhausted"}
+            self.calls += 1
+            budget.spend(tool_calls=1)
         if marked is None:
-            if name not in self.wrapper.read_only:
-                return {"error": f"tool {name!r} is not allowed in this run"}
             with start_span(
                 f"execute_tool {name}",
                 attributes={
