@@ -36,7 +36,6 @@ from typing import Any
 
 import anyio
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 from pydantic_core import to_jsonable_python
 
 try:
@@ -632,8 +631,8 @@ class OrchestratorCapability(AbstractCapability[Any]):
                 "orchestrator.effect.requires_approval": made.requires_approval,
                 **self._attributes(),
             },
-        ) as span:
-            span.set_status(Status(StatusCode.UNSET))
+        ):
+            pass  # the call is recorded, not made: its span marks the effect key it became
         metadata: dict[str, Any] = {"effect_key": key}
         if made.requires_approval:
             raise ApprovalRequired(metadata)
