@@ -180,3 +180,11 @@ TWO_LOOKUPS = turns(
     ScriptedTurn(content="done"),
 )
 """Two calls in one turn, against a budget of one."""
+
+pai_impatient = PydanticAIAgent(
+    "pai_impatient",
+    orders_agent,
+    model=local_model,
+    read_only=["lookup_order"],
+    tool_timeout_seconds=0.5,
+)

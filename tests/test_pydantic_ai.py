@@ -27,9 +27,12 @@ from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
 from orchestrator.loopback import (
     LocalVendor,
     RateLimited,
+    ScriptedCall,
     ScriptedModelServer,
+    ScriptedTurn,
     ServerError,
     Slow,
+    turns,
 )
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
@@ -45,6 +48,7 @@ from pydantic_ai_agents_for_tests import (
     orders_agent,
     pai_budgeted,
     pai_frugal,
+    pai_impatient,
     pai_orders,
     pai_refunds,
     pai_structured,
@@ -284,6 +288,29 @@ async def test_a_structured_output_and_an_unclassified_tool_the_model_was_never_
     assert vendor.requests == 0
 
 
+async def test_a_read_only_tool_past_its_timeout_is_told_to_the_model_as_an_error(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = turns(
+        ScriptedTurn(calls=(ScriptedCall("lookup_order", {"order_id": "slow"}),)),
+        ScriptedTurn(content="It took too long."),
+    )
+    monkeypatch.setenv("ORDERS_LOOKUP_SECONDS", "30")
+    async with ScriptedModelServer(script) as model, LocalVendor() as vendor:
+        use_model(monkeypatch, model)
+        run_id = await serve_one(settings, store, pai_impatient, vendor, {"prompt": "slow?"})
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED, run.error
+    [told] = [
+        part["content"]
+        for m in await store.messages(run_id)
+        if m.role != "assistant"
+        for part in m.body["pydantic_ai"]["parts"]
+        if part.get("tool_name") == "lookup_order"
+    ]
+    assert told == {"error": "lookup_order did not answer within 0.5s"}
+
+
 def test_bad_configuration_is_refused_with_one_line() -> None:
     with pytest.raises(InvalidInput, match=r"is not a pydantic_ai\.Agent"):
         PydanticAIAgent("x", object())  # type: ignore[arg-type]
@@ -293,6 +320,8 @@ def test_bad_configuration_is_refused_with_one_line() -> None:
         PydanticAIAgent("x", orders_agent, effects={"notify": "crm"})  # type: ignore[dict-item]
     with pytest.raises(InvalidInput, match="read_only is a list"):
         PydanticAIAgent("x", orders_agent, read_only="lookup_order")
+    with pytest.raises(InvalidInput, match="tool_timeout_seconds must be above 0"):
+        PydanticAIAgent("x", orders_agent, tool_timeout_seconds=0)
     with pytest.raises(InvalidInput):
         effect("not a kind!")
     assert isinstance(orders_agent, PydanticAgent)

@@ -112,7 +112,7 @@ from orchestrator.telemetry import (
     start_span,
 )
 from orchestrator.tool_agent import DEFAULT_SETTLE_GRACE_SECONDS, default_prompt, effect_keys
-from orchestrator.tools import SETTLED_FOR_THE_MODEL, default_result
+from orchestrator.tools import DEFAULT_TOOL_TIMEOUT_SECONDS, SETTLED_FOR_THE_MODEL, default_result
 
 STATE_KEY = "pydantic_ai"
 """The checkpoint key holding the turn loop's own state."""
@@ -179,7 +179,8 @@ class PydanticAIAgent(Agent):
     crash). ``effects``: tool name → ``effect(kind, ...)``. Every tool the agent offers must be
     in one of them; an unlisted tool is hidden from the model and refused if called. ``model``:
     the model to run with instead of the agent's own (a ``Model``, a name, or a function
-    returning one, called on each turn: e.g. to read the worker's environment).
+    returning one, called on each turn: e.g. to read the worker's environment). A read-only
+    tool that does not answer within ``tool_timeout_seconds`` is told to the model as an error.
     """
 
     def __init__(
@@ -198,6 +199,7 @@ class PydanticAIAgent(Agent):
         budget: Any = None,
         lease_seconds: float | None = None,
         settle_grace_seconds: float = DEFAULT_SETTLE_GRACE_SECONDS,
+        tool_timeout_seconds: float = DEFAULT_TOOL_TIMEOUT_SECONDS,
     ) -> None:
         if not isinstance(agent, PydanticAgent):
             raise InvalidInput(
@@ -221,6 +223,8 @@ class PydanticAIAgent(Agent):
             raise InvalidInput(f"agent {name}: max_output_tokens must be at least 1")
         if not settle_grace_seconds >= 0:
             raise InvalidInput(f"agent {name}: settle_grace_seconds must be 0 or more")
+        if not tool_timeout_seconds > 0:
+            raise InvalidInput(f"agent {name}: tool_timeout_seconds must be above 0")
         self.pydantic_agent = agent
         self.read_only = frozenset(read_only)
         self.effects = effects
@@ -230,6 +234,7 @@ class PydanticAIAgent(Agent):
         self.deps = deps
         self.model = model
         self.settle_grace_seconds = settle_grace_seconds
+        self.tool_timeout_seconds = tool_timeout_seconds
         wrapper = self
 
         class Turn(Step):
@@ -600,7 +605,12 @@ class OrchestratorCapability(AbstractCapability[Any]):
                     **self._attributes(),
                 },
             ):
-                return await handler(args)
+                seconds = self.wrapper.tool_timeout_seconds
+                try:
+                    with anyio.fail_after(seconds):
+                        return await handler(args)
+                except TimeoutError:
+                    return {"error": f"{name} did not answer within {seconds:g}s"}
         if ctx.tool_call_approved:
             # A resumed, approved call: the dispatcher sent it; its settled record is the return.
             settled = ctx.tool_call_metadata
