@@ -188,3 +188,12 @@ pai_impatient = PydanticAIAgent(
     read_only=["lookup_order"],
     tool_timeout_seconds=0.5,
 )
+
+pai_hurried = PydanticAIAgent(
+    "pai_hurried",
+    refunds_agent,
+    model=local_model,
+    read_only=["lookup_order"],
+    effects={"refund": effect("crm", approve=True)},
+    deadline_seconds=1.5,
+)

@@ -48,6 +48,7 @@ from pydantic_ai_agents_for_tests import (
     orders_agent,
     pai_budgeted,
     pai_frugal,
+    pai_hurried,
     pai_impatient,
     pai_orders,
     pai_refunds,
@@ -311,6 +312,19 @@ async def test_a_read_only_tool_past_its_timeout_is_told_to_the_model_as_an_erro
     assert told == {"error": "lookup_order did not answer within 0.5s"}
 
 
+async def test_the_deadline_ends_a_run_waiting_for_an_approval_that_never_comes(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with ScriptedModelServer(REFUND_TURNS) as model, LocalVendor() as vendor:
+        use_model(monkeypatch, model)
+        run_id = await serve_one(settings, store, pai_hurried, vendor, {"prompt": "hurry"})
+    run = await store.get(run_id)
+    assert run.state is RunState.FAILED
+    assert run.error is not None and "deadline passed" in str(run.error)
+    assert vendor.requests == 0
+    assert model.answered("hurry", 1) == 0  # the model was never asked past the deadline
+
+
 def test_bad_configuration_is_refused_with_one_line() -> None:
     with pytest.raises(InvalidInput, match=r"is not a pydantic_ai\.Agent"):
         PydanticAIAgent("x", object())  # type: ignore[arg-type]
@@ -320,6 +334,8 @@ def test_bad_configuration_is_refused_with_one_line() -> None:
         PydanticAIAgent("x", orders_agent, effects={"notify": "crm"})  # type: ignore[dict-item]
     with pytest.raises(InvalidInput, match="read_only is a list"):
         PydanticAIAgent("x", orders_agent, read_only="lookup_order")
+    with pytest.raises(InvalidInput, match="deadline_seconds must be above 0"):
+        PydanticAIAgent("x", orders_agent, deadline_seconds=0)
     with pytest.raises(InvalidInput, match="tool_timeout_seconds must be above 0"):
         PydanticAIAgent("x", orders_agent, tool_timeout_seconds=0)
     with pytest.raises(InvalidInput):

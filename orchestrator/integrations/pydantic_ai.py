@@ -27,10 +27,12 @@ Only public Pydantic AI modules are used (``pydantic_ai``, ``pydantic_ai.capabil
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -181,6 +183,8 @@ class PydanticAIAgent(Agent):
     the model to run with instead of the agent's own (a ``Model``, a name, or a function
     returning one, called on each turn: e.g. to read the worker's environment). A read-only
     tool that does not answer within ``tool_timeout_seconds`` is told to the model as an error.
+    ``max_turns`` and ``deadline_seconds`` (from the first turn, on the database clock; waits
+    included) bound the loop: past either, the run fails.
     """
 
     def __init__(
@@ -195,6 +199,7 @@ class PydanticAIAgent(Agent):
         prompt: Callable[[JSON], str] = default_prompt,
         deps: Callable[[StepContext], Any] | None = None,
         model: Any = None,
+        deadline_seconds: float | None = None,
         description: str = "",
         budget: Any = None,
         lease_seconds: float | None = None,
@@ -223,6 +228,8 @@ class PydanticAIAgent(Agent):
             raise InvalidInput(f"agent {name}: max_output_tokens must be at least 1")
         if not settle_grace_seconds >= 0:
             raise InvalidInput(f"agent {name}: settle_grace_seconds must be 0 or more")
+        if deadline_seconds is not None and not deadline_seconds > 0:
+            raise InvalidInput(f"agent {name}: deadline_seconds must be above 0")
         if not tool_timeout_seconds > 0:
             raise InvalidInput(f"agent {name}: tool_timeout_seconds must be above 0")
         self.pydantic_agent = agent
@@ -235,6 +242,7 @@ class PydanticAIAgent(Agent):
         self.model = model
         self.settle_grace_seconds = settle_grace_seconds
         self.tool_timeout_seconds = tool_timeout_seconds
+        self.deadline_seconds = deadline_seconds
         wrapper = self
 
         class Turn(Step):
@@ -259,7 +267,10 @@ class PydanticAIAgent(Agent):
     # -- the turn ---------------------------------------------------------------------------
     async def turn(self, ctx: StepContext, self_step: type[Step]) -> Outcome:
         rest = dict(ctx.checkpoint) if isinstance(ctx.checkpoint, dict) else {}
-        state = _State.load(rest.pop(STATE_KEY, None))
+        state = _State.load(rest.pop(STATE_KEY, None), ctx, self.deadline_seconds)
+        left = state.seconds_left(ctx)
+        if left is not None and left <= 0:
+            return Fail("the agent's deadline passed", details=state.summary())
         committed = await ctx.transcript.messages()
         history = _history(committed)
         results = await self._settled(ctx, state)
@@ -272,43 +283,28 @@ class PydanticAIAgent(Agent):
         span.set_attribute("orchestrator.turn", state.turn)
         capability = OrchestratorCapability(self, ctx, state.turn)
         prompt = None if committed else self.prompt(ctx.input)
-        output_type = self.pydantic_agent.output_type
-        outputs = [*output_type] if isinstance(output_type, list | tuple) else [output_type]
-        requests = 0
-        ended: Any = None
-        trailing: ModelRequest | None = None
-        run: AgentRun[Any, Any]
         # The settled calls stay pending in the checkpoint until a turn that told the model of
         # them commits: a turn cut short (a budget wait) hands them over again when it resumes.
         told_pending, state.pending = state.pending, []
+        left = state.seconds_left(ctx)
         try:
-            async with self.pydantic_agent.iter(
-                prompt,
-                message_history=history,
-                deferred_tool_results=results,
-                output_type=[*outputs, DeferredToolRequests],
-                capabilities=[capability],
-                deps=self.deps(ctx) if self.deps is not None else None,
-                model=self.model() if callable(self.model) else self.model,
-            ) as run:
-                node: Any = run.next_node
-                while True:
-                    if isinstance(node, ModelRequestNode):
-                        requests += 1
-                        if requests == 2:  # the turn's tools are done: commit before asking again
-                            trailing = node.request
-                            break
-                    elif isinstance(node, End):
-                        ended = node.data.output
-                        break
-                    node = await run.next(node)
-                messages = run.all_messages()
+            with anyio.move_on_after(math.inf if left is None else left) as bounded:
+                messages, trailing, ended = await self._one_request(
+                    ctx, capability, prompt, history, results
+                )
         except BudgetExhausted as exhausted:
             state.pending = told_pending
             span.set_attribute("orchestrator.budget.exhausted", exhausted.dimension)
             if ctx.budget is not None and ctx.budget.limits.on_exhausted == "fail":
                 return Fail(str(exhausted), details=state.summary())
-            return Wait(self_step, reason="budget", checkpoint={**rest, STATE_KEY: state.dump()})
+            return Wait(
+                self_step,
+                reason="budget",
+                until=state.deadline,
+                checkpoint={**rest, STATE_KEY: state.dump()},
+            )
+        if bounded.cancelled_caught:
+            return Fail("the agent's deadline passed", details=state.summary())
         new_messages = list(messages[len(history) :])
         if trailing is not None:
             new_messages.append(trailing)
@@ -323,6 +319,39 @@ class PydanticAIAgent(Agent):
         return Finish(
             result={"output": output, **state.summary(), "turns": state.turn + 1}, messages=new
         )
+
+    async def _one_request(
+        self,
+        ctx: StepContext,
+        capability: OrchestratorCapability,
+        prompt: str | None,
+        history: list[ModelMessage],
+        results: DeferredToolResults | None,
+    ) -> tuple[list[ModelMessage], ModelRequest | None, Any]:
+        """The Pydantic AI run from the committed history up to its second model request
+        (returned unsent, the turn's tools done) or its end (its output returned)."""
+        output_type = self.pydantic_agent.output_type
+        outputs = [*output_type] if isinstance(output_type, list | tuple) else [output_type]
+        requests = 0
+        run: AgentRun[Any, Any]
+        async with self.pydantic_agent.iter(
+            prompt,
+            message_history=history,
+            deferred_tool_results=results,
+            output_type=[*outputs, DeferredToolRequests],
+            capabilities=[capability],
+            deps=self.deps(ctx) if self.deps is not None else None,
+            model=self.model() if callable(self.model) else self.model,
+        ) as run:
+            node: Any = run.next_node
+            while True:
+                if isinstance(node, ModelRequestNode):
+                    requests += 1
+                    if requests == 2:  # the turn's tools are done: commit before asking again
+                        return run.all_messages(), node.request, None
+                elif isinstance(node, End):
+                    return run.all_messages(), None, node.data.output
+                node = await run.next(node)
 
     def _deferred(
         self,
@@ -358,7 +387,12 @@ class PydanticAIAgent(Agent):
         checkpoint = {**rest, STATE_KEY: state.dump()}
         if any(e.requires_approval for e in effects):
             return Wait(
-                self_step, effects=effects, checkpoint=checkpoint, messages=new, reason="approval"
+                self_step,
+                effects=effects,
+                until=state.deadline,
+                checkpoint=checkpoint,
+                messages=new,
+                reason="approval",
             )
         return Next(self_step, checkpoint=checkpoint, effects=effects, messages=new)
 
@@ -371,6 +405,9 @@ class PydanticAIAgent(Agent):
         records = {key: await ctx.effects.get(key) for key in keys}
         unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
         grace = self.settle_grace_seconds
+        left = state.seconds_left(ctx)
+        if left is not None:
+            grace = min(grace, left)
         if (
             unsettled
             and grace > 0
@@ -384,7 +421,7 @@ class PydanticAIAgent(Agent):
                     records[key] = await ctx.effects.get(key)
             unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
         if unsettled:
-            return Wait(ctx.step, effects=unsettled, reason="effects")
+            return Wait(ctx.step, effects=unsettled, until=state.deadline, reason="effects")
         results = DeferredToolResults()
         for pending in state.pending:
             call_id, tool = str(pending["call_id"]), str(pending["tool"])
@@ -733,19 +770,29 @@ class _State:
 
     def __init__(self) -> None:
         self.turn = 0
+        self.deadline: datetime | None = None
         self.pending: list[dict[str, JSON]] = []
         self.input_tokens = 0
         self.output_tokens = 0
         self.model_requests = 0
 
     @classmethod
-    def load(cls, stored: Any) -> _State:
+    def load(cls, stored: Any, ctx: StepContext, deadline_seconds: float | None) -> _State:
         state = cls()
         if isinstance(stored, dict):
             for key in ("turn", "input_tokens", "output_tokens", "model_requests"):
                 setattr(state, key, int(stored.get(key, 0)))
             state.pending = list(stored.get("pending", []))
+            deadline = stored.get("deadline")
+            state.deadline = datetime.fromisoformat(deadline) if deadline else None
+        elif deadline_seconds is not None:  # the loop's first turn: on the database clock
+            state.deadline = ctx.database_now() + timedelta(seconds=deadline_seconds)
         return state
+
+    def seconds_left(self, ctx: StepContext) -> float | None:
+        if self.deadline is None:
+            return None
+        return (self.deadline - ctx.database_now()).total_seconds()
 
     def add_usage(self, capability: OrchestratorCapability) -> None:
         self.input_tokens += capability.input_tokens
@@ -760,7 +807,12 @@ class _State:
         }
 
     def dump(self) -> dict[str, JSON]:
-        return {"turn": self.turn, "pending": list(self.pending), **self.summary()}
+        return {
+            "turn": self.turn,
+            "pending": list(self.pending),
+            "deadline": None if self.deadline is None else self.deadline.isoformat(),
+            **self.summary(),
+        }
 
 
 __all__ = ["EffectfulTool", "OrchestratorCapability", "PydanticAIAgent", "effect"]
