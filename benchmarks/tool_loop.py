@@ -24,6 +24,11 @@ process spends is the worker's (and a poll of the run's state once a second).
    same function, then commits its checkpoint. The loop's own cost is how much lower the tool
    agent's runs/s is, in percent, as the median over ``--rounds`` (5) alternating rounds; the
    same for this process's CPU per run (less noisy than runs/s on a shared machine).
+3. **The Pydantic AI path** (``--pydantic-ai``; needs the ``pydantic-ai`` extra): the same
+   runs through ``PydanticAIAgent`` wrapping a ``pydantic_ai.Agent`` with the same tool and
+   ``OpenAIChatModel`` on the same server, in the same rounds; its overhead per turn is its
+   worker CPU per run minus the ``ToolAgent``'s, over the three turns (a new row and line; the
+   rest of the output is unchanged).
 
 The worker logs at WARNING to stderr, so stdout holds only the report. From the repository
 root: ``.venv/bin/python benchmarks/tool_loop.py`` (``--json`` for JSON; ``--dsn`` for an
@@ -254,18 +259,54 @@ async def cpu_per_turn(server: Server, args: argparse.Namespace, turns: int) -> 
     }
 
 
+def pydantic_ai_agent() -> Agent:
+    """The tool agent's conversation through an existing Pydantic AI agent (the extra)."""
+    from functools import cache
+
+    from pydantic_ai import Agent as PydanticAgent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from orchestrator.integrations.pydantic_ai import PydanticAIAgent
+
+    talker = PydanticAgent(instructions="")
+
+    @talker.tool_plain
+    def fetch_page(page: int, size: int) -> dict[str, object]:
+        """Fetch one page of a document."""
+        return {"page": page, "text": PAYLOAD * size}
+
+    @cache
+    def model(base_url: str) -> OpenAIChatModel:
+        return OpenAIChatModel(
+            "gpt-4o-mini", provider=OpenAIProvider(base_url=base_url, api_key="unused")
+        )
+
+    return PydanticAIAgent(
+        "short_talk_pai",
+        talker,
+        model=lambda: model(os.environ["OPENAI_BASE_URL"]),
+        read_only=["fetch_page"],
+        max_turns=5,
+    )
+
+
 async def throughput(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     tool_agent = ToolAgent("short_talk", instructions="", tools=[fetch_page], max_turns=5)
-    rates: dict[str, list[float]] = {"tool_agent": [], "step_api": []}
-    cpu: dict[str, list[float]] = {"tool_agent": [], "step_api": []}
+    kinds = ["tool_agent", "step_api", *(["pydantic_ai"] if args.pydantic_ai else [])]
+    agents = {
+        "tool_agent": tool_agent,
+        "step_api": plain,
+        **({"pydantic_ai": pydantic_ai_agent()} if args.pydantic_ai else {}),
+    }
+    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
     with model_server(3, 64) as base_url:
         os.environ["OPENAI_BASE_URL"] = base_url
         for round_index in range(args.rounds):
-            order = (
-                ("tool_agent", "step_api") if round_index % 2 == 0 else ("step_api", "tool_agent")
-            )
+            order = kinds if round_index % 2 == 0 else kinds[::-1]
             for kind in order:
-                agent = tool_agent if kind == "tool_agent" else plain
+                agent = agents[kind]
                 name = f"bench_tool_rate_{os.getpid()}_{round_index}_{kind}"
                 dsn, store = await prepare(server, name)
                 try:
@@ -298,7 +339,21 @@ async def throughput(server: Server, args: argparse.Namespace) -> dict[str, Any]
     cpu_ratios = [
         tool_ / step for tool_, step in zip(cpu["tool_agent"], cpu["step_api"], strict=True)
     ]
+    extra: dict[str, Any] = {}
+    if args.pydantic_ai:
+        extra = {
+            "pydantic_ai_runs_per_s": statistics.median(rates["pydantic_ai"]),
+            "pydantic_ai_cpu_us_per_run": statistics.median(cpu["pydantic_ai"]),
+            "pydantic_ai_overhead_cpu_us_per_turn": statistics.median(
+                (p - t) / 3 for p, t in zip(cpu["pydantic_ai"], cpu["tool_agent"], strict=True)
+            ),
+            "pydantic_ai_overhead_cpu_percent": statistics.median(
+                (p / t - 1) * 100
+                for p, t in zip(cpu["pydantic_ai"], cpu["tool_agent"], strict=True)
+            ),
+        }
     return {
+        **extra,
         "runs_per_round": args.runs,
         "turns_per_run": 3,
         "tool_agent_runs_per_s": statistics.median(rates["tool_agent"]),
@@ -319,7 +374,9 @@ async def benchmark(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "tool_loop",
         "machine": machine_facts(),
-        "cpu_per_turn": [await cpu_per_turn(server, args, turns) for turns in args.turns],
+        "cpu_per_turn": []
+        if args.skip_cpu_per_turn
+        else [await cpu_per_turn(server, args, turns) for turns in args.turns],
         "throughput": await throughput(server, args),
     }
 
@@ -365,12 +422,29 @@ def render(report: dict[str, Any]) -> str:
                     fmt(t["step_api_runs_per_s"], ",.1f"),
                     fmt(t["step_api_cpu_us_per_run"]),
                 ],
+                *(
+                    [
+                        [
+                            "PydanticAIAgent, same conversation",
+                            fmt(t["pydantic_ai_runs_per_s"], ",.1f"),
+                            fmt(t["pydantic_ai_cpu_us_per_run"]),
+                        ]
+                    ]
+                    if "pydantic_ai_runs_per_s" in t
+                    else []
+                ),
             ],
         ),
         f"the loop's own cost: {t['loop_cost_percent']:.1f}% (target < {t['target_percent']:g}%; "
         f"rounds: {', '.join(f'{p:.1f}' for p in t['loop_cost_percent_rounds'])}); "
         f"in worker CPU per run: {t['loop_cpu_cost_percent']:.1f}%",
     ]
+    if "pydantic_ai_runs_per_s" in t:
+        lines.append(
+            "the Pydantic AI path against ToolAgent: "
+            f"{t['pydantic_ai_overhead_cpu_us_per_turn']:+,.0f} µs of worker CPU per turn "
+            f"({t['pydantic_ai_overhead_cpu_percent']:+.1f}% per run)"
+        )
     return "\n".join(lines)
 
 
@@ -381,6 +455,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-seconds", type=float, default=600.0)
+    parser.add_argument(
+        "--pydantic-ai",
+        action="store_true",
+        help="also run the conversation through PydanticAIAgent (the pydantic-ai extra)",
+    )
+    parser.add_argument(
+        "--skip-cpu-per-turn", action="store_true", help="measure only the runs/s rounds"
+    )
     args = parser.parse_args(argv)
     if min(args.turns) < 20 or args.runs < 1 or args.rounds < 1:
         parser.error("--turns must be at least 20, --runs and --rounds at least 1")

@@ -53,3 +53,21 @@ async def test_the_mcp_example_offers_classified_tools_and_sends_its_effect_once
     }
     opened = [line for line in stderr.splitlines() if line.startswith('{"opened"')]
     assert opened == ['{"opened": {"id": "T-1", "title": "o-17 arrived damaged"}}']
+
+
+async def test_the_pydantic_ai_example_runs_an_existing_agent_with_one_send_per_key(
+    database_url: str,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    with anyio.fail_after(120):
+        finished = await anyio.run_process(
+            [sys.executable, str(EXAMPLES / "pydantic_ai_agent.py")],
+            env={**env, "ORCHESTRATOR_DATABASE_URL": database_url},
+            check=False,
+        )
+    assert finished.returncode == 0, finished.stderr.decode()
+    printed = json.loads(finished.stdout.decode().strip().splitlines()[-1])
+    assert printed["state"] == "succeeded", printed
+    assert printed["result"]["output"] == "Order o-17 has shipped; the CRM is noted."
+    assert printed["model_answered"] == ["tool_calls", "tool_calls", "text"]
+    assert printed["vendor_requests_per_key"] == [1]

@@ -1,0 +1,1 @@
+"""Adapters that run agents written with other frameworks on orchestrator (optional extras)."""
