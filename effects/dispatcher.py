@@ -15,7 +15,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,8 @@ from .adapters import (
     adapter_from_config,
 )
 from .model import EffectRecord, EffectStatus
-from .store import ClaimedEffect, EffectStore
+from .settling import GroupSettler
+from .store import ClaimedEffect, EffectStore, SettleRequest
 
 log = structlog.get_logger("orchestrator.effects")
 
@@ -115,9 +116,12 @@ class Dispatcher:
         self.statement_seconds = statement_seconds
         self.backoff = backoff or Backoff(base_seconds=1.0, max_seconds=300.0)
         self.concurrency = concurrency
-        self._limiter = anyio.CapacityLimiter(concurrency)
         self._in_flight = 0
         self._wake = anyio.Event()
+        self._claim_at = max(1, min(batch, concurrency) // 4)
+        """While effects are in flight, claim once this many slots are free (or none are busy):
+        one statement per batch, not one per finished send."""
+        self.settler = GroupSettler(pool, self.store, self.dispatcher_id, statement_seconds)
         self.outcomes: dict[str, int] = {}
         self.margin = min(1.0, lease_seconds * 0.1)
         """Kept from the end of each lease: a send starts at least this long before it ends."""
@@ -144,12 +148,13 @@ class Dispatcher:
                     # The lease is judged from before the claim was sent: its answer may arrive
                     # late, and by then part of the lease is gone.
                     deadline = anyio.current_time() + self.lease_seconds - self.margin
-                    claimed = await self._claim()
-                    for effect in claimed:
-                        self._in_flight += 1
-                        group.start_soon(self._handle, effect, deadline)
-                    if claimed and len(claimed) == self.batch:
-                        continue
+                    asked = self._claim_size()
+                    claimed = await self._claim(asked) if asked else []
+                    if claimed:
+                        self._in_flight += len(claimed)
+                        group.start_soon(self._dispatch_batch, claimed, deadline)
+                    if claimed and len(claimed) == asked:
+                        continue  # more may be due
                     with anyio.move_on_after(self.poll_seconds):
                         await self._wake.wait()
         finally:
@@ -157,23 +162,31 @@ class Dispatcher:
                 for adapter in self.adapters.values():
                     await adapter.aclose()
 
-    async def _claim(self) -> list[ClaimedEffect]:
-        # Count effects in flight, not free limiter slots: handlers just started have not taken
-        # theirs yet, and claiming against those would hold twice the concurrency.
+    def _claim_size(self) -> int:
+        """How many effects to claim now: the free slots, up to a batch (0: not yet)."""
+        # Effects in flight: claimed, their vendor calls not yet over (see _handle).
         free = self.concurrency - self._in_flight
-        if free <= 0:
+        if free <= 0 or (self._in_flight and free < self._claim_at):
+            return 0  # a batch's worth of slots frees up soon: claim then, in one statement
+        return min(self.batch, free)
+
+    async def _claim(self, limit: int | None = None) -> list[ClaimedEffect]:
+        """Claim up to ``limit`` effects (default: ``_claim_size()``)."""
+        asked = self._claim_size() if limit is None else limit
+        if asked <= 0:
             return []
         try:
             async with pooled(self.pool, within=self.statement_seconds) as db:
                 if await self.sync_standby.satisfied(db):
-                    return await self.store.claim(
+                    claimed = await self.store.claim(
                         db,
                         self.dispatcher_id,
                         sorted(self.adapters),
-                        limit=min(self.batch, free),
+                        limit=asked,
                         lease_seconds=self.lease_seconds,
                         trust_sync_replication=self.sync_standby.required,
                     )
+                    return claimed
         except DATABASE_ERRORS as error:
             self.log.warning("cannot claim effects", **error_fields(error))
         # Unreachable, or the synchronous standby it requires is missing: look again later.
@@ -195,38 +208,78 @@ class Dispatcher:
             retry_seconds=self.poll_seconds,
         ).run()
 
-    async def _handle(self, claimed: ClaimedEffect, deadline: float) -> None:
+    async def _dispatch_batch(self, claimed: list[ClaimedEffect], deadline: float) -> None:
+        """Dispatch a claimed batch: the effects that may already have been sent are reconciled
+        and re-checked one by one; the others are re-checked together, in one statement, right
+        before their sends start."""
+        fresh = [c for c in claimed if not c.must_reconcile]
+        checks: dict[tuple[str, str], tuple[bool, bool]] | None = None
+        if fresh:
+            try:
+                async with pooled(self.pool, within=self.statement_seconds) as db:
+                    checks = await self.store.may_dispatch_many(
+                        db, self.dispatcher_id, [c.record for c in fresh]
+                    )
+            except DATABASE_ERRORS as error:
+                # Nothing is sent: the effects stay 'dispatching' until the lease runs out,
+                # and whoever claims them next reconciles first.
+                self.log.warning("cannot re-check effects", **error_fields(error))
+                checks = {}
+        async with anyio.create_task_group() as group:
+            for effect in claimed:
+                check = None
+                if checks is not None and not effect.must_reconcile:
+                    record = effect.record
+                    check = checks.get((record.run_id, record.effect_key), (False, True))
+                group.start_soon(self._handle, effect, deadline, check)
+
+    async def _handle(
+        self,
+        claimed: ClaimedEffect,
+        deadline: float,
+        checked: tuple[bool, bool] | None = None,
+    ) -> None:
         effect = claimed.record
         adapter = self.adapters[effect.kind]
-        async with self._limiter:
-            try:
-                parent = await self._requesting_attempt(effect)
-                with start_span(
-                    f"dispatch {effect.kind}",
-                    attributes={
-                        **_effect_ids(effect),
-                        "orchestrator.effect.attempt": effect.attempts,
-                        "orchestrator.dispatcher.id": self.dispatcher_id,
-                    },
-                    context=parent,
-                ) as span:
-                    began = time.monotonic()
-                    try:
-                        status = await self._dispatch(claimed, adapter, deadline)
-                    except DATABASE_ERRORS as error:
-                        # The record stays 'dispatching' until its lease runs out; whoever
-                        # claims it next reconciles before sending. Nothing is sent blind.
-                        self.log.warning(
-                            "lost track of an effect",
-                            error=str(error),
-                            **{RUN_ID: effect.run_id},
-                            effect_key=effect.effect_key,
-                        )
-                        status = "unknown"
-                    span.set_attribute(EFFECT_DISPOSITION, status)
-            finally:
+        held = True
+
+        def vendor_done() -> None:
+            """Its slot is free once the vendor calls are over, before the outcome is written:
+            ``concurrency`` bounds the calls at vendors, and writes are batched meanwhile."""
+            nonlocal held
+            if held:
+                held = False
                 self._in_flight -= 1
-                self.wake()  # a slot is free: claim more without waiting for a poll
+                if not self._in_flight or self.concurrency - self._in_flight >= self._claim_at:
+                    self.wake()  # slots are free: claim more without waiting for a poll
+
+        try:
+            parent = await self._requesting_attempt(effect)
+            with start_span(
+                f"dispatch {effect.kind}",
+                attributes={
+                    **_effect_ids(effect),
+                    "orchestrator.effect.attempt": effect.attempts,
+                    "orchestrator.dispatcher.id": self.dispatcher_id,
+                },
+                context=parent,
+            ) as span:
+                began = time.monotonic()
+                try:
+                    status = await self._dispatch(claimed, adapter, deadline, checked, vendor_done)
+                except DATABASE_ERRORS as error:
+                    # The record stays 'dispatching' until its lease runs out; whoever claims
+                    # it next reconciles before sending. Nothing is sent blind.
+                    self.log.warning(
+                        "lost track of an effect",
+                        error=str(error),
+                        **{RUN_ID: effect.run_id},
+                        effect_key=effect.effect_key,
+                    )
+                    status = "unknown"
+                span.set_attribute(EFFECT_DISPOSITION, status)
+        finally:
+            vendor_done()
         self.outcomes[status] = self.outcomes.get(status, 0) + 1
         kind = {"kind": effect.kind}
         self.metrics.outcomes.add(1, {**kind, "outcome": status})
@@ -243,12 +296,22 @@ class Dispatcher:
         except DATABASE_ERRORS:
             return None  # the dispatch itself will meet the outage and say so
 
-    async def _dispatch(self, claimed: ClaimedEffect, adapter: Adapter, deadline: float) -> str:
+    async def _dispatch(
+        self,
+        claimed: ClaimedEffect,
+        adapter: Adapter,
+        deadline: float,
+        checked: tuple[bool, bool] | None = None,
+        vendor_done: Callable[[], None] | None = None,
+    ) -> str:
         """Reconcile if a send may have landed, re-check the claim, send within the lease.
 
         ``deadline`` is when this dispatcher's lease may end, on its own monotonic clock: an
         answer that arrives late (a paused process, replies held by the network) says what was
-        true when the database computed it, so past the deadline nothing is sent.
+        true when the database computed it, so past the deadline nothing is sent. ``checked``:
+        the batch's re-check answer (holds, run live), made just now for an effect that needs
+        no reconciliation; without it the effect is re-checked here. ``vendor_done`` is called
+        once no more vendor calls will be made for it, before its outcome is written.
         """
         effect = claimed.record
         bound = max(1.0, self.lease_seconds * 0.8)
@@ -261,11 +324,15 @@ class Dispatcher:
                     found = Uncertain("reconciliation timed out")
                 span.set_attribute("orchestrator.effect.found", type(found).__name__)
             if not isinstance(found, NotSent):
-                return await self._record(effect, found)
-        async with pooled(self.pool, within=self.statement_seconds) as db:
-            holds, run_live = await self.store.may_dispatch(db, effect, self.dispatcher_id)
+                return await self._record(effect, found, vendor_done=vendor_done)
+        if checked is None or claimed.must_reconcile:
+            async with pooled(self.pool, within=self.statement_seconds) as db:
+                checked = await self.store.may_dispatch(db, effect, self.dispatcher_id)
+        holds, run_live = checked
         if not run_live:
-            return await self._record(effect, Failed("the run was cancelled"), cancelled=True)
+            return await self._record(
+                effect, Failed("the run was cancelled"), cancelled=True, vendor_done=vendor_done
+            )
         remaining = deadline - anyio.current_time()
         if not holds or remaining <= 0:
             return "lost_claim"
@@ -277,11 +344,18 @@ class Dispatcher:
             except TimeoutError:
                 sent = Uncertain(f"no answer from {effect.kind} within {limit:.1f}s")
             span.set_attribute("orchestrator.effect.answer", type(sent).__name__)
-        return await self._record(effect, sent)
+        return await self._record(effect, sent, vendor_done=vendor_done)
 
     async def _record(
-        self, effect: EffectRecord, outcome: ReconcileOutcome, *, cancelled: bool = False
+        self,
+        effect: EffectRecord,
+        outcome: ReconcileOutcome,
+        *,
+        cancelled: bool = False,
+        vendor_done: Callable[[], None] | None = None,
     ) -> str:
+        if vendor_done is not None:
+            vendor_done()
         status: EffectStatus
         options: dict[str, Any] = {}
         if isinstance(outcome, Confirmed):
@@ -308,8 +382,7 @@ class Dispatcher:
             assert isinstance(outcome, Park)
             status = EffectStatus.PARKED
             options = {"error": {"message": outcome.reason}}
-        async with pooled(self.pool, within=self.statement_seconds) as db:
-            await self.store.settle(db, effect, self.dispatcher_id, status, **options)
+        await self.settler.settle(SettleRequest(effect, status, **options))
         self.log.info(
             "effect " + status.value,
             **{RUN_ID: effect.run_id, RUN_FENCE: effect.fence},

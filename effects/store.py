@@ -14,6 +14,7 @@ from orchestrator.db.executor import Executor, in_transaction
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.ids import validate_run_id
+from orchestrator.jsontext import compact
 from orchestrator.models import JSON
 from orchestrator.storable import check_text
 
@@ -52,6 +53,18 @@ class ClaimedEffect:
             EffectStatus.UNCERTAIN,
             EffectStatus.DISPATCHING,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SettleRequest:
+    """What the dispatcher learned about one effect it holds, to be recorded."""
+
+    effect: EffectRecord
+    status: EffectStatus
+    external_id: str | None = None
+    result: JSON = None
+    error: JSON = None
+    retry_after: float = 0.0
 
 
 class EffectStore:
@@ -154,6 +167,23 @@ class EffectStore:
             return False, False
         return bool(record["dispatcher_ok"]), bool(record["run_ok"])
 
+    async def may_dispatch_many(
+        self, db: Executor, dispatcher: str, effects: Sequence[EffectRecord]
+    ) -> dict[tuple[str, str], tuple[bool, bool]]:
+        """``may_dispatch`` for many effects in one statement, keyed by (run id, effect key);
+        an effect that no longer exists is missing from the answer."""
+        records = await db.fetch(
+            query("effects_may_dispatch"),
+            dispatcher,
+            [effect.run_id for effect in effects],
+            [effect.effect_key for effect in effects],
+            [effect.fence for effect in effects],
+        )
+        return {
+            (r["run_id"], r["effect_key"]): (bool(r["dispatcher_ok"]), bool(r["run_ok"]))
+            for r in records
+        }
+
     async def requesting_trace(self, db: Executor, effect: EffectRecord) -> str | None:
         """The ``traceparent`` of the attempt that requested ``effect`` (its run and fence), if
         that attempt was traced."""
@@ -184,6 +214,25 @@ class EffectStore:
             retry_after,
         )
         return record is not None
+
+    async def settle_many(
+        self, db: Executor, dispatcher: str, outcomes: Sequence[SettleRequest]
+    ) -> set[tuple[str, str]]:
+        """``settle`` for many effects in one statement. Returns the (run id, effect key) pairs
+        settled; an effect whose run's row another transaction holds is not, and is settled
+        alone with ``settle`` by the caller (see settle_effects in sql/queries.sql)."""
+        records = await db.fetch(
+            query("settle_effects"),
+            dispatcher,
+            [o.effect.run_id for o in outcomes],
+            [o.effect.effect_key for o in outcomes],
+            [o.status.value for o in outcomes],
+            [o.external_id for o in outcomes],
+            [None if o.result is None else compact(o.result) for o in outcomes],
+            [None if o.error is None else compact(o.error) for o in outcomes],
+            [o.retry_after for o in outcomes],
+        )
+        return {(r["run_id"], r["effect_key"]) for r in records}
 
     async def resolve(
         self,

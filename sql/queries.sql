@@ -704,6 +704,19 @@ FROM effects AS e
 LEFT JOIN runs AS r ON r.run_id = e.run_id
 WHERE e.run_id = $1 AND e.effect_key = $2
 
+-- effects_may_dispatch --
+-- params: $1 dispatcher_id text, $2 run_ids text[], $3 effect_keys text[], $4 fences bigint[]
+-- effect_may_dispatch for a batch of effects in one statement, right before their vendor calls:
+-- one row per effect asked about that still exists, with the same two answers.
+SELECT e.run_id, e.effect_key,
+       e.status = 'dispatching' AND e.dispatcher = $1 AND e.fence = u.fence
+       AND e.dispatcher_until > clock_timestamp()
+       AND (NOT e.requires_approval OR e.approved_sha256 = e.payload_sha256) AS dispatcher_ok,
+       coalesce(r.state, '') <> 'cancelled' AS run_ok
+FROM unnest($2::text[], $3::text[], $4::bigint[]) AS u(run_id, effect_key, fence)
+JOIN effects AS e ON e.run_id = u.run_id AND e.effect_key = u.effect_key
+LEFT JOIN runs AS r ON r.run_id = e.run_id
+
 -- settle_effect --
 -- params: $1 run_id text, $2 effect_key text, $3 dispatcher_id text, $4 status text,
 --         $5 external_id text, $6 result jsonb, $7 error jsonb, $8 retry_after_seconds float8
@@ -747,6 +760,60 @@ WITH locked AS (
     SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
 )
 SELECT status, (SELECT count(*) FROM told) AS notified FROM settled
+
+-- settle_effects --
+-- params: $1 dispatcher_id text, $2 run_ids text[], $3 effect_keys text[], $4 statuses text[],
+--         $5 external_ids text[], $6 results text[] (JSON), $7 errors text[] (JSON),
+--         $8 retry_after_seconds float8[]
+-- settle_effect for a batch of effects of dispatcher $1 in one statement (arrays: one entry per
+-- effect; JSON travels as text, as in commit_steps). The runs' rows are locked first, as there,
+-- but with SKIP LOCKED: a batch never waits for one run's row while holding another's (a
+-- worker's group commit locks its runs in its own order). An effect whose run's row was not
+-- locked here (another transaction holds it, or the run is gone) is left as it was and not
+-- returned: the caller settles it alone with settle_effect. Returns the effects settled.
+WITH input AS MATERIALIZED (
+    SELECT u.run_id, u.effect_key, u.status, u.external_id, u.result::jsonb AS result,
+           u.error::jsonb AS error, u.retry_after, $1::text AS dispatcher
+    FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                $8::float8[]) AS u(run_id, effect_key, status, external_id, result, error,
+                                   retry_after)
+), locked AS MATERIALIZED (
+    SELECT r.run_id FROM runs AS r WHERE r.run_id = ANY($2::text[])
+    ORDER BY r.run_id FOR NO KEY UPDATE SKIP LOCKED
+), settled AS (
+    UPDATE effects AS e
+    SET status = u.status, external_id = coalesce(u.external_id, e.external_id),
+        result = u.result, error = u.error, dispatcher = NULL, dispatcher_until = NULL,
+        updated_at = clock_timestamp(),
+        available_at = clock_timestamp() + make_interval(secs => u.retry_after),
+        settled_at = CASE WHEN u.status IN ('confirmed', 'failed', 'rejected')
+                          THEN clock_timestamp() END
+    FROM input AS u
+    WHERE e.run_id = u.run_id AND e.effect_key = u.effect_key AND e.dispatcher = u.dispatcher
+      AND e.status = 'dispatching' AND u.run_id IN (SELECT run_id FROM locked)
+    RETURNING e.run_id, e.effect_key, e.fence, e.status, e.external_id, e.attempts, e.error
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'effect_' || status, fence, $1,
+           jsonb_build_object('effect_key', effect_key, 'external_id', external_id,
+                              'attempt', attempts, 'error', error)
+    FROM settled
+), woken AS (
+    -- As in settle_effect, with every settled effect of a run at once (an UPDATE joins each
+    -- row to one source row).
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ?| s.keys
+                            THEN clock_timestamp() ELSE r.available_at END
+    FROM (SELECT run_id, array_agg(effect_key) AS keys FROM settled
+          WHERE status IN ('confirmed', 'failed', 'rejected') GROUP BY run_id) AS s
+    WHERE r.run_id = s.run_id AND r.state IN ('running', 'waiting')
+    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
+), told AS (
+    SELECT pg_notify('orchestrator_effects', run_id) FROM settled
+    UNION ALL
+    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
+)
+SELECT run_id, effect_key FROM settled WHERE (SELECT count(*) FROM told) >= 0
 
 -- resolve_parked_effect --
 -- params: $1 run_id text, $2 effect_key text, $3 decision text, $4 external_id text, $5 by text

@@ -1,0 +1,174 @@
+"""The dispatcher's batches: one re-check statement for a claimed batch, one settle statement for
+many outcomes, and the same guarantees as one effect at a time."""
+
+from __future__ import annotations
+
+import anyio
+import asyncpg
+
+from orchestrator.db.store import RunStore
+from orchestrator.effects.dispatcher import Dispatcher
+from orchestrator.effects.model import Effect, EffectStatus
+from orchestrator.effects.settling import GroupSettler
+from orchestrator.effects.store import EffectStore, SettleRequest
+from orchestrator.models import RunState
+from orchestrator.testing import LocalVendor
+from test_effects_dispatch import http, requested
+
+
+def crm(number: int) -> Effect:
+    return Effect(f"crm-{number}", "crm", {"note": f"note {number}"})
+
+
+async def test_a_cancel_after_the_claim_is_seen_by_the_batch_recheck_and_only_that_effect_waits(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    runs = [await requested(store, pool, crm(n)) for n in range(4)]
+    effects = EffectStore(pool)
+    async with LocalVendor() as vendor:
+        dispatcher = Dispatcher(pool, http(vendor), dispatcher_id="d1", lease_seconds=30)
+        claimed = await dispatcher._claim()
+        assert len(claimed) == 4
+        await store.cancel(runs[1])  # after the claim, before the batch's re-check
+        dispatcher._in_flight += len(claimed)
+        with anyio.fail_after(30):
+            await dispatcher._dispatch_batch(claimed, anyio.current_time() + 29)
+        await dispatcher.adapters["crm"].aclose()
+        assert vendor.requests == 3
+        assert all(count == 1 for count in vendor.requests_by_key.values())
+    statuses = {run: (await effects.get(run, f"crm-{n}")).status for n, run in enumerate(runs)}
+    assert statuses.pop(runs[1]) is EffectStatus.REJECTED
+    assert set(statuses.values()) == {EffectStatus.CONFIRMED}
+    assert dispatcher._in_flight == 0
+
+
+async def test_a_batch_whose_lease_may_have_ended_sends_nothing(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    for n in range(3):
+        await requested(store, pool, crm(n))
+    async with LocalVendor() as vendor:
+        dispatcher = Dispatcher(pool, http(vendor), dispatcher_id="late", lease_seconds=30)
+        claimed = await dispatcher._claim()
+        dispatcher._in_flight += len(claimed)
+        with anyio.fail_after(30):
+            await dispatcher._dispatch_batch(claimed, anyio.current_time() - 1)
+        await dispatcher.adapters["crm"].aclose()
+        assert vendor.requests == 0
+    assert dispatcher.outcomes == {"lost_claim": 3}
+
+
+async def test_one_settle_statement_settles_many_and_waits_alone_for_a_run_held_elsewhere(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """A worker's commit holds one run's row: the batch settles the others at once (it never
+    waits for a row while holding others), then that one alone once the row is free."""
+    runs = [await requested(store, pool, crm(n)) for n in range(3)]
+    effects = EffectStore(pool)
+    async with pool.acquire() as db:
+        claimed = await effects.claim(db, "d1", ["crm"], limit=3, lease_seconds=60)
+    settler = GroupSettler(pool, effects, "d1", statement_seconds=30)
+    answers: dict[str, bool] = {}
+
+    async def settle(request: SettleRequest) -> None:
+        answers[request.effect.run_id] = await settler.settle(request)
+
+    held = runs[0]
+    async with pool.acquire() as holder:
+        await holder.execute("BEGIN")
+        await holder.execute("SELECT 1 FROM runs WHERE run_id = $1 FOR NO KEY UPDATE", held)
+        async with anyio.create_task_group() as group:
+            for effect in claimed:
+                group.start_soon(
+                    settle,
+                    SettleRequest(
+                        effect.record, EffectStatus.CONFIRMED, external_id="x", result={}
+                    ),
+                )
+            others = {r for r in runs if r != held}
+            with anyio.fail_after(20):
+                while not all(  # noqa: ASYNC110
+                    [(await effects.get(r, _key(runs, r))).settled_at for r in others]
+                ):
+                    await anyio.sleep(0.05)
+            assert (await effects.get(held, _key(runs, held))).status is EffectStatus.DISPATCHING
+            await holder.execute("COMMIT")  # the row is free: the held run's settle goes on
+    assert answers == dict.fromkeys(runs, True)
+    for run in runs:
+        record = await effects.get(run, _key(runs, run))
+        assert record.status is EffectStatus.CONFIRMED
+        kinds = [e.kind for e in await store.events(run)]
+        assert kinds.count("effect_confirmed") == 1
+
+
+def _key(runs: list[str], run: str) -> str:
+    return f"crm-{runs.index(run)}"
+
+
+async def test_a_settle_by_a_dispatcher_that_lost_the_effect_records_nothing(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    runs = [await requested(store, pool, crm(n)) for n in range(2)]
+    effects = EffectStore(pool)
+    async with pool.acquire() as db:
+        claimed = await effects.claim(db, "old", ["crm"], limit=2, lease_seconds=0.1)
+    await anyio.sleep(0.3)
+    async with pool.acquire() as db:
+        taken = await effects.claim(db, "new", ["crm"], limit=2, lease_seconds=60)
+    assert len(taken) == 2 and all(t.must_reconcile for t in taken)
+    settler = GroupSettler(pool, effects, "old", statement_seconds=30)
+    answers: list[bool] = []
+
+    async def settle(request: SettleRequest) -> None:
+        answers.append(await settler.settle(request))
+
+    async with anyio.create_task_group() as group:
+        for effect in claimed:
+            group.start_soon(settle, SettleRequest(effect.record, EffectStatus.CONFIRMED))
+    assert answers == [False, False]
+    for run in runs:
+        holder = await pool.fetchval(
+            "SELECT dispatcher FROM effects WHERE run_id = $1 AND status = 'dispatching'", run
+        )
+        assert holder == "new"
+
+
+async def test_a_run_waiting_for_several_effects_settled_in_one_batch_is_woken(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """The batch wakes a run by any of its settled effects, not by one row picked per run."""
+    await store.submit("agent", {})
+    run = (await store.claim("W", ["agent"], limit=1, lease_seconds=60)).claimed[0]
+    keys = ["a", "b", "c"]
+    effects = EffectStore(pool)
+
+    async def record(db: object, _: object) -> None:
+        for key in keys:
+            answer = await effects.accept(db, run.run_id, run.fence, crm_key(key), worker_id="W")  # type: ignore[arg-type]
+            assert answer.outcome == "accepted"
+
+    assert await store.commit_step(
+        run.lease, expected_version=0, next_step="wait", checkpoint={}, in_transaction=record
+    )
+    await pool.execute(
+        "UPDATE runs SET state = 'waiting', lease_owner = NULL, lease_until = NULL,"
+        " available_at = 'infinity', wait = jsonb_build_object('effects', $2::jsonb)"
+        " WHERE run_id = $1",
+        run.run_id,
+        ["c"],
+    )
+    async with pool.acquire() as db:
+        claimed = await effects.claim(db, "d1", ["crm"], limit=3, lease_seconds=60)
+        settled = await effects.settle_many(
+            db, "d1", [SettleRequest(c.record, EffectStatus.CONFIRMED) for c in claimed]
+        )
+    assert len(settled) == 3
+    woken = await store.get(run.run_id)
+    assert woken.state is RunState.WAITING
+    assert await pool.fetchval(
+        "SELECT available_at <= clock_timestamp() FROM runs WHERE run_id = $1", run.run_id
+    )
+
+
+def crm_key(key: str) -> Effect:
+    return Effect(key, "crm", {"note": key})
