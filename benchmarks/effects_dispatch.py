@@ -15,7 +15,9 @@ poll_seconds=)``, ``adapter_from_config``, ``RunStore.claim``, ``EffectStore.acc
 * ``dispatch DSN URL CONCURRENCY BATCH POLL NAME``: open a pool (concurrency + 2 connections)
   and build a ``Dispatcher`` for kind ``crm`` (``http`` adapter, reconcile ``lookup``), say
   ``ready``, start at ``go``, and at ``stop`` answer the CPU time this process spent between
-  the two (``resource.getrusage``: user + system) and the dispatcher's outcome counts;
+  the two (``resource.getrusage``: user + system) and the dispatcher's outcome counts; with
+  ``EFFECTS_DISPATCH_PROFILE=PATH`` in the environment it runs under ``cProfile`` and writes
+  its stats to ``PATH.NAME`` (read them with ``pstats``);
 * ``raw URL COUNT CONCURRENCY CLIENT PREFIX MAX_SECONDS``: the physical limit of the same
   requests, with ``httpx`` or ``aiohttp`` (one client, CONCURRENCY tasks, keep-alive):
   ``ready``, then at ``go`` COUNT POSTs of the dispatcher's payloads, each with its own
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import resource
 import sys
@@ -285,7 +288,16 @@ def main(argv: list[str]) -> None:
         asyncio.run(setup(args[0], args[1], args[2], int(args[3])))
     elif command == "dispatch":
         dsn, url, concurrency, batch, poll, name = args
-        asyncio.run(dispatch(dsn, url, int(concurrency), int(batch), float(poll), name))
+        run = dispatch(dsn, url, int(concurrency), int(batch), float(poll), name)
+        profile_to = os.environ.get("EFFECTS_DISPATCH_PROFILE")
+        if profile_to:  # where a dispatcher's CPU goes: cProfile stats, one file per process
+            import cProfile
+
+            with cProfile.Profile() as profile:
+                asyncio.run(run)
+            profile.dump_stats(f"{profile_to}.{name}")
+        else:
+            asyncio.run(run)
     elif command == "raw":
         url, count, concurrency, client, prefix, max_seconds = args
         asyncio.run(raw(url, int(count), int(concurrency), client, prefix, float(max_seconds)))
