@@ -106,6 +106,13 @@ class Dispatcher:
         backoff: Backoff | None = None,
         sync_standby: SyncStandbyRequirement | None = None,
     ) -> None:
+        _check_settings(
+            lease_seconds=lease_seconds,
+            batch=batch,
+            concurrency=concurrency,
+            poll_seconds=poll_seconds,
+            statement_seconds=statement_seconds,
+        )
         self.store = EffectStore(pool)
         self.pool = pool
         self.adapters = dict(adapters)
@@ -390,6 +397,32 @@ class Dispatcher:
             attempt=effect.attempts,
         )
         return status.value
+
+
+def _check_settings(
+    *,
+    lease_seconds: float,
+    batch: int,
+    concurrency: int,
+    poll_seconds: float,
+    statement_seconds: float,
+) -> None:
+    """Refuse settings with which a dispatcher would never send (or never stop trying)."""
+    for name, count in (("batch", batch), ("concurrency", concurrency)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidInput(
+                f"dispatcher {name} must be a whole number of 1 or more, not {count!r}"
+            )
+    for name, seconds in (
+        ("lease_seconds", lease_seconds),
+        ("poll_seconds", poll_seconds),
+        ("statement_seconds", statement_seconds),
+    ):
+        if not isinstance(seconds, int | float) or not 0 < seconds < 86_400:
+            raise InvalidInput(
+                f"dispatcher {name} must be a number of seconds above 0 and below a day, "
+                f"not {seconds!r}"
+            )
 
 
 def _effect_ids(effect: EffectRecord) -> dict[str, str | int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import anyio
 import asyncpg
+import pytest
 
 from orchestrator.db.store import RunStore
 from orchestrator.effects.dispatcher import Dispatcher
@@ -172,3 +173,19 @@ async def test_a_run_waiting_for_several_effects_settled_in_one_batch_is_woken(
 
 def crm_key(key: str) -> Effect:
     return Effect(key, "crm", {"note": key})
+
+
+async def test_settings_that_would_never_send_are_refused_in_one_line(pool: asyncpg.Pool) -> None:
+    from orchestrator.errors import InvalidInput
+
+    for bad in (
+        {"concurrency": 0},
+        {"batch": -1},
+        {"batch": 2.5},
+        {"lease_seconds": 0},
+        {"poll_seconds": float("nan")},
+        {"statement_seconds": -3},
+    ):
+        with pytest.raises(InvalidInput, match=f"dispatcher {next(iter(bad))} must be") as error:
+            Dispatcher(pool, {}, **bad)
+        assert "\n" not in str(error.value)
