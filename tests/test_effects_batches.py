@@ -3,6 +3,8 @@ many outcomes, and the same guarantees as one effect at a time."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import asyncpg
 import pytest
@@ -189,3 +191,47 @@ async def test_settings_that_would_never_send_are_refused_in_one_line(pool: asyn
         with pytest.raises(InvalidInput, match=f"dispatcher {next(iter(bad))} must be") as error:
             Dispatcher(pool, {}, **bad)
         assert "\n" not in str(error.value)
+
+
+class CountingVendor(LocalVendor):
+    """Counts the requests it is answering at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answering = 0
+        self.most_at_once = 0
+
+    async def respond(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, Any]:
+        self.answering += 1
+        self.most_at_once = max(self.most_at_once, self.answering)
+        try:
+            return await super().respond(method, path, headers, body)
+        finally:
+            self.answering -= 1
+
+
+async def test_concurrency_bounds_the_calls_at_the_vendor_while_outcomes_are_written(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """A slot is freed when its vendor call ends, before its outcome is written: never more
+    than ``concurrency`` calls at the vendor, and every effect sent once."""
+    runs = [await requested(store, pool, crm(n)) for n in range(24)]
+    effects = EffectStore(pool)
+    async with CountingVendor() as vendor:
+        vendor.delay = 0.05
+        dispatcher = Dispatcher(
+            pool, http(vendor), concurrency=3, batch=10, lease_seconds=30, poll_seconds=0.05
+        )
+        async with anyio.create_task_group() as group:
+            group.start_soon(dispatcher.run)
+            with anyio.fail_after(60):
+                for n, run in enumerate(runs):
+                    while (await effects.get(run, f"crm-{n}")).status is not (  # noqa: ASYNC110
+                        EffectStatus.CONFIRMED
+                    ):
+                        await anyio.sleep(0.05)
+            group.cancel_scope.cancel()
+    assert 1 <= vendor.most_at_once <= 3
+    assert vendor.requests == 24 and set(vendor.requests_by_key.values()) == {1}
