@@ -39,26 +39,25 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from orchestrator.budgets import Budget, BudgetExhausted
-from orchestrator.effects.model import Effect, EffectStatus
+from orchestrator.effects.model import Effect
 from orchestrator.errors import InvalidInput
 from orchestrator.llm import ModelAttempt, ModelReply, complete
 from orchestrator.models import JSON, Message
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span
 from orchestrator.tools import (
-    SETTLED_FOR_THE_MODEL,
     EffectTool,
     ReadOnlyTool,
     Tool,
     ToolArgumentsInvalid,
     ToolContext,
     ToolSource,
+    settled_records,
 )
 
 DEFAULT_SETTLE_GRACE_SECONDS = 2.0
 """How long a turn waits, holding its lease, for the previous turn's effects to settle before
 it parks the run (``Wait``) until they do."""
-_PERSON_DECIDES = frozenset((EffectStatus.AWAITING_APPROVAL, EffectStatus.PARKED))
 LOOP_KEY = "tool_loop"
 """The checkpoint key holding the loop's own state (other keys belong to the step graph)."""
 _CALL_ID = re.compile(r"[^A-Za-z0-9_.-]")
@@ -526,23 +525,10 @@ class ToolLoop:
         if not state.pending:
             return []
         keys = [pending["effect_key"] for pending in state.pending]
-        records = {key: await ctx.effects.get(key) for key in keys}
-        unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
         grace = self.settle_grace_seconds
         if state.deadline is not None:
             grace = min(grace, (state.deadline - ctx.database_now()).total_seconds())
-        if (
-            unsettled
-            and grace > 0
-            and not any(records[k].status in _PERSON_DECIDES for k in unsettled)
-        ):
-            with anyio.move_on_after(grace):
-                for key in unsettled:
-                    records[key] = await ctx.effects.wait(key, within=grace)
-            for key in unsettled:
-                if records[key].status not in SETTLED_FOR_THE_MODEL:
-                    records[key] = await ctx.effects.get(key)
-            unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
+        records, unsettled = await settled_records(ctx.effects, keys, grace)
         if unsettled:
             return Wait(ctx.step, effects=unsettled, until=state.deadline, reason="effects")
         results: list[Message] = []

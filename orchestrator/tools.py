@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, overload, runtime_checkable
 
+import anyio
 import pydantic
 from pydantic_core import to_jsonable_python
 
@@ -45,6 +46,7 @@ from orchestrator.effects.model import (
 )
 from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON
+from orchestrator.steps import EffectView
 from orchestrator.telemetry import RunLogger
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -275,6 +277,29 @@ SETTLED_FOR_THE_MODEL = frozenset(
     (EffectStatus.CONFIRMED, EffectStatus.FAILED, EffectStatus.REJECTED)
 )
 """Outcomes the model may be told; uncertain and parked ones are waited out, never reported."""
+
+
+PERSON_DECIDES = frozenset((EffectStatus.AWAITING_APPROVAL, EffectStatus.PARKED))
+"""Outcomes a person settles: never waited for while holding a lease."""
+
+
+async def settled_records(
+    effects: EffectView, keys: Sequence[str], grace: float
+) -> tuple[dict[str, EffectRecord], list[str]]:
+    """The records of a turn's effectful calls and the keys still unsettled for the model,
+    after waiting up to ``grace`` seconds (holding the lease) for calls on their way to a
+    vendor; none is waited for while one of them waits for a person."""
+    records = {key: await effects.get(key) for key in keys}
+    unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
+    if unsettled and grace > 0 and not any(records[k].status in PERSON_DECIDES for k in unsettled):
+        with anyio.move_on_after(grace):
+            for key in unsettled:
+                records[key] = await effects.wait(key, within=grace)
+        for key in unsettled:
+            if records[key].status not in SETTLED_FOR_THE_MODEL:
+                records[key] = await effects.get(key)
+        unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
+    return records, unsettled
 
 
 @runtime_checkable

@@ -114,13 +114,16 @@ from orchestrator.telemetry import (
     start_span,
 )
 from orchestrator.tool_agent import DEFAULT_SETTLE_GRACE_SECONDS, default_prompt, effect_keys
-from orchestrator.tools import DEFAULT_TOOL_TIMEOUT_SECONDS, SETTLED_FOR_THE_MODEL, default_result
+from orchestrator.tools import (
+    DEFAULT_TOOL_TIMEOUT_SECONDS,
+    default_result,
+    settled_records,
+)
 
 STATE_KEY = "pydantic_ai"
 """The checkpoint key holding the turn loop's own state."""
 DEFAULT_WORST_OUTPUT_TOKENS = 4096
 """The output reserved per model request when the agent sets no ``max_output_tokens``."""
-_PERSON_DECIDES = frozenset((EffectStatus.AWAITING_APPROVAL, EffectStatus.PARKED))
 
 
 @dataclass(frozen=True)
@@ -402,24 +405,11 @@ class PydanticAIAgent(Agent):
         if not state.pending:
             return None
         keys = [str(p["effect_key"]) for p in state.pending]
-        records = {key: await ctx.effects.get(key) for key in keys}
-        unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
         grace = self.settle_grace_seconds
         left = state.seconds_left(ctx)
         if left is not None:
             grace = min(grace, left)
-        if (
-            unsettled
-            and grace > 0
-            and not any(records[k].status in _PERSON_DECIDES for k in unsettled)
-        ):
-            with anyio.move_on_after(grace):
-                for key in unsettled:
-                    records[key] = await ctx.effects.wait(key, within=grace)
-            for key in unsettled:
-                if records[key].status not in SETTLED_FOR_THE_MODEL:
-                    records[key] = await ctx.effects.get(key)
-            unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
+        records, unsettled = await settled_records(ctx.effects, keys, grace)
         if unsettled:
             return Wait(ctx.step, effects=unsettled, until=state.deadline, reason="effects")
         results = DeferredToolResults()
