@@ -217,11 +217,11 @@ class Dispatcher:
 
     async def _dispatch_batch(self, claimed: list[ClaimedEffect], deadline: float) -> None:
         """Dispatch a claimed batch: the effects that may already have been sent are reconciled
-        and re-checked one by one; the others are re-checked together, in one statement, right
-        before their sends start."""
+        and re-checked one by one; the others are re-checked together, in one statement (a
+        single one by itself), right before their sends start."""
         fresh = [c for c in claimed if not c.must_reconcile]
         checks: dict[tuple[str, str], tuple[bool, bool]] | None = None
-        if fresh:
+        if len(fresh) > 1:  # one effect alone is re-checked by _dispatch, as it always was
             try:
                 async with pooled(self.pool, within=self.statement_seconds) as db:
                     checks = await self.store.may_dispatch_many(
