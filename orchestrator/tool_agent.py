@@ -53,6 +53,7 @@ from orchestrator.tools import (
     ToolContext,
     ToolSource,
     settled_records,
+    turn_committed,
 )
 
 DEFAULT_SETTLE_GRACE_SECONDS = 2.0
@@ -348,17 +349,13 @@ class ToolLoop:
                 )
             state.turn += 1
             checkpoint = {**rest, LOOP_KEY: state.dump()}
-            if any(effect.requires_approval for effect in effects):
-                # A person decides: wait without the lease, in the same commit.
-                return Wait(
-                    self_step,
-                    effects=effects,
-                    until=state.deadline,
-                    checkpoint=checkpoint,
-                    messages=new,
-                    reason="approval",
-                )
-            return Next(self_step, checkpoint=checkpoint, effects=effects, messages=new)
+            return turn_committed(
+                self_step,
+                checkpoint=checkpoint,
+                effects=effects,
+                messages=new,
+                deadline=state.deadline,
+            )
         spending.spent(reply.attempts, calls=0)
         return self._answer(ctx, state, reply, rest, new, self_step, then)
 

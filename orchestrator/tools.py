@@ -29,6 +29,7 @@ import re
 import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol, overload, runtime_checkable
 
 import anyio
@@ -45,8 +46,8 @@ from orchestrator.effects.model import (
     validate_effect_key,
 )
 from orchestrator.errors import InvalidInput
-from orchestrator.models import JSON
-from orchestrator.steps import EffectView
+from orchestrator.models import JSON, Message
+from orchestrator.steps import EffectView, Next, Step, Wait
 from orchestrator.telemetry import RunLogger
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -384,3 +385,25 @@ class _ToolDecorators:
 
 
 tool = _ToolDecorators()
+
+
+def turn_committed(
+    step: type[Step] | str,
+    *,
+    checkpoint: JSON,
+    effects: Sequence[Effect],
+    messages: Sequence[Message],
+    deadline: datetime | None,
+) -> Next | Wait:
+    """A turn that made effectful calls: committed with them, and waiting without the lease
+    when one needs a person's approval (in the same commit)."""
+    if any(effect.requires_approval for effect in effects):
+        return Wait(
+            step,
+            effects=effects,
+            until=deadline,
+            checkpoint=checkpoint,
+            messages=messages,
+            reason="approval",
+        )
+    return Next(step, checkpoint=checkpoint, effects=effects, messages=messages)

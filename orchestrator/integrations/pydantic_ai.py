@@ -118,6 +118,7 @@ from orchestrator.tools import (
     DEFAULT_TOOL_TIMEOUT_SECONDS,
     default_result,
     settled_records,
+    turn_committed,
 )
 
 STATE_KEY = "pydantic_ai"
@@ -388,16 +389,13 @@ class PydanticAIAgent(Agent):
         state.pending = pending
         state.turn += 1
         checkpoint = {**rest, STATE_KEY: state.dump()}
-        if any(e.requires_approval for e in effects):
-            return Wait(
-                self_step,
-                effects=effects,
-                until=state.deadline,
-                checkpoint=checkpoint,
-                messages=new,
-                reason="approval",
-            )
-        return Next(self_step, checkpoint=checkpoint, effects=effects, messages=new)
+        return turn_committed(
+            self_step,
+            checkpoint=checkpoint,
+            effects=effects,
+            messages=new,
+            deadline=state.deadline,
+        )
 
     async def _settled(self, ctx: StepContext, state: _State) -> DeferredToolResults | Wait | None:
         """The previous turn's effect calls as ``DeferredToolResults`` once every record has
