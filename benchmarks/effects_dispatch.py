@@ -12,12 +12,13 @@ poll_seconds=)``, ``adapter_from_config``, ``RunStore.claim``, ``EffectStore.acc
 * ``setup DSN PREFIX AGENT COUNT``: migrate the database with this release's migrations, then
   create COUNT accepted effect records the way a step commit does (runs inserted, claimed, and
   each run's effect accepted in a transaction); answers which orchestrator it imported;
-* ``dispatch DSN URL CONCURRENCY BATCH POLL NAME``: open a pool (concurrency + 2 connections)
-  and build a ``Dispatcher`` for kind ``crm`` (``http`` adapter, reconcile ``lookup``), say
-  ``ready``, start at ``go``, and at ``stop`` answer the CPU time this process spent between
-  the two (``resource.getrusage``: user + system) and the dispatcher's outcome counts; with
-  ``EFFECTS_DISPATCH_PROFILE=PATH`` in the environment it runs under ``cProfile`` and writes
-  its stats to ``PATH.NAME`` (read them with ``pstats``);
+* ``dispatch DSN URL CONCURRENCY BATCH POLL NAME``: open a pool (concurrency + 2 connections,
+  with the release's ``effects dispatch`` pool options) and build a ``Dispatcher`` for kind
+  ``crm`` (``http`` adapter, reconcile ``lookup``), say ``ready``, start at ``go``, and at
+  ``stop`` answer the CPU time this process spent between the two (``resource.getrusage``:
+  user + system) and the dispatcher's outcome counts; with ``EFFECTS_DISPATCH_PROFILE=PATH``
+  in the environment it runs under ``cProfile`` and writes its stats to ``PATH.NAME`` (read
+  them with ``pstats``);
 * ``raw URL COUNT CONCURRENCY CLIENT PREFIX MAX_SECONDS``: the physical limit of the same
   requests, with ``httpx`` or ``aiohttp`` (one client, CONCURRENCY tasks, keep-alive):
   ``ready``, then at ``go`` COUNT POSTs of the dispatcher's payloads, each with its own
@@ -106,15 +107,22 @@ async def open_connection(dsn: str) -> Any:
     return await connect(Settings(database_url=dsn), application_name="bench-effects-setup")
 
 
-async def open_pool(dsn: str, name: str, size: int) -> Any:
+async def open_pool(dsn: str, name: str, size: int, *, dispatcher: bool = False) -> Any:
+    """A pool of ``size`` connections; a ``dispatcher``'s is opened with the options the
+    installed release's ``effects dispatch`` uses (``DISPATCH_POOL``, where it has one)."""
     from orchestrator.settings import Settings
 
     try:
         from orchestrator.db.connections import create_pool
     except ModuleNotFoundError:  # older releases
         from orchestrator.database import create_pool  # type: ignore[import-not-found,no-redef,unused-ignore]
+    options: dict[str, Any] = {}
+    if dispatcher:
+        from orchestrator.effects import dispatcher as module
+
+        options = dict(getattr(module, "DISPATCH_POOL", {}))
     return await create_pool(
-        Settings(database_url=dsn), application_name=name, min_size=size, max_size=size
+        Settings(database_url=dsn), application_name=name, min_size=size, max_size=size, **options
     )
 
 
@@ -181,7 +189,7 @@ async def dispatch(
             "timeout_seconds": TIMEOUT_SECONDS,
         },
     )
-    pool = await open_pool(dsn, name, concurrency + 2)
+    pool = await open_pool(dsn, name, concurrency + 2, dispatcher=True)
     try:
         dispatcher = Dispatcher(
             pool,

@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from orchestrator.backoff import Backoff
+from orchestrator.db.bootstrap import PoolOptions
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.notifications import DUE_CHANNEL, Listener
 from orchestrator.db.sync_standby import SyncStandbyRequirement
@@ -60,6 +61,10 @@ from .settling import GroupSettler
 from .store import ClaimedEffect, EffectStore, SettleRequest
 
 log = structlog.get_logger("orchestrator.effects")
+
+DISPATCH_POOL: PoolOptions = {"keep_session_state": True}
+"""How a dispatcher process opens its pool: its statements leave no session state behind and
+its listener unlistens before giving a connection back, so no reset query follows each use."""
 
 
 def load_adapters(path: str | Path | None = None) -> dict[str, Adapter]:
@@ -125,7 +130,7 @@ class Dispatcher:
         self.concurrency = concurrency
         self._in_flight = 0
         self._wake = anyio.Event()
-        self._claim_at = max(1, min(batch, concurrency) // 4)
+        self._claim_at = max(1, min(batch, concurrency) // 2)
         """While effects are in flight, claim once this many slots are free (or none are busy):
         one statement per batch, not one per finished send."""
         self.settler = GroupSettler(pool, self.store, self.dispatcher_id, statement_seconds)

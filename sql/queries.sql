@@ -667,20 +667,37 @@ LIMIT $3
 -- reconcile_first (a failover's lost timeline may have sent it: lookup_first, or its last claim
 -- or acceptance was in an earlier epoch) is answered once, by this claim, and is moot when $5
 -- says every commit was synchronously replicated (nothing of a lost timeline was acted on).
+-- Each kind of candidate is read in the order of its own partial index (effects_due,
+-- effects_dispatching), up to $3, so a claim reads about $3 rows however long the backlog is
+-- (one condition over both would scan and sort every effect on each claim). The time is read
+-- once (here.now) so that it can bound those index scans.
 WITH here AS (
-    SELECT fence_epoch() AS epoch
-), picked AS (
-    SELECT run_id, effect_key, status AS previous_status, ever_dispatched AS sent_before,
-           (lookup_first OR known_epoch < (SELECT epoch FROM here)) AND NOT $5::boolean
-               AS lookup_first
+    SELECT fence_epoch() AS epoch, clock_timestamp() AS now
+), due AS (
+    SELECT run_id, effect_key, status, ever_dispatched, lookup_first, known_epoch, available_at
     FROM effects
-    WHERE kind = ANY($2::text[])
-      AND ((status IN ('accepted', 'uncertain') AND available_at <= clock_timestamp())
-           OR (status = 'dispatching' AND dispatcher_until < clock_timestamp()))
+    WHERE status IN ('accepted', 'uncertain') AND available_at <= (SELECT now FROM here)
+      AND kind = ANY($2::text[])
       AND (NOT requires_approval OR approved_sha256 = payload_sha256)
     ORDER BY available_at
     LIMIT $3
     FOR UPDATE SKIP LOCKED
+), expired AS (
+    SELECT run_id, effect_key, status, ever_dispatched, lookup_first, known_epoch, available_at
+    FROM effects
+    WHERE status = 'dispatching' AND dispatcher_until < (SELECT now FROM here)
+      AND kind = ANY($2::text[])
+      AND (NOT requires_approval OR approved_sha256 = payload_sha256)
+    ORDER BY dispatcher_until
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT run_id, effect_key, status AS previous_status, ever_dispatched AS sent_before,
+           (lookup_first OR known_epoch < (SELECT epoch FROM here)) AND NOT $5::boolean
+               AS lookup_first
+    FROM (SELECT * FROM due UNION ALL SELECT * FROM expired) AS candidates
+    ORDER BY available_at
+    LIMIT $3
 )
 UPDATE effects AS e
 SET status = 'dispatching', dispatcher = $1,

@@ -3,12 +3,14 @@ many outcomes, and the same guarantees as one effect at a time."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
 import asyncpg
 import pytest
 
+from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectStatus
@@ -235,3 +237,55 @@ async def test_concurrency_bounds_the_calls_at_the_vendor_while_outcomes_are_wri
             group.cancel_scope.cancel()
     assert 1 <= vendor.most_at_once <= 3
     assert vendor.requests == 24 and set(vendor.requests_by_key.values()) == {1}
+
+
+def _rows_read_from(plan: dict[str, Any], table: str) -> int:
+    """Rows a plan's scans of ``table`` read: those returned and those their filters removed."""
+    read = 0
+    if plan.get("Relation Name") == table:
+        loops = plan.get("Actual Loops", 1)
+        read += int((plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0)) * loops)
+    for child in plan.get("Plans", ()):
+        read += _rows_read_from(child, table)
+    return read
+
+
+async def test_a_claim_reads_about_as_many_effects_as_it_claims_however_long_the_backlog(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """An outbox that backs up must not make every claim slower: the claim reads its candidates
+    in index order up to its limit, not the whole backlog (sorted on each claim)."""
+    template = await requested(store, pool, crm(0))
+    backlog = 3_000
+    async with pool.acquire() as db:
+        await db.execute(
+            "INSERT INTO runs (run_id, agent, input) SELECT $1 || lpad(g::text, 6, '0'), agent, "
+            "input FROM runs, generate_series(1, $2) AS g WHERE run_id = $1",
+            template,
+            backlog,
+        )
+        await db.execute(
+            "INSERT INTO effects SELECT (jsonb_populate_record(NULL::effects, to_jsonb(e) "
+            "|| jsonb_build_object('run_id', r.run_id, 'idempotency_key', "
+            "e.idempotency_key || r.run_id))).* FROM effects AS e, runs AS r "
+            "WHERE e.run_id = $1 AND r.run_id LIKE $1 || '_%'",
+            template,
+        )
+        await db.execute("ANALYZE runs, effects")
+        limit = 10
+        transaction = db.transaction()
+        await transaction.start()
+        try:
+            [[text]] = await db.fetch(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + query("claim_effects"),
+                "claimer",
+                ["crm"],
+                limit,
+                60.0,
+                False,
+            )
+        finally:
+            await transaction.rollback()
+    [document] = json.loads(text) if isinstance(text, str) else text
+    read = _rows_read_from(document["Plan"], "effects")
+    assert read <= 3 * limit + 10, f"a claim of {limit} read {read} of {backlog + 1} effects"

@@ -200,7 +200,7 @@ def effects_dispatch(
     log_json: bool | None,
 ) -> None:
     """Run only the effect dispatcher (outbox relay) until SIGTERM/SIGINT."""
-    from orchestrator.effects.dispatcher import Dispatcher, load_adapters
+    from orchestrator.effects.dispatcher import DISPATCH_POOL, Dispatcher, load_adapters
     from orchestrator.telemetry import configure_logging
 
     settings = settings_of(ctx).with_overrides(require_sync_standby=require_sync_standby)
@@ -215,7 +215,10 @@ def effects_dispatch(
             store = await enter_when_reachable(
                 stack,
                 lambda: open_store(
-                    settings, application_name="orchestrator-dispatch", max_size=concurrency + 3
+                    settings,
+                    application_name="orchestrator-dispatch",
+                    max_size=concurrency + 3,
+                    keep_session_state=DISPATCH_POOL["keep_session_state"],
                 ),
                 within=start_retry_seconds,
                 log=structlog.get_logger("orchestrator.dispatch"),

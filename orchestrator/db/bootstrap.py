@@ -47,18 +47,28 @@ class PoolOptions(TypedDict, total=False):
 
     application_name: str
     max_size: int
+    keep_session_state: bool
 
 
 @asynccontextmanager
 async def open_stores(
-    settings: Settings, *, application_name: str = "orchestrator-cli", max_size: int = 4
+    settings: Settings,
+    *,
+    application_name: str = "orchestrator-cli",
+    max_size: int = 4,
+    keep_session_state: bool = False,
 ) -> AsyncIterator[Stores]:
     """Every store over one new pool (the schema checked, or migrated where that is safe),
-    closed after."""
+    closed after. ``keep_session_state``: see ``create_pool``."""
     dsn = resolve_dsn(settings)
     await ensure_schema(settings, dsn, auto_migrate=settings.database_url is None)
     pool = await create_pool(
-        settings, dsn=dsn, application_name=application_name, min_size=1, max_size=max_size
+        settings,
+        dsn=dsn,
+        application_name=application_name,
+        min_size=1,
+        max_size=max_size,
+        keep_session_state=keep_session_state,
     )
     try:
         yield Stores.of(pool, settings)
