@@ -13,11 +13,22 @@ process spends is the worker's (and a poll of the run's state once a second).
    (``time.process_time``) from the start of its ``chat`` span to the start of turn k+1's: the
    loop's part (from the model's answer to the next model call: the tool, the fenced commit of
    the turn's messages and checkpoint, preparing the next turn) and the model call's part
-   (encoding the request, which holds the whole conversation, and reading the answer). A least
-   squares line through each series (the first five turns, warming up, left out) gives the CPU
-   of turn 10 and of the last turn, their ratio (target: at most 1.2, i.e. flat) and the slope
-   in µs per turn per turn. Wall-clock medians are too noisy on a shared machine to tell a
-   flat cost from a growing one; CPU time is not.
+   (building the request body, which holds the whole conversation, sending it and reading the
+   answer). A least squares line through each series (the first five turns, warming up, left
+   out) gives the CPU of turn 10 and of the last turn, their ratio (target: at most 1.2, i.e.
+   flat) and the slope in µs per turn per turn. Wall-clock medians are too noisy on a shared
+   machine to tell a flat cost from a growing one; CPU time is not.
+
+   The chat completions API is stateless: every request carries the whole conversation, 2.3 MB
+   by the 1,000th turn, and sending that many bytes costs CPU however little the loop does
+   around it. So, once the run is over (the worker still running, idle), the same process
+   sends **bare requests** of the same bytes: at ``BARE_POINTS`` turns, the requests of that
+   turn and the ``BARE_REPEATS`` before it, in order (each message encoded beforehand, as the
+   loop keeps them), each joined into one body and POSTed with the same ``openai`` client to
+   the same server (``client.post``), the median CPU. Its line is the cost of the bytes alone,
+   its slope what each turn's bytes add; **the turn less the bytes' growth** (each turn's CPU
+   less the bare line's growth since turn 10) is the turn's CPU as it would be if the request
+   did not grow: the part that the loop can keep flat, held to the same 1.2.
 2. **Runs/s against the step API.** ``--runs`` (300) runs of three model turns each, one
    read-only tool call per turn, through the ``ToolAgent``; and the same runs through a plain
    three-step agent whose every step makes the same model call (``llm.complete``) and calls the
@@ -39,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -57,9 +69,9 @@ from orchestrator import Agent, Finish, Next, Outcome, Step, StepContext, ToolAg
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
-from orchestrator.llm import complete
+from orchestrator.llm import complete, model_client
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, ScriptRequest
-from orchestrator.models import TERMINAL_STATES, Run
+from orchestrator.models import TERMINAL_STATES, Message, Run
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker, wait_for_run
 from serve_harness import Server, create_database, drop_database, settings_for
@@ -217,6 +229,57 @@ async def finished(store: RunStore, run_id: str, within: float) -> Run:
             await anyio.sleep(1.0)
 
 
+def encoded(value: object) -> bytes:
+    """JSON as the ``openai`` client encodes a request body (``llm.encode_message`` does the
+    same; written out here so that the benchmark also measures releases without it)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+BARE_POINTS = 17
+"""Turns whose request is sent again bare, evenly spread from the first fitted to the last."""
+BARE_REPEATS = 25
+
+
+async def bare_requests(
+    messages: Sequence[Message], tools: Sequence[Any], first: int, last: int
+) -> tuple[list[int], list[float], list[int]]:
+    """This process's CPU (µs) for a bare request of turn k's bytes, at ``BARE_POINTS`` turns
+    from ``first`` to ``last``: the turn's messages, encoded beforehand, joined into one body
+    with one copy and POSTed with the worker's ``openai`` client to the same server. Also each
+    body's size."""
+    from openai.types.chat import ChatCompletion
+
+    client, model = model_client()
+    bodies = [m.body for m in messages]
+    parts = [encoded(body) for body in bodies]
+    assistants = [i for i, body in enumerate(bodies) if body["role"] == "assistant"]
+    head = encoded({"model": model, "tools": list(tools)})[:-1] + b',"messages":['
+
+    points = sorted({first + (last - first) * i // (BARE_POINTS - 1) for i in range(BARE_POINTS)})
+    micros, sizes = [], []
+    for point in points:
+        # The requests of the turns up to this one, in order, as the loop sent them: each a
+        # little larger than the last (an allocator reuses a freed body only when the next fits).
+        samples = []
+        for turn in range(max(1, point - BARE_REPEATS - 1), point + 1):
+            # Turn k (1-based) sent the messages before the transcript's k-th assistant message
+            # (at least the instructions and the prompt).
+            sent = parts[: assistants[turn - 1]]
+            assert len(sent) >= 2
+            began = time.process_time()
+            body = b",".join([head + sent[0], *sent[1:-1], sent[-1] + b"]}"])
+            await client.post(
+                "/chat/completions",
+                cast_to=ChatCompletion,
+                content=body,
+                options={"headers": {"Content-Type": "application/json"}},
+            )
+            samples.append((time.process_time() - began) * 1e6)
+        micros.append(statistics.median(samples[2:]))  # two to warm up
+        sizes.append(len(body))
+    return points, micros, sizes
+
+
 async def cpu_per_turn(server: Server, args: argparse.Namespace, turns: int) -> dict[str, Any]:
     agent = ToolAgent(
         "long_talk", instructions="Read every page.", tools=[fetch_page], max_turns=turns + 1
@@ -234,26 +297,41 @@ async def cpu_per_turn(server: Server, args: argparse.Namespace, turns: int) -> 
                 settings_for(dsn), [agent], lease_seconds=30, heartbeat_seconds=10, poll_seconds=0.2
             ):
                 run = await finished(store, run_id, args.max_seconds)
-            starts, ends = list(CHAT_CPU.starts), list(CHAT_CPU.ends)
-        messages = await store.messages(run_id)
+                starts, ends = list(CHAT_CPU.starts), list(CHAT_CPU.ends)
+                messages = await store.messages(run_id)
+                # Turn k (1-based) runs from chat start k to chat start k+1; the last turn has
+                # no successor.
+                numbers = list(range(WARM_UP_TURNS + 1, len(starts)))
+                # With the worker still running (idle), as it ran around the loop's requests.
+                log(f"cpu per turn: bare requests of the same bytes at {BARE_POINTS} turns")
+                points, bare, sizes = await bare_requests(
+                    messages, agent.loop.definitions, numbers[0], numbers[-1]
+                )
     finally:
         await store.pool.close()
         await drop_database(server.dsn, name)
-    # Turn k (1-based) runs from chat start k to chat start k+1; the last turn has no successor.
-    numbers = list(range(WARM_UP_TURNS + 1, len(starts)))
     total = [(starts[k] - starts[k - 1]) * 1e6 for k in numbers]
     model = [(ends[k - 1] - starts[k - 1]) * 1e6 for k in numbers]
     loop = [(starts[k] - ends[k - 1]) * 1e6 for k in numbers]
     last = numbers[-1]
+    bare_fit = line("bare request of the same bytes", points, bare, last)
+    # Each turn less what its request's bytes cost over turn 10's: the turn as it would be if
+    # the request did not grow (the line's slope, not its noisier intercept, is what counts).
+    slope = bare_fit["slope_us_per_turn"]
+    own = [us - (k - 10) * slope for k, us in zip(numbers, total, strict=True)]
     return {
         "state": run.state.value,
         "turns": len(starts),
         "transcript_messages": len(messages),
         "transcript_bytes": sum(len(str(m.body)) for m in messages),
+        "request_bytes": {"turn": points, "bytes": sizes},
+        "bare_request_us": {"turn": points, "us": bare},
         "fits": [
             line("turn (all)", numbers, total, last),
             line("loop (tool, commit, next turn)", numbers, loop, last),
             line("model call (client side)", numbers, model, last),
+            bare_fit,
+            line("turn less the bytes' growth", numbers, own, last),
         ],
         "target_ratio": 1.2,
     }
@@ -404,6 +482,11 @@ def render(report: dict[str, Any]) -> str:
                     for f in o["fits"]
                 ],
             ),
+            f"request body: {o['request_bytes']['bytes'][0]:,} bytes at turn "
+            f"{o['request_bytes']['turn'][0]}, {o['request_bytes']['bytes'][-1]:,} at turn "
+            f"{o['request_bytes']['turn'][-1]}; the bare request (one join of the encoded "
+            "messages, POSTed by the same client) is the cost of the bytes alone; the turn less "
+            "the bytes' growth is each turn less the bare line's growth since turn 10",
         ]
     lines += [
         "",

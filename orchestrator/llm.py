@@ -11,23 +11,27 @@ Configuration comes from the environment of the worker, never from run input:
   (default 60, per request).
 
 The client does not retry: a failed call fails its step, and the step's retry policy is the one
-retry layer. Each call is a span named ``chat MODEL`` with the OpenTelemetry gen_ai attributes;
-prompts and completions are not recorded (they may hold customer data), only sizes and token
-counts.
+retry layer. ``complete`` builds a request's body once, from messages encoded one by one
+(``encode_message``; a caller that keeps them across turns passes ``EncodedMessages``), and
+sends those bytes with the client's own POST on every attempt. Each call is a span named
+``chat MODEL`` with the OpenTelemetry gen_ai attributes; prompts and completions are not recorded
+(they may hold customer data), only sizes and token counts.
 """
 
 from __future__ import annotations
 
 import email.utils
+import itertools
+import json
 import math
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
@@ -217,7 +221,7 @@ def _retry_after(error: Exception) -> float | None:
 
 
 async def complete(
-    messages: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, Any]] | EncodedMessages,
     *,
     tools: Sequence[Mapping[str, Any]] = (),
     model: str | None = None,
@@ -235,11 +239,26 @@ async def complete(
     ``chat MODEL`` span and is counted in the reply's usage. ``before_attempt(model, attempts so
     far)`` runs before each request (a budget's reservation; what it raises ends the call).
     Cancellable: a lost lease cancels the request in flight. Prompts and outputs are never put
-    on spans."""
+    on spans.
+
+    ``messages``: chat messages, or ``EncodedMessages`` (each message encoded already, as a
+    caller that sends a growing conversation keeps them). The request body is built once, and
+    every attempt sends the same bytes."""
     import openai
 
     client, default_model = model_client(environ)
     model = model or default_model
+    options: dict[str, Any] = {"model": model}
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
+    if tools:
+        options["tools"] = [t if isinstance(t, dict) else dict(t) for t in tools]
+    if response_format is not None:
+        options["response_format"] = dict(response_format)
+    if stream:
+        options["stream"] = True
+        options["stream_options"] = {"include_usage": True}
+    body: bytes | None = None
     started = time.monotonic()
     attempts: list[ModelAttempt] = []
     for number in range(1, MODEL_ATTEMPTS + 1):
@@ -261,9 +280,14 @@ async def complete(
         delay: float | None = None
         with start_span(f"chat {model}", attributes=attributes) as span:
             try:
-                reply = await _request(
-                    client, model, messages, tools, stream, remaining, response_format, max_tokens
-                )
+                if body is None:  # encoding the request is part of the first attempt
+                    encoded = (
+                        messages
+                        if isinstance(messages, EncodedMessages)
+                        else EncodedMessages.of(messages)
+                    )
+                    body = _request_body(options, encoded)
+                reply = await _request(client, body, model, stream, remaining)
             except openai.RateLimitError as error:
                 attempt = ModelAttempt("rate_limited", 429, None, None, time.monotonic() - began)
                 delay = _retry_after(error)
@@ -326,53 +350,139 @@ def _seconds(timeout: object) -> float:
     return float(timeout) if isinstance(timeout, int | float) else math.inf
 
 
+# -- the request body, encoded once ---------------------------------------------------------
+def _dumps(value: object) -> bytes:
+    """JSON as the ``openai`` client encodes a request body: UTF-8, no spaces, no NaN."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode_message(message: Mapping[str, Any]) -> bytes:
+    """One chat message's JSON, byte for byte as the ``openai`` client would put it in a request
+    body. A conversation's messages never change once written: each can be encoded once and
+    sent on every later turn as it is (``EncodedMessages``)."""
+    return _dumps(message if isinstance(message, dict) else dict(message))
+
+
+class EncodedMessages(Sequence[bytes]):
+    """A conversation's messages, each encoded already (``encode_message``), oldest first, and
+    ``size``, their bytes added up. ``complete`` splices them into the request body as they are,
+    so a caller that keeps one across turns (``ToolAgent`` does, per claim) encodes each message
+    once, not once per turn."""
+
+    __slots__ = ("_parts", "size")
+
+    def __init__(self, parts: Iterable[bytes] = ()) -> None:
+        self._parts: list[bytes] = list(parts)
+        self.size = sum(len(part) for part in self._parts)
+
+    @classmethod
+    def of(cls, messages: Iterable[Mapping[str, Any]]) -> EncodedMessages:
+        return cls(encode_message(message) for message in messages)
+
+    def encode(self, messages: Iterable[Mapping[str, Any]]) -> None:
+        """Encode ``messages`` and add them at the end."""
+        for message in messages:
+            self.append(encode_message(message))
+
+    def append(self, part: bytes) -> None:
+        """Add one message encoded already (by ``encode_message``) at the end."""
+        self._parts.append(part)
+        self.size += len(part)
+
+    def __add__(self, other: EncodedMessages) -> EncodedMessages:
+        """These messages, then ``other``'s (neither is changed; no message is encoded again)."""
+        joined = EncodedMessages()
+        joined._parts = self._parts + other._parts
+        joined.size = self.size + other.size
+        return joined
+
+    @property
+    def array_size(self) -> int:
+        """The bytes of the messages as a JSON array in the body: with brackets and commas."""
+        return self.size + max(1, len(self._parts)) + 1
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        return self._parts[index]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._parts)
+
+    def __repr__(self) -> str:
+        return f"EncodedMessages({len(self._parts)} messages, {self.size:,} bytes)"
+
+
+def _request_body(options: Mapping[str, Any], messages: EncodedMessages) -> bytes:
+    """``{**options, "messages": [...]}`` as JSON: the options encoded, the messages' bytes
+    spliced in as they are, in one copy (the messages are most of a long conversation's body)."""
+    opening = _dumps(options)[:-1] + b',"messages":['  # options is never empty: it has "model"
+    parts = messages._parts
+    if not parts:
+        return opening + b"]}"
+    if len(parts) == 1:
+        return b"".join((opening, parts[0], b"]}"))
+    return b",".join(
+        itertools.chain(
+            (opening + parts[0],), itertools.islice(parts, 1, len(parts) - 1), (parts[-1] + b"]}",)
+        )
+    )
+
+
 async def _request(
     client: openai.AsyncOpenAI,
+    body: bytes,
     model: str,
-    messages: Sequence[Mapping[str, Any]],
-    tools: Sequence[Mapping[str, Any]],
     stream: bool,
     request_seconds: float | None,
-    response_format: Mapping[str, Any] | None,
-    max_tokens: int | None = None,
 ) -> tuple[str | None, tuple[ToolCall, ...], str, str | None, int | None, int | None]:
-    # The messages go in ``extra_body``, sent as they are: they are JSON already, and the
-    # client's typed transform walks every field of every message, a cost that grows with the
-    # conversation on each turn (the transform only renames aliased fields chat messages lack).
-    options: dict[str, Any] = {
-        "model": model,
-        "messages": [],
-        "extra_body": {"messages": [m if isinstance(m, dict) else dict(m) for m in messages]},
+    # The body is built once per call (``_request_body``) and sent as it is by each attempt,
+    # through the client's own POST: its headers, authentication, base URL, timeout and errors,
+    # without its typed transform and encoding of every message on every turn.
+    from openai import AsyncStream
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    options: openai.RequestOptions = {
+        "headers": {"Content-Type": "application/json"},
+        "security": {"bearer_auth": True},
     }
-    if max_tokens is not None:
-        options["max_tokens"] = max_tokens
-    if tools:
-        options["tools"] = [dict(t) for t in tools]
-    if response_format is not None:
-        options["response_format"] = dict(response_format)
     # The client's own per-request timeout (its connection pool is aborted cleanly on it): the
     # model timeout, or what is left of the caller's budget when that is shorter.
     if request_seconds is not None and request_seconds < _seconds(client.timeout):
         options["timeout"] = request_seconds
     if not stream:
-        response = await client.chat.completions.create(**options)
-        choice = response.choices[0]
+        response = await client.post(
+            "/chat/completions", cast_to=ChatCompletion, content=body, options=options
+        )
+        answer = response.choices[0]
         calls = tuple(
             ToolCall(call.id, call.function.name, call.function.arguments or "")
-            for call in choice.message.tool_calls or ()
+            for call in answer.message.tool_calls or ()
             if call.type == "function"
         )
         usage = response.usage
         return (
-            choice.message.content,
+            answer.message.content,
             calls,
             response.model,
-            choice.finish_reason,
+            answer.finish_reason,
             usage.prompt_tokens if usage else None,
             usage.completion_tokens if usage else None,
         )
-    chunks = await client.chat.completions.create(
-        **options, stream=True, stream_options={"include_usage": True}
+    chunks = await client.post(
+        "/chat/completions",
+        cast_to=ChatCompletion,
+        content=body,
+        options=options,
+        stream=True,
+        stream_cls=AsyncStream[ChatCompletionChunk],
     )
     text: list[str] = []
     parts: dict[int, dict[str, Any]] = {}

@@ -381,6 +381,18 @@ class Slow:
 
 
 Fault = RateLimited | ServerError | Slow
+
+
+@dataclass(frozen=True)
+class RawRequest:
+    """One request as a server received it: headers lower-cased, the body's bytes."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
 Script = Callable[[ScriptRequest], ScriptedTurn]
 
 
@@ -401,13 +413,16 @@ class ScriptedModelServer(LoopbackService):
     tool calls, usage, and SSE streaming (``stream=True``), deterministic per conversation, with
     faults on demand (``fail_next``). ``requests`` records every request (conversation, turn,
     replay, stream, what was answered); ``disconnects`` counts clients that gave up on a slow
-    answer. Point a worker at it with ``OPENAI_BASE_URL=server.base_url``."""
+    answer; with ``keep_raw``, ``raw`` keeps every request's headers and body bytes as they
+    arrived. Point a worker at it with ``OPENAI_BASE_URL=server.base_url``."""
 
-    def __init__(self, script: Script, *, latency: float = 0.0) -> None:
+    def __init__(self, script: Script, *, latency: float = 0.0, keep_raw: bool = False) -> None:
         super().__init__()
         self.script = script
         self.latency = latency
         self.requests: list[dict[str, Any]] = []
+        self.keep_raw = keep_raw
+        self.raw: list[RawRequest] = []
         self.disconnects = 0
         self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
         self._faults: list[tuple[Fault, int | None, str | None]] = []
@@ -467,7 +482,9 @@ class ScriptedModelServer(LoopbackService):
         ):
             async with stream:
                 while True:
-                    method, path, _, body = await _read_request(buffered)
+                    method, path, headers, body = await _read_request(buffered)
+                    if self.keep_raw:
+                        self.raw.append(RawRequest(method, path, headers, body))
                     if not await self._respond(stream, buffered, method, path, body):
                         return
 

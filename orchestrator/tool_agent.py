@@ -6,7 +6,9 @@ A tool agent is an ``Agent`` whose one step, ``turn``, is one model turn:
    be confirmed, failed or rejected (never tells the model of an uncertain or parked outcome)
    and turns each into the tool message the model reads.
 2. One model call (``llm.complete``: its own retries, each attempt's usage counted), with the
-   committed transcript and the tools' schemas.
+   committed transcript and the tools' schemas. Each message is encoded once per claim: a turn
+   encodes only the messages committed since the previous one and its own new ones, and the
+   request splices the kept bytes (``_request``).
 3. Each tool call is checked: an unknown tool (or one a tool source, such as an MCP server,
    lists but its classification denies), malformed JSON or arguments that fail the schema go
    back to the model as a tool error, counted. A read-only call runs now, with its timeout.
@@ -28,6 +30,7 @@ import collections
 import hashlib
 import json
 import re
+import weakref
 from collections.abc import Callable, Container, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -41,7 +44,7 @@ from opentelemetry.trace import Status, StatusCode
 from orchestrator.budgets import Budget, BudgetExhausted
 from orchestrator.effects.model import Effect
 from orchestrator.errors import InvalidInput
-from orchestrator.llm import ModelAttempt, ModelReply, complete
+from orchestrator.llm import EncodedMessages, ModelAttempt, ModelReply, complete
 from orchestrator.models import JSON, Message
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span
@@ -298,8 +301,7 @@ class ToolLoop:
         new += results
         if state.turn >= self.max_turns:
             return Fail(f"the turn limit of {self.max_turns} was reached", details=state.summary())
-        request = [m.body for m in await ctx.transcript.messages()]
-        request += (m.body for m in new)
+        request = await _request(ctx, new)
         span = trace.get_current_span()  # the turn's own span (see step_class)
         span.set_attribute("gen_ai.conversation.id", ctx.run_id)
         span.set_attribute("orchestrator.turn", state.turn)
@@ -632,13 +634,15 @@ class _Spending:
 
     UNBILLED = frozenset(("rate_limited", "server_error", "refused"))
 
-    def __init__(self, ctx: StepContext, loop: ToolLoop, request: list[Any]) -> None:
+    def __init__(self, ctx: StepContext, loop: ToolLoop, request: EncodedMessages) -> None:
         self.budget = ctx.budget
         self.loop = loop
         # Every token is at least one byte of the request: its size bounds the input tokens.
-        # Only a budget reads it: encoding the whole conversation costs more every turn.
+        # The messages' size is known without encoding them again; the tools' is small.
         self.worst_input = (
-            len(json.dumps([request, loop.definitions]).encode()) if self.budget is not None else 0
+            request.array_size + len(json.dumps(loop.definitions).encode())
+            if self.budget is not None
+            else 0
         )
         self.worst_output = loop.max_output_tokens or DEFAULT_WORST_OUTPUT_TOKENS
         self.model = ""
@@ -680,6 +684,55 @@ class _Spending:
             output_tokens=output_tokens,
             cost_usd=self._cost(input_tokens, output_tokens) if self.model else Decimal(0),
         )
+
+
+class _Encoded:
+    """What one claim encoded of its run's conversation: the committed messages, and the new
+    messages of the last request (committed with that turn, unless its commit was refused)."""
+
+    __slots__ = ("committed", "sent")
+
+    def __init__(self) -> None:
+        self.committed = EncodedMessages()
+        self.sent: list[tuple[dict[str, Any], bytes]] = []
+        """Each new message of the last request: its body (the very object) and its bytes."""
+
+
+_ENCODED: weakref.WeakKeyDictionary[Any, _Encoded] = weakref.WeakKeyDictionary()
+"""What each claim encoded, by the execution's transcript (``ctx.transcript``): kept for one
+claim of one run, gone with it. A new claim has a transcript of its own, so it starts empty and
+encodes what it reads once."""
+
+
+async def _request(ctx: StepContext, new: Sequence[Message]) -> EncodedMessages:
+    """The turn's request: the committed transcript then the turn's ``new`` messages, each
+    message encoded once per claim. The messages committed since the last turn are encoded now,
+    except those that the last turn sent as new and committed as they were (the same body)."""
+    transcript = ctx.transcript
+    try:
+        kept = _ENCODED.get(transcript)
+    except TypeError:  # a view that cannot be weakly referenced: encode it all, keep nothing
+        return EncodedMessages.of(
+            [m.body for m in await transcript.messages()] + [m.body for m in new]
+        )
+    if kept is None:
+        kept = _ENCODED[transcript] = _Encoded()
+    committed = kept.committed
+    fresh = await transcript.messages(len(committed))
+    if fresh and fresh[0].seq >= 0 and fresh[0].seq != len(committed):
+        # Not the messages after those kept (a view numbered otherwise): encode it all again.
+        kept = _ENCODED[transcript] = _Encoded()
+        committed = kept.committed
+        fresh = await transcript.messages()
+    sent = kept.sent
+    for index, message in enumerate(fresh):
+        if index < len(sent) and sent[index][0] is message.body:
+            committed.append(sent[index][1])
+        else:
+            committed.encode((message.body,))
+    request = EncodedMessages.of(m.body for m in new)
+    kept.sent = [(m.body, part) for m, part in zip(new, request, strict=True)]
+    return committed + request
 
 
 DEFAULT_WORST_OUTPUT_TOKENS = 4096
