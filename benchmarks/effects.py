@@ -410,6 +410,8 @@ async def measure_dispatch(
                     await anyio.sleep(POLL_INTERVAL)
                     progress = await connection.fetchrow(PROGRESS_SQL)
                     assert progress is not None
+                    # Read PostgreSQL's backends now: the dispatchers' close as they stop.
+                    meter.sample()
                     done = progress["confirmed"] + progress["settled_otherwise"]
                     now = time.perf_counter()
                     if done >= args.effects:

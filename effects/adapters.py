@@ -70,6 +70,10 @@ ReconcileOutcome = Confirmed | Failed | NotSent | Uncertain | Retry | Park
 
 
 class Adapter(Protocol):
+    """A vendor. One may also set ``answers_within`` (seconds): the bound it puts on each of its
+    own calls, timeouts answered as ``Uncertain``; a dispatcher whose lease leaves that much
+    time then sends without a timer of its own (see ``answers_within``)."""
+
     kind: str
 
     async def send(self, effect: EffectRecord) -> SendOutcome: ...
@@ -79,6 +83,14 @@ class Adapter(Protocol):
     async def aclose(self) -> None:
         """Release connections when the dispatcher stops."""
         ...
+
+
+def answers_within(adapter: Adapter) -> float:
+    """The seconds within which ``adapter`` answers any send on its own (infinite: unsaid)."""
+    bound = getattr(adapter, "answers_within", None)
+    if isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 0:
+        return float(bound)
+    return float("inf")
 
 
 def _secret(value: str | None, env: str | None) -> str | None:
@@ -126,6 +138,8 @@ class HttpAdapter:
         secret = _secret(token, token_env)
         self._headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self.answers_within = float(timeout_seconds)
+        """aiohttp's total timeout bounds each call, the answer's body included."""
         self._max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
 

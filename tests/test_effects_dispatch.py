@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.backoff import Backoff
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import Adapter, HttpAdapter, SmtpAdapter
+from orchestrator.effects.adapters import Adapter, HttpAdapter, SmtpAdapter, answers_within
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectRecord, EffectStatus
 from orchestrator.effects.store import EffectStore
@@ -265,3 +265,79 @@ async def test_an_uncertain_smtp_send_is_parked_never_resent(
     assert record.status is EffectStatus.PARKED
     kinds = [e.kind for e in await store.events(run_id)]
     assert kinds[-2:] == ["effect_uncertain", "effect_parked"]
+
+
+async def test_a_vendor_slower_than_the_lease_allows_is_cut_off_by_the_dispatcher(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """An adapter that bounds its own calls (``answers_within``) is trusted only when that bound
+    fits in the lease: here 30 s does not fit a 2 s lease, so the dispatcher's own timer ends
+    the send as uncertain, and the lookup finds the delivery (one POST)."""
+    run_id = await requested(store, pool, CRM)
+    async with LocalVendor() as vendor:
+        vendor.mode = "accept_then_hang"
+        slow = Dispatcher(pool, http(vendor, timeout=30), dispatcher_id="short", lease_seconds=2)
+        try:
+            with anyio.fail_after(20):
+                await slow_dispatch_once(slow)
+        finally:
+            await slow.adapters["crm"].aclose()
+        record = await EffectStore(pool).get(run_id, CRM.key)
+        assert record.status is EffectStatus.UNCERTAIN
+        assert record.error is not None and "no answer from crm within" in record.error["message"]
+        vendor.mode = "ok"
+        record = await dispatch_until(pool, http(vendor), run_id, CRM.key, {EffectStatus.CONFIRMED})
+    assert vendor.requests == 1 and list(vendor.deliveries) == [record.idempotency_key]
+
+
+async def test_a_dispatcher_cancelled_mid_send_stops_its_sends_and_the_next_one_reconciles(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """Cancelling the dispatcher reaches the sends of every batch in flight: it returns at once,
+    the effect stays 'dispatching' (the vendor may have it), and whoever claims it after the
+    lease looks it up instead of posting again."""
+    run_ids = [await requested(store, pool, CRM) for _ in range(3)]
+    async with LocalVendor() as vendor:
+        vendor.mode = "accept_then_hang"
+        hung = Dispatcher(pool, http(vendor, timeout=30), lease_seconds=3, poll_seconds=0.05)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as group:
+                group.start_soon(hung.run)
+                while vendor.requests < len(run_ids):  # noqa: ASYNC110 - vendor state, polled
+                    await anyio.sleep(0.02)
+                group.cancel_scope.cancel()
+        assert hung._in_flight == 0
+        await anyio.sleep(0.5)  # a send that outlived the cancel would record its outcome now
+        effects = EffectStore(pool)
+        for run_id in run_ids:
+            assert (await effects.get(run_id, CRM.key)).status is EffectStatus.DISPATCHING
+        vendor.mode = "ok"
+        for run_id in run_ids:
+            await dispatch_until(pool, http(vendor), run_id, CRM.key, {EffectStatus.CONFIRMED})
+    assert vendor.requests == len(run_ids) and len(vendor.deliveries) == len(run_ids)
+
+
+class _Bounded:
+    def __init__(self, bound: object) -> None:
+        self.answers_within = bound
+
+
+@pytest.mark.parametrize(
+    ("adapter", "trusted"),
+    [
+        (HttpAdapter("crm", url="http://127.0.0.1:9/send", timeout_seconds=7), 7.0),
+        (_Bounded(2), 2.0),
+        (_Bounded(0), None),
+        (_Bounded(-1.0), None),
+        (_Bounded(float("nan")), None),
+        (_Bounded(True), None),
+        (_Bounded("5"), None),
+        (_Bounded(None), None),
+        (object(), None),
+    ],
+    ids=["http", "two", "zero", "negative", "nan", "bool", "text", "null", "unsaid"],
+)
+def test_only_a_positive_number_of_seconds_is_taken_as_an_adapters_own_bound(
+    adapter: object, trusted: float | None
+) -> None:
+    assert answers_within(adapter) == (float("inf") if trusted is None else trusted)  # type: ignore[arg-type]
