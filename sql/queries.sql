@@ -667,30 +667,43 @@ LIMIT $3
 -- reconcile_first (a failover's lost timeline may have sent it: lookup_first, or its last claim
 -- or acceptance was in an earlier epoch) is answered once, by this claim, and is moot when $5
 -- says every commit was synchronously replicated (nothing of a lost timeline was acted on).
--- Each kind of candidate is read in the order of its own partial index (effects_due,
--- effects_dispatching), up to $3, so a claim reads about $3 rows however long the backlog is
--- (one condition over both would scan and sort every effect on each claim). The time is read
+-- Each kind the dispatcher serves is read from its own range of the partial indexes
+-- (effects_due_by_kind, effects_dispatching_by_kind), in time order, up to $3: a claim reads
+-- about $3 rows per kind however long the backlog is, its own kinds' or any other's (one
+-- condition over everything would scan and sort every effect on each claim; an index in time
+-- order alone would read past every effect of the kinds it does not serve). The rows of a kind
+-- that the overall limit leaves out are locked only until this statement ends. The time is read
 -- once (here.now) so that it can bound those index scans.
 WITH here AS (
     SELECT fence_epoch() AS epoch, clock_timestamp() AS now
+), kinds AS (
+    SELECT DISTINCT kind FROM unnest($2::text[]) AS kind
 ), due AS (
-    SELECT run_id, effect_key, status, ever_dispatched, lookup_first, known_epoch, available_at
-    FROM effects
-    WHERE status IN ('accepted', 'uncertain') AND available_at <= (SELECT now FROM here)
-      AND kind = ANY($2::text[])
-      AND (NOT requires_approval OR approved_sha256 = payload_sha256)
-    ORDER BY available_at
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
+    SELECT c.*
+    FROM kinds AS k CROSS JOIN LATERAL (
+        SELECT run_id, effect_key, status, ever_dispatched, lookup_first, known_epoch,
+               available_at
+        FROM effects
+        WHERE kind = k.kind AND status IN ('accepted', 'uncertain')
+          AND available_at <= (SELECT now FROM here)
+          AND (NOT requires_approval OR approved_sha256 = payload_sha256)
+        ORDER BY available_at
+        LIMIT $3
+        FOR UPDATE SKIP LOCKED
+    ) AS c
 ), expired AS (
-    SELECT run_id, effect_key, status, ever_dispatched, lookup_first, known_epoch, available_at
-    FROM effects
-    WHERE status = 'dispatching' AND dispatcher_until < (SELECT now FROM here)
-      AND kind = ANY($2::text[])
-      AND (NOT requires_approval OR approved_sha256 = payload_sha256)
-    ORDER BY dispatcher_until
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
+    SELECT c.*
+    FROM kinds AS k CROSS JOIN LATERAL (
+        SELECT run_id, effect_key, status, ever_dispatched, lookup_first, known_epoch,
+               available_at
+        FROM effects
+        WHERE kind = k.kind AND status = 'dispatching'
+          AND dispatcher_until < (SELECT now FROM here)
+          AND (NOT requires_approval OR approved_sha256 = payload_sha256)
+        ORDER BY dispatcher_until
+        LIMIT $3
+        FOR UPDATE SKIP LOCKED
+    ) AS c
 ), picked AS (
     SELECT run_id, effect_key, status AS previous_status, ever_dispatched AS sent_before,
            (lookup_first OR known_epoch < (SELECT epoch FROM here)) AND NOT $5::boolean

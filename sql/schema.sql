@@ -668,8 +668,8 @@ ALTER TABLE ONLY orchestrator.workers
 CREATE INDEX access_tokens_of_principal ON orchestrator.access_tokens USING btree (principal);
 CREATE INDEX audit_log_of_run ON orchestrator.audit_log USING btree (run_id, seq) WHERE (run_id IS NOT NULL);
 CREATE INDEX effects_awaiting_approval ON orchestrator.effects USING btree (approval_expires_at) WHERE (status = 'awaiting_approval'::text);
-CREATE INDEX effects_dispatching ON orchestrator.effects USING btree (dispatcher_until) WHERE (status = 'dispatching'::text);
-CREATE INDEX effects_due ON orchestrator.effects USING btree (available_at) WHERE (status = ANY (ARRAY['accepted'::text, 'uncertain'::text]));
+CREATE INDEX effects_dispatching_by_kind ON orchestrator.effects USING btree (kind, dispatcher_until) WHERE (status = 'dispatching'::text);
+CREATE INDEX effects_due_by_kind ON orchestrator.effects USING btree (kind, available_at) WHERE (status = ANY (ARRAY['accepted'::text, 'uncertain'::text]));
 CREATE INDEX effects_parked ON orchestrator.effects USING btree (run_id) WHERE (status = 'parked'::text);
 CREATE INDEX run_events_run ON orchestrator.run_events USING btree (run_id, event_id);
 CREATE INDEX run_events_submitted ON orchestrator.run_events USING btree (event_id) WHERE (kind = 'submitted'::text);

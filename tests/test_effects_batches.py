@@ -250,11 +250,17 @@ def _rows_read_from(plan: dict[str, Any], table: str) -> int:
     return read
 
 
+@pytest.mark.parametrize(
+    ("backlog_kind", "backlog_status"),
+    [("crm", "accepted"), ("email", "accepted"), ("email", "dispatching")],
+    ids=["its-own-kind", "another-kind-waiting", "another-kind-held-past-its-lease"],
+)
 async def test_a_claim_reads_about_as_many_effects_as_it_claims_however_long_the_backlog(
-    store: RunStore, pool: asyncpg.Pool
+    store: RunStore, pool: asyncpg.Pool, backlog_kind: str, backlog_status: str
 ) -> None:
     """An outbox that backs up must not make every claim slower: the claim reads its candidates
-    in index order up to its limit, not the whole backlog (sorted on each claim)."""
+    in index order up to its limit, not the whole backlog (sorted on each claim), and never
+    reads past a backlog of a kind it does not serve (older than its own, so first in time)."""
     template = await requested(store, pool, crm(0))
     backlog = 3_000
     async with pool.acquire() as db:
@@ -267,9 +273,14 @@ async def test_a_claim_reads_about_as_many_effects_as_it_claims_however_long_the
         await db.execute(
             "INSERT INTO effects SELECT (jsonb_populate_record(NULL::effects, to_jsonb(e) "
             "|| jsonb_build_object('run_id', r.run_id, 'idempotency_key', "
-            "e.idempotency_key || r.run_id))).* FROM effects AS e, runs AS r "
-            "WHERE e.run_id = $1 AND r.run_id LIKE $1 || '_%'",
+            "e.idempotency_key || r.run_id, 'kind', $2::text, 'status', $3::text, "
+            "'available_at', e.available_at - interval '1 hour', 'dispatcher', "
+            "CASE WHEN $3 = 'dispatching' THEN 'gone' END, 'dispatcher_until', "
+            "CASE WHEN $3 = 'dispatching' THEN e.available_at - interval '1 hour' END))).* "
+            "FROM effects AS e, runs AS r WHERE e.run_id = $1 AND r.run_id LIKE $1 || '_%'",
             template,
+            backlog_kind,
+            backlog_status,
         )
         await db.execute("ANALYZE runs, effects")
         limit = 10
@@ -286,6 +297,11 @@ async def test_a_claim_reads_about_as_many_effects_as_it_claims_however_long_the
             )
         finally:
             await transaction.rollback()
+        claimed = await EffectStore(pool).claim(
+            db, "claimer", ["crm"], limit=limit, lease_seconds=60
+        )
     [document] = json.loads(text) if isinstance(text, str) else text
     read = _rows_read_from(document["Plan"], "effects")
     assert read <= 3 * limit + 10, f"a claim of {limit} read {read} of {backlog + 1} effects"
+    assert {c.record.kind for c in claimed} == {"crm"}
+    assert len(claimed) == (limit if backlog_kind == "crm" else 1)
