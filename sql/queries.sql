@@ -667,7 +667,8 @@ LIMIT $3
 -- reconcile_first (a failover's lost timeline may have sent it: lookup_first, or its last claim
 -- or acceptance was in an earlier epoch) is answered once, by this claim, and is moot when $5
 -- says every commit was synchronously replicated (nothing of a lost timeline was acted on).
--- Each kind the dispatcher serves is read from its own range of the partial indexes
+-- Each kind the dispatcher serves (claim_kinds: each once, and estimated as one so that the
+-- plan stays generic) is read from its own range of the partial indexes
 -- (effects_due_by_kind, effects_dispatching_by_kind), in time order, up to $3: a claim reads
 -- about $3 rows per kind however long the backlog is, its own kinds' or any other's (one
 -- condition over everything would scan and sort every effect on each claim; an index in time
@@ -676,11 +677,9 @@ LIMIT $3
 -- once (here.now) so that it can bound those index scans.
 WITH here AS (
     SELECT fence_epoch() AS epoch, clock_timestamp() AS now
-), kinds AS (
-    SELECT DISTINCT kind FROM unnest($2::text[]) AS kind
 ), due AS (
     SELECT c.*
-    FROM kinds AS k CROSS JOIN LATERAL (
+    FROM claim_kinds($2::text[]) AS k(kind) CROSS JOIN LATERAL (
         SELECT run_id, effect_key, status, ever_dispatched, lookup_first, known_epoch,
                available_at
         FROM effects
@@ -693,7 +692,7 @@ WITH here AS (
     ) AS c
 ), expired AS (
     SELECT c.*
-    FROM kinds AS k CROSS JOIN LATERAL (
+    FROM claim_kinds($2::text[]) AS k(kind) CROSS JOIN LATERAL (
         SELECT run_id, effect_key, status, ever_dispatched, lookup_first, known_epoch,
                available_at
         FROM effects

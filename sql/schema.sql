@@ -45,6 +45,13 @@ CREATE FUNCTION orchestrator.audit_row_text(p_prev text, p_seq bigint, p_at time
                      p_principal, p_via, p_action, coalesce(p_run_id, ''),
                      coalesce(p_effect_key, ''), p_detail::text)
 $$;
+CREATE FUNCTION orchestrator.claim_kinds(p_kinds text[]) RETURNS SETOF text
+    LANGUAGE plpgsql IMMUTABLE ROWS 1
+    AS $$
+BEGIN
+    RETURN QUERY SELECT DISTINCT k FROM unnest(p_kinds) AS k;
+END
+$$;
 CREATE FUNCTION orchestrator.fence_epoch() RETURNS bigint
     LANGUAGE plpgsql
     AS $_$

@@ -305,3 +305,17 @@ async def test_a_claim_reads_about_as_many_effects_as_it_claims_however_long_the
     assert read <= 3 * limit + 10, f"a claim of {limit} read {read} of {backlog + 1} effects"
     assert {c.record.kind for c in claimed} == {"crm"}
     assert len(claimed) == (limit if backlog_kind == "crm" else 1)
+
+
+async def test_the_claim_keeps_one_generic_plan(store: RunStore, pool: asyncpg.Pool) -> None:
+    """Planned afresh on every claim, the claim cost about three times as much server time as
+    with its one generic plan: its kinds must not be estimated as an array parameter's ten."""
+    await requested(store, pool, crm(0))
+    async with pool.acquire() as db:
+        for _ in range(12):
+            await db.fetch(query("claim_effects"), "claimer", ["crm", "email"], 1, 60.0, False)
+        plans = await db.fetchrow(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
+            query("claim_effects"),
+        )
+    assert plans is not None and plans["generic_plans"] > 0, dict(plans or {})
