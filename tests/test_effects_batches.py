@@ -319,3 +319,45 @@ async def test_the_claim_keeps_one_generic_plan(store: RunStore, pool: asyncpg.P
             query("claim_effects"),
         )
     assert plans is not None and plans["generic_plans"] > 0, dict(plans or {})
+
+
+async def test_dispatchers_racing_over_several_kinds_send_each_effect_once(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """Two dispatchers serving the same two kinds claim past each other (each kind probed apart,
+    rows of a kind a claim leaves out released at once); a third kind nobody serves waits."""
+    from orchestrator.effects.adapters import HttpAdapter
+
+    kinds = ("crm", "tickets")
+    runs = [
+        (await requested(store, pool, Effect(f"fx-{n}", kinds[n % 2], {"n": n})), f"fx-{n}")
+        for n in range(30)
+    ]
+    unserved = await requested(store, pool, Effect("fx-mail", "mail", {"n": -1}))
+    effects = EffectStore(pool)
+    async with LocalVendor() as vendor:
+
+        def adapters() -> dict[str, HttpAdapter]:
+            return {
+                kind: HttpAdapter(
+                    kind, url=vendor.send_url, reconcile="lookup", lookup_url=vendor.lookup_url
+                )
+                for kind in kinds
+            }
+
+        racing = [
+            Dispatcher(pool, adapters(), concurrency=4, batch=7, poll_seconds=0.05)
+            for _ in range(2)
+        ]
+        async with anyio.create_task_group() as group:
+            for dispatcher in racing:
+                group.start_soon(dispatcher.run)
+            with anyio.fail_after(60):
+                for run_id, key in runs:
+                    while (await effects.get(run_id, key)).status is not (  # noqa: ASYNC110
+                        EffectStatus.CONFIRMED
+                    ):
+                        await anyio.sleep(0.05)
+            group.cancel_scope.cancel()
+    assert vendor.requests == len(runs) and set(vendor.requests_by_key.values()) == {1}
+    assert (await effects.get(unserved, "fx-mail")).status is EffectStatus.ACCEPTED
