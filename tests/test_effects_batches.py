@@ -361,3 +361,17 @@ async def test_dispatchers_racing_over_several_kinds_send_each_effect_once(
             group.cancel_scope.cancel()
     assert vendor.requests == len(runs) and set(vendor.requests_by_key.values()) == {1}
     assert (await effects.get(unserved, "fx-mail")).status is EffectStatus.ACCEPTED
+
+
+async def test_a_claim_names_each_kind_once_and_none_claims_nothing(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """A kind listed twice is still one probe (a batch is not filled with the same effect
+    twice); no kinds, or only a null one, claim nothing."""
+    runs = [await requested(store, pool, crm(n)) for n in range(3)]
+    effects = EffectStore(pool)
+    async with pool.acquire() as db:
+        for kinds in ([], [None]):
+            assert await effects.claim(db, "d", kinds, limit=5, lease_seconds=60) == []  # type: ignore[arg-type]
+        claimed = await effects.claim(db, "d", ["crm", "crm"], limit=3, lease_seconds=60)
+    assert sorted(c.record.run_id for c in claimed) == sorted(runs)
