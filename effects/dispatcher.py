@@ -270,7 +270,7 @@ class Dispatcher:
                     self.wake()  # slots are free: claim more without waiting for a poll
 
         try:
-            parent = await self._requesting_attempt(effect) if tracing_enabled() else None
+            parent = await self._requesting_attempt(effect)
             with start_span(
                 f"dispatch {effect.kind}",
                 attributes=lambda: {
@@ -302,8 +302,10 @@ class Dispatcher:
         self.metrics.send_seconds.record(time.monotonic() - began, kind)
 
     async def _requesting_attempt(self, effect: EffectRecord) -> Context | None:
-        """The trace context of the attempt that requested ``effect`` (asked with tracing on),
-        so this dispatch joins that attempt's trace; ``None`` (a trace of its own) if unknown."""
+        """With tracing on, the trace context of the attempt that requested ``effect``, so this
+        dispatch joins that attempt's trace; ``None`` (a trace of its own) if it is not known."""
+        if not tracing_enabled():
+            return None
         try:
             async with pooled(self.pool, within=self.statement_seconds) as db:
                 return parent_from(await self.store.requesting_trace(db, effect))
