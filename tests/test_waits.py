@@ -615,7 +615,9 @@ class WaitsUntilNow(Step):
     """A buggy poller: it waits until a time that has already come, again and again."""
 
     async def run(self, ctx: StepContext) -> Outcome:
-        return Wait(then=WaitsUntilNow, until=ctx.database_now())
+        # A second back: database_now() errs ahead of the database clock (by the last
+        # renewal's network delay), so "now" itself may still be in the future at the park.
+        return Wait(then=WaitsUntilNow, until=ctx.database_now() - timedelta(seconds=1))
 
 
 @pytest.mark.parametrize("first", [WaitsForWhatHappened, WaitsUntilNow])
