@@ -24,6 +24,7 @@ no unlabelled tool. The argument schema comes from the function's type hints and
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import typing
@@ -200,12 +201,20 @@ class ReadOnlyTool(Tool):
             raise InvalidInput("a read-only tool's timeout must be above 0 seconds")
         super().__init__(function, name=name, description=description, takes_context=True)
         self.timeout = timeout
+        self.is_async = inspect.iscoroutinefunction(function)
 
     async def call(self, ctx: ToolContext, arguments: dict[str, Any]) -> JSON:
-        result = (
-            self.function(ctx, **arguments) if self.takes_context else self.function(**arguments)
-        )
-        if inspect.isawaitable(result):
+        """Await an async function; run a plain one in a worker thread, so that a blocking
+        client neither starves the heartbeat (a slow tool is not a dead worker) nor outlives its
+        timeout (past it the thread is abandoned, left to finish, its result discarded)."""
+        call = functools.partial(self.function, ctx) if self.takes_context else self.function
+        if self.is_async:
+            result = await call(**arguments)
+        else:
+            result = await anyio.to_thread.run_sync(
+                functools.partial(call, **arguments), abandon_on_cancel=True
+            )
+        if inspect.isawaitable(result):  # a plain callable that returned a coroutine
             result = await result
         return to_jsonable_python(result)
 

@@ -438,3 +438,57 @@ async def test_a_run_that_has_committed_nothing_does_not_read_its_transcript() -
     assert await transcript.messages() == []
     new = [Message(0, "user", {"role": "user", "content": "hi"})]
     assert [m.seq for m in await transcript.numbered(new, fence=3)] == [0]
+
+
+@tool.read_only(timeout=30)
+def slow_sync_lookup(order_id: str) -> str:
+    """A blocking lookup (a sync client) that takes longer than the lease."""
+    import time
+
+    time.sleep(4.5)
+    return f"{order_id}: shipped"
+
+
+async def test_a_slow_sync_read_only_tool_keeps_the_lease_renewed_and_commits_once(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking tool slower than the lease (3 s) is slow, not dead: it runs off the event loop,
+    so the heartbeat keeps renewing and the first claim commits the turn (no takeover)."""
+    agent = ToolAgent("slow_sync", instructions="", tools=[slow_sync_lookup])
+    script = turns(
+        ScriptedTurn(calls=(ScriptedCall("slow_sync_lookup", {"order_id": "o-1"}),)),
+        ScriptedTurn(content="o-1 has shipped."),
+    )
+    async with ScriptedModelServer(script) as model:
+        run_id, _ = await serve_one(settings, store, agent, model, monkeypatch, {"p": 1})
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert run.fence == 1, "the lease was lost while the tool ran: the run was claimed again"
+    tool_message = next(m for m in await store.messages(run_id) if m.role == "tool")
+    assert json.loads(tool_message.body["content"]) == "o-1: shipped"
+
+
+@tool.read_only(timeout=0.3)
+def stuck_sync(order_id: str) -> str:
+    """A blocking lookup that answers long after its timeout."""
+    import time
+
+    time.sleep(5)
+    return order_id
+
+
+async def test_a_sync_read_only_tool_past_its_timeout_is_an_error_the_model_reads(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = ToolAgent("stuck_sync_agent", instructions="", tools=[stuck_sync])
+    script = turns(
+        ScriptedTurn(calls=(ScriptedCall("stuck_sync", {"order_id": "o-1"}),)),
+        ScriptedTurn(content="The lookup timed out."),
+    )
+    async with ScriptedModelServer(script) as model:
+        run_id, _ = await serve_one(settings, store, agent, model, monkeypatch, {"p": 1})
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED and run.result is not None
+    assert run.result["tool_errors"] == 1 and run.fence == 1
+    tool_message = next(m for m in await store.messages(run_id) if m.role == "tool")
+    assert "did not answer within 0.3s" in tool_message.body["content"]
