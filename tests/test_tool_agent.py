@@ -29,7 +29,7 @@ from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent, effect_keys, recorded_effect_keys
-from orchestrator.tools import tool
+from orchestrator.tools import ReadOnlyTool, tool
 from orchestrator.transcript import Transcript
 from test_runtime import FAST
 from tool_agents_for_tests import ORDERS_TURNS, lookup_order, notify, orders
@@ -167,19 +167,29 @@ async def stuck(order_id: str) -> str:
     return order_id
 
 
+@tool.read_only(timeout=0.2)
+def stuck_sync(order_id: str) -> str:
+    """A blocking lookup that answers long after its timeout (it runs in a worker thread)."""
+    import time
+
+    time.sleep(5)
+    return order_id
+
+
+@pytest.mark.parametrize("lookup", [stuck, stuck_sync], ids=["async", "blocking"])
 async def test_a_read_only_tool_past_its_timeout_is_an_error_the_model_reads(
-    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch, lookup: ReadOnlyTool
 ) -> None:
-    agent = ToolAgent("stuck_agent", instructions="", tools=[stuck])
+    agent = ToolAgent(f"stuck_{lookup.name}", instructions="", tools=[lookup])
     script = turns(
-        ScriptedTurn(calls=(ScriptedCall("stuck", {"order_id": "o-1"}),)),
+        ScriptedTurn(calls=(ScriptedCall(lookup.name, {"order_id": "o-1"}),)),
         ScriptedTurn(content="The lookup timed out."),
     )
     async with ScriptedModelServer(script) as model:
         run_id, _ = await serve_one(settings, store, agent, model, monkeypatch, {"p": 1})
     run = await store.get(run_id)
     assert run.state is RunState.SUCCEEDED and run.result is not None
-    assert run.result["tool_errors"] == 1
+    assert run.result["tool_errors"] == 1 and run.fence == 1
     tool_message = next(m for m in await store.messages(run_id) if m.role == "tool")
     assert "did not answer within 0.2s" in tool_message.body["content"]
 
@@ -466,29 +476,3 @@ async def test_a_slow_sync_read_only_tool_keeps_the_lease_renewed_and_commits_on
     assert run.fence == 1, "the lease was lost while the tool ran: the run was claimed again"
     tool_message = next(m for m in await store.messages(run_id) if m.role == "tool")
     assert json.loads(tool_message.body["content"]) == "o-1: shipped"
-
-
-@tool.read_only(timeout=0.3)
-def stuck_sync(order_id: str) -> str:
-    """A blocking lookup that answers long after its timeout."""
-    import time
-
-    time.sleep(5)
-    return order_id
-
-
-async def test_a_sync_read_only_tool_past_its_timeout_is_an_error_the_model_reads(
-    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    agent = ToolAgent("stuck_sync_agent", instructions="", tools=[stuck_sync])
-    script = turns(
-        ScriptedTurn(calls=(ScriptedCall("stuck_sync", {"order_id": "o-1"}),)),
-        ScriptedTurn(content="The lookup timed out."),
-    )
-    async with ScriptedModelServer(script) as model:
-        run_id, _ = await serve_one(settings, store, agent, model, monkeypatch, {"p": 1})
-    run = await store.get(run_id)
-    assert run.state is RunState.SUCCEEDED and run.result is not None
-    assert run.result["tool_errors"] == 1 and run.fence == 1
-    tool_message = next(m for m in await store.messages(run_id) if m.role == "tool")
-    assert "did not answer within 0.3s" in tool_message.body["content"]
