@@ -16,8 +16,8 @@ import enum
 from datetime import datetime
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import AuditStore
-from orchestrator.db.executor import Executor, in_transaction
+from orchestrator.db.audit import decision_span
+from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition
 from orchestrator.ids import validate_run_id
@@ -85,16 +85,18 @@ class ApprovalStore:
                 "--hash must be the 64 lower-case hex digits of the payload's SHA-256, as "
                 "`orchestrator approvals show` prints it"
             )
-        async with in_transaction(self.db) as db:
-            record = await db.fetchrow(
+        with decision_span(
+            _VERB[decision], acting, run_id=run_id, effect_key=effect_key
+        ) as recorded:
+            record = await self.db.fetchrow(
                 query("decide_approval"),
                 run_id,
                 effect_key,
                 decision.value,
-                acting.principal,
                 note,
                 payload_sha256,
                 run_fence,
+                acting.principal,
                 acting.via.value,
                 acting.note,
             )
@@ -104,22 +106,10 @@ class ApprovalStore:
                 raise DecisionRefused(
                     _refusal(record, effect_key, decision, payload_sha256, run_fence)
                 )
-            row = await db.fetchrow(query("get_effect"), run_id, effect_key)
-            assert row is not None
-            effect = EffectRecord.from_record(row)
-            await AuditStore(db).append(
-                acting,
-                _VERB[decision],
-                run_id=run_id,
-                effect_key=effect_key,
-                detail={
-                    "payload_sha256": effect.payload_sha256,
-                    "run_fence": record["run_fence"],
-                    "decision_note": note,
-                },
-                db=db,
-            )
-        return effect
+            recorded(record["principal"], record["audit_seq"])
+        row = await self.db.fetchrow(query("get_effect"), run_id, effect_key)
+        assert row is not None
+        return EffectRecord.from_record(row)
 
     async def expire(self, *, limit: int = 100) -> int:
         """Deny (by expiry) approvals nobody gave in time; returns how many."""

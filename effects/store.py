@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import asyncpg
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import AuditStore
-from orchestrator.db.executor import Executor, in_transaction
+from orchestrator.db.audit import decision_span
+from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.ids import validate_run_id
@@ -250,13 +250,13 @@ class EffectStore:
             check_text(external_id, "the external id")
         acting = Actor.acting(actor, by)
         effect = await self.get(run_id, effect_key)
-        decision = EffectStatus.CONFIRMED if sent else EffectStatus.ACCEPTED
-        async with in_transaction(self.pool) as db:
-            record = await db.fetchrow(
+        action = "resolve_sent" if sent else "resolve_not_sent"
+        with decision_span(action, acting, run_id=run_id, effect_key=effect_key) as recorded:
+            record = await self.pool.fetchrow(
                 query("resolve_parked_effect"),
                 run_id,
                 effect_key,
-                decision.value,
+                sent,
                 external_id,
                 acting.principal,
                 acting.via.value,
@@ -267,12 +267,5 @@ class EffectStore:
                     f"effect {effect_key!r} of run {run_id} is {effect.status.value}, not parked; "
                     "only parked effects wait for a person's decision"
                 )
-            await AuditStore(db).append(
-                acting,
-                "resolve_sent" if sent else "resolve_not_sent",
-                run_id=run_id,
-                effect_key=effect_key,
-                detail={"external_id": external_id},
-                db=db,
-            )
+            recorded(record["principal"], record["audit_seq"])
         return await self.get(run_id, effect_key)

@@ -27,9 +27,9 @@ import asyncpg
 import pydantic
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import AuditStore
+from orchestrator.db.audit import decision_span
 from orchestrator.db.deadlines import pooled
-from orchestrator.db.executor import Executor, in_transaction
+from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.ids import validate_run_id
@@ -473,12 +473,18 @@ class BudgetStore:
                 "nothing to add: give --add-usd, --add-turns, --add-tool-calls, "
                 "--add-input-tokens or --add-output-tokens, each above 0"
             )
-        async with in_transaction(self.db) as db:
-            record = await db.fetchrow(query("top_up_budget"), run_id, added)
+        acting = Actor.acting(actor, None)
+        with decision_span("top_up", acting, run_id=run_id) as recorded:
+            record = await self.db.fetchrow(
+                query("top_up_budget"),
+                run_id,
+                added,
+                acting.principal,
+                acting.via.value,
+                acting.note,
+            )
             if record is not None:
-                await AuditStore(db).append(
-                    Actor.acting(actor, None), "top_up", run_id=run_id, detail=added, db=db
-                )
+                recorded(record["principal"], record["audit_seq"])
         if record is None:
             raise InvalidTransition(
                 f"run {run_id} has no budget (its agent declares none, or it has not made a "

@@ -56,6 +56,29 @@ class OutcomeUnknown(DatabaseUnavailable):
     docs/high-availability.md)."""
 
 
+class PermissionDenied(OrchestratorError):
+    """PostgreSQL refused a statement for lack of privilege (SQLSTATE 42501): the role this
+    connects as may not do it. Nothing changed; retrying will not help, the grants or the login
+    must change."""
+
+    def __init__(self, refusal: str, *, hint: str | None = None, role: str | None = None) -> None:
+        self.refusal = refusal
+        self.hint = hint
+        self.role = role
+        who = f"role {role!r}" if role else "the database role this connects as"
+        advice = f" ({hint})" if hint else ""
+        super().__init__(
+            f"PostgreSQL refused {who}: {refusal}{advice}; nothing changed. Each process needs "
+            "its own role's privileges: run `orchestrator db grant` as the schema's owner after "
+            "every `db migrate`, or connect as the login of the role this command needs "
+            "(docs/database-roles.md)"
+        )
+
+    def naming(self, role: str | None) -> PermissionDenied:
+        """The same refusal, naming the role that lacked the privilege."""
+        return self if role is None else PermissionDenied(self.refusal, hint=self.hint, role=role)
+
+
 class SchemaTooNew(OrchestratorError):
     """The database was migrated by a newer orchestrator than this one."""
 

@@ -12,9 +12,6 @@ from datetime import datetime, timedelta
 import anyio
 import asyncpg
 
-from orchestrator.access import Actor
-from orchestrator.db.audit import AuditStore
-from orchestrator.db.executor import in_transaction
 from orchestrator.db.purges import RETENTION_LOCK as RETENTION_LOCK  # re-exported
 from orchestrator.db.purges import Purged as Purged  # re-exported
 from orchestrator.db.purges import PurgeStore
@@ -36,6 +33,10 @@ at most half of the database's time from the workers running beside it."""
 AGE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 MAX_AGE = timedelta(days=36_500)
+MIN_SERVE_RETENTION = timedelta(hours=1)
+"""A worker purges only runs that finished at least this long ago (the database refuses
+younger ones from any role but the schema's owner): a client may still be reading a run that
+finished seconds earlier."""
 
 
 def parse_age(text: str, what: str = "--older-than") -> timedelta:
@@ -55,7 +56,14 @@ def parse_retention(text: str) -> timedelta | None:
     """``serve --retention``: an age, or ``off`` to keep finished runs forever."""
     if text.strip().lower() in ("off", "none", "forever"):
         return None
-    return parse_age(text, "--retention")
+    age = parse_age(text, "--retention")
+    if age < MIN_SERVE_RETENTION:
+        raise InvalidInput(
+            f"--retention must be at least 1h, not {text!r}: a client may still be reading a run "
+            "that just finished (`orchestrator runs purge --older-than` purges younger runs on "
+            "demand)"
+        )
+    return age
 
 
 async def purge(
@@ -66,27 +74,16 @@ async def purge(
     max_batches: int | None = None,
     pause_ratio: float = PURGE_PAUSE_RATIO,
     progress: Callable[[Purged], None] = lambda total: None,
-    actor: Actor | None = None,
 ) -> Purged:
     """Batch after batch until none is left (or ``max_batches``), pausing ``pause_ratio`` times
     each batch's duration after it (0: flat out); ``progress`` sees the running total after
-    each. Each batch that deleted runs is audited as ``actor``'s (None: the database role that
-    connected) in its own transaction."""
+    each. Each batch that deleted runs is audited, as the database role that connected, in its
+    own transaction."""
     runs = other = 0
     done = 0
     while max_batches is None or done < max_batches:
         began = time.monotonic()
-        async with in_transaction(pool) as db:
-            purged = await PurgeStore(db).delete_batch(cutoff, batch)
-            if purged.runs:
-                detail = {
-                    "cutoff": cutoff.isoformat(),
-                    "runs": purged.runs,
-                    "other_rows": purged.other_rows,
-                }
-                await AuditStore(db).append(
-                    Actor.acting(actor, None), "purge", detail=detail, db=db
-                )
+        purged = await PurgeStore(pool).delete_batch(cutoff, batch)
         done += 1
         runs, other = runs + purged.runs, other + purged.other_rows
         progress(Purged(runs, other))

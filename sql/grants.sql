@@ -1,26 +1,35 @@
 -- What `orchestrator db grant` grants (docs/database-roles.md has the matrix and the reasons).
--- A template: {schema}, {worker}, {dispatcher}, {proxy} and {console} are replaced by quoted
--- identifiers (orchestrator.db.grants); the migrator role owns the schema and needs no grant.
--- Run in one transaction after every `orchestrator db migrate`: each run first revokes
--- everything the four roles hold in the schema, so a rerun converges on exactly this.
+-- A template: {schema}, {worker}, {dispatcher}, {proxy}, {console} and {client} are replaced by
+-- quoted identifiers (orchestrator.db.grants); the migrator role owns the schema and needs no
+-- grant. Run in one transaction after every `orchestrator db migrate`: each run first revokes
+-- everything the five roles hold in the schema, so a rerun converges on exactly this.
+--
+-- Decisions (approve, deny, resolve, signal, top-up, cancel, retry), submissions, sign-ins,
+-- budget reservations and settlements, and purges are SECURITY DEFINER functions that check who
+-- decides and append their own audit row (migration 0019): no role but the owner writes the
+-- tables they change directly, and none but the owner may call audit_append.
 
 -- Start from nothing.
-REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {worker}, {dispatcher}, {proxy}, {console};
-REVOKE ALL ON ALL SEQUENCES IN SCHEMA {schema} FROM {worker}, {dispatcher}, {proxy}, {console};
-REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM {worker}, {dispatcher}, {proxy}, {console};
-REVOKE ALL ON SCHEMA {schema} FROM {worker}, {dispatcher}, {proxy}, {console};
+REVOKE ALL ON ALL TABLES IN SCHEMA {schema}
+    FROM {worker}, {dispatcher}, {proxy}, {console}, {client};
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA {schema}
+    FROM {worker}, {dispatcher}, {proxy}, {console}, {client};
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema}
+    FROM {worker}, {dispatcher}, {proxy}, {console}, {client};
+REVOKE ALL ON SCHEMA {schema} FROM {worker}, {dispatcher}, {proxy}, {console}, {client};
 
 -- Every role finds the schema and checks its version before it starts.
-GRANT USAGE ON SCHEMA {schema} TO {worker}, {dispatcher}, {proxy}, {console};
+GRANT USAGE ON SCHEMA {schema} TO {worker}, {dispatcher}, {proxy}, {console}, {client};
 GRANT SELECT ON {schema}.orchestrator_schema_migrations
-    TO {worker}, {dispatcher}, {proxy}, {console};
+    TO {worker}, {dispatcher}, {proxy}, {console}, {client};
 
 -- WORKER (`orchestrator serve`): claims, renews, commits and finishes runs (the fence only as a
 -- claim moves it: trigger runs_fence_guard), records its steps' events, transcript and trace
--- contexts, consumes signals, reserves and settles budgets, registers itself. Effects only
--- through the boundary's rule (orchestrator_accept_effect); no write on effects at all, so it
--- can neither approve one nor rewrite a payload. Its chores (approval expiry, retention) are
--- definer functions too.
+-- contexts, consumes signals, registers itself. Effects only through the boundary's rule
+-- (orchestrator_accept_effect); no write on effects at all, so it can neither approve one nor
+-- rewrite a payload. Budgets only through their reservation and settlement (spent only grows);
+-- its chores (approval expiry, a purge of runs finished an hour ago or more, which audits
+-- itself) are definer functions too. It appends nothing to the audit trail itself.
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers
@@ -29,24 +38,19 @@ GRANT UPDATE (state, lease_owner, lease_until, fence, attempt, available_at, ste
               checkpoint_version, result, error, wait, wake_streak, signals_pending, updated_at,
               finished_at)
     ON {schema}.runs TO {worker};
-GRANT INSERT ON {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
-    {schema}.budget_ledger
-    TO {worker};
+GRANT INSERT ON {schema}.run_events, {schema}.run_messages, {schema}.run_traces TO {worker};
 GRANT UPDATE (consumed_at, consumed_fence) ON {schema}.run_signals TO {worker};
-GRANT INSERT (run_id, turns_limit, tool_calls_limit, input_tokens_limit, output_tokens_limit,
-              cost_limit),
-      UPDATE (turns_spent, tool_calls_spent, input_tokens_spent, output_tokens_spent, cost_spent,
-              turns_reserved, input_tokens_reserved, output_tokens_reserved, cost_reserved,
-              reserved_fence, updated_at)
-    ON {schema}.run_budgets TO {worker};
 GRANT INSERT, UPDATE, DELETE ON {schema}.workers TO {worker};
 GRANT USAGE ON SEQUENCE {schema}.worker_session_keys TO {worker};
 GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_accept_effect(text, text, bigint, text, text, jsonb, text, text,
                                         boolean, double precision),
+    {schema}.orchestrator_reserve_budget(text, text, bigint, jsonb, bigint, bigint, bigint,
+                                         numeric),
+    {schema}.orchestrator_settle_budgets(text[], bigint[], bigint[], bigint[], bigint[],
+                                         bigint[], numeric[]),
     {schema}.orchestrator_expire_approvals(integer),
-    {schema}.orchestrator_purge_finished(timestamptz, integer),
-    {schema}.audit_append(text, text, text, text, text, jsonb)
+    {schema}.orchestrator_purge_finished(timestamptz, integer)
     TO {worker};
 
 -- DISPATCHER (`orchestrator effects dispatch`): claims due effects under its own lease,
@@ -77,31 +81,37 @@ GRANT EXECUTE ON FUNCTION
                                         boolean, double precision)
     TO {proxy};
 
--- CONSOLE (`orchestrator console`, and applications' clients): reads everything (token hashes
--- too: it authenticates tokens by them); submits and watches runs, sends signals, decides
--- approvals and parked effects, tops up budgets, cancels (orchestrator_cancel_run) and audits.
--- It holds no lease column, so it cannot claim, renew or commit a run.
+-- CLIENT (applications' `Client`, and the CLI of operators who are not admins): reads runs and
+-- what they carry; submits and watches runs; signals, decides approvals and parked effects, tops
+-- up budgets, cancels and retries, each through its definer function, recorded as the login
+-- that connected (it may not name anyone else). No lease column, no direct write but a run's
+-- `watched` flag; nothing of people, tokens or the audit trail.
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
-    {schema}.workers, {schema}.principals, {schema}.access_tokens, {schema}.audit_log
-    TO {console};
-GRANT INSERT (run_id, agent, input, max_attempts, idempotency_key, available_at),
-      UPDATE (available_at, signals_pending, watched, updated_at)
-    ON {schema}.runs TO {console};
-GRANT INSERT ON {schema}.run_events, {schema}.run_traces, {schema}.budget_ledger TO {console};
-GRANT INSERT (run_id, name, data, idempotency_key) ON {schema}.run_signals TO {console};
-GRANT UPDATE (status, approved_sha256, decided_by, decided_at, decision_note, external_id,
-              result, error, available_at, settled_at, updated_at)
-    ON {schema}.effects TO {console};
-GRANT UPDATE (turns_limit, tool_calls_limit, input_tokens_limit, output_tokens_limit, cost_limit,
-              updated_at)
-    ON {schema}.run_budgets TO {console};
-GRANT UPDATE (last_used_at) ON {schema}.access_tokens TO {console};
--- Accounts mode with --oidc-group: a sign-in adds the person, or changes their role, from the
--- provider's groups (audited). Tokens stay the admin's: the console cannot create or revoke one.
-GRANT INSERT (name, kind, role, created_by), UPDATE (kind, role, updated_at, disabled_at)
-    ON {schema}.principals TO {console};
+    {schema}.workers
+    TO {client}, {console};
+GRANT UPDATE (watched) ON {schema}.runs TO {client}, {console};
 GRANT EXECUTE ON FUNCTION
-    {schema}.orchestrator_cancel_run(text, text, text),
-    {schema}.audit_append(text, text, text, text, text, jsonb)
+    {schema}.orchestrator_submit_run(text, text, jsonb, integer, text, timestamptz, text),
+    {schema}.orchestrator_decide_approval(text, text, text, text, text, bigint, text, text,
+                                          text),
+    {schema}.orchestrator_resolve_effect(text, text, boolean, text, text, text, text),
+    {schema}.orchestrator_send_signal(text, text, jsonb, text, text, text, text),
+    {schema}.orchestrator_top_up_budget(text, jsonb, text, text, text),
+    {schema}.orchestrator_cancel_run(text, text, text, text, text),
+    {schema}.orchestrator_retry_run(text, text, text, text)
+    TO {client}, {console};
+
+-- CONSOLE (`orchestrator console`): everything the client may, and it vouches for the people it
+-- signs in (orchestrator_may_vouch: its decisions name the person, who must be enabled and hold
+-- a role that allows the decision). It reads people, token hashes (it authenticates tokens by
+-- them) and the audit trail, stamps a token's last use, and records sign-ins through
+-- orchestrator_sign_in, which may add a person or change their role from the OpenID provider's
+-- groups but never makes an admin, re-enables anyone or touches a service. It cannot add,
+-- disable or change people otherwise, nor create or revoke tokens (the admin's, as the owner).
+GRANT SELECT ON {schema}.principals, {schema}.access_tokens, {schema}.audit_log TO {console};
+GRANT UPDATE (last_used_at) ON {schema}.access_tokens TO {console};
+GRANT EXECUTE ON FUNCTION
+    {schema}.orchestrator_may_vouch(),
+    {schema}.orchestrator_sign_in(text, text, text, text)
     TO {console};

@@ -28,27 +28,12 @@
 -- submit_run --
 -- params: $1 run_id text, $2 agent text, $3 input jsonb, $4 max_attempts int, $5 idempotency_key text,
 --         $6 not_before timestamptz (NULL: now), $7 traceparent text (NULL: not submitted in a trace)
--- Insert a queued run and its "submitted" event, and wake claimers, in one statement; the run is
--- due at $6 (a scheduled run) or at once. The submitter's trace context, if any, is kept as the
--- run's fence-0 trace row. Returns no row when the run id or the idempotency key is already taken.
-WITH inserted AS (
-    INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key, available_at)
-    VALUES ($1, $2, $3, $4, $5, coalesce($6::timestamptz, clock_timestamp()))
-    ON CONFLICT DO NOTHING
-    RETURNING *
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT run_id, 'submitted', fence,
-           jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
-                              'idempotency_key', idempotency_key, 'not_before', $6::timestamptz)
-    FROM inserted
-), traced AS (
-    INSERT INTO run_traces (run_id, fence, traceparent)
-    SELECT run_id, 0, $7 FROM inserted WHERE $7::text IS NOT NULL
-), woken AS (
-    SELECT pg_notify('orchestrator_runs', agent) FROM inserted
-)
-SELECT inserted.*, (SELECT count(*) FROM woken) AS notified FROM inserted
+-- Insert a queued run and its "submitted" event, and wake claimers; the run is due at $6 (a
+-- scheduled run) or at once. The submitter's trace context, if any, is kept as the run's fence-0
+-- trace row. Returns no row when the run id or the idempotency key is already taken.
+-- The statement is orchestrator_submit_run (migration 0019): clients submit without any write
+-- privilege on runs, run_events or run_traces.
+SELECT * FROM orchestrator_submit_run($1, $2, $3, $4, $5, $6, $7)
 
 -- get_run --
 -- params: $1 run_id text
@@ -303,34 +288,23 @@ WITH released AS (
 SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM released
 
 -- cancel_run --
--- params: $1 run_id text, $2 reason text, $3 by text (NULL: the database role that connected)
+-- params: $1 run_id text, $2 reason text, $3 principal text (NULL: the database role that
+--         connected), $4 via text, $5 typed_by text (a note)
 -- Cancel a run that has not finished: state cancelled, fence + 1 (so the owner's renewals,
 -- commits and effect requests with the old fence are all rejected, at the boundary too), lease
--- cleared, undispatched effects withdrawn, the owner told through NOTIFY. Returns no row when
--- the run is already finished or does not exist.
--- The statement is orchestrator_cancel_run (migration 0017): it raises the fence, so it runs as
--- the schema owner, and only roles granted EXECUTE may cancel.
-SELECT run_id, fence, previous_state, previous_owner, notified
-FROM orchestrator_cancel_run($1, $2, $3)
+-- cleared, undispatched effects withdrawn, the owner told through NOTIFY, the audit row
+-- appended. Returns no row when the run is already finished or does not exist.
+-- The statement is orchestrator_cancel_run (migration 0019): it raises the fence, so it runs as
+-- the schema owner, and it checks who decides (only the console may name a principal).
+SELECT run_id, fence, previous_state, previous_owner, notified, audit_seq, principal
+FROM orchestrator_cancel_run($1, $2, $3, $4, $5)
 
 -- requeue_dead --
--- params: $1 run_id text, $2 by text (NULL: the database role that connected)
--- Put a dead-lettered run back in the queue with a fresh set of attempts.
-WITH requeued AS (
-    UPDATE runs
-    SET state = 'queued', attempt = 0, available_at = clock_timestamp(), finished_at = NULL,
-        updated_at = clock_timestamp()
-    WHERE run_id = $1 AND state = 'dead'
-    RETURNING run_id, fence, agent, error
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT run_id, 'requeued', fence,
-           jsonb_build_object('previous_error', error, 'by', coalesce($2::text, session_user))
-    FROM requeued
-), woken AS (
-    SELECT pg_notify('orchestrator_runs', agent) FROM requeued
-)
-SELECT run_id, (SELECT count(*) FROM woken) AS notified FROM requeued
+-- params: $1 run_id text, $2 principal text (NULL: the database role that connected), $3 via
+--         text, $4 typed_by text (a note)
+-- Put a dead-lettered run back in the queue with a fresh set of attempts, audited
+-- (orchestrator_retry_run, migration 0019). No row: the run is not dead.
+SELECT run_id, notified, audit_seq, principal FROM orchestrator_retry_run($1, $2, $3, $4)
 
 -- record_event --
 -- params: $1 run_id text, $2 kind text, $3 fence bigint, $4 worker_id text, $5 details jsonb
@@ -845,45 +819,12 @@ WITH input AS MATERIALIZED (
 SELECT run_id, effect_key FROM settled WHERE (SELECT count(*) FROM told) >= 0
 
 -- resolve_parked_effect --
--- params: $1 run_id text, $2 effect_key text, $3 decision text, $4 external_id text, $5 by text
---         (NULL: the database role that connected), $6 via text, $7 typed_by text (a note)
--- A person ($5, recorded in the timeline) decided a parked effect: $3 'confirmed' (it was sent;
--- external id $4) or 'accepted' (it was not sent: send it again with the same idempotency key).
-WITH locked AS (
-    SELECT run_id FROM runs WHERE run_id = $1 FOR NO KEY UPDATE  -- the run first (lock order)
-), resolved AS (
-    UPDATE effects
-    SET status = $3, external_id = coalesce($4, external_id), updated_at = clock_timestamp(),
-        available_at = clock_timestamp(),
-        settled_at = CASE WHEN $3 = 'confirmed' THEN clock_timestamp() END,
-        result = CASE WHEN $3 = 'confirmed'
-                      THEN jsonb_build_object('resolved_by', coalesce($5::text, session_user))
-                      ELSE result END
-    WHERE run_id = $1 AND effect_key = $2 AND status = 'parked'
-      AND (SELECT count(*) FROM locked) >= 0
-    RETURNING run_id, effect_key, fence, status, kind
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT run_id, 'effect_resolved', fence,
-           jsonb_build_object('effect_key', effect_key, 'decision', status,
-                              'by', coalesce($5::text, session_user), 'via', $6::text,
-                              'typed_by', $7::text)
-    FROM resolved
-), woken AS (
-    UPDATE runs AS r
-    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? x.effect_key
-                            THEN clock_timestamp() ELSE r.available_at END
-    FROM resolved AS x
-    WHERE r.run_id = x.run_id AND r.state IN ('running', 'waiting') AND x.status = 'confirmed'
-    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
-), told AS (
-    SELECT pg_notify('orchestrator_effects', run_id) FROM resolved
-    UNION ALL
-    SELECT pg_notify('orchestrator_effects_due', kind) FROM resolved WHERE status = 'accepted'
-    UNION ALL
-    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
-)
-SELECT status, (SELECT count(*) FROM told) AS notified FROM resolved
+-- params: $1 run_id text, $2 effect_key text, $3 sent boolean, $4 external_id text, $5 principal
+--         text (NULL: the database role that connected), $6 via text, $7 typed_by text (a note)
+-- A person decided a parked effect: sent (confirmed, external id $4; the record keeps the
+-- outcome only) or not sent (sent again with the same idempotency key). Audited
+-- (orchestrator_resolve_effect, migration 0019). No row: the effect is not parked.
+SELECT status, audit_seq, principal FROM orchestrator_resolve_effect($1, $2, $3, $4, $5, $6, $7)
 
 -- served_agents --
 -- params: none
@@ -1007,45 +948,16 @@ WITH input AS (
 SELECT run_id, count(*) AS consumed FROM consumed GROUP BY run_id
 
 -- send_signal --
--- params: $1 run_id text, $2 name text, $3 data jsonb, $4 idempotency_key text
--- A signal to run $1, stored durably (once per idempotency key), counted on the run, and the run
--- woken if it waits for a signal of that name. The run's row is locked first, as parking locks
--- it, so a signal and a park never miss each other. Returns the run's state (NULL: no such run)
--- and the new signal's seq (NULL: not stored, the run is finished or the key was used).
--- Data NULL (a signal without data) is stored as JSON null, what the step reads back.
-WITH target AS (
-    SELECT run_id, state, agent FROM runs WHERE run_id = $1 FOR UPDATE
-), inserted AS (
-    INSERT INTO run_signals (run_id, name, data, idempotency_key)
-    SELECT run_id, $2, coalesce($3, 'null'::jsonb), $4
-    FROM target WHERE state IN ('queued', 'running', 'waiting')
-    ON CONFLICT DO NOTHING
-    RETURNING run_id, seq, sent_at
-), bumped AS (
-    UPDATE runs AS r
-    SET signals_pending = r.signals_pending + 1,
-        available_at = CASE
-            WHEN r.state = 'waiting' AND r.wait IS NOT NULL
-                 AND coalesce(r.wait -> 'signals', '[]'::jsonb) ? $2 THEN clock_timestamp()
-            ELSE r.available_at END,
-        updated_at = clock_timestamp()
-    FROM inserted AS i
-    WHERE r.run_id = i.run_id
-    RETURNING r.agent, r.fence, r.state = 'waiting' AND r.available_at <= clock_timestamp()
-        AS woken
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT i.run_id, 'signal_received', b.fence,
-           jsonb_build_object('name', $2::text, 'seq', i.seq, 'idempotency_key', $4::text,
-                              'woke_the_run', b.woken)
-    FROM inserted AS i, bumped AS b
-), told AS (
-    SELECT pg_notify('orchestrator_signals', run_id) FROM inserted
-    UNION ALL
-    SELECT pg_notify('orchestrator_runs', agent) FROM bumped WHERE woken
-)
-SELECT (SELECT state FROM target) AS state, (SELECT seq FROM inserted) AS seq,
-       (SELECT sent_at FROM inserted) AS sent_at, (SELECT count(*) FROM told) AS notified
+-- params: $1 run_id text, $2 name text, $3 data jsonb, $4 idempotency_key text, $5 principal
+--         text (NULL: the database role that connected), $6 via text, $7 typed_by text
+-- A signal to run $1, stored durably (once per idempotency key), counted on the run, the run
+-- woken if it waits for a signal of that name, and audited (orchestrator_send_signal, migration
+-- 0019). The run's row is locked first, as parking locks it, so a signal and a park never miss
+-- each other. Returns the run's state (NULL: no such run) and the new signal's seq (NULL: not
+-- stored, the run is finished or the key was used). Data NULL (a signal without data) is stored
+-- as JSON null, what the step reads back.
+SELECT state, seq, sent_at, audit_seq, principal
+FROM orchestrator_send_signal($1, $2, $3, $4, $5, $6, $7)
 
 -- get_signal_by_key --
 -- params: $1 run_id text, $2 idempotency_key text
@@ -1086,70 +998,16 @@ LIMIT $2
 
 -- decide_approval --
 -- params: $1 run_id text, $2 effect_key text, $3 decision text ('approved' | 'denied'),
---         $4 decided_by text, $5 note text, $6 payload_sha256 text (NULL: the current payload),
---         $7 run_fence bigint (NULL: any; else the run's fence when the person looked),
---         $8 via text (how the server knows who decided), $9 typed_by text (a name the person
---         typed: a note, never trusted). $4 NULL: the database role that connected decided.
--- A person's decision on an effect awaiting approval, bound to the payload they saw: refused (no
--- row decided) when it is not awaiting approval (already decided, withdrawn, or never needed
--- one), its run is no longer live, it has expired, its payload is not the one $6 names, or the
--- run's fence has moved on from $7 (another attempt owns it now: look again).
--- Approved: dispatchable, for this payload's hash only. Denied: rejected, the run woken.
-WITH run AS (
-    -- The run's row first, as commits and cancels lock it: the same lock order, and a fence
-    -- that cannot move while the decision is taken.
-    SELECT run_id, state, fence FROM runs WHERE run_id = $1 FOR NO KEY UPDATE
-), target AS (
-    SELECT e.run_id, e.effect_key, e.status, e.payload_sha256, e.approval_expires_at, e.kind,
-           e.fence, e.decided_by, e.decided_at, e.requires_approval, r.state AS run_state,
-           r.fence AS run_fence
-    FROM effects AS e JOIN run AS r ON r.run_id = e.run_id
-    WHERE e.run_id = $1 AND e.effect_key = $2
-    FOR UPDATE OF e
-), decided AS (
-    UPDATE effects AS e
-    SET status = CASE WHEN $3 = 'approved' THEN 'accepted' ELSE 'rejected' END,
-        approved_sha256 = CASE WHEN $3 = 'approved' THEN e.payload_sha256 END,
-        decided_by = coalesce($4::text, session_user), decided_at = clock_timestamp(),
-        decision_note = $5,
-        settled_at = CASE WHEN $3 = 'denied' THEN clock_timestamp() END,
-        error = CASE WHEN $3 = 'denied' THEN jsonb_build_object(
-            'type', 'Denied', 'by', coalesce($4::text, session_user),
-            'message', 'denied by reviewer' || coalesce(': ' || $5::text, '')) END,
-        available_at = clock_timestamp(), updated_at = clock_timestamp()
-    FROM target AS t
-    WHERE e.run_id = t.run_id AND e.effect_key = t.effect_key
-      AND t.status = 'awaiting_approval' AND t.run_state IN ('queued', 'running', 'waiting')
-      AND ($6::text IS NULL OR t.payload_sha256 = $6)
-      AND ($7::bigint IS NULL OR t.run_fence = $7)
-      AND (t.approval_expires_at IS NULL OR t.approval_expires_at > clock_timestamp())
-    RETURNING e.run_id, e.effect_key, e.status, e.kind, e.fence, e.payload_sha256
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
-    SELECT d.run_id, CASE WHEN $3 = 'approved' THEN 'approval_granted' ELSE 'approval_denied' END,
-           d.fence, NULL,
-           jsonb_build_object('effect_key', d.effect_key, 'by', coalesce($4::text, session_user),
-                              'via', $8::text, 'typed_by', $9::text, 'note', $5::text,
-                              'payload_sha256', d.payload_sha256,
-                              'run_fence', (SELECT run_fence FROM target))
-    FROM decided AS d
-), woken AS (
-    UPDATE runs AS r
-    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? d.effect_key
-                            THEN clock_timestamp() ELSE r.available_at END
-    FROM decided AS d
-    WHERE r.run_id = d.run_id AND d.status = 'rejected' AND r.state IN ('running', 'waiting')
-    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
-), told AS (
-    SELECT pg_notify('orchestrator_effects_due', kind) FROM decided WHERE status = 'accepted'
-    UNION ALL
-    SELECT pg_notify('orchestrator_effects', run_id) FROM decided
-    UNION ALL
-    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
-)
-SELECT t.*, (SELECT count(*) FROM decided) = 1 AS decided, clock_timestamp() AS now,
-       (SELECT count(*) FROM told) AS notified
-FROM target AS t
+--         $4 note text, $5 payload_sha256 text (NULL: the current payload), $6 run_fence bigint
+--         (NULL: any; else the run's fence when the person looked), $7 principal text (NULL:
+--         the database role that connected), $8 via text, $9 typed_by text (a note)
+-- A person's decision on an effect awaiting approval, bound to the payload they saw: refused
+-- (decided false) when it is not awaiting approval (already decided, withdrawn, or never needed
+-- one), its run is no longer live, it has expired, its payload is not the one $5 names, or the
+-- run's fence has moved on from $6 (another attempt owns it now: look again). Approved:
+-- dispatchable, for this payload's hash only. Denied: rejected, the run woken. Audited
+-- (orchestrator_decide_approval, migration 0019). No row: no such effect.
+SELECT * FROM orchestrator_decide_approval($1, $2, $3, $4, $5, $6, $7, $8, $9)
 
 -- expire_approvals --
 -- params: $1 limit int
@@ -1171,85 +1029,18 @@ FROM orchestrator_reserve_budget($1, $2, $3, $4, $5, $6, $7, $8)
 -- In the turn's commit (only runs whose commit took effect): the reservation of that fence is
 -- replaced by what the turn actually cost. Counts saturate at 2^62 (budgets.MAX_AMOUNT): absurd
 -- amounts a model server reports must not overflow bigint and fail the commits batched with it.
-WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[],
-                         $6::bigint[], $7::numeric[])
-        AS u(run_id, fence, turns, tool_calls, input_tokens, output_tokens, cost)
-), settled AS (
-    UPDATE run_budgets AS b
-    SET turns_spent = least(b.turns_spent::numeric + u.turns, 2 ^ 62::numeric)::bigint,
-        tool_calls_spent = least(b.tool_calls_spent::numeric + u.tool_calls,
-                                 2 ^ 62::numeric)::bigint,
-        input_tokens_spent = least(b.input_tokens_spent::numeric + u.input_tokens,
-                                   2 ^ 62::numeric)::bigint,
-        output_tokens_spent = least(b.output_tokens_spent::numeric + u.output_tokens,
-                                    2 ^ 62::numeric)::bigint,
-        cost_spent = b.cost_spent + u.cost,
-        turns_reserved = 0, input_tokens_reserved = 0, output_tokens_reserved = 0,
-        cost_reserved = 0, reserved_fence = NULL, updated_at = clock_timestamp()
-    FROM input AS u
-    WHERE b.run_id = u.run_id AND b.reserved_fence = u.fence
-    RETURNING u.*
-)
-INSERT INTO budget_ledger (run_id, kind, fence, turns, tool_calls, input_tokens, output_tokens,
-                           cost)
-SELECT run_id, 'settle', fence, turns, tool_calls, input_tokens, output_tokens, cost
-FROM settled
-RETURNING run_id
+-- The statement is orchestrator_settle_budgets (migration 0019): a worker may not write budgets
+-- directly, and spent counters only grow.
+SELECT orchestrator_settle_budgets($1, $2, $3, $4, $5, $6, $7)
 
 -- top_up_budget --
 -- params: $1 run_id text, $2 added jsonb ({turns, tool_calls, input_tokens, output_tokens,
---         cost_usd})
+--         cost_usd}, each above 0), $3 principal text (NULL: the database role that connected),
+--         $4 via text, $5 typed_by text (a note)
 -- Raise run $1's limits by $2 (a dimension without a limit stays without one; a limit saturates
--- at 2^62, budgets.MAX_AMOUNT) and wake the run if it waits for budget. No row: the run has no
--- budget.
-WITH locked AS (
-    -- The run's row first, as commits and reservations lock it (the same lock order).
-    SELECT run_id FROM runs WHERE run_id = $1 FOR UPDATE
-), raised AS (
-    UPDATE run_budgets AS b
-    SET turns_limit = least(b.turns_limit::numeric + coalesce(($2::jsonb ->> 'turns')::numeric, 0),
-                            2 ^ 62::numeric)::bigint,
-        tool_calls_limit = least(b.tool_calls_limit::numeric
-                                 + coalesce(($2::jsonb ->> 'tool_calls')::numeric, 0),
-                                 2 ^ 62::numeric)::bigint,
-        input_tokens_limit = least(b.input_tokens_limit::numeric
-                                   + coalesce(($2::jsonb ->> 'input_tokens')::numeric, 0),
-                                   2 ^ 62::numeric)::bigint,
-        output_tokens_limit = least(b.output_tokens_limit::numeric
-                                    + coalesce(($2::jsonb ->> 'output_tokens')::numeric, 0),
-                                    2 ^ 62::numeric)::bigint,
-        cost_limit = b.cost_limit + coalesce(($2::jsonb ->> 'cost_usd')::numeric, 0),
-        updated_at = clock_timestamp()
-    FROM locked
-    WHERE b.run_id = locked.run_id
-    RETURNING b.run_id
-), ledger AS (
-    INSERT INTO budget_ledger (run_id, kind, turns, tool_calls, input_tokens, output_tokens, cost,
-                               details)
-    SELECT run_id, 'top_up', coalesce(($2::jsonb ->> 'turns')::bigint, 0),
-           coalesce(($2::jsonb ->> 'tool_calls')::bigint, 0),
-           coalesce(($2::jsonb ->> 'input_tokens')::bigint, 0),
-           coalesce(($2::jsonb ->> 'output_tokens')::bigint, 0),
-           coalesce(($2::jsonb ->> 'cost_usd')::numeric, 0), $2::jsonb
-    FROM raised
-), woken AS (
-    UPDATE runs AS r
-    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait ->> 'reason' = 'budget'
-                            THEN clock_timestamp() ELSE r.available_at END
-    FROM raised AS x
-    WHERE r.run_id = x.run_id AND r.state IN ('running', 'waiting')
-    RETURNING r.run_id, r.agent, r.fence,
-              r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
-), logged AS (
-    INSERT INTO run_events (run_id, kind, fence, details)
-    SELECT x.run_id, 'budget_topped_up', w.fence,
-           $2::jsonb || jsonb_build_object('woke_the_run', w.due)
-    FROM raised AS x LEFT JOIN woken AS w ON w.run_id = x.run_id
-), told AS (
-    SELECT pg_notify('orchestrator_runs', agent) FROM woken WHERE due
-)
-SELECT run_id, (SELECT count(*) FROM told) AS notified FROM raised
+-- at 2^62, budgets.MAX_AMOUNT) and wake the run if it waits for budget; audited
+-- (orchestrator_top_up_budget, migration 0019). No row: the run has no budget.
+SELECT run_id, notified, audit_seq, principal FROM orchestrator_top_up_budget($1, $2, $3, $4, $5)
 
 -- get_budget --
 -- params: $1 run_id text
@@ -1269,9 +1060,11 @@ FROM budget_ledger WHERE run_id = $1 ORDER BY entry
 -- still has an effect not settled (accepted, dispatching, uncertain, parked, awaiting approval)
 -- is kept: deleting it would lose a side effect in flight. Rows another transaction holds are
 -- skipped (SKIP LOCKED), so a purge never waits on a worker. Returns the runs deleted.
--- The statement is orchestrator_purge_finished (migration 0017), run as the schema owner: no
--- other role may delete runs, effects or the boundary's fences directly.
-SELECT runs, other_rows FROM orchestrator_purge_finished($1, $2)
+-- The statement is orchestrator_purge_finished (migration 0019), run as the schema owner: no
+-- other role may delete runs, effects or the boundary's fences directly. A role that does not own
+-- the schema (a worker) may purge only runs that finished at least an hour ago. A batch that
+-- deleted runs appends its purge row to the audit trail (audit_seq; NULL when none).
+SELECT runs, other_rows, audit_seq, principal FROM orchestrator_purge_finished($1, $2)
 
 -- count_purgeable --
 -- params: $1 cutoff timestamptz
@@ -1336,13 +1129,22 @@ SELECT (SELECT count(*) FROM effects WHERE status = 'parked') AS parked,
 -- set_principal --
 -- params: $1 name text, $2 kind text, $3 role text, $4 created_by text
 -- Add a person or service, or change its kind and role (enabling it again if disabled). Returns
--- the row and whether it was new.
-INSERT INTO principals AS p (name, kind, role, created_by)
-VALUES ($1, $2, $3, coalesce($4::text, session_user))
-ON CONFLICT (name) DO UPDATE
-SET kind = EXCLUDED.kind, role = EXCLUDED.role, updated_at = clock_timestamp(),
-    disabled_at = NULL
-RETURNING name, kind, role, created_at, created_by, disabled_at, (xmax = 0) AS created
+-- the row, whether it was new and whether anything changed (adding a principal again as it is
+-- changes nothing, and is not audited).
+WITH written AS (
+    INSERT INTO principals AS p (name, kind, role, created_by)
+    VALUES ($1, $2, $3, coalesce($4::text, session_user))
+    ON CONFLICT (name) DO UPDATE
+    SET kind = EXCLUDED.kind, role = EXCLUDED.role, updated_at = clock_timestamp(),
+        disabled_at = NULL
+    WHERE (p.kind, p.role) IS DISTINCT FROM (EXCLUDED.kind, EXCLUDED.role)
+       OR p.disabled_at IS NOT NULL
+    RETURNING name, kind, role, created_at, created_by, disabled_at, (xmax = 0) AS created
+)
+SELECT *, true AS changed FROM written
+UNION ALL
+SELECT name, kind, role, created_at, created_by, disabled_at, false, false
+FROM principals WHERE name = $1 AND NOT EXISTS (SELECT 1 FROM written)
 
 -- disable_principal --
 -- params: $1 name text
@@ -1366,6 +1168,15 @@ SELECT p.name, p.kind, p.role, p.created_at, p.created_by, p.disabled_at,
 FROM principals AS p
 ORDER BY p.name
 
+-- service_tokens_exist --
+-- params: (none)
+-- Whether an enabled service holds a token that still works; reads only the columns the proxy's
+-- role may read (it starts on this answer).
+SELECT EXISTS (
+    SELECT 1 FROM access_tokens AS t JOIN principals AS p ON p.name = t.principal
+    WHERE p.kind = 'service' AND p.disabled_at IS NULL AND t.revoked_at IS NULL
+      AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp()))
+
 -- create_token --
 -- params: $1 token_id text, $2 principal text, $3 sha256 text, $4 description text,
 --         $5 scope jsonb, $6 expires_in_seconds float8 (NULL: never), $7 created_by text
@@ -1381,15 +1192,23 @@ RETURNING token_id, principal, description, scope, created_at, created_by, expir
 
 -- principal_of_session --
 -- params: $1 name text, $2 token_id text (NULL: signed in without a token)
--- The principal behind a console session, while it is enabled and the token it signed in with
+-- The person behind a console session, while they are enabled and the token they signed in with
 -- (if any) still works: a disable or a revoke ends the session at its next request.
 SELECT p.name, p.kind, p.role, p.created_at, p.created_by, p.disabled_at
 FROM principals AS p
-WHERE p.name = $1 AND p.disabled_at IS NULL
+WHERE p.name = $1 AND p.disabled_at IS NULL AND p.kind = 'person'
   AND ($2::text IS NULL OR EXISTS (
       SELECT 1 FROM access_tokens AS t
       WHERE t.token_id = $2 AND t.principal = p.name AND t.revoked_at IS NULL
         AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp())))
+
+-- sign_in --
+-- params: $1 name text, $2 via text ('token' | 'oidc'), $3 token_id text (a token sign-in's),
+--         $4 role text (an OpenID Connect sign-in's role from the provider's groups; NULL: none)
+-- A console sign-in, audited; with $4, the person is added or their role changed first, as their
+-- own audited sign-in (orchestrator_sign_in, migration 0019: never an admin, never a disabled
+-- person or a service). Refused with SQLSTATE 42501.
+SELECT name, kind, role, audit_seq FROM orchestrator_sign_in($1, $2, $3, $4)
 
 -- authenticate_token --
 -- params: $1 sha256 text

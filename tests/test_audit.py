@@ -7,7 +7,8 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.access import Actor, Via
+from orchestrator.access import Actor, PrincipalKind, Role, Via
+from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision
@@ -141,6 +142,9 @@ async def test_a_decision_is_a_span_naming_its_principal(
     spans = capture_spans()
     assert spans is not None
     spans.clear()
+    await AccessStore(pool).set_principal(
+        "alice@example.com", kind=PrincipalKind.PERSON, role=Role.APPROVER
+    )
     run_id = await awaiting_approval(store, pool, {"order": "o-1", "amount": 3})
     effect = await EffectStore(pool).get(run_id, "refund")
     await ApprovalStore(pool).decide(

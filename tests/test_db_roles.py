@@ -214,7 +214,7 @@ async def test_a_worker_cannot_decide_rewrite_an_effect_or_move_a_fence(logins: 
         "lease_until = NULL WHERE run_id = $1",  # a cancel by hand
         "DELETE FROM runs WHERE run_id = $1",
         "DELETE FROM effects WHERE run_id = $1",
-        "SELECT orchestrator_cancel_run($1, 'no', NULL)",
+        "SELECT orchestrator_cancel_run($1, 'no', NULL, NULL, NULL)",
     ):
         await refused(refusing(pool, statement, run_id))
     await refused(lambda: worker.cancel(run_id))
@@ -293,13 +293,14 @@ async def test_the_console_reads_and_decides_but_cannot_claim(logins: Logins) ->
     )
     cancelled = await console.cancel(waiting, reason="not needed")
     assert cancelled.state is RunState.CANCELLED
-    # Accounts mode: an OpenID Connect sign-in adds the person; tokens stay the admin's.
+    # Accounts mode: an OpenID Connect sign-in adds the person; people and tokens stay the
+    # admin's.
     people = AccessStore(pool)
-    await people.set_principal(
-        "ana@example.com",
-        kind=PrincipalKind.PERSON,
-        role=Role.APPROVER,
-        actor=Actor("ana@example.com", Via.OIDC),
+    await people.sign_in("ana@example.com", Via.OIDC, role=Role.APPROVER)
+    await refused(
+        lambda: people.set_principal(
+            "mallory", kind=PrincipalKind.PERSON, role=Role.ADMIN, actor=Actor("ana", Via.OIDC)
+        )
     )
     await refused(lambda: people.create_token("ana@example.com", expires_in=None))
     audit = await pool.fetch("SELECT principal, db_user, action FROM audit_log ORDER BY seq")
@@ -308,6 +309,7 @@ async def test_the_console_reads_and_decides_but_cannot_claim(logins: Logins) ->
         (console_login, console_login, "approve"),
         (console_login, console_login, "cancel"),
         ("ana@example.com", console_login, "principal_added"),
+        ("ana@example.com", console_login, "sign_in"),
     ]
 
 
@@ -443,10 +445,10 @@ async def test_no_role_can_change_or_remove_an_audit_row(logins: Logins) -> None
 
 
 async def privileges(admin_dsn: str, roles: RoleNames) -> list[tuple[Any, ...]]:
-    """Every privilege the four granted roles hold in the schema, and who owns what."""
+    """Every privilege the five granted roles hold in the schema, and who owns what."""
     connection = await asyncpg.connect(admin_dsn)
     try:
-        names = [roles.worker, roles.dispatcher, roles.proxy, roles.console]
+        names = [roles.worker, roles.dispatcher, roles.proxy, roles.console, roles.client]
         rows = await connection.fetch(
             """
             SELECT 'table', grantee, table_name, privilege_type, NULL FROM
@@ -553,7 +555,7 @@ async def test_a_migrator_login_migrates_as_the_schema_owner(logins: Logins) -> 
 async def test_db_grant_refuses_one_role_for_two_kinds(database_url: str) -> None:
     result = cli(database_url, "db", "grant", "--worker", "same", "--console", "same")
     assert result.returncode != 0
-    assert "five different names" in result.stderr
+    assert "six different names" in result.stderr
 
 
 async def test_a_cli_decision_as_a_migrator_login_records_that_login(logins: Logins) -> None:

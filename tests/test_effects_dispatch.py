@@ -16,6 +16,7 @@ from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectRecord, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.testing import LocalVendor, SmtpSink
+from orchestrator.tools import default_result
 
 CRM = Effect("crm-note", "crm", {"note": "contract reviewed"})
 MAIL = Effect("summary-email", "email", {"to": "legal@acme.test", "subject": "S", "body": "B"})
@@ -154,6 +155,14 @@ async def test_an_adapter_that_cannot_reconcile_parks_then_a_person_resolves(
         run_id, CRM.key, sent=True, by="ana", external_id="manual-7"
     )
     assert (resolved.status, resolved.external_id) == (EffectStatus.CONFIRMED, "manual-7")
+    # The model reads the outcome only: not the park's error, nor who resolved it (the
+    # timeline and the audit trail say that).
+    assert default_result(resolved) == {
+        "status": "confirmed",
+        "external_id": "manual-7",
+        "result": None,
+        "error": None,
+    }
     (event,) = [e for e in await store.events(run_id) if e.kind == "effect_resolved"]
     role = await pool.fetchval("SELECT session_user")
     assert event.details == {

@@ -42,6 +42,7 @@ ERRORS = {
     "RunNotFound",
     "DatabaseError",
     "DatabaseUnavailable",
+    "PermissionDenied",
     "SchemaTooNew",
     "ModelNotConfigured",
     "UnknownAgent",

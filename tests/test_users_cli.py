@@ -173,6 +173,24 @@ async def test_a_role_other_than_the_existing_ones_is_refused_not_changed(
     assert await pool.fetchval("SELECT count(*) FROM access_tokens") == 0
 
 
+async def test_adding_a_person_again_as_they_are_changes_nothing_and_is_not_audited(
+    database_url: str, pool: asyncpg.Pool
+) -> None:
+    for _ in range(2):
+        ok(database_url, "users", "add", "erin", "--role", "approver")
+    ok(database_url, "users", "add", "erin", "--role", "operator")  # a change: audited
+    ok(database_url, "users", "disable", "erin")
+    ok(database_url, "users", "add", "erin", "--role", "operator")  # enabled again: audited
+    actions = [entry.action for entry in await AuditStore(pool).entries()]
+    assert actions == [
+        "principal_added",
+        "principal_changed",
+        "principal_disabled",
+        "principal_changed",
+    ]
+    assert await pool.fetchval("SELECT disabled_at FROM principals WHERE name = 'erin'") is None
+
+
 async def test_audit_verify_exits_1_on_a_row_edited_by_a_superuser(
     database_url: str, pool: asyncpg.Pool
 ) -> None:

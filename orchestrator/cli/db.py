@@ -54,8 +54,9 @@ def _role(kind: str, does: str) -> Callable[[F], F]:
 @_role("worker", "`orchestrator serve` connects as")
 @_role("dispatcher", "`orchestrator effects dispatch` connects as")
 @_role("proxy", "the action proxy (`orchestrator effects serve`) connects as")
-@_role("console", "the web console and applications' clients connect as")
+@_role("console", "the web console connects as (it vouches for the people it signs in)")
 @_role("migrator", "that owns the schema: runs migrations and the admin commands")
+@_role("client", "applications' clients and operators' CLI connect as")
 @click.option("--dry-run", is_flag=True, help="Print the SQL it would run, and run nothing.")
 @json_option("What it did: the roles, those created, how many owner changes and statements.")
 @async_command
@@ -66,13 +67,14 @@ async def db_grant(
     proxy: str,
     console: str,
     migrator: str,
+    client: str,
     dry_run: bool,
     as_json: bool,
 ) -> None:
     """Create or update the least-privilege roles (docs/database-roles.md): missing roles are
     created NOLOGIN (grant them to login roles), the migrator role is made the schema's owner,
-    and the other four get exactly their grants. Rerun it after every `db migrate`."""
-    roles = RoleNames(worker, dispatcher, proxy, console, migrator)
+    and the other five get exactly their grants. Rerun it after every `db migrate`."""
+    roles = RoleNames(worker, dispatcher, proxy, console, migrator, client)
     dsn = resolve_dsn(settings)
     connection = await connect(settings, dsn=dsn, application_name="orchestrator-grant")
     try:

@@ -79,9 +79,8 @@ async def effects_resolve(
         effect = await stores.effects.resolve(
             run_id, effect_key, sent=decision == "sent", by=by, external_id=external_id
         )
-    principal = effect.decided_by or (effect.result or {}).get("resolved_by")
     stdout.print(
-        f"{run_id} {effect_key}: {effect.status.value} (by {decided_as(principal, by)})",
+        f"{run_id} {effect_key}: {effect.status.value} (by {decided_as(None, by)})",
         markup=False,
     )
 

@@ -11,7 +11,6 @@ import anyio
 import click
 import structlog
 
-from orchestrator.access import PrincipalKind
 from orchestrator.cli.process_options import defaulted_option, log_format_option, process_options
 from orchestrator.cli.support import run_async, settings_of, stderr
 from orchestrator.db.access import AccessStore
@@ -100,7 +99,7 @@ def effects_serve(
             )
             await requirement.require_at_start(store.pool)
             access = AccessStore(store.pool)
-            if not token_list and not await _service_tokens_exist(access):
+            if not token_list and not await access.service_tokens_exist():
                 raise InvalidInput(
                     "no bearer tokens: set ORCHESTRATOR_PROXY_TOKENS, pass --tokens-file, or "
                     "create a service token with `orchestrator users token create`"
@@ -113,8 +112,14 @@ def effects_serve(
                 access=access,
             )
             # log_config=None: uvicorn's records go through configure_logging's handler.
+            # proxy_headers=False: no X-Forwarded-* header rewrites who connected.
             config = uvicorn.Config(
-                app, host=host.strip("[]"), port=int(port), log_level="warning", log_config=None
+                app,
+                host=host.strip("[]"),
+                port=int(port),
+                log_level="warning",
+                log_config=None,
+                proxy_headers=False,
             )
             server = uvicorn.Server(config)
             if fences is None:
@@ -130,17 +135,6 @@ def effects_serve(
                 await server.serve()
 
     run_async(body)
-
-
-async def _service_tokens_exist(access: AccessStore) -> bool:
-    """Whether an enabled service holds a working token: without one, and without flat tokens,
-    nobody could use the proxy, which is a mistake to say at once."""
-    return any(
-        entry.principal.kind is PrincipalKind.SERVICE
-        and entry.disabled_at is None
-        and entry.live_tokens
-        for entry in await access.principals()
-    )
 
 
 def _proxy_tokens(tokens: str | None, tokens_file: Path | None) -> list[str]:

@@ -16,8 +16,8 @@ import click
 from rich.console import Console, RenderableType
 from rich.text import Text
 
-from orchestrator.db.connections import database_failed
-from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.db.connections import database_failed, dsn_user
+from orchestrator.errors import InvalidInput, OrchestratorError, PermissionDenied
 from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
@@ -114,21 +114,33 @@ def run_async(function: Callable[[], Awaitable[T]]) -> T:
     try:
         return anyio.run(function)
     except OrchestratorError as error:
-        print_error(error)
+        print_error(_named(error))
         sys.exit(1)
     except BaseExceptionGroup as group:  # a task group's (serve's): a user error inside?
         matched, rest = group.split(OrchestratorError)
         if matched is None or rest is not None:
             raise
-        print_error(_first_leaf(matched))
+        print_error(_named(_first_leaf(matched)))
         sys.exit(1)
     except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as error:
-        # The database went away or refused mid-command (a restart, a statement timeout).
-        print_error(database_failed(error))
+        # The database went away or refused mid-command (a restart, a statement timeout, a
+        # privilege the role lacks).
+        print_error(_named(database_failed(error)))
         sys.exit(1)
     except KeyboardInterrupt:
         stderr.print("interrupted")
         sys.exit(130)
+
+
+def _named(error: BaseException) -> BaseException:
+    """A privilege refusal names the login ORCHESTRATOR_DATABASE_URL connects as."""
+    if not isinstance(error, PermissionDenied):
+        return error
+    context = click.get_current_context(silent=True)
+    settings = None if context is None else context.find_object(Settings)
+    if settings is None or not settings.database_url:
+        return error
+    return error.naming(dsn_user(settings.database_url))
 
 
 def async_command(

@@ -18,9 +18,10 @@ from orchestrator.access import (
     PrincipalKind,
     Role,
     TokenScope,
+    Via,
     check_principal_name,
 )
-from orchestrator.db.audit import AuditStore
+from orchestrator.db.audit import AuditStore, decision_span
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, OrchestratorError
@@ -37,6 +38,15 @@ class PrincipalNotFound(OrchestratorError):
 
 class TokenNotFound(OrchestratorError):
     """No token by that id."""
+
+
+class SignInRefused(OrchestratorError):
+    """The database would not sign this principal in: the message says why, the hint (if any)
+    what to do instead."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 @dataclass(frozen=True)
@@ -250,8 +260,34 @@ class AccessStore:
                 )
         return _token_entry(row)
 
+    async def service_tokens_exist(self) -> bool:
+        """Whether an enabled service holds a working token (read with only what the proxy's
+        role may read): without one, and without flat tokens, nobody could use the proxy."""
+        return bool(await self.pool.fetchval(query("service_tokens_exist")))
+
     async def tokens(self, principal: str | None = None) -> list[TokenEntry]:
         return [_token_entry(row) for row in await self.pool.fetch(query("list_tokens"), principal)]
+
+    async def sign_in(
+        self, name: str, via: Via, *, token_id: str | None = None, role: Role | None = None
+    ) -> Principal:
+        """A console sign-in of ``name`` and its audit row (and, with ``role``, an OpenID Connect
+        group mapping's add or role change first), decided by the database: never an admin,
+        never a disabled person or a service. ``SignInRefused`` says why not."""
+        with decision_span("sign_in", Actor(name, via)) as recorded:
+            try:
+                row = await self.pool.fetchrow(
+                    query("sign_in"),
+                    name,
+                    via.value,
+                    token_id,
+                    None if role is None else role.value,
+                )
+            except asyncpg.InsufficientPrivilegeError as error:
+                raise SignInRefused(error.message, error.hint) from None
+            assert row is not None
+            recorded(row["name"], int(row["audit_seq"]))
+        return _principal(row)
 
     async def authenticate(self, token: str) -> Authenticated | None:
         """The owner of ``token`` if it is a working token (not revoked or expired, its owner
@@ -273,12 +309,13 @@ async def _set_principal(
 ) -> PrincipalEntry:
     row = await db.fetchrow(query("set_principal"), name, kind.value, role.value, _who(actor))
     assert row is not None
-    await AuditStore(db).append(
-        actor,
-        "principal_added" if row["created"] else "principal_changed",
-        detail={"name": name, "kind": kind.value, "role": role.value},
-        db=db,
-    )
+    if row["changed"]:  # adding a principal again as it is changes nothing: no audit row
+        await AuditStore(db).append(
+            actor,
+            "principal_added" if row["created"] else "principal_changed",
+            detail={"name": name, "kind": kind.value, "role": role.value},
+            db=db,
+        )
     return _principal_entry(row)
 
 

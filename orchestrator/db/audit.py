@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -110,19 +111,13 @@ class AuditStore:
         db: Executor | None = None,
     ) -> int:
         """Append one row; pass the decision's own connection as ``db`` so the row commits (or
-        rolls back) with it. ``actor`` None: the database role that connected decided."""
+        rolls back) with it. ``actor`` None: the database role that connected decided. Only the
+        schema's owner may append directly (the admin commands); every other decision appends
+        its row in its own database function."""
         document = dict(detail or {})
         if actor is not None and actor.note is not None:
             document.setdefault("note", actor.note)
-        via = Via.DATABASE_ROLE if actor is None else actor.via
-        known = {RUN_ID: run_id, EFFECT_KEY: effect_key}
-        attributes = {
-            DECISION: action,
-            PRINCIPAL_VIA: via.value,
-            **{key: value for key, value in known.items() if value is not None},
-        }
-        # A span per decision, so a trace search by run id finds who decided what, and when.
-        with start_span(f"orchestrator.decision {action}", attributes=attributes) as span:
+        with decision_span(action, actor, run_id=run_id, effect_key=effect_key) as recorded:
             row = await (db or self.db).fetchrow(
                 query("audit_append"),
                 None if actor is None else actor.principal,
@@ -133,8 +128,7 @@ class AuditStore:
                 document,
             )
             assert row is not None
-            span.set_attribute(PRINCIPAL, row["principal"])
-            span.set_attribute(AUDIT_SEQ, int(row["seq"]))
+            recorded(row["principal"], int(row["seq"]))
         return int(row["seq"])
 
     async def entries(
@@ -198,6 +192,32 @@ class AuditStore:
                 "removed from its end, or the chain was rewritten"
             )
         return Verification(rows, previous_seq, previous_sha, problems)
+
+
+@contextmanager
+def decision_span(
+    action: str,
+    actor: Actor | None,
+    *,
+    run_id: str | None = None,
+    effect_key: str | None = None,
+) -> Iterator[Callable[[str, int], None]]:
+    """A span per decision, so a trace search by run id finds who decided what, and when; the
+    caller reports the principal and audit seq the database recorded."""
+    via = Via.DATABASE_ROLE if actor is None else actor.via
+    known = {RUN_ID: run_id, EFFECT_KEY: effect_key}
+    attributes = {
+        DECISION: action,
+        PRINCIPAL_VIA: via.value,
+        **{key: value for key, value in known.items() if value is not None},
+    }
+    with start_span(f"orchestrator.decision {action}", attributes=attributes) as span:
+
+        def recorded(principal: str, seq: int) -> None:
+            span.set_attribute(PRINCIPAL, principal)
+            span.set_attribute(AUDIT_SEQ, seq)
+
+        yield recorded
 
 
 def _entry(row: Row) -> AuditEntry:

@@ -11,7 +11,7 @@ import asyncpg
 
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.guarded import GuardedConnection
-from orchestrator.errors import DatabaseError, DatabaseUnavailable, InvalidInput
+from orchestrator.errors import DatabaseError, DatabaseUnavailable, InvalidInput, PermissionDenied
 from orchestrator.jsontext import compact, parse
 from orchestrator.settings import Settings
 
@@ -40,6 +40,14 @@ def current_dsn(settings: Settings, known: str) -> str:
     userinfo = parts.netloc.rpartition("@")[0]
     netloc = f"{userinfo}@127.0.0.1:{running.port}" if userinfo else f"127.0.0.1:{running.port}"
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def dsn_user(dsn: str) -> str | None:
+    """The role a URL-style DSN logs in as, if it names one."""
+    try:
+        return urlsplit(dsn).username or None
+    except ValueError:
+        return None
 
 
 def redact_dsn(dsn: str) -> str:
@@ -148,9 +156,12 @@ _LOST_CONNECTION: tuple[type[BaseException], ...] = (
 )
 
 
-def database_failed(error: BaseException) -> DatabaseError:
-    """A driver error as the project's: ``DatabaseUnavailable`` when the connection was lost,
-    ``DatabaseError`` otherwise; one line, saying that the outcome is unknown."""
+def database_failed(error: BaseException) -> DatabaseError | PermissionDenied:
+    """A driver error as the project's: ``PermissionDenied`` when the role lacked a privilege
+    (nothing changed), ``DatabaseUnavailable`` when the connection was lost, ``DatabaseError``
+    otherwise; one line, saying that the outcome is unknown."""
+    if isinstance(error, asyncpg.InsufficientPrivilegeError):
+        return PermissionDenied(error.message, hint=error.hint)
     detail = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
     kind = DatabaseUnavailable if isinstance(error, _LOST_CONNECTION) else DatabaseError
     return kind(

@@ -1,7 +1,7 @@
 """Least-privilege roles: what ``orchestrator db grant`` plans and runs (docs/database-roles.md).
 
-Five roles, names configurable: the migrator owns the schema (and so runs migrations and the
-SECURITY DEFINER functions); the worker, dispatcher, proxy and console get only what
+Six roles, names configurable: the migrator owns the schema (and so runs migrations and the
+SECURITY DEFINER functions); the worker, dispatcher, proxy, console and client get only what
 ``sql/grants.sql`` grants them. Missing roles are created as NOLOGIN group roles: a DBA makes
 login roles members of them, so passwords and login policy stay the DBA's. A plan is computed
 from the catalog (which roles exist, which objects another role owns) and is plain SQL, so
@@ -31,13 +31,15 @@ def quote_ident(name: str) -> str:
 
 @dataclass(frozen=True)
 class RoleNames:
-    """The five roles by kind; the defaults are what the docs' examples use."""
+    """The six roles by kind; the defaults are what the docs' examples use. ``client`` comes
+    last, so that code naming the first five by position keeps working."""
 
     worker: str = "orchestrator_worker"
     dispatcher: str = "orchestrator_dispatcher"
     proxy: str = "orchestrator_proxy"
     console: str = "orchestrator_console"
     migrator: str = "orchestrator_migrator"
+    client: str = "orchestrator_client"
 
     def by_kind(self) -> dict[str, str]:
         """Kind -> name, in the order the docs' matrix lists them."""
@@ -57,7 +59,7 @@ class RoleNames:
                 raise InvalidInput(f"--{kind} {name!r} is a name PostgreSQL reserves")
         if len(set(names.values())) != len(names):
             raise InvalidInput(
-                "the five roles need five different names (one role holding two kinds' "
+                "the six roles need six different names (one role holding two kinds' "
                 f"grants would hold both): {', '.join(f'{k}={v}' for k, v in names.items())}"
             )
 

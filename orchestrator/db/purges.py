@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from orchestrator.db.audit import decision_span
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 
@@ -23,6 +24,8 @@ class Purged:
     runs: int
     other_rows: int
     """Events, transcript messages, effects, signals, budget rows deleted with them."""
+    audit_seq: int | None = None
+    """The batch's purge row in the audit trail (None: it deleted no run)."""
 
 
 class PurgeStore:
@@ -37,10 +40,14 @@ class PurgeStore:
         return int(await self.db.fetchval(query("count_purgeable"), cutoff))
 
     async def delete_batch(self, cutoff: datetime, batch: int) -> Purged:
-        """Delete one batch of finished runs older than ``cutoff``."""
-        record = await self.db.fetchrow(query("purge_finished"), cutoff, batch)
-        assert record is not None
-        return Purged(record["runs"], record["other_rows"])
+        """Delete one batch of finished runs older than ``cutoff``; the database function
+        audits a batch that deleted runs, as the role that connected."""
+        with decision_span("purge", None) as recorded:
+            record = await self.db.fetchrow(query("purge_finished"), cutoff, batch)
+            assert record is not None
+            if record["audit_seq"] is not None:
+                recorded(record["principal"], record["audit_seq"])
+        return Purged(record["runs"], record["other_rows"], record["audit_seq"])
 
     async def try_retention_lock(self) -> bool:
         """In a transaction: take the schema's retention lock, or learn another worker has it."""

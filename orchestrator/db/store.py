@@ -17,7 +17,7 @@ import asyncpg
 
 from orchestrator.access import Actor
 from orchestrator.backoff import Backoff
-from orchestrator.db.audit import AuditStore
+from orchestrator.db.audit import decision_span
 from orchestrator.db.commit_records import (
     FailOutcome,
     InTransaction,
@@ -27,7 +27,6 @@ from orchestrator.db.commit_records import (
     StepEvent,
 )
 from orchestrator.db.commits import Commits
-from orchestrator.db.executor import in_transaction
 from orchestrator.db.leases import Leases
 from orchestrator.db.queries import query
 from orchestrator.db.run_reads import MAX_LIST_LIMIT, RunReads
@@ -167,13 +166,14 @@ class RunStore(RunReads, Leases, Commits):
         acting = Actor.acting(actor, None)
         return await self._transition(
             run_id,
+            "cancel",
+            acting,
             query("cancel_run"),
-            (run_id, reason, acting.principal),
+            (run_id, reason),
             lambda run: (
                 f"run {run_id} is already {run.state.value}; only queued, waiting or "
                 "running runs can be cancelled"
             ),
-            audited=(acting, "cancel", {"reason": reason}),
         )
 
     async def retry(self, run_id: str, *, actor: Actor | None = None) -> Run:
@@ -182,32 +182,35 @@ class RunStore(RunReads, Leases, Commits):
         acting = Actor.acting(actor, None)
         return await self._transition(
             run_id,
+            "retry",
+            acting,
             query("requeue_dead"),
-            (run_id, acting.principal),
+            (run_id,),
             lambda run: (
                 f"run {run_id} is {run.state.value}, not dead; only dead-lettered runs "
                 "can be retried (submit a new run to repeat a finished one)"
             ),
-            audited=(acting, "retry", {}),
         )
 
     async def _transition(
         self,
         run_id: str,
+        action: str,
+        actor: Actor,
         statement: str,
         arguments: tuple[object, ...],
         refusal: Refusal,
-        *,
-        audited: tuple[Actor, str, dict[str, JSON]],
     ) -> Run:
-        """An operator's transition and its audit row, in one transaction: no row back means
-        the run was in a state it does not apply to, and ``refusal`` says which
-        (``RunNotFound`` if there is no such run)."""
-        actor, action, detail = audited
-        async with in_transaction(self.pool) as db:
-            done = await db.fetchrow(statement, *arguments)
+        """An operator's transition by ``actor``, which its database function audits in the
+        same transaction: no row back means the run was in a state it does not apply to, and
+        ``refusal`` says which (``RunNotFound`` if there is no such run). Who decides is passed
+        after ``arguments``."""
+        with decision_span(action, actor, run_id=run_id) as recorded:
+            done = await self.pool.fetchrow(
+                statement, *arguments, actor.principal, actor.via.value, actor.note
+            )
             if done is not None:
-                await AuditStore(db).append(actor, action, run_id=run_id, detail=detail, db=db)
+                recorded(done["principal"], done["audit_seq"])
         if done is None:
             raise InvalidTransition(refusal(await self.get(run_id)))
         return await self.get(run_id)
