@@ -230,6 +230,19 @@ async def test_a_proxy_header_is_believed_only_from_a_trusted_address(
         origin = {**as_alice, "Origin": untrusted.url}
         refused = await http.post(approve, data={"payload_sha256": sha}, headers=origin)
         assert refused.status_code == 403
+        # The held-out spoof: a request from 127.0.0.1 naming the trusted proxy as the address
+        # it was forwarded for. Only the peer that connected counts, whatever a header says.
+        for spoof in (
+            {"X-Forwarded-For": "10.9.9.9"},
+            {"X-Forwarded-For": "10.9.9.9, 10.9.9.9", "X-Real-IP": "10.9.9.9"},
+            {"Forwarded": "for=10.9.9.9;proto=https"},
+        ):
+            page = await http.get("/attention", headers={**as_alice, **spoof})
+            assert page.status_code == 403 and "from 127.0.0.1" in page.text, spoof
+            refused = await http.post(
+                approve, data={"payload_sha256": sha}, headers={**origin, **spoof}
+            )
+            assert refused.status_code == 403, spoof
     assert await status_of(pool, approval) is EffectStatus.AWAITING_APPROVAL
 
     async with (
@@ -241,6 +254,11 @@ async def test_a_proxy_header_is_believed_only_from_a_trusted_address(
         huge = await http.get("/attention", headers={"X-Forwarded-Email": "a" * 5000})
         assert huge.status_code == 403 and "must name one person" in huge.text
         page = await http.get("/attention", headers=as_alice)
+        assert page.status_code == 200 and "alice@example.com (approver)" in page.text
+        # A proxy on this host adds the address it forwarded for: still believed, since the
+        # proxy is what connected.
+        forwarded = {**as_alice, "X-Forwarded-For": "203.0.113.9", "X-Forwarded-Proto": "https"}
+        page = await http.get("/attention", headers=forwarded)
         assert page.status_code == 200 and "alice@example.com (approver)" in page.text
         # The header rides on every request the browser makes, so a form needs our Origin.
         forged = await http.post(approve, data={"payload_sha256": sha}, headers=as_alice)

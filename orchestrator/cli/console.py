@@ -74,8 +74,8 @@ SESSION_KEY_ENV = "ORCHESTRATOR_CONSOLE_SESSION_KEY"
 @click.option(
     "--secure-cookies",
     is_flag=True,
-    help="Accounts mode: mark the session cookie Secure (browsers reach the console over https, "
-    "for example through a TLS-terminating proxy).",
+    help="Mark the session cookies Secure (browsers reach the console over https, for example "
+    "through a TLS-terminating proxy: the console believes no X-Forwarded-Proto header).",
 )
 @click.option(
     "--oidc-issuer", help="Sign in through this OpenID Connect provider (its issuer URL)."
@@ -186,7 +186,11 @@ async def console(
             ),
         )
         # log_config=None: uvicorn's records go through configure_logging's handler.
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None)
+        # proxy_headers=False: uvicorn would believe X-Forwarded-For from loopback and rewrite
+        # the client's address, which --trusted-proxy must compare as the peer that connected.
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", log_config=None, proxy_headers=False
+        )
         server = _Server(config)
         shown = f"[{host}]" if ":" in host else host
         mode = "actions allowed with the token" if auth.enabled else "read-only (no token)"

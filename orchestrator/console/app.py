@@ -29,11 +29,13 @@ from starlette.templating import Jinja2Templates
 
 from orchestrator import access
 from orchestrator.access import Actor, Permission
+from orchestrator.budgets import TopUp
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.stores import Stores
 from orchestrator.effects.approvals import Decision
 from orchestrator.effects.store import EffectNotFound
 from orchestrator.errors import InvalidInput, OrchestratorError, RunNotFound
+from orchestrator.storable import parse_document
 
 from . import views
 from .auth import NAME_COOKIE, SESSION_COOKIE, TOKEN_ENV, Auth, Via, actor, origin_acceptable
@@ -115,7 +117,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     if oidc is not None and accounts is None:
         raise ValueError("OpenID Connect sign-in needs accounts mode")
     can_sign_in = accounts is not None or auth.enabled
-    sign_in = AccountSignIn(stores.access, stores.audit, oidc)
+    sign_in = AccountSignIn(stores.access, oidc)
     flash_key = secrets.token_bytes(32)
     """Signs the messages a redirect carries, so that a link cannot put words in the banner."""
 
@@ -218,6 +220,8 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 return error_page(request, refused.status, str(refused))
             except (RunNotFound, EffectNotFound) as error:
                 return error_page(request, 404, str(error))
+            except asyncpg.InsufficientPrivilegeError as error:  # the database's own check
+                return error_page(request, 403, f"refused: {error.message}; nothing changed")
             except OrchestratorError as error:
                 return error_page(request, 400, str(error))
             except DATABASE_ERRORS as error:
@@ -327,14 +331,19 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
             )
         return found
 
+    async def acting(request: Request, permission: Permission) -> tuple[FormData, Actor]:
+        """An action's form, once who may do it is checked, and the actor it is recorded as."""
+        found = await require(request, permission)
+        form = await form_of(request)
+        by = actor(_field(form, "by")) if found.shared_token else found.actor()
+        return form, by
+
     async def effect_action(
         request: Request, permission: Permission
     ) -> tuple[str, str, FormData, Actor]:
         """An action on one effect: who may do it checked first, then its run id, key and form,
         and the actor it is recorded as."""
-        found = await require(request, permission)
-        form = await form_of(request)
-        by = actor(_field(form, "by")) if found.shared_token else found.actor()
+        form, by = await acting(request, permission)
         return request.path_params["run_id"], request.path_params["effect_key"], form, by
 
     @page
@@ -350,7 +359,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         if not auth.token_matches(_field(form, "token") or ""):
             raise Refused(403, "wrong token: nothing changed; check ORCHESTRATOR_CONSOLE_TOKEN")
         response = RedirectResponse(_local(_field(form, "next")), status_code=303)
-        secure = request.url.scheme == "https"
+        secure = config.secure_cookies or request.url.scheme == "https"
         for cookie, value in (
             (SESSION_COOKIE, auth.session_value()),
             (NAME_COOKIE, name.note or ""),
@@ -362,7 +371,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
 
     async def signin_with_token(request: Request, form: FormData) -> Response:
         principal, token_id = await sign_in.with_token(_field(form, "token") or "")
-        await sign_in.begin(request, principal, access.Via.TOKEN, token_id)
+        await sign_in.begin(request, principal.name, access.Via.TOKEN, token_id=token_id)
         return RedirectResponse(_local(_field(form, "next")), status_code=303)
 
     @page
@@ -376,9 +385,9 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
     async def oidc_callback(request: Request) -> Response:
         if oidc is None:
             raise Refused(404, "this console does not sign in through OpenID Connect")
-        principal = await sign_in.with_oidc(request)
+        name, role = await sign_in.with_oidc(request)
         target = _local(request.session.get("next"))
-        await sign_in.begin(request, principal, access.Via.OIDC, None)
+        await sign_in.begin(request, name, access.Via.OIDC, role=role)
         return RedirectResponse(target, status_code=303)
 
     @page
@@ -431,6 +440,20 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
             return back(request, form, error=error)
         return back(request, form, flash=f"{key} of {run_id} resolved {found} by {_signed(by)}")
 
+    @page
+    async def operate(request: Request) -> Response:
+        """An operator's action on a run, as the CLI's: cancel, retry, signal, top up."""
+        run_id, verb = request.path_params["run_id"], request.path_params["verb"]
+        take = _RUN_ACTIONS.get(verb)
+        if take is None:
+            raise Refused(404, f"no action {verb!r} on a run: cancel, retry, signal or top-up")
+        form, by = await acting(request, Permission.OPERATE)
+        try:
+            done = await take(stores, run_id, form, by)
+        except OrchestratorError as error:
+            return back(request, form, error=error)
+        return back(request, form, flash=f"{done} as {_signed(by)}")
+
     def back(
         request: Request,
         form: FormData,
@@ -464,6 +487,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         Route(CALLBACK_PATH, oidc_callback, methods=["GET"], name="oidc_callback"),
         Route("/runs/{run_id}/effects/{effect_key:path}/resolve", resolve, methods=["POST"]),
         Route("/runs/{run_id}/effects/{effect_key:path}/{verb}", decide, methods=["POST"]),
+        Route("/runs/{run_id}/{verb}", operate, methods=["POST"]),
         Route("/healthz", healthz),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
@@ -544,9 +568,57 @@ def _local(target: str | None) -> str:
     return target
 
 
+async def _cancel(stores: Stores, run_id: str, form: FormData, by: Actor) -> str:
+    await stores.runs.cancel(run_id, reason=_field(form, "reason"), actor=by)
+    return f"cancelled {run_id}"
+
+
+async def _retry(stores: Stores, run_id: str, form: FormData, by: Actor) -> str:
+    await stores.runs.retry(run_id, actor=by)
+    return f"requeued {run_id}"
+
+
+async def _signal(stores: Stores, run_id: str, form: FormData, by: Actor) -> str:
+    name = _field(form, "name")
+    if name is None:
+        raise InvalidInput("name the signal (for example customer_reply)")
+    raw = _field(form, "data")
+    data = None if raw is None else parse_document(raw, "the signal's data")
+    sent = await stores.signals.send(
+        run_id, name, data, idempotency_key=_field(form, "idempotency_key"), actor=by
+    )
+    if not sent.created:  # the same form posted twice: its key stored it once
+        return f"signal {name} #{sent.signal.seq} of {run_id} was already sent"
+    return f"sent signal {name} #{sent.signal.seq} to {run_id}"
+
+
+async def _top_up(stores: Stores, run_id: str, form: FormData, by: Actor) -> str:
+    amounts: TopUp = {}
+    for name in ("turns", "tool_calls", "input_tokens", "output_tokens"):
+        raw = _field(form, f"add_{name}")
+        if raw is not None:
+            if not (raw.isascii() and raw.isdecimal()):
+                raise InvalidInput(f"add {name.replace('_', ' ')}: a whole number, not {raw!r}")
+            amounts[name] = int(raw)
+    usd = _field(form, "add_usd")
+    if usd is not None:
+        amounts["cost_usd"] = usd
+    await stores.budgets.top_up(run_id, actor=by, **amounts)
+    return f"topped up the budget of {run_id}"
+
+
+_RUN_ACTIONS: dict[str, Callable[[Stores, str, FormData, Actor], Awaitable[str]]] = {
+    "cancel": _cancel,
+    "retry": _retry,
+    "signal": _signal,
+    "top-up": _top_up,
+}
+"""What a run's forms post to, each with the permission to operate (operators, admins)."""
+
+
 _ACTION_OF = {
     Permission.DECIDE: "approve or deny (approvers and admins do)",
-    Permission.OPERATE: "resolve, cancel or retry (operators and admins do)",
+    Permission.OPERATE: "resolve, cancel, retry, signal or top up (operators and admins do)",
 }
 
 

@@ -124,6 +124,14 @@ async def _from_bearer(offered: str, people: AccessStore) -> Visitor:
             "unknown, revoked or expired token: nothing changed; create one with "
             "`orchestrator users token create NAME`",
         )
+    if found.principal.kind is not PrincipalKind.PERSON:
+        # A service's token is scoped for the action proxy; here it would read and decide
+        # beyond its scope, for every agent.
+        raise NotAllowed(
+            403,
+            f"refused: {found.principal.name} is a service, and a service's token works only "
+            "at the action proxy (`orchestrator effects serve`); nothing changed",
+        )
     return Visitor(found.principal, access.Via.TOKEN)
 
 

@@ -96,6 +96,21 @@ def text_of(value: Any) -> str:
     return json.dumps(jsonable(value), separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
+def readable(text: str) -> str:
+    """A message that is JSON text (a tool's answer, a model's call arguments) as a person reads
+    it: escapes such as \\u2026 shown as the characters they stand for. Anything else, or text
+    whose escapes stand for no storable character, is shown as it is."""
+    if "\\u" not in text:
+        return text
+    try:
+        value = json.loads(text)
+        shown = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        shown.encode()  # a lone surrogate's escape stays an escape
+    except (ValueError, UnicodeEncodeError, RecursionError):
+        return text
+    return shown
+
+
 def show(value: Any, *, reveal: bool) -> Shown:
     if value is None:
         return Shown(0, None, False)

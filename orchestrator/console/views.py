@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,7 +23,7 @@ from orchestrator.presentation import (
 from orchestrator.run_detail import load_run_detail, more_events_hint
 from orchestrator.tool_agent import recorded_effect_keys
 
-from .privacy import Shown, event_details, show, text_of
+from .privacy import Shown, event_details, readable, show, text_of
 
 LIST_LIMIT = 200
 
@@ -97,7 +98,7 @@ def message_views(
             calls.append(
                 {
                     "name": str(function.get("name", "")),
-                    "arguments": show(function.get("arguments"), reveal=reveal),
+                    "arguments": show(_readable(function.get("arguments")), reveal=reveal),
                     "effect_key": key,
                     "effect_status": None if key is None else status[key],
                 }
@@ -111,12 +112,16 @@ def message_views(
                 input_tokens=usage.get("input_tokens") if usage else None,
                 output_tokens=usage.get("output_tokens") if usage else None,
                 model_attempts=len(usage.get("attempts") or []) if usage else 0,
-                content=show(body.get("content") or None, reveal=reveal),
+                content=show(_readable(body.get("content") or None), reveal=reveal),
                 calls=calls,
                 tool_call_id=body.get("tool_call_id"),
             )
         )
     return views
+
+
+def _readable(value: Any) -> Any:
+    return readable(value) if isinstance(value, str) else value
 
 
 def effect_view(
@@ -180,6 +185,9 @@ async def run_page(
             for signal, at, fence in signals
         ],
         "budget": None if budget is None else budget.as_json(),
+        # A fresh key per page: a form posted twice (a double click, a resent request) stores
+        # its signal once.
+        "signal_key": f"console-{secrets.token_urlsafe(12)}",
     }
 
 

@@ -37,3 +37,10 @@
   }
   setTimeout(refresh, seconds * 1000);
 })();
+
+// A form that says what it will do (cancelling a run) asks before it is sent.
+document.addEventListener("submit", function (event) {
+  "use strict";
+  var message = event.target && event.target.dataset ? event.target.dataset.confirm : undefined;
+  if (message && !window.confirm(message)) { event.preventDefault(); }
+});
