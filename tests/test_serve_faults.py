@@ -185,6 +185,57 @@ async def test_partitioned_worker_gives_up_before_its_lease_ends_and_commits_not
     assert taken.at >= previous
 
 
+async def test_answers_dropped_mid_step_stop_the_owner_before_its_lease_ends(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    """Issue 37: A's answers from PostgreSQL are dropped mid-step (its requests still land),
+    then nothing passes at all, while B serves beside it. A stops its step at its local
+    deadline, before the lease the database holds for it ends; nobody cuts that lease short
+    (A keeps its liveness session), and B claims only once it has ended."""
+    target = urlsplit(database_url)
+    assert target.hostname is not None and target.port is not None
+    args = [*FAST, "--lease-seconds", "10", "--heartbeat-seconds", "1"]
+    ticking = {"tick_dir": str(tmp_path), "seconds": 60, "again_seconds": 0.2}
+    run_id = (await store.submit("ticking", ticking)).run.run_id
+    async with FaultProxy(target.hostname, target.port) as proxy:
+        with ServeProcess(proxy.dsn_for(database_url), *args, name="A") as worker_a:
+            await wait_for_marker(tmp_path, f"{run_id}.*")
+            with ServeProcess(database_url, *args, name="B") as worker_b:
+                await worker_b.wait_for_log("serving", within=60)
+                # Renewed since its claim: A's heartbeat connection is open, so its next
+                # renewals reach the database and only their answers are lost.
+                claimed_until = (await store.get(run_id)).lease_until
+                assert claimed_until is not None
+                await wait_for(
+                    lambda: store.get(run_id),
+                    lambda run: run.lease_until is not None and run.lease_until > claimed_until,
+                )
+                proxy.mode = "drop_replies"
+                lost = await worker_a.wait_for_log("lease lost", within=60)
+                proxy.mode = "blackhole"
+                final = await wait_for_run(store, run_id, within=60)
+            proxy.mode = "forward"
+    events = await store.events(run_id)
+    assert final.state is RunState.SUCCEEDED
+    a_fences, taken = handed_from_a_to_b(events)
+    assert all(e.worker_id == "B" for e in commits(events)), commits(events)
+    # Nobody judged A dead: its session outlived the fault, so its lease ran its full course.
+    assert "owner_session_gone" not in [e.kind for e in events], events
+    lost_at, logged_at, confirmed_until = (
+        datetime.fromisoformat(lost[key].replace("Z", "+00:00"))
+        for key in ("lost_at", "timestamp", "lease_until")
+    )
+    a_ended = datetime.fromisoformat(taken.details["previous_lease_until"])
+    # Stopped, and said so, before the lease A last had confirmed ended; the database held it
+    # at least that long (renewals whose answers were lost could only extend it).
+    assert lost_at <= logged_at <= confirmed_until <= a_ended <= taken.at, lost
+    # A's step did nothing once stopped, nor after its lease ended.
+    names = await anyio.to_thread.run_sync(lambda: [p.name for p in tmp_path.iterdir()])
+    ticks = [name.split(".") for name in names if name.startswith(run_id)]
+    a_ticks = [int(ns) / 1e9 for _, fence, ns in ticks if int(fence) in a_fences]
+    assert a_ticks and max(a_ticks) <= lost_at.timestamp() <= a_ended.timestamp()
+
+
 async def test_sigterm_releases_leases_and_another_worker_claims_without_waiting_for_expiry(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
