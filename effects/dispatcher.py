@@ -405,12 +405,22 @@ class Dispatcher:
             assert isinstance(outcome, Park)
             status = EffectStatus.PARKED
             options = {"error": {"message": outcome.reason}}
-        await self.settler.settle(SettleRequest(effect, status, **options))
+        recorded = await self.settler.settle(SettleRequest(effect, status, **options))
+        ids = {RUN_ID: effect.run_id, RUN_FENCE: effect.fence}
+        if not recorded:
+            # This dispatcher's hold ran out (a pause, a partition) and another one claimed the
+            # effect and settles it itself: what this one saw is not the effect's outcome, and
+            # saying "effect uncertain" would send an operator after one already settled.
+            self.log.warning(
+                "effect outcome not recorded: another dispatcher holds it now",
+                **ids,
+                effect_key=effect.effect_key,
+                attempt=effect.attempts,
+                outcome=status.value,
+            )
+            return "lost_claim"
         self.log.info(
-            "effect " + status.value,
-            **{RUN_ID: effect.run_id, RUN_FENCE: effect.fence},
-            effect_key=effect.effect_key,
-            attempt=effect.attempts,
+            "effect " + status.value, **ids, effect_key=effect.effect_key, attempt=effect.attempts
         )
         return status.value
 

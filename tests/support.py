@@ -181,7 +181,8 @@ async def submit_all(settings: Settings, agent: str, inputs: Iterable[JSON]) -> 
 
 
 class ServeProcess:
-    """`orchestrator serve` in its own process; its JSON log lines are collected as they come."""
+    """`orchestrator serve` (or another long-running command) in its own process; its JSON log
+    lines are collected as they come."""
 
     def __init__(
         self,
@@ -189,8 +190,11 @@ class ServeProcess:
         *args: str,
         name: str = "worker",
         env: dict[str, str] | None = None,
+        command: Sequence[str] = ("serve",),
     ) -> None:
-        """``database_url`` None: the embedded server of ``env``'s ORCHESTRATOR_HOME."""
+        """``database_url`` None: the embedded server of ``env``'s ORCHESTRATOR_HOME.
+        ``command``: the command line's words before the options (``serve``, given
+        ``--worker-id name``; or ``effects dispatch``, whose id is one of ``args``)."""
         env = {
             **os.environ,
             **(env or {}),
@@ -208,10 +212,9 @@ class ServeProcess:
                 sys.executable,
                 "-m",
                 "orchestrator.cli",
-                "serve",
+                *command,
                 "--log-json",
-                "--worker-id",
-                name,
+                *(["--worker-id", name] if tuple(command) == ("serve",) else []),
                 *args,
             ],
             stdin=subprocess.DEVNULL,
