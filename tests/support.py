@@ -252,6 +252,17 @@ class ServeProcess:
             await anyio.sleep(0.02)
         raise AssertionError(f"{self.name} never logged {name!r}; last lines:\n{self.tail()}")
 
+    async def wait_for_text(self, text: str, within: float = 30) -> None:
+        """Wait for a line of stderr that contains ``text`` (a line that is not a log line,
+        e.g. "listening on")."""
+        deadline = time.monotonic() + within
+        while not any(text in line for line in list(self.raw)):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise AssertionError(
+                    f"{self.name} never wrote {text!r}; last lines:\n{self.tail()}"
+                )
+            await anyio.sleep(0.05)
+
     def tail(self, count: int = 30) -> str:
         return "".join(self.raw[-count:])
 

@@ -5,6 +5,8 @@ Workers are separate OS processes; PostgreSQL is real; partitions go through a l
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import json
 import signal
@@ -38,7 +40,9 @@ from support import (
     serving,
     started_and_migrated,
     submit_all,
+    write_vendors_config,
 )
+from test_effects_proxy import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -315,6 +319,76 @@ async def test_postgres_restart_under_running_workers_loses_no_run(
     assert held <= lost_logged, (held, lost_logged, logs)
     # Every line is JSON with --log-json, the connection pool's own warnings included.
     assert not_json == [], "".join(not_json[:20])
+
+
+async def test_a_database_outage_is_one_line_when_it_starts_and_one_when_it_ends(
+    own_server: EmbeddedPostgres, tmp_path: Path
+) -> None:
+    """Issue 37: while PostgreSQL is down, every long-running process says so once, without a
+    traceback (none of asyncpg's "Failed to restore the pool connection floor" retries), and
+    once that it is back; nothing else is repeated retry after retry; the runs finish."""
+    settings = await started_and_migrated(own_server)
+    run_ids = await submit_sleepy(settings, count=4, seconds=2.0)
+    dsn = str(settings.database_url)
+    config = write_vendors_config(
+        tmp_path, {"crm": {"adapter": "http", "url": "http://127.0.0.1:9/"}}
+    )
+    with contextlib.ExitStack() as stack:
+        processes = [
+            stack.enter_context(process)
+            for process in (
+                ServeProcess(dsn, *sleepy_args(concurrency=4), name="serve"),
+                ServeProcess(
+                    dsn,
+                    *("--effects-config", config, "--poll-seconds", "0.2"),
+                    name="effects dispatch",
+                    command=("effects", "dispatch"),
+                ),
+                ServeProcess(
+                    dsn,
+                    *("--listen", f"127.0.0.1:{free_port()}"),
+                    name="effects serve",
+                    command=("effects", "serve"),
+                    env={"ORCHESTRATOR_PROXY_TOKENS": "a-token"},
+                ),
+                ServeProcess(
+                    dsn,
+                    *("--listen", f"127.0.0.1:{free_port()}"),
+                    name="console",
+                    command=("console",),
+                ),
+            )
+        ]
+        serve, dispatch, proxy, console = processes
+        await serve.wait_for_log("serving", within=60)
+        await dispatch.wait_for_log("dispatching", within=60)
+        for process in (proxy, console):
+            await process.wait_for_text("listening on", within=60)
+        await mid_first_step(settings, run_ids)
+        await anyio.to_thread.run_sync(lambda: own_server.restart(down_seconds=8))
+        for process in processes:
+            await process.wait_for_log("database reachable again", within=60)
+        runs = await wait_all_terminal(settings, run_ids, within=120)
+        outputs = {process.name: (list(process.raw), list(process.lines)) for process in processes}
+    assert {run.state for run in runs} == {RunState.SUCCEEDED}
+    for name, (raw, lines) in outputs.items():
+        said = [
+            line["event"] for line in lines if str(line.get("event", "")).startswith("database ")
+        ]
+        assert said == ["database unavailable; retrying", "database reachable again"], (name, said)
+        assert not [line for line in raw if "Traceback" in line or "pool connection floor" in line]
+        assert not [line for line in lines if "exception" in line], name
+        # Per-run lines (a lease lost, its record not written) and the renewals of the leases
+        # still held are each their own news; no other warning repeats retry after retry.
+        warned = collections.Counter(
+            line["event"]
+            for line in lines
+            if line.get("level") in ("warning", "error") and RUN_ID not in line
+        )
+        assert {event for event, count in warned.items() if count > 1} <= {"renewal failed"}, (
+            name,
+            warned,
+        )
 
 
 async def mid_first_step(settings: Settings, run_ids: list[str]) -> datetime:
