@@ -30,6 +30,7 @@ from orchestrator.backoff import Backoff
 from orchestrator.db.bootstrap import PoolOptions
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.notifications import DUE_CHANNEL, Listener
+from orchestrator.db.outages import DatabaseOutage
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.telemetry import (
@@ -112,6 +113,7 @@ class Dispatcher:
         statement_seconds: float = 10.0,
         backoff: Backoff | None = None,
         sync_standby: SyncStandbyRequirement | None = None,
+        outage: DatabaseOutage | None = None,
     ) -> None:
         _check_settings(
             lease_seconds=lease_seconds,
@@ -141,6 +143,8 @@ class Dispatcher:
         """Kept from the end of each lease: a send starts at least this long before it ends."""
         self.metrics = EffectMetrics()
         self.log = log.bind(dispatcher=self.dispatcher_id)
+        self.outage = outage or DatabaseOutage(self.log)
+        """Says once that the database is out of reach (a worker shares its own)."""
         self.sync_standby = sync_standby or SyncStandbyRequirement(False)
         """With ``--require-sync-standby``: nothing is claimed while it fails, and no effect
         needs a lookup for a failover's sake (no commit of a lost timeline was acted on)."""
@@ -189,6 +193,7 @@ class Dispatcher:
         asked = self._claim_size() if limit is None else limit
         if asked <= 0:
             return []
+        claimed: list[ClaimedEffect] | None = None
         try:
             async with pooled(self.pool, within=self.statement_seconds) as db:
                 if await self.sync_standby.satisfied(db):
@@ -200,9 +205,12 @@ class Dispatcher:
                         lease_seconds=self.lease_seconds,
                         trust_sync_replication=self.sync_standby.required,
                     )
-                    return claimed
         except DATABASE_ERRORS as error:
-            self.log.warning("cannot claim effects", **error_fields(error))
+            self.outage.failed(error, otherwise="cannot claim effects")
+        else:
+            self.outage.reached()
+            if claimed is not None:
+                return claimed
         # Unreachable, or the synchronous standby it requires is missing: look again later.
         await anyio.sleep(self.poll_seconds)
         return []
@@ -405,12 +413,22 @@ class Dispatcher:
             assert isinstance(outcome, Park)
             status = EffectStatus.PARKED
             options = {"error": {"message": outcome.reason}}
-        await self.settler.settle(SettleRequest(effect, status, **options))
+        recorded = await self.settler.settle(SettleRequest(effect, status, **options))
+        ids = {RUN_ID: effect.run_id, RUN_FENCE: effect.fence}
+        if not recorded:
+            # This dispatcher's hold ran out (a pause, a partition) and another one claimed the
+            # effect and settles it itself: what this one saw is not the effect's outcome, and
+            # saying "effect uncertain" would send an operator after one already settled.
+            self.log.warning(
+                "effect outcome not recorded: another dispatcher holds it now",
+                **ids,
+                effect_key=effect.effect_key,
+                attempt=effect.attempts,
+                outcome=status.value,
+            )
+            return "lost_claim"
         self.log.info(
-            "effect " + status.value,
-            **{RUN_ID: effect.run_id, RUN_FENCE: effect.fence},
-            effect_key=effect.effect_key,
-            attempt=effect.attempts,
+            "effect " + status.value, **ids, effect_key=effect.effect_key, attempt=effect.attempts
         )
         return status.value
 

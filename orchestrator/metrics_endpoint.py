@@ -22,6 +22,7 @@ import asyncpg
 from prometheus_client import REGISTRY, make_wsgi_app
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
+from orchestrator.db.outages import DatabaseOutage
 from orchestrator.db.run_reads import RunReads
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effects.store import EffectStore
@@ -118,9 +119,10 @@ class MetricsEndpoint:
         return await self._probe()
 
 
-async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, log: Any) -> None:
+async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, outage: DatabaseOutage) -> None:
     """Refresh the queue and effect gauges from the database, now and then every
-    ``QueueGauges.SAMPLE_SECONDS`` (two index-only reads of live rows)."""
+    ``QueueGauges.SAMPLE_SECONDS`` (two index-only reads of live rows); a failure is the
+    process's ``outage`` to tell."""
     while True:
         try:
             with anyio.fail_after(QueueGauges.SAMPLE_SECONDS):
@@ -130,7 +132,7 @@ async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, log: Any) -> No
                     gauges.effects = counts
         except DATABASE_ERRORS as error:
             gauges.queue, gauges.effects = [], {}  # no series rather than stale ones
-            log.warning("cannot sample the queue gauges", error=str(error) or type(error).__name__)
+            outage.failed(error, otherwise="cannot sample the queue gauges")
         await anyio.sleep(QueueGauges.SAMPLE_SECONDS)
 
 

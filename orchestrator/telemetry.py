@@ -461,6 +461,21 @@ def configure_logging(*, json_logs: bool | None = None, level: str | None = None
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(max(_MIN_LEVEL, logging.INFO))
+    pool_logger = logging.getLogger("asyncpg.pool")
+    if not any(isinstance(f, _PoolFloorRetries) for f in pool_logger.filters):
+        pool_logger.addFilter(_PoolFloorRetries())
+
+
+class _PoolFloorRetries(logging.Filter):
+    """Drops asyncpg's "Failed to restore the pool connection floor; retrying" (asyncpg 0.32+),
+    a warning with a full traceback on every reconnect attempt while PostgreSQL is down: the
+    process's own ``database unavailable`` line says it once per outage, and ``database reachable
+    again`` when it is over (``orchestrator.db.outages``). Kept at the debug level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return debug_enabled() or not record.getMessage().startswith(
+            "Failed to restore the pool connection floor"
+        )
 
 
 def _keep(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

@@ -5,11 +5,15 @@
 process ran which step, and how often, independently of the database.
 
 ``inbox``: waits for a ``reply`` signal (see ``AwaitSignal``).
+
+``ticking``: one long step that acts in the world every few hundredths of a second (see
+``Tick``), so a test can date the last thing a worker did.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,7 +40,23 @@ class Explode(Step):
         raise RuntimeError(f"boom on attempt {ctx.attempt}")
 
 
+class Tick(Step):
+    """Drops a file ``<run_id>.<fence>.<wall-clock ns>`` in ``input["tick_dir"]`` every tick
+    for ``input["seconds"]`` (``input["again_seconds"]`` on a later attempt), then finishes."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        key = "seconds" if ctx.attempt == 1 else "again_seconds"
+        until = time.monotonic() + float(ctx.input.get(key, 1.0))
+        ticks = 0
+        while time.monotonic() < until:
+            (Path(ctx.input["tick_dir"]) / f"{ctx.run_id}.{ctx.fence}.{time.time_ns()}").touch()
+            ticks += 1
+            await anyio.sleep(0.05)
+        return Finish(result={"ticks": ticks, "fence": ctx.fence})
+
+
 marked = Agent("marked", first=MarkedNap)
+ticking = Agent("ticking", first=Tick)
 exploding = Agent("exploding", first=Explode)
 
 

@@ -181,7 +181,8 @@ async def submit_all(settings: Settings, agent: str, inputs: Iterable[JSON]) -> 
 
 
 class ServeProcess:
-    """`orchestrator serve` in its own process; its JSON log lines are collected as they come."""
+    """`orchestrator serve` (or another long-running command) in its own process; its JSON log
+    lines are collected as they come."""
 
     def __init__(
         self,
@@ -189,8 +190,11 @@ class ServeProcess:
         *args: str,
         name: str = "worker",
         env: dict[str, str] | None = None,
+        command: Sequence[str] = ("serve",),
     ) -> None:
-        """``database_url`` None: the embedded server of ``env``'s ORCHESTRATOR_HOME."""
+        """``database_url`` None: the embedded server of ``env``'s ORCHESTRATOR_HOME.
+        ``command``: the command line's words before the options (``serve``, given
+        ``--worker-id name``; or ``effects dispatch``, whose id is one of ``args``)."""
         env = {
             **os.environ,
             **(env or {}),
@@ -208,10 +212,9 @@ class ServeProcess:
                 sys.executable,
                 "-m",
                 "orchestrator.cli",
-                "serve",
+                *command,
                 "--log-json",
-                "--worker-id",
-                name,
+                *(["--worker-id", name] if tuple(command) == ("serve",) else []),
                 *args,
             ],
             stdin=subprocess.DEVNULL,
@@ -248,6 +251,17 @@ class ServeProcess:
                 break
             await anyio.sleep(0.02)
         raise AssertionError(f"{self.name} never logged {name!r}; last lines:\n{self.tail()}")
+
+    async def wait_for_text(self, text: str, within: float = 30) -> None:
+        """Wait for a line of stderr that contains ``text`` (a line that is not a log line,
+        e.g. "listening on")."""
+        deadline = time.monotonic() + within
+        while not any(text in line for line in list(self.raw)):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise AssertionError(
+                    f"{self.name} never wrote {text!r}; last lines:\n{self.tail()}"
+                )
+            await anyio.sleep(0.05)
 
     def tail(self, count: int = 30) -> str:
         return "".join(self.raw[-count:])

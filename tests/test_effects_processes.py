@@ -8,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import asyncpg
@@ -17,6 +18,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import ClaimedRun, RunState
+from orchestrator.telemetry import RUN_ID
 from orchestrator.testing import LocalVendor, SmtpSink, wait_for_run
 from support import ServeProcess, crm_kind, fenced_claims, serve_args, write_vendors_config
 
@@ -172,6 +174,47 @@ async def test_dispatcher_killed_between_vendor_accept_and_confirm_is_reconciled
     assert len(vendor.deliveries) == 1
     record = await EffectStore(pool).get(run.run_id, effect.key)
     assert (record.external_id, record.attempts) == ("op_1", 2)
+
+
+async def test_a_dispatcher_resumed_past_its_hold_says_its_outcome_was_not_recorded(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    """Issue 37: D1 is stopped mid-send, after the vendor accepted; its hold runs out, D2
+    reconciles and confirms. D1, resumed, sees its send time out and its write refused: it says
+    the outcome was not recorded because another dispatcher holds the effect, never "effect
+    uncertain" for an effect that is confirmed."""
+    run, effect = await accepted_crm_note(store, pool)
+    async with LocalVendor() as vendor:
+        # D1's send is cut off by its own deadline (within its 6 s hold), never by the
+        # adapter's, however late the SIGSTOP comes after the vendor accepted.
+        config = write_vendors_config(tmp_path, {"crm": crm_kind(vendor, timeout_seconds=30)})
+        vendor.mode = "accept_then_hang"
+        options = ["--effects-config", config, "--lease-seconds", "6", "--poll-seconds", "0.1"]
+        dispatch = ("effects", "dispatch")
+        with ServeProcess(
+            database_url, *options, "--dispatcher-id", "D1", name="D1", command=dispatch
+        ) as first:
+            await until_delivered(vendor)
+            first.signal(signal.SIGSTOP)
+            with ServeProcess(
+                database_url, *options, "--dispatcher-id", "D2", name="D2", command=dispatch
+            ):
+                await until_confirmed(pool, run.run_id, effect.key)
+            first.signal(signal.SIGCONT)
+            about: list[dict[str, Any]] = []
+            with anyio.fail_after(60):
+                while not about:
+                    await anyio.sleep(0.05)
+                    about = [line for line in first.lines if line.get("effect_key") == effect.key]
+            assert first.stop() == 0
+    assert [line["event"] for line in about] == [
+        "effect outcome not recorded: another dispatcher holds it now"
+    ], about
+    assert (about[0][RUN_ID], about[0]["outcome"]) == (run.run_id, "uncertain")
+    assert vendor.requests_by_key == {idempotency_key(run.run_id, effect.key): 1}
+    assert len(vendor.deliveries) == 1
+    assert await events_of(store, run.run_id, "effect_confirmed") == [("D2", run.fence)]
+    assert await events_of(store, run.run_id, "effect_uncertain") == []
 
 
 async def test_one_email_per_run_through_worker_crashes_and_reclaims(

@@ -5,6 +5,8 @@ Workers are separate OS processes; PostgreSQL is real; partitions go through a l
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import json
 import signal
@@ -38,7 +40,9 @@ from support import (
     serving,
     started_and_migrated,
     submit_all,
+    write_vendors_config,
 )
+from test_effects_proxy import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -185,6 +189,57 @@ async def test_partitioned_worker_gives_up_before_its_lease_ends_and_commits_not
     assert taken.at >= previous
 
 
+async def test_answers_dropped_mid_step_stop_the_owner_before_its_lease_ends(
+    database_url: str, store: RunStore, tmp_path: Path
+) -> None:
+    """Issue 37: A's answers from PostgreSQL are dropped mid-step (its requests still land),
+    then nothing passes at all, while B serves beside it. A stops its step at its local
+    deadline, before the lease the database holds for it ends; nobody cuts that lease short
+    (A keeps its liveness session), and B claims only once it has ended."""
+    target = urlsplit(database_url)
+    assert target.hostname is not None and target.port is not None
+    args = [*FAST, "--lease-seconds", "10", "--heartbeat-seconds", "1"]
+    ticking = {"tick_dir": str(tmp_path), "seconds": 60, "again_seconds": 0.2}
+    run_id = (await store.submit("ticking", ticking)).run.run_id
+    async with FaultProxy(target.hostname, target.port) as proxy:
+        with ServeProcess(proxy.dsn_for(database_url), *args, name="A") as worker_a:
+            await wait_for_marker(tmp_path, f"{run_id}.*")
+            with ServeProcess(database_url, *args, name="B") as worker_b:
+                await worker_b.wait_for_log("serving", within=60)
+                # Renewed since its claim: A's heartbeat connection is open, so its next
+                # renewals reach the database and only their answers are lost.
+                claimed_until = (await store.get(run_id)).lease_until
+                assert claimed_until is not None
+                await wait_for(
+                    lambda: store.get(run_id),
+                    lambda run: run.lease_until is not None and run.lease_until > claimed_until,
+                )
+                proxy.mode = "drop_replies"
+                lost = await worker_a.wait_for_log("lease lost", within=60)
+                proxy.mode = "blackhole"
+                final = await wait_for_run(store, run_id, within=60)
+            proxy.mode = "forward"
+    events = await store.events(run_id)
+    assert final.state is RunState.SUCCEEDED
+    a_fences, taken = handed_from_a_to_b(events)
+    assert all(e.worker_id == "B" for e in commits(events)), commits(events)
+    # Nobody judged A dead: its session outlived the fault, so its lease ran its full course.
+    assert "owner_session_gone" not in [e.kind for e in events], events
+    lost_at, logged_at, confirmed_until = (
+        datetime.fromisoformat(lost[key].replace("Z", "+00:00"))
+        for key in ("lost_at", "timestamp", "lease_until")
+    )
+    a_ended = datetime.fromisoformat(taken.details["previous_lease_until"])
+    # Stopped, and said so, before the lease A last had confirmed ended; the database held it
+    # at least that long (renewals whose answers were lost could only extend it).
+    assert lost_at <= logged_at <= confirmed_until <= a_ended <= taken.at, lost
+    # A's step did nothing once stopped, nor after its lease ended.
+    names = await anyio.to_thread.run_sync(lambda: [p.name for p in tmp_path.iterdir()])
+    ticks = [name.split(".") for name in names if name.startswith(run_id)]
+    a_ticks = [int(ns) / 1e9 for _, fence, ns in ticks if int(fence) in a_fences]
+    assert a_ticks and max(a_ticks) <= lost_at.timestamp() <= a_ended.timestamp()
+
+
 async def test_sigterm_releases_leases_and_another_worker_claims_without_waiting_for_expiry(
     database_url: str, store: RunStore, tmp_path: Path
 ) -> None:
@@ -264,6 +319,76 @@ async def test_postgres_restart_under_running_workers_loses_no_run(
     assert held <= lost_logged, (held, lost_logged, logs)
     # Every line is JSON with --log-json, the connection pool's own warnings included.
     assert not_json == [], "".join(not_json[:20])
+
+
+async def test_a_database_outage_is_one_line_when_it_starts_and_one_when_it_ends(
+    own_server: EmbeddedPostgres, tmp_path: Path
+) -> None:
+    """Issue 37: while PostgreSQL is down, every long-running process says so once, without a
+    traceback (none of asyncpg's "Failed to restore the pool connection floor" retries), and
+    once that it is back; nothing else is repeated retry after retry; the runs finish."""
+    settings = await started_and_migrated(own_server)
+    run_ids = await submit_sleepy(settings, count=4, seconds=2.0)
+    dsn = str(settings.database_url)
+    config = write_vendors_config(
+        tmp_path, {"crm": {"adapter": "http", "url": "http://127.0.0.1:9/"}}
+    )
+    with contextlib.ExitStack() as stack:
+        processes = [
+            stack.enter_context(process)
+            for process in (
+                ServeProcess(dsn, *sleepy_args(concurrency=4), name="serve"),
+                ServeProcess(
+                    dsn,
+                    *("--effects-config", config, "--poll-seconds", "0.2"),
+                    name="effects dispatch",
+                    command=("effects", "dispatch"),
+                ),
+                ServeProcess(
+                    dsn,
+                    *("--listen", f"127.0.0.1:{free_port()}"),
+                    name="effects serve",
+                    command=("effects", "serve"),
+                    env={"ORCHESTRATOR_PROXY_TOKENS": "a-token"},
+                ),
+                ServeProcess(
+                    dsn,
+                    *("--listen", f"127.0.0.1:{free_port()}"),
+                    name="console",
+                    command=("console",),
+                ),
+            )
+        ]
+        serve, dispatch, proxy, console = processes
+        await serve.wait_for_log("serving", within=60)
+        await dispatch.wait_for_log("dispatching", within=60)
+        for process in (proxy, console):
+            await process.wait_for_text("listening on", within=60)
+        await mid_first_step(settings, run_ids)
+        await anyio.to_thread.run_sync(lambda: own_server.restart(down_seconds=8))
+        for process in processes:
+            await process.wait_for_log("database reachable again", within=60)
+        runs = await wait_all_terminal(settings, run_ids, within=120)
+        outputs = {process.name: (list(process.raw), list(process.lines)) for process in processes}
+    assert {run.state for run in runs} == {RunState.SUCCEEDED}
+    for name, (raw, lines) in outputs.items():
+        said = [
+            line["event"] for line in lines if str(line.get("event", "")).startswith("database ")
+        ]
+        assert said == ["database unavailable; retrying", "database reachable again"], (name, said)
+        assert not [line for line in raw if "Traceback" in line or "pool connection floor" in line]
+        assert not [line for line in lines if "exception" in line], name
+        # Per-run lines (a lease lost, its record not written) and the renewals of the leases
+        # still held are each their own news; no other warning repeats retry after retry.
+        warned = collections.Counter(
+            line["event"]
+            for line in lines
+            if line.get("level") in ("warning", "error") and RUN_ID not in line
+        )
+        assert {event for event, count in warned.items() if count > 1} <= {"renewal failed"}, (
+            name,
+            warned,
+        )
 
 
 async def mid_first_step(settings: Settings, run_ids: list[str]) -> datetime:

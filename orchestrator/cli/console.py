@@ -141,10 +141,13 @@ async def console(
     log_json: bool | None,
 ) -> None:
     """Serve the web console: runs, attempts, timelines, effects, approvals, workers, queue."""
+    import structlog
+
     from orchestrator.console.app import ConsoleConfig, create_app
     from orchestrator.console.auth import Auth
     from orchestrator.console.identity import Accounts, TrustedProxy, parse_networks
     from orchestrator.db.bootstrap import open_store
+    from orchestrator.db.outages import watch
     from orchestrator.telemetry import configure_logging
 
     host, port = parse_listen(listen, "--listen")
@@ -202,6 +205,7 @@ async def console(
         with sock:
             async with anyio.create_task_group() as group:
                 group.start_soon(_stop_on_signals, server)
+                group.start_soon(watch, store.pool, structlog.get_logger("orchestrator.console"))
                 await server.serve(sockets=[sock])
                 group.cancel_scope.cancel()
     stderr.print("console stopped")

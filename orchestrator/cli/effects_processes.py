@@ -16,6 +16,7 @@ from orchestrator.cli.support import run_async, settings_of, stderr
 from orchestrator.db.access import AccessStore
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.deadlines import enter_when_reachable
+from orchestrator.db.outages import watch
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import sample_gauges, serving_metrics
@@ -132,7 +133,10 @@ def effects_serve(
             with serving_metrics(
                 metrics_listen, store.pool, gauges=False, sync_standby=requirement
             ):
-                await server.serve()
+                async with anyio.create_task_group() as group:
+                    group.start_soon(watch, store.pool, structlog.get_logger("orchestrator.proxy"))
+                    await server.serve()
+                    group.cancel_scope.cancel()
 
     run_async(body)
 
@@ -235,7 +239,7 @@ def effects_dispatch(
                 async with anyio.create_task_group() as group:
                     group.start_soon(dispatcher.run)
                     if gauges is not None:
-                        group.start_soon(sample_gauges, store.pool, gauges, dispatcher.log)
+                        group.start_soon(sample_gauges, store.pool, gauges, dispatcher.outage)
                     async for _ in signals:
                         group.cancel_scope.cancel()
                         break

@@ -3,9 +3,11 @@ loss), where a write whose outcome is unknown counts as lost ownership."""
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import anyio
@@ -102,20 +104,28 @@ class AttemptWrites:
         return Disposition.RELEASED if released else Disposition.LOST
 
     async def record_lost(self) -> Disposition:
-        reason = self.handle.lost_reason or "unknown"
+        handle = self.handle
+        # When the steps were cancelled, and the lease the worker last had confirmed: the
+        # record is written later (or, cut off from the database, not at all), so its own time
+        # says nothing of when the worker stopped.
+        details: dict[str, JSON] = {
+            "reason": handle.lost_reason or "unknown",
+            "lost_at": _iso(handle.lost_at or time.time()),
+            "lease_until": handle.lease_until.isoformat(),
+        }
         worker_id = self.config.worker_id
         store, claimed = self.store, self.claimed
         self.metrics.lost_leases.add(1)
-        attributes = {**run_ids(claimed, worker_id), "reason": reason}
+        attributes = {**run_ids(claimed, worker_id), "reason": details["reason"]}
         with start_span("lease_lost", attributes=attributes):
-            self.log.warning("lease lost", reason=reason)
+            self.log.warning("lease lost", **details)
             await self.db(
                 lambda db: store.record_event(
                     claimed.run_id,
                     "lease_lost",
                     fence=claimed.fence,
                     worker_id=worker_id,
-                    details={"reason": reason},
+                    details=details,
                     db=db,
                 )
             )
@@ -123,3 +133,7 @@ class AttemptWrites:
         # row says which it was, so the worker's counts do not call a cancel a loss.
         run = await self.db(lambda db: store.get(claimed.run_id, db=db))
         return Disposition.CANCELLED if run.state is RunState.CANCELLED else Disposition.LOST
+
+
+def _iso(wall_clock: float) -> str:
+    return datetime.fromtimestamp(wall_clock, UTC).isoformat()

@@ -13,9 +13,9 @@ from anyio.abc import TaskGroup
 from structlog.typing import FilteringBoundLogger
 
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.outages import DatabaseOutage
 from orchestrator.db.store import WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore
-from orchestrator.errors import error_fields
 from orchestrator.metrics_endpoint import sample_gauges
 from orchestrator.retention import PURGE_INTERVAL_SECONDS, purge_round
 from orchestrator.telemetry import RUN_FENCE, RUN_ID
@@ -50,6 +50,8 @@ class Chores:
     wake_for_expired: Callable[[], None]
     """Wakes the claim loop to look for the leases a takeover ended."""
     log: FilteringBoundLogger
+    outage: DatabaseOutage
+    """The worker's: a chore that cannot reach the database adds no line of its own."""
 
     def start(self, group: TaskGroup) -> None:
         """Start the chores this worker's configuration asks for."""
@@ -57,7 +59,7 @@ class Chores:
         group.start_soon(self.report_status)
         group.start_soon(self.expire_approvals)
         if config.gauges is not None:
-            group.start_soon(sample_gauges, self.running.store.pool, config.gauges, self.log)
+            group.start_soon(sample_gauges, self.running.store.pool, config.gauges, self.outage)
         if config.retention is not None:
             group.start_soon(self.purge, config.retention)
         if config.dead_session_takeover:
@@ -93,7 +95,7 @@ class Chores:
                 async with pooled(running.store.pool, within=running.statement_seconds) as db:
                     await ApprovalStore(db).expire(limit=100)
             except DATABASE_ERRORS as error:
-                self.log.warning("cannot expire approvals", **error_fields(error))
+                self.outage.failed(error, otherwise="cannot expire approvals")
 
     async def purge(self, age: timedelta) -> None:
         """Delete finished runs past their retention, a bounded round at a time."""
@@ -102,7 +104,7 @@ class Chores:
             try:
                 purged = await purge_round(self.running.store.pool, age)
             except DATABASE_ERRORS as error:
-                self.log.warning("cannot purge finished runs", **error_fields(error))
+                self.outage.failed(error, otherwise="cannot purge finished runs")
                 continue
             if purged is not None and purged.runs:
                 self.log.info(

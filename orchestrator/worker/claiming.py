@@ -10,6 +10,7 @@ import anyio
 from structlog.typing import FilteringBoundLogger
 
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.outages import UNREACHABLE, DatabaseOutage
 from orchestrator.db.store import WorkerRegistry
 from orchestrator.effects.waiting import EffectWaiters, RunEffects
 from orchestrator.errors import error_fields
@@ -40,8 +41,11 @@ class ClaimLoop:
         schema: str,
         metrics: Metrics,
         log: FilteringBoundLogger,
+        outage: DatabaseOutage,
     ) -> None:
         self.config = config
+        self.outage = outage
+        """Shared with the worker's other loops: one line when the database is out of reach."""
         self.worker_id = config.worker_id
         self.runs = runs
         self.effect_waiters = effect_waiters
@@ -99,16 +103,13 @@ class ClaimLoop:
                             min(capacity, config.claim_batch),
                             include_expired=look_for_expired,
                         )
-                    if failures:
-                        self.log.info("database reachable again; claiming resumed")
+                    self.outage.reached()
                     failures = self.failures = 0
                 except DATABASE_ERRORS as error:
                     self._look_for_expired |= look_for_expired
                     failures += 1
-                    if failures == 1:
-                        self.log.warning(
-                            "database unavailable; claiming paused", **error_fields(error)
-                        )
+                    if failures == 1 or isinstance(error, UNREACHABLE):
+                        self.outage.failed(error, otherwise="cannot claim runs")
                     await anyio.sleep(min(config.poll_seconds * failures, 5.0))
                     continue
             if claimed:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
@@ -59,6 +60,9 @@ class LeaseHandle:
     lease_until: datetime
     confirmed_sent_at: float
     lost_reason: str | None = None
+    lost_at: float | None = None
+    """Wall-clock time (``time.time()``) when ownership was lost and the steps were cancelled:
+    the record of the loss says when the worker stopped, not when the record could be written."""
     finishing: bool = False
     """A terminal statement (finish, fail, release) is in flight: it settles ownership itself."""
     cancel: Callable[[], object] | None = None
@@ -123,6 +127,7 @@ class LeaseHandle:
     def lose(self, reason: str) -> None:
         if self.lost_reason is None:
             self.lost_reason = reason
+            self.lost_at = time.time()
             if self.cancel is not None:
                 self.cancel()
 

@@ -6,10 +6,18 @@ killed worker is known dead within a reaper's interval. But a session also ends 
 restarts or the connection is cut while the worker lives on: then its lock is gone too, and the
 worker must take a new one and register again, or no reaper could ever tell it died later. This
 task checks the session every interval and re-establishes both as soon as it can.
+
+A check that goes unanswered does not end the session it checked: the worker keeps that
+connection open until a new session is registered. Ending it would free the lock, and any
+reaper would then end this worker's leases at once, while it still runs their steps up to their
+local deadlines; a worker cut off from PostgreSQL (answers dropped, a partition) would have
+handed its runs over while still working on them. Kept open, the session lives as long as the
+server can still see it, and the leases are honoured until they expire.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -53,8 +61,8 @@ class Liveness:
         self._registry = WorkerRegistry(self.settings.schema)
 
     async def register(self) -> None:
-        """Take a fresh liveness lock and record the worker (raises if the database is down)."""
-        self._drop()
+        """Take a fresh liveness lock and record the worker (raises if the database is down);
+        only then end the session it replaces, so that the worker always holds one."""
         with anyio.fail_after(self.statement_seconds):
             connection = await connect(
                 self.settings, dsn=self.dsn, application_name=self.worker_id + ":liveness"
@@ -70,18 +78,23 @@ class Liveness:
             except BaseException:
                 connection.terminate()
                 raise
+        self._drop()
         self._connection = connection
         self.registrations += 1
 
     async def run(self, registered_again: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Check the session every interval; when it is gone, register again until it works,
-        then call ``registered_again``."""
+        """Check the session every interval; when it is gone or does not answer, register a new
+        one until that works (the old one is kept open until then), then call
+        ``registered_again``."""
         while True:
             await anyio.sleep(self.check_seconds)
             if await self._alive():
                 continue
-            self._drop()
-            log.warning("liveness session lost; registering again", **{WORKER_ID: self.worker_id})
+            # Not dropped: a session unanswered may still be alive (see the module's docstring).
+            log.warning(
+                "liveness session unconfirmed; registering a new one",
+                **{WORKER_ID: self.worker_id},
+            )
             while True:
                 try:
                     await self.register()
@@ -104,7 +117,9 @@ class Liveness:
             return False
         try:
             with anyio.fail_after(self.statement_seconds):
-                await connection.execute("SELECT 1")
+                # Waited for, never cancelled: a statement given up on aborts its connection
+                # (``GuardedConnection``), which would end the very session being checked.
+                await asyncio.shield(connection.execute("SELECT 1"))
         except DATABASE_ERRORS:
             return False
         return True

@@ -34,6 +34,7 @@ from orchestrator.budgets import Prices
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import GENERIC_PLANS, create_pool, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection, enter_when_reachable
+from orchestrator.db.outages import DatabaseOutage
 from orchestrator.db.store import RunStore
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effects.dispatcher import Dispatcher
@@ -87,6 +88,9 @@ class Worker:
         self.ready = anyio.Event()
         self.sync_standby = SyncStandbyRequirement(settings.require_sync_standby)
         self.effect_waiters = EffectWaiters()
+        self.outage = DatabaseOutage(self.log)
+        """Shared by the worker's loops: one line when the database is out of reach, one when
+        it is back."""
         self.claims = ClaimLoop(
             config,
             self.runs,
@@ -94,6 +98,7 @@ class Worker:
             schema=settings.schema,
             metrics=self.metrics,
             log=self.log,
+            outage=self.outage,
         )
 
     # -- control ------------------------------------------------------------------------------
@@ -238,6 +243,7 @@ class Worker:
                     poll_seconds=config.poll_seconds,
                     statement_seconds=statement_seconds,
                     sync_standby=self.sync_standby,
+                    outage=self.outage,
                 ),
                 liveness=liveness,
                 effect_store=EffectStore(pool),
@@ -269,6 +275,7 @@ class Worker:
                 self.settings.schema,
                 self._wake_for_expired,
                 self.log,
+                self.outage,
             ).start(group)
             listener = worker_listener(
                 self.settings,
