@@ -16,7 +16,7 @@ import enum
 from datetime import datetime
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import decision_span
+from orchestrator.db.audit import decide
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition
@@ -85,28 +85,24 @@ class ApprovalStore:
                 "--hash must be the 64 lower-case hex digits of the payload's SHA-256, as "
                 "`orchestrator approvals show` prints it"
             )
-        with decision_span(
-            _VERB[decision], acting, run_id=run_id, effect_key=effect_key
-        ) as recorded:
-            record = await self.db.fetchrow(
-                query("decide_approval"),
-                run_id,
-                effect_key,
-                decision.value,
-                note,
-                payload_sha256,
-                run_fence,
-                acting.principal,
-                acting.via.value,
-                acting.note,
-            )
-            if record is None:
-                raise EffectNotFound(run_id, effect_key)
-            if not record["decided"]:
-                raise DecisionRefused(
-                    _refusal(record, effect_key, decision, payload_sha256, run_fence)
-                )
-            recorded(record["principal"], record["audit_seq"])
+        record = await decide(
+            self.db,
+            _VERB[decision],
+            acting,
+            query("decide_approval"),
+            run_id,
+            effect_key,
+            decision.value,
+            note,
+            payload_sha256,
+            run_fence,
+            run_id=run_id,
+            effect_key=effect_key,
+        )
+        if record is None:
+            raise EffectNotFound(run_id, effect_key)
+        if not record["decided"]:
+            raise DecisionRefused(_refusal(record, effect_key, decision, payload_sha256, run_fence))
         row = await self.db.fetchrow(query("get_effect"), run_id, effect_key)
         assert row is not None
         return EffectRecord.from_record(row)

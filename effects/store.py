@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import decision_span
+from orchestrator.db.audit import decide
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
@@ -248,24 +248,25 @@ class EffectStore:
         ``by``, a typed name, is kept as a note), in the timeline and the audit trail."""
         if external_id is not None:
             check_text(external_id, "the external id")
+            if not 1 <= len(external_id) <= 500:
+                raise InvalidInput("the external id must be 1-500 characters")
         acting = Actor.acting(actor, by)
         effect = await self.get(run_id, effect_key)
-        action = "resolve_sent" if sent else "resolve_not_sent"
-        with decision_span(action, acting, run_id=run_id, effect_key=effect_key) as recorded:
-            record = await self.pool.fetchrow(
-                query("resolve_parked_effect"),
-                run_id,
-                effect_key,
-                sent,
-                external_id,
-                acting.principal,
-                acting.via.value,
-                acting.note,
+        record = await decide(
+            self.pool,
+            "resolve_sent" if sent else "resolve_not_sent",
+            acting,
+            query("resolve_parked_effect"),
+            run_id,
+            effect_key,
+            sent,
+            external_id,
+            run_id=run_id,
+            effect_key=effect_key,
+        )
+        if record is None:
+            raise InvalidTransition(
+                f"effect {effect_key!r} of run {run_id} is {effect.status.value}, not parked; "
+                "only parked effects wait for a person's decision"
             )
-            if record is None:
-                raise InvalidTransition(
-                    f"effect {effect_key!r} of run {run_id} is {effect.status.value}, not parked; "
-                    "only parked effects wait for a person's decision"
-                )
-            recorded(record["principal"], record["audit_seq"])
         return await self.get(run_id, effect_key)

@@ -27,7 +27,7 @@ import asyncpg
 import pydantic
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import decision_span
+from orchestrator.db.audit import decide
 from orchestrator.db.deadlines import pooled
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
@@ -473,18 +473,15 @@ class BudgetStore:
                 "nothing to add: give --add-usd, --add-turns, --add-tool-calls, "
                 "--add-input-tokens or --add-output-tokens, each above 0"
             )
-        acting = Actor.acting(actor, None)
-        with decision_span("top_up", acting, run_id=run_id) as recorded:
-            record = await self.db.fetchrow(
-                query("top_up_budget"),
-                run_id,
-                added,
-                acting.principal,
-                acting.via.value,
-                acting.note,
-            )
-            if record is not None:
-                recorded(record["principal"], record["audit_seq"])
+        record = await decide(
+            self.db,
+            "top_up",
+            Actor.acting(actor, None),
+            query("top_up_budget"),
+            run_id,
+            added,
+            run_id=run_id,
+        )
         if record is None:
             raise InvalidTransition(
                 f"run {run_id} has no budget (its agent declares none, or it has not made a "

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import decision_span
+from orchestrator.db.audit import decide
 from orchestrator.db.notifications import SIGNALS_CHANNEL
 from orchestrator.db.queries import query
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
@@ -103,22 +103,19 @@ class SignalStore:
             check_text(idempotency_key, "the idempotency key")
             if not 1 <= len(idempotency_key) <= 200:
                 raise InvalidInput("an idempotency key must be 1-200 characters")
-        acting = Actor.acting(actor, None)
-        with decision_span("signal", acting, run_id=run_id) as recorded:
-            record = await self.db.fetchrow(
-                query("send_signal"),
-                run_id,
-                name,
-                data,
-                idempotency_key,
-                acting.principal,
-                acting.via.value,
-                acting.note,
-            )
-            assert record is not None
-            seq = record["seq"]
-            if seq is not None:
-                recorded(record["principal"], record["audit_seq"])
+        record = await decide(
+            self.db,
+            "signal",
+            Actor.acting(actor, None),
+            query("send_signal"),
+            run_id,
+            name,
+            data,
+            idempotency_key,
+            run_id=run_id,
+        )
+        assert record is not None
+        seq = record["seq"]
         state = record["state"]
         if state is None:
             raise RunNotFound(run_id)

@@ -300,7 +300,6 @@ DECLARE
     who record;
     target effects%ROWTYPE;
     approving boolean := p_decision = 'approved';
-    woken record;
 BEGIN
     IF p_decision IS NULL OR p_decision NOT IN ('approved', 'denied') THEN
         RAISE EXCEPTION 'a decision is approved or denied, not %', coalesce(p_decision, 'null')
@@ -363,16 +362,7 @@ BEGIN
     IF approving THEN
         PERFORM pg_notify('orchestrator_effects_due', target.kind);
     ELSE
-        UPDATE runs AS r
-        SET available_at = CASE WHEN r.state = 'waiting'
-                                     AND r.wait -> 'effects' ? target.effect_key
-                                THEN clock_timestamp() ELSE r.available_at END
-        WHERE r.run_id = target.run_id AND r.state IN ('running', 'waiting')
-        RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
-        INTO woken;
-        IF woken.due THEN
-            PERFORM pg_notify('orchestrator_runs', woken.agent);
-        END IF;
+        PERFORM orchestrator_wake_for_effect(target.run_id, target.effect_key);
     END IF;
     PERFORM pg_notify('orchestrator_effects', target.run_id);
     audit_seq := orchestrator_audit_decision(
@@ -635,7 +625,6 @@ CREATE FUNCTION orchestrator.orchestrator_resolve_effect(p_run_id text, p_effect
 DECLARE
     who record;
     resolved record;
-    woken record;
 BEGIN
     IF p_sent IS NULL THEN
         RAISE EXCEPTION 'say what you found: sent or not sent'
@@ -665,16 +654,7 @@ BEGIN
                                'by', who.principal, 'via', who.via, 'typed_by', p_typed_by));
     PERFORM pg_notify('orchestrator_effects', resolved.run_id);
     IF p_sent THEN
-        UPDATE runs AS r
-        SET available_at = CASE WHEN r.state = 'waiting'
-                                     AND r.wait -> 'effects' ? resolved.effect_key
-                                THEN clock_timestamp() ELSE r.available_at END
-        WHERE r.run_id = resolved.run_id AND r.state IN ('running', 'waiting')
-        RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
-        INTO woken;
-        IF woken.due THEN
-            PERFORM pg_notify('orchestrator_runs', woken.agent);
-        END IF;
+        PERFORM orchestrator_wake_for_effect(resolved.run_id, resolved.effect_key);
     ELSE
         PERFORM pg_notify('orchestrator_effects_due', resolved.kind);
     END IF;
@@ -1035,6 +1015,24 @@ BEGIN
     RETURN NEXT;
 END
 $_$;
+CREATE FUNCTION orchestrator.orchestrator_wake_for_effect(p_run_id text, p_effect_key text) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator', 'pg_temp'
+    AS $$
+DECLARE
+    woken record;
+BEGIN
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? p_effect_key
+                            THEN clock_timestamp() ELSE r.available_at END
+    WHERE r.run_id = p_run_id AND r.state IN ('running', 'waiting')
+    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
+    INTO woken;
+    IF woken.due THEN
+        PERFORM pg_notify('orchestrator_runs', woken.agent);
+    END IF;
+END
+$$;
 CREATE FUNCTION orchestrator.runs_fence_moves_only_by_claim() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator', 'pg_temp'

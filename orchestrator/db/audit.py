@@ -220,6 +220,25 @@ def decision_span(
         yield recorded
 
 
+async def decide(
+    db: Executor,
+    action: str,
+    actor: Actor,
+    statement: str,
+    *arguments: object,
+    run_id: str | None = None,
+    effect_key: str | None = None,
+) -> Row | None:
+    """Run a decision's database function with who decides after ``arguments`` (the principal,
+    how the server knows it, the typed note): the function checks them and appends the audit
+    row, which the decision's span then names."""
+    with decision_span(action, actor, run_id=run_id, effect_key=effect_key) as recorded:
+        row = await db.fetchrow(statement, *arguments, actor.principal, actor.via.value, actor.note)
+        if row is not None and row["audit_seq"] is not None:
+            recorded(row["principal"], int(row["audit_seq"]))
+    return row
+
+
 def _entry(row: Row) -> AuditEntry:
     return AuditEntry(
         seq=int(row["seq"]),

@@ -17,7 +17,7 @@ import asyncpg
 
 from orchestrator.access import Actor
 from orchestrator.backoff import Backoff
-from orchestrator.db.audit import decision_span
+from orchestrator.db.audit import decide
 from orchestrator.db.commit_records import (
     FailOutcome,
     InTransaction,
@@ -163,6 +163,8 @@ class RunStore(RunReads, Leases, Commits):
         validate_run_id(run_id)
         if reason is not None:
             check_text(reason, "the cancel reason")
+            if len(reason) > 2000:
+                raise InvalidInput("the cancel reason must be at most 2000 characters")
         acting = Actor.acting(actor, None)
         return await self._transition(
             run_id,
@@ -205,12 +207,7 @@ class RunStore(RunReads, Leases, Commits):
         same transaction: no row back means the run was in a state it does not apply to, and
         ``refusal`` says which (``RunNotFound`` if there is no such run). Who decides is passed
         after ``arguments``."""
-        with decision_span(action, actor, run_id=run_id) as recorded:
-            done = await self.pool.fetchrow(
-                statement, *arguments, actor.principal, actor.via.value, actor.note
-            )
-            if done is not None:
-                recorded(done["principal"], done["audit_seq"])
+        done = await decide(self.pool, action, actor, statement, *arguments, run_id=run_id)
         if done is None:
             raise InvalidTransition(refusal(await self.get(run_id)))
         return await self.get(run_id)

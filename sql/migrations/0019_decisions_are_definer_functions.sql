@@ -287,6 +287,27 @@ END
 $$;
 REVOKE ALL ON FUNCTION orchestrator_retry_run(text, text, text, text) FROM PUBLIC;
 
+-- Wake a run that waits for one of its effects to settle (see queries.sql's WAKING A WAITING
+-- RUN: the run's row is updated whether it waits or still runs, so a park not yet committed
+-- sees the wake).
+CREATE FUNCTION orchestrator_wake_for_effect(p_run_id text, p_effect_key text) RETURNS void
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    woken record;
+BEGIN
+    UPDATE runs AS r
+    SET available_at = CASE WHEN r.state = 'waiting' AND r.wait -> 'effects' ? p_effect_key
+                            THEN clock_timestamp() ELSE r.available_at END
+    WHERE r.run_id = p_run_id AND r.state IN ('running', 'waiting')
+    RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
+    INTO woken;
+    IF woken.due THEN
+        PERFORM pg_notify('orchestrator_runs', woken.agent);
+    END IF;
+END
+$$;
+REVOKE ALL ON FUNCTION orchestrator_wake_for_effect(text, text) FROM PUBLIC;
+
 -- A person's decision on an effect awaiting approval, bound to the payload they saw
 -- (queries.sql's decide_approval was this statement): refused, with nothing decided, when it
 -- does not await approval, its run is no longer live, it has expired, its payload is not the one
@@ -305,7 +326,6 @@ DECLARE
     who record;
     target effects%ROWTYPE;
     approving boolean := p_decision = 'approved';
-    woken record;
 BEGIN
     IF p_decision IS NULL OR p_decision NOT IN ('approved', 'denied') THEN
         RAISE EXCEPTION 'a decision is approved or denied, not %', coalesce(p_decision, 'null')
@@ -368,16 +388,7 @@ BEGIN
     IF approving THEN
         PERFORM pg_notify('orchestrator_effects_due', target.kind);
     ELSE
-        UPDATE runs AS r
-        SET available_at = CASE WHEN r.state = 'waiting'
-                                     AND r.wait -> 'effects' ? target.effect_key
-                                THEN clock_timestamp() ELSE r.available_at END
-        WHERE r.run_id = target.run_id AND r.state IN ('running', 'waiting')
-        RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
-        INTO woken;
-        IF woken.due THEN
-            PERFORM pg_notify('orchestrator_runs', woken.agent);
-        END IF;
+        PERFORM orchestrator_wake_for_effect(target.run_id, target.effect_key);
     END IF;
     PERFORM pg_notify('orchestrator_effects', target.run_id);
     audit_seq := orchestrator_audit_decision(
@@ -405,7 +416,6 @@ CREATE FUNCTION orchestrator_resolve_effect(
 DECLARE
     who record;
     resolved record;
-    woken record;
 BEGIN
     IF p_sent IS NULL THEN
         RAISE EXCEPTION 'say what you found: sent or not sent'
@@ -435,16 +445,7 @@ BEGIN
                                'by', who.principal, 'via', who.via, 'typed_by', p_typed_by));
     PERFORM pg_notify('orchestrator_effects', resolved.run_id);
     IF p_sent THEN
-        UPDATE runs AS r
-        SET available_at = CASE WHEN r.state = 'waiting'
-                                     AND r.wait -> 'effects' ? resolved.effect_key
-                                THEN clock_timestamp() ELSE r.available_at END
-        WHERE r.run_id = resolved.run_id AND r.state IN ('running', 'waiting')
-        RETURNING r.agent, r.available_at <= clock_timestamp() AND r.state = 'waiting' AS due
-        INTO woken;
-        IF woken.due THEN
-            PERFORM pg_notify('orchestrator_runs', woken.agent);
-        END IF;
+        PERFORM orchestrator_wake_for_effect(resolved.run_id, resolved.effect_key);
     ELSE
         PERFORM pg_notify('orchestrator_effects_due', resolved.kind);
     END IF;
