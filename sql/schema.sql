@@ -866,6 +866,20 @@ BEGIN
                               jsonb_build_object('role', known.role, 'token_id', p_token_id));
 END
 $_$;
+CREATE FUNCTION orchestrator.orchestrator_submission_is_valid(p_run_id text, p_agent text, p_input jsonb, p_idempotency_key text) RETURNS boolean
+    LANGUAGE plpgsql IMMUTABLE
+    AS $_$
+BEGIN
+    IF p_run_id IS NULL OR p_run_id !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$'
+       OR p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$' OR p_input IS NULL
+       OR (p_idempotency_key IS NOT NULL AND length(p_idempotency_key) NOT BETWEEN 1 AND 200)
+    THEN
+        RAISE EXCEPTION 'a run needs a well-formed run id, agent name and input'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN true;
+END
+$_$;
 CREATE TABLE orchestrator.runs (
     run_id text NOT NULL,
     agent text NOT NULL,
@@ -901,40 +915,30 @@ CREATE TABLE orchestrator.runs (
 )
 WITH (fillfactor='70');
 CREATE FUNCTION orchestrator.orchestrator_submit_run(p_run_id text, p_agent text, p_input jsonb, p_max_attempts integer, p_idempotency_key text, p_not_before timestamp with time zone, p_traceparent text) RETURNS SETOF orchestrator.runs
-    LANGUAGE plpgsql SECURITY DEFINER
+    LANGUAGE sql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
-    AS $_$
-DECLARE
-    submitted runs%ROWTYPE;
-BEGIN
-    IF p_run_id IS NULL OR p_run_id !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$'
-       OR p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$' OR p_input IS NULL
-       OR (p_idempotency_key IS NOT NULL AND length(p_idempotency_key) NOT BETWEEN 1 AND 200)
-    THEN
-        RAISE EXCEPTION 'a run needs a well-formed run id, agent name and input'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
+    AS $$
+WITH inserted AS (
     INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key, available_at)
-    VALUES (p_run_id, p_agent, p_input, coalesce(p_max_attempts, 5), p_idempotency_key,
-            coalesce(p_not_before, clock_timestamp()))
+    SELECT p_run_id, p_agent, p_input, coalesce(p_max_attempts, 5), p_idempotency_key,
+           coalesce(p_not_before, clock_timestamp())
+    WHERE orchestrator_submission_is_valid(p_run_id, p_agent, p_input, p_idempotency_key)
     ON CONFLICT DO NOTHING
-    RETURNING * INTO submitted;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
+    RETURNING *
+), logged AS (
     INSERT INTO run_events (run_id, kind, fence, details)
-    VALUES (submitted.run_id, 'submitted', submitted.fence,
-            jsonb_build_object('agent', submitted.agent, 'max_attempts', submitted.max_attempts,
-                               'idempotency_key', submitted.idempotency_key,
-                               'not_before', p_not_before));
-    IF p_traceparent IS NOT NULL THEN
-        INSERT INTO run_traces (run_id, fence, traceparent)
-        VALUES (submitted.run_id, 0, p_traceparent);
-    END IF;
-    PERFORM pg_notify('orchestrator_runs', submitted.agent);
-    RETURN NEXT submitted;
-END
-$_$;
+    SELECT run_id, 'submitted', fence,
+           jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
+                              'idempotency_key', idempotency_key, 'not_before', p_not_before)
+    FROM inserted
+), traced AS (
+    INSERT INTO run_traces (run_id, fence, traceparent)
+    SELECT run_id, 0, p_traceparent FROM inserted WHERE p_traceparent IS NOT NULL
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM inserted
+)
+SELECT inserted.* FROM inserted WHERE (SELECT count(*) FROM woken) >= 0
+$$;
 CREATE FUNCTION orchestrator.orchestrator_top_up_budget(p_run_id text, p_added jsonb, p_principal text, p_via text, p_typed_by text, OUT run_id text, OUT notified bigint, OUT audit_seq bigint, OUT principal text) RETURNS SETOF record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'

@@ -130,12 +130,9 @@ REVOKE ALL ON FUNCTION audit_append(text, text, text, text, text, jsonb) FROM PU
 -- Submit a run (queries.sql's submit_run was this statement): the console and clients submit
 -- without a write privilege on runs, run_events or run_traces, so they cannot write a timeline
 -- event or a run's state otherwise. No row: the run id or the idempotency key is taken.
-CREATE FUNCTION orchestrator_submit_run(
-    p_run_id text, p_agent text, p_input jsonb, p_max_attempts integer, p_idempotency_key text,
-    p_not_before timestamptz, p_traceparent text
-) RETURNS SETOF runs LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
-DECLARE
-    submitted runs%ROWTYPE;
+CREATE FUNCTION orchestrator_submission_is_valid(
+    p_run_id text, p_agent text, p_input jsonb, p_idempotency_key text
+) RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF p_run_id IS NULL OR p_run_id !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$'
        OR p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$' OR p_input IS NULL
@@ -144,26 +141,35 @@ BEGIN
         RAISE EXCEPTION 'a run needs a well-formed run id, agent name and input'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key, available_at)
-    VALUES (p_run_id, p_agent, p_input, coalesce(p_max_attempts, 5), p_idempotency_key,
-            coalesce(p_not_before, clock_timestamp()))
-    ON CONFLICT DO NOTHING
-    RETURNING * INTO submitted;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
-    INSERT INTO run_events (run_id, kind, fence, details)
-    VALUES (submitted.run_id, 'submitted', submitted.fence,
-            jsonb_build_object('agent', submitted.agent, 'max_attempts', submitted.max_attempts,
-                               'idempotency_key', submitted.idempotency_key,
-                               'not_before', p_not_before));
-    IF p_traceparent IS NOT NULL THEN
-        INSERT INTO run_traces (run_id, fence, traceparent)
-        VALUES (submitted.run_id, 0, p_traceparent);
-    END IF;
-    PERFORM pg_notify('orchestrator_runs', submitted.agent);
-    RETURN NEXT submitted;
+    RETURN true;
 END
+$$;
+
+-- One statement, as the submit was before (a procedure of several would cost each submit more).
+CREATE FUNCTION orchestrator_submit_run(
+    p_run_id text, p_agent text, p_input jsonb, p_max_attempts integer, p_idempotency_key text,
+    p_not_before timestamptz, p_traceparent text
+) RETURNS SETOF runs LANGUAGE sql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+WITH inserted AS (
+    INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key, available_at)
+    SELECT p_run_id, p_agent, p_input, coalesce(p_max_attempts, 5), p_idempotency_key,
+           coalesce(p_not_before, clock_timestamp())
+    WHERE orchestrator_submission_is_valid(p_run_id, p_agent, p_input, p_idempotency_key)
+    ON CONFLICT DO NOTHING
+    RETURNING *
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'submitted', fence,
+           jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
+                              'idempotency_key', idempotency_key, 'not_before', p_not_before)
+    FROM inserted
+), traced AS (
+    INSERT INTO run_traces (run_id, fence, traceparent)
+    SELECT run_id, 0, p_traceparent FROM inserted WHERE p_traceparent IS NOT NULL
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM inserted
+)
+SELECT inserted.* FROM inserted WHERE (SELECT count(*) FROM woken) >= 0
 $$;
 REVOKE ALL ON FUNCTION orchestrator_submit_run(text, text, jsonb, integer, text, timestamptz, text)
     FROM PUBLIC;
