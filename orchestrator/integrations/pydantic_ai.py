@@ -85,9 +85,12 @@ try:
     )
     from pydantic_graph import End
 except ImportError as error:  # pragma: no cover - the extra is missing
-    raise ImportError(
-        "orchestrator.integrations.pydantic_ai needs Pydantic AI: "
-        "pip install 'fenced-orchestrator[pydantic-ai]'"
+    from orchestrator.extras import install_hint
+
+    # The missing module's name is kept: ``serve --agents`` names the extra from it.
+    raise ModuleNotFoundError(
+        f"orchestrator.integrations.pydantic_ai needs Pydantic AI: {install_hint('pydantic-ai')}",
+        name=error.name,
     ) from error
 
 from orchestrator.budgets import BudgetExhausted
