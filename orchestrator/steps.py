@@ -11,7 +11,9 @@ does one bounded piece of work (a model call, a tool call), and returns what hap
 The framework commits the returned checkpoint in one fenced transaction, only while this worker
 still owns the run; if it no longer does, nothing is committed and the step's result is dropped.
 A step may therefore run more than once (a crash before its commit), but its committed effects
-never repeat. Raise an exception for a failure worth retrying; return ``Fail`` for one that is not.
+never repeat. Raise an exception for a failure worth retrying; return ``Fail`` for one that is not
+(code deeper down that cannot return it raises ``orchestrator.PermanentFailure``: a model endpoint
+that refuses the request does).
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ ERRORS = {
     "UnknownStep",
     "BudgetExhausted",
     "DecisionRefused",
+    "PermanentFailure",
 }
 
 

@@ -104,7 +104,14 @@ from orchestrator.effects.model import (
     validate_effect_key,
 )
 from orchestrator.errors import InvalidInput
-from orchestrator.llm import BACKOFF_SECONDS, MODEL_ATTEMPTS
+from orchestrator.llm import (
+    BACKOFF_SECONDS,
+    MODEL_ATTEMPTS,
+    ModelRefused,
+    refusal_message,
+    refused_status,
+    retryable_status,
+)
 from orchestrator.models import JSON, Message, Role
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.telemetry import (
@@ -549,9 +556,11 @@ class OrchestratorCapability(AbstractCapability[Any]):
         request_context: ModelRequestContext,
         error: Exception,
     ) -> ModelResponse:
-        """429, 5xx, timeouts and dropped connections are tried again with backoff (the
-        server's ``Retry-After`` honoured), up to ``llm.MODEL_ATTEMPTS`` attempts, as
-        ``llm.complete`` does; other errors are not."""
+        """408, 409, 429, 5xx, timeouts, dropped connections and answers that are not UTF-8 are
+        tried again with backoff (the server's ``Retry-After`` honoured), up to
+        ``llm.MODEL_ATTEMPTS`` attempts, as ``llm.complete`` does; any other 4xx fails the run
+        at once (``llm.ModelRefused``: the same request would be refused again); other errors
+        are not retried here."""
         transient = (
             ModelRateLimitError,
             ModelServerError,
@@ -559,8 +568,22 @@ class OrchestratorCapability(AbstractCapability[Any]):
             ModelConnectionError,
         )
         status = getattr(error, "status_code", None)
-        if not isinstance(error, transient) and not (
-            isinstance(status, int) and (status == 429 or status >= 500)
+        if isinstance(status, int) and refused_status(status):
+            model = request_context.model
+            where = model.base_url or f"{model.system}'s own endpoint"
+            message = refusal_message(status, model.model_name, where, getattr(error, "body", None))
+            if status == 404 and type(model).__name__ == "OpenAIResponsesModel":
+                message += (
+                    "; openai:NAME speaks the Responses API, which chat completions servers "
+                    "(vLLM, Ollama) do not have: use openai-chat:NAME there"
+                )
+            raise ModelRefused(message, ()) from error
+        # An answer that was not UTF-8 or not JSON (a broken server): the next may be readable.
+        unreadable = isinstance(error.__cause__, UnicodeDecodeError | json.JSONDecodeError)
+        if (
+            not isinstance(error, transient)
+            and not unreadable
+            and not (isinstance(status, int) and retryable_status(status))
         ):
             raise error
         self.failed_attempts.append(error)
