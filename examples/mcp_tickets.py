@@ -1,6 +1,7 @@
 """A tool agent whose tools live in an MCP server, with its effectful tool sent through the fence.
 
-    pip install 'fenced-orchestrator[mcp]'
+    pip install -e '.[mcp]'                              # from a checkout of this repository
+    pip install 'fenced-orchestrator[mcp]'               # or from an index that has it
     python examples/mcp_tickets.py                       # embedded PostgreSQL, ./.orchestrator
     ORCHESTRATOR_DATABASE_URL=postgresql://... python examples/mcp_tickets.py
 
@@ -11,8 +12,10 @@ recorded in the turn's commit and called once by the dispatcher, with the run's 
 in ``_meta``); the server's ``delete_orders`` is not classified, so it is never offered and a
 call to it is refused. The model is the scripted model server, so nothing leaves the machine.
 
-It prints one JSON line: the run's state and answer, and the tickets the server opened.
-See docs/mcp.md.
+It prints one JSON line on standard output: the run's state, its answer and its error (none).
+The MCP server (a child process) logs each ticket it opens on standard error, as
+``{"opened": {"id": "T-1", "title": "o-17 arrived damaged"}}``: once, however often the
+dispatcher asks. See docs/mcp.md.
 """
 
 from __future__ import annotations

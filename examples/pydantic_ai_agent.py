@@ -1,6 +1,7 @@
 """Run an existing Pydantic AI agent on orchestrator: its read-only tool runs in the worker, its
 effectful tool becomes a fenced effect sent once by the dispatcher, and each model turn is one
-fenced commit. Needs the extra: ``pip install 'fenced-orchestrator[pydantic-ai]'``.
+fenced commit. Needs the pydantic-ai extra: ``pip install -e '.[pydantic-ai]'`` from a checkout
+(``pip install 'fenced-orchestrator[pydantic-ai]'`` from an index that has the package).
 
     python examples/pydantic_ai_agent.py                    # embedded PostgreSQL, ./.orchestrator
     ORCHESTRATOR_DATABASE_URL=postgresql://... python examples/pydantic_ai_agent.py

@@ -21,6 +21,12 @@ class InvalidInput(OrchestratorError):
     """A run's input, id, agent name or option is malformed or too large."""
 
 
+class PermanentFailure(OrchestratorError):
+    """A failure no retry can fix (a model endpoint that refuses the request: a wrong model
+    name, URL or key), raised by a step or by code it calls: the run fails at once with this
+    message, as when the step returns ``Fail``, instead of spending its attempts on it."""
+
+
 class RunNotFound(OrchestratorError):
     def __init__(self, run_id: str) -> None:
         super().__init__(

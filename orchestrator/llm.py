@@ -11,9 +11,11 @@ Configuration comes from the environment of the worker, never from run input:
   (default 60, per request).
 
 The client does not retry: a failed call fails its step, and the step's retry policy is the one
-retry layer. ``complete`` builds a request's body once, from messages encoded one by one
-(``encode_message``; a caller that keeps them across turns passes ``EncodedMessages``), and
-sends those bytes with the client's own POST on every attempt. Each call is a span named
+retry layer; a request the endpoint refuses (a 4xx other than 408, 409 and 429) raises
+``ModelRefused``, which fails the run at once, since the same request would be refused again.
+``complete`` builds a request's body once, from messages encoded one by one (``encode_message``;
+a caller that keeps them across turns passes ``EncodedMessages``), and sends those bytes with the
+client's own POST on every attempt. Each call is a span named
 ``chat MODEL`` with the OpenTelemetry gen_ai attributes; prompts and completions are not recorded
 (they may hold customer data), only sizes and token counts.
 """
@@ -35,8 +37,9 @@ from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
-from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.errors import InvalidInput, OrchestratorError, PermanentFailure
 from orchestrator.models import JSON
+from orchestrator.storable import storable_text
 from orchestrator.telemetry import model_metrics, start_span
 
 if TYPE_CHECKING:
@@ -100,7 +103,10 @@ def _timeout(env: Mapping[str, str]) -> float:
 
 
 async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) -> Completion:
-    """One chat completion. Cancellable: a lost lease cancels the HTTP request in flight."""
+    """One chat completion. Cancellable: a lost lease cancels the HTTP request in flight. A
+    request the endpoint refuses (``refused_status``) raises ``ModelRefused``."""
+    import openai
+
     client, model = model_client()
     with start_span(
         f"chat {model}",
@@ -111,11 +117,17 @@ async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) 
             "gen_ai.request.max_tokens": max_tokens,
         },
     ) as span:
-        response = await client.chat.completions.create(
-            model=model,
-            messages=[dict(message) for message in messages],  # type: ignore[misc]
-            max_tokens=max_tokens,
-        )
+        try:
+            response = await client.chat.completions.create(
+                model=model,
+                messages=[dict(message) for message in messages],  # type: ignore[misc]
+                max_tokens=max_tokens,
+            )
+        except openai.APIStatusError as error:
+            if not refused_status(error.status_code):
+                raise  # the step's retry may get past it
+            message = refusal_message(error.status_code, model, str(client.base_url), error.body)
+            raise ModelRefused(message, ()) from None
         usage = response.usage
         completion = Completion(
             text=response.choices[0].message.content or "",
@@ -147,7 +159,10 @@ class ModelAttempt:
     """One HTTP request of a model call, and what it cost (each attempt is billed)."""
 
     outcome: str
-    """``ok``, ``rate_limited``, ``server_error``, ``timeout`` or ``connection_error``."""
+    """``ok``, ``rate_limited``, ``server_error`` (a 5xx, 408 or 409), ``timeout``,
+    ``connection_error``, ``unreadable`` (an answer that is not UTF-8 or not JSON: it may have
+    been billed)
+    or ``refused`` (any other 4xx)."""
     status: int | None
     input_tokens: int | None
     output_tokens: int | None
@@ -199,8 +214,52 @@ class ModelCallFailed(OrchestratorError):
         self.attempts = tuple(attempts)
 
 
+class ModelRefused(ModelCallFailed, PermanentFailure):
+    """The model endpoint refused the request (400, 401, 403, 404, 413, 422...): the same
+    request would be refused again, so the run fails at once instead of retrying it."""
+
+
 MODEL_ATTEMPTS = 4
 BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0)
+RETRIED_STATUSES = frozenset((408, 409, 429))
+"""Besides any 5xx, the statuses a later request may get past (a timeout, a conflict, a rate
+limit); every other 4xx refuses the request itself."""
+
+
+def retryable_status(status: int) -> bool:
+    """Whether a request the model endpoint answered with ``status`` may succeed if sent again."""
+    return status in RETRIED_STATUSES or status >= 500
+
+
+def refused_status(status: int) -> bool:
+    """Whether ``status`` refuses the request itself: the same request would be refused again."""
+    return 400 <= status < 500 and status not in RETRIED_STATUSES
+
+
+_CHECK = {
+    400: "the server could not use the request: check that this model takes the tools, "
+    "response format and parameters the agent sends",
+    401: "check OPENAI_API_KEY: the server did not accept the key",
+    403: "check OPENAI_API_KEY: the key may not use this model",
+    404: "check the model name (ORCHESTRATOR_MODEL, or the agent's model) and OPENAI_BASE_URL "
+    "(an OpenAI-compatible server's usually ends in /v1): the server has no such model or path",
+    413: "check the request's size: it is larger than the server takes (shorten the "
+    "conversation or what the tools return)",
+}
+_CHECK[422] = _CHECK[400]
+
+
+def refusal_message(status: int, model: str, base_url: str, body: object) -> str:
+    """What a refused model request says: the status, the model, the endpoint, the server's
+    own words (shortened), and what to check."""
+    error = body.get("error", body) if isinstance(body, Mapping) else body
+    said = error.get("message") if isinstance(error, Mapping) else error
+    detail = storable_text(str(said))[:300] if said else ""
+    check = _CHECK.get(status, "check the model name, OPENAI_BASE_URL and OPENAI_API_KEY")
+    return (
+        f"the model endpoint refused the request (HTTP {status}) for model {model!r} at "
+        f"{base_url}{f': {detail}' if detail else ''}; {check}"
+    )
 
 
 def _retry_after(error: Exception) -> float | None:
@@ -233,9 +292,11 @@ async def complete(
     max_tokens: int | None = None,
     before_attempt: Callable[[str, Sequence[ModelAttempt]], Awaitable[None]] | None = None,
 ) -> ModelReply:
-    """One model turn, with this layer as the only retry: 429, 5xx, timeouts and dropped
-    connections are retried with backoff (honouring ``Retry-After``), up to ``MODEL_ATTEMPTS``
-    attempts and never past ``budget_seconds``; other errors are not retried. Each attempt is a
+    """One model turn, with this layer as the only retry: 408, 409, 429, 5xx, timeouts,
+    dropped connections and answers that are not UTF-8 are retried with backoff (honouring
+    ``Retry-After``), up to ``MODEL_ATTEMPTS`` attempts and never past ``budget_seconds``; any
+    other 4xx raises ``ModelRefused`` at once (a ``PermanentFailure``: the run fails without
+    retrying the step, as the same request would be refused again). Each attempt is a
     ``chat MODEL`` span and is counted in the reply's usage. ``before_attempt(model, attempts so
     far)`` runs before each request (a budget's reservation; what it raises ends the call).
     Cancellable: a lost lease cancels the request in flight. Prompts and outputs are never put
@@ -300,13 +361,17 @@ async def complete(
                 attempt = ModelAttempt(
                     "connection_error", None, None, None, time.monotonic() - began
                 )
-            except openai.APIStatusError as error:  # a 4xx: asking again will not help
-                attempts.append(
-                    ModelAttempt("refused", error.status_code, None, None, time.monotonic() - began)
-                )
-                raise ModelCallFailed(
-                    f"the model endpoint refused the request (HTTP {error.status_code})", attempts
-                ) from None
+            except (UnicodeDecodeError, json.JSONDecodeError):  # the next answer may be readable
+                attempt = ModelAttempt("unreadable", 200, None, None, time.monotonic() - began)
+            except openai.APIStatusError as error:
+                status = error.status_code
+                if refused_status(status):  # asking again will not help
+                    attempts.append(
+                        ModelAttempt("refused", status, None, None, time.monotonic() - began)
+                    )
+                    message = refusal_message(status, model, str(client.base_url), error.body)
+                    raise ModelRefused(message, attempts) from None
+                attempt = ModelAttempt("server_error", status, None, None, time.monotonic() - began)
             else:
                 content, calls, response_model, finish, input_tokens, output_tokens = reply
                 attempts.append(

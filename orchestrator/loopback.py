@@ -367,7 +367,7 @@ class RateLimited:
 
 @dataclass(frozen=True)
 class ServerError:
-    """Answer a 5xx."""
+    """Answer a 5xx (or any error status: a 4xx is a refused request)."""
 
     status: int = 500
 
@@ -380,7 +380,13 @@ class Slow:
     seconds: float
 
 
-Fault = RateLimited | ServerError | Slow
+@dataclass(frozen=True)
+class Garbled:
+    """Answer 200 with a body that is not UTF-8 (a broken server): the answer the script gives,
+    with a byte 0xFF in its text."""
+
+
+Fault = RateLimited | ServerError | Slow | Garbled
 
 
 @dataclass(frozen=True)
@@ -529,6 +535,10 @@ class ScriptedModelServer(LoopbackService):
             record["answer"] = str(fault.status)
             await _send_json(stream, fault.status, {"error": {"message": "scripted failure"}})
             return True
+        if isinstance(fault, Garbled):
+            record["answer"] = "garbled"
+            await _send_garbled(stream, events=bool(request.get("stream")))
+            return not request.get("stream")
         if isinstance(fault, Slow):
             gone = await _client_leaves_within(buffered, fault.seconds)
             if gone:
@@ -596,6 +606,28 @@ async def _read_request(
     body = await buffered.receive_exactly(length) if length else b""
     method, path, _ = request_line.split(" ", 2)
     return method, path, headers, body
+
+
+async def _send_garbled(stream: anyio.abc.SocketStream, *, events: bool) -> None:
+    """A chat completion (``events``: one streamed chunk of it) whose text is not UTF-8."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+    choice["delta" if events else "message"] = {"role": "assistant", "content": "GARBLED"}
+    answer = {"id": "chatcmpl-garbled", "created": 0, "model": "scripted", "choices": [choice]}
+    answer["object"] = "chat.completion.chunk" if events else "chat.completion"
+    data = json.dumps(answer).encode().replace(b"GARBLED", b"caf\xc3 \xff")
+    if events:
+        await stream.send(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+            + b"data: "
+            + data
+            + b"\n\ndata: [DONE]\n\n"
+        )
+        return
+    await stream.send(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
 
 
 async def _send_json(

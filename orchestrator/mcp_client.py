@@ -24,6 +24,7 @@ import anyio
 import structlog
 
 from orchestrator.errors import InvalidInput
+from orchestrator.extras import install_hint
 from orchestrator.models import JSON
 
 log = structlog.get_logger("orchestrator.mcp")
@@ -40,9 +41,7 @@ def require_sdk() -> None:
     try:
         import mcp  # noqa: F401
     except ImportError:
-        raise InvalidInput(
-            "MCP needs the mcp extra: pip install 'fenced-orchestrator[mcp]'"
-        ) from None
+        raise InvalidInput(f"MCP needs the mcp extra: {install_hint('mcp')}") from None
 
 
 class McpUnreachable(Exception):

@@ -11,7 +11,9 @@ does one bounded piece of work (a model call, a tool call), and returns what hap
 The framework commits the returned checkpoint in one fenced transaction, only while this worker
 still owns the run; if it no longer does, nothing is committed and the step's result is dropped.
 A step may therefore run more than once (a crash before its commit), but its committed effects
-never repeat. Raise an exception for a failure worth retrying; return ``Fail`` for one that is not.
+never repeat. Raise an exception for a failure worth retrying; return ``Fail`` for one that is not
+(code deeper down that cannot return it raises ``orchestrator.PermanentFailure``: a model endpoint
+that refuses the request does).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from orchestrator.effects.model import Effect, validate_effect_key
 from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.extras import install_hint, missing_extra
 from orchestrator.ids import validate_agent_name
 from orchestrator.jsontext import compact, utf8_size
 from orchestrator.models import JSON, StoredWait
@@ -348,6 +351,12 @@ class AgentRegistry:
             try:
                 module = importlib.import_module(module_name)
             except ImportError as error:
+                missing = missing_extra(error)
+                if missing is not None:  # the module is there; an extra it needs is not
+                    raise InvalidInput(
+                        f"cannot import agent module {module_name!r}: it imports {missing[0]}, "
+                        f"which is not installed: {install_hint(missing[1])}"
+                    ) from None
                 raise InvalidInput(
                     f"cannot import agent module {module_name!r}: {error}. Pass a module path "
                     "importable from here, e.g. orchestrator.agents.sleepy"

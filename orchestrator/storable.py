@@ -16,6 +16,7 @@ import math
 from typing import Any, NoReturn
 
 from orchestrator.errors import InvalidInput
+from orchestrator.jsontext import compact
 
 MAX_JSON_DEPTH = 200
 """Arrays and objects nested deeper than this are refused (PostgreSQL's own parser, and
@@ -34,6 +35,48 @@ def check_text(value: str, what: str) -> str:
         raise InvalidInput(
             f"{what} is not valid UTF-8 text (it holds undecodable bytes or a lone surrogate)"
         ) from None
+    return value
+
+
+def storable_text(value: str) -> str:
+    """``value`` with what PostgreSQL text cannot hold replaced by U+FFFD: for text that must be
+    kept whatever it holds (what a model sent), where refusing it would lose the rest.
+
+    Each NUL and each lone surrogate becomes one U+FFFD; a surrogate pair Python holds as two
+    code points becomes the character it encodes.
+    """
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        value = value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return value
+
+
+def storable_json(value: Any) -> Any:
+    """``value`` (JSON) with every string, keys included, made ``storable_text``; ``value``
+    itself when nothing needed it (the usual case, found by one compact encoding)."""
+    try:
+        if not needs_full_check(compact(value)):
+            return value
+    except (TypeError, ValueError):
+        pass  # not JSON: walked as it is, and refused later by check_json with its place
+    return _storable(value, 1)
+
+
+def _storable(value: Any, depth: int) -> Any:
+    if isinstance(value, str):
+        return storable_text(value)
+    if depth > MAX_JSON_DEPTH:
+        return value  # check_json refuses it, naming it
+    if isinstance(value, dict):
+        return {
+            storable_text(k) if isinstance(k, str) else k: _storable(v, depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_storable(item, depth + 1) for item in value]
     return value
 
 

@@ -597,13 +597,11 @@ def _one_json_line(exported: Any) -> str:
 
 
 def _exporter_missing(variable: str, error: ModuleNotFoundError) -> InvalidInput:
-    from importlib.metadata import packages_distributions
+    from orchestrator.extras import install_hint
 
-    # Named as installed, since the distribution's name may differ from the package's.
-    distribution = (packages_distributions().get(__name__.partition(".")[0]) or [TRACER_NAME])[0]
     return InvalidInput(
         f"{variable}=otlp needs the OTLP/HTTP exporter, which is not installed (no module "
-        f"{error.name!r}): install the otel extra, pip install '{distribution}[otel]'"
+        f"{error.name!r}): install the otel extra, {install_hint('otel')}"
     )
 
 

@@ -8,8 +8,8 @@
   standby seeded) and a multi-host ``dsn()`` that follows the primary;
 - ``LocalModelServer``: an OpenAI-compatible model server on loopback;
 - ``ScriptedModelServer`` (with ``turns``, ``ScriptedTurn``, ``ScriptedCall`` and the faults
-  ``RateLimited``, ``ServerError``, ``Slow``): an OpenAI-compatible server answering tool
-  calls from a script (docs/scripted-model.md);
+  ``RateLimited``, ``ServerError``, ``Slow``, ``Garbled``): an OpenAI-compatible server
+  answering tool calls from a script (docs/scripted-model.md);
 - ``LocalVendor``: an HTTP vendor that honours idempotency keys and can misbehave on demand;
 - ``SmtpSink``: a real SMTP server on loopback;
 - ``capture_spans``: an in-memory span exporter.
@@ -46,6 +46,7 @@ from orchestrator.db.replicated import Failover, ReplicatedPostgres, Replication
 from orchestrator.db.store import RunStore
 from orchestrator.loopback import (
     FaultProxy,
+    Garbled,
     LocalModelServer,
     LocalVendor,
     LoopbackHttpServer,
@@ -70,6 +71,7 @@ __all__ = [
     "DatabaseFactory",
     "Failover",
     "FaultProxy",
+    "Garbled",
     "LocalModelServer",
     "LocalVendor",
     "LoopbackHttpServer",

@@ -11,7 +11,11 @@ A tool agent is an ``Agent`` whose one step, ``turn``, is one model turn:
    request splices the kept bytes (``_request``).
 3. Each tool call is checked: an unknown tool (or one a tool source, such as an MCP server,
    lists but its classification denies), malformed JSON or arguments that fail the schema go
-   back to the model as a tool error, counted. A read-only call runs now, with its timeout.
+   back to the model as a tool error, counted; so does a call the transcript cannot hold as the
+   model sent it (``stored_replies``: a NUL or a lone surrogate, arguments too large for the
+   message, a call past ``max_tool_calls_per_turn``), or whose arguments parse into what jsonb
+   cannot hold (``"\\u0000"``, NaN): nothing is done for it, and the turn still commits. A
+   read-only call runs now, with its timeout.
    An effect call only builds its payload: an ``Effect`` keyed by the turn, the tool and its
    arguments (``effect_keys``).
 4. One fenced commit holds it all: the messages of the turn (tool results, the assistant message
@@ -31,7 +35,7 @@ import hashlib
 import json
 import re
 import weakref
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -45,8 +49,14 @@ from orchestrator.budgets import Budget, BudgetExhausted
 from orchestrator.effects.model import Effect
 from orchestrator.errors import InvalidInput
 from orchestrator.llm import EncodedMessages, ModelAttempt, ModelReply, complete
-from orchestrator.models import JSON, Message
+from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES, JSON, Message
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
+from orchestrator.stored_replies import (
+    arguments_problem,
+    flood_message,
+    stored_reply,
+    unstorable_json,
+)
 from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span
 from orchestrator.tools import (
     EffectTool,
@@ -62,6 +72,8 @@ from orchestrator.tools import (
 DEFAULT_SETTLE_GRACE_SECONDS = 2.0
 """How long a turn waits, holding its lease, for the previous turn's effects to settle before
 it parks the run (``Wait``) until they do."""
+DEFAULT_MAX_TOOL_CALLS_PER_TURN = 64
+"""Calls of one model reply that are run; the rest are refused (each an invalid call)."""
 LOOP_KEY = "tool_loop"
 """The checkpoint key holding the loop's own state (other keys belong to the step graph)."""
 _CALL_ID = re.compile(r"[^A-Za-z0-9_.-]")
@@ -78,7 +90,11 @@ def effect_keys(turn: int, tool_calls: Sequence[Any]) -> list[str]:
         function = call.get("function", {}) if isinstance(call, dict) else {}
         name = _CALL_ID.sub("_", str(function.get("name", "")))[:64] or "_"
         canonical = _canonical_arguments(function.get("arguments"))
-        digest = hashlib.sha256(f"{name}\0{canonical}".encode()).hexdigest()[:20]
+        # surrogatepass: a lone surrogate the model sent must not stop its turn from being keyed
+        # (that call is refused); every other text encodes as UTF-8 does.
+        digest = hashlib.sha256(
+            f"{name}\0{canonical}".encode("utf-8", "surrogatepass")
+        ).hexdigest()[:20]
         key = f"call:{turn}:{name}:{digest}"
         seen[key] += 1
         keys.append(key if seen[key] == 1 else f"{key}:{seen[key]}")
@@ -134,6 +150,7 @@ class ToolAgent(Agent):
         deadline_seconds: float | None = None,
         output_retries: int = 2,
         max_invalid_calls: int = 10,
+        max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN,
         stream: bool = False,
         lease_seconds: float | None = None,
         prompt: Callable[[JSON], str] = default_prompt,
@@ -152,6 +169,7 @@ class ToolAgent(Agent):
             deadline_seconds=deadline_seconds,
             output_retries=output_retries,
             max_invalid_calls=max_invalid_calls,
+            max_tool_calls_per_turn=max_tool_calls_per_turn,
             stream=stream,
             prompt=prompt,
             max_output_tokens=max_output_tokens,
@@ -189,6 +207,7 @@ class ToolLoop:
         max_invalid_calls: int,
         stream: bool,
         prompt: Callable[[JSON], str],
+        max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN,
         max_output_tokens: int | None = None,
         settle_grace_seconds: float = DEFAULT_SETTLE_GRACE_SECONDS,
     ) -> None:
@@ -196,10 +215,15 @@ class ToolLoop:
             raise InvalidInput(f"agent {agent}: max_output_tokens must be at least 1")
         if not settle_grace_seconds >= 0:
             raise InvalidInput(f"agent {agent}: settle_grace_seconds must be 0 or more")
-        if max_turns < 1 or output_retries < 0 or max_invalid_calls < 0:
+        if (
+            max_turns < 1
+            or max_tool_calls_per_turn < 1
+            or output_retries < 0
+            or max_invalid_calls < 0
+        ):
             raise InvalidInput(
-                f"agent {agent}: max_turns must be at least 1, output_retries and "
-                "max_invalid_calls at least 0"
+                f"agent {agent}: max_turns and max_tool_calls_per_turn must be at least 1, "
+                "output_retries and max_invalid_calls at least 0"
             )
         if deadline_seconds is not None and not deadline_seconds > 0:
             raise InvalidInput(f"agent {agent}: deadline_seconds must be above 0")
@@ -228,6 +252,7 @@ class ToolLoop:
         self.deadline_seconds = deadline_seconds
         self.output_retries = output_retries
         self.max_invalid_calls = max_invalid_calls
+        self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.stream = stream
         self.prompt = prompt
         self.max_output_tokens = max_output_tokens
@@ -335,20 +360,32 @@ class ToolLoop:
                 messages=new,
             )
         state.add_usage(reply)
-        assistant = _assistant_message(state.turn, reply)
+        # What the transcript can hold of the reply: the calls it could not hold are refused.
+        stored = stored_reply(
+            state.turn,
+            reply.content,
+            reply.tool_calls,
+            max_calls=self.max_tool_calls_per_turn,
+            max_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+        )
+        assistant = Message(state.turn, "assistant", stored.body, reply.usage())
         new.append(assistant)
         if reply.tool_calls:
             allowed = ctx.budget.tool_calls_left if ctx.budget is not None else None
-            effects = await self._tool_calls(ctx, state, assistant, new, allowed)
-            made = len(reply.tool_calls) if allowed is None else min(len(reply.tool_calls), allowed)
+            calls = len(reply.tool_calls)
+            made = calls if allowed is None else min(calls, allowed)
+            if (
+                state.invalid_calls + len(stored.refused) > self.max_invalid_calls
+                or not stored.fits
+            ):
+                # A flood of calls: refused before any of them runs.
+                spending.spent(reply.attempts, calls=made)
+                state.invalid_calls += len(stored.refused)
+                return _too_many_calls(self, span, state, calls, stored.fits)
+            effects = await self._tool_calls(ctx, state, assistant, new, allowed, stored.refused)
             spending.spent(reply.attempts, calls=made)
             if state.invalid_calls > self.max_invalid_calls:
-                span.set_status(Status(StatusCode.ERROR, "too many invalid tool calls"))
-                return Fail(
-                    f"the model made {state.invalid_calls} invalid tool calls, more than "
-                    f"the {self.max_invalid_calls} allowed",
-                    details=state.summary(),
-                )
+                return _too_many_calls(self, span, state, calls, stored.fits)
             state.turn += 1
             checkpoint = {**rest, LOOP_KEY: state.dump()}
             return turn_committed(
@@ -359,46 +396,54 @@ class ToolLoop:
                 deadline=state.deadline,
             )
         spending.spent(reply.attempts, calls=0)
-        return self._answer(ctx, state, reply, rest, new, self_step, then)
+        return self._answer(
+            state, reply.content, stored.content_problem, rest, new, self_step, then
+        )
 
     def _answer(
         self,
-        ctx: StepContext,
         state: _LoopState,
-        reply: ModelReply,
+        content: str | None,
+        content_problem: str | None,
         rest: dict[str, Any],
         new: list[Message],
         self_step: type[Step],
         then: type[Step] | None,
     ) -> Outcome:
-        output: JSON = reply.content
-        if self.output is not None:
+        output: JSON = content
+        # What is wrong with the answer (now, then), why, and what the model is asked to do.
+        unstorable = ("cannot be stored", "could not be stored")
+        wrong: tuple[tuple[str, str], str, str] | None = None
+        if content_problem is not None:
+            wrong = (unstorable, content_problem, "Answer again.")
+        elif self.output is not None:
             try:
                 output = self.output.dump_python(
-                    self.output.validate_json(reply.content or ""), mode="json"
+                    self.output.validate_json(content or ""), mode="json"
                 )
             except pydantic.ValidationError as error:
-                if state.output_retries >= self.output_retries:
-                    return Fail(
-                        f"the model's answer did not match the required output after "
-                        f"{state.output_retries + 1} tries: {_problems(error)}",
-                        details=state.summary(),
-                    )
-                state.output_retries += 1
-                new.append(
-                    Message(
-                        state.turn,
-                        "user",
-                        {
-                            "role": "user",
-                            "content": "Your answer does not match the required output "
-                            f"({_problems(error)}). Answer again with JSON matching this "
-                            f"schema: {json.dumps(self.output.json_schema())}",
-                        },
-                    )
+                schema = json.dumps(self.output.json_schema())
+                wrong = (
+                    ("does not match the required output", "did not match the required output"),
+                    _problems(error),
+                    f"Answer again with JSON matching this schema: {schema}",
                 )
-                state.turn += 1
-                return Next(self_step, checkpoint={**rest, LOOP_KEY: state.dump()}, messages=new)
+            else:
+                problem = unstorable_json(output, "the answer")
+                if problem is not None:
+                    wrong = (unstorable, problem, "Answer again without it.")
+        if wrong is not None:
+            (present, past), problem, ask = wrong
+            if state.output_retries >= self.output_retries:
+                return Fail(
+                    f"the model's answer {past} after {state.output_retries + 1} tries: {problem}",
+                    details=state.summary(),
+                )
+            state.output_retries += 1
+            asked = f"Your answer {present} ({problem}). {ask}"
+            new.append(Message(state.turn, "user", {"role": "user", "content": asked}))
+            state.turn += 1
+            return Next(self_step, checkpoint={**rest, LOOP_KEY: state.dump()}, messages=new)
         result = {"output": output, **state.summary(), "turns": state.turn + 1}
         if then is not None:
             return Next(then, checkpoint={**rest, "output": output}, messages=new)
@@ -411,9 +456,11 @@ class ToolLoop:
         assistant: Message,
         new: list[Message],
         allowed: int | None,
+        refused: Mapping[int, str],
     ) -> list[Effect]:
         """Run the read-only calls, build the effect calls; at most ``allowed`` calls (the
-        run's tool-call budget), the rest told to the model as refused."""
+        run's tool-call budget), the rest told to the model as refused, as are the ``refused``
+        (by their place: calls the transcript could not hold as they came)."""
         effects: list[Effect] = []
         calls = assistant.body["tool_calls"]
         keys = effect_keys(state.turn, calls)
@@ -441,6 +488,11 @@ class ToolLoop:
                     **_our_attributes(ctx, state.turn),
                 },
             ) as span:
+                if index in refused:
+                    state.invalid_calls += 1
+                    span.set_status(Status(StatusCode.ERROR, "refused"))
+                    new.append(_tool_error(state.turn, call_id, refused[index]))
+                    continue
                 if found is None:
                     state.invalid_calls += 1
                     refusal = next(filter(None, (s.refusal(name) for s in self.sources)), None)
@@ -459,6 +511,9 @@ class ToolLoop:
                     continue
                 try:
                     parsed = found.parse(arguments)
+                    unstorable = arguments_problem(parsed)  # what an effect could not record
+                    if unstorable is not None:
+                        raise ToolArgumentsInvalid(unstorable)
                 except ToolArgumentsInvalid as error:
                     state.invalid_calls += 1
                     span.set_status(Status(StatusCode.ERROR, "invalid arguments"))
@@ -750,18 +805,21 @@ def _our_attributes(ctx: StepContext, turn: int) -> dict[str, str | int]:
     }
 
 
-def _assistant_message(turn: int, reply: ModelReply) -> Message:
-    body: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.tool_calls:
-        body["tool_calls"] = [
-            {
-                "id": call.id or f"call_{turn}_{index}",
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for index, call in enumerate(reply.tool_calls)
-        ]
-    return Message(turn, "assistant", body, reply.usage())
+def _too_many_calls(
+    loop: ToolLoop, span: trace.Span, state: _LoopState, calls: int, fits: bool
+) -> Fail:
+    """The run fails: no retry would make the model's calls valid, or storable."""
+    span.set_status(Status(StatusCode.ERROR, "too many invalid tool calls"))
+    if not fits:
+        message = flood_message(calls, DEFAULT_MAX_MESSAGE_BYTES)
+    else:
+        cap = loop.max_tool_calls_per_turn
+        message = (
+            f"the model made {state.invalid_calls} invalid tool calls, more than the "
+            f"{loop.max_invalid_calls} allowed"
+            + (f" ({calls} calls in one reply, at most {cap} run per turn)" if calls > cap else "")
+        )
+    return Fail(message, details=state.summary())
 
 
 def _tool_error(turn: int, call_id: str, text: str) -> Message:

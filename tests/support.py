@@ -318,6 +318,13 @@ def fenced_claims(events: Sequence[RunEvent]) -> list[RunEvent]:
     return claims
 
 
+async def failed_attempts(store: RunStore, run_id: str) -> int:
+    """How many of the run's attempts failed (its timeline's retries and dead-lettering): the
+    run's ``attempt`` column cannot say, as every commit sets it back to 1."""
+    kinds = [event.kind for event in await store.events(run_id)]
+    return kinds.count("retry_scheduled") + kinds.count("dead_lettered")
+
+
 def handed_from_a_to_b(events: list[RunEvent]) -> tuple[list[int | None], RunEvent]:
     """The fences A claimed and B's first claim, after checking the fencing rules and that the
     run went from A to B once. A short lease on a loaded machine may be lost and claimed again

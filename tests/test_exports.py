@@ -49,6 +49,7 @@ ERRORS = {
     "UnknownStep",
     "BudgetExhausted",
     "DecisionRefused",
+    "PermanentFailure",
 }
 
 

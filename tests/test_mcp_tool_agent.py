@@ -63,6 +63,26 @@ async def mcp_agent(server: dict[str, Any]) -> AsyncIterator[ToolAgent]:
             await source.aclose()
 
 
+async def serve_one_run(
+    settings: Settings,
+    store: RunStore,
+    agent: ToolAgent,
+    server: dict[str, Any],
+    model: ScriptedModelServer,
+    monkeypatch: pytest.MonkeyPatch,
+    prompt: str,
+) -> str:
+    """One run of ``agent`` against ``model`` in a worker whose dispatcher sends the tickets
+    server's effects; its id, once it has ended."""
+    monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    adapter = adapter_from_config("tickets", tickets_kind(server))
+    run_id = (await store.submit(agent.name, {"prompt": prompt})).run.run_id
+    async with running_worker(settings, [agent], effect_adapters={"tickets": adapter}, **FAST):
+        await wait_for_run(store, run_id, within=60)
+    return run_id
+
+
 @pytest.mark.parametrize("transport", ["http", "stdio"])
 async def test_classified_mcp_tools_are_offered_and_an_unlisted_one_is_denied(
     transport: str,
@@ -74,14 +94,9 @@ async def test_classified_mcp_tools_are_offered_and_an_unlisted_one_is_denied(
     monkeypatch.setenv("OPENAI_BASE_URL", "")
     with tickets_server(transport, tmp_path / "ledger.jsonl") as server:
         async with ScriptedModelServer(TICKET_TURNS) as model, mcp_agent(server) as agent:
-            monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
-            monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-            adapter = adapter_from_config("tickets", tickets_kind(server))
-            run_id = (await store.submit(agent.name, {"prompt": "o-17 is damaged"})).run.run_id
-            async with running_worker(
-                settings, [agent], effect_adapters={"tickets": adapter}, **FAST
-            ):
-                await wait_for_run(store, run_id, within=60)
+            run_id = await serve_one_run(
+                settings, store, agent, server, model, monkeypatch, "o-17 is damaged"
+            )
     run = await store.get(run_id)
     assert run.state is RunState.SUCCEEDED, run.error
     # Only classified tools reached the model; the unlisted one was refused as denied.
@@ -160,12 +175,9 @@ async def test_arguments_are_checked_against_the_listed_schema_before_any_call(
     )
     server = stdio_server(tmp_path / "ledger.jsonl")
     async with ScriptedModelServer(script) as model, mcp_agent(server) as agent:
-        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
-        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-        adapter = adapter_from_config("tickets", tickets_kind(server))
-        run_id = (await store.submit(agent.name, {"prompt": "bad arguments"})).run.run_id
-        async with running_worker(settings, [agent], effect_adapters={"tickets": adapter}, **FAST):
-            await wait_for_run(store, run_id, within=60)
+        run_id = await serve_one_run(
+            settings, store, agent, server, model, monkeypatch, "bad arguments"
+        )
     run = await store.get(run_id)
     assert run.state is RunState.SUCCEEDED and run.result is not None
     assert run.result["invalid_calls"] == 2

@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 from pydantic_core import to_jsonable_python
 
 try:
@@ -51,12 +52,15 @@ try:
         ModelRequestNode,
         RetryModelRequest,
         RunContext,
+        SkipToolValidation,
     )
     from pydantic_ai.capabilities import (
         AbstractCapability,
+        RawToolArgs,
         ValidatedToolArgs,
         WrapModelRequestHandler,
         WrapToolExecuteHandler,
+        WrapToolValidateHandler,
     )
     from pydantic_ai.exceptions import (
         ModelAPIError,
@@ -85,9 +89,12 @@ try:
     )
     from pydantic_graph import End
 except ImportError as error:  # pragma: no cover - the extra is missing
-    raise ImportError(
-        "orchestrator.integrations.pydantic_ai needs Pydantic AI: "
-        "pip install 'fenced-orchestrator[pydantic-ai]'"
+    from orchestrator.extras import install_hint
+
+    # The missing module's name is kept: ``serve --agents`` names the extra from it.
+    raise ModuleNotFoundError(
+        f"orchestrator.integrations.pydantic_ai needs Pydantic AI: {install_hint('pydantic-ai')}",
+        name=error.name,
     ) from error
 
 from orchestrator.budgets import BudgetExhausted
@@ -100,10 +107,28 @@ from orchestrator.effects.model import (
     EffectStatus,
     validate_effect_key,
 )
-from orchestrator.errors import InvalidInput
-from orchestrator.llm import BACKOFF_SECONDS, MODEL_ATTEMPTS
-from orchestrator.models import JSON, Message, Role
+from orchestrator.errors import InvalidInput, PermanentFailure
+from orchestrator.jsontext import compact
+from orchestrator.llm import (
+    BACKOFF_SECONDS,
+    MODEL_ATTEMPTS,
+    ModelRefused,
+    ToolCall,
+    refusal_message,
+    refused_status,
+    retryable_status,
+)
+from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES, JSON, Message, Role
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
+from orchestrator.storable import storable_text
+from orchestrator.stored_replies import (
+    StoredReply,
+    arguments_problem,
+    flood_message,
+    stored_json,
+    stored_reply,
+    unstorable_json,
+)
 from orchestrator.telemetry import (
     ATTEMPT,
     LEASE_UNTIL,
@@ -113,7 +138,12 @@ from orchestrator.telemetry import (
     model_metrics,
     start_span,
 )
-from orchestrator.tool_agent import DEFAULT_SETTLE_GRACE_SECONDS, default_prompt, effect_keys
+from orchestrator.tool_agent import (
+    DEFAULT_MAX_TOOL_CALLS_PER_TURN,
+    DEFAULT_SETTLE_GRACE_SECONDS,
+    default_prompt,
+    effect_keys,
+)
 from orchestrator.tools import (
     DEFAULT_TOOL_TIMEOUT_SECONDS,
     default_result,
@@ -121,6 +151,9 @@ from orchestrator.tools import (
     turn_committed,
 )
 
+_HALF_A_MESSAGE = DEFAULT_MAX_MESSAGE_BYTES // 2
+"""What a model response's calls may take: each message is kept twice (Pydantic AI's JSON and the
+chat view beside it)."""
 STATE_KEY = "pydantic_ai"
 """The checkpoint key holding the turn loop's own state."""
 DEFAULT_WORST_OUTPUT_TOKENS = 4096
@@ -209,6 +242,7 @@ class PydanticAIAgent(Agent):
         lease_seconds: float | None = None,
         settle_grace_seconds: float = DEFAULT_SETTLE_GRACE_SECONDS,
         tool_timeout_seconds: float = DEFAULT_TOOL_TIMEOUT_SECONDS,
+        max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN,
     ) -> None:
         if not isinstance(agent, PydanticAgent):
             raise InvalidInput(
@@ -226,8 +260,10 @@ class PydanticAIAgent(Agent):
         both = sorted(set(read_only) & set(effects))
         if both:
             raise InvalidInput(f"agent {name}: {', '.join(both)} cannot be read-only and an effect")
-        if max_turns < 1:
-            raise InvalidInput(f"agent {name}: max_turns must be at least 1")
+        if max_turns < 1 or max_tool_calls_per_turn < 1:
+            raise InvalidInput(
+                f"agent {name}: max_turns and max_tool_calls_per_turn must be at least 1"
+            )
         if max_output_tokens is not None and max_output_tokens < 1:
             raise InvalidInput(f"agent {name}: max_output_tokens must be at least 1")
         if not settle_grace_seconds >= 0:
@@ -246,6 +282,7 @@ class PydanticAIAgent(Agent):
         self.model = model
         self.settle_grace_seconds = settle_grace_seconds
         self.tool_timeout_seconds = tool_timeout_seconds
+        self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.deadline_seconds = deadline_seconds
         wrapper = self
 
@@ -313,13 +350,23 @@ class PydanticAIAgent(Agent):
         if trailing is not None:
             new_messages.append(trailing)
         state.add_usage(capability)
-        new = _to_transcript(new_messages, state.turn)
+        try:
+            new = _to_transcript(new_messages, state.turn)
+        except InvalidInput as unstorable:  # thousands of calls: asking again would not help
+            span.set_status(Status(StatusCode.ERROR, "reply cannot be stored"))
+            return Fail(str(unstorable), details=state.summary())
         if trailing is not None:
             state.turn += 1
             return Next(self_step, checkpoint={**rest, STATE_KEY: state.dump()}, messages=new)
         if isinstance(ended, DeferredToolRequests):
             return self._deferred(ended, capability, state, rest, new, self_step)
         output = to_jsonable_python(ended)
+        problem = unstorable_json(output, "the answer")
+        if problem is not None:  # asked again, as the next turn (max_turns bounds it)
+            ask = f"Your answer cannot be stored ({problem}). Answer again without it."
+            new += _to_transcript([ModelRequest(parts=[UserPromptPart(ask)])], state.turn)
+            state.turn += 1
+            return Next(self_step, checkpoint={**rest, STATE_KEY: state.dump()}, messages=new)
         return Finish(
             result={"output": output, **state.summary(), "turns": state.turn + 1}, messages=new
         )
@@ -446,6 +493,16 @@ class OrchestratorCapability(AbstractCapability[Any]):
         """Tool calls this turn made, against the run's tool-call budget."""
         self.failed_attempts: list[Exception] = []
         """The failed attempts of the model request in flight."""
+        self.stored: dict[int, tuple[ModelResponse, StoredReply]] = {}
+        """What the transcript can hold of each model response of the turn, by the response's
+        id (computed once per response, for all its calls; the response is kept with it, so its
+        id is not reused meanwhile)."""
+        self.refused: dict[str, str] = {}
+        """Why each refused call (by tool call id) is not run: its tool error."""
+        self.places: dict[str, tuple[int, ModelResponse, int]] = {}
+        """Each tool call id of the run's responses: the response's place among them (the turn
+        its calls are keyed under), the response, the call's place in it. Built once per
+        response, not once per call: a reply of thousands of calls must not cost their square."""
 
     def _attributes(self) -> dict[str, Any]:
         ctx = self.step
@@ -537,6 +594,8 @@ class OrchestratorCapability(AbstractCapability[Any]):
                 usage.output_tokens + unanswered * worst_output,
                 turns=1,
             )
+        if not self._stored(self.turn, response).fits:  # thousands of calls: none is run
+            raise PermanentFailure(flood_message(len(response.tool_calls), _HALF_A_MESSAGE))
         return response
 
     async def on_model_request_error(
@@ -546,9 +605,11 @@ class OrchestratorCapability(AbstractCapability[Any]):
         request_context: ModelRequestContext,
         error: Exception,
     ) -> ModelResponse:
-        """429, 5xx, timeouts and dropped connections are tried again with backoff (the
-        server's ``Retry-After`` honoured), up to ``llm.MODEL_ATTEMPTS`` attempts, as
-        ``llm.complete`` does; other errors are not."""
+        """408, 409, 429, 5xx, timeouts, dropped connections and answers that are not UTF-8 are
+        tried again with backoff (the server's ``Retry-After`` honoured), up to
+        ``llm.MODEL_ATTEMPTS`` attempts, as ``llm.complete`` does; any other 4xx fails the run
+        at once (``llm.ModelRefused``: the same request would be refused again); other errors
+        are not retried here."""
         transient = (
             ModelRateLimitError,
             ModelServerError,
@@ -556,8 +617,22 @@ class OrchestratorCapability(AbstractCapability[Any]):
             ModelConnectionError,
         )
         status = getattr(error, "status_code", None)
-        if not isinstance(error, transient) and not (
-            isinstance(status, int) and (status == 429 or status >= 500)
+        if isinstance(status, int) and refused_status(status):
+            model = request_context.model
+            where = model.base_url or f"{model.system}'s own endpoint"
+            message = refusal_message(status, model.model_name, where, getattr(error, "body", None))
+            if status == 404 and type(model).__name__ == "OpenAIResponsesModel":
+                message += (
+                    "; openai:NAME speaks the Responses API, which chat completions servers "
+                    "(vLLM, Ollama) do not have: use openai-chat:NAME there"
+                )
+            raise ModelRefused(message, ()) from error
+        # An answer that was not UTF-8 or not JSON (a broken server): the next may be readable.
+        unreadable = isinstance(error.__cause__, UnicodeDecodeError | json.JSONDecodeError)
+        if (
+            not isinstance(error, transient)
+            and not unreadable
+            and not (isinstance(status, int) and retryable_status(status))
         ):
             raise error
         self.failed_attempts.append(error)
@@ -611,6 +686,12 @@ class OrchestratorCapability(AbstractCapability[Any]):
         marked = self.wrapper.effects.get(name)
         if marked is None and name not in self.wrapper.read_only:
             return {"error": f"tool {name!r} is not allowed in this run"}
+        refusal = self.refused.get(call.tool_call_id)
+        if refusal is None and not ctx.tool_call_approved:
+            problem = arguments_problem(args)  # what an effect's record could not hold
+            refusal = None if problem is None else f"invalid arguments for {name}: {problem}"
+        if refusal is not None:
+            return {"error": refusal}
         budget = self.step.budget
         if budget is not None and not ctx.tool_call_approved:
             # The run's tool-call budget, as ToolAgent keeps it: calls past it are not run.
@@ -677,21 +758,82 @@ class OrchestratorCapability(AbstractCapability[Any]):
         """The call's key among its response's calls, as ``ToolAgent`` keys them, the turn being
         the response's place among the run's responses: the same response's calls, run again
         for any reason, meet the records (and the vendor's lookups) they already have."""
-        turn, calls = self.turn, [call]
-        responses = [m for m in ctx.messages if isinstance(m, ModelResponse)]
-        for number, response in enumerate(responses):
-            if any(c.tool_call_id == call.tool_call_id for c in response.tool_calls):
-                turn, calls = number, response.tool_calls
-        keys = effect_keys(turn, [_openai_call(c) for c in calls])
-        index = next(i for i, c in enumerate(calls) if c.tool_call_id == call.tool_call_id)
-        return keys[index]
+        turn, response, index = self._placed(ctx, call)
+        calls = response.tool_calls if response is not None else [call]
+        return effect_keys(turn, [_openai_call(c) for c in calls])[index]
+
+    def _stored(self, turn: int, response: ModelResponse) -> StoredReply:
+        """What the transcript can hold of ``response`` (computed once, for all its calls)."""
+        if id(response) not in self.stored:
+            text = "".join(p.content for p in response.parts if isinstance(p, TextPart))
+            calls = [
+                ToolCall(c.tool_call_id, c.tool_name, _raw_arguments(c))
+                for c in response.tool_calls
+            ]
+            stored = stored_reply(
+                turn,
+                text or None,
+                calls,
+                max_calls=self.wrapper.max_tool_calls_per_turn,
+                max_bytes=_HALF_A_MESSAGE,
+            )
+            self.stored[id(response)] = (response, stored)
+        return self.stored[id(response)][1]
+
+    def _placed(
+        self, ctx: RunContext[Any], call: ToolCallPart
+    ) -> tuple[int, ModelResponse | None, int]:
+        """The response holding ``call`` (``None`` if none does: then this turn, and its place
+        0), its place among the run's responses and the call's place in it."""
+        if call.tool_call_id not in self.places:
+            responses = [m for m in ctx.messages if isinstance(m, ModelResponse)]
+            for number, response in enumerate(responses):
+                for index, part in enumerate(response.tool_calls):
+                    self.places[part.tool_call_id] = (number, response, index)
+        return self.places.get(call.tool_call_id, (self.turn, None, 0))
+
+    async def wrap_tool_validate(
+        self,
+        ctx: RunContext[Any],
+        *,
+        call: ToolCallPart,
+        tool_def: ToolDefinition,
+        args: RawToolArgs,
+        handler: WrapToolValidateHandler,
+    ) -> ValidatedToolArgs:
+        """A call the transcript cannot hold as it came (``stored_replies``) is refused before
+        it is validated: the history keeps what can be stored of its arguments, and
+        ``wrap_tool_execute`` tells the model why it was not run."""
+        turn, response, index = self._placed(ctx, call)
+        if response is None:  # not a call of the run's responses: nothing of it is stored
+            return await handler(args)
+        stored = self._stored(turn, response)
+        refusal = stored.refused.get(index)
+        if refusal is None:
+            return await handler(args)
+        self.refused[call.tool_call_id] = refusal
+        kept = stored.body["tool_calls"][index]["function"]["arguments"]
+        if kept != _raw_arguments(call):
+            call.args = kept  # the history part: what the transcript will hold
+        raise SkipToolValidation({})
+
+
+def _raw_arguments(call: ToolCallPart) -> str:
+    """The call's arguments as the model sent them (a JSON text, usually)."""
+    if isinstance(call.args, str):
+        return call.args
+    return compact(call.args or {})
 
 
 def _openai_call(call: ToolCallPart) -> dict[str, Any]:
+    try:
+        arguments = call.args_as_json_str()
+    except ValueError:  # a lone surrogate: that call is refused, its key only has to exist
+        arguments = storable_text(_raw_arguments(call))
     return {
         "id": call.tool_call_id,
         "type": "function",
-        "function": {"name": call.tool_name, "arguments": call.args_as_json_str()},
+        "function": {"name": call.tool_name, "arguments": arguments},
     }
 
 
@@ -745,7 +887,15 @@ def _to_transcript(messages: Sequence[ModelMessage], turn: int) -> list[Message]
                     )
                     or _describe(message),
                 }
-        out.append(Message(turn, role, {**view, STATE_KEY: body}, usage))
+        stored = stored_json({**view, STATE_KEY: body}, DEFAULT_MAX_MESSAGE_BYTES)
+        if stored is None:
+            calls = len(message.tool_calls) if isinstance(message, ModelResponse) else 0
+            raise InvalidInput(
+                f"the {role} message of turn {turn} cannot be stored, even without its largest "
+                f"values ({calls} tool calls: at most {DEFAULT_MAX_MESSAGE_BYTES:,} bytes a "
+                "message)"
+            )
+        out.append(Message(turn, role, stored, usage))
     return out
 
 

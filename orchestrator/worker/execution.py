@@ -30,6 +30,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 from orchestrator import steps
 from orchestrator.budgets import Prices, RunBudget
 from orchestrator.db.store import RunFinish, RunStore, StepCommit
+from orchestrator.errors import PermanentFailure
 from orchestrator.models import JSON, ClaimedRun, CommitResult, Message
 from orchestrator.signals import Signal
 from orchestrator.telemetry import (
@@ -400,7 +401,11 @@ class RunExecution:
         try:
             with as_current(span):
                 try:
-                    outcome = await step_class().run(context)
+                    try:
+                        outcome = await step_class().run(context)
+                    except PermanentFailure as failure:  # as if the step returned Fail
+                        span.record_exception(failure)
+                        outcome = steps.Fail(str(failure))
                     encoded = validate(outcome, agent.name, agent.steps, services.config.limits)
                 except Exception as error:
                     span.record_exception(error)
