@@ -32,6 +32,7 @@ BOOKKEEPING_KEYS = frozenset(
         "step",
         "previous_owner",
         "previous_lease_until",
+        "lost_at",
         "previous_state",
         "effect_key",
         "effect_keys",
