@@ -64,11 +64,16 @@ PRINCIPAL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,199}")
 
 
 def check_principal_name(name: str) -> str:
-    """``name`` if it can name a principal: 1-200 letters, digits and ``. _ @ + -``."""
+    """``name`` if it can name a principal: 1-200 letters, digits and ``. _ @ + -``, and not
+    ``shared-token`` (what the audit trail calls the console's shared token)."""
     if not PRINCIPAL_NAME.fullmatch(name):
         raise InvalidInput(
             f"{name!r} cannot name a principal: use 1-200 letters, digits and . _ @ + - "
             "(starting with a letter or digit), such as alice@example.com or billing-service"
+        )
+    if name == SHARED_TOKEN_PRINCIPAL:
+        raise InvalidInput(
+            f"{name!r} is reserved: the audit trail records the console's shared token under it"
         )
     return name
 

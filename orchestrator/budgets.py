@@ -467,7 +467,8 @@ class BudgetStore:
                 added[name] = _count(value, "--add-" + name.replace("_", "-"), minimum=1)
         cost_usd = amounts.get("cost_usd")
         if cost_usd is not None:
-            added["cost_usd"] = str(_decimal(cost_usd, "--add-usd", positive=True))
+            # Positional notation: str() writes 1E+3 or 1E-7, which the database refuses.
+            added["cost_usd"] = format(_decimal(cost_usd, "--add-usd", positive=True), "f")
         if not added:
             raise InvalidInput(
                 "nothing to add: give --add-usd, --add-turns, --add-tool-calls, "

@@ -260,6 +260,10 @@ async def test_a_proxy_header_is_believed_only_from_a_trusted_address(
         forwarded = {**as_alice, "X-Forwarded-For": "203.0.113.9", "X-Forwarded-Proto": "https"}
         page = await http.get("/attention", headers=forwarded)
         assert page.status_code == 200 and "alice@example.com (approver)" in page.text
+        # A proxy that appends its header after the client's would leave the client's first.
+        twice = [("X-Forwarded-Email", "olga"), ("X-Forwarded-Email", "alice@example.com")]
+        page = await http.get("/attention", headers=twice)
+        assert page.status_code == 403 and "must come once" in page.text
         # The header rides on every request the browser makes, so a form needs our Origin.
         forged = await http.post(approve, data={"payload_sha256": sha}, headers=as_alice)
         assert forged.status_code == 403 and "Origin" in forged.text

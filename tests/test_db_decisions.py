@@ -26,6 +26,7 @@ from orchestrator.db.purges import PurgeStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.store import EffectStore
+from orchestrator.errors import InvalidInput
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from support import cli
@@ -462,6 +463,114 @@ async def test_hostile_arguments_to_every_function_change_nothing(
         if not isinstance(error, REFUSALS)
     ]
     assert not unclear
+
+
+async def test_no_role_cancels_a_run_dates_its_end_back_or_writes_a_decisions_event(
+    logins: Logins, admin: asyncpg.Pool
+) -> None:
+    """The worker could set a run cancelled with no fence raised, or date a run's end back past
+    the purge's floor and purge it live; the dispatcher could deny an approval or resolve a
+    parked effect by hand; either could write a decision nobody took into the timeline."""
+    client = RunStore(await logins.pool("client"))
+    worker = RunStore(await logins.pool("worker"))
+    live = await awaiting_refund(client, worker)
+    stuck = await awaiting_refund(client, worker)
+    queued = (await client.submit("unserved", {})).run.run_id
+    await admin.execute(
+        "UPDATE effects SET status = 'parked', requires_approval = false WHERE run_id = $1",
+        stuck.run_id,
+    )
+    unchanged = await snapshot(admin)
+    for kind in ROLES:
+        pool = await logins.pool(kind)
+        for statement, run_id in (
+            (
+                "UPDATE runs SET state = 'cancelled', lease_owner = NULL, lease_until = NULL, "
+                "finished_at = clock_timestamp() WHERE run_id = $1",
+                live.run_id,
+            ),
+            ("UPDATE runs SET state = 'cancelled' WHERE run_id = $1", queued),
+            (
+                "UPDATE runs SET state = 'failed', finished_at = now() - interval '2 hours' "
+                "WHERE run_id = $1",
+                queued,
+            ),
+            (
+                "UPDATE effects SET status = 'rejected', settled_at = now(), "
+                'error = \'{"type": "Denied", "by": "alice"}\' WHERE run_id = $1',
+                live.run_id,
+            ),
+            ("UPDATE effects SET status = 'accepted' WHERE run_id = $1", live.run_id),
+            (
+                "UPDATE effects SET status = 'confirmed', settled_at = now(), external_id = 'x' "
+                "WHERE run_id = $1",
+                stuck.run_id,
+            ),
+            (
+                "INSERT INTO run_events (run_id, kind, fence, details) "
+                'VALUES ($1, \'approval_denied\', 1, \'{"by": "alice", "via": "token"}\')',
+                live.run_id,
+            ),
+            (
+                "INSERT INTO run_events (run_id, kind, fence, details) "
+                "VALUES ($1, 'cancelled', 1, '{}')",
+                live.run_id,
+            ),
+        ):
+            await refused(refusing(pool, statement, run_id))
+    assert await snapshot(admin) == unchanged
+    # A worker ends runs as the runtime does: at the database's clock.
+    worker_pool = await logins.pool("worker")
+    await worker_pool.execute(
+        "UPDATE runs SET state = 'failed', finished_at = clock_timestamp() WHERE run_id = $1",
+        queued,
+    )
+    purges = PurgeStore(worker_pool)
+    assert (await purges.delete_batch(await purges.clock() - PURGE_AGE, 100)).runs == 0
+
+
+async def test_a_budget_refuses_nan_and_infinite_amounts(
+    logins: Logins, admin: asyncpg.Pool
+) -> None:
+    """A NaN cost stuck in a spent counter no top-up could raise a limit past."""
+    client = RunStore(await logins.pool("client"))
+    worker = RunStore(await logins.pool("worker"))
+    lease = (await claimed_run(client, worker)).lease
+    budgets = BudgetStore(worker.pool)
+    reserved = await budgets.reserve(lease, Budget(cost_usd=Decimal(1)), [1, 1, 1], Decimal(0))
+    assert reserved.outcome == "reserved"
+    unchanged = await snapshot(admin)
+    for cost in ("NaN", "Infinity"):
+        with pytest.raises(asyncpg.CheckViolationError):
+            await worker.pool.execute(
+                "SELECT orchestrator_settle_budgets(ARRAY[$1], ARRAY[$2::bigint], ARRAY[1], "
+                "ARRAY[0], ARRAY[1], ARRAY[1], ARRAY[$3::numeric])",
+                lease.run_id,
+                lease.fence,
+                cost,
+            )
+        with pytest.raises(asyncpg.CheckViolationError):
+            await worker.pool.execute(
+                "SELECT * FROM orchestrator_reserve_budget($1, 'w1', $2, '{}', 0, 0, 0, $3)",
+                lease.run_id,
+                lease.fence,
+                cost,
+            )
+    assert await snapshot(admin) == unchanged
+    # A top-up written with an exponent (Decimal's own text) is the amount it says.
+    topped = await BudgetStore(client.pool).top_up(lease.run_id, cost_usd=Decimal("1E+3"))
+    assert Decimal(str(topped.limit["cost_usd"])) == Decimal(1001)
+    topped = await BudgetStore(client.pool).top_up(lease.run_id, cost_usd="0.0000001")
+    assert Decimal(str(topped.limit["cost_usd"])) == Decimal("1001.0000001")
+
+
+async def test_a_sign_in_of_a_name_no_principal_can_have_is_refused_clearly(
+    logins: Logins,
+) -> None:
+    console = AccessStore(await logins.pool("console"))
+    for name in ("o'brien@example.com", "auth0|12345", "x" * 201, "shared-token"):
+        with pytest.raises(InvalidInput, match=r"cannot name a principal|is reserved"):
+            await console.sign_in(name, Via.OIDC, role=Role.VIEWER)
 
 
 async def test_the_proxy_starts_as_its_role_with_service_tokens_only(

@@ -261,9 +261,10 @@ async def test_a_worker_claims_onto_a_failover_floor_but_cannot_jump_there_by_ha
     [live] = (await worker.claim("w2", ["roles"], lease_seconds=30)).claimed
     assert (live.run_id, live.fence) == (other, 1 << 40)
     async with worker.pool.acquire() as db:
-        await db.execute("SET orchestrator.fence_epoch_offset = '2'")
+        await db.execute("SET orchestrator.fence_epoch_offset = '2'")  # a session's: ignored
+        assert await db.fetchval("SELECT fence_floor()") == 1 << 40
         await refused(
-            refusing(db, "UPDATE runs SET fence = fence_floor() WHERE run_id = $1", other)
+            refusing(db, "UPDATE runs SET fence = fence_floor() + 1 WHERE run_id = $1", other)
         )
     assert (await console.get(other)).fence == 1 << 40
 

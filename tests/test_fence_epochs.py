@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
+from orchestrator.db.grants import quote_ident
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectStore
@@ -148,15 +149,50 @@ async def test_a_dispatcher_trusting_sync_replication_sends_without_a_lookup(
     assert not claim.must_reconcile
 
 
+async def set_offset(pool: asyncpg.Pool, offset: str | None) -> None:
+    """``ALTER DATABASE ... SET orchestrator.fence_epoch_offset`` (None: RESET), as an operator
+    does after a logical restore."""
+    database = quote_ident(await pool.fetchval("SELECT current_database()"))
+    if offset is None:
+        await pool.execute(f"ALTER DATABASE {database} RESET orchestrator.fence_epoch_offset")
+    else:
+        await pool.execute(
+            f"ALTER DATABASE {database} SET orchestrator.fence_epoch_offset = '{offset}'"
+        )
+
+
 async def test_after_a_logical_restore_the_operator_raises_the_epoch(pool: asyncpg.Pool) -> None:
     """pg_restore into a new cluster starts at timeline 1 again; the restored fences' epoch is
     set as an offset (docs/high-availability.md), so the next promotion still grants above."""
+    await set_offset(pool, "2")
+    try:
+        assert await pool.fetchval("SELECT fence_epoch()") == 2
+        assert await pool.fetchval("SELECT fence_floor()") == 2 << EPOCH_BITS
+    finally:
+        await set_offset(pool, None)
+    assert await pool.fetchval("SELECT fence_epoch()") == 0
+
+
+async def test_a_sessions_own_offset_moves_no_fence_and_no_epoch(
+    pool: asyncpg.Pool, store: RunStore
+) -> None:
+    """Only the database's setting counts: a session's SET (any role may make one) reaches into
+    no claim, cancel or submission, definer functions included."""
     async with pool.acquire() as connection:
-        await connection.execute("SET orchestrator.fence_epoch_offset = '2'")
-        assert await connection.fetchval("SELECT fence_epoch()") == 2
-        assert await connection.fetchval("SELECT fence_floor()") == 2 << EPOCH_BITS
-        await connection.execute("RESET orchestrator.fence_epoch_offset")
+        await connection.execute("SET orchestrator.fence_epoch_offset = '8388607'")
         assert await connection.fetchval("SELECT fence_epoch()") == 0
+        run_id = "r_born_in_a_session_epoch"
+        born = await connection.fetchval(
+            "SELECT born_epoch FROM orchestrator_submit_run($1, 'noop', '{}', 5, NULL, NULL, "
+            "NULL)",
+            run_id,
+        )
+        assert born == 0
+        claimed = await RunStore(pool).claim_run("w", run_id, lease_seconds=30, db=connection)
+        assert claimed is not None and claimed.lease.fence == 1
+        await connection.execute("RESET orchestrator.fence_epoch_offset")
+    cancelled = await store.cancel(run_id)
+    assert cancelled.fence == 2
 
 
 async def test_an_offset_that_is_no_whole_number_or_too_large_is_a_clear_error(
@@ -164,14 +200,15 @@ async def test_an_offset_that_is_no_whole_number_or_too_large_is_a_clear_error(
 ) -> None:
     """Never a floor that silently wraps: 2^23 << 40 would be a negative bigint."""
     run_id = (await store.submit("noop", {})).run.run_id
-    async with pool.acquire() as connection:
+    try:
         for offset, message in (
             ("abc", "not a whole number"),
             ("-1", "not a whole number"),
             ("8388608", "past 8388607"),
         ):
-            await connection.execute(f"SET orchestrator.fence_epoch_offset = '{offset}'")
+            await set_offset(pool, offset)
             with pytest.raises(asyncpg.RaiseError, match=message):
-                await RunStore(pool).claim_run("w", run_id, lease_seconds=30, db=connection)
-        await connection.execute("RESET orchestrator.fence_epoch_offset")
+                await RunStore(pool).claim_run("w", run_id, lease_seconds=30)
+    finally:
+        await set_offset(pool, None)
     assert (await store.get(run_id)).fence == 0

@@ -222,6 +222,8 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
                 return error_page(request, 404, str(error))
             except asyncpg.InsufficientPrivilegeError as error:  # the database's own check
                 return error_page(request, 403, f"refused: {error.message}; nothing changed")
+            except asyncpg.InvalidParameterValueError as error:  # a database function's
+                return error_page(request, 400, f"{error.message}; nothing changed")
             except OrchestratorError as error:
                 return error_page(request, 400, str(error))
             except DATABASE_ERRORS as error:

@@ -107,7 +107,10 @@ async def _from_proxy(request: Request, proxy: TrustedProxy, people: AccessStore
             f"refused: the {proxy.user_header} header came from {peer or 'an unknown address'}, "
             "which is not a --trusted-proxy; nothing changed",
         )
-    name = request.headers[proxy.user_header].strip()
+    named = request.headers.getlist(proxy.user_header)
+    if len(named) != 1:  # a proxy that appends its own header leaves the client's first
+        raise NotAllowed(403, f"the {proxy.user_header} header must come once, not {len(named)}")
+    name = named[0].strip()
     if not 1 <= len(name) <= MAX_NAME:
         raise NotAllowed(403, f"the {proxy.user_header} header must name one person")
     principal = await people.principal(name)

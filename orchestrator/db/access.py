@@ -40,6 +40,10 @@ class TokenNotFound(OrchestratorError):
     """No token by that id."""
 
 
+_SIGN_IN_REFUSALS = (asyncpg.InsufficientPrivilegeError, asyncpg.InvalidParameterValueError)
+"""How orchestrator_sign_in says no: not a person it may sign in, or not a name one can have."""
+
+
 class SignInRefused(OrchestratorError):
     """The database would not sign this principal in: the message says why, the hint (if any)
     what to do instead."""
@@ -274,6 +278,8 @@ class AccessStore:
         """A console sign-in of ``name`` and its audit row (and, with ``role``, an OpenID Connect
         group mapping's add or role change first), decided by the database: never an admin,
         never a disabled person or a service. ``SignInRefused`` says why not."""
+        if role is not None:  # the sign-in may add them: a name a principal can have
+            check_principal_name(name)
         with decision_span("sign_in", Actor(name, via)) as recorded:
             try:
                 row = await self.pool.fetchrow(
@@ -283,7 +289,10 @@ class AccessStore:
                     token_id,
                     None if role is None else role.value,
                 )
-            except asyncpg.InsufficientPrivilegeError as error:
+            except (
+                asyncpg.InsufficientPrivilegeError,
+                asyncpg.InvalidParameterValueError,
+            ) as error:
                 raise SignInRefused(error.message, error.hint) from None
             assert row is not None
             recorded(row["name"], int(row["audit_seq"]))

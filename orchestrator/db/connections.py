@@ -156,12 +156,15 @@ _LOST_CONNECTION: tuple[type[BaseException], ...] = (
 )
 
 
-def database_failed(error: BaseException) -> DatabaseError | PermissionDenied:
-    """A driver error as the project's: ``PermissionDenied`` when the role lacked a privilege
-    (nothing changed), ``DatabaseUnavailable`` when the connection was lost, ``DatabaseError``
-    otherwise; one line, saying that the outcome is unknown."""
+def database_failed(error: BaseException) -> DatabaseError | PermissionDenied | InvalidInput:
+    """A driver error as the project's: ``PermissionDenied`` when the role lacked a privilege,
+    ``InvalidInput`` when a database function refused an argument (nothing changed, either
+    way), ``DatabaseUnavailable`` when the connection was lost, ``DatabaseError`` otherwise;
+    one line, saying that the outcome is unknown."""
     if isinstance(error, asyncpg.InsufficientPrivilegeError):
         return PermissionDenied(error.message, hint=error.hint)
+    if isinstance(error, asyncpg.InvalidParameterValueError):  # a database function's refusal
+        return InvalidInput(f"{error.message}; nothing changed")
     detail = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
     kind = DatabaseUnavailable if isinstance(error, _LOST_CONNECTION) else DatabaseError
     return kind(

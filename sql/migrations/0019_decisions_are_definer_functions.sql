@@ -17,8 +17,19 @@
 -- * a budget's spent counters only grow: reservations and settlements are definer functions
 --   too, and no amount that changes a budget may be negative.
 --
--- Every function here has its search_path fixed to this schema then pg_temp (a caller's
--- temporary table can never stand in for one of ours) and EXECUTE revoked from PUBLIC.
+-- Every SECURITY DEFINER function here, and every helper one calls that reads a table, has its
+-- search_path fixed to this schema then pg_temp (a caller's temporary table can never stand in
+-- for one of ours), and EXECUTE revoked from PUBLIC; the pure helpers (orchestrator_role_allows,
+-- orchestrator_submission_is_valid) and the triggers' functions need neither.
+--
+-- What the grants cannot say is guarded by triggers that let the owner (and so the functions
+-- above) through and refuse everyone else, each behind a WHEN clause that the rows of ordinary
+-- work never match: a run is cancelled only by its function and ends stamped with the database
+-- clock (a purge's one-hour floor reads that stamp); an effect awaiting a person's decision, or
+-- parked for one, changes only by a decision; a decision's timeline event is written only by its
+-- function; a budget's amounts are finite and never negative. And the fence epoch comes from the
+-- database's own setting, never a session's, since definer functions run with the caller's
+-- session settings.
 
 SELECT set_config('search_path', current_setting('search_path') || ', pg_temp', true);
 
@@ -632,16 +643,15 @@ REVOKE ALL ON FUNCTION orchestrator_reserve_budget(text, text, bigint, jsonb, bi
                                                    bigint, numeric) FROM PUBLIC;
 CREATE FUNCTION orchestrator_budget_amounts_are_positive() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.turns < 0 OR NEW.tool_calls < 0 OR NEW.input_tokens < 0 OR NEW.output_tokens < 0
-       OR NEW.cost < 0 THEN
-        RAISE EXCEPTION 'a budget''s amounts are never negative (% of run %)', NEW.kind,
-            NEW.run_id USING ERRCODE = 'check_violation';
-    END IF;
-    RETURN NEW;
+    RAISE EXCEPTION 'a budget''s amounts are finite and never negative (% of run %: cost %)',
+        NEW.kind, NEW.run_id, NEW.cost USING ERRCODE = 'check_violation';
 END
 $$;
-CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON budget_ledger
-    FOR EACH ROW EXECUTE FUNCTION orchestrator_budget_amounts_are_positive();
+-- NaN would stick in a spent counter for good (no top-up raises a limit past it).
+CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON budget_ledger FOR EACH ROW
+    WHEN (NEW.turns < 0 OR NEW.tool_calls < 0 OR NEW.input_tokens < 0 OR NEW.output_tokens < 0
+          OR NEW.cost < 0 OR NEW.cost IN ('NaN'::numeric, 'Infinity'::numeric))
+    EXECUTE FUNCTION orchestrator_budget_amounts_are_positive();
 
 -- In a turn's commit, each run's reservation under its current fence becomes what the turn
 -- spent (queries.sql's settle_budgets was this statement): spent counters only grow, and only
@@ -831,3 +841,99 @@ BEGIN
 END
 $$;
 REVOKE ALL ON FUNCTION orchestrator_sign_in(text, text, text, text) FROM PUBLIC;
+
+-- Only the owner, or a definer function running as it, moves what the grants cannot guard.
+CREATE FUNCTION orchestrator_owner_acts(p_table oid) RETURNS boolean LANGUAGE sql STABLE AS $$
+    SELECT pg_has_role(current_user, (SELECT relowner FROM pg_class WHERE oid = p_table), 'USAGE')
+$$;
+
+-- A run's end: cancelled only by orchestrator_cancel_run, and stamped with the database clock
+-- (a worker may not date an end back past the purge's one-hour floor).
+CREATE FUNCTION runs_end_as_the_database_says() RETURNS trigger LANGUAGE plpgsql
+    SET search_path FROM CURRENT AS $$
+BEGIN
+    IF orchestrator_owner_acts(TG_RELID) THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'run %: role % may not cancel it or date its end (state %, finished %)',
+        OLD.run_id, current_user, NEW.state, NEW.finished_at
+        USING ERRCODE = 'insufficient_privilege',
+              HINT = 'a cancel is orchestrator_cancel_run (`orchestrator runs cancel`); a run '
+                     'ends at clock_timestamp()';
+END
+$$;
+CREATE TRIGGER runs_end_guard BEFORE UPDATE OF state, finished_at ON runs FOR EACH ROW
+    WHEN ((NEW.state = 'cancelled' AND OLD.state <> 'cancelled')
+          OR (NEW.finished_at IS DISTINCT FROM OLD.finished_at
+              AND NEW.finished_at < clock_timestamp() - interval '1 minute'))
+    EXECUTE FUNCTION runs_end_as_the_database_says();
+
+-- An effect awaiting a person's approval, or parked for a person, changes only by a decision
+-- (or the expiry of an approval, or a cancel): the dispatcher's grants cover settling what it
+-- sends, and must not stretch to deciding.
+CREATE FUNCTION effects_decided_by_people() RETURNS trigger LANGUAGE plpgsql
+    SET search_path FROM CURRENT AS $$
+BEGIN
+    IF orchestrator_owner_acts(TG_RELID) THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'effect % of run % is %: role % may not change it; a person decides it',
+        OLD.effect_key, OLD.run_id, OLD.status, current_user
+        USING ERRCODE = 'insufficient_privilege',
+              HINT = '`orchestrator approvals approve|deny` or `orchestrator effects resolve`';
+END
+$$;
+CREATE TRIGGER effects_decision_guard BEFORE UPDATE ON effects FOR EACH ROW
+    WHEN (OLD.status IN ('awaiting_approval', 'parked'))
+    EXECUTE FUNCTION effects_decided_by_people();
+
+-- A decision's timeline event is written by the decision's own function, never by hand.
+CREATE FUNCTION run_events_of_decisions_by_their_functions() RETURNS trigger LANGUAGE plpgsql
+    SET search_path FROM CURRENT AS $$
+BEGIN
+    IF orchestrator_owner_acts(TG_RELID) THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'role % may not write a % event: decisions write their own', current_user,
+        NEW.kind USING ERRCODE = 'insufficient_privilege';
+END
+$$;
+CREATE TRIGGER run_events_decision_guard BEFORE INSERT ON run_events FOR EACH ROW
+    WHEN (NEW.kind IN ('submitted', 'cancelled', 'requeued', 'approval_granted',
+                       'approval_denied', 'approval_withdrawn', 'approval_expired',
+                       'effect_resolved', 'signal_received', 'budget_topped_up'))
+    EXECUTE FUNCTION run_events_of_decisions_by_their_functions();
+
+-- The epoch from the database's own orchestrator.fence_epoch_offset (ALTER DATABASE ... SET),
+-- never from a session's SET or a role's default: any role could set those, and a definer
+-- function (a cancel, a submission) would otherwise grant fences or stamp epochs from them.
+CREATE OR REPLACE FUNCTION fence_epoch() RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    offset_text text;
+    epoch bigint;
+BEGIN
+    SELECT nullif(substr(setting, length('orchestrator.fence_epoch_offset=') + 1), '')
+    INTO offset_text
+    FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS setting
+    WHERE s.setdatabase = (SELECT oid FROM pg_catalog.pg_database
+                           WHERE datname = current_database())
+      AND s.setrole = 0 AND setting LIKE 'orchestrator.fence\_epoch\_offset=%';
+    IF offset_text IS NOT NULL AND offset_text !~ '^\s*[0-9]{1,7}\s*$' THEN
+        RAISE EXCEPTION 'orchestrator.fence_epoch_offset is %, not a whole number from 0 to 8388607',
+            quote_literal(offset_text)
+            USING HINT = 'ALTER DATABASE ... SET orchestrator.fence_epoch_offset = ''N'' with N '
+                         'the highest epoch restored (docs/high-availability.md), or RESET it';
+    END IF;
+    epoch := ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1
+             + coalesce(offset_text::bigint, 0);
+    IF epoch > 8388607 THEN
+        RAISE EXCEPTION 'fence epoch % is past 8388607: fences would not fit in a bigint', epoch
+            USING HINT = 'lower orchestrator.fence_epoch_offset (docs/high-availability.md)';
+    END IF;
+    RETURN epoch;
+END
+$$;
+
+-- shared-token names the console's shared token in the audit trail: no person may carry it.
+ALTER TABLE principals ADD CONSTRAINT principals_name_not_reserved
+    CHECK (name <> 'shared-token') NOT VALID;
