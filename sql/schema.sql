@@ -52,20 +52,6 @@ BEGIN
     RETURN QUERY SELECT DISTINCT k FROM unnest(p_kinds) AS k;
 END
 $$;
-CREATE FUNCTION orchestrator.effects_decided_by_people() RETURNS trigger
-    LANGUAGE plpgsql
-    SET search_path TO 'orchestrator', 'pg_temp'
-    AS $$
-BEGIN
-    IF orchestrator_owner_acts(TG_RELID) THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION 'effect % of run % is %: role % may not change it; a person decides it',
-        OLD.effect_key, OLD.run_id, OLD.status, current_user
-        USING ERRCODE = 'insufficient_privilege',
-              HINT = '`orchestrator approvals approve|deny` or `orchestrator effects resolve`';
-END
-$$;
 CREATE FUNCTION orchestrator.fence_epoch() RETURNS bigint
     LANGUAGE plpgsql
     AS $_$
@@ -485,11 +471,6 @@ $_$;
 CREATE FUNCTION orchestrator.orchestrator_may_vouch() RETURNS boolean
     LANGUAGE sql IMMUTABLE
     AS $$SELECT true$$;
-CREATE FUNCTION orchestrator.orchestrator_owner_acts(p_table oid) RETURNS boolean
-    LANGUAGE sql STABLE
-    AS $$
-    SELECT pg_has_role(current_user, (SELECT relowner FROM pg_class WHERE oid = p_table), 'USAGE')
-$$;
 CREATE FUNCTION orchestrator.orchestrator_purge_finished(p_cutoff timestamp with time zone, p_batch integer) RETURNS TABLE(runs bigint, other_rows bigint, audit_seq bigint, principal text)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -548,6 +529,8 @@ BEGIN
         RETURNING x.run_id
     )
     SELECT (SELECT count(*) FROM gone) AS runs,
+           (SELECT coalesce(jsonb_agg(g.run_id ORDER BY g.run_id), '[]') FROM gone AS g)
+               AS run_ids,
            (SELECT count(*) FROM events) + (SELECT count(*) FROM messages)
            + (SELECT count(*) FROM effects_gone) + (SELECT count(*) FROM fences)
            + (SELECT count(*) FROM signals) + (SELECT count(*) FROM budgets)
@@ -560,7 +543,7 @@ BEGIN
         audit_seq := orchestrator_audit_decision(
             NULL, NULL, 'purge', NULL, NULL,
             jsonb_build_object('cutoff', p_cutoff, 'runs', done.runs,
-                               'other_rows', done.other_rows), NULL);
+                               'other_rows', done.other_rows, 'run_ids', done.run_ids), NULL);
     END IF;
     RETURN NEXT;
 END
@@ -1058,33 +1041,6 @@ BEGIN
     END IF;
 END
 $$;
-CREATE FUNCTION orchestrator.run_events_of_decisions_by_their_functions() RETURNS trigger
-    LANGUAGE plpgsql
-    SET search_path TO 'orchestrator', 'pg_temp'
-    AS $$
-BEGIN
-    IF orchestrator_owner_acts(TG_RELID) THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION 'role % may not write a % event: decisions write their own', current_user,
-        NEW.kind USING ERRCODE = 'insufficient_privilege';
-END
-$$;
-CREATE FUNCTION orchestrator.runs_end_as_the_database_says() RETURNS trigger
-    LANGUAGE plpgsql
-    SET search_path TO 'orchestrator', 'pg_temp'
-    AS $$
-BEGIN
-    IF orchestrator_owner_acts(TG_RELID) THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION 'run %: role % may not cancel it or date its end (state %, finished %)',
-        OLD.run_id, current_user, NEW.state, NEW.finished_at
-        USING ERRCODE = 'insufficient_privilege',
-              HINT = 'a cancel is orchestrator_cancel_run (`orchestrator runs cancel`); a run '
-                     'ends at clock_timestamp()';
-END
-$$;
 CREATE FUNCTION orchestrator.runs_fence_moves_only_by_claim() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -1359,9 +1315,6 @@ CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state 
 CREATE TRIGGER audit_log_append_only BEFORE DELETE OR UPDATE ON orchestrator.audit_log FOR EACH ROW EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log FOR EACH STATEMENT EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.budget_ledger FOR EACH ROW WHEN (((new.turns < 0) OR (new.tool_calls < 0) OR (new.input_tokens < 0) OR (new.output_tokens < 0) OR (new.cost < (0)::numeric) OR (new.cost = ANY (ARRAY['NaN'::numeric, 'Infinity'::numeric])))) EXECUTE FUNCTION orchestrator.orchestrator_budget_amounts_are_positive();
-CREATE TRIGGER effects_decision_guard BEFORE UPDATE ON orchestrator.effects FOR EACH ROW WHEN ((old.status = ANY (ARRAY['awaiting_approval'::text, 'parked'::text]))) EXECUTE FUNCTION orchestrator.effects_decided_by_people();
-CREATE TRIGGER run_events_decision_guard BEFORE INSERT ON orchestrator.run_events FOR EACH ROW WHEN ((new.kind = ANY (ARRAY['submitted'::text, 'cancelled'::text, 'requeued'::text, 'approval_granted'::text, 'approval_denied'::text, 'approval_withdrawn'::text, 'approval_expired'::text, 'effect_resolved'::text, 'signal_received'::text, 'budget_topped_up'::text]))) EXECUTE FUNCTION orchestrator.run_events_of_decisions_by_their_functions();
-CREATE TRIGGER runs_end_guard BEFORE UPDATE OF state, finished_at ON orchestrator.runs FOR EACH ROW WHEN ((((new.state = 'cancelled'::text) AND (old.state <> 'cancelled'::text)) OR ((new.finished_at IS DISTINCT FROM old.finished_at) AND (new.finished_at < (clock_timestamp() - '00:01:00'::interval))))) EXECUTE FUNCTION orchestrator.runs_end_as_the_database_says();
 CREATE TRIGGER runs_fence_guard BEFORE UPDATE OF fence ON orchestrator.runs FOR EACH ROW WHEN (((new.fence IS DISTINCT FROM old.fence) AND (NOT ((new.fence = (old.fence + 1)) AND (new.state = 'running'::text) AND (((old.state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (old.available_at <= clock_timestamp())) OR ((old.state = 'running'::text) AND (old.lease_until < clock_timestamp()))))))) EXECUTE FUNCTION orchestrator.runs_fence_moves_only_by_claim();
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;

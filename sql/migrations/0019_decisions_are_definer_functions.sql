@@ -22,14 +22,11 @@
 -- for one of ours), and EXECUTE revoked from PUBLIC; the pure helpers (orchestrator_role_allows,
 -- orchestrator_submission_is_valid) and the triggers' functions need neither.
 --
--- What the grants cannot say is guarded by triggers that let the owner (and so the functions
--- above) through and refuse everyone else, each behind a WHEN clause that the rows of ordinary
--- work never match: a run is cancelled only by its function and ends stamped with the database
--- clock (a purge's one-hour floor reads that stamp); an effect awaiting a person's decision, or
--- parked for one, changes only by a decision; a decision's timeline event is written only by its
--- function; a budget's amounts are finite and never negative. And the fence epoch comes from the
--- database's own setting, never a session's, since definer functions run with the caller's
--- session settings.
+-- A budget's amounts are finite and never negative (a trigger on the ledger), and the fence
+-- epoch comes from the database's own setting, never a session's, since definer functions run
+-- with the caller's session settings. What the worker and the dispatcher may still write by
+-- hand, and why it is left to their grants (triggers on the claim and settle paths cost those
+-- paths a few per cent), is in docs/database-roles.md.
 
 SELECT set_config('search_path', current_setting('search_path') || ', pg_temp', true);
 
@@ -695,7 +692,8 @@ REVOKE ALL ON FUNCTION orchestrator_settle_budgets(text[], bigint[], bigint[], b
 -- A retention purge (migration 0017's function), now with a floor and an audit row. A role that
 -- does not own the schema (a worker's retention chore) may delete only runs that finished at
 -- least an hour ago: a client may still be reading a run that finished seconds earlier. Every
--- batch that deleted runs appends its own purge row, naming the role that connected.
+-- batch that deleted runs appends its own purge row, naming the role that connected and the runs
+-- it deleted.
 DROP FUNCTION orchestrator_purge_finished(timestamptz, integer);
 CREATE FUNCTION orchestrator_purge_finished(p_cutoff timestamptz, p_batch integer)
 RETURNS TABLE (runs bigint, other_rows bigint, audit_seq bigint, principal text)
@@ -754,6 +752,8 @@ BEGIN
         RETURNING x.run_id
     )
     SELECT (SELECT count(*) FROM gone) AS runs,
+           (SELECT coalesce(jsonb_agg(g.run_id ORDER BY g.run_id), '[]') FROM gone AS g)
+               AS run_ids,
            (SELECT count(*) FROM events) + (SELECT count(*) FROM messages)
            + (SELECT count(*) FROM effects_gone) + (SELECT count(*) FROM fences)
            + (SELECT count(*) FROM signals) + (SELECT count(*) FROM budgets)
@@ -766,7 +766,7 @@ BEGIN
         audit_seq := orchestrator_audit_decision(
             NULL, NULL, 'purge', NULL, NULL,
             jsonb_build_object('cutoff', p_cutoff, 'runs', done.runs,
-                               'other_rows', done.other_rows), NULL);
+                               'other_rows', done.other_rows, 'run_ids', done.run_ids), NULL);
     END IF;
     RETURN NEXT;
 END
@@ -841,68 +841,6 @@ BEGIN
 END
 $$;
 REVOKE ALL ON FUNCTION orchestrator_sign_in(text, text, text, text) FROM PUBLIC;
-
--- Only the owner, or a definer function running as it, moves what the grants cannot guard.
-CREATE FUNCTION orchestrator_owner_acts(p_table oid) RETURNS boolean LANGUAGE sql STABLE AS $$
-    SELECT pg_has_role(current_user, (SELECT relowner FROM pg_class WHERE oid = p_table), 'USAGE')
-$$;
-
--- A run's end: cancelled only by orchestrator_cancel_run, and stamped with the database clock
--- (a worker may not date an end back past the purge's one-hour floor).
-CREATE FUNCTION runs_end_as_the_database_says() RETURNS trigger LANGUAGE plpgsql
-    SET search_path FROM CURRENT AS $$
-BEGIN
-    IF orchestrator_owner_acts(TG_RELID) THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION 'run %: role % may not cancel it or date its end (state %, finished %)',
-        OLD.run_id, current_user, NEW.state, NEW.finished_at
-        USING ERRCODE = 'insufficient_privilege',
-              HINT = 'a cancel is orchestrator_cancel_run (`orchestrator runs cancel`); a run '
-                     'ends at clock_timestamp()';
-END
-$$;
-CREATE TRIGGER runs_end_guard BEFORE UPDATE OF state, finished_at ON runs FOR EACH ROW
-    WHEN ((NEW.state = 'cancelled' AND OLD.state <> 'cancelled')
-          OR (NEW.finished_at IS DISTINCT FROM OLD.finished_at
-              AND NEW.finished_at < clock_timestamp() - interval '1 minute'))
-    EXECUTE FUNCTION runs_end_as_the_database_says();
-
--- An effect awaiting a person's approval, or parked for a person, changes only by a decision
--- (or the expiry of an approval, or a cancel): the dispatcher's grants cover settling what it
--- sends, and must not stretch to deciding.
-CREATE FUNCTION effects_decided_by_people() RETURNS trigger LANGUAGE plpgsql
-    SET search_path FROM CURRENT AS $$
-BEGIN
-    IF orchestrator_owner_acts(TG_RELID) THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION 'effect % of run % is %: role % may not change it; a person decides it',
-        OLD.effect_key, OLD.run_id, OLD.status, current_user
-        USING ERRCODE = 'insufficient_privilege',
-              HINT = '`orchestrator approvals approve|deny` or `orchestrator effects resolve`';
-END
-$$;
-CREATE TRIGGER effects_decision_guard BEFORE UPDATE ON effects FOR EACH ROW
-    WHEN (OLD.status IN ('awaiting_approval', 'parked'))
-    EXECUTE FUNCTION effects_decided_by_people();
-
--- A decision's timeline event is written by the decision's own function, never by hand.
-CREATE FUNCTION run_events_of_decisions_by_their_functions() RETURNS trigger LANGUAGE plpgsql
-    SET search_path FROM CURRENT AS $$
-BEGIN
-    IF orchestrator_owner_acts(TG_RELID) THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION 'role % may not write a % event: decisions write their own', current_user,
-        NEW.kind USING ERRCODE = 'insufficient_privilege';
-END
-$$;
-CREATE TRIGGER run_events_decision_guard BEFORE INSERT ON run_events FOR EACH ROW
-    WHEN (NEW.kind IN ('submitted', 'cancelled', 'requeued', 'approval_granted',
-                       'approval_denied', 'approval_withdrawn', 'approval_expired',
-                       'effect_resolved', 'signal_received', 'budget_topped_up'))
-    EXECUTE FUNCTION run_events_of_decisions_by_their_functions();
 
 -- The epoch from the database's own orchestrator.fence_epoch_offset (ALTER DATABASE ... SET),
 -- never from a session's SET or a role's default: any role could set those, and a definer
