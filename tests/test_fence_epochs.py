@@ -183,8 +183,7 @@ async def test_a_sessions_own_offset_moves_no_fence_and_no_epoch(
         assert await connection.fetchval("SELECT fence_epoch()") == 0
         run_id = "r_born_in_a_session_epoch"
         born = await connection.fetchval(
-            "SELECT born_epoch FROM orchestrator_submit_run($1, 'noop', '{}', 5, NULL, NULL, "
-            "NULL)",
+            "SELECT born_epoch FROM orchestrator_submit_run($1, 'noop', '{}', 5, NULL, NULL, NULL)",
             run_id,
         )
         assert born == 0
