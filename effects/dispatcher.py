@@ -31,6 +31,7 @@ from orchestrator.db.bootstrap import PoolOptions
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.notifications import DUE_CHANNEL, Listener
 from orchestrator.db.outages import DatabaseOutage
+from orchestrator.db.standby_wait import StandbyGate, StandbyPolicy
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.telemetry import (
@@ -113,6 +114,7 @@ class Dispatcher:
         statement_seconds: float = 10.0,
         backoff: Backoff | None = None,
         sync_standby: SyncStandbyRequirement | None = None,
+        standby: StandbyGate | StandbyPolicy | None = None,
         outage: DatabaseOutage | None = None,
     ) -> None:
         _check_settings(
@@ -148,6 +150,11 @@ class Dispatcher:
         self.sync_standby = sync_standby or SyncStandbyRequirement(False)
         """With ``--require-sync-standby``: nothing is claimed while it fails, and no effect
         needs a lookup for a failover's sake (no commit of a lost timeline was acted on)."""
+        if not isinstance(standby, StandbyGate):
+            standby = StandbyGate(standby or StandbyPolicy())
+        self.standby = standby
+        """Where the primary has streaming standbys, a claim is sent only once one holds it
+        (``--standby-wait``): a promotion cannot take back what a vendor was sent for."""
 
     def wake(self) -> None:
         self._wake.set()
@@ -196,14 +203,15 @@ class Dispatcher:
         claimed: list[ClaimedEffect] | None = None
         try:
             async with pooled(self.pool, within=self.statement_seconds) as db:
-                if await self.sync_standby.satisfied(db):
+                if await self.sync_standby.satisfied(db) and await self.standby.may_claim(db):
                     claimed = await self.store.claim(
                         db,
                         self.dispatcher_id,
                         sorted(self.adapters),
                         limit=asked,
                         lease_seconds=self.lease_seconds,
-                        trust_sync_replication=self.sync_standby.required,
+                        trust_sync_replication=self.sync_standby.required or self.standby.trusted,
+                        flush_commit=self.standby.waits,
                     )
         except DATABASE_ERRORS as error:
             self.outage.failed(error, otherwise="cannot claim effects")
@@ -211,7 +219,7 @@ class Dispatcher:
             self.outage.reached()
             if claimed is not None:
                 return claimed
-        # Unreachable, or the synchronous standby it requires is missing: look again later.
+        # Unreachable, or the standby it requires is missing: look again later.
         await anyio.sleep(self.poll_seconds)
         return []
 
@@ -233,10 +241,12 @@ class Dispatcher:
     async def _dispatch_batch(self, claimed: list[ClaimedEffect], deadline: float) -> None:
         """Dispatch a claimed batch: the effects that may already have been sent are reconciled
         and re-checked one by one; the others are re-checked together, in one statement (a
-        single one by itself), right before their sends start."""
+        single one by itself), right before their sends start. Nothing is sent before a standby
+        holds the claim (where one is waited for); if none does in time, they are handed back."""
+        held = await self._held_by_standby(deadline, len(claimed))
         fresh = [c for c in claimed if not c.must_reconcile]
         checks: dict[tuple[str, str], tuple[bool, bool]] | None = None
-        if len(fresh) > 1:  # one effect alone is re-checked by _dispatch, as it always was
+        if len(fresh) > 1 and held:  # one effect alone is re-checked by _dispatch, as it always was
             try:
                 async with pooled(self.pool, within=self.statement_seconds) as db:
                     checks = await self.store.may_dispatch_many(
@@ -255,24 +265,45 @@ class Dispatcher:
                 if checks is not None and not effect.must_reconcile:
                     record = effect.record
                     check = checks.get((record.run_id, record.effect_key), (False, True))
-                group.create_task(self._handle(effect, deadline, check))
+                group.create_task(self._handle(effect, deadline, check, standby_held=held))
+
+    async def _held_by_standby(self, deadline: float, claimed: int) -> bool:
+        """Whether a standby holds this dispatcher's last claim (and so the steps that asked
+        for its effects) within half the lease left, leaving the other half for the sends."""
+        began = time.monotonic()
+        within = max(0.0, (deadline - began) / 2)
+        try:
+            async with pooled(self.pool, within=within + self.statement_seconds) as db:
+                held = await self.standby.held(db, within=within)
+        except DATABASE_ERRORS as error:
+            # Nothing is sent: the effects stay 'dispatching' until the lease runs out, and
+            # whoever claims them next reconciles first.
+            self.log.warning("cannot see the standbys", **error_fields(error))
+            return False
+        if held and self.standby.waits:
+            self.metrics.standby_wait.record(time.monotonic() - began)
+        elif held and self.standby.problem is not None:  # --without-standby send
+            self.metrics.sent_without_standby.add(claimed)
+        return held
 
     async def _handle(
         self,
         claimed: ClaimedEffect,
         deadline: float,
         checked: tuple[bool, bool] | None = None,
+        *,
+        standby_held: bool = True,
     ) -> None:
         effect = claimed.record
         adapter = self.adapters[effect.kind]
-        held = True
+        slot_held = True
 
         def vendor_done() -> None:
             """Its slot is free once the vendor calls are over, before the outcome is written:
             ``concurrency`` bounds the calls at vendors, and writes are batched meanwhile."""
-            nonlocal held
-            if held:
-                held = False
+            nonlocal slot_held
+            if slot_held:
+                slot_held = False
                 self._in_flight -= 1
                 if not self._in_flight or self.concurrency - self._in_flight >= self._claim_at:
                     self.wake()  # slots are free: claim more without waiting for a poll
@@ -290,7 +321,12 @@ class Dispatcher:
             ) as span:
                 began = time.monotonic()
                 try:
-                    status = await self._dispatch(claimed, adapter, deadline, checked, vendor_done)
+                    if standby_held:
+                        status = await self._dispatch(
+                            claimed, adapter, deadline, checked, vendor_done
+                        )
+                    else:
+                        status = await self._hand_back(claimed, vendor_done)
                 except DATABASE_ERRORS as error:
                     # The record stays 'dispatching' until its lease runs out; whoever claims
                     # it next reconciles before sending. Nothing is sent blind.
@@ -308,6 +344,18 @@ class Dispatcher:
         kind = {"kind": effect.kind}
         self.metrics.outcomes.add(1, {**kind, "outcome": status})
         self.metrics.send_seconds.record(time.monotonic() - began, kind)
+
+    async def _hand_back(
+        self, claimed: ClaimedEffect, vendor_done: Callable[[], None] | None = None
+    ) -> str:
+        """Give back an effect no standby held in time, unsent: due again after a poll, and
+        reconciled first if it had to be (an uncertain one stays uncertain)."""
+        problem = self.standby.problem or "no standby flushed its claim in time"
+        reason = f"not sent: {problem} (docs/high-availability.md)"
+        outcome: Retry | Uncertain = Uncertain(reason) if claimed.must_reconcile else Retry(reason)
+        return await self._record(
+            claimed.record, outcome, vendor_done=vendor_done, retry_after=self.poll_seconds
+        )
 
     async def _requesting_attempt(self, effect: EffectRecord) -> Context | None:
         """With tracing on, the trace context of the attempt that requested ``effect``, so this
@@ -384,6 +432,7 @@ class Dispatcher:
         *,
         cancelled: bool = False,
         vendor_done: Callable[[], None] | None = None,
+        retry_after: float | None = None,
     ) -> str:
         if vendor_done is not None:
             vendor_done()
@@ -397,17 +446,13 @@ class Dispatcher:
         elif isinstance(outcome, Failed):
             status = EffectStatus.REJECTED if cancelled else EffectStatus.FAILED
             options = {"error": {"message": outcome.error}}
-        elif isinstance(outcome, Retry):
-            status = EffectStatus.ACCEPTED
+        elif isinstance(outcome, Retry | Uncertain):
+            status = EffectStatus.ACCEPTED if isinstance(outcome, Retry) else EffectStatus.UNCERTAIN
             options = {
                 "error": {"message": outcome.error},
-                "retry_after": self.backoff.ceiling(effect.attempts),
-            }
-        elif isinstance(outcome, Uncertain):
-            status = EffectStatus.UNCERTAIN
-            options = {
-                "error": {"message": outcome.error},
-                "retry_after": self.backoff.ceiling(effect.attempts),
+                "retry_after": (
+                    self.backoff.ceiling(effect.attempts) if retry_after is None else retry_after
+                ),
             }
         else:
             assert isinstance(outcome, Park)

@@ -135,9 +135,12 @@ class EffectStore:
         limit: int,
         lease_seconds: float,
         trust_sync_replication: bool = False,
+        flush_commit: bool = False,
     ) -> list[ClaimedEffect]:
-        """``trust_sync_replication``: the operator runs with a required synchronous standby,
-        so no effect of a lost timeline was sent and none needs a lookup for that reason."""
+        """``trust_sync_replication``: every send of a lost timeline waited for the standby
+        (a required synchronous standby, or dispatchers that wait for one and hold without it),
+        so no effect of a lost timeline was sent unseen and none needs a lookup for that
+        reason. ``flush_commit``: the claim is flushed at commit (a standby is waited for)."""
         records = await db.fetch(
             query("claim_effects"),
             dispatcher,
@@ -145,6 +148,7 @@ class EffectStore:
             limit,
             lease_seconds,
             trust_sync_replication,
+            flush_commit,
         )
         return [
             ClaimedEffect(

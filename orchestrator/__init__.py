@@ -18,6 +18,7 @@ from orchestrator.lazy import lazy_exports
 if TYPE_CHECKING:
     from orchestrator.budgets import Budget, BudgetExhausted
     from orchestrator.client import Client, SyncClient
+    from orchestrator.db.standby_wait import StandbyNotReached
     from orchestrator.effects.approvals import DecisionRefused
     from orchestrator.effects.model import Effect, EffectPolicy
     from orchestrator.errors import (
@@ -80,6 +81,7 @@ _EXPORTS = {
     "SchemaTooNew": "orchestrator.errors",
     "Settings": "orchestrator.settings",
     "Signal": "orchestrator.signals",
+    "StandbyNotReached": "orchestrator.db.standby_wait",
     "Step": "orchestrator.steps",
     "StepContext": "orchestrator.steps",
     "SyncClient": "orchestrator.client",
@@ -136,6 +138,7 @@ __all__ = [
     "SchemaTooNew",
     "Settings",
     "Signal",
+    "StandbyNotReached",
     "Step",
     "StepContext",
     "SyncClient",

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import builtins
 from datetime import datetime, timedelta
-from typing import Any, Unpack
+from typing import Any, TypeVar, Unpack
 
 from orchestrator.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.purges import Purged
+from orchestrator.db.standby_wait import acknowledgement_seconds
 from orchestrator.db.stores import Stores
 from orchestrator.effects.approvals import Decision
 from orchestrator.effects.model import EffectRecord, EffectStatus
@@ -19,12 +20,19 @@ from orchestrator.models import JSON, WorkerInfo
 from orchestrator.retention import MAX_AGE, PURGE_BATCH, purge
 from orchestrator.signals import Signal
 
+T = TypeVar("T")
+
 
 class StoresHandle:
     """A client handle: a thin layer over the client's stores."""
 
     def __init__(self, stores: Stores) -> None:
         self._stores = stores
+
+    async def _held(self, done: T, within: float | None) -> T:
+        """``done`` once a standby holds it, when the caller asked to wait for one."""
+        await self._stores.held_by_standby(within)
+        return done
 
 
 class EffectsHandle(StoresHandle):
@@ -85,9 +93,12 @@ class ApprovalsHandle(StoresHandle):
         payload_sha256: str,
         note: str | None = None,
         run_fence: int | None = None,
+        wait_for_standby: bool | float | None = False,
     ) -> EffectRecord:
-        """Approve the payload the person saw (its ``payload_sha256``); refused if it changed."""
-        return await self._stores.approvals.decide(
+        """Approve the payload the person saw (its ``payload_sha256``); refused if it changed.
+        ``wait_for_standby``: return once a standby holds the decision (see ``runs.submit``)."""
+        within = acknowledgement_seconds(wait_for_standby)
+        decided = await self._stores.approvals.decide(
             run_id,
             effect_key,
             Decision.APPROVED,
@@ -96,6 +107,7 @@ class ApprovalsHandle(StoresHandle):
             payload_sha256=payload_sha256,
             run_fence=run_fence,
         )
+        return await self._held(decided, within)
 
     @project_errors
     async def deny(
@@ -107,9 +119,11 @@ class ApprovalsHandle(StoresHandle):
         note: str | None = None,
         payload_sha256: str | None = None,
         run_fence: int | None = None,
+        wait_for_standby: bool | float | None = False,
     ) -> EffectRecord:
         """Deny it; the model is told "denied by reviewer: NOTE"."""
-        return await self._stores.approvals.decide(
+        within = acknowledgement_seconds(wait_for_standby)
+        decided = await self._stores.approvals.decide(
             run_id,
             effect_key,
             Decision.DENIED,
@@ -118,6 +132,7 @@ class ApprovalsHandle(StoresHandle):
             payload_sha256=payload_sha256,
             run_fence=run_fence,
         )
+        return await self._held(decided, within)
 
 
 class SignalsHandle(StoresHandle):
@@ -125,11 +140,19 @@ class SignalsHandle(StoresHandle):
 
     @project_errors
     async def send(
-        self, run_id: str, name: str, data: JSON = None, *, idempotency_key: str | None = None
+        self,
+        run_id: str,
+        name: str,
+        data: JSON = None,
+        *,
+        idempotency_key: str | None = None,
+        wait_for_standby: bool | float | None = False,
     ) -> Signal:
-        """Send ``run_id`` a signal (stored durably; the same key twice is one signal)."""
+        """Send ``run_id`` a signal (stored durably; the same key twice is one signal).
+        ``wait_for_standby``: return once a standby holds it (see ``runs.submit``)."""
+        within = acknowledgement_seconds(wait_for_standby)
         sent = await self._stores.signals.send(run_id, name, data, idempotency_key=idempotency_key)
-        return sent.signal
+        return await self._held(sent.signal, within)
 
     @project_errors
     async def list(

@@ -9,6 +9,7 @@ from typing import Unpack
 from orchestrator.client_features import StoresHandle
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.run_reads import RunFilters
+from orchestrator.db.standby_wait import acknowledgement_seconds
 from orchestrator.db.store import SubmitOptions
 from orchestrator.db.stores import Stores
 from orchestrator.errors import InvalidInput
@@ -52,16 +53,26 @@ class RunsHandle(StoresHandle):
         *,
         at: datetime | None = None,
         delay_seconds: float | None = None,
+        wait_for_standby: bool | float | None = False,
         **options: Unpack[SubmitOptions],
     ) -> Run:
         """Queue a run of ``agent``, due now, ``at`` a time or after ``delay_seconds``
         (``idempotency_key=``, ``run_id=``, ``max_attempts=`` as ``RunStore.submit`` takes
-        them). The same idempotency key returns the run it first created."""
+        them). The same idempotency key returns the run it first created.
+
+        ``wait_for_standby``: return only once a streaming standby holds the run, so that a
+        failover cannot lose a run its caller was told of (``StandbyNotReached`` if none does
+        within 30 s, or as many seconds as given; the run stands on the primary). Off by
+        default: an asynchronous standby may lack the last runs submitted when the primary
+        dies."""
+        within = acknowledgement_seconds(wait_for_standby)
         runs = self._stores.runs
         not_before = None
         if at is not None or delay_seconds is not None:
             not_before = start_time(await runs.database_now(), at, delay_seconds)
-        return (await runs.submit(agent, input, not_before=not_before, **options)).run
+        run = (await runs.submit(agent, input, not_before=not_before, **options)).run
+        await self._stores.held_by_standby(within)
+        return run
 
     @project_errors
     async def get(self, run_id: str) -> Run:

@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY, make_wsgi_app
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.outages import DatabaseOutage
 from orchestrator.db.run_reads import RunReads
+from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
@@ -137,10 +138,13 @@ async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, outage: Databas
 
 
 def pool_probe(
-    pool: asyncpg.Pool, sync_standby: SyncStandbyRequirement | None = None
+    pool: asyncpg.Pool,
+    sync_standby: SyncStandbyRequirement | None = None,
+    standby: StandbyGate | None = None,
 ) -> Callable[[], Awaitable[Probe]]:
     """Readiness of a process whose only dependency is the database (dispatcher, proxy), and,
-    with ``--require-sync-standby``, the primary's synchronous standby."""
+    with ``--require-sync-standby``, the primary's synchronous standby; a dispatcher holding
+    its effects for want of a standby (``--without-standby hold``) is not ready either."""
 
     async def probe() -> Probe:
         try:
@@ -151,6 +155,8 @@ def pool_probe(
             return Probe(False, f"database unreachable: {str(error) or type(error).__name__}")
         if problem is not None:
             return Probe(False, f"--require-sync-standby: {problem}")
+        if standby is not None and (held := standby.holding):
+            return Probe(False, held)
         return Probe(True, "ready")
 
     return probe
@@ -163,6 +169,7 @@ def serving_metrics(
     *,
     gauges: bool = True,
     sync_standby: SyncStandbyRequirement | None = None,
+    standby: StandbyGate | None = None,
 ) -> Iterator[QueueGauges | None]:
     """With ``listen``: the Prometheus reader installed, the endpoint serving (readiness: the
     database answers), and, with ``gauges``, the queue gauges to sample; torn down after."""
@@ -171,7 +178,9 @@ def serving_metrics(
         return
     install_sdk_from_env(prometheus=True)
     sampled = QueueGauges() if gauges else None
-    endpoint = MetricsEndpoint(listen, pool_probe(pool, sync_standby), asyncio.get_running_loop())
+    endpoint = MetricsEndpoint(
+        listen, pool_probe(pool, sync_standby, standby), asyncio.get_running_loop()
+    )
     try:
         yield sampled
     finally:

@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from orchestrator.db.standby_wait import (
+    StandbyPolicy,
+    StandbyPosition,
+    StandbyWait,
+    WithoutStandby,
+)
 from orchestrator.errors import InvalidInput
 
 DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
@@ -95,6 +101,10 @@ class Settings:
     require_sync_standby: bool = False
     """Refuse to start, report not ready and send no effect while the primary does not
     replicate synchronously (``--require-sync-standby``; docs/high-availability.md)."""
+    standby: StandbyPolicy = field(default_factory=StandbyPolicy)
+    """Where the primary has streaming standbys, a dispatcher sends an effect only once one
+    holds its claim (``--standby-wait``, ``--standby-position``, ``--without-standby``;
+    docs/high-availability.md)."""
     proxy_fence_store: Path | None = None
     """The action proxy's own SQLite file of the highest fence it accepted per run
     (``effects serve --fence-store``). None: the proxy keeps no such record and checks fences
@@ -104,6 +114,11 @@ class Settings:
         if self.database_url is not None:
             check_database_url(self.database_url)
         check_schema_name(self.schema)
+        if not isinstance(self.standby, StandbyPolicy):
+            raise InvalidInput(
+                f"Settings.standby must be a StandbyPolicy, not {self.standby!r}: e.g. "
+                "StandbyPolicy(wait='all') (orchestrator.db.standby_wait)"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -122,6 +137,11 @@ class Settings:
             ),
             schema=env.get("ORCHESTRATOR_SCHEMA") or DEFAULT_SCHEMA,
             require_sync_standby=_flag(env, "ORCHESTRATOR_REQUIRE_SYNC_STANDBY"),
+            standby=StandbyPolicy.parse(
+                env.get("ORCHESTRATOR_STANDBY_WAIT") or StandbyWait.ANY,
+                env.get("ORCHESTRATOR_STANDBY_POSITION") or StandbyPosition.FLUSH,
+                env.get("ORCHESTRATOR_WITHOUT_STANDBY") or WithoutStandby.HOLD,
+            ),
             proxy_fence_store=Path(env["ORCHESTRATOR_PROXY_FENCE_STORE"])
             if env.get("ORCHESTRATOR_PROXY_FENCE_STORE")
             else None,

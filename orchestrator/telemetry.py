@@ -230,7 +230,8 @@ class Metrics:
 
 class EffectMetrics:
     """The dispatcher's: what each dispatch left the record as (confirmed, failed, rejected,
-    uncertain, parked, accepted to retry, lost_claim, unknown) and how long a dispatch took."""
+    uncertain, parked, accepted to retry, lost_claim, unknown), how long a dispatch took, and
+    how long its claim waited for a standby."""
 
     def __init__(self, meter: metrics.Meter | None = None) -> None:
         meter = meter or metrics.get_meter(TRACER_NAME)
@@ -242,9 +243,21 @@ class EffectMetrics:
         self.send_seconds = meter.create_histogram(
             "orchestrator.effects.send.duration", unit="s", description="vendor call time"
         )
+        self.standby_wait = meter.create_histogram(
+            "orchestrator.effects.standby_wait.duration",
+            unit="s",
+            description="from a claim's commit until a standby held it (--standby-wait)",
+        )
+        self.sent_without_standby = meter.create_counter(
+            "orchestrator.effects.sent_without_standby",
+            unit="{effect}",
+            description="effects claimed to send while an expected standby was away "
+            "(--without-standby send): a failover may repeat them",
+        )
 
     def start_at_zero(self, kinds: Iterable[str]) -> None:
         """Each kind's outcomes at 0 (see ``Metrics.start_at_zero``)."""
+        self.sent_without_standby.add(0)
         for kind in kinds:
             for outcome in DISPATCH_OUTCOMES:
                 self.outcomes.add(0, {"kind": kind, "outcome": outcome})

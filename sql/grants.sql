@@ -115,3 +115,9 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_may_vouch(),
     {schema}.orchestrator_sign_in(text, text, text, text)
     TO {console};
+
+-- Every role that waits for a standby before it acts (a dispatcher before a send, a worker's
+-- dispatcher in `serve`, a client or the console before it says a submission or a decision
+-- is done) reads the standbys' positions through this function alone (migration 0020).
+GRANT EXECUTE ON FUNCTION {schema}.orchestrator_standby_positions()
+    TO {worker}, {dispatcher}, {console}, {client};

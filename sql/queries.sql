@@ -632,7 +632,7 @@ LIMIT $3
 
 -- claim_effects --
 -- params: $1 dispatcher_id text, $2 kinds text[], $3 limit int, $4 lease_seconds float8,
---         $5 trust_sync_replication bool
+--         $5 trust_sync_replication bool, $6 flush_commit bool
 -- A dispatcher ($1) claims up to $3 effects of the kinds $2 it has vendors for, with its own
 -- lease of $4 seconds: new or uncertain effects that are due, and dispatches whose dispatcher
 -- lease expired (that dispatcher may have died after the vendor accepted); an effect that needs
@@ -649,8 +649,14 @@ LIMIT $3
 -- order alone would read past every effect of the kinds it does not serve). The rows of a kind
 -- that the overall limit leaves out are locked only until this statement ends. The time is read
 -- once (here.now) so that it can bound those index scans.
-WITH here AS (
-    SELECT fence_epoch() AS epoch, clock_timestamp() AS now
+-- $6: the dispatcher waits for a standby to hold this claim before it sends, so the claim is
+-- flushed at commit even in a session with synchronous_commit off (which would leave it to the
+-- WAL writer, up to wal_writer_delay later); set_config's local value lasts until this
+-- statement's own commit.
+WITH here AS MATERIALIZED (
+    SELECT fence_epoch() AS epoch, clock_timestamp() AS now,
+           CASE WHEN $6::boolean AND current_setting('synchronous_commit') = 'off'
+                THEN set_config('synchronous_commit', 'local', true) END AS flushed
 ), due AS (
     SELECT c.*
     FROM claim_kinds($2::text[]) AS k(kind) CROSS JOIN LATERAL (

@@ -870,6 +870,38 @@ BEGIN
                               jsonb_build_object('role', known.role, 'token_id', p_token_id));
 END
 $_$;
+CREATE FUNCTION orchestrator.orchestrator_standby_positions(OUT wal_end pg_lsn, OUT wal_flushed pg_lsn, OUT in_recovery boolean, OUT physical_slots integer, OUT idle_slots integer, OUT standbys integer, OUT hidden integer, OUT least_flushed pg_lsn, OUT most_flushed pg_lsn, OUT least_replayed pg_lsn, OUT most_replayed pg_lsn) RETURNS record
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+WITH physical AS (
+    SELECT r.flush_lsn, r.replay_lsn
+    FROM pg_catalog.pg_stat_replication AS r
+    WHERE r.state IN ('streaming', 'catchup')
+      AND NOT EXISTS (
+          SELECT FROM pg_catalog.pg_replication_slots AS s
+          WHERE s.active_pid = r.pid AND s.slot_type = 'logical'
+      )
+), slots AS (
+    SELECT count(*)::integer AS physical_slots,
+           count(*) FILTER (WHERE NOT active)::integer AS idle_slots
+    FROM pg_catalog.pg_replication_slots
+    WHERE slot_type = 'physical'
+)
+SELECT CASE WHEN pg_catalog.pg_is_in_recovery() THEN NULL
+            WHEN pg_catalog.current_setting('synchronous_commit') = 'off'
+                THEN pg_catalog.pg_current_wal_insert_lsn()
+            ELSE pg_catalog.pg_current_wal_flush_lsn() END,
+       CASE WHEN NOT pg_catalog.pg_is_in_recovery()
+            THEN pg_catalog.pg_current_wal_flush_lsn() END,
+       pg_catalog.pg_is_in_recovery(),
+       (SELECT physical_slots FROM slots),
+       (SELECT idle_slots FROM slots),
+       count(*) FILTER (WHERE flush_lsn IS NOT NULL)::integer,
+       count(*) FILTER (WHERE flush_lsn IS NULL)::integer,
+       min(flush_lsn), max(flush_lsn), min(replay_lsn), max(replay_lsn)
+FROM physical
+$$;
 CREATE FUNCTION orchestrator.orchestrator_submission_is_valid(p_run_id text, p_agent text, p_input jsonb, p_idempotency_key text) RETURNS boolean
     LANGUAGE plpgsql IMMUTABLE
     AS $_$

@@ -294,6 +294,7 @@ async def test_a_claim_reads_about_as_many_effects_as_it_claims_however_long_the
                 limit,
                 60.0,
                 False,
+                False,
             )
         finally:
             await transaction.rollback()
@@ -313,7 +314,9 @@ async def test_the_claim_keeps_one_generic_plan(store: RunStore, pool: asyncpg.P
     await requested(store, pool, crm(0))
     async with pool.acquire() as db:
         for _ in range(12):
-            await db.fetch(query("claim_effects"), "claimer", ["crm", "email"], 1, 60.0, False)
+            await db.fetch(
+                query("claim_effects"), "claimer", ["crm", "email"], 1, 60.0, False, True
+            )
         plans = await db.fetchrow(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
             query("claim_effects"),

@@ -50,6 +50,7 @@ ERRORS = {
     "BudgetExhausted",
     "DecisionRefused",
     "PermanentFailure",
+    "StandbyNotReached",
 }
 
 

@@ -1,13 +1,16 @@
 """Failover on a real primary + streaming standby (``orchestrator.testing.ReplicatedPostgres``):
 no fence is granted twice and no vendor sees a key twice, whatever the promoted server lost.
 
-(a) Asynchronous replication: the lost primary granted fences, accepted and sent effects that
-    the standby never saw; the worker reaches the promoted server through the multi-host URL,
-    re-runs the runs under fences of the new epoch, and reconciles before sending.
+(a) Asynchronous replication, dispatchers that send while the standby is away
+    (``--without-standby send``): the lost primary granted fences, accepted and sent effects
+    that the standby never saw; the worker reaches the promoted server through the multi-host
+    URL, re-runs the runs under fences of the new epoch, and reconciles before sending. (With
+    the default, ``hold``, nothing is sent that the standby lacks: tests/test_standby_wait.py.)
 (b) Synchronous replication: a claim whose wait for the standby is cancelled reports no
     success, and a claim whose client gives up leaves the wait in place (no cancel request).
-(c) ``--require-sync-standby``: an SMTP email (no lookup) goes out once through a failover;
-    without the flag the same email is parked for a person rather than sent blind.
+(c) ``--require-sync-standby``, or the default standby wait: an SMTP email (no lookup) goes out
+    once through a failover; with neither (``--standby-wait off``) the same email is parked for
+    a person rather than sent blind.
 (d) The action proxy with a fence store refuses a fence the promoted server forgot.
 """
 
@@ -26,6 +29,7 @@ import pytest
 
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
+from orchestrator.db.standby_wait import StandbyPolicy, StandbyWait, WithoutStandby
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import Adapter, adapter_from_config
 from orchestrator.effects.dispatcher import Dispatcher
@@ -51,6 +55,9 @@ GRANTS: list[tuple[str, int, str]] = []
 failover cannot take back (the lost primary's own records of its claims are gone)."""
 
 WORKER = {"lease_seconds": 3.0, "heartbeat_seconds": 1.0, "poll_seconds": 0.1}
+SENDS_ALONE = StandbyPolicy(without=WithoutStandby.SEND)
+"""Dispatchers that go on sending while the standby is away: what the lost timeline sent is
+looked up on the promoted server."""
 
 
 class Request(Step):
@@ -125,10 +132,11 @@ async def replicated(*, synchronous: bool) -> AsyncIterator[ReplicatedPostgres]:
 async def async_pair_and_crm() -> AsyncIterator[
     tuple[ReplicatedPostgres, Settings, LocalVendor, Adapter]
 ]:
-    """An asynchronous pair, migrated, with the settings that follow its primary, and a CRM
-    vendor on loopback with the adapter that looks keys up there."""
+    """An asynchronous pair, migrated, with the settings that follow its primary (and send
+    while the standby is away), and a CRM vendor on loopback with the adapter that looks keys
+    up there."""
     async with replicated(synchronous=False) as pair, LocalVendor() as vendor:
-        settings = Settings(database_url=pair.dsn())
+        settings = Settings(database_url=pair.dsn(), standby=SENDS_ALONE)
         await ensure_schema(settings, pair.dsn(), auto_migrate=True)
         yield pair, settings, vendor, looked_up_crm(vendor)
 
@@ -208,7 +216,9 @@ async def test_a_an_effect_replicated_then_sent_on_the_lost_timeline_is_not_sent
                         await anyio.sleep(0.05)
             await anyio.to_thread.run_sync(pair.wait_replayed)
             await anyio.to_thread.run_sync(pair.stop_standby)
-            dispatcher = Dispatcher(pool, {"crm": crm}, lease_seconds=5, poll_seconds=0.05)
+            dispatcher = Dispatcher(
+                pool, {"crm": crm}, lease_seconds=5, poll_seconds=0.05, standby=SENDS_ALONE
+            )
             async with anyio.create_task_group() as group:
                 group.start_soon(dispatcher.run)
                 with anyio.fail_after(60):
@@ -378,14 +388,23 @@ async def test_b_a_cancelled_sync_wait_is_no_success_and_its_fence_is_not_reused
             assert claimed.lease.fence >= 1 << EPOCH_BITS
 
 
-async def _email_through_a_failover(*, require_sync_standby: bool) -> tuple[list[str], list[str]]:
+async def _email_through_a_failover(
+    *,
+    require_sync_standby: bool = False,
+    standby: StandbyPolicy | None = None,
+    synchronous: bool = True,
+) -> tuple[list[str], list[str]]:
     """Three runs each sending one email; the primary dies while their first steps run (their
-    claims replicated synchronously, nothing sent yet). Returns the messages' ids and the
-    effects' statuses once the runs are over or the emails parked."""
+    claims replicated, nothing sent yet). Returns the messages' ids and the effects' statuses
+    once the runs are over or the emails parked."""
     GRANTS.clear()
-    async with replicated(synchronous=True) as pair:
+    async with replicated(synchronous=synchronous) as pair:
         with SmtpSink() as sink:
-            settings = Settings(database_url=pair.dsn(), require_sync_standby=require_sync_standby)
+            settings = Settings(
+                database_url=pair.dsn(),
+                require_sync_standby=require_sync_standby,
+                standby=standby or StandbyPolicy(StandbyWait.OFF),
+            )
             email = adapter_from_config(
                 "email",
                 {"adapter": "smtp", "host": "127.0.0.1", "port": sink.port, "sender": "a@b.c"},
@@ -412,7 +431,8 @@ async def _email_through_a_failover(*, require_sync_standby: bool) -> tuple[list
                                 if e.status in (EffectStatus.CONFIRMED, EffectStatus.PARKED)
                             ]
                             if len(settled) == 3 and (
-                                not require_sync_standby or all(s.terminal for s in states)
+                                settled[0].status is EffectStatus.PARKED
+                                or all(s.terminal for s in states)
                             ):
                                 break
                             await anyio.sleep(0.2)
@@ -426,8 +446,19 @@ async def test_c_with_a_required_sync_standby_an_email_goes_out_once_through_a_f
     assert granted_twice() == []
 
 
-async def test_c_without_it_the_email_is_parked_for_a_person_not_sent_blind() -> None:
-    message_ids, statuses = await _email_through_a_failover(require_sync_standby=False)
+async def test_c_with_the_standby_wait_an_email_goes_out_once_through_an_async_failover() -> None:
+    """No send waited for on the lost timeline was left unreplicated, so the promoted server
+    sends what it has as never claimed, without a lookup an email cannot have."""
+    message_ids, statuses = await _email_through_a_failover(
+        standby=StandbyPolicy(), synchronous=False
+    )
+    assert statuses == ["confirmed"] * 3
+    assert len(message_ids) == 3 and len(set(message_ids)) == 3
+    assert granted_twice() == []
+
+
+async def test_c_with_neither_the_email_is_parked_for_a_person_not_sent_blind() -> None:
+    message_ids, statuses = await _email_through_a_failover()
     assert statuses == ["parked"] * 3
     assert message_ids == []
 

@@ -12,6 +12,7 @@ from orchestrator.cli.support import (
     json_option,
     print_found,
     stdout,
+    wait_for_standby_option,
 )
 from orchestrator.db.bootstrap import open_stores
 from orchestrator.effects.approvals import Decision
@@ -72,6 +73,7 @@ def _decide(decision: Decision) -> click.Command:
         + (" (required: an approval names what was approved)." if verb == "approve" else "."),
     )
     @click.option("--fence", type=int, help="The run fence you saw; refused if it moved on.")
+    @wait_for_standby_option("decision")
     @json_option()
     @async_command
     async def command(
@@ -82,6 +84,7 @@ def _decide(decision: Decision) -> click.Command:
         note: str | None,
         payload_sha256: str | None,
         fence: int | None,
+        wait_for_standby: bool,
         as_json: bool,
     ) -> None:
         async with open_stores(settings) as stores:
@@ -94,6 +97,8 @@ def _decide(decision: Decision) -> click.Command:
                 payload_sha256=payload_sha256,
                 run_fence=fence,
             )
+            if wait_for_standby:
+                await stores.held_by_standby()
         if as_json:
             stdout.print_json(dump_json(decided))
         else:

@@ -11,12 +11,19 @@ import anyio
 import click
 import structlog
 
-from orchestrator.cli.process_options import defaulted_option, log_format_option, process_options
+from orchestrator.cli.process_options import (
+    defaulted_option,
+    log_format_option,
+    process_options,
+    standby_options,
+    standby_policy,
+)
 from orchestrator.cli.support import run_async, settings_of, stderr
 from orchestrator.db.access import AccessStore
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.deadlines import enter_when_reachable
 from orchestrator.db.outages import watch
+from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import sample_gauges, serving_metrics
@@ -182,6 +189,7 @@ def _proxy_tokens(tokens: str | None, tokens_file: Path | None) -> list[str]:
 )
 @click.option("--dispatcher-id", help="Default: dispatch:host:pid:random.")
 @process_options()
+@standby_options
 @click.option("--log-json/--log-console", default=None)
 @click.pass_context
 def effects_dispatch(
@@ -195,6 +203,9 @@ def effects_dispatch(
     metrics_listen: str | None,
     start_retry_seconds: float,
     require_sync_standby: bool | None,
+    standby_wait: str | None,
+    standby_position: str | None,
+    without_standby: str | None,
     log_json: bool | None,
 ) -> None:
     """Run only the effect dispatcher (outbox relay) until SIGTERM/SIGINT."""
@@ -203,6 +214,7 @@ def effects_dispatch(
 
     settings = settings_of(ctx).with_overrides(require_sync_standby=require_sync_standby)
     requirement = SyncStandbyRequirement(settings.require_sync_standby)
+    standby = StandbyGate(standby_policy(settings, standby_wait, standby_position, without_standby))
     configure_logging(json_logs=log_json)
 
     async def body() -> None:
@@ -231,9 +243,12 @@ def effects_dispatch(
                 concurrency=concurrency,
                 batch=batch,
                 sync_standby=requirement,
+                standby=standby,
             )
             with (
-                serving_metrics(metrics_listen, store.pool, sync_standby=requirement) as gauges,
+                serving_metrics(
+                    metrics_listen, store.pool, sync_standby=requirement, standby=standby
+                ) as gauges,
                 anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             ):
                 async with anyio.create_task_group() as group:

@@ -9,6 +9,14 @@ from typing import Any
 import click
 from click.decorators import FC
 
+from orchestrator.db.standby_wait import (
+    StandbyPolicy,
+    StandbyPosition,
+    StandbyWait,
+    WithoutStandby,
+)
+from orchestrator.settings import Settings
+
 
 def defaulted_option(*declarations: str, **attributes: Any) -> Callable[[FC], FC]:
     """A ``click.option`` whose help shows its default: every tuning knob of these commands."""
@@ -33,6 +41,49 @@ start_retry_option = defaulted_option(
     default=30.0,
     help="How long to keep trying to reach PostgreSQL at start (0: fail at once).",
 )
+STANDBY_OPTIONS = (
+    (
+        "--standby-wait",
+        StandbyWait,
+        "Send an effect only once a streaming standby holds its claim: any one, all connected "
+        "ones, or off [default: any; ORCHESTRATOR_STANDBY_WAIT]. A primary with no standby "
+        "(none connected, no physical slot) sends at once. See docs/high-availability.md.",
+    ),
+    (
+        "--standby-position",
+        StandbyPosition,
+        "How far a standby must have the claim: flushed (enough for a promotion) or replayed "
+        "[default: flush; ORCHESTRATOR_STANDBY_POSITION].",
+    ),
+    (
+        "--without-standby",
+        WithoutStandby,
+        "While an expected standby is not connected: hold effects and report not ready, or "
+        "send as a lone primary with a warning and a metric [default: hold; "
+        "ORCHESTRATOR_WITHOUT_STANDBY].",
+    ),
+)
+
+
+def standby_options(command: FC) -> FC:
+    """``--standby-wait``, ``--standby-position`` and ``--without-standby``: the dispatcher's
+    wait for a standby (``serve`` and ``effects dispatch``)."""
+    for name, choices, text in reversed(STANDBY_OPTIONS):  # decorators apply bottom-up
+        option = click.option(name, type=click.Choice([c.value for c in choices]), help=text)
+        command = option(command)
+    return command
+
+
+def standby_policy(
+    settings: Settings, wait: str | None, position: str | None, without: str | None
+) -> StandbyPolicy:
+    """The settings' policy with the options given on the command line."""
+    base = settings.standby
+    return StandbyPolicy.parse(
+        wait or base.wait, position or base.position, without or base.without
+    )
+
+
 log_format_option = click.option(
     "--log-json/--log-console", default=None, help="Default: JSON unless a terminal."
 )

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 import anyio
 import click
 
-from orchestrator.cli.process_options import defaulted_option, log_format_option, process_options
+from orchestrator.cli.process_options import (
+    defaulted_option,
+    log_format_option,
+    process_options,
+    standby_options,
+    standby_policy,
+)
 from orchestrator.cli.support import run_async, settings_of, stderr
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import MetricsEndpoint
@@ -76,6 +82,7 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     "call: a call still unanswered at 80% of it is given up as uncertain.",
 )
 @process_options()
+@standby_options
 @defaulted_option(
     "--retention",
     default=DEFAULT_RETENTION,
@@ -102,6 +109,9 @@ def serve(
     metrics_listen: str | None,
     start_retry_seconds: float,
     require_sync_standby: bool | None,
+    standby_wait: str | None,
+    standby_position: str | None,
+    without_standby: str | None,
     retention: str,
     log_json: bool | None,
 ) -> None:
@@ -117,7 +127,11 @@ def serve(
     from orchestrator.worker.gc_tuning import tune_for_worker
     from orchestrator.worker.worker import Worker, WorkerConfig, default_worker_id
 
-    settings = settings_of(ctx).with_overrides(require_sync_standby=require_sync_standby)
+    settings = settings_of(ctx)
+    settings = settings.with_overrides(
+        require_sync_standby=require_sync_standby,
+        standby=standby_policy(settings, standby_wait, standby_position, without_standby),
+    )
     configure_logging(json_logs=log_json)
     modules = _split_modules(agent_modules)
     if not modules:

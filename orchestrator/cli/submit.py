@@ -11,6 +11,7 @@ from orchestrator.cli.support import (
     read_input,
     stderr,
     stdout,
+    wait_for_standby_option,
 )
 from orchestrator.client import start_time
 from orchestrator.db.bootstrap import open_stores
@@ -37,6 +38,7 @@ from orchestrator.settings import Settings
     "a past time warns and starts now).",
 )
 @click.option("--delay", type=float, help="Start this many seconds from now (at most ten years).")
+@wait_for_standby_option("run")
 @json_option("Print the run as JSON.")
 @async_command
 async def submit(
@@ -48,6 +50,7 @@ async def submit(
     max_attempts: int,
     at: str | None,
     delay: float | None,
+    wait_for_standby: bool,
     as_json: bool,
 ) -> None:
     """Queue a run of AGENT (now, --at a time or after --delay) and print its run id."""
@@ -75,6 +78,8 @@ async def submit(
             max_attempts=max_attempts,
             not_before=start,
         )
+        if wait_for_standby:
+            await stores.held_by_standby()
         served = await stores.workers.served_agents(stores.pool)
     if agent not in served:
         # Not an error: runs may be queued before any worker starts. But a typo would wait

@@ -52,6 +52,17 @@ def json_option(help: str | None = None) -> Callable[[F], F]:
     return click.option("--json", "as_json", is_flag=True, help=help)
 
 
+def wait_for_standby_option(what: str) -> Callable[[F], F]:
+    """``--wait-for-standby`` on the commands whose answer a failover could take back."""
+    return click.option(
+        "--wait-for-standby",
+        is_flag=True,
+        help=f"Answer only once a streaming standby holds the {what} (at most 30 s), so a "
+        "failover cannot take it back. Off by default: on an asynchronous standby the last "
+        "commits before a failover may be lost (docs/high-availability.md).",
+    )
+
+
 def effect_arguments(command: F) -> F:
     """RUN_ID and EFFECT_KEY, the two arguments naming one effect record."""
     return click.argument("run_id")(click.argument("effect_key")(command))

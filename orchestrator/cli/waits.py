@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli.support import async_command, json_option, read_json_option, stderr, stdout
+from orchestrator.cli.support import (
+    async_command,
+    json_option,
+    read_json_option,
+    stderr,
+    stdout,
+    wait_for_standby_option,
+)
 from orchestrator.db.bootstrap import open_stores
 from orchestrator.errors import InvalidTransition
 from orchestrator.presentation import budget_table, dump_json, ledger_table
@@ -16,6 +23,7 @@ from orchestrator.settings import Settings
 @click.argument("name")
 @click.option("--data", default="null", show_default=True, help="JSON, @file.json or @-.")
 @click.option("--idempotency-key", help="Sending the same key again stores nothing new.")
+@wait_for_standby_option("signal")
 @json_option("Print the stored signal as JSON.")
 @async_command
 async def runs_signal(
@@ -24,6 +32,7 @@ async def runs_signal(
     name: str,
     data: str,
     idempotency_key: str | None,
+    wait_for_standby: bool,
     as_json: bool,
 ) -> None:
     """Send RUN_ID the signal NAME; its next step reads it, and its commit consumes it."""
@@ -32,6 +41,8 @@ async def runs_signal(
     )
     async with open_stores(settings) as stores:
         sent = await stores.signals.send(run_id, name, value, idempotency_key=idempotency_key)
+        if wait_for_standby:
+            await stores.held_by_standby()
     if not sent.created:
         stderr.print(f"idempotency key matched signal #{sent.signal.seq}; nothing new was stored")
     if as_json:

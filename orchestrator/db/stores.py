@@ -9,6 +9,8 @@ from orchestrator.budgets import BudgetStore
 from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.purges import PurgeStore
+from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS, StandbyPolicy
+from orchestrator.db.standby_wait import wait_for_standby as wait_for_standby_at
 from orchestrator.db.store import RunStore
 from orchestrator.db.workers import WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore
@@ -26,9 +28,11 @@ class Stores:
         *,
         max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
         schema: str = DEFAULT_SCHEMA,
+        standby: StandbyPolicy | None = None,
     ) -> None:
         self.pool = pool
         self.schema = schema
+        self.standby = standby or StandbyPolicy()
         self.runs = RunStore(pool, max_input_bytes=max_input_bytes)
         self.effects = EffectStore(pool)
         self.approvals = ApprovalStore(pool)
@@ -41,5 +45,20 @@ class Stores:
 
     @classmethod
     def of(cls, pool: asyncpg.Pool, settings: Settings) -> Stores:
-        """The stores as ``settings`` configure them (input limit, schema)."""
-        return cls(pool, max_input_bytes=settings.max_input_bytes, schema=settings.schema)
+        """The stores as ``settings`` configure them (input limit, schema, standby policy)."""
+        return cls(
+            pool,
+            max_input_bytes=settings.max_input_bytes,
+            schema=settings.schema,
+            standby=settings.standby,
+        )
+
+    async def held_by_standby(self, within: float | None = STANDBY_ACK_SECONDS) -> None:
+        """Return once a standby holds every commit this client made so far (a submission, a
+        signal, a decision), so that a failover cannot take back what its caller is told;
+        ``StandbyNotReached`` if none does within ``within`` seconds (``None``: no wait; see
+        ``acknowledgement_seconds``). At once on a primary without standbys."""
+        if within is None:
+            return
+        async with self.pool.acquire() as db:
+            await wait_for_standby_at(db, self.standby, within=within)

@@ -35,6 +35,7 @@ from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import GENERIC_PLANS, create_pool, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection, enter_when_reachable
 from orchestrator.db.outages import DatabaseOutage
+from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.store import RunStore
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effects.dispatcher import Dispatcher
@@ -87,6 +88,9 @@ class Worker:
         """What ``run`` built, while it runs (None before and after)."""
         self.ready = anyio.Event()
         self.sync_standby = SyncStandbyRequirement(settings.require_sync_standby)
+        self.standby = StandbyGate(settings.standby)
+        """The dispatcher's wait for a standby, whose problem makes the worker not ready
+        while it holds effects (``--standby-wait``, ``--without-standby hold``)."""
         self.effect_waiters = EffectWaiters()
         self.outage = DatabaseOutage(self.log)
         """Shared by the worker's loops: one line when the database is out of reach, one when
@@ -136,6 +140,8 @@ class Worker:
             return Probe(False, f"database unreachable: {str(error) or type(error).__name__}")
         if problem is not None:
             return Probe(False, f"--require-sync-standby: {problem}")
+        if running.dispatcher.adapters and (held := self.standby.holding):
+            return Probe(False, held)
         if self.claims.failures:
             return Probe(False, "claims are failing: the database refuses or times out")
         beat = self.claims.beat
@@ -243,6 +249,7 @@ class Worker:
                     poll_seconds=config.poll_seconds,
                     statement_seconds=statement_seconds,
                     sync_standby=self.sync_standby,
+                    standby=self.standby,
                     outage=self.outage,
                 ),
                 liveness=liveness,
