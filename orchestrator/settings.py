@@ -83,6 +83,13 @@ def check_database_url(url: str) -> str:
     return url
 
 
+STANDBY_VARIABLES = (
+    "ORCHESTRATOR_STANDBY_WAIT",
+    "ORCHESTRATOR_STANDBY_POSITION",
+    "ORCHESTRATOR_WITHOUT_STANDBY",
+)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Process-wide configuration.
@@ -141,6 +148,7 @@ class Settings:
                 env.get("ORCHESTRATOR_STANDBY_WAIT") or StandbyWait.ANY,
                 env.get("ORCHESTRATOR_STANDBY_POSITION") or StandbyPosition.FLUSH,
                 env.get("ORCHESTRATOR_WITHOUT_STANDBY") or WithoutStandby.HOLD,
+                names=STANDBY_VARIABLES,
             ),
             proxy_fence_store=Path(env["ORCHESTRATOR_PROXY_FENCE_STORE"])
             if env.get("ORCHESTRATOR_PROXY_FENCE_STORE")

@@ -281,9 +281,18 @@ def test_which_standbys_count() -> None:
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"ORCHESTRATOR_STANDBY_WAIT": "sometimes"}, "--standby-wait must be one of any, all, off"),
-        ({"ORCHESTRATOR_STANDBY_POSITION": "disk"}, "--standby-position must be one of flush"),
-        ({"ORCHESTRATOR_WITHOUT_STANDBY": "pray"}, "--without-standby must be one of hold, send"),
+        (
+            {"ORCHESTRATOR_STANDBY_WAIT": "sometimes"},
+            "ORCHESTRATOR_STANDBY_WAIT must be one of any, all, off, not 'sometimes'",
+        ),
+        (
+            {"ORCHESTRATOR_STANDBY_POSITION": "disk"},
+            "ORCHESTRATOR_STANDBY_POSITION must be one of flush, replay",
+        ),
+        (
+            {"ORCHESTRATOR_WITHOUT_STANDBY": "pray"},
+            "ORCHESTRATOR_WITHOUT_STANDBY must be one of hold, send",
+        ),
     ],
 )
 def test_a_bad_standby_setting_is_one_clear_line(environ: dict[str, str], message: str) -> None:

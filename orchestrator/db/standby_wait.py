@@ -87,12 +87,20 @@ class StandbyPolicy:
         )
 
     @classmethod
-    def parse(cls, wait: str, position: str, without: str) -> StandbyPolicy:
-        """From option values; a bad one is a one-line ``InvalidInput`` naming the choices."""
+    def parse(
+        cls,
+        wait: str,
+        position: str,
+        without: str,
+        *,
+        names: tuple[str, str, str] = ("--standby-wait", "--standby-position", "--without-standby"),
+    ) -> StandbyPolicy:
+        """From option values; a bad one is a one-line ``InvalidInput`` naming where it came
+        from (``names``: the options, or the environment variables) and the choices."""
         return cls(
-            _choice(StandbyWait, wait, "--standby-wait"),
-            _choice(StandbyPosition, position, "--standby-position"),
-            _choice(WithoutStandby, without, "--without-standby"),
+            _choice(StandbyWait, wait, names[0]),
+            _choice(StandbyPosition, position, names[1]),
+            _choice(WithoutStandby, without, names[2]),
         )
 
 
