@@ -330,16 +330,19 @@ class StandbyGate:
             await self.check(db)
         return self.problem is None or self.policy.without is WithoutStandby.SEND
 
+    def sends_unwaited(self) -> bool:
+        """Whether a claim may be sent without waiting (``waits`` is false): no wait is asked
+        for, the primary is a lone one, or an expected standby is away and the choice is to
+        send."""
+        return not self.active or self.problem is None or self.policy.without is WithoutStandby.SEND
+
     async def held(self, db: Executor, *, within: float) -> bool:
-        """After a claim committed: whether a standby holds it within ``within`` seconds
-        (``True`` at once when nothing is waited for, counting a send as a lone primary's
-        while an expected standby is away and the choice is to send)."""
-        if not self.active:
-            return True
-        if self.waits:
-            first = await standby_positions(db)
-            self.observe(first)  # the standbys may have gone since the last look
-            if self.problem is None:
-                held = await until_held(db, self.policy, within=within, first=first, flushed=True)
-                return held is not None
-        return self.problem is None or self.policy.without is WithoutStandby.SEND
+        """After a claim committed, while ``waits``: whether a standby holds it within
+        ``within`` seconds (or, if the standbys went since the last look, whether it may be
+        sent unwaited)."""
+        first = await standby_positions(db)
+        self.observe(first)
+        if not self.waits:
+            return self.sends_unwaited()
+        held = await until_held(db, self.policy, within=within, first=first, flushed=True)
+        return held is not None
