@@ -117,9 +117,9 @@ from bench_report import fmt, log, render_table, report_heading, server_line, ve
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import adapter_from_config
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect
+from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.models import RunEvent, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext

@@ -175,8 +175,8 @@ async def setup(dsn: str, prefix: str, agent: str, count: int) -> None:
 async def dispatch(
     dsn: str, url: str, concurrency: int, batch: int, poll: float, name: str
 ) -> None:
-    from orchestrator.effects.adapters import adapter_from_config
     from orchestrator.effects.dispatcher import Dispatcher
+    from orchestrator.effects.vendors import adapter_from_config
 
     quiet_logs()
     adapter = adapter_from_config(

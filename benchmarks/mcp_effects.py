@@ -41,8 +41,9 @@ from orchestrator import Agent, Effect, Finish, Next, Outcome, Step, StepContext
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import Adapter, HttpAdapter, adapter_from_config
+from orchestrator.effects.adapters import Adapter, HttpAdapter
 from orchestrator.effects.store import EffectStore
+from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.loopback import LocalVendor
 from orchestrator.settings import Settings
 from orchestrator.telemetry import configure_logging

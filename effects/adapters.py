@@ -298,20 +298,3 @@ def _refused(code: int, reply: bytes | str) -> SendOutcome:
     if 400 <= code < 500:
         return Retry(f"SMTP {code}: {text}")
     return Failed(f"SMTP {code}: {text}")
-
-
-def adapter_from_config(kind: str, config: dict[str, Any]) -> Adapter:
-    """Build an adapter from one entry of the dispatcher's vendor configuration."""
-    options = dict(config)
-    adapter = options.pop("adapter", None)
-    if adapter == "http":
-        return HttpAdapter(kind, **options)
-    if adapter == "smtp":
-        return SmtpAdapter(kind, **options)
-    if adapter == "mcp":
-        from .mcp import McpAdapter  # the mcp extra: imported only when configured
-
-        return McpAdapter(kind, **options)
-    raise ValueError(
-        f"effect kind {kind!r}: adapter must be 'http', 'smtp' or 'mcp', not {adapter!r}"
-    )

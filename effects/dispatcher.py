@@ -11,13 +11,11 @@ reconcile parks it for a person.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -57,7 +55,6 @@ from .adapters import (
     Retry,
     SendOutcome,
     Uncertain,
-    adapter_from_config,
     answers_within,
 )
 from .model import EffectRecord, EffectStatus
@@ -69,31 +66,6 @@ log = structlog.get_logger("orchestrator.effects")
 DISPATCH_POOL: PoolOptions = {"keep_session_state": True}
 """How a dispatcher process opens its pool: its statements leave no session state behind and
 its listener unlistens before giving a connection back, so no reset query follows each use."""
-
-
-def load_adapters(path: str | Path | None = None) -> dict[str, Adapter]:
-    """Vendors from a JSON file (``ORCHESTRATOR_EFFECTS_CONFIG``): ``{"kinds": {KIND: {...}}}``.
-
-    Example: ``{"kinds": {"email": {"adapter": "smtp", "host": "127.0.0.1", "port": 2525,
-    "sender": "agents@example.com"}, "crm": {"adapter": "http", "url": "https://…",
-    "token_env": "CRM_TOKEN", "reconcile": "lookup", "lookup_url": "https://…/{idempotency_key}"}}}``
-    """
-    location = path or os.environ.get("ORCHESTRATOR_EFFECTS_CONFIG")
-    if not location:
-        return {}
-    try:
-        document = json.loads(Path(location).read_text("utf-8"))
-    except OSError as error:
-        raise InvalidInput(f"cannot read effects config {location}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise InvalidInput(f"effects config {location} is not valid JSON: {error.msg}") from None
-    kinds = document.get("kinds") if isinstance(document, dict) else None
-    if not isinstance(kinds, dict):
-        raise InvalidInput(f'effects config {location} must be {{"kinds": {{KIND: {{...}}}}}}')
-    try:
-        return {kind: adapter_from_config(kind, options) for kind, options in kinds.items()}
-    except (TypeError, ValueError) as error:
-        raise InvalidInput(f"effects config {location}: {error}") from None
 
 
 def default_dispatcher_id() -> str:

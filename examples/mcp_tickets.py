@@ -29,7 +29,7 @@ import anyio
 from mcp.server.mcpserver import Context, MCPServer
 
 from orchestrator import Settings, ToolAgent
-from orchestrator.effects.adapters import adapter_from_config
+from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.mcp_tools import load_classification
 from orchestrator.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn, run_agent, turns
 

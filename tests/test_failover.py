@@ -31,12 +31,13 @@ from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
 from orchestrator.db.standby_wait import StandbyPolicy, StandbyWait, WithoutStandby
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import Adapter, adapter_from_config
+from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.fence_store import FenceStore
 from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.effects.proxy import create_app
 from orchestrator.effects.store import EffectStore
+from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import DatabaseError, OutcomeUnknown
 from orchestrator.fences import EPOCH_BITS, epoch_of
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns

@@ -20,10 +20,10 @@ from mcp_servers_for_tests import (
     tickets_server,
 )
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import adapter_from_config
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
+from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.mcp_client import McpConnection, McpServerSpec
 from test_effects_dispatch import dispatch_until, requested
 

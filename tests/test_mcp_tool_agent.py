@@ -26,9 +26,9 @@ from mcp_servers_for_tests import (
 )
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import adapter_from_config
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
+from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import InvalidInput
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
 from orchestrator.mcp_tools import McpEffectTool, McpToolSource, load_classification

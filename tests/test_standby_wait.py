@@ -26,9 +26,10 @@ from orchestrator.db.standby_wait import (
     StandbyWait,
     WithoutStandby,
 )
-from orchestrator.effects.adapters import Adapter, adapter_from_config
+from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
+from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import InvalidInput, RunNotFound
 from orchestrator.loopback import ScriptedModelServer
 from orchestrator.models import RunState

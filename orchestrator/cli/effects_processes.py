@@ -209,7 +209,8 @@ def effects_dispatch(
     log_json: bool | None,
 ) -> None:
     """Run only the effect dispatcher (outbox relay) until SIGTERM/SIGINT."""
-    from orchestrator.effects.dispatcher import DISPATCH_POOL, Dispatcher, load_adapters
+    from orchestrator.effects.dispatcher import DISPATCH_POOL, Dispatcher
+    from orchestrator.effects.vendors import load_adapters
     from orchestrator.telemetry import configure_logging
 
     settings = settings_of(ctx).with_overrides(require_sync_standby=require_sync_standby)
