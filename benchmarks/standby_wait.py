@@ -42,14 +42,13 @@ from orchestrator.agents.noop import noop
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
 from orchestrator.db.replicated import ReplicatedPostgres
-from orchestrator.db.standby_wait import StandbyPolicy, StandbyWait
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, StandbyPolicy, StandbyWait
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import LocalVendor, running_worker
 

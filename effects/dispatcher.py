@@ -29,9 +29,10 @@ from orchestrator.db.bootstrap import PoolOptions
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.notifications import DUE_CHANNEL, Listener
 from orchestrator.db.outages import DatabaseOutage
-from orchestrator.db.standby_wait import StandbyGate, StandbyPolicy
+from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput, error_fields
+from orchestrator.settings import StandbyPolicy
 from orchestrator.telemetry import (
     EFFECT_DISPOSITION,
     EFFECT_KEY,

@@ -10,7 +10,6 @@ What applications import: ``from orchestrator import Client`` (or ``SyncClient``
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from orchestrator.lazy import lazy_exports
@@ -98,18 +97,30 @@ _EXPORTS = {
 ``import orchestrator.errors`` loads neither the worker, the console nor the client."""
 
 
-if not TYPE_CHECKING:  # type checkers read the imports above, and flag a name not among them
-    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-
 def _version() -> str:
+    # Read on first use: the metadata library costs a command's start more than the rest.
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("fenced-orchestrator")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "0+unknown"
 
 
-__version__ = _version()
+if TYPE_CHECKING:
+    __version__: str
+else:  # type checkers read the imports above, and flag a name not among them
+    _exported, _listed = lazy_exports(__name__, _EXPORTS)
+
+    def __dir__() -> list[str]:
+        return sorted({*_listed(), "__version__"})
+
+    def __getattr__(name: str) -> object:
+        if name == "__version__":
+            globals()[name] = value = _version()
+            return value
+        return _exported(name)
+
 
 __all__ = [
     "Agent",

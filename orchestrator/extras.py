@@ -7,8 +7,6 @@ or from a checkout (the project may not be published where they look)."""
 
 from __future__ import annotations
 
-from importlib.metadata import packages_distributions
-
 DISTRIBUTION = "fenced-orchestrator"
 
 EXTRA_MODULES = {
@@ -47,6 +45,8 @@ def missing_extra(error: BaseException) -> tuple[str, str] | None:
 
 def install_hint(extra: str) -> str:
     """How to install ``extra``: from the package index and from a checkout."""
+    from importlib.metadata import packages_distributions
+
     # Named as installed (the distribution's name may differ from the package's).
     installed = packages_distributions().get(__name__.partition(".")[0]) or [DISTRIBUTION]
     return (

@@ -6,16 +6,86 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
-from orchestrator.db.standby_wait import (
-    StandbyPolicy,
-    StandbyPosition,
-    StandbyWait,
-    WithoutStandby,
-)
 from orchestrator.errors import InvalidInput
+
+
+class StandbyWait(StrEnum):
+    """Which standbys must hold a record before it is acted on."""
+
+    ANY = "any"
+    """One physical standby (one that is promoted; Patroni promotes the most advanced)."""
+    ALL = "all"
+    """Every connected physical standby, and every physical replication slot has one."""
+    OFF = "off"
+    """Never wait: a failover may take back a record whose effect was sent (lookups then)."""
+
+
+class StandbyPosition(StrEnum):
+    """How far a standby must have the record: flushed to its disk (enough for a promotion,
+    which replays everything flushed) or replayed (readable there)."""
+
+    FLUSH = "flush"
+    REPLAY = "replay"
+
+
+class WithoutStandby(StrEnum):
+    """What a dispatcher does while a standby it expects is not connected."""
+
+    HOLD = "hold"
+    """Send nothing and report not ready until one streams again."""
+    SEND = "send"
+    """Send as a lone primary, with a warning and a metric (a failover may repeat a send)."""
+
+
+@dataclass(frozen=True)
+class StandbyPolicy:
+    wait: StandbyWait = StandbyWait.ANY
+    position: StandbyPosition = StandbyPosition.FLUSH
+    without: WithoutStandby = WithoutStandby.HOLD
+
+    def __post_init__(self) -> None:
+        # Given as text ("all"), each choice must still compare by identity below.
+        object.__setattr__(self, "wait", _choice(StandbyWait, self.wait, "--standby-wait"))
+        object.__setattr__(
+            self, "position", _choice(StandbyPosition, self.position, "--standby-position")
+        )
+        object.__setattr__(
+            self, "without", _choice(WithoutStandby, self.without, "--without-standby")
+        )
+
+    @classmethod
+    def parse(
+        cls,
+        wait: str,
+        position: str,
+        without: str,
+        *,
+        names: tuple[str, str, str] = ("--standby-wait", "--standby-position", "--without-standby"),
+    ) -> StandbyPolicy:
+        """From option values; a bad one is a one-line ``InvalidInput`` naming where it came
+        from (``names``: the options, or the environment variables) and the choices."""
+        return cls(
+            _choice(StandbyWait, wait, names[0]),
+            _choice(StandbyPosition, position, names[1]),
+            _choice(WithoutStandby, without, names[2]),
+        )
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def _choice(kind: type[E], value: str, option: str) -> E:
+    try:
+        return kind(str(value).strip().lower())
+    except ValueError:
+        choices = ", ".join(member.value for member in kind)
+        raise InvalidInput(f"{option} must be one of {choices}, not {value!r}") from None
+
 
 DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
 

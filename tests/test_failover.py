@@ -29,7 +29,6 @@ import pytest
 
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
-from orchestrator.db.standby_wait import StandbyPolicy, StandbyWait, WithoutStandby
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.dispatcher import Dispatcher
@@ -42,7 +41,7 @@ from orchestrator.errors import DatabaseError, OutcomeUnknown
 from orchestrator.fences import EPOCH_BITS, epoch_of
 from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
 from orchestrator.models import JSON, ClaimedRun, RunState
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, StandbyPolicy, StandbyWait, WithoutStandby
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
 from orchestrator.worker.worker import Worker

@@ -19,13 +19,7 @@ import pytest
 
 from orchestrator import Client, StandbyNotReached
 from orchestrator.db.bootstrap import ensure_schema
-from orchestrator.db.standby_wait import (
-    StandbyPolicy,
-    StandbyPosition,
-    StandbyPositions,
-    StandbyWait,
-    WithoutStandby,
-)
+from orchestrator.db.standby_wait import StandbyPositions
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
@@ -33,7 +27,13 @@ from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import InvalidInput, RunNotFound
 from orchestrator.loopback import ScriptedModelServer
 from orchestrator.models import RunState
-from orchestrator.settings import Settings
+from orchestrator.settings import (
+    Settings,
+    StandbyPolicy,
+    StandbyPosition,
+    StandbyWait,
+    WithoutStandby,
+)
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
 from support import cli
 from test_failover import (

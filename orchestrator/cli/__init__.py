@@ -11,30 +11,65 @@ from pathlib import Path
 
 import click
 
-from orchestrator import __version__
-from orchestrator.cli import (
-    approvals,
-    audit,
-    chaos,
-    console,
-    db,
-    demo,
-    effects,
-    mcp_servers,
-    queue,
-    runs,
-    serve,
-    submit,
-    users,
-    workers,
-)
-from orchestrator.cli.support import OneLineErrors, print_error
+from orchestrator.cli.consoles import print_error
+from orchestrator.cli.group import LazyCommands
 from orchestrator.errors import OrchestratorError
+from orchestrator.extras import DISTRIBUTION
 from orchestrator.settings import Settings
 
+COMMANDS = {
+    "approvals": "orchestrator.cli.approvals:approvals",
+    "audit": "orchestrator.cli.audit:audit",
+    "chaos": "orchestrator.cli.chaos:chaos",
+    "console": "orchestrator.cli.console:console",
+    "db": "orchestrator.cli.db:db",
+    "demo": "orchestrator.cli.demo:demo",
+    "effects": "orchestrator.cli.effects:effects",
+    "mcp": "orchestrator.cli.mcp_servers:mcp",
+    "queue": "orchestrator.cli.queue:queue",
+    "runs": "orchestrator.cli.runs:runs",
+    "serve": "orchestrator.cli.serve:serve",
+    "submit": "orchestrator.cli.submit:submit",
+    "users": "orchestrator.cli.users:users",
+    "workers": "orchestrator.cli.workers:workers",
+}
+"""Each command and where it lives: imported only when that command runs."""
 
-@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", prog_name="orchestrator")
+SUMMARIES = {
+    "approvals": "Effects waiting for a person's decision: list, show, approve, deny.",
+    "audit": "The audit trail: list its rows, verify its hash chain.",
+    "chaos": (
+        "Start a cluster on its own embedded PostgreSQL (a primary and a standby with "
+        "--replicated or failovers), inject faults from the seeded schedule, heal, wait for "
+        "quiescence and check every promise; exit 1 on any violation or on a fault that did "
+        "not fire."
+    ),
+    "console": (
+        "Serve the web console: runs, attempts, timelines, effects, approvals, workers, queue."
+    ),
+    "db": "Database: migrate, grant roles, show the DSN in use, stop the embedded server.",
+    "demo": "Two workers, a paused one, real vendors: each effect still happens exactly once.",
+    "effects": (
+        "Effect records at the fenced boundary: list, inspect, resolve parked ones, dispatch."
+    ),
+    "mcp": "MCP servers whose tools a tool agent offers its model.",
+    "queue": "Queue depth per agent.",
+    "runs": "List, inspect, cancel, retry and signal runs; show and top up their budgets.",
+    "serve": "Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once).",
+    "submit": "Queue a run of AGENT (now, --at a time or after --delay) and print its run id.",
+    "users": "People and services: add, list, disable, and their tokens.",
+    "workers": "Workers registered with the database: alive or dead, and the runs they hold.",
+}
+"""Each command's help as ``orchestrator --help`` lists it (the command's own docstring)."""
+
+
+@click.group(
+    cls=LazyCommands,
+    lazy=COMMANDS,
+    summaries=SUMMARIES,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+@click.version_option(package_name=DISTRIBUTION, prog_name="orchestrator")
 @click.option(
     "--database-url",
     envvar="ORCHESTRATOR_DATABASE_URL",
@@ -55,22 +90,3 @@ def main(ctx: click.Context, database_url: str | None, home: Path | None) -> Non
         print_error(error)
         sys.exit(1)
     ctx.obj = settings
-
-
-for command in (
-    approvals.approvals,
-    audit.audit,
-    chaos.chaos,
-    console.console,
-    db.db,
-    demo.demo,
-    effects.effects,
-    mcp_servers.mcp,
-    queue.queue,
-    runs.runs,
-    serve.serve,
-    submit.submit,
-    users.users,
-    workers.workers,
-):
-    main.add_command(command)

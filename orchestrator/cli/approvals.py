@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from orchestrator.cli.consoles import stdout
 from orchestrator.cli.support import (
     BY_NOTE_HELP,
     async_command,
@@ -11,7 +12,6 @@ from orchestrator.cli.support import (
     effect_arguments,
     json_option,
     print_found,
-    stdout,
     wait_for_standby_option,
 )
 from orchestrator.db.bootstrap import open_stores

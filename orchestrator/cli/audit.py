@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import click
 from rich.table import Table
 
-from orchestrator.cli.support import async_command, json_option, print_found, stderr, stdout
+from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.db.audit import MAX_LIST, AuditEntry
 from orchestrator.db.bootstrap import open_stores
 from orchestrator.jsontext import compact

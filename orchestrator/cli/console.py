@@ -16,8 +16,9 @@ import click
 import uvicorn
 
 from orchestrator.access import Role
+from orchestrator.cli.consoles import stderr
 from orchestrator.cli.process_options import defaulted_option, log_format_option
-from orchestrator.cli.support import async_command, stderr
+from orchestrator.cli.support import async_command
 from orchestrator.console.auth import TOKEN_ENV, read_token
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import parse_listen

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import click
 
-from orchestrator.cli.support import F, async_command, json_option, stderr, stdout
+from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.support import F, async_command, json_option
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.grants import RoleNames, apply_grants, plan_grants

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from orchestrator.cli.support import run_async, settings_of, stderr, stdout
+from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.support import run_async, settings_of
 from orchestrator.db.embedded import EmbeddedPostgres
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from orchestrator.cli.consoles import stdout
 from orchestrator.cli.effects_processes import effects_dispatch, effects_serve
 from orchestrator.cli.support import (
     BY_NOTE_HELP,
@@ -13,7 +14,6 @@ from orchestrator.cli.support import (
     effect_arguments,
     json_option,
     print_found,
-    stdout,
 )
 from orchestrator.db.bootstrap import open_stores
 from orchestrator.effects.model import EffectStatus

@@ -11,6 +11,7 @@ import anyio
 import click
 import structlog
 
+from orchestrator.cli.consoles import stderr
 from orchestrator.cli.process_options import (
     defaulted_option,
     log_format_option,
@@ -18,7 +19,7 @@ from orchestrator.cli.process_options import (
     standby_options,
     standby_policy,
 )
-from orchestrator.cli.support import run_async, settings_of, stderr
+from orchestrator.cli.support import run_async, settings_of
 from orchestrator.db.access import AccessStore
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.deadlines import enter_when_reachable

@@ -7,7 +7,8 @@ from typing import Any
 import click
 from rich.table import Table
 
-from orchestrator.cli.support import async_command, json_option, stdout
+from orchestrator.cli.consoles import stdout
+from orchestrator.cli.support import async_command, json_option
 from orchestrator.errors import InvalidInput
 from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings

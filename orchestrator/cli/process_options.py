@@ -9,13 +9,13 @@ from typing import Any
 import click
 from click.decorators import FC
 
-from orchestrator.db.standby_wait import (
+from orchestrator.settings import (
+    Settings,
     StandbyPolicy,
     StandbyPosition,
     StandbyWait,
     WithoutStandby,
 )
-from orchestrator.settings import Settings
 
 
 def defaulted_option(*declarations: str, **attributes: Any) -> Callable[[FC], FC]:

@@ -6,7 +6,8 @@ import time
 
 import click
 
-from orchestrator.cli.support import async_command, json_option, stderr, stdout
+from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.support import async_command, json_option
 from orchestrator.db.bootstrap import open_stores
 from orchestrator.presentation import dump_json
 from orchestrator.retention import (

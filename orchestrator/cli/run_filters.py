@@ -11,7 +11,8 @@ from typing import Any
 
 import click
 
-from orchestrator.cli.support import parse_time, stderr, stdout
+from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.support import parse_time
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError

@@ -9,7 +9,7 @@ from collections import deque
 import anyio
 import click
 
-from orchestrator.cli.support import stdout
+from orchestrator.cli.consoles import stdout
 from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import OrchestratorError
 from orchestrator.presentation import event_line, jsonable

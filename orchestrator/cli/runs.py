@@ -7,6 +7,7 @@ import dataclasses
 
 import click
 
+from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.purge import runs_purge
 from orchestrator.cli.run_filters import (
     RunSelection,
@@ -16,7 +17,7 @@ from orchestrator.cli.run_filters import (
     select_runs,
 )
 from orchestrator.cli.run_watch import watch
-from orchestrator.cli.support import async_command, json_option, print_found, stderr, stdout
+from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.cli.waits import runs_budget, runs_signal
 from orchestrator.db.bootstrap import open_stores
 from orchestrator.errors import InvalidInput

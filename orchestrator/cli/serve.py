@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 import click
 
+from orchestrator.cli.consoles import stderr
 from orchestrator.cli.process_options import (
     defaulted_option,
     log_format_option,
@@ -18,7 +19,7 @@ from orchestrator.cli.process_options import (
     standby_options,
     standby_policy,
 )
-from orchestrator.cli.support import run_async, settings_of, stderr
+from orchestrator.cli.support import run_async, settings_of
 from orchestrator.errors import InvalidInput
 from orchestrator.metrics_endpoint import MetricsEndpoint
 from orchestrator.retention import DEFAULT_RETENTION, parse_retention

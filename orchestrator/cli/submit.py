@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import click
 
+from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.support import (
     async_command,
     json_option,
     parse_time,
     read_input,
-    stderr,
-    stdout,
     wait_for_standby_option,
 )
 from orchestrator.client import start_time

@@ -8,42 +8,21 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-import anyio
-import asyncpg
 import click
-from rich.console import Console, RenderableType
-from rich.text import Text
 
-from orchestrator.db.connections import database_failed, dsn_user
+from orchestrator.cli.consoles import print_error, stderr, stdout
 from orchestrator.errors import InvalidInput, OrchestratorError, PermissionDenied
-from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 from orchestrator.storable import check_text, parse_document
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 P = ParamSpec("P")
-
-# Piped output is read by people too (CI logs, less): do not squeeze tables into 80 columns.
-# Data is printed as it is: no markup, no :emoji: codes (a worker id such as host:1234:ab holds
-# one).
-stdout = Console(
-    highlight=False,
-    markup=False,
-    emoji=False,
-    soft_wrap=False,
-    width=None if sys.stdout.isatty() else 200,
-)
-# Messages are never wrapped: a script reading stderr's first line gets the whole sentence.
-stderr = Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
-
-
-def print_error(error: BaseException) -> None:
-    """``error`` as one line on stderr: its text with any line breaks folded into spaces."""
-    line = " ".join(str(error).split())
-    stderr.print(Text.assemble(("error:", "red"), " ", line))
 
 
 def json_option(help: str | None = None) -> Callable[[F], F]:
@@ -78,6 +57,8 @@ def print_found(
     """A listing: a JSON array (empty too) with ``--json``, else a table, else ``nothing`` on
     stderr, so that a script reading stdout never reads a sentence as data. ``document``: each
     item's JSON, where it is not the item's own fields."""
+    from orchestrator.presentation import dump_json
+
     if as_json:
         stdout.print_json(dump_json(found if document is None else [document(x) for x in found]))
     elif found:
@@ -88,30 +69,12 @@ def print_found(
 
 def print_done(document: Any, as_json: bool, line: str) -> None:
     """What a command changed: its record as JSON with ``--json``, else one line."""
+    from orchestrator.presentation import dump_json
+
     if as_json:
         stdout.print_json(dump_json(document))
     else:
         stdout.print(line, markup=False)
-
-
-class OneLineErrors(click.Group):
-    """Every error on one line starting ``error:``: click's usage errors too (exit 2), which it
-    would print as a usage block ending ``Error: ...``."""
-
-    def main(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs["standalone_mode"] = False
-        try:
-            result = super().main(*args, **kwargs)
-        except click.ClickException as error:
-            hint = ""
-            if isinstance(error, click.UsageError) and error.ctx is not None:
-                hint = f" (see `{error.ctx.command_path} --help`)"
-            print_error(Exception(error.format_message() + hint))
-            sys.exit(error.exit_code)
-        except click.Abort:
-            stderr.print("interrupted")
-            sys.exit(130)
-        sys.exit(result if isinstance(result, int) else 0)  # --help and --version: 0
 
 
 def settings_of(ctx: click.Context) -> Settings:
@@ -122,6 +85,11 @@ def settings_of(ctx: click.Context) -> Settings:
 
 def run_async(function: Callable[[], Awaitable[T]]) -> T:
     """Run a coroutine, turning user errors into one line on stderr and exit code 1."""
+    import anyio
+    import asyncpg
+
+    from orchestrator.db.connections import database_failed
+
     try:
         return anyio.run(function)
     except OrchestratorError as error:
@@ -151,6 +119,8 @@ def _named(error: BaseException) -> BaseException:
     settings = None if context is None else context.find_object(Settings)
     if settings is None or not settings.database_url:
         return error
+    from orchestrator.db.connections import dsn_user
+
     return error.naming(dsn_user(settings.database_url))
 
 

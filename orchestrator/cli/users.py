@@ -11,14 +11,8 @@ import click
 from rich.table import Table
 
 from orchestrator.access import PrincipalKind, Role, TokenScope
-from orchestrator.cli.support import (
-    async_command,
-    json_option,
-    print_done,
-    print_found,
-    stderr,
-    stdout,
-)
+from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.support import async_command, json_option, print_done, print_found
 from orchestrator.db.access import PrincipalEntry, TokenEntry
 from orchestrator.db.bootstrap import open_stores
 from orchestrator.errors import InvalidInput

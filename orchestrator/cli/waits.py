@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import click
 
+from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.support import (
     async_command,
     json_option,
     read_json_option,
-    stderr,
-    stdout,
     wait_for_standby_option,
 )
 from orchestrator.db.bootstrap import open_stores

@@ -9,13 +9,13 @@ from orchestrator.budgets import BudgetStore
 from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.purges import PurgeStore
-from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS, StandbyPolicy
+from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS
 from orchestrator.db.standby_wait import wait_for_standby as wait_for_standby_at
 from orchestrator.db.store import RunStore
 from orchestrator.db.workers import WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.store import EffectStore
-from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA, Settings
+from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA, Settings, StandbyPolicy
 from orchestrator.signals import SignalStore
 
 
