@@ -66,12 +66,13 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import asyncpg
 import structlog
 from opentelemetry import metrics
+from opentelemetry.metrics import Counter
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -82,14 +83,8 @@ from orchestrator.db.access import AccessStore, Authenticated, looks_like_token,
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.executor import Executor
 from orchestrator.db.run_reads import RunReads
-from orchestrator.errors import InvalidInput, error_fields
-from orchestrator.ids import RUN_ID_PATTERN
-from orchestrator.jsontext import jsonable
-from orchestrator.storable import InvalidJson, check_bigint, check_text, parse_document
-from orchestrator.telemetry import EFFECT_KEY, RUN_FENCE, RUN_ID, TRACER_NAME, WORKER_ID
-
-from .fence_store import FenceStore, FenceStoreUnavailable, Remembered
-from .model import (
+from orchestrator.effects.fence_store import FenceStore, FenceStoreUnavailable, Remembered
+from orchestrator.effects.model import (
     DEFAULT_APPROVAL_SECONDS,
     Acceptance,
     AcceptOutcome,
@@ -97,7 +92,12 @@ from .model import (
     EffectPolicy,
     EffectRecord,
 )
-from .store import EffectNotFound, EffectStore
+from orchestrator.effects.store import EffectNotFound, EffectStore
+from orchestrator.errors import InvalidInput, error_fields
+from orchestrator.ids import RUN_ID_PATTERN
+from orchestrator.jsontext import jsonable
+from orchestrator.storable import InvalidJson, check_bigint, check_text, parse_document
+from orchestrator.telemetry import EFFECT_KEY, RUN_FENCE, RUN_ID, TRACER_NAME, WORKER_ID
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
 MAX_WORKER_ID = 200
@@ -230,6 +230,32 @@ class _RunTurns:
                 self._locks[run_id] = (lock, users - 1)
 
 
+@dataclass(frozen=True)
+class ProxyState:
+    """What the handlers read from ``request.app.state.proxy``, built once by ``create_app``."""
+
+    pool: asyncpg.Pool
+    store: EffectStore
+    runs: RunReads
+    allowed: tuple[bytes, ...]
+    """The flat tokens, which allow anything."""
+    cache: AuthCache | None
+    """Services' database tokens, when the proxy was given an ``AccessStore``."""
+    fences: FenceStore | None
+    turns: _RunTurns
+    requests: Counter
+    max_body_bytes: int
+
+    def flat(self, token: str) -> bool:
+        presented = token.encode()
+        return any(hmac.compare_digest(presented, candidate) for candidate in self.allowed)
+
+
+def state(request: Request) -> ProxyState:
+    """The proxy's state, typed: Starlette's ``app.state`` is not."""
+    return cast(ProxyState, request.app.state.proxy)
+
+
 def create_app(
     pool: asyncpg.Pool,
     tokens: Iterable[str] = (),
@@ -244,227 +270,260 @@ def create_app(
     accepted per run and refuses a lower one; without, the database's rule alone applies. With
     ``access`` it also takes services' database tokens, held to their scopes, trusting the
     database's answer about a token for ``auth_cache_seconds``."""
-    allowed = [token.encode() for token in tokens if token]
+    allowed = tuple(token.encode() for token in tokens if token)
     if not allowed and access is None:
         raise InvalidInput("the action proxy needs at least one bearer token")
-    cache = None if access is None else AuthCache(access, seconds=auth_cache_seconds)
-    store = EffectStore(pool)
-    runs = RunReads(pool)
-    requests = metrics.get_meter(TRACER_NAME).create_counter(
-        "orchestrator.proxy.requests",
-        unit="{request}",
-        description="effect requests through the action proxy, by the boundary's answer",
-    )
-
-    turns = _RunTurns()
-
-    async def record_of(
-        db: Executor, answer: Acceptance, run_id: str, effect_key: str
-    ) -> EffectRecord | None:
-        """The record the answer carries, read in the acceptance's own transaction: a failover
-        after the commit cannot leave an acceptance without its record to show."""
-        return None if answer.outcome.refused else await store.get(run_id, effect_key, db=db)
-
-    async def accept_fenced(
-        fences: FenceStore, run_id: str, fence: int, effect: Effect, worker_id: str | None
-    ) -> tuple[Acceptance, EffectRecord | None]:
-        """The boundary's rule with the store's: raises ``_Regressed`` (nothing committed)."""
-        async with turns.turn(run_id):
-            seen = await fences.remembered(run_id)
-            if seen is not None and fence < seen.fence:
-                raise _Regressed(seen)  # before a connection is even taken
-            async with pool.acquire() as db, db.transaction():
-                answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
-                if answer.outcome.refused:
-                    return answer, None  # the database refused it: nothing to remember
-                # Read again: the wait for a connection may have spanned a failover, and
-                # another proxy sharing the file may have accepted a newer fence meanwhile.
-                seen = await fences.remembered(run_id)
-                if seen is not None and fence < seen.fence:
-                    raise _Regressed(seen)  # rolls the acceptance back
-                if fences.needs_admit(seen, fence):
-                    # On disk before the commit below makes the effect visible to anyone.
-                    higher = await fences.admit(run_id, fence)
-                    if higher is not None:
-                        raise _Regressed(higher)
-                return answer, await record_of(db, answer, run_id, effect.key)
-
-    def flat(token: str) -> bool:
-        presented = token.encode()
-        return any(hmac.compare_digest(presented, candidate) for candidate in allowed)
-
-    async def caller_of(request: Request) -> Caller | JSONResponse:
-        """The caller, or the answer that refuses it (401, 403 for a person, 503)."""
-        token = _bearer(request)
-        if token is None:
-            return _unauthorized()
-        if flat(token):
-            return FLAT_TOKEN
-        if cache is None or not looks_like_token(token):
-            return _unauthorized()
-        try:
-            found = await cache.authenticate(token)
-        except DATABASE_ERRORS as error:
-            return _unavailable(error)
-        if found is None:
-            return _error(
-                401, "unauthorized", "unknown, revoked or expired token: send a working token"
-            )
-        caller = Caller(found.principal.name, found.token_id, found.scope)
-        if found.principal.kind is not PrincipalKind.SERVICE:
-            log.warning("a person's token was refused by the action proxy", **caller.log_fields())
-            return _forbidden(
-                f"this token belongs to {found.principal.name!r}, a person: people act through "
-                "the console or the CLI; the action proxy takes service tokens"
-            )
-        return caller
-
-    async def scope_refusal(
-        caller: Caller, run_id: str, effect: Effect
-    ) -> tuple[JSONResponse, str] | None:
-        """The answer and metric outcome refusing a request outside the caller's scope (nothing
-        is recorded); None when the scope covers it."""
-        if caller.scope.unlimited:
-            return None
-        agent = ""
-        if caller.scope.agents is not None:
-            found = await runs.agent_of(run_id)
-            if found is None:
-                unknown = Acceptance(AcceptOutcome.UNKNOWN_RUN, None, None)
-                return _refusal(unknown, run_id, effect.key), AcceptOutcome.UNKNOWN_RUN.value
-            agent = found
-        reason = caller.scope.refusal(agent=agent, kind=effect.kind, payload=effect.payload)
-        if reason is None:
-            return None
-        log.warning(
-            "effect request outside the token's scope refused",
-            reason=reason,
-            kind=effect.kind,
-            **caller.log_fields(),
-            **{RUN_ID: run_id, EFFECT_KEY: effect.key},
-        )
-        return _forbidden(reason), FORBIDDEN
-
-    async def accept(request: Request) -> JSONResponse:
-        caller = await caller_of(request)
-        if isinstance(caller, JSONResponse):
-            if caller.status_code == 403:
-                requests.add(1, {"outcome": FORBIDDEN})
-            return caller
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > max_body_bytes):
-            return _error(413, "too_large", f"the body is over {max_body_bytes} bytes")
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                return _error(413, "too_large", f"the body is over {max_body_bytes} bytes")
-        try:
-            document = parse_document(body, "the body")
-        except InvalidJson as error:
-            return _error(400, "invalid_json", str(error))
-        except InvalidInput as error:
-            return _error(422, "invalid_request", str(error))
-        try:
-            run_id, fence, effect, worker_id = _parse_request(document)
-        except InvalidInput as error:
-            return _error(422, "invalid_request", str(error))
-        try:
-            refused = await scope_refusal(caller, run_id, effect)
-        except DATABASE_ERRORS as error:
-            return _unavailable(error)
-        if refused is not None:
-            requests.add(1, {"outcome": refused[1]})
-            return refused[0]
-        try:
-            if fences is None:
-                async with pool.acquire() as db, db.transaction():
-                    answer = await store.accept(db, run_id, fence, effect, worker_id=worker_id)
-                    record = await record_of(db, answer, run_id, effect.key)
-            else:
-                answer, record = await accept_fenced(fences, run_id, fence, effect, worker_id)
-            requests.add(1, {"outcome": answer.outcome.value})
-        except _Regressed as regressed:
-            requests.add(1, {"outcome": FENCE_REGRESSION})
-            return _regression(regressed.seen, run_id, fence, effect.key, worker_id, caller)
-        except FenceStoreUnavailable as error:
-            log.error(
-                "the fence store failed: refusing effect requests until it works",
-                **{RUN_ID: run_id, RUN_FENCE: fence, EFFECT_KEY: effect.key},
-                **caller.log_fields(),
-                **error_fields(error),
-            )
-            return _error(503, "unavailable", f"{error}; nothing was recorded: retry the request")
-        except asyncpg.DataError as error:  # a value validation missed: the client's, not ours
-            return _error(422, "invalid_request", f"the database refused a value: {error}")
-        except DATABASE_ERRORS as error:
-            return _unavailable(error)
-        if record is None:
-            return _refusal(answer, run_id, effect.key)
-        status_code = 201 if answer.outcome is AcceptOutcome.ACCEPTED else 200
-        return JSONResponse(
-            {"outcome": answer.outcome.value, "effect": jsonable(record)}, status_code=status_code
-        )
-
-    async def read_refusal(caller: Caller, run_id: str) -> JSONResponse | None:
-        """403 when the run's agent is outside the caller's agents (an unknown run is left to
-        the read, which answers 404)."""
-        if caller.scope.agents is None:
-            return None
-        agent = await runs.agent_of(run_id)
-        reason = None if agent is None else _agent_refusal(caller.scope, agent)
-        if reason is None:
-            return None
-        log.warning(
-            "effect read outside the token's scope refused",
-            reason=reason,
-            **caller.log_fields(),
-            **{RUN_ID: run_id},
-        )
-        return _forbidden(reason)
-
-    async def read(request: Request) -> JSONResponse:
-        caller = await caller_of(request)
-        if isinstance(caller, JSONResponse):
-            return caller
-        run_id, effect_key = request.path_params["run_id"], request.path_params["effect_key"]
-        try:
-            refused = await read_refusal(caller, run_id)
-            if refused is not None:
-                return refused
-            record = await store.get(run_id, effect_key)
-        except EffectNotFound as error:
-            return _error(404, "not_found", str(error))
-        except InvalidInput as error:
-            return _error(422, "invalid_request", str(error))
-        except DATABASE_ERRORS as error:
-            return _unavailable(error)
-        return JSONResponse({"effect": jsonable(record)})
-
-    async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"ok": True})
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # Serving, so the command's meter provider is installed: every answer's series at 0.
-        for outcome in [*(o.value for o in AcceptOutcome), FENCE_REGRESSION, FORBIDDEN]:
-            requests.add(0, {"outcome": outcome})
-        if fences is None:
-            yield
-            return
-        async with anyio.create_task_group() as background:
-            background.start_soon(fences.keep_pruned, log)
-            yield
-            background.cancel_scope.cancel()
-
-    return Starlette(
-        lifespan=lifespan,
+    app = Starlette(
+        lifespan=_lifespan,
         routes=[
             Route("/v1/effects", accept, methods=["POST"]),
             Route("/v1/effects/{run_id}/{effect_key:path}", read, methods=["GET"]),
             Route("/healthz", health, methods=["GET"]),
         ],
     )
+    app.state.proxy = ProxyState(
+        pool=pool,
+        store=EffectStore(pool),
+        runs=RunReads(pool),
+        allowed=allowed,
+        cache=None if access is None else AuthCache(access, seconds=auth_cache_seconds),
+        fences=fences,
+        turns=_RunTurns(),
+        requests=metrics.get_meter(TRACER_NAME).create_counter(
+            "orchestrator.proxy.requests",
+            unit="{request}",
+            description="effect requests through the action proxy, by the boundary's answer",
+        ),
+        max_body_bytes=max_body_bytes,
+    )
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    proxy = cast(ProxyState, app.state.proxy)
+    # Serving, so the command's meter provider is installed: every answer's series at 0.
+    for outcome in [*(o.value for o in AcceptOutcome), FENCE_REGRESSION, FORBIDDEN]:
+        proxy.requests.add(0, {"outcome": outcome})
+    if proxy.fences is None:
+        yield
+        return
+    async with anyio.create_task_group() as background:
+        background.start_soon(proxy.fences.keep_pruned, log)
+        yield
+        background.cancel_scope.cancel()
+
+
+async def accept(request: Request) -> JSONResponse:
+    proxy = state(request)
+    caller = await _caller_of(proxy, request)
+    if isinstance(caller, JSONResponse):
+        if caller.status_code == 403:
+            proxy.requests.add(1, {"outcome": FORBIDDEN})
+        return caller
+    limit = proxy.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        return _error(413, "too_large", f"the body is over {limit} bytes")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return _error(413, "too_large", f"the body is over {limit} bytes")
+    try:
+        document = parse_document(body, "the body")
+    except InvalidJson as error:
+        return _error(400, "invalid_json", str(error))
+    except InvalidInput as error:
+        return _error(422, "invalid_request", str(error))
+    try:
+        run_id, fence, effect, worker_id = _parse_request(document)
+    except InvalidInput as error:
+        return _error(422, "invalid_request", str(error))
+    try:
+        refused = await _scope_refusal(proxy, caller, run_id, effect)
+    except DATABASE_ERRORS as error:
+        return _unavailable(error)
+    if refused is not None:
+        proxy.requests.add(1, {"outcome": refused[1]})
+        return refused[0]
+    return await _record(proxy, caller, run_id, fence, effect, worker_id)
+
+
+async def _record(
+    proxy: ProxyState,
+    caller: Caller,
+    run_id: str,
+    fence: int,
+    effect: Effect,
+    worker_id: str | None,
+) -> JSONResponse:
+    """The boundary's answer to a request that passed every check of the proxy's own."""
+    try:
+        if proxy.fences is None:
+            async with proxy.pool.acquire() as db, db.transaction():
+                answer = await proxy.store.accept(db, run_id, fence, effect, worker_id=worker_id)
+                record = await _record_of(proxy, db, answer, run_id, effect.key)
+        else:
+            answer, record = await _accept_fenced(
+                proxy, proxy.fences, run_id, fence, effect, worker_id
+            )
+        proxy.requests.add(1, {"outcome": answer.outcome.value})
+    except _Regressed as regressed:
+        proxy.requests.add(1, {"outcome": FENCE_REGRESSION})
+        return _regression(regressed.seen, run_id, fence, effect.key, worker_id, caller)
+    except FenceStoreUnavailable as error:
+        log.error(
+            "the fence store failed: refusing effect requests until it works",
+            **{RUN_ID: run_id, RUN_FENCE: fence, EFFECT_KEY: effect.key},
+            **caller.log_fields(),
+            **error_fields(error),
+        )
+        return _error(503, "unavailable", f"{error}; nothing was recorded: retry the request")
+    except asyncpg.DataError as error:  # a value validation missed: the client's, not ours
+        return _error(422, "invalid_request", f"the database refused a value: {error}")
+    except DATABASE_ERRORS as error:
+        return _unavailable(error)
+    if record is None:
+        return _refusal(answer, run_id, effect.key)
+    status_code = 201 if answer.outcome is AcceptOutcome.ACCEPTED else 200
+    return JSONResponse(
+        {"outcome": answer.outcome.value, "effect": jsonable(record)}, status_code=status_code
+    )
+
+
+async def read(request: Request) -> JSONResponse:
+    proxy = state(request)
+    caller = await _caller_of(proxy, request)
+    if isinstance(caller, JSONResponse):
+        return caller
+    run_id, effect_key = request.path_params["run_id"], request.path_params["effect_key"]
+    try:
+        refused = await _read_refusal(proxy, caller, run_id)
+        if refused is not None:
+            return refused
+        record = await proxy.store.get(run_id, effect_key)
+    except EffectNotFound as error:
+        return _error(404, "not_found", str(error))
+    except InvalidInput as error:
+        return _error(422, "invalid_request", str(error))
+    except DATABASE_ERRORS as error:
+        return _unavailable(error)
+    return JSONResponse({"effect": jsonable(record)})
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({"ok": True})
+
+
+async def _caller_of(proxy: ProxyState, request: Request) -> Caller | JSONResponse:
+    """The caller, or the answer that refuses it (401, 403 for a person, 503)."""
+    token = _bearer(request)
+    if token is None:
+        return _unauthorized()
+    if proxy.flat(token):
+        return FLAT_TOKEN
+    if proxy.cache is None or not looks_like_token(token):
+        return _unauthorized()
+    try:
+        found = await proxy.cache.authenticate(token)
+    except DATABASE_ERRORS as error:
+        return _unavailable(error)
+    if found is None:
+        return _error(
+            401, "unauthorized", "unknown, revoked or expired token: send a working token"
+        )
+    caller = Caller(found.principal.name, found.token_id, found.scope)
+    if found.principal.kind is not PrincipalKind.SERVICE:
+        log.warning("a person's token was refused by the action proxy", **caller.log_fields())
+        return _forbidden(
+            f"this token belongs to {found.principal.name!r}, a person: people act through "
+            "the console or the CLI; the action proxy takes service tokens"
+        )
+    return caller
+
+
+async def _scope_refusal(
+    proxy: ProxyState, caller: Caller, run_id: str, effect: Effect
+) -> tuple[JSONResponse, str] | None:
+    """The answer and metric outcome refusing a request outside the caller's scope (nothing
+    is recorded); None when the scope covers it."""
+    if caller.scope.unlimited:
+        return None
+    agent = ""
+    if caller.scope.agents is not None:
+        found = await proxy.runs.agent_of(run_id)
+        if found is None:
+            unknown = Acceptance(AcceptOutcome.UNKNOWN_RUN, None, None)
+            return _refusal(unknown, run_id, effect.key), AcceptOutcome.UNKNOWN_RUN.value
+        agent = found
+    reason = caller.scope.refusal(agent=agent, kind=effect.kind, payload=effect.payload)
+    if reason is None:
+        return None
+    log.warning(
+        "effect request outside the token's scope refused",
+        reason=reason,
+        kind=effect.kind,
+        **caller.log_fields(),
+        **{RUN_ID: run_id, EFFECT_KEY: effect.key},
+    )
+    return _forbidden(reason), FORBIDDEN
+
+
+async def _read_refusal(proxy: ProxyState, caller: Caller, run_id: str) -> JSONResponse | None:
+    """403 when the run's agent is outside the caller's agents (an unknown run is left to
+    the read, which answers 404)."""
+    if caller.scope.agents is None:
+        return None
+    agent = await proxy.runs.agent_of(run_id)
+    reason = None if agent is None else _agent_refusal(caller.scope, agent)
+    if reason is None:
+        return None
+    log.warning(
+        "effect read outside the token's scope refused",
+        reason=reason,
+        **caller.log_fields(),
+        **{RUN_ID: run_id},
+    )
+    return _forbidden(reason)
+
+
+async def _record_of(
+    proxy: ProxyState, db: Executor, answer: Acceptance, run_id: str, effect_key: str
+) -> EffectRecord | None:
+    """The record the answer carries, read in the acceptance's own transaction: a failover
+    after the commit cannot leave an acceptance without its record to show."""
+    return None if answer.outcome.refused else await proxy.store.get(run_id, effect_key, db=db)
+
+
+async def _accept_fenced(
+    proxy: ProxyState,
+    fences: FenceStore,
+    run_id: str,
+    fence: int,
+    effect: Effect,
+    worker_id: str | None,
+) -> tuple[Acceptance, EffectRecord | None]:
+    """The boundary's rule with the store's: raises ``_Regressed`` (nothing committed)."""
+    async with proxy.turns.turn(run_id):
+        seen = await fences.remembered(run_id)
+        if seen is not None and fence < seen.fence:
+            raise _Regressed(seen)  # before a connection is even taken
+        async with proxy.pool.acquire() as db, db.transaction():
+            answer = await proxy.store.accept(db, run_id, fence, effect, worker_id=worker_id)
+            if answer.outcome.refused:
+                return answer, None  # the database refused it: nothing to remember
+            # Read again: the wait for a connection may have spanned a failover, and
+            # another proxy sharing the file may have accepted a newer fence meanwhile.
+            seen = await fences.remembered(run_id)
+            if seen is not None and fence < seen.fence:
+                raise _Regressed(seen)  # rolls the acceptance back
+            if fences.needs_admit(seen, fence):
+                # On disk before the commit below makes the effect visible to anyone.
+                higher = await fences.admit(run_id, fence)
+                if higher is not None:
+                    raise _Regressed(higher)
+            return answer, await _record_of(proxy, db, answer, run_id, effect.key)
 
 
 def _unavailable(error: BaseException) -> JSONResponse:
