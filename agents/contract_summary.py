@@ -6,8 +6,8 @@ also come inline as ``"contract"``. The email and the CRM update are tool calls 
 the commit records them, fenced, and the dispatcher (vendors for the kinds ``email`` and
 ``crm``) sends each once, however many workers wake up stale.
 
-Offline, the local scripted model answers for it (``orchestrator.local_scripts``): ``orchestrator
-demo`` uses that when no model is configured.
+Offline, the local scripted model answers for it (``orchestrator.testing.local_scripts``):
+``orchestrator demo`` uses that when no model is configured.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Input: ``{"customer": "ana@example.com", "order_id": "o-17", "message": "..."}``
 (kind ``tickets``) and the reply (kind ``email``) are effects: the model is told each one's
 settled record, so the reply can quote the id the ticket system gave.
 
-Offline, the local scripted model answers for it (``orchestrator.local_scripts``).
+Offline, the local scripted model answers for it (``orchestrator.testing.local_scripts``).
 """
 
 from __future__ import annotations

@@ -44,10 +44,10 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import Adapter, HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
-from orchestrator.loopback import LocalVendor
 from orchestrator.settings import Settings
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker, wait_for_run
+from orchestrator.testing.loopback import LocalVendor
 from serve_harness import Server, create_database, drop_database
 
 THIS = os.path.abspath(__file__)

@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.agents.noop import noop
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
-from orchestrator.db.replicated import ReplicatedPostgres
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.dispatcher import Dispatcher
@@ -51,6 +50,7 @@ from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.settings import Settings, StandbyPolicy, StandbyWait
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import LocalVendor, running_worker
+from orchestrator.testing.replicated import ReplicatedPostgres
 
 MODES = {"wait": StandbyPolicy(), "off": StandbyPolicy(StandbyWait.OFF)}
 AGENT = "bench-requester"

@@ -1,11 +1,11 @@
 """The tool loop's own cost: the worker's CPU per turn as a conversation grows, and runs/s
 against the plain step API doing the same work.
 
-Both measurements run one in-process worker (``orchestrator.testing.running_worker``) on a
-durable embedded PostgreSQL, against the scripted OpenAI-compatible model server
-(``orchestrator.loopback.ScriptedModelServer``) with no added latency, over real HTTP through
-the official ``openai`` client. The model server runs in a child process, so that the CPU this
-process spends is the worker's (and a poll of the run's state once a second).
+Both measurements run one in-process worker (``orchestrator.testing.running_worker``) on a durable
+embedded PostgreSQL, against the scripted OpenAI-compatible model server
+(``orchestrator.testing.loopback.ScriptedModelServer``) with no added latency, over real HTTP
+through the official ``openai`` client. The model server runs in a child process, so that the CPU
+this process spends is the worker's (and a poll of the run's state once a second).
 
 1. **CPU per turn.** One run of each of ``--turns`` (200 and 1,000) turns; each turn's model
    answer is one read-only tool call whose result is a ``--message-bytes`` (2 KB) message, so
@@ -70,10 +70,15 @@ from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.llm import complete, model_client
-from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, ScriptRequest
 from orchestrator.models import TERMINAL_STATES, Message, Run
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker, wait_for_run
+from orchestrator.testing.loopback import (
+    ScriptedCall,
+    ScriptedModelServer,
+    ScriptedTurn,
+    ScriptRequest,
+)
 from serve_harness import Server, create_database, drop_database, settings_for
 
 PAYLOAD = "x"

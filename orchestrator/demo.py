@@ -1,17 +1,16 @@
 """``orchestrator demo``: the seed's failure played out with real processes, real vendors and
 a model that chooses the side effects.
 
-On the configured database (the embedded PostgreSQL by default) it starts a local HTTP vendor,
-a local SMTP server, two `serve` worker processes (each also dispatching effects), and submits
-a batch of ``contract_summary`` runs: a tool agent whose model reads a contract, then emails a
-summary (an irreversible effect) and updates the CRM (a replaceable one), as tool calls it
-chose. With no ``OPENAI_API_KEY`` and no ``OPENAI_BASE_URL`` the model is the local scripted
-one (``orchestrator.loopback.ScriptedModelServer``), which the demo says; with either set, the
-workers use that model. Mid-run it SIGSTOPs worker A until its leases expire, so worker B claims
-A's runs with a higher fence and replays their turns; then it resumes A, which wakes up
-believing it still owns them. At the end it checks, and prints, that every run succeeded, each
-effect reached its vendor exactly once, A committed nothing after losing its leases, and
-nothing is left running.
+On the configured database (the embedded PostgreSQL by default) it starts a local HTTP vendor, a
+local SMTP server, two `serve` worker processes (each also dispatching effects), and submits a batch
+of ``contract_summary`` runs: a tool agent whose model reads a contract, then emails a summary (an
+irreversible effect) and updates the CRM (a replaceable one), as tool calls it chose. With no
+``OPENAI_API_KEY`` and no ``OPENAI_BASE_URL`` the model is the local scripted one
+(``orchestrator.testing.loopback.ScriptedModelServer``), which the demo says; with either set, the
+workers use that model. Mid-run it SIGSTOPs worker A until its leases expire, so worker B claims A's
+runs with a higher fence and replays their turns; then it resumes A, which wakes up believing it
+still owns them. At the end it checks, and prints, that every run succeeded, each effect reached its
+vendor exactly once, A committed nothing after losing its leases, and nothing is left running.
 """
 
 from __future__ import annotations
@@ -35,10 +34,10 @@ from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import resolve_dsn
 from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
-from orchestrator.local_scripts import contract_summary_script
-from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.models import RunEvent
 from orchestrator.settings import Settings
+from orchestrator.testing.local_scripts import contract_summary_script
+from orchestrator.testing.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.worker.execution import NOT_THE_OWNER
 
 WORKER_A = "demo-worker-a"

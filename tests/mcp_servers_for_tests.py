@@ -27,7 +27,7 @@ import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
 
-from orchestrator.loopback import ScriptedCall, ScriptedTurn, turns
+from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, turns
 
 IDEMPOTENCY_META = "orchestrator/idempotency_key"
 

@@ -21,7 +21,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 
 from orchestrator import Budget, EffectPolicy
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
-from orchestrator.loopback import ScriptedCall, ScriptedTurn, turns
+from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, turns
 
 
 @cache

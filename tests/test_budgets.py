@@ -29,16 +29,16 @@ from orchestrator.budgets import BudgetStore, Prices
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
-from orchestrator.loopback import (
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import run_agent, running_worker, wait_for_run
+from orchestrator.testing.loopback import (
     LocalVendor,
     ScriptedCall,
     ScriptedModelServer,
     ScriptedTurn,
     turns,
 )
-from orchestrator.models import RunState
-from orchestrator.settings import Settings
-from orchestrator.testing import run_agent, running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent
 from test_waits import FAST
 from tool_agents_for_tests import lookup_order, refund

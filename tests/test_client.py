@@ -33,10 +33,10 @@ from orchestrator import (
 from orchestrator.agents.noop import noop
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.store import EffectNotFound
-from orchestrator.loopback import LocalVendor, ScriptedModelServer
 from orchestrator.models import Run, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
+from orchestrator.testing.loopback import LocalVendor, ScriptedModelServer
 from test_waits import FAST, replies
 from tool_agents_for_tests import REFUND_TURNS, refunds
 

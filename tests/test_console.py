@@ -27,11 +27,11 @@ from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
 from orchestrator.effects.store import EffectStore
-from orchestrator.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.signals import SignalStore
 from orchestrator.testing import running_worker, wait_for_run
+from orchestrator.testing.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from support import ServeProcess, cli
 from test_effects_processes import AGENT, events_of, vendors_config
 from test_effects_proxy import free_port

@@ -39,11 +39,11 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import DatabaseError, OutcomeUnknown
 from orchestrator.fences import EPOCH_BITS, epoch_of
-from orchestrator.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
 from orchestrator.models import JSON, ClaimedRun, RunState
 from orchestrator.settings import Settings, StandbyPolicy, StandbyWait, WithoutStandby
 from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
+from orchestrator.testing.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
 from orchestrator.worker.worker import Worker
 from support import crm_kind
 from tool_agents_for_tests import orders

@@ -27,11 +27,11 @@ from orchestrator.agents.contract_notice import Confirm
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
 from orchestrator.effects.model import Effect, EffectPolicy
-from orchestrator.loopback import LocalVendor, SmtpSink
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent, Next, Outcome, Step, StepContext
 from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run
+from orchestrator.testing.loopback import LocalVendor, SmtpSink
 
 CANARY = "canary-7d1e4b20"
 RELEASE = threading.Event()

@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator import llm
 from orchestrator.llm import EncodedMessages, ModelCallFailed, complete, encode_message
-from orchestrator.loopback import (
+from orchestrator.testing.loopback import (
     RateLimited,
     RawRequest,
     ScriptedCall,

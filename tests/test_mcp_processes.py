@@ -25,9 +25,9 @@ from mcp_servers_for_tests import (
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
-from orchestrator.loopback import ScriptedModelServer
 from orchestrator.models import RunState
 from orchestrator.testing import wait_for_run
+from orchestrator.testing.loopback import ScriptedModelServer
 from orchestrator.tool_agent import effect_keys
 from support import ServeProcess, fenced_claims, serve_args, serving, write_vendors_config
 from test_effects_processes import start_dispatcher, until_confirmed

@@ -14,16 +14,16 @@ from orchestrator.access import PrincipalKind, Role
 from orchestrator.db.access import AccessStore, token_sha256
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
-from orchestrator.loopback import (
+from orchestrator.models import Run, RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run
+from orchestrator.testing.loopback import (
     LocalVendor,
     ScriptedCall,
     ScriptedModelServer,
     ScriptedTurn,
     turns,
 )
-from orchestrator.models import Run, RunState
-from orchestrator.settings import Settings
-from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent
 from test_runtime import FAST
 from tool_agents_for_tests import lookup_order, notify

@@ -24,7 +24,11 @@ from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
-from orchestrator.loopback import (
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.steps import Agent
+from orchestrator.testing import capture_spans, running_worker, wait_for_run
+from orchestrator.testing.loopback import (
     LocalVendor,
     RateLimited,
     ScriptedCall,
@@ -34,10 +38,6 @@ from orchestrator.loopback import (
     Slow,
     turns,
 )
-from orchestrator.models import RunState
-from orchestrator.settings import Settings
-from orchestrator.steps import Agent
-from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.tool_agent import effect_keys
 from pydantic_ai_agents_for_tests import (
     ORDERS_TURNS,

@@ -16,8 +16,8 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.db.pair_node import refuses
 from orchestrator.testing import ReplicatedPostgres
+from orchestrator.testing.pair_node import refuses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -13,12 +13,12 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
-from orchestrator.local_scripts import contract_summary_script, support_script
-from orchestrator.loopback import LocalVendor, Script, ScriptedModelServer, SmtpSink
 from orchestrator.models import JSON, Run, RunState
 from orchestrator.settings import Settings
 from orchestrator.steps import Agent
 from orchestrator.testing import running_worker, wait_for_run
+from orchestrator.testing.local_scripts import contract_summary_script, support_script
+from orchestrator.testing.loopback import LocalVendor, Script, ScriptedModelServer, SmtpSink
 from test_runtime import FAST
 
 
@@ -108,7 +108,7 @@ def test_the_readme_lists_exactly_the_agents_that_ship() -> None:
     assert names_after("The two tool agents in `agents/`") == tool_agents
 
 
-TEST_DOUBLES = ("orchestrator.loopback", "orchestrator.testing")
+TEST_DOUBLES = ("orchestrator.testing.loopback", "orchestrator.testing")
 
 
 def test_shipped_agents_import_no_test_doubles() -> None:

@@ -25,7 +25,6 @@ from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import InvalidInput, RunNotFound
-from orchestrator.loopback import ScriptedModelServer
 from orchestrator.models import RunState
 from orchestrator.settings import (
     Settings,
@@ -35,6 +34,7 @@ from orchestrator.settings import (
     WithoutStandby,
 )
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
+from orchestrator.testing.loopback import ScriptedModelServer
 from support import cli
 from test_failover import (
     GRANTS,

@@ -14,7 +14,11 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.model import EffectStatus, validate_effect_key
 from orchestrator.effects.store import EffectStore
-from orchestrator.loopback import (
+from orchestrator.models import Message, RunState
+from orchestrator.settings import Settings
+from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
+from orchestrator.testing import capture_spans, running_worker, wait_for_run
+from orchestrator.testing.loopback import (
     LocalVendor,
     RateLimited,
     ScriptedCall,
@@ -24,10 +28,6 @@ from orchestrator.loopback import (
     Slow,
     turns,
 )
-from orchestrator.models import Message, RunState
-from orchestrator.settings import Settings
-from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
-from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent, effect_keys, recorded_effect_keys
 from orchestrator.tools import ReadOnlyTool, tool
 from orchestrator.transcript import Transcript

@@ -17,10 +17,10 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.effects.store import EffectStore
-from orchestrator.loopback import FaultProxy, LocalVendor, ScriptedModelServer, Slow
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
+from orchestrator.testing.loopback import FaultProxy, LocalVendor, ScriptedModelServer, Slow
 from orchestrator.tool_agent import effect_keys
 from support import (
     ServeProcess,

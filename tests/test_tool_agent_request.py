@@ -16,7 +16,10 @@ from orchestrator import llm
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
-from orchestrator.loopback import (
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import running_worker, wait_for_run
+from orchestrator.testing.loopback import (
     LocalVendor,
     ScriptedCall,
     ScriptedModelServer,
@@ -24,9 +27,6 @@ from orchestrator.loopback import (
     ScriptRequest,
     turns,
 )
-from orchestrator.models import RunState
-from orchestrator.settings import Settings
-from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.tool_agent import ToolAgent
 from test_runtime import FAST
 from tool_agents_for_tests import lookup_order, refunds

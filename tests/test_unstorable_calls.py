@@ -22,7 +22,12 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
 from orchestrator.jsontext import compact
 from orchestrator.llm import ToolCall
-from orchestrator.loopback import (
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.steps import Agent
+from orchestrator.storable import storable_text
+from orchestrator.stored_replies import stored_json, stored_reply
+from orchestrator.testing.loopback import (
     Garbled,
     ScriptedCall,
     ScriptedModelServer,
@@ -30,11 +35,6 @@ from orchestrator.loopback import (
     ScriptRequest,
     turns,
 )
-from orchestrator.models import RunState
-from orchestrator.settings import Settings
-from orchestrator.steps import Agent
-from orchestrator.storable import storable_text
-from orchestrator.stored_replies import stored_json, stored_reply
 from orchestrator.tool_agent import ToolAgent
 from support import failed_attempts
 from test_tool_agent import serve_one

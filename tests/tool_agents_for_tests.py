@@ -13,7 +13,7 @@ import os
 import anyio
 
 from orchestrator import Budget, EffectPolicy
-from orchestrator.loopback import ScriptedCall, ScriptedTurn, turns
+from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, turns
 from orchestrator.tool_agent import ToolAgent
 from orchestrator.tools import Tool, ToolContext, tool
 

@@ -38,7 +38,7 @@ from orchestrator import (
     tool,
 )
 from orchestrator.chaos.grants import record_grant
-from orchestrator.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
+from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
 from orchestrator.tools import ToolSource
 
 SIGNAL_WAIT_SECONDS = 120.0

@@ -16,8 +16,8 @@ from orchestrator.chaos.cluster import Cluster, Member
 from orchestrator.chaos.statements import CAMPAIGN_ERRORS
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.replicated import ReplicatedPostgres
-from orchestrator.loopback import ScriptedModelServer
+from orchestrator.testing.loopback import ScriptedModelServer
+from orchestrator.testing.replicated import ReplicatedPostgres
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import anyio
 
 from orchestrator.chaos.context import FaultContext, FaultGroup, FaultRecord, ScheduledFault
 from orchestrator.chaos.statements import CAMPAIGN_APPLICATION, CAMPAIGN_ERRORS, STATEMENT_SECONDS
-from orchestrator.db.replicated import ReplicatedPostgres, ReplicationError
+from orchestrator.testing.replicated import ReplicatedPostgres, ReplicationError
 
 
 class DatabaseFaults(FaultGroup):

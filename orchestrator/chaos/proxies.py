@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from orchestrator.loopback import FaultProxy
+from orchestrator.testing.loopback import FaultProxy
 
 
 class MemberProxy:

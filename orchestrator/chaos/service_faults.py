@@ -4,7 +4,7 @@ and a model that rate-limits, fails or is slow."""
 from __future__ import annotations
 
 from orchestrator.chaos.context import FaultGroup, FaultRecord, ScheduledFault, until
-from orchestrator.loopback import RateLimited, ServerError, Slow
+from orchestrator.testing.loopback import RateLimited, ServerError, Slow
 
 
 class ServiceFaults(FaultGroup):

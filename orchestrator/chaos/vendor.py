@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from orchestrator.loopback import LoopbackVendorServer
+from orchestrator.testing.loopback import LoopbackVendorServer
 
 OnAccept = Callable[[str], Awaitable[bool]]
 """Called with the key of a delivery the vendor will not answer; whether the fault took."""

@@ -14,7 +14,7 @@
 - ``SmtpSink``: a real SMTP server on loopback;
 - ``capture_spans``: an in-memory span exporter.
 
-The loopback servers live in ``orchestrator.loopback`` (the demo uses them too).
+The loopback servers live in ``orchestrator.testing.loopback`` (the demo uses them too).
 
 ``DatabaseFactory`` migrates a template database once per test session and gives each test a
 fresh copy through ``CREATE DATABASE ... TEMPLATE`` (a file copy: tens of milliseconds), so
@@ -42,9 +42,11 @@ import asyncpg
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
-from orchestrator.db.replicated import Failover, ReplicatedPostgres, ReplicationError
 from orchestrator.db.store import RunStore
-from orchestrator.loopback import (
+from orchestrator.models import JSON, TERMINAL_STATES, Run, RunEvent, RunState
+from orchestrator.settings import Settings
+from orchestrator.steps import Agent, AgentRegistry
+from orchestrator.testing.loopback import (
     FaultProxy,
     Garbled,
     LocalModelServer,
@@ -61,9 +63,7 @@ from orchestrator.loopback import (
     SmtpSink,
     turns,
 )
-from orchestrator.models import JSON, TERMINAL_STATES, Run, RunEvent, RunState
-from orchestrator.settings import Settings
-from orchestrator.steps import Agent, AgentRegistry
+from orchestrator.testing.replicated import Failover, ReplicatedPostgres, ReplicationError
 from orchestrator.worker.worker import Worker, WorkerConfig
 
 __all__ = [

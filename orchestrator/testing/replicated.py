@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Self
 
 from orchestrator.db.embedded import DATABASE, _free_port
-from orchestrator.db.pair_node import PairNode, ReplicationError, refuses, until
+from orchestrator.testing.pair_node import PairNode, ReplicationError, refuses, until
 
 __all__ = ["Failover", "ReplicatedPostgres", "ReplicationError"]
 
@@ -49,7 +49,7 @@ PAIR_SERVER_SETTINGS: Mapping[str, str] = {
     "fsync": "off",
 }
 REPLICATION_CONF = """
-# orchestrator.db.replicated: a primary with a streaming standby
+# orchestrator.testing.replicated: a primary with a streaming standby
 wal_level = replica
 max_wal_senders = 10
 max_replication_slots = 10

@@ -1,14 +1,14 @@
-"""What the local scripted model (``orchestrator.loopback.ScriptedModelServer``) answers for the
-shipped agents, so that they run offline: ``orchestrator demo`` serves ``contract_summary_script``
-when no model is configured. Kept out of ``agents/``, which show agents as their authors write
-them, against a real model.
+"""What the local scripted model (``orchestrator.testing.loopback.ScriptedModelServer``) answers for
+the shipped agents, so that they run offline: ``orchestrator demo`` serves
+``contract_summary_script`` when no model is configured. Kept out of ``agents/``, which show agents
+as their authors write them, against a real model.
 """
 
 from __future__ import annotations
 
 import json
 
-from orchestrator.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
+from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
 
 
 def _fields(request: ScriptRequest) -> dict[str, str]:
