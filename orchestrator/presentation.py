@@ -10,13 +10,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.attempts import Attempt
 from orchestrator.budgets import BudgetState, LedgerEntry
+from orchestrator.client.attempts import Attempt
+from orchestrator.client.detail import RunDetail
 from orchestrator.effects.model import EffectRecord
 from orchestrator.fences import describe_fence
 from orchestrator.jsontext import jsonable as jsonable  # the CLI's modules import it from here
 from orchestrator.models import Message, Run, RunEvent, RunState, StoredWait
-from orchestrator.run_detail import RunDetail
 from orchestrator.signals import Signal
 from orchestrator.tool_agent import recorded_effect_keys
 

@@ -20,7 +20,7 @@ import anyio
 import asyncpg
 import pytest
 
-import orchestrator.run_waiter
+import orchestrator.client.waiter
 from orchestrator import (
     Client,
     DatabaseError,
@@ -47,7 +47,7 @@ async def test_submit_is_idempotent_and_wait_is_woken_by_the_final_commit(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With the safety-net re-read pushed out of reach, only the NOTIFY can end the wait.
-    monkeypatch.setattr(orchestrator.run_waiter, "RECHECK_SECONDS", 3600.0)
+    monkeypatch.setattr(orchestrator.client.waiter, "RECHECK_SECONDS", 3600.0)
     async with await Client.connect(settings) as client:
         first = await client.submit("noop", {"n": 1}, idempotency_key="order-17")
         again = await client.submit("noop", {"n": 1}, idempotency_key="order-17")

@@ -216,8 +216,8 @@ async def test_a_run_with_100000_events_is_shown_in_bounded_memory_and_paged_in_
 ) -> None:
     """The history a run spinning on claims used to leave (issue 20): 50,000 claims, each
     parked again, and stale refusals among them. ``runs show`` read and printed all of it."""
+    from orchestrator.client.stores import Stores
     from orchestrator.console.views import MAX_ROWS_SHOWN, run_page
-    from orchestrator.db.stores import Stores
 
     run_id = (await store.submit("summarise", {})).run.run_id
     await pool.execute(

@@ -14,7 +14,7 @@ from orchestrator.cli.support import (
     print_found,
     wait_for_standby_option,
 )
-from orchestrator.db.bootstrap import open_stores
+from orchestrator.client.stores import open_stores
 from orchestrator.effects.approvals import Decision
 from orchestrator.presentation import approvals_table, dump_json, effects_table
 from orchestrator.settings import Settings

@@ -15,7 +15,7 @@ from orchestrator.cli.support import (
     json_option,
     print_found,
 )
-from orchestrator.db.bootstrap import open_stores
+from orchestrator.client.stores import open_stores
 from orchestrator.effects.model import EffectStatus
 from orchestrator.presentation import dump_json, effects_table
 from orchestrator.settings import Settings

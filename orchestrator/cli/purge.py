@@ -8,7 +8,7 @@ import click
 
 from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.support import async_command, json_option
-from orchestrator.db.bootstrap import open_stores
+from orchestrator.client.stores import open_stores
 from orchestrator.presentation import dump_json
 from orchestrator.retention import (
     PURGE_BATCH,

@@ -19,7 +19,8 @@ from orchestrator.cli.run_filters import (
 from orchestrator.cli.run_watch import watch
 from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.cli.waits import runs_budget, runs_signal
-from orchestrator.db.bootstrap import open_stores
+from orchestrator.client.detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_detail, more_events_hint
+from orchestrator.client.stores import open_stores
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Run, RunState
 from orchestrator.presentation import (
@@ -32,7 +33,6 @@ from orchestrator.presentation import (
     runs_table,
     signals_table,
 )
-from orchestrator.run_detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_detail, more_events_hint
 from orchestrator.settings import Settings
 
 

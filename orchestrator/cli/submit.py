@@ -13,7 +13,7 @@ from orchestrator.cli.support import (
     wait_for_standby_option,
 )
 from orchestrator.client import start_time
-from orchestrator.db.bootstrap import open_stores
+from orchestrator.client.stores import open_stores
 from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 

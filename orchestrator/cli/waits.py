@@ -11,7 +11,7 @@ from orchestrator.cli.support import (
     read_json_option,
     wait_for_standby_option,
 )
-from orchestrator.db.bootstrap import open_stores
+from orchestrator.client.stores import open_stores
 from orchestrator.errors import InvalidTransition
 from orchestrator.presentation import budget_table, dump_json, ledger_table
 from orchestrator.settings import Settings

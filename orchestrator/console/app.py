@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from orchestrator.client.stores import Stores
 from orchestrator.console import routes
 from orchestrator.console.auth import Auth
 from orchestrator.console.identity import Accounts
@@ -27,7 +28,6 @@ from orchestrator.console.oidc import CALLBACK_PATH, OidcConfig, OidcSignIn
 from orchestrator.console.pages import ConsoleState
 from orchestrator.console.privacy import Shown
 from orchestrator.console.signin import AccountSignIn
-from orchestrator.db.stores import Stores
 
 TEMPLATES = Path(__file__).parent / "templates"
 STATIC = Path(__file__).parent / "static"

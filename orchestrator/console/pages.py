@@ -20,13 +20,13 @@ from starlette.templating import Jinja2Templates
 
 from orchestrator import access
 from orchestrator.access import Actor, Permission
+from orchestrator.client.stores import Stores
 from orchestrator.console.auth import NAME_COOKIE, TOKEN_ENV, Auth, Via, actor, origin_acceptable
 from orchestrator.console.identity import Accounts, NotAllowed, Visitor, visitor_of
 from orchestrator.console.oidc import OidcSignIn
 from orchestrator.console.privacy import MAX_SHOWN_BYTES
 from orchestrator.console.signin import AccountSignIn
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.stores import Stores
 from orchestrator.effects.store import EffectNotFound
 from orchestrator.errors import InvalidInput, OrchestratorError, RunNotFound
 

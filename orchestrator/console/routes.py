@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from orchestrator import access
 from orchestrator.access import Actor, Permission
 from orchestrator.budgets import TopUp
+from orchestrator.client.stores import Stores
 from orchestrator.console import views
 from orchestrator.console.auth import NAME_COOKIE, SESSION_COOKIE, Via, actor, origin_acceptable
 from orchestrator.console.pages import (
@@ -32,7 +33,6 @@ from orchestrator.console.pages import (
     visitor,
 )
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.stores import Stores
 from orchestrator.effects.approvals import Decision
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.storable import parse_document

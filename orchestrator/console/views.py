@@ -9,7 +9,8 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.cli.run_filters import RunSelection, select_runs
-from orchestrator.db.stores import Stores
+from orchestrator.client.detail import load_run_detail, more_events_hint
+from orchestrator.client.stores import Stores
 from orchestrator.effects.model import EffectRecord, EffectStatus
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
@@ -20,7 +21,6 @@ from orchestrator.presentation import (
     conversation_turns,
     due_text,
 )
-from orchestrator.run_detail import load_run_detail, more_events_hint
 from orchestrator.tool_agent import recorded_effect_keys
 
 from .privacy import Shown, event_details, readable, show, text_of

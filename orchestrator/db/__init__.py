@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING
 from orchestrator.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from orchestrator.db.bootstrap import ensure_schema, open_store, open_stores
+    from orchestrator.db.bootstrap import ensure_schema, open_pool, open_store
     from orchestrator.db.connections import connect, create_pool, redact_dsn, resolve_dsn
     from orchestrator.db.deadlines import DATABASE_ERRORS
     from orchestrator.db.embedded import EmbeddedPostgres
     from orchestrator.db.executor import Executor
     from orchestrator.db.migrations import check_schema, latest_version, migrate
     from orchestrator.db.store import RunStore
-    from orchestrator.db.stores import Stores
     from orchestrator.db.workers import WorkerRegistry
 
 _EXPORTS = {
@@ -26,7 +25,6 @@ _EXPORTS = {
     "EmbeddedPostgres": "orchestrator.db.embedded",
     "Executor": "orchestrator.db.executor",
     "RunStore": "orchestrator.db.store",
-    "Stores": "orchestrator.db.stores",
     "WorkerRegistry": "orchestrator.db.workers",
     "check_schema": "orchestrator.db.migrations",
     "connect": "orchestrator.db.connections",
@@ -35,7 +33,7 @@ _EXPORTS = {
     "latest_version": "orchestrator.db.migrations",
     "migrate": "orchestrator.db.migrations",
     "open_store": "orchestrator.db.bootstrap",
-    "open_stores": "orchestrator.db.bootstrap",
+    "open_pool": "orchestrator.db.bootstrap",
     "redact_dsn": "orchestrator.db.connections",
     "resolve_dsn": "orchestrator.db.connections",
 }
@@ -48,7 +46,6 @@ __all__ = [
     "EmbeddedPostgres",
     "Executor",
     "RunStore",
-    "Stores",
     "WorkerRegistry",
     "check_schema",
     "connect",
@@ -56,8 +53,8 @@ __all__ = [
     "ensure_schema",
     "latest_version",
     "migrate",
+    "open_pool",
     "open_store",
-    "open_stores",
     "redact_dsn",
     "resolve_dsn",
 ]

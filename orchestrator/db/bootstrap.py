@@ -6,10 +6,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypedDict, Unpack
 
+import asyncpg
+
 from orchestrator.db.connections import connect, create_pool, resolve_dsn
 from orchestrator.db.migrations import check_schema, latest_version, migrate
 from orchestrator.db.store import RunStore
-from orchestrator.db.stores import Stores
 from orchestrator.errors import OrchestratorError
 from orchestrator.settings import Settings
 
@@ -43,7 +44,8 @@ async def ensure_schema(settings: Settings, dsn: str, *, auto_migrate: bool) -> 
 
 
 class PoolOptions(TypedDict, total=False):
-    """How ``open_stores`` sizes and names its pool (``open_store`` passes them on)."""
+    """How ``open_pool`` sizes and names its pool (``open_store`` and ``open_stores`` pass them
+    on)."""
 
     application_name: str
     max_size: int
@@ -51,15 +53,15 @@ class PoolOptions(TypedDict, total=False):
 
 
 @asynccontextmanager
-async def open_stores(
+async def open_pool(
     settings: Settings,
     *,
     application_name: str = "orchestrator-cli",
     max_size: int = 4,
     keep_session_state: bool = False,
-) -> AsyncIterator[Stores]:
-    """Every store over one new pool (the schema checked, or migrated where that is safe),
-    closed after. ``keep_session_state``: see ``create_pool``."""
+) -> AsyncIterator[asyncpg.Pool]:
+    """One new pool (the schema checked, or migrated where that is safe), closed after.
+    ``keep_session_state``: see ``create_pool``."""
     dsn = resolve_dsn(settings)
     await ensure_schema(settings, dsn, auto_migrate=settings.database_url is None)
     pool = await create_pool(
@@ -71,13 +73,13 @@ async def open_stores(
         keep_session_state=keep_session_state,
     )
     try:
-        yield Stores.of(pool, settings)
+        yield pool
     finally:
         await pool.close()
 
 
 @asynccontextmanager
 async def open_store(settings: Settings, **options: Unpack[PoolOptions]) -> AsyncIterator[RunStore]:
-    """The run store alone, for callers that need no feature store."""
-    async with open_stores(settings, **options) as stores:
-        yield stores.runs
+    """The run store alone, for callers that need no other store."""
+    async with open_pool(settings, **options) as pool:
+        yield RunStore(pool)

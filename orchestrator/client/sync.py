@@ -10,14 +10,14 @@ from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from anyio.from_thread import BlockingPortal
 
-from orchestrator.client_features import (
+from orchestrator.client.features import (
     ApprovalsHandle,
     BudgetsHandle,
     EffectsHandle,
     OpsHandle,
     SignalsHandle,
 )
-from orchestrator.client_runs import RunsHandle
+from orchestrator.client.runs import RunsHandle
 from orchestrator.effects.model import EffectRecord
 
 H = TypeVar("H")

@@ -29,17 +29,19 @@ import anyio
 import anyio.from_thread
 import asyncpg
 
-from orchestrator.client_features import (
+from orchestrator.client.delegation import delegate
+from orchestrator.client.features import (
     ApprovalsHandle,
     BudgetsHandle,
     EffectsHandle,
     OpsHandle,
     SignalsHandle,
 )
-from orchestrator.client_runs import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS  # re-exported
-from orchestrator.client_runs import RunsHandle
-from orchestrator.client_runs import start_time as start_time  # re-exported
-from orchestrator.client_sync import (
+from orchestrator.client.runs import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS  # re-exported
+from orchestrator.client.runs import RunsHandle
+from orchestrator.client.runs import start_time as start_time  # re-exported
+from orchestrator.client.stores import Stores
+from orchestrator.client.sync import (
     SyncApprovals,
     SyncBudgets,
     SyncEffects,
@@ -47,12 +49,10 @@ from orchestrator.client_sync import (
     SyncRuns,
     SyncSignals,
 )
+from orchestrator.client.waiter import RunWaiter
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool, resolve_dsn
 from orchestrator.db.error_projection import project_errors
-from orchestrator.db.stores import Stores
-from orchestrator.delegation import delegate
-from orchestrator.run_waiter import RunWaiter
 from orchestrator.settings import Settings
 
 CLOSE_AT_EXIT_SECONDS = 5.0

@@ -9,10 +9,10 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar, Unpack
 
 from orchestrator.budgets import BudgetState, LedgerEntry, TopUp
+from orchestrator.client.stores import Stores
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.purges import Purged
 from orchestrator.db.standby_wait import acknowledgement_seconds
-from orchestrator.db.stores import Stores
 from orchestrator.effects.approvals import Decision
 from orchestrator.effects.model import EffectRecord, EffectStatus
 from orchestrator.errors import InvalidInput

@@ -6,16 +6,16 @@ import builtins
 from datetime import datetime, timedelta
 from typing import Unpack
 
-from orchestrator.client_features import StoresHandle
+from orchestrator.client.detail import DEFAULT_EVENTS, RunDetail, load_run_detail
+from orchestrator.client.features import StoresHandle
+from orchestrator.client.stores import Stores
+from orchestrator.client.waiter import RunWaiter
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.run_reads import RunFilters
 from orchestrator.db.standby_wait import acknowledgement_seconds
 from orchestrator.db.store import SubmitOptions
-from orchestrator.db.stores import Stores
 from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, Run
-from orchestrator.run_detail import DEFAULT_EVENTS, RunDetail, load_run_detail
-from orchestrator.run_waiter import RunWaiter
 
 MAX_DELAY_SECONDS = 10 * 366 * 86400.0
 

@@ -3,11 +3,16 @@ needs them, so that no caller builds a store by hand or issues a statement itsel
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Unpack
+
 import asyncpg
 
 from orchestrator.budgets import BudgetStore
 from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
+from orchestrator.db.bootstrap import PoolOptions, open_pool
 from orchestrator.db.purges import PurgeStore
 from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS
 from orchestrator.db.standby_wait import wait_for_standby as wait_for_standby_at
@@ -62,3 +67,11 @@ class Stores:
             return
         async with self.pool.acquire() as db:
             await wait_for_standby_at(db, self.standby, within=within)
+
+
+@asynccontextmanager
+async def open_stores(settings: Settings, **options: Unpack[PoolOptions]) -> AsyncIterator[Stores]:
+    """Every store over one new pool (the schema checked, or migrated where that is safe),
+    closed after."""
+    async with open_pool(settings, **options) as pool:
+        yield Stores.of(pool, settings)

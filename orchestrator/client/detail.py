@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from orchestrator.attempts import Attempt, recent_attempts
 from orchestrator.budgets import BudgetState
-from orchestrator.db.stores import Stores
+from orchestrator.client.attempts import Attempt, recent_attempts
+from orchestrator.client.stores import Stores
 from orchestrator.effects.model import EffectRecord
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Message, Run, RunEvent
