@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import anyio
 
+from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
-from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 
 
 class Prepare(Step):

@@ -16,8 +16,8 @@ or point ``ORCHESTRATOR_MODEL_BASE_URL`` at any OpenAI-compatible server.
 
 from __future__ import annotations
 
-from orchestrator.llm import chat
-from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
+from orchestrator.agent.llm import chat
+from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 
 MAX_CONTRACT_CHARS = 50_000
 MAX_SUMMARY_CHARS = 2_000

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.steps import Agent, Finish, Outcome, Step, StepContext
+from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext
 
 
 class Done(Step):

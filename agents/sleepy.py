@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import anyio
 
-from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
+from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 
 
 class Nap(Step):

@@ -114,6 +114,7 @@ import psutil  # type: ignore[import-untyped]  # psutil ships no type informatio
 
 from bench_main import benchmark_parser, run_and_report
 from bench_report import fmt, log, render_table, report_heading, server_line, verdict, workload
+from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
@@ -122,7 +123,6 @@ from orchestrator.effects.model import Effect
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.models import RunEvent, RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker
 from orchestrator.worker import worker as supervisor_module

@@ -66,10 +66,10 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from bench_main import benchmark_parser, run_and_report
 from bench_report import fmt, log, machine_facts, render_table
 from orchestrator import Agent, Finish, Next, Outcome, Step, StepContext, ToolAgent, tool
+from orchestrator.agent.llm import complete, model_client
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
-from orchestrator.llm import complete, model_client
 from orchestrator.models import TERMINAL_STATES, Message, Run
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker, wait_for_run

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.errors import InvalidInput
-from orchestrator.mcp_client import (
+from orchestrator.agent.mcp.client import (
     DEFAULT_CALL_SECONDS,
     IDEMPOTENCY_META_KEY,
     McpConnection,
@@ -35,6 +34,7 @@ from orchestrator.mcp_client import (
     result_json,
     result_text,
 )
+from orchestrator.errors import InvalidInput
 
 from .adapters import (
     Confirmed,

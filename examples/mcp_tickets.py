@@ -29,8 +29,8 @@ import anyio
 from mcp.server.mcpserver import Context, MCPServer
 
 from orchestrator import Settings, ToolAgent
+from orchestrator.agent.mcp.tools import load_classification
 from orchestrator.effects.vendors import adapter_from_config
-from orchestrator.mcp_tools import load_classification
 from orchestrator.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn, run_agent, turns
 
 OPENED: dict[str, dict[str, Any]] = {}

@@ -15,7 +15,23 @@ from typing import TYPE_CHECKING
 from orchestrator.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from orchestrator.budgets import Budget, BudgetExhausted
+    from orchestrator.agent.budgets import Budget, BudgetExhausted
+    from orchestrator.agent.llm import ModelNotConfigured, chat
+    from orchestrator.agent.steps import (
+        Agent,
+        Fail,
+        Finish,
+        Next,
+        Outcome,
+        Step,
+        StepContext,
+        UnknownAgent,
+        UnknownStep,
+        Wait,
+        WaitState,
+    )
+    from orchestrator.agent.tool_loop import ToolAgent
+    from orchestrator.agent.tools import ToolContext, tool
     from orchestrator.client import Client, SyncClient
     from orchestrator.db.standby_wait import StandbyNotReached
     from orchestrator.effects.approvals import DecisionRefused
@@ -33,46 +49,30 @@ if TYPE_CHECKING:
         RunNotFound,
         SchemaTooNew,
     )
-    from orchestrator.llm import ModelNotConfigured, chat
     from orchestrator.models import Message
     from orchestrator.settings import Settings
     from orchestrator.signals import Signal
-    from orchestrator.steps import (
-        Agent,
-        Fail,
-        Finish,
-        Next,
-        Outcome,
-        Step,
-        StepContext,
-        UnknownAgent,
-        UnknownStep,
-        Wait,
-        WaitState,
-    )
-    from orchestrator.tool_agent import ToolAgent
-    from orchestrator.tools import ToolContext, tool
 
 _EXPORTS = {
-    "Agent": "orchestrator.steps",
-    "Budget": "orchestrator.budgets",
-    "BudgetExhausted": "orchestrator.budgets",
+    "Agent": "orchestrator.agent.steps",
+    "Budget": "orchestrator.agent.budgets",
+    "BudgetExhausted": "orchestrator.agent.budgets",
     "Client": "orchestrator.client",
     "DatabaseError": "orchestrator.errors",
     "DatabaseUnavailable": "orchestrator.errors",
     "DecisionRefused": "orchestrator.effects.approvals",
     "Effect": "orchestrator.effects.model",
     "EffectPolicy": "orchestrator.effects.model",
-    "Fail": "orchestrator.steps",
-    "Finish": "orchestrator.steps",
+    "Fail": "orchestrator.agent.steps",
+    "Finish": "orchestrator.agent.steps",
     "IdempotencyConflict": "orchestrator.errors",
     "InvalidInput": "orchestrator.errors",
     "InvalidTransition": "orchestrator.errors",
     "Message": "orchestrator.models",
-    "ModelNotConfigured": "orchestrator.llm",
-    "Next": "orchestrator.steps",
+    "ModelNotConfigured": "orchestrator.agent.llm",
+    "Next": "orchestrator.agent.steps",
     "OrchestratorError": "orchestrator.errors",
-    "Outcome": "orchestrator.steps",
+    "Outcome": "orchestrator.agent.steps",
     "PermanentFailure": "orchestrator.errors",
     "PermissionDenied": "orchestrator.errors",
     "RunAlreadyExists": "orchestrator.errors",
@@ -81,17 +81,17 @@ _EXPORTS = {
     "Settings": "orchestrator.settings",
     "Signal": "orchestrator.signals",
     "StandbyNotReached": "orchestrator.db.standby_wait",
-    "Step": "orchestrator.steps",
-    "StepContext": "orchestrator.steps",
+    "Step": "orchestrator.agent.steps",
+    "StepContext": "orchestrator.agent.steps",
     "SyncClient": "orchestrator.client",
-    "ToolAgent": "orchestrator.tool_agent",
-    "ToolContext": "orchestrator.tools",
-    "UnknownAgent": "orchestrator.steps",
-    "UnknownStep": "orchestrator.steps",
-    "Wait": "orchestrator.steps",
-    "WaitState": "orchestrator.steps",
-    "chat": "orchestrator.llm",
-    "tool": "orchestrator.tools",
+    "ToolAgent": "orchestrator.agent.tool_loop",
+    "ToolContext": "orchestrator.agent.tools",
+    "UnknownAgent": "orchestrator.agent.steps",
+    "UnknownStep": "orchestrator.agent.steps",
+    "Wait": "orchestrator.agent.steps",
+    "WaitState": "orchestrator.agent.steps",
+    "chat": "orchestrator.agent.llm",
+    "tool": "orchestrator.agent.tools",
 }
 """Each public name and the module defining it: imported on first use (``__getattr__``), so that
 ``import orchestrator.errors`` loads neither the worker, the console nor the client."""

@@ -10,7 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.budgets import BudgetState, LedgerEntry
+from orchestrator.agent.budgets import BudgetState, LedgerEntry
+from orchestrator.agent.tool_loop import recorded_effect_keys
 from orchestrator.client.attempts import Attempt
 from orchestrator.client.detail import RunDetail
 from orchestrator.effects.model import EffectRecord
@@ -18,7 +19,6 @@ from orchestrator.fences import describe_fence
 from orchestrator.jsontext import jsonable as jsonable  # the CLI's modules import it from here
 from orchestrator.models import Message, Run, RunEvent, RunState, StoredWait
 from orchestrator.signals import Signal
-from orchestrator.tool_agent import recorded_effect_keys
 
 
 def dump_json(value: Any) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 
 from orchestrator import Effect, Wait
-from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
+from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext
 
 
 class MarkedNap(Step):

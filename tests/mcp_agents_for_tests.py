@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from orchestrator.mcp_tools import load_classification
-from orchestrator.tool_agent import ToolAgent
+from orchestrator.agent.mcp.tools import load_classification
+from orchestrator.agent.tool_loop import ToolAgent
 
 mcp_tickets = ToolAgent(
     "mcp_tickets",

@@ -18,13 +18,13 @@ from typing import Any
 import anyio
 import asyncpg
 
+from orchestrator.agent.steps import Agent
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import available_migrations, migrate
 from orchestrator.db.store import RunStore
 from orchestrator.models import JSON, Run, RunEvent
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 
 TESTS_DIR = Path(__file__).parent

@@ -25,7 +25,8 @@ from orchestrator import (
     Step,
     StepContext,
 )
-from orchestrator.budgets import BudgetStore, Prices
+from orchestrator.agent.budgets import BudgetStore, Prices
+from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
@@ -39,7 +40,6 @@ from orchestrator.testing.loopback import (
     ScriptedTurn,
     turns,
 )
-from orchestrator.tool_agent import ToolAgent
 from test_waits import FAST
 from tool_agents_for_tests import lookup_order, refund
 

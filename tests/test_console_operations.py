@@ -14,7 +14,7 @@ import httpx
 import pytest
 from playwright.async_api import BrowserContext, Dialog, expect
 
-from orchestrator.budgets import Budget, BudgetStore
+from orchestrator.agent.budgets import Budget, BudgetStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import EffectStatus

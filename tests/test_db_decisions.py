@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from orchestrator.access import Actor, Permission, PrincipalKind, Role, Via, allows
-from orchestrator.budgets import Budget, BudgetStore, Spend
+from orchestrator.agent.budgets import Budget, BudgetStore, Spend
 from orchestrator.db.access import AccessStore, SignInRefused
 from orchestrator.db.connections import create_pool
 from orchestrator.db.grants import RoleNames

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from orchestrator.access import Actor, PrincipalKind, Role, TokenScope, Via
-from orchestrator.budgets import Budget, BudgetStore, Spend
+from orchestrator.agent.budgets import Budget, BudgetStore, Spend
 from orchestrator.db.access import AccessStore
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.executor import Executor

@@ -9,6 +9,7 @@ import anyio
 import asyncpg
 import pytest
 
+from orchestrator.agent.tools import default_result
 from orchestrator.backoff import Backoff
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import Adapter, HttpAdapter, SmtpAdapter, answers_within
@@ -16,7 +17,6 @@ from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectRecord, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.testing import LocalVendor, SmtpSink
-from orchestrator.tools import default_result
 
 CRM = Effect("crm-note", "crm", {"note": "contract reviewed"})
 MAIL = Effect("summary-email", "email", {"to": "legal@acme.test", "subject": "S", "body": "B"})

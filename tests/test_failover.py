@@ -27,6 +27,7 @@ import asyncpg
 import httpx
 import pytest
 
+from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
@@ -41,7 +42,6 @@ from orchestrator.errors import DatabaseError, OutcomeUnknown
 from orchestrator.fences import EPOCH_BITS, epoch_of
 from orchestrator.models import JSON, ClaimedRun, RunState
 from orchestrator.settings import Settings, StandbyPolicy, StandbyWait, WithoutStandby
-from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
 from orchestrator.testing.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
 from orchestrator.worker.worker import Worker

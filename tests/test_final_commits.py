@@ -14,10 +14,10 @@ from contextlib import asynccontextmanager
 import anyio
 import asyncpg
 
+from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext
 from orchestrator.db.store import RunFinish, RunStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent, Finish, Outcome, Step, StepContext
 from orchestrator.testing import running_worker
 from orchestrator.worker.group_commit import Committed, GroupCommitter
 from test_runtime import FAST, eventually

@@ -12,13 +12,13 @@ import functools
 import anyio
 import asyncpg
 
+from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 from orchestrator.worker.group_commit import Committed, EffectRefused, GroupCommitter, Refused
 from test_runtime import FAST, eventually

@@ -23,13 +23,13 @@ import anyio
 import pytest
 from opentelemetry import trace
 
+from orchestrator.agent.steps import Agent, Next, Outcome, Step, StepContext
 from orchestrator.agents.contract_notice import Confirm
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
 from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent, Next, Outcome, Step, StepContext
 from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run
 from orchestrator.testing.loopback import LocalVendor, SmtpSink
 

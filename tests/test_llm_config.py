@@ -10,9 +10,9 @@ from typing import Any
 import openai
 import pytest
 
-from orchestrator import llm
+from orchestrator.agent import llm
+from orchestrator.agent.llm import ModelNotConfigured, chat, model_client
 from orchestrator.errors import InvalidInput
-from orchestrator.llm import ModelNotConfigured, chat, model_client
 from orchestrator.testing import LocalModelServer, capture_spans
 
 CONTRACT = "The supplier shall deliver 40 units per month at 12 EUR each until 2027."

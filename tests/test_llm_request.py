@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator import llm
-from orchestrator.llm import EncodedMessages, ModelCallFailed, complete, encode_message
+from orchestrator.agent import llm
+from orchestrator.agent.llm import EncodedMessages, ModelCallFailed, complete, encode_message
 from orchestrator.testing.loopback import (
     RateLimited,
     RawRequest,

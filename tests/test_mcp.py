@@ -19,12 +19,12 @@ from mcp_servers_for_tests import (
     tickets_kind,
     tickets_server,
 )
+from orchestrator.agent.mcp.client import McpConnection, McpServerSpec
 from orchestrator.db.store import RunStore
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
-from orchestrator.mcp_client import McpConnection, McpServerSpec
 from test_effects_dispatch import dispatch_until, requested
 
 pytest.importorskip("mcp")

@@ -22,13 +22,13 @@ from mcp_servers_for_tests import (
     tickets_kind,
     tickets_server,
 )
+from orchestrator.agent.tool_loop import effect_keys
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.testing import wait_for_run
 from orchestrator.testing.loopback import ScriptedModelServer
-from orchestrator.tool_agent import effect_keys
 from support import ServeProcess, fenced_claims, serve_args, serving, write_vendors_config
 from test_effects_processes import start_dispatcher, until_confirmed
 from test_runtime import eventually

@@ -24,18 +24,18 @@ from mcp_servers_for_tests import (
     tickets_kind,
     tickets_server,
 )
+from orchestrator.agent.mcp.tools import McpEffectTool, McpToolSource, load_classification
+from orchestrator.agent.tool_loop import ToolAgent, effect_keys
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
 from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import InvalidInput
-from orchestrator.mcp_tools import McpEffectTool, McpToolSource, load_classification
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.testing.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
-from orchestrator.tool_agent import ToolAgent, effect_keys
 from support import cli
 from test_runtime import FAST
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 from pydantic_ai import Agent as PydanticAgent
 
+from orchestrator.agent.llm import DEFAULT_MODEL
+from orchestrator.agent.steps import Agent
+from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.agents.contract_review import contract_review
 from orchestrator.db.store import RunStore
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent
-from orchestrator.llm import DEFAULT_MODEL
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent
 from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.testing.loopback import ScriptedModelServer, ScriptedTurn, ServerError, turns
-from orchestrator.tool_agent import ToolAgent
 from pydantic_ai_agents_for_tests import pai_orders
 from support import failed_attempts
 from test_runtime import FAST

@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 
 from orchestrator.access import PrincipalKind, Role
+from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.db.access import AccessStore, token_sha256
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
@@ -24,7 +25,6 @@ from orchestrator.testing.loopback import (
     ScriptedTurn,
     turns,
 )
-from orchestrator.tool_agent import ToolAgent
 from test_runtime import FAST
 from tool_agents_for_tests import lookup_order, notify
 

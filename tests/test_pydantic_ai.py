@@ -15,7 +15,9 @@ import asyncpg
 import pytest
 from pydantic_ai import Agent as PydanticAgent
 
-from orchestrator.budgets import BudgetStore
+from orchestrator.agent.budgets import BudgetStore
+from orchestrator.agent.steps import Agent
+from orchestrator.agent.tool_loop import effect_keys
 from orchestrator.console.views import message_views
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
@@ -26,7 +28,6 @@ from orchestrator.errors import InvalidInput
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.testing.loopback import (
     LocalVendor,
@@ -38,7 +39,6 @@ from orchestrator.testing.loopback import (
     Slow,
     turns,
 )
-from orchestrator.tool_agent import effect_keys
 from pydantic_ai_agents_for_tests import (
     ORDERS_TURNS,
     REFUND_TURNS,

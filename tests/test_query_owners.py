@@ -18,7 +18,7 @@ STORES = {
     "orchestrator/db/workers.py": "workers: registration and liveness",
     "orchestrator/db/purges.py": "every table a finished run has rows in: their deletion",
     "orchestrator/signals.py": "run_signals",
-    "orchestrator/budgets.py": "run_budgets, budget_ledger",
+    "orchestrator/agent/budgets.py": "run_budgets, budget_ledger",
     "effects/store.py": "effects: the boundary's records and their dispatch",
     "effects/approvals.py": "effects: the approval columns and their decisions",
     "orchestrator/db/access.py": "principals, access_tokens",

@@ -17,13 +17,7 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.agents.noop import noop
-from orchestrator.agents.sleepy import sleepy
-from orchestrator.db.store import RunStore
-from orchestrator.errors import InvalidInput, SchemaTooNew
-from orchestrator.models import Lease, RunState
-from orchestrator.settings import Settings
-from orchestrator.steps import (
+from orchestrator.agent.steps import (
     Agent,
     AgentRegistry,
     Fail,
@@ -33,6 +27,12 @@ from orchestrator.steps import (
     Step,
     StepContext,
 )
+from orchestrator.agents.noop import noop
+from orchestrator.agents.sleepy import sleepy
+from orchestrator.db.store import RunStore
+from orchestrator.errors import InvalidInput, SchemaTooNew
+from orchestrator.models import Lease, RunState
+from orchestrator.settings import Settings
 from orchestrator.testing import run_agent, running_worker, wait_for_run
 from orchestrator.worker.heartbeat import (
     NO_DEADLINE_CONFIRMATION,
@@ -106,7 +106,7 @@ class Flaky(Step):
 
 class Finisher(Step):
     async def run(self, ctx: StepContext) -> Outcome:
-        from orchestrator.steps import Finish
+        from orchestrator.agent.steps import Finish
 
         return Finish(result=ctx.checkpoint)
 

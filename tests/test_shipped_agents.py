@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.agent.steps import Agent
 from orchestrator.agents.contract_summary import contract_summary
 from orchestrator.agents.support import support
 from orchestrator.db.store import RunStore
@@ -15,7 +16,6 @@ from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import JSON, Run, RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent
 from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.testing.local_scripts import contract_summary_script, support_script
 from orchestrator.testing.loopback import LocalVendor, Script, ScriptedModelServer, SmtpSink
@@ -89,8 +89,8 @@ def test_the_readme_lists_exactly_the_agents_that_ship() -> None:
     from pathlib import Path
 
     import orchestrator.agents
-    from orchestrator.steps import Agent
-    from orchestrator.tool_agent import ToolAgent
+    from orchestrator.agent.steps import Agent
+    from orchestrator.agent.tool_loop import ToolAgent
 
     shipped: dict[str, object] = {}
     for module in pkgutil.iter_modules(orchestrator.agents.__path__):

@@ -9,6 +9,10 @@ from typing import Any, cast
 import pydantic
 import pytest
 
+from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext
+from orchestrator.agent.tool_loop import ToolAgent, effect_keys, recorded_effect_keys
+from orchestrator.agent.tools import ReadOnlyTool, tool
+from orchestrator.agent.transcript import Transcript
 from orchestrator.console.views import message_views
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
@@ -16,7 +20,6 @@ from orchestrator.effects.model import EffectStatus, validate_effect_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import Message, RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.testing.loopback import (
     LocalVendor,
@@ -28,9 +31,6 @@ from orchestrator.testing.loopback import (
     Slow,
     turns,
 )
-from orchestrator.tool_agent import ToolAgent, effect_keys, recorded_effect_keys
-from orchestrator.tools import ReadOnlyTool, tool
-from orchestrator.transcript import Transcript
 from test_runtime import FAST
 from tool_agents_for_tests import ORDERS_TURNS, lookup_order, notify, orders
 

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import anyio
 import pytest
 
+from orchestrator.agent.tool_loop import effect_keys
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.model import Effect, EffectStatus
@@ -21,7 +22,6 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
 from orchestrator.testing.loopback import FaultProxy, LocalVendor, ScriptedModelServer, Slow
-from orchestrator.tool_agent import effect_keys
 from support import (
     ServeProcess,
     cli,

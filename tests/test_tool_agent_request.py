@@ -12,7 +12,8 @@ from typing import Any
 import anyio
 import pytest
 
-from orchestrator import llm
+from orchestrator.agent import llm
+from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
@@ -27,7 +28,6 @@ from orchestrator.testing.loopback import (
     ScriptRequest,
     turns,
 )
-from orchestrator.tool_agent import ToolAgent
 from test_runtime import FAST
 from tool_agents_for_tests import lookup_order, refunds
 

@@ -17,16 +17,17 @@ import pytest
 from pydantic_ai import Agent as PydanticAgent
 
 import pydantic_ai_agents_for_tests as pai_tools
+from orchestrator.agent.llm import ToolCall
+from orchestrator.agent.steps import Agent
+from orchestrator.agent.stored_replies import stored_json, stored_reply
+from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
 from orchestrator.jsontext import compact
-from orchestrator.llm import ToolCall
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent
 from orchestrator.storable import storable_text
-from orchestrator.stored_replies import stored_json, stored_reply
 from orchestrator.testing.loopback import (
     Garbled,
     ScriptedCall,
@@ -35,7 +36,6 @@ from orchestrator.testing.loopback import (
     ScriptRequest,
     turns,
 )
-from orchestrator.tool_agent import ToolAgent
 from support import failed_attempts
 from test_tool_agent import serve_one
 from tool_agents_for_tests import lookup_order, notify, orders, refund

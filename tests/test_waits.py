@@ -479,7 +479,7 @@ async def park(store: RunStore, claimed: Any, wait: dict[str, Any]) -> None:
 async def test_a_top_up_between_the_refused_reservation_and_the_park_wakes_the_run(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    from orchestrator.budgets import Budget, BudgetExhausted, BudgetStore, Prices, RunBudget
+    from orchestrator.agent.budgets import Budget, BudgetExhausted, BudgetStore, Prices, RunBudget
 
     run_id = (await store.submit("budgeted", {})).run.run_id
     claimed = (await store.claim("W", ["budgeted"], lease_seconds=30)).claimed[0]
@@ -513,7 +513,7 @@ async def test_a_top_up_and_a_step_commit_settling_the_budget_do_not_deadlock(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
     """The commit locks the run, then its budget; the top-up must take them in that order too."""
-    from orchestrator.budgets import Budget, BudgetStore, Prices, RunBudget, Spend
+    from orchestrator.agent.budgets import Budget, BudgetStore, Prices, RunBudget, Spend
 
     run_id = (await store.submit("budgeted", {})).run.run_id
     claimed = (await store.claim("W", ["budgeted"], lease_seconds=30)).claimed[0]

@@ -14,7 +14,7 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.budgets import BudgetStore
+from orchestrator.agent.budgets import BudgetStore
 from orchestrator.db.connections import create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.store import RunStore

@@ -13,9 +13,9 @@ import os
 import anyio
 
 from orchestrator import Budget, EffectPolicy
+from orchestrator.agent.tool_loop import ToolAgent
+from orchestrator.agent.tools import Tool, ToolContext, tool
 from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, turns
-from orchestrator.tool_agent import ToolAgent
-from orchestrator.tools import Tool, ToolContext, tool
 
 
 @tool.read_only(timeout=30)

@@ -37,9 +37,9 @@ from orchestrator import (
     Wait,
     tool,
 )
+from orchestrator.agent.tools import ToolSource
 from orchestrator.chaos.grants import record_grant
 from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
-from orchestrator.tools import ToolSource
 
 SIGNAL_WAIT_SECONDS = 120.0
 """How long a step run waits for ``go`` before going on without it."""
@@ -192,7 +192,7 @@ def _mcp_tools() -> list[ToolSource]:
     url = os.environ.get(MCP_URL_ENV)
     if not url:
         return []
-    from orchestrator.mcp_tools import load_classification
+    from orchestrator.agent.mcp.tools import load_classification
 
     return list(load_classification(mcp_classification(url)))
 

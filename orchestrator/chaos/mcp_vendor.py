@@ -15,9 +15,9 @@ import uvicorn
 from mcp import MCPError
 from mcp.server.mcpserver import Context, MCPServer
 
+from orchestrator.agent.mcp.client import IDEMPOTENCY_META_KEY
 from orchestrator.chaos.agents import MCP_SERVER as SERVER
 from orchestrator.chaos.vendor import ChaosVendor
-from orchestrator.mcp_client import IDEMPOTENCY_META_KEY
 
 
 def dispatcher_kind(url: str) -> dict[str, Any]:

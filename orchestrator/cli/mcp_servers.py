@@ -39,8 +39,8 @@ async def mcp_import(
     """List server NAME's tools and print a DRAFT classification, pre-filled from the
     server's own hints (readOnlyHint, destructiveHint, idempotentHint). Hints are not to be
     trusted: review every tool, delete the ones the model must never call, then save it."""
-    from orchestrator.mcp_client import McpServerSpec, McpUnreachable
-    from orchestrator.mcp_tools import draft_classification
+    from orchestrator.agent.mcp.client import McpServerSpec, McpUnreachable
+    from orchestrator.agent.mcp.tools import draft_classification
 
     options: dict[str, Any] = {"url": url} if url else {"command": command, "args": list(args)}
     if token_env:

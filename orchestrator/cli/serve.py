@@ -117,8 +117,8 @@ def serve(
     log_json: bool | None,
 ) -> None:
     """Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once)."""
+    from orchestrator.agent.steps import AgentRegistry
     from orchestrator.effects.vendors import load_adapters
-    from orchestrator.steps import AgentRegistry
     from orchestrator.telemetry import (
         QueueGauges,
         configure_logging,

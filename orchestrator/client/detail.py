@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from orchestrator.budgets import BudgetState
+from orchestrator.agent.budgets import BudgetState
 from orchestrator.client.attempts import Attempt, recent_attempts
 from orchestrator.client.stores import Stores
 from orchestrator.effects.model import EffectRecord

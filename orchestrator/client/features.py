@@ -8,7 +8,7 @@ import builtins
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, Unpack
 
-from orchestrator.budgets import BudgetState, LedgerEntry, TopUp
+from orchestrator.agent.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.client.stores import Stores
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.purges import Purged

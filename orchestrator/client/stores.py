@@ -9,7 +9,7 @@ from typing import Unpack
 
 import asyncpg
 
-from orchestrator.budgets import BudgetStore
+from orchestrator.agent.budgets import BudgetStore
 from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.bootstrap import PoolOptions, open_pool

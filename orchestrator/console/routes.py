@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from orchestrator import access
 from orchestrator.access import Actor, Permission
-from orchestrator.budgets import TopUp
+from orchestrator.agent.budgets import TopUp
 from orchestrator.client.stores import Stores
 from orchestrator.console import views
 from orchestrator.console.auth import NAME_COOKIE, SESSION_COOKIE, Via, actor, origin_acceptable

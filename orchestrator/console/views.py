@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from orchestrator.agent.tool_loop import recorded_effect_keys
 from orchestrator.cli.run_filters import RunSelection, select_runs
 from orchestrator.client.detail import load_run_detail, more_events_hint
 from orchestrator.client.stores import Stores
@@ -21,7 +22,6 @@ from orchestrator.presentation import (
     conversation_turns,
     due_text,
 )
-from orchestrator.tool_agent import recorded_effect_keys
 
 from .privacy import Shown, event_details, readable, show, text_of
 

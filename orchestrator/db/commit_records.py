@@ -13,7 +13,7 @@ from orchestrator.jsontext import compact
 from orchestrator.models import JSON, CommitResult, Lease, Message, RunState
 
 if TYPE_CHECKING:
-    from orchestrator.budgets import Spend
+    from orchestrator.agent.budgets import Spend
     from orchestrator.effects.model import Effect
 
 

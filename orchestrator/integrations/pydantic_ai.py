@@ -97,7 +97,37 @@ except ImportError as error:  # pragma: no cover - the extra is missing
         name=error.name,
     ) from error
 
-from orchestrator.budgets import BudgetExhausted
+from orchestrator.agent.budgets import BudgetExhausted
+from orchestrator.agent.llm import (
+    BACKOFF_SECONDS,
+    MODEL_ATTEMPTS,
+    ModelRefused,
+    ToolCall,
+    refusal_message,
+    refused_status,
+    retryable_status,
+)
+from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
+from orchestrator.agent.stored_replies import (
+    StoredReply,
+    arguments_problem,
+    flood_message,
+    stored_json,
+    stored_reply,
+    unstorable_json,
+)
+from orchestrator.agent.tool_loop import (
+    DEFAULT_MAX_TOOL_CALLS_PER_TURN,
+    DEFAULT_SETTLE_GRACE_SECONDS,
+    default_prompt,
+    effect_keys,
+)
+from orchestrator.agent.tools import (
+    DEFAULT_TOOL_TIMEOUT_SECONDS,
+    default_result,
+    settled_records,
+    turn_committed,
+)
 from orchestrator.effects.model import (
     DEFAULT_APPROVAL_SECONDS,
     MAX_APPROVAL_SECONDS,
@@ -109,26 +139,8 @@ from orchestrator.effects.model import (
 )
 from orchestrator.errors import InvalidInput, PermanentFailure
 from orchestrator.jsontext import compact
-from orchestrator.llm import (
-    BACKOFF_SECONDS,
-    MODEL_ATTEMPTS,
-    ModelRefused,
-    ToolCall,
-    refusal_message,
-    refused_status,
-    retryable_status,
-)
 from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES, JSON, Message, Role
-from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.storable import storable_text
-from orchestrator.stored_replies import (
-    StoredReply,
-    arguments_problem,
-    flood_message,
-    stored_json,
-    stored_reply,
-    unstorable_json,
-)
 from orchestrator.telemetry import (
     ATTEMPT,
     LEASE_UNTIL,
@@ -137,18 +149,6 @@ from orchestrator.telemetry import (
     WORKER_ID,
     model_metrics,
     start_span,
-)
-from orchestrator.tool_agent import (
-    DEFAULT_MAX_TOOL_CALLS_PER_TURN,
-    DEFAULT_SETTLE_GRACE_SECONDS,
-    default_prompt,
-    effect_keys,
-)
-from orchestrator.tools import (
-    DEFAULT_TOOL_TIMEOUT_SECONDS,
-    default_result,
-    settled_records,
-    turn_committed,
 )
 
 _HALF_A_MESSAGE = DEFAULT_MAX_MESSAGE_BYTES // 2

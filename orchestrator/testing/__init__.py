@@ -39,13 +39,13 @@ import anyio.abc
 import anyio.streams.buffered
 import asyncpg
 
+from orchestrator.agent.steps import Agent, AgentRegistry
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
 from orchestrator.models import JSON, TERMINAL_STATES, Run, RunEvent, RunState
 from orchestrator.settings import Settings
-from orchestrator.steps import Agent, AgentRegistry
 from orchestrator.testing.loopback import (
     FaultProxy,
     Garbled,

@@ -8,8 +8,8 @@ import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from orchestrator.agent.steps import AgentRegistry
 from orchestrator.effects.adapters import Adapter
-from orchestrator.steps import AgentRegistry
 from orchestrator.telemetry import QueueGauges
 
 

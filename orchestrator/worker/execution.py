@@ -27,8 +27,9 @@ from typing import Protocol, TypeAlias
 
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
-from orchestrator import steps
-from orchestrator.budgets import Prices, RunBudget
+from orchestrator.agent import steps
+from orchestrator.agent.budgets import Prices, RunBudget
+from orchestrator.agent.transcript import Transcript
 from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.errors import PermanentFailure
 from orchestrator.models import JSON, ClaimedRun, CommitResult, Message
@@ -42,7 +43,6 @@ from orchestrator.telemetry import (
     debug_enabled,
     open_span,
 )
-from orchestrator.transcript import Transcript
 from orchestrator.worker.attempt_writes import AttemptWrites, describe_error
 from orchestrator.worker.disposition import (
     DISPOSITION_ATTRIBUTES,

@@ -28,7 +28,7 @@ import structlog
 from opentelemetry import context
 from opentelemetry.context import Context
 
-from orchestrator.budgets import BudgetStore, Spend
+from orchestrator.agent.budgets import BudgetStore, Spend
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import AcceptOutcome

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.agent.steps import Fail, Finish, Next, Outcome, Step, Wait
 from orchestrator.models import ClaimedRun
-from orchestrator.steps import Fail, Finish, Next, Outcome, Step, Wait
 from orchestrator.telemetry import (
     ATTEMPT,
     CHECKPOINT_VERSION,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from orchestrator.agent.steps import DEFAULT_MAX_CHECKPOINT_BYTES
 from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES
-from orchestrator.steps import DEFAULT_MAX_CHECKPOINT_BYTES
 from orchestrator.worker.outcomes import Limits
 
 

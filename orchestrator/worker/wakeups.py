@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from orchestrator.agent.steps import AgentRegistry, EffectView, WaitState
 from orchestrator.db.deadlines import pooled
 from orchestrator.db.store import Park, RunStore, StepCommit
 from orchestrator.effects.store import EffectNotFound
 from orchestrator.models import JSON, ClaimedRun, StoredWait
 from orchestrator.signals import Signal, SignalStore
-from orchestrator.steps import AgentRegistry, EffectView, WaitState
 
 
 def claimed_signals(claimed: ClaimedRun) -> tuple[Signal, ...]:

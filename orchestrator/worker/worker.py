@@ -30,7 +30,7 @@ from functools import partial
 import anyio
 import structlog
 
-from orchestrator.budgets import Prices
+from orchestrator.agent.budgets import Prices
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import GENERIC_PLANS, create_pool, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection, enter_when_reachable

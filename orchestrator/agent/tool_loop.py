@@ -45,20 +45,16 @@ import pydantic
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from orchestrator.budgets import Budget, BudgetExhausted
-from orchestrator.effects.model import Effect
-from orchestrator.errors import InvalidInput
-from orchestrator.llm import EncodedMessages, ModelAttempt, ModelReply, complete
-from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES, JSON, Message
-from orchestrator.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
-from orchestrator.stored_replies import (
+from orchestrator.agent.budgets import Budget, BudgetExhausted
+from orchestrator.agent.llm import EncodedMessages, ModelAttempt, ModelReply, complete
+from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
+from orchestrator.agent.stored_replies import (
     arguments_problem,
     flood_message,
     stored_reply,
     unstorable_json,
 )
-from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span
-from orchestrator.tools import (
+from orchestrator.agent.tools import (
     EffectTool,
     ReadOnlyTool,
     Tool,
@@ -68,6 +64,10 @@ from orchestrator.tools import (
     settled_records,
     turn_committed,
 )
+from orchestrator.effects.model import Effect
+from orchestrator.errors import InvalidInput
+from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES, JSON, Message
+from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span
 
 DEFAULT_SETTLE_GRACE_SECONDS = 2.0
 """How long a turn waits, holding its lease, for the previous turn's effects to settle before

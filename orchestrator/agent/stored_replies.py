@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
+from orchestrator.agent.llm import ToolCall
 from orchestrator.errors import InvalidInput
 from orchestrator.jsontext import compact, utf8_size
-from orchestrator.llm import ToolCall
 from orchestrator.storable import check_json, storable_json, storable_text
 
 MAX_ID_CHARS = 200

@@ -31,21 +31,13 @@ from typing import Any
 
 import anyio
 
-from orchestrator.effects.model import (
-    DEFAULT_APPROVAL_SECONDS,
-    MAX_APPROVAL_SECONDS,
-    EffectPolicy,
-    validate_effect_key,
-)
-from orchestrator.errors import InvalidInput
-from orchestrator.mcp_client import (
+from orchestrator.agent.mcp.client import (
     McpConnection,
     McpServerSpec,
     result_json,
     result_text,
 )
-from orchestrator.models import JSON
-from orchestrator.tools import (
+from orchestrator.agent.tools import (
     _TOOL_NAME,
     DEFAULT_TOOL_TIMEOUT_SECONDS,
     EffectTool,
@@ -55,6 +47,14 @@ from orchestrator.tools import (
     ToolContext,
     default_result,
 )
+from orchestrator.effects.model import (
+    DEFAULT_APPROVAL_SECONDS,
+    MAX_APPROVAL_SECONDS,
+    EffectPolicy,
+    validate_effect_key,
+)
+from orchestrator.errors import InvalidInput
+from orchestrator.models import JSON
 
 LIST_SECONDS = 30.0
 _CONNECTION_KEYS = ("url", "command", "args", "env", "cwd", "token_env", "connect_seconds")

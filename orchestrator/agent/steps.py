@@ -36,11 +36,11 @@ from orchestrator.storable import check_json, needs_full_check
 from orchestrator.telemetry import RunLogger
 
 if TYPE_CHECKING:
-    from orchestrator.budgets import Budget, RunBudget
+    from orchestrator.agent.budgets import Budget, RunBudget
+    from orchestrator.agent.transcript import TranscriptView
     from orchestrator.effects.model import EffectRecord
     from orchestrator.models import Message
     from orchestrator.signals import Signal
-    from orchestrator.transcript import TranscriptView
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
 _STEP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
@@ -289,7 +289,7 @@ class Agent:
         self.first = first
         self.description = description
         self.budget = budget
-        """Each run's limits (see ``orchestrator.budgets``); ``None``: no budget."""
+        """Each run's limits (see ``orchestrator.agent.budgets``); ``None``: no budget."""
         self.steps: dict[str, type[Step]] = {}
         for step in (first, *steps):
             step_name = step.step_name()

@@ -37,6 +37,7 @@ import anyio
 import pydantic
 from pydantic_core import to_jsonable_python
 
+from orchestrator.agent.steps import EffectView, Next, Step, Wait
 from orchestrator.effects.model import (
     DEFAULT_APPROVAL_SECONDS,
     MAX_APPROVAL_SECONDS,
@@ -48,7 +49,6 @@ from orchestrator.effects.model import (
 )
 from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, Message
-from orchestrator.steps import EffectView, Next, Step, Wait
 from orchestrator.telemetry import RunLogger
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -315,7 +315,7 @@ async def settled_records(
 @runtime_checkable
 class ToolSource(Protocol):
     """Tools that are known only once a process asks for them (an MCP server's, see
-    ``orchestrator.mcp_tools``): loaded before a tool loop's first turn in each process."""
+    ``orchestrator.agent.mcp.tools``): loaded before a tool loop's first turn in each process."""
 
     name: str
 
