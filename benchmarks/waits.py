@@ -37,9 +37,9 @@ from orchestrator import Agent, Finish, Outcome, Step, StepContext, Wait
 from orchestrator.client import Client
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
-from orchestrator.signals import SignalStore
 from orchestrator.telemetry import configure_logging
 from orchestrator.testing import running_worker
 from serve_harness import Server, create_database, drop_database, settings_for

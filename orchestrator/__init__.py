@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from orchestrator.agent.tool_loop import ToolAgent
     from orchestrator.agent.tools import ToolContext, tool
     from orchestrator.client import Client, SyncClient
+    from orchestrator.db.signals import Signal
     from orchestrator.db.standby_wait import StandbyNotReached
     from orchestrator.effects.approvals import DecisionRefused
     from orchestrator.effects.model import Effect, EffectPolicy
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
     )
     from orchestrator.models import Message
     from orchestrator.settings import Settings
-    from orchestrator.signals import Signal
 
 _EXPORTS = {
     "Agent": "orchestrator.agent.steps",
@@ -79,7 +79,7 @@ _EXPORTS = {
     "RunNotFound": "orchestrator.errors",
     "SchemaTooNew": "orchestrator.errors",
     "Settings": "orchestrator.settings",
-    "Signal": "orchestrator.signals",
+    "Signal": "orchestrator.db.signals",
     "StandbyNotReached": "orchestrator.db.standby_wait",
     "Step": "orchestrator.agent.steps",
     "StepContext": "orchestrator.agent.steps",

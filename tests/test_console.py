@@ -22,6 +22,7 @@ import pytest
 from playwright.async_api import BrowserContext, Page, ViewportSize, async_playwright, expect
 
 from orchestrator.client import Client
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
@@ -29,7 +30,6 @@ from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.signals import SignalStore
 from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.testing.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from support import ServeProcess, cli

@@ -23,12 +23,12 @@ from orchestrator.db.access import AccessStore, SignInRefused
 from orchestrator.db.connections import create_pool
 from orchestrator.db.grants import RoleNames
 from orchestrator.db.purges import PurgeStore
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.settings import Settings
-from orchestrator.signals import SignalStore
 from support import cli
 from test_db_roles import Logins, awaiting_refund, claimed_run, logins, refused, refusing
 from test_effects_proxy import auth, running_proxy

@@ -28,6 +28,7 @@ from orchestrator.db.executor import Executor
 from orchestrator.db.grants import RoleNames, apply_grants, plan_grants, quote_ident
 from orchestrator.db.migrations import _act_as_schema_owner, migrate
 from orchestrator.db.purges import PurgeStore
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
@@ -37,7 +38,6 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import OrchestratorError
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.signals import SignalStore
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 from support import cli
 from test_console import console as running_console

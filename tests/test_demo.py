@@ -10,8 +10,8 @@ import sys
 import anyio
 import pytest
 
+from orchestrator.cli.demo_story import WORKER_A
 from orchestrator.db.store import RunStore
-from orchestrator.demo import WORKER_A
 
 pytestmark = pytest.mark.slow
 

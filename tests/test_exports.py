@@ -132,4 +132,4 @@ def test_one_database_module_loads_neither_the_run_store_nor_the_worker() -> Non
 
 
 def test_the_action_proxy_does_not_load_the_terminal_renderer() -> None:
-    assert "orchestrator.presentation" not in loaded_by("orchestrator.effects.proxy")
+    assert "orchestrator.cli.presentation" not in loaded_by("orchestrator.effects.proxy")

@@ -18,7 +18,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
-from orchestrator.metrics_endpoint import parse_listen
+from orchestrator.worker.metrics_endpoint import parse_listen
 from support import ServeProcess, started_and_migrated, submit_all
 from test_effects_processes import start_dispatcher, vendors_on_loopback
 from test_effects_proxy import free_port

@@ -17,7 +17,7 @@ STORES = {
     "orchestrator/db/commits.py": "runs, run_events, run_messages, run_traces: fenced writes",
     "orchestrator/db/workers.py": "workers: registration and liveness",
     "orchestrator/db/purges.py": "every table a finished run has rows in: their deletion",
-    "orchestrator/signals.py": "run_signals",
+    "orchestrator/db/signals.py": "run_signals",
     "orchestrator/agent/budgets.py": "run_budgets, budget_ledger",
     "effects/store.py": "effects: the boundary's records and their dispatch",
     "effects/approvals.py": "effects: the approval columns and their decisions",

@@ -11,17 +11,17 @@ import pytest
 
 from orchestrator import Effect
 from orchestrator.db.purges import PurgeStore
-from orchestrator.db.store import RunStore
-from orchestrator.effects.store import EffectStore
-from orchestrator.errors import InvalidInput
-from orchestrator.models import RunState
-from orchestrator.retention import (
+from orchestrator.db.retention import (
     RETENTION_LOCK,
     parse_age,
     parse_retention,
     purge,
     purge_round,
 )
+from orchestrator.db.store import RunStore
+from orchestrator.effects.store import EffectStore
+from orchestrator.errors import InvalidInput
+from orchestrator.models import RunState
 from support import cli
 
 TABLES = (

@@ -22,10 +22,10 @@ from orchestrator import (
     Step,
     StepContext,
 )
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.signals import SignalStore
 from orchestrator.storable import check_json
 from orchestrator.testing import running_worker, wait_for_run
 from test_waits import FAST

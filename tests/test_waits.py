@@ -15,6 +15,7 @@ import pytest
 from orchestrator import Agent, Effect, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.client import Client
 from orchestrator.db.audit import AuditStore
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
@@ -23,7 +24,6 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
 from orchestrator.models import RunState, StoredWait
 from orchestrator.settings import Settings
-from orchestrator.signals import SignalStore
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 from support import fenced_claims, run_to_the_end
 

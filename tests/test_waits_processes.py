@@ -17,10 +17,10 @@ import pytest
 from orchestrator.agent.budgets import BudgetStore
 from orchestrator.db.connections import create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.models import RunState
-from orchestrator.signals import SignalStore
 from orchestrator.testing import wait_for_run
 from orchestrator.testing.loopback import LocalVendor, ScriptedModelServer, Slow
 from support import (

@@ -25,22 +25,22 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from orchestrator.db.signals import validate_signal_name
 from orchestrator.effects.model import Effect, validate_effect_key
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.extras import install_hint, missing_extra
 from orchestrator.ids import validate_agent_name
 from orchestrator.jsontext import compact, utf8_size
 from orchestrator.models import JSON, StoredWait
-from orchestrator.signals import validate_signal_name
 from orchestrator.storable import check_json, needs_full_check
 from orchestrator.telemetry import RunLogger
 
 if TYPE_CHECKING:
     from orchestrator.agent.budgets import Budget, RunBudget
     from orchestrator.agent.transcript import TranscriptView
+    from orchestrator.db.signals import Signal
     from orchestrator.effects.model import EffectRecord
     from orchestrator.models import Message
-    from orchestrator.signals import Signal
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024
 _STEP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")

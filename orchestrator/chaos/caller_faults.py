@@ -8,11 +8,11 @@ import asyncpg
 
 from orchestrator.chaos.context import FaultContext, FaultGroup, FaultRecord, ScheduledFault
 from orchestrator.chaos.statements import CAMPAIGN_ERRORS, STATEMENT_SECONDS
+from orchestrator.db.signals import SignalStore
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidTransition, OrchestratorError
-from orchestrator.signals import SignalStore
 
 CANCEL_ATTEMPTS = 5
 

@@ -45,11 +45,11 @@ from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.settings import Settings
-from orchestrator.signals import SignalStore
 from orchestrator.testing.loopback import FaultProxy, ScriptedModelServer
 from orchestrator.testing.replicated import ReplicatedPostgres
 

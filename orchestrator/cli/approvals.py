@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.cli.consoles import stdout
+from orchestrator.cli.presentation import approvals_table, dump_json, effects_table
 from orchestrator.cli.support import (
     BY_NOTE_HELP,
     async_command,
@@ -16,7 +17,6 @@ from orchestrator.cli.support import (
 )
 from orchestrator.client.stores import open_stores
 from orchestrator.effects.approvals import Decision
-from orchestrator.presentation import approvals_table, dump_json, effects_table
 from orchestrator.settings import Settings
 
 

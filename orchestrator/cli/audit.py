@@ -9,11 +9,11 @@ import click
 from rich.table import Table
 
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.client.stores import open_stores
 from orchestrator.db.audit import MAX_LIST, AuditEntry
 from orchestrator.jsontext import compact
-from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 
 

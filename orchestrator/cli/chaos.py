@@ -14,10 +14,10 @@ from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.campaign import AGENTS
 from orchestrator.chaos.faults import ALL_FAULT_KINDS, FAULT_KINDS, REPLICATED_FAULT_KINDS
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.process_options import defaulted_option
 from orchestrator.cli.support import json_option, run_async
 from orchestrator.errors import OrchestratorError
-from orchestrator.presentation import dump_json
 
 
 @click.command("chaos")

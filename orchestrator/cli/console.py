@@ -21,8 +21,8 @@ from orchestrator.cli.process_options import defaulted_option, log_format_option
 from orchestrator.cli.support import async_command
 from orchestrator.console.auth import TOKEN_ENV, read_token
 from orchestrator.errors import InvalidInput
-from orchestrator.metrics_endpoint import parse_listen
 from orchestrator.settings import Settings
+from orchestrator.worker.metrics_endpoint import parse_listen
 
 if TYPE_CHECKING:
     from orchestrator.console.oidc import OidcConfig

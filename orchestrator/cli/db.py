@@ -8,6 +8,7 @@ from collections.abc import Callable
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import F, async_command, json_option
 from orchestrator.db.connections import connect, redact_dsn, resolve_dsn
 from orchestrator.db.embedded import EmbeddedPostgres
@@ -19,7 +20,6 @@ from orchestrator.db.migrations import (
     migrate,
 )
 from orchestrator.errors import InvalidInput
-from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 
 

@@ -17,7 +17,7 @@ from orchestrator.db.embedded import EmbeddedPostgres
 @click.pass_context
 def demo(ctx: click.Context, lease_seconds: float, runs: int) -> None:
     """Two workers, a paused one, real vendors: each effect still happens exactly once."""
-    from orchestrator.demo import run_demo
+    from orchestrator.cli.demo_story import run_demo
 
     settings = settings_of(ctx)
     # Leave nothing running: stop the embedded server afterwards if the demo started it.

@@ -7,6 +7,7 @@ import click
 
 from orchestrator.cli.consoles import stdout
 from orchestrator.cli.effects_processes import effects_dispatch, effects_serve
+from orchestrator.cli.presentation import dump_json, effects_table
 from orchestrator.cli.support import (
     BY_NOTE_HELP,
     async_command,
@@ -17,7 +18,6 @@ from orchestrator.cli.support import (
 )
 from orchestrator.client.stores import open_stores
 from orchestrator.effects.model import EffectStatus
-from orchestrator.presentation import dump_json, effects_table
 from orchestrator.settings import Settings
 
 

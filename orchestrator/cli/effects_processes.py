@@ -24,11 +24,11 @@ from orchestrator.db.access import AccessStore
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.deadlines import enter_when_reachable
 from orchestrator.db.outages import watch
+from orchestrator.db.retention import parse_age
 from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.errors import InvalidInput
-from orchestrator.metrics_endpoint import sample_gauges, serving_metrics
-from orchestrator.retention import parse_age
+from orchestrator.worker.metrics_endpoint import sample_gauges, serving_metrics
 
 
 @click.command("serve")

@@ -8,9 +8,9 @@ import click
 from rich.table import Table
 
 from orchestrator.cli.consoles import stdout
+from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import async_command, json_option
 from orchestrator.errors import InvalidInput
-from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 
 

@@ -7,10 +7,10 @@ import time
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import async_command, json_option
 from orchestrator.client.stores import open_stores
-from orchestrator.presentation import dump_json
-from orchestrator.retention import (
+from orchestrator.db.retention import (
     PURGE_BATCH,
     PURGE_PAUSE_RATIO,
     Purged,

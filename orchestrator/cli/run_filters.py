@@ -12,13 +12,13 @@ from typing import Any
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import parse_time
 from orchestrator.db.deadlines import DATABASE_ERRORS
+from orchestrator.db.retention import AGE_PATTERN, parse_age
 from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.models import Run, RunState
-from orchestrator.presentation import dump_json
-from orchestrator.retention import AGE_PATTERN, parse_age
 
 
 def filter_options(command: Callable[..., None]) -> Callable[..., None]:

@@ -10,9 +10,9 @@ import anyio
 import click
 
 from orchestrator.cli.consoles import stdout
+from orchestrator.cli.presentation import event_line, jsonable
 from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import OrchestratorError
-from orchestrator.presentation import event_line, jsonable
 
 WATCH_PAGE = 1000
 WATCH_LOOKBACK_SECONDS = 30.0

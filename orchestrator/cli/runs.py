@@ -8,6 +8,16 @@ import dataclasses
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import (
+    budget_table,
+    conversation_table,
+    dump_json,
+    event_line,
+    jsonable,
+    print_run,
+    runs_table,
+    signals_table,
+)
 from orchestrator.cli.purge import runs_purge
 from orchestrator.cli.run_filters import (
     RunSelection,
@@ -23,16 +33,6 @@ from orchestrator.client.detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_deta
 from orchestrator.client.stores import open_stores
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Run, RunState
-from orchestrator.presentation import (
-    budget_table,
-    conversation_table,
-    dump_json,
-    event_line,
-    jsonable,
-    print_run,
-    runs_table,
-    signals_table,
-)
 from orchestrator.settings import Settings
 
 

@@ -20,9 +20,9 @@ from orchestrator.cli.process_options import (
     standby_policy,
 )
 from orchestrator.cli.support import run_async, settings_of
+from orchestrator.db.retention import DEFAULT_RETENTION, parse_retention
 from orchestrator.errors import InvalidInput
-from orchestrator.metrics_endpoint import MetricsEndpoint
-from orchestrator.retention import DEFAULT_RETENTION, parse_retention
+from orchestrator.worker.metrics_endpoint import MetricsEndpoint
 
 if TYPE_CHECKING:
     from orchestrator.worker.worker import Worker

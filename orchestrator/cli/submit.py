@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import (
     async_command,
     json_option,
@@ -14,7 +15,6 @@ from orchestrator.cli.support import (
 )
 from orchestrator.client import start_time
 from orchestrator.client.stores import open_stores
-from orchestrator.presentation import dump_json
 from orchestrator.settings import Settings
 
 

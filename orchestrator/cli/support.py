@@ -57,7 +57,7 @@ def print_found(
     """A listing: a JSON array (empty too) with ``--json``, else a table, else ``nothing`` on
     stderr, so that a script reading stdout never reads a sentence as data. ``document``: each
     item's JSON, where it is not the item's own fields."""
-    from orchestrator.presentation import dump_json
+    from orchestrator.cli.presentation import dump_json
 
     if as_json:
         stdout.print_json(dump_json(found if document is None else [document(x) for x in found]))
@@ -69,7 +69,7 @@ def print_found(
 
 def print_done(document: Any, as_json: bool, line: str) -> None:
     """What a command changed: its record as JSON with ``--json``, else one line."""
-    from orchestrator.presentation import dump_json
+    from orchestrator.cli.presentation import dump_json
 
     if as_json:
         stdout.print_json(dump_json(document))

@@ -12,12 +12,12 @@ from rich.table import Table
 
 from orchestrator.access import PrincipalKind, Role, TokenScope
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import async_command, json_option, print_done, print_found
 from orchestrator.client.stores import open_stores
 from orchestrator.db.access import PrincipalEntry, TokenEntry
+from orchestrator.db.retention import parse_age
 from orchestrator.errors import InvalidInput
-from orchestrator.presentation import dump_json
-from orchestrator.retention import parse_age
 from orchestrator.settings import Settings
 
 DEFAULT_TOKEN_LIFETIME = "90d"

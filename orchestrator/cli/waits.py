@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
+from orchestrator.cli.presentation import budget_table, dump_json, ledger_table
 from orchestrator.cli.support import (
     async_command,
     json_option,
@@ -13,7 +14,6 @@ from orchestrator.cli.support import (
 )
 from orchestrator.client.stores import open_stores
 from orchestrator.errors import InvalidTransition
-from orchestrator.presentation import budget_table, dump_json, ledger_table
 from orchestrator.settings import Settings
 
 

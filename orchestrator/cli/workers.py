@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
+from orchestrator.cli.presentation import workers_table
 from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.client.stores import open_stores
-from orchestrator.presentation import workers_table
 from orchestrator.settings import Settings
 
 

@@ -11,10 +11,10 @@ from datetime import datetime
 from orchestrator.agent.budgets import BudgetState
 from orchestrator.client.attempts import Attempt, recent_attempts
 from orchestrator.client.stores import Stores
+from orchestrator.db.signals import Signal
 from orchestrator.effects.model import EffectRecord
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Message, Run, RunEvent
-from orchestrator.signals import Signal
 
 DEFAULT_EVENTS = 100
 """Timeline events shown unless asked for more (the newest)."""

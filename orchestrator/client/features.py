@@ -12,13 +12,13 @@ from orchestrator.agent.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.client.stores import Stores
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.purges import Purged
+from orchestrator.db.retention import MAX_AGE, PURGE_BATCH, purge
+from orchestrator.db.signals import Signal
 from orchestrator.db.standby_wait import acknowledgement_seconds
 from orchestrator.effects.approvals import Decision
 from orchestrator.effects.model import EffectRecord, EffectStatus
 from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, WorkerInfo
-from orchestrator.retention import MAX_AGE, PURGE_BATCH, purge
-from orchestrator.signals import Signal
 
 T = TypeVar("T")
 

@@ -14,6 +14,7 @@ from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.bootstrap import PoolOptions, open_pool
 from orchestrator.db.purges import PurgeStore
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS
 from orchestrator.db.standby_wait import wait_for_standby as wait_for_standby_at
 from orchestrator.db.store import RunStore
@@ -21,7 +22,6 @@ from orchestrator.db.workers import WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.store import EffectStore
 from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA, Settings, StandbyPolicy
-from orchestrator.signals import SignalStore
 
 
 class Stores:

@@ -14,13 +14,13 @@ from structlog.typing import FilteringBoundLogger
 
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.outages import DatabaseOutage
+from orchestrator.db.retention import PURGE_INTERVAL_SECONDS, purge_round
 from orchestrator.db.store import WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore
-from orchestrator.metrics_endpoint import sample_gauges
-from orchestrator.retention import PURGE_INTERVAL_SECONDS, purge_round
 from orchestrator.telemetry import RUN_FENCE, RUN_ID
 from orchestrator.worker.active_runs import ActiveRuns
 from orchestrator.worker.config import WorkerConfig
+from orchestrator.worker.metrics_endpoint import sample_gauges
 from orchestrator.worker.running import Running
 
 APPROVAL_EXPIRY_SECONDS = 1.0

@@ -40,7 +40,7 @@ class WorkerConfig:
     """Sampled from the database every ``QueueGauges.SAMPLE_SECONDS`` when set (``serve
     --metrics-listen``)."""
     retention: timedelta | None = None
-    """Finished runs older than this are deleted in the background (``orchestrator.retention``);
+    """Finished runs older than this are deleted in the background (``orchestrator.db.retention``);
     ``None`` keeps them."""
 
     def validate(self) -> None:

@@ -30,10 +30,10 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 from orchestrator.agent import steps
 from orchestrator.agent.budgets import Prices, RunBudget
 from orchestrator.agent.transcript import Transcript
+from orchestrator.db.signals import Signal
 from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.errors import PermanentFailure
 from orchestrator.models import JSON, ClaimedRun, CommitResult, Message
-from orchestrator.signals import Signal
 from orchestrator.telemetry import (
     CHECKPOINT_VERSION,
     DISPOSITION,

@@ -30,11 +30,11 @@ from opentelemetry.context import Context
 
 from orchestrator.agent.budgets import BudgetStore, Spend
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
+from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
 from orchestrator.effects.model import AcceptOutcome
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import CommitResult, Lease
-from orchestrator.signals import SignalStore
 from orchestrator.telemetry import (
     RUN_FENCE,
     RUN_ID,

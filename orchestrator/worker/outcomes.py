@@ -10,10 +10,10 @@ from typing import NamedTuple
 
 from orchestrator.agent.budgets import RunBudget, Spend
 from orchestrator.agent.steps import Fail, Finish, Next, Outcome, Wait, encode_json, validate_json
+from orchestrator.db.signals import Signal
 from orchestrator.db.store import Park, RunFinish, StepCommit
 from orchestrator.effects.model import Effect
 from orchestrator.models import JSON, ROLES, Lease, Message, RunState
-from orchestrator.signals import Signal
 
 
 class Extras(NamedTuple):

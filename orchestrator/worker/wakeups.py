@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 from orchestrator.agent.steps import AgentRegistry, EffectView, WaitState
 from orchestrator.db.deadlines import pooled
+from orchestrator.db.signals import Signal, SignalStore
 from orchestrator.db.store import Park, RunStore, StepCommit
 from orchestrator.effects.store import EffectNotFound
 from orchestrator.models import JSON, ClaimedRun, StoredWait
-from orchestrator.signals import Signal, SignalStore
 
 
 def claimed_signals(claimed: ClaimedRun) -> tuple[Signal, ...]:

@@ -41,7 +41,6 @@ from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.waiting import EffectWaiters
-from orchestrator.metrics_endpoint import Probe
 from orchestrator.settings import Settings
 from orchestrator.telemetry import WORKER_ID, Metrics
 from orchestrator.worker.active_runs import ActiveRuns
@@ -53,6 +52,7 @@ from orchestrator.worker.group_commit import GroupCommitter
 from orchestrator.worker.heartbeat import LeaseKeeper
 from orchestrator.worker.listening import worker_listener
 from orchestrator.worker.liveness import Liveness
+from orchestrator.worker.metrics_endpoint import Probe
 from orchestrator.worker.running import Running
 
 __all__ = ["Worker", "WorkerConfig", "default_worker_id"]

@@ -14,11 +14,11 @@ from orchestrator.agent.budgets import BudgetState, LedgerEntry
 from orchestrator.agent.tool_loop import recorded_effect_keys
 from orchestrator.client.attempts import Attempt
 from orchestrator.client.detail import RunDetail
+from orchestrator.db.signals import Signal
 from orchestrator.effects.model import EffectRecord
 from orchestrator.fences import describe_fence
 from orchestrator.jsontext import jsonable as jsonable  # the CLI's modules import it from here
 from orchestrator.models import Message, Run, RunEvent, RunState, StoredWait
-from orchestrator.signals import Signal
 
 
 def dump_json(value: Any) -> str:
