@@ -17,7 +17,7 @@ from __future__ import annotations
 import anyio
 
 from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext
-from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus
+from orchestrator.effect_model import Effect, EffectPolicy, EffectStatus
 
 
 class Prepare(Step):

@@ -118,8 +118,8 @@ from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepCon
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import Effect
 from orchestrator.effects.dispatcher import Dispatcher
-from orchestrator.effects.model import Effect
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.models import RunEvent, RunState
 from orchestrator.settings import Settings

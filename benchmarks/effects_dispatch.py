@@ -128,7 +128,7 @@ async def open_pool(dsn: str, name: str, size: int, *, dispatcher: bool = False)
 
 async def setup(dsn: str, prefix: str, agent: str, count: int) -> None:
     from orchestrator.db.store import RunStore
-    from orchestrator.effects.model import Effect
+    from orchestrator.effect_model import Effect
     from orchestrator.effects.store import EffectStore
 
     try:

@@ -42,9 +42,9 @@ from orchestrator.agents.noop import noop
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import Effect
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.dispatcher import Dispatcher
-from orchestrator.effects.model import Effect
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.settings import Settings, StandbyPolicy, StandbyWait

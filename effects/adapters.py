@@ -20,10 +20,9 @@ from typing import Any, Protocol
 import aiohttp
 import anyio
 
+from orchestrator.effect_model import EffectRecord
 from orchestrator.jsontext import compact, parse
 from orchestrator.models import JSON
-
-from .model import EffectRecord
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,12 @@ from orchestrator.access import Actor
 from orchestrator.db.audit import decide
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
+from orchestrator.effect_model import EffectRecord, validate_effect_key
+from orchestrator.effects.store import EffectNotFound
 from orchestrator.errors import InvalidInput, InvalidTransition
 from orchestrator.ids import validate_run_id
 from orchestrator.models import Row
 from orchestrator.storable import check_text
-
-from .model import EffectRecord, validate_effect_key
-from .store import EffectNotFound
 
 MAX_LIST = 10_000
 _HASH_LENGTH = 64

@@ -31,6 +31,21 @@ from orchestrator.db.notifications import DUE_CHANNEL, Listener
 from orchestrator.db.outages import DatabaseOutage
 from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.sync_standby import SyncStandbyRequirement
+from orchestrator.effect_model import EffectRecord, EffectStatus
+from orchestrator.effects.adapters import (
+    Adapter,
+    Confirmed,
+    Failed,
+    NotSent,
+    Park,
+    ReconcileOutcome,
+    Retry,
+    SendOutcome,
+    Uncertain,
+    answers_within,
+)
+from orchestrator.effects.settling import GroupSettler
+from orchestrator.effects.store import ClaimedEffect, EffectStore, SettleRequest
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.settings import StandbyPolicy
 from orchestrator.telemetry import (
@@ -45,22 +60,6 @@ from orchestrator.telemetry import (
     start_span,
     tracing_enabled,
 )
-
-from .adapters import (
-    Adapter,
-    Confirmed,
-    Failed,
-    NotSent,
-    Park,
-    ReconcileOutcome,
-    Retry,
-    SendOutcome,
-    Uncertain,
-    answers_within,
-)
-from .model import EffectRecord, EffectStatus
-from .settling import GroupSettler
-from .store import ClaimedEffect, EffectStore, SettleRequest
 
 log = structlog.get_logger("orchestrator.effects")
 

@@ -34,9 +34,8 @@ from orchestrator.agent.mcp.client import (
     result_json,
     result_text,
 )
-from orchestrator.errors import InvalidInput
-
-from .adapters import (
+from orchestrator.effect_model import EffectRecord
+from orchestrator.effects.adapters import (
     Confirmed,
     Failed,
     NotSent,
@@ -46,7 +45,7 @@ from .adapters import (
     SendOutcome,
     Uncertain,
 )
-from .model import EffectRecord
+from orchestrator.errors import InvalidInput
 
 _REFUSED_UNSENT = frozenset((-32700, -32600, -32601, -32602))
 """JSON-RPC errors that say the call was never run: parse error, invalid request, method not

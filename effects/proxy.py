@@ -83,8 +83,7 @@ from orchestrator.db.access import AccessStore, Authenticated, looks_like_token,
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.executor import Executor
 from orchestrator.db.run_reads import RunReads
-from orchestrator.effects.fence_store import FenceStore, FenceStoreUnavailable, Remembered
-from orchestrator.effects.model import (
+from orchestrator.effect_model import (
     DEFAULT_APPROVAL_SECONDS,
     Acceptance,
     AcceptOutcome,
@@ -92,6 +91,7 @@ from orchestrator.effects.model import (
     EffectPolicy,
     EffectRecord,
 )
+from orchestrator.effects.fence_store import FenceStore, FenceStoreUnavailable, Remembered
 from orchestrator.effects.store import EffectNotFound, EffectStore
 from orchestrator.errors import InvalidInput, error_fields
 from orchestrator.ids import RUN_ID_PATTERN

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
-
-from .store import EffectStore, SettleRequest
+from orchestrator.effects.store import EffectStore, SettleRequest
 
 MAX_BATCH = 200
 

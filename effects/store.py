@@ -12,13 +12,7 @@ from orchestrator.access import Actor
 from orchestrator.db.audit import decide
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
-from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
-from orchestrator.ids import validate_run_id
-from orchestrator.jsontext import compact
-from orchestrator.models import JSON
-from orchestrator.storable import check_text
-
-from .model import (
+from orchestrator.effect_model import (
     Acceptance,
     AcceptOutcome,
     Effect,
@@ -27,6 +21,11 @@ from .model import (
     idempotency_key,
     validate_effect_key,
 )
+from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
+from orchestrator.ids import validate_run_id
+from orchestrator.jsontext import compact
+from orchestrator.models import JSON
+from orchestrator.storable import check_text
 
 
 class EffectNotFound(OrchestratorError):

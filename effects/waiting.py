@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import anyio
 
-from .model import EffectRecord, EffectStatus
-from .store import EffectStore
+from orchestrator.effect_model import EffectRecord, EffectStatus
+from orchestrator.effects.store import EffectStore
 
 
 class EffectWaiters:

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from orchestrator.client import Client, SyncClient
     from orchestrator.db.signals import Signal
     from orchestrator.db.standby_wait import StandbyNotReached
+    from orchestrator.effect_model import Effect, EffectPolicy
     from orchestrator.effects.approvals import DecisionRefused
-    from orchestrator.effects.model import Effect, EffectPolicy
     from orchestrator.errors import (
         DatabaseError,
         DatabaseUnavailable,
@@ -61,8 +61,8 @@ _EXPORTS = {
     "DatabaseError": "orchestrator.errors",
     "DatabaseUnavailable": "orchestrator.errors",
     "DecisionRefused": "orchestrator.effects.approvals",
-    "Effect": "orchestrator.effects.model",
-    "EffectPolicy": "orchestrator.effects.model",
+    "Effect": "orchestrator.effect_model",
+    "EffectPolicy": "orchestrator.effect_model",
     "Fail": "orchestrator.agent.steps",
     "Finish": "orchestrator.agent.steps",
     "IdempotencyConflict": "orchestrator.errors",

@@ -25,8 +25,9 @@ from orchestrator import (
     Step,
     StepContext,
 )
-from orchestrator.agent.budgets import BudgetStore, Prices
+from orchestrator.agent.budgets import Prices
 from orchestrator.agent.tool_loop import ToolAgent
+from orchestrator.db.budgets import BudgetStore
 from orchestrator.db.store import RunStore
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision

@@ -158,7 +158,7 @@ def test_every_list_command_has_json() -> None:
 async def test_effects_list_show_and_resolve(
     database_url: str, store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    from orchestrator.effects.model import Effect
+    from orchestrator.effect_model import Effect
     from orchestrator.effects.store import EffectStore
 
     await store.submit("agent", {})

@@ -18,7 +18,7 @@ from orchestrator.access import PrincipalKind, Role
 from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import EffectStatus
+from orchestrator.effect_model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from support import cli
 from test_console import awaiting_approval, browser, console  # noqa: F401

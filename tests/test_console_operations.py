@@ -14,10 +14,11 @@ import httpx
 import pytest
 from playwright.async_api import BrowserContext, Dialog, expect
 
-from orchestrator.agent.budgets import Budget, BudgetStore
+from orchestrator.agent.budgets import Budget
 from orchestrator.db.audit import AuditStore
+from orchestrator.db.budgets import BudgetStore
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import EffectStatus
+from orchestrator.effect_model import EffectStatus
 from orchestrator.models import RunState
 from test_console import awaiting_approval, browser, console
 from test_console_accounts import PAYLOAD, bearer, parked, people, status_of

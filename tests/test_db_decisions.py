@@ -18,8 +18,9 @@ import asyncpg
 import pytest
 
 from orchestrator.access import Actor, Permission, PrincipalKind, Role, Via, allows
-from orchestrator.agent.budgets import Budget, BudgetStore, Spend
+from orchestrator.agent.budgets import Budget
 from orchestrator.db.access import AccessStore, SignInRefused
+from orchestrator.db.budgets import BudgetStore, Spend
 from orchestrator.db.connections import create_pool
 from orchestrator.db.grants import RoleNames
 from orchestrator.db.purges import PurgeStore

@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from orchestrator.access import Actor, PrincipalKind, Role, TokenScope, Via
-from orchestrator.agent.budgets import Budget, BudgetStore, Spend
+from orchestrator.agent.budgets import Budget
 from orchestrator.db.access import AccessStore
+from orchestrator.db.budgets import BudgetStore, Spend
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.executor import Executor
 from orchestrator.db.grants import RoleNames, apply_grants, plan_grants, quote_ident
@@ -30,10 +31,10 @@ from orchestrator.db.migrations import _act_as_schema_owner, migrate
 from orchestrator.db.purges import PurgeStore
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import AcceptOutcome, Effect, EffectStatus
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.dispatcher import Dispatcher
-from orchestrator.effects.model import AcceptOutcome, Effect, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import OrchestratorError
 from orchestrator.models import RunState

@@ -12,8 +12,8 @@ import pytest
 
 from orchestrator.db.queries import query
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import Effect, EffectStatus
 from orchestrator.effects.dispatcher import Dispatcher
-from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.effects.settling import GroupSettler
 from orchestrator.effects.store import EffectStore, SettleRequest
 from orchestrator.models import RunState

@@ -13,7 +13,7 @@ from orchestrator.backoff import Backoff
 from orchestrator.db.connections import connect
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import Effect, EffectPolicy, EffectStatus, idempotency_key
+from orchestrator.effect_model import Effect, EffectPolicy, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import ClaimedRun
 from orchestrator.settings import Settings

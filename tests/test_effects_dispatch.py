@@ -12,9 +12,9 @@ import pytest
 from orchestrator.agent.tools import default_result
 from orchestrator.backoff import Backoff
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import Effect, EffectRecord, EffectStatus
 from orchestrator.effects.adapters import Adapter, HttpAdapter, SmtpAdapter, answers_within
 from orchestrator.effects.dispatcher import Dispatcher
-from orchestrator.effects.model import Effect, EffectRecord, EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.testing import LocalVendor, SmtpSink
 

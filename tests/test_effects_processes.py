@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
+from orchestrator.effect_model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import ClaimedRun, RunState
 from orchestrator.telemetry import RUN_ID

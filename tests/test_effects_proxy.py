@@ -19,7 +19,7 @@ import pytest
 
 from orchestrator.backoff import Backoff
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import AcceptOutcome
+from orchestrator.effect_model import AcceptOutcome
 
 pytestmark = pytest.mark.slow
 

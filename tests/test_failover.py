@@ -31,10 +31,10 @@ from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, S
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import Effect, EffectStatus
 from orchestrator.effects.adapters import Adapter
 from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.fence_store import FenceStore
-from orchestrator.effects.model import Effect, EffectStatus
 from orchestrator.effects.proxy import create_app
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config

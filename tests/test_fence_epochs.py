@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.db.grants import quote_ident
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import Effect
+from orchestrator.effect_model import Effect
 from orchestrator.effects.store import EffectStore
 from orchestrator.fences import EPOCH_BITS, describe_fence, epoch_of
 

@@ -92,6 +92,25 @@ def test_no_module_imports_itself_through_others() -> None:
     assert found is None, f"an import circle: {found}"
 
 
+def test_no_package_imports_itself_through_others() -> None:
+    found = circle(package_graph(modules()))
+    assert found is None, f"an import circle between packages: {found}"
+
+
+def test_the_ground_floor_leans_on_no_room() -> None:
+    """The root's modules (values and rules without I/O) import no package of the project: every
+    room may use them, so that none of them can be pulled into a circle."""
+    graph = package_graph(modules())
+
+    assert graph["orchestrator"] == set()
+
+
+def test_the_root_holds_the_ground_floor_alone() -> None:
+    root = sorted(path.name for path in (ROOT / "orchestrator").glob("*.py"))
+
+    assert len(root) <= 12, f"the root has {len(root)} modules: {root}; give the new one a room"
+
+
 def test_a_circle_through_a_relative_import_in_a_function_is_seen(tmp_path: Path) -> None:
     """The circle the old version of this test missed: ``effects/adapters.py`` imported
     ``.mcp`` inside a function while ``effects/mcp.py`` imported ``.adapters`` at the top."""

@@ -26,8 +26,8 @@ from opentelemetry import trace
 from orchestrator.agent.steps import Agent, Next, Outcome, Step, StepContext
 from orchestrator.agents.contract_notice import Confirm
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import Effect, EffectPolicy
 from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
-from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run

@@ -21,8 +21,8 @@ from mcp_servers_for_tests import (
 )
 from orchestrator.agent.mcp.client import McpConnection, McpServerSpec
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.dispatcher import Dispatcher
-from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
 from test_effects_dispatch import dispatch_until, requested

@@ -24,7 +24,7 @@ from mcp_servers_for_tests import (
 )
 from orchestrator.agent.tool_loop import effect_keys
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import Effect, EffectStatus, idempotency_key
+from orchestrator.effect_model import Effect, EffectStatus, idempotency_key
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.testing import wait_for_run

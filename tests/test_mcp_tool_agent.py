@@ -28,7 +28,7 @@ from orchestrator.agent.mcp.tools import McpEffectTool, McpToolSource, load_clas
 from orchestrator.agent.tool_loop import ToolAgent, effect_keys
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import EffectStatus
+from orchestrator.effect_model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import InvalidInput

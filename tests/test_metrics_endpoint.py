@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.store import RunStore
-from orchestrator.effects.model import Effect
+from orchestrator.effect_model import Effect
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.worker.metrics_endpoint import parse_listen

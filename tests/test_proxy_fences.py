@@ -23,6 +23,7 @@ import pytest
 from orchestrator.db.connections import create_pool
 from orchestrator.db.executor import Executor
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import AcceptOutcome, Effect
 from orchestrator.effects.fence_store import (
     DEFAULT_RETENTION,
     PRUNE_BATCHES_PER_ROUND,
@@ -31,7 +32,6 @@ from orchestrator.effects.fence_store import (
     FenceStoreUnavailable,
     Remembered,
 )
-from orchestrator.effects.model import AcceptOutcome, Effect
 from orchestrator.effects.proxy import create_app
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput

@@ -15,14 +15,14 @@ import asyncpg
 import pytest
 from pydantic_ai import Agent as PydanticAgent
 
-from orchestrator.agent.budgets import BudgetStore
 from orchestrator.agent.steps import Agent
 from orchestrator.agent.tool_loop import effect_keys
 from orchestrator.console.views import message_views
+from orchestrator.db.budgets import BudgetStore
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import EffectStatus
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
-from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect

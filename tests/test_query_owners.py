@@ -1,5 +1,7 @@
-"""Each table has one owner: only the store modules below issue named statements (``query(...)``
-from ``orchestrator.db.queries``), so a statement's caller never needs to know its SQL."""
+"""Only ``db/`` and ``effects/`` issue SQL, and each table has one owner there: only the store
+modules below issue named statements (``query(...)`` from ``orchestrator.db.queries``), so a
+statement's caller never needs to know its SQL. (The chaos checker reads tables with its own SQL on
+purpose: it must not trust the stores it checks.)"""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ STORES = {
     "orchestrator/db/workers.py": "workers: registration and liveness",
     "orchestrator/db/purges.py": "every table a finished run has rows in: their deletion",
     "orchestrator/db/signals.py": "run_signals",
-    "orchestrator/agent/budgets.py": "run_budgets, budget_ledger",
+    "orchestrator/db/budgets.py": "run_budgets, budget_ledger",
     "effects/store.py": "effects: the boundary's records and their dispatch",
     "effects/approvals.py": "effects: the approval columns and their decisions",
     "orchestrator/db/access.py": "principals, access_tokens",
@@ -63,6 +65,10 @@ def test_only_the_stores_issue_named_statements() -> None:
         "named statements issued outside the stores (move each into the store that owns its "
         f"table, and call its method): {', '.join(offenders)}"
     )
+
+
+def test_every_store_lives_in_db_or_effects() -> None:
+    assert [m for m in STORES if not m.startswith(("orchestrator/db/", "effects/"))] == []
 
 
 def test_every_declared_store_exists_and_issues_statements() -> None:

@@ -20,8 +20,8 @@ import pytest
 from orchestrator import Client, StandbyNotReached
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.standby_wait import StandbyPositions
+from orchestrator.effect_model import EffectStatus
 from orchestrator.effects.adapters import Adapter
-from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.errors import InvalidInput, RunNotFound

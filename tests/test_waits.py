@@ -17,9 +17,9 @@ from orchestrator.client import Client
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import EffectStatus
 from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
-from orchestrator.effects.model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
 from orchestrator.models import RunState, StoredWait
@@ -364,7 +364,7 @@ async def test_a_newer_fence_replacing_the_payload_never_consumes_the_old_approv
 ) -> None:
     """A replaceable effect approved for one payload and replaced (a replayed step asked
     for another) needs a new approval: the first one is not carried over."""
-    from orchestrator.effects.model import EffectPolicy
+    from orchestrator.effect_model import EffectPolicy
 
     effects = EffectStore(pool)
     run_id = (await store.submit("agent", {})).run.run_id
@@ -479,7 +479,8 @@ async def park(store: RunStore, claimed: Any, wait: dict[str, Any]) -> None:
 async def test_a_top_up_between_the_refused_reservation_and_the_park_wakes_the_run(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    from orchestrator.agent.budgets import Budget, BudgetExhausted, BudgetStore, Prices, RunBudget
+    from orchestrator.agent.budgets import Budget, BudgetExhausted, Prices, RunBudget
+    from orchestrator.db.budgets import BudgetStore
 
     run_id = (await store.submit("budgeted", {})).run.run_id
     claimed = (await store.claim("W", ["budgeted"], lease_seconds=30)).claimed[0]
@@ -513,7 +514,8 @@ async def test_a_top_up_and_a_step_commit_settling_the_budget_do_not_deadlock(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
     """The commit locks the run, then its budget; the top-up must take them in that order too."""
-    from orchestrator.agent.budgets import Budget, BudgetStore, Prices, RunBudget, Spend
+    from orchestrator.agent.budgets import Budget, Prices, RunBudget
+    from orchestrator.db.budgets import BudgetStore, Spend
 
     run_id = (await store.submit("budgeted", {})).run.run_id
     claimed = (await store.claim("W", ["budgeted"], lease_seconds=30)).claimed[0]
@@ -540,7 +542,7 @@ async def test_a_denial_and_a_cancel_racing_do_not_deadlock(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
     """Cancel locks the run, then its effects; a decision must take them in that order too."""
-    from orchestrator.effects.model import Effect
+    from orchestrator.effect_model import Effect
 
     run_id = (await store.submit("refunds", {})).run.run_id
     claimed = (await store.claim("W", ["refunds"], lease_seconds=30)).claimed[0]

@@ -14,7 +14,7 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.agent.budgets import BudgetStore
+from orchestrator.db.budgets import BudgetStore
 from orchestrator.db.connections import create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.signals import SignalStore

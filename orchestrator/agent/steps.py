@@ -26,11 +26,11 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from orchestrator.db.signals import validate_signal_name
-from orchestrator.effects.model import Effect, validate_effect_key
+from orchestrator.effect_model import Effect, validate_effect_key
 from orchestrator.errors import InvalidInput, OrchestratorError
-from orchestrator.extras import install_hint, missing_extra
 from orchestrator.ids import validate_agent_name
 from orchestrator.jsontext import compact, utf8_size
+from orchestrator.lazy import install_hint, missing_extra
 from orchestrator.models import JSON, StoredWait
 from orchestrator.storable import check_json, needs_full_check
 from orchestrator.telemetry import RunLogger
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from orchestrator.agent.budgets import Budget, RunBudget
     from orchestrator.agent.transcript import TranscriptView
     from orchestrator.db.signals import Signal
-    from orchestrator.effects.model import EffectRecord
+    from orchestrator.effect_model import EffectRecord
     from orchestrator.models import Message
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1024 * 1024

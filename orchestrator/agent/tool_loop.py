@@ -64,7 +64,7 @@ from orchestrator.agent.tools import (
     settled_records,
     turn_committed,
 )
-from orchestrator.effects.model import Effect
+from orchestrator.effect_model import Effect
 from orchestrator.errors import InvalidInput
 from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES, JSON, Message
 from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span

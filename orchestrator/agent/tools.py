@@ -38,7 +38,7 @@ import pydantic
 from pydantic_core import to_jsonable_python
 
 from orchestrator.agent.steps import EffectView, Next, Step, Wait
-from orchestrator.effects.model import (
+from orchestrator.effect_model import (
     DEFAULT_APPROVAL_SECONDS,
     MAX_APPROVAL_SECONDS,
     Effect,

@@ -9,8 +9,8 @@ import asyncpg
 from orchestrator.chaos.context import FaultContext, FaultGroup, FaultRecord, ScheduledFault
 from orchestrator.chaos.statements import CAMPAIGN_ERRORS, STATEMENT_SECONDS
 from orchestrator.db.signals import SignalStore
+from orchestrator.effect_model import Effect, EffectPolicy
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
-from orchestrator.effects.model import Effect, EffectPolicy
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidTransition, OrchestratorError
 

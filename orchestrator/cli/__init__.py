@@ -14,7 +14,7 @@ import click
 from orchestrator.cli.consoles import print_error
 from orchestrator.cli.group import LazyCommands
 from orchestrator.errors import OrchestratorError
-from orchestrator.extras import DISTRIBUTION
+from orchestrator.lazy import DISTRIBUTION
 from orchestrator.settings import Settings
 
 COMMANDS = {

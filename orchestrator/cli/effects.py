@@ -17,7 +17,7 @@ from orchestrator.cli.support import (
     print_found,
 )
 from orchestrator.client.stores import open_stores
-from orchestrator.effects.model import EffectStatus
+from orchestrator.effect_model import EffectStatus
 from orchestrator.settings import Settings
 
 

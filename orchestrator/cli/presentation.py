@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.agent.budgets import BudgetState, LedgerEntry
 from orchestrator.agent.tool_loop import recorded_effect_keys
 from orchestrator.client.attempts import Attempt
-from orchestrator.client.detail import RunDetail
+from orchestrator.client.detail import (
+    ATTEMPT_COLUMNS,
+    RunDetail,
+    attempt_cells,
+    conversation_turns,
+    due_text,
+    relative_text,
+    time_text,
+    utc,
+)
+from orchestrator.db.budgets import BudgetState, LedgerEntry
 from orchestrator.db.signals import Signal
-from orchestrator.effects.model import EffectRecord
+from orchestrator.effect_model import EffectRecord
 from orchestrator.fences import describe_fence
 from orchestrator.jsontext import jsonable as jsonable  # the CLI's modules import it from here
 from orchestrator.models import Message, Run, RunEvent, RunState, StoredWait
@@ -23,27 +32,6 @@ from orchestrator.models import Message, Run, RunEvent, RunState, StoredWait
 
 def dump_json(value: Any) -> str:
     return json.dumps(jsonable(value), indent=2, sort_keys=False)
-
-
-def _utc(value: datetime) -> datetime:
-    """``value`` in UTC; a naive one (PostgreSQL's infinity, as asyncpg reads it) is UTC."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-def _time(value: datetime | None) -> str:
-    return "" if value is None else _utc(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
-
-
-def _second(value: datetime) -> str:
-    """A time to the second, in UTC, for a glance (the timeline keeps milliseconds)."""
-    return _utc(value).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _relative(moment: datetime | None, now: datetime) -> str:
-    if moment is None:
-        return ""
-    seconds = (moment - now).total_seconds()
-    return f"in {seconds:.1f}s" if seconds >= 0 else f"{-seconds:.1f}s ago"
 
 
 def _compact(value: Any, limit: int = 120) -> str:
@@ -64,15 +52,6 @@ def _details(details: Any) -> str:
     )
 
 
-def due_text(run: Run, now: datetime) -> str:
-    """When a queued or waiting run becomes claimable, while that is ahead: a scheduled run, a
-    retry's backoff, a wait's time limit ("" otherwise, and for a wait with no time limit)."""
-    due = _utc(run.available_at)
-    if run.state not in (RunState.QUEUED, RunState.WAITING) or due <= now or due.year == 9999:
-        return ""
-    return f"{_time(due)} ({_relative(due, now)})"
-
-
 def runs_table(runs: Sequence[Run], now: datetime) -> Table:
     table = Table(show_edge=False, header_style="bold")
     for column in ("run id", "agent", "state", "fence", "attempt", "step", "owner", "created"):
@@ -87,7 +66,7 @@ def runs_table(runs: Sequence[Run], now: datetime) -> Table:
             f"{run.attempt}/{run.max_attempts}",
             run.step or "",
             run.lease_owner or "",
-            _time(run.created_at),
+            time_text(run.created_at),
             due_text(run, now),
         )
     return table
@@ -98,7 +77,7 @@ def event_line(event: RunEvent) -> str:
     fence = "" if event.fence is None else f" fence {event.fence}"
     worker = f" by {event.worker_id}" if event.worker_id else ""
     details = _details(event.details)
-    return f"{_time(event.at)} {event.kind}{fence}{worker}" + (f" {details}" if details else "")
+    return f"{time_text(event.at)} {event.kind}{fence}{worker}" + (f" {details}" if details else "")
 
 
 def print_run(console: Console, detail: RunDetail) -> None:
@@ -110,7 +89,9 @@ def print_run(console: Console, detail: RunDetail) -> None:
     facts.add_column()
     lease = ""
     if run.lease_until is not None:
-        lease = f"{_time(run.lease_until)} ({_relative(run.lease_until, now)}, database clock)"
+        lease = (
+            f"{time_text(run.lease_until)} ({relative_text(run.lease_until, now)}, database clock)"
+        )
     attempt = f"{run.attempt} of {run.max_attempts} since the last checkpoint"
     if claims:
         attempt += f" ({claims} claim{'s' if claims != 1 else ''} in all)"
@@ -130,8 +111,8 @@ def print_run(console: Console, detail: RunDetail) -> None:
         ("result", _compact(run.result)),
         ("error", _compact(run.error)),
         ("idempotency key", run.idempotency_key or ""),
-        ("created", _time(run.created_at)),
-        ("finished", _time(run.finished_at)),
+        ("created", time_text(run.created_at)),
+        ("finished", time_text(run.finished_at)),
     ]
     for label, value in rows:
         if value:
@@ -147,48 +128,13 @@ def print_run(console: Console, detail: RunDetail) -> None:
         timeline.add_column(column)
     for event in detail.events:
         timeline.add_row(
-            _time(event.at),
+            time_text(event.at),
             event.kind,
             "" if event.fence is None else str(event.fence),
             event.worker_id or "",
             _details(event.details),
         )
     console.print(timeline)
-
-
-ATTEMPT_COLUMNS = (
-    "fence",
-    "worker",
-    "claimed",
-    "held",
-    "ended",
-    "checkpoints",
-    "effects",
-    "stale refused",
-    "trace",
-)
-"""The attempts table's headers, on a terminal and in the console."""
-
-
-def attempt_cells(attempt: Attempt, now: datetime) -> list[str]:
-    """One attempt as ``ATTEMPT_COLUMNS`` name it: when it was claimed (to the second), how long
-    it held the run (so far, if it still does), how it ended, what it did."""
-    held = attempt.seconds
-    if held is None:
-        held_text = f"{(now - attempt.claimed_at).total_seconds():.1f}s so far"
-    else:
-        held_text = f"{held:.1f}s"
-    return [
-        str(attempt.fence),
-        attempt.worker_id or "",
-        _second(attempt.claimed_at),
-        held_text,
-        attempt.ending,
-        str(attempt.checkpoints),
-        str(attempt.effects_requested),
-        str(attempt.stale_refusals) if attempt.stale_refusals else "",
-        attempt.trace_id or "",
-    ]
 
 
 def attempts_table(attempts: Sequence[Attempt], now: datetime) -> Table:
@@ -214,7 +160,7 @@ def workers_table(workers: Sequence[Any], now: datetime) -> Table:
             str(worker.pid),
             ", ".join(worker.agents),
             str(worker.runs_held),
-            "" if renewal is None else _relative(renewal, now),
+            "" if renewal is None else relative_text(renewal, now),
         )
     return table
 
@@ -241,7 +187,7 @@ def _waiting_for(run: Run, now: datetime) -> str:
     if run.state is not RunState.WAITING:
         return ""
     if not isinstance(run.wait, dict):
-        return f"a retry, {_relative(run.available_at, now)}"
+        return f"a retry, {relative_text(run.available_at, now)}"
     wait = StoredWait.from_json(run.wait)
     parts = []
     if wait.signals:
@@ -251,8 +197,8 @@ def _waiting_for(run: Run, now: datetime) -> str:
     if wait.reason == "budget":
         parts.append("a budget top-up (`orchestrator runs budget RUN --add-...`)")
     if wait.until is not None:
-        parts.append(f"until {_time(wait.until)}")
-    due = run.available_at.year < 9999 and _utc(run.available_at) <= now
+        parts.append(f"until {time_text(wait.until)}")
+    due = run.available_at.year < 9999 and utc(run.available_at) <= now
     return " or ".join(parts) + (" (woken: due now)" if due else "")
 
 
@@ -281,7 +227,7 @@ def ledger_table(entries: Sequence[LedgerEntry]) -> Table:
     for entry in entries:
         table.add_row(
             str(entry.entry),
-            _time(entry.at),
+            time_text(entry.at),
             entry.kind,
             "" if entry.fence is None else str(entry.fence),
             *(str(entry.amounts.get(name, "")) for name in names),
@@ -298,7 +244,7 @@ def signals_table(signals: Sequence[tuple[Signal, datetime | None, int | None]])
         table.add_row(
             str(signal.seq),
             signal.name,
-            _time(signal.sent_at),
+            time_text(signal.sent_at),
             "pending" if fence is None else str(fence),
             _compact(signal.data),
         )
@@ -315,7 +261,7 @@ def approvals_table(effects: Sequence[EffectRecord]) -> Table:
             effect.effect_key,
             effect.kind,
             str(effect.fence),
-            _time(effect.approval_expires_at),
+            time_text(effect.approval_expires_at),
             (effect.payload_sha256 or "")[:16] + "…",
             _compact(effect.payload, limit=80),
         )
@@ -358,22 +304,6 @@ def effects_table(effects: Sequence[EffectRecord], *, wide: bool = False) -> Tab
 def _excerpt(text: Any, limit: int = 90) -> str:
     flat = " ".join(str(text or "").split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
-def conversation_turns(messages: Sequence[Message]) -> list[int]:
-    """Each message's turn as people count them (from 1). A tool result belongs to the turn whose
-    call it answers: an effect's result is stored with the next turn, which reads it first."""
-    asked: dict[str, int] = {}
-    turns = []
-    for message in messages:
-        turn = message.turn
-        if message.role == "tool":
-            turn = asked.get(str(message.body.get("tool_call_id")), turn)
-        for call in message.body.get("tool_calls") or []:
-            if isinstance(call, dict):
-                asked[str(call.get("id"))] = message.turn
-        turns.append(turn + 1)
-    return turns
 
 
 def conversation_table(messages: Sequence[Message], effects: Sequence[EffectRecord]) -> Table:

@@ -1,21 +1,19 @@
-"""Selecting runs by filters, and acting on every selected run (bulk ``runs cancel|retry``); the
-console lists runs with the same filters."""
+"""The filter options (``--state``, ``--agent``, ``--since``, ``--until``), and acting on every
+selected run (bulk ``runs cancel|retry``); the selection itself is
+``orchestrator.client.selection``, which the console lists runs with too."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.presentation import dump_json
-from orchestrator.cli.support import parse_time
+from orchestrator.client.selection import RunSelection, select_runs
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.retention import AGE_PATTERN, parse_age
 from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.models import Run, RunState
@@ -63,35 +61,6 @@ def filter_options(command: Callable[..., None]) -> Callable[..., None]:
     return selecting
 
 
-def parse_when(raw: str, option: str, now: datetime) -> datetime:
-    """An ISO 8601 time with a zone, or an age back from the database's ``now`` (``2h``)."""
-    if AGE_PATTERN.fullmatch(raw):
-        return now - parse_age(raw, option)
-    try:
-        datetime.fromisoformat(raw.strip())
-    except ValueError:  # neither form: say both
-        raise InvalidInput(
-            f"{option} takes an age such as 2h, 90m or 7d, or an ISO 8601 time such as "
-            f"2026-12-24T09:00:00Z, not {raw!r}"
-        ) from None
-    return parse_time(raw, option)
-
-
-@dataclass(frozen=True)
-class RunSelection:
-    """Which runs a listing or a bulk action means: states, agent and submission window (an
-    ISO 8601 time or an age back from the database's clock); empty, it selects every run."""
-
-    states: tuple[str, ...] = ()
-    agent: str | None = None
-    since: str | None = None
-    until: str | None = None
-
-    @property
-    def active(self) -> bool:
-        return bool(self.states or self.agent or self.since or self.until)
-
-
 def check_target(run_id: str | None, selection: RunSelection, every: bool, dry: bool) -> None:
     """One run, or filters (or ``--all``), never both and never neither: a bulk action with an
     empty RUN_ID variable must not act on every run."""
@@ -105,18 +74,6 @@ def check_target(run_id: str | None, selection: RunSelection, every: bool, dry: 
         raise InvalidInput(
             "give a RUN_ID or filters (--state, --agent, --since, --until), not both"
         )
-
-
-async def select_runs(runs: RunReads, selection: RunSelection, limit: int) -> list[Run]:
-    now = await runs.database_now()
-    since, until = selection.since, selection.until
-    return await runs.list_runs(
-        state=[RunState(state) for state in selection.states] or None,
-        agent=selection.agent,
-        limit=limit,
-        submitted_after=None if since is None else parse_when(since, "--since", now),
-        submitted_before=None if until is None else parse_when(until, "--until", now),
-    )
 
 
 async def bulk(

@@ -19,17 +19,12 @@ from orchestrator.cli.presentation import (
     signals_table,
 )
 from orchestrator.cli.purge import runs_purge
-from orchestrator.cli.run_filters import (
-    RunSelection,
-    bulk,
-    check_target,
-    filter_options,
-    select_runs,
-)
+from orchestrator.cli.run_filters import bulk, check_target, filter_options
 from orchestrator.cli.run_watch import watch
 from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.cli.waits import runs_budget, runs_signal
 from orchestrator.client.detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_detail, more_events_hint
+from orchestrator.client.selection import RunSelection, select_runs
 from orchestrator.client.stores import open_stores
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Run, RunState

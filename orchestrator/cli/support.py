@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -166,26 +165,6 @@ def read_json_option(
     except OSError as error:
         raise InvalidInput(f"cannot read {noun} file {path!r}: {error.strerror}") from None
     return parse_document(data, "standard input" if path == "-" else f"{noun} file {path!r}")
-
-
-def parse_time(raw: str, option: str) -> datetime:
-    """An ISO 8601 time with a zone (``Z`` or ``+01:00``): a run's start is never ambiguous."""
-    try:
-        moment = datetime.fromisoformat(raw.strip())
-    except ValueError:
-        raise InvalidInput(
-            f"{option} {raw!r} is not an ISO 8601 time; write e.g. 2026-12-24T09:00:00Z"
-        ) from None
-    if moment.utcoffset() is None:
-        raise InvalidInput(
-            f"{option} {raw!r} has no time zone; add Z for UTC or an offset such as +01:00"
-        )
-    try:  # a time at the calendar's edge can leave it once in UTC, as the database keeps it
-        return moment.astimezone(UTC)
-    except OverflowError:
-        raise InvalidInput(
-            f"{option} {raw!r} is out of range; give a time between years 1 and 9999 in UTC"
-        ) from None
 
 
 BY_NOTE_HELP = (

@@ -5,16 +5,17 @@ many signals. Each part is its newest slice plus a count; ``runs events`` pages 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
-from orchestrator.agent.budgets import BudgetState
 from orchestrator.client.attempts import Attempt, recent_attempts
 from orchestrator.client.stores import Stores
+from orchestrator.db.budgets import BudgetState
 from orchestrator.db.signals import Signal
-from orchestrator.effects.model import EffectRecord
+from orchestrator.effect_model import EffectRecord
 from orchestrator.errors import InvalidInput
-from orchestrator.models import Message, Run, RunEvent
+from orchestrator.models import Message, Run, RunEvent, RunState
 
 DEFAULT_EVENTS = 100
 """Timeline events shown unless asked for more (the newest)."""
@@ -96,3 +97,85 @@ __all__ = [
     "load_run_detail",
     "more_events_hint",
 ]
+
+
+# -- how a run's detail reads, on a terminal and in the console ------------------------------
+def utc(value: datetime) -> datetime:
+    """``value`` in UTC; a naive one (PostgreSQL's infinity, as asyncpg reads it) is UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def time_text(value: datetime | None) -> str:
+    return "" if value is None else utc(value).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+def second_text(value: datetime) -> str:
+    """A time to the second, in UTC, for a glance (the timeline keeps milliseconds)."""
+    return utc(value).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def relative_text(moment: datetime | None, now: datetime) -> str:
+    if moment is None:
+        return ""
+    seconds = (moment - now).total_seconds()
+    return f"in {seconds:.1f}s" if seconds >= 0 else f"{-seconds:.1f}s ago"
+
+
+def due_text(run: Run, now: datetime) -> str:
+    """When a queued or waiting run becomes claimable, while that is ahead: a scheduled run, a
+    retry's backoff, a wait's time limit ("" otherwise, and for a wait with no time limit)."""
+    due = utc(run.available_at)
+    if run.state not in (RunState.QUEUED, RunState.WAITING) or due <= now or due.year == 9999:
+        return ""
+    return f"{time_text(due)} ({relative_text(due, now)})"
+
+
+ATTEMPT_COLUMNS = (
+    "fence",
+    "worker",
+    "claimed",
+    "held",
+    "ended",
+    "checkpoints",
+    "effects",
+    "stale refused",
+    "trace",
+)
+"""The attempts table's headers, on a terminal and in the console."""
+
+
+def attempt_cells(attempt: Attempt, now: datetime) -> list[str]:
+    """One attempt as ``ATTEMPT_COLUMNS`` name it: when it was claimed (to the second), how long
+    it held the run (so far, if it still does), how it ended, what it did."""
+    held = attempt.seconds
+    if held is None:
+        held_text = f"{(now - attempt.claimed_at).total_seconds():.1f}s so far"
+    else:
+        held_text = f"{held:.1f}s"
+    return [
+        str(attempt.fence),
+        attempt.worker_id or "",
+        second_text(attempt.claimed_at),
+        held_text,
+        attempt.ending,
+        str(attempt.checkpoints),
+        str(attempt.effects_requested),
+        str(attempt.stale_refusals) if attempt.stale_refusals else "",
+        attempt.trace_id or "",
+    ]
+
+
+def conversation_turns(messages: Sequence[Message]) -> list[int]:
+    """Each message's turn as people count them (from 1). A tool result belongs to the turn whose
+    call it answers: an effect's result is stored with the next turn, which reads it first."""
+    asked: dict[str, int] = {}
+    turns = []
+    for message in messages:
+        turn = message.turn
+        if message.role == "tool":
+            turn = asked.get(str(message.body.get("tool_call_id")), turn)
+        for call in message.body.get("tool_calls") or []:
+            if isinstance(call, dict):
+                asked[str(call.get("id"))] = message.turn
+        turns.append(turn + 1)
+    return turns

@@ -8,15 +8,15 @@ import builtins
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, Unpack
 
-from orchestrator.agent.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.client.stores import Stores
+from orchestrator.db.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.purges import Purged
 from orchestrator.db.retention import MAX_AGE, PURGE_BATCH, purge
 from orchestrator.db.signals import Signal
 from orchestrator.db.standby_wait import acknowledgement_seconds
+from orchestrator.effect_model import EffectRecord, EffectStatus
 from orchestrator.effects.approvals import Decision
-from orchestrator.effects.model import EffectRecord, EffectStatus
 from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, WorkerInfo
 

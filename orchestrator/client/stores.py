@@ -9,10 +9,10 @@ from typing import Unpack
 
 import asyncpg
 
-from orchestrator.agent.budgets import BudgetStore
 from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.bootstrap import PoolOptions, open_pool
+from orchestrator.db.budgets import BudgetStore
 from orchestrator.db.purges import PurgeStore
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS

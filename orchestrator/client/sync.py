@@ -18,7 +18,7 @@ from orchestrator.client.features import (
     SignalsHandle,
 )
 from orchestrator.client.runs import RunsHandle
-from orchestrator.effects.model import EffectRecord
+from orchestrator.effect_model import EffectRecord
 
 H = TypeVar("H")
 P = ParamSpec("P")

@@ -15,9 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator.access import Role
+from orchestrator.console.identity import NotAllowed
 from orchestrator.errors import InvalidInput
-
-from .identity import NotAllowed
 
 CALLBACK_PATH = "/signin/oidc/callback"
 

@@ -13,7 +13,6 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from orchestrator import access
 from orchestrator.access import Actor, Permission
-from orchestrator.agent.budgets import TopUp
 from orchestrator.client.stores import Stores
 from orchestrator.console import views
 from orchestrator.console.auth import NAME_COOKIE, SESSION_COOKIE, Via, actor, origin_acceptable
@@ -32,6 +31,7 @@ from orchestrator.console.pages import (
     state,
     visitor,
 )
+from orchestrator.db.budgets import TopUp
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.effects.approvals import Decision
 from orchestrator.errors import InvalidInput, OrchestratorError

@@ -6,10 +6,9 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from orchestrator.access import Principal, PrincipalKind, Role, Via
+from orchestrator.console.identity import NotAllowed, not_a_user, start_session
+from orchestrator.console.oidc import OidcSignIn
 from orchestrator.db.access import AccessStore, SignInRefused
-
-from .identity import NotAllowed, not_a_user, start_session
-from .oidc import OidcSignIn
 
 
 class AccountSignIn:

@@ -9,21 +9,21 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.agent.tool_loop import recorded_effect_keys
-from orchestrator.cli.presentation import (
+from orchestrator.client.detail import (
     ATTEMPT_COLUMNS,
     attempt_cells,
     conversation_turns,
     due_text,
+    load_run_detail,
+    more_events_hint,
 )
-from orchestrator.cli.run_filters import RunSelection, select_runs
-from orchestrator.client.detail import load_run_detail, more_events_hint
+from orchestrator.client.selection import RunSelection, select_runs
 from orchestrator.client.stores import Stores
-from orchestrator.effects.model import EffectRecord, EffectStatus
+from orchestrator.console.privacy import Shown, event_details, readable, show, text_of
+from orchestrator.effect_model import EffectRecord, EffectStatus
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import Message, RunState
-
-from .privacy import Shown, event_details, readable, show, text_of
 
 LIST_LIMIT = 200
 

@@ -13,8 +13,8 @@ from orchestrator.jsontext import compact
 from orchestrator.models import JSON, CommitResult, Lease, Message, RunState
 
 if TYPE_CHECKING:
-    from orchestrator.agent.budgets import Spend
-    from orchestrator.effects.model import Effect
+    from orchestrator.db.budgets import Spend
+    from orchestrator.effect_model import Effect
 
 
 InTransaction: TypeAlias = "Callable[[TransactionConnection, CommitResult], Awaitable[None]]"

@@ -610,7 +610,7 @@ def _one_json_line(exported: Any) -> str:
 
 
 def _exporter_missing(variable: str, error: ModuleNotFoundError) -> InvalidInput:
-    from orchestrator.extras import install_hint
+    from orchestrator.lazy import install_hint
 
     return InvalidInput(
         f"{variable}=otlp needs the OTLP/HTTP exporter, which is not installed (no module "

@@ -28,11 +28,11 @@ import structlog
 from opentelemetry import context
 from opentelemetry.context import Context
 
-from orchestrator.agent.budgets import BudgetStore, Spend
+from orchestrator.db.budgets import BudgetStore, Spend
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import Park, RunFinish, RunStore, StepCommit
-from orchestrator.effects.model import AcceptOutcome
+from orchestrator.effect_model import AcceptOutcome
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import CommitResult, Lease
 from orchestrator.telemetry import (

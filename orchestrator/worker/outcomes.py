@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import NamedTuple
 
-from orchestrator.agent.budgets import RunBudget, Spend
+from orchestrator.agent.budgets import RunBudget
 from orchestrator.agent.steps import Fail, Finish, Next, Outcome, Wait, encode_json, validate_json
+from orchestrator.db.budgets import Spend
 from orchestrator.db.signals import Signal
 from orchestrator.db.store import Park, RunFinish, StepCommit
-from orchestrator.effects.model import Effect
+from orchestrator.effect_model import Effect
 from orchestrator.models import JSON, ROLES, Lease, Message, RunState
 
 

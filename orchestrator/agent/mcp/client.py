@@ -24,7 +24,7 @@ import anyio
 import structlog
 
 from orchestrator.errors import InvalidInput
-from orchestrator.extras import install_hint
+from orchestrator.lazy import install_hint
 from orchestrator.models import JSON
 
 log = structlog.get_logger("orchestrator.mcp")

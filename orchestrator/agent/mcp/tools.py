@@ -47,7 +47,7 @@ from orchestrator.agent.tools import (
     ToolContext,
     default_result,
 )
-from orchestrator.effects.model import (
+from orchestrator.effect_model import (
     DEFAULT_APPROVAL_SECONDS,
     MAX_APPROVAL_SECONDS,
     EffectPolicy,

@@ -89,7 +89,7 @@ try:
     )
     from pydantic_graph import End
 except ImportError as error:  # pragma: no cover - the extra is missing
-    from orchestrator.extras import install_hint
+    from orchestrator.lazy import install_hint
 
     # The missing module's name is kept: ``serve --agents`` names the extra from it.
     raise ModuleNotFoundError(
@@ -128,7 +128,7 @@ from orchestrator.agent.tools import (
     settled_records,
     turn_committed,
 )
-from orchestrator.effects.model import (
+from orchestrator.effect_model import (
     DEFAULT_APPROVAL_SECONDS,
     MAX_APPROVAL_SECONDS,
     Effect,
