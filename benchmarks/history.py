@@ -41,7 +41,7 @@ import asyncpg
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
-from orchestrator.db.retention import Purged, purge
+from orchestrator.db.purges import Purged, purge
 from orchestrator.db.store import RunStore
 from orchestrator.settings import Settings
 

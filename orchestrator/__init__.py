@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     )
     from orchestrator.agent.tool_loop import ToolAgent
     from orchestrator.agent.tools import ToolContext, tool
-    from orchestrator.client import Client, SyncClient
+    from orchestrator.client.clients import Client, SyncClient
     from orchestrator.db.signals import Signal
     from orchestrator.db.standby_wait import StandbyNotReached
     from orchestrator.effect_model import Effect, EffectPolicy
@@ -57,7 +57,7 @@ _EXPORTS = {
     "Agent": "orchestrator.agent.steps",
     "Budget": "orchestrator.agent.budgets",
     "BudgetExhausted": "orchestrator.agent.budgets",
-    "Client": "orchestrator.client",
+    "Client": "orchestrator.client.clients",
     "DatabaseError": "orchestrator.errors",
     "DatabaseUnavailable": "orchestrator.errors",
     "DecisionRefused": "orchestrator.effects.approvals",
@@ -83,7 +83,7 @@ _EXPORTS = {
     "StandbyNotReached": "orchestrator.db.standby_wait",
     "Step": "orchestrator.agent.steps",
     "StepContext": "orchestrator.agent.steps",
-    "SyncClient": "orchestrator.client",
+    "SyncClient": "orchestrator.client.clients",
     "ToolAgent": "orchestrator.agent.tool_loop",
     "ToolContext": "orchestrator.agent.tools",
     "UnknownAgent": "orchestrator.agent.steps",

@@ -10,14 +10,8 @@ import asyncpg
 import pytest
 
 from orchestrator import Effect
-from orchestrator.db.purges import PurgeStore
-from orchestrator.db.retention import (
-    RETENTION_LOCK,
-    parse_age,
-    parse_retention,
-    purge,
-    purge_round,
-)
+from orchestrator.db.purges import RETENTION_LOCK, PurgeStore, purge, purge_round
+from orchestrator.db.retention import parse_age, parse_retention
 from orchestrator.db.store import RunStore
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput

@@ -10,13 +10,8 @@ from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import async_command, json_option
 from orchestrator.client.stores import open_stores
-from orchestrator.db.retention import (
-    PURGE_BATCH,
-    PURGE_PAUSE_RATIO,
-    Purged,
-    parse_age,
-    purge,
-)
+from orchestrator.db.purges import Purged, purge
+from orchestrator.db.retention import PURGE_BATCH, PURGE_PAUSE_RATIO, parse_age
 from orchestrator.settings import Settings
 
 

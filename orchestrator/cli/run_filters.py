@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
-from orchestrator.cli.presentation import dump_json
-from orchestrator.client.selection import RunSelection, select_runs
-from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.run_reads import RunReads
+from orchestrator.client.selection import RunSelection
 from orchestrator.errors import InvalidInput, InvalidTransition, OrchestratorError
 from orchestrator.models import Run, RunState
+
+if TYPE_CHECKING:
+    from orchestrator.db.run_reads import RunReads
 
 
 def filter_options(command: Callable[..., None]) -> Callable[..., None]:
@@ -88,6 +88,10 @@ async def bulk(
 ) -> None:
     """Apply ``act`` to every run the filters select (or, ``dry_run``, only list them). A run
     that moved on meanwhile (finished, already requeued) is reported and skipped."""
+    from orchestrator.cli.presentation import dump_json
+    from orchestrator.client.selection import select_runs
+    from orchestrator.db.deadlines import DATABASE_ERRORS
+
     targets = await select_runs(runs, selection, limit)
     done: list[str] = []
     skipped: list[dict[str, str]] = []

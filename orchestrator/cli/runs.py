@@ -8,30 +8,34 @@ import dataclasses
 import click
 
 from orchestrator.cli.consoles import stderr, stdout
-from orchestrator.cli.presentation import (
-    budget_table,
-    conversation_table,
-    dump_json,
-    event_line,
-    jsonable,
-    print_run,
-    runs_table,
-    signals_table,
-)
-from orchestrator.cli.purge import runs_purge
-from orchestrator.cli.run_filters import bulk, check_target, filter_options
-from orchestrator.cli.run_watch import watch
+from orchestrator.cli.group import LazyCommands
+from orchestrator.cli.run_filters import check_target, filter_options
 from orchestrator.cli.support import async_command, json_option, print_found
-from orchestrator.cli.waits import runs_budget, runs_signal
-from orchestrator.client.detail import DEFAULT_EVENTS, MAX_EVENTS, load_run_detail, more_events_hint
-from orchestrator.client.selection import RunSelection, select_runs
-from orchestrator.client.stores import open_stores
+from orchestrator.client.detail import DEFAULT_EVENTS, MAX_EVENTS
+from orchestrator.client.selection import RunSelection
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Run, RunState
 from orchestrator.settings import Settings
 
+# Each command imports the stores and the tables when it runs: `runs list --help` needs neither.
 
-@click.group()
+
+@click.group(
+    cls=LazyCommands,
+    lazy={
+        "budget": "orchestrator.cli.waits:runs_budget",
+        "purge": "orchestrator.cli.purge:runs_purge",
+        "signal": "orchestrator.cli.waits:runs_signal",
+    },
+    summaries={
+        "budget": "Show RUN_ID's budget (spent / reserved / limit); with --add-..., top it up "
+        "and wake the run if it waits for budget.",
+        "purge": "Delete finished runs (succeeded, failed, cancelled, dead) older than "
+        "--older-than, with their events, transcripts, effects, signals and budgets.",
+        "signal": "Send RUN_ID the signal NAME; its next step reads it, and its commit consumes "
+        "it.",
+    },
+)
 def runs() -> None:
     """List, inspect, cancel, retry and signal runs; show and top up their budgets."""
 
@@ -60,6 +64,10 @@ async def runs_list(
     as_json: bool,
 ) -> None:
     """List runs, newest first."""
+    from orchestrator.cli.presentation import runs_table
+    from orchestrator.client.selection import select_runs
+    from orchestrator.client.stores import open_stores
+
     async with open_stores(settings) as stores:
         found = await select_runs(stores.runs, RunSelection(states, agent, since, until), limit)
         now = await stores.runs.database_now()
@@ -81,6 +89,17 @@ async def runs_list(
 async def runs_show(settings: Settings, run_id: str, as_json: bool, events_shown: int) -> None:
     """Show a run: state, fence, owner, lease expiry, checkpoint, attempts, the newest timeline
     events and the conversation."""
+    from orchestrator.cli.presentation import (
+        budget_table,
+        conversation_table,
+        dump_json,
+        jsonable,
+        print_run,
+        signals_table,
+    )
+    from orchestrator.client.detail import load_run_detail, more_events_hint
+    from orchestrator.client.stores import open_stores
+
     async with open_stores(settings) as stores:
         detail = await load_run_detail(stores, run_id, events=events_shown)
     if as_json:
@@ -140,6 +159,9 @@ async def runs_events(
 ) -> None:
     """Page through a run's timeline, oldest first: a page of --limit events after --after.
     The last line on stderr says how to ask for the next page."""
+    from orchestrator.cli.presentation import dump_json, event_line
+    from orchestrator.client.stores import open_stores
+
     async with open_stores(settings) as stores:
         await stores.runs.get(run_id)  # RunNotFound for an unknown run, not an empty page
         events = await stores.runs.events(run_id, after=after, limit=limit)
@@ -175,6 +197,9 @@ async def runs_cancel(
 ) -> None:
     """Cancel a run (or, with filters instead of RUN_ID, every matching unfinished run) and raise
     its fence, so its current owner can no longer act."""
+    from orchestrator.cli.run_filters import bulk
+    from orchestrator.client.stores import open_stores
+
     check_target(run_id, selection, every, dry_run)
     async with open_stores(settings) as stores:
         store = stores.runs
@@ -214,6 +239,9 @@ async def runs_retry(
 ) -> None:
     """Requeue a dead-lettered run (or, with filters instead of RUN_ID, every matching dead run)
     with a fresh set of attempts."""
+    from orchestrator.cli.run_filters import bulk
+    from orchestrator.client.stores import open_stores
+
     check_target(run_id, selection, every, dry_run)
     async with open_stores(settings) as stores:
         store = stores.runs
@@ -249,18 +277,18 @@ async def runs_watch(
 ) -> None:
     """Print a run's timeline as it happens; end when the run ends (exit 0), or at --timeout
     (exit 1)."""
+    from orchestrator.cli.run_watch import watch
+    from orchestrator.client.stores import open_stores
+
     async with open_stores(settings) as stores:
         await watch(stores.runs, run_id, give_up_after=give_up_after, as_json=as_json)
 
 
 def print_acted_on(run: Run, as_json: bool, done: str) -> None:
     """What a single-run action left: the run as JSON, or one line saying what was done."""
+    from orchestrator.cli.presentation import dump_json
+
     if as_json:
         stdout.print_json(dump_json(run))
     else:
         stdout.print(done, markup=False)
-
-
-runs.add_command(runs_signal)
-runs.add_command(runs_budget)
-runs.add_command(runs_purge)

@@ -7,7 +7,7 @@ import click
 from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.presentation import dump_json
 from orchestrator.cli.support import async_command, json_option, read_input, wait_for_standby_option
-from orchestrator.client import start_time
+from orchestrator.client.runs import start_time
 from orchestrator.client.selection import parse_time
 from orchestrator.client.stores import open_stores
 from orchestrator.settings import Settings

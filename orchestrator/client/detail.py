@@ -8,14 +8,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
-from orchestrator.client.attempts import Attempt, recent_attempts
-from orchestrator.client.stores import Stores
-from orchestrator.db.budgets import BudgetState
-from orchestrator.db.signals import Signal
 from orchestrator.effect_model import EffectRecord
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Message, Run, RunEvent, RunState
+
+if TYPE_CHECKING:  # the command line reads the limits below without loading the stores
+    from orchestrator.client.attempts import Attempt
+    from orchestrator.client.stores import Stores
+    from orchestrator.db.budgets import BudgetState
+    from orchestrator.db.signals import Signal
 
 DEFAULT_EVENTS = 100
 """Timeline events shown unless asked for more (the newest)."""
@@ -57,6 +60,8 @@ async def load_run_detail(
 ) -> RunDetail:
     """One run as its pages show it; ``RunNotFound`` / ``InvalidInput`` for a bad id. The one
     entry point of ``runs show``, the console's run page and ``client.runs.detail``."""
+    from orchestrator.client.attempts import recent_attempts
+
     if not 1 <= events <= MAX_EVENTS:
         raise InvalidInput(f"events shown must be 1 to {MAX_EVENTS:,}, not {events!r}")
     runs = stores.runs

@@ -11,8 +11,8 @@ from typing import Any, TypeVar, Unpack
 from orchestrator.client.stores import Stores
 from orchestrator.db.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.db.error_projection import project_errors
-from orchestrator.db.purges import Purged
-from orchestrator.db.retention import MAX_AGE, PURGE_BATCH, purge
+from orchestrator.db.purges import Purged, purge
+from orchestrator.db.retention import MAX_AGE, PURGE_BATCH
 from orchestrator.db.signals import Signal
 from orchestrator.db.standby_wait import acknowledgement_seconds
 from orchestrator.effect_model import EffectRecord, EffectStatus

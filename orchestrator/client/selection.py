@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from orchestrator.db.retention import AGE_PATTERN, parse_age
-from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import InvalidInput
 from orchestrator.models import Run, RunState
+
+if TYPE_CHECKING:
+    from orchestrator.db.run_reads import RunReads
 
 
 def parse_time(raw: str, option: str) -> datetime:

@@ -1,20 +1,11 @@
-"""Retention: finished runs older than an age are deleted with everything kept for them, in
-small batches (each a short transaction that skips rows others hold), by workers in the
-background and by ``orchestrator runs purge``."""
+"""Retention's rules: how old a finished run must be before it is deleted, and how ages are
+written (``2h``, ``30d``). The deleting itself is ``orchestrator.db.purges``."""
 
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 
-import anyio
-import asyncpg
-
-from orchestrator.db.purges import RETENTION_LOCK as RETENTION_LOCK  # re-exported
-from orchestrator.db.purges import Purged as Purged  # re-exported
-from orchestrator.db.purges import PurgeStore
 from orchestrator.errors import InvalidInput
 
 DEFAULT_RETENTION = "off"
@@ -64,49 +55,3 @@ def parse_retention(text: str) -> timedelta | None:
             "demand)"
         )
     return age
-
-
-async def purge(
-    pool: asyncpg.Pool,
-    cutoff: datetime,
-    *,
-    batch: int = PURGE_BATCH,
-    max_batches: int | None = None,
-    pause_ratio: float = PURGE_PAUSE_RATIO,
-    progress: Callable[[Purged], None] = lambda total: None,
-) -> Purged:
-    """Batch after batch until none is left (or ``max_batches``), pausing ``pause_ratio`` times
-    each batch's duration after it (0: flat out); ``progress`` sees the running total after
-    each. Each batch that deleted runs is audited, as the database role that connected, in its
-    own transaction."""
-    runs = other = 0
-    done = 0
-    while max_batches is None or done < max_batches:
-        began = time.monotonic()
-        purged = await PurgeStore(pool).delete_batch(cutoff, batch)
-        done += 1
-        runs, other = runs + purged.runs, other + purged.other_rows
-        progress(Purged(runs, other))
-        if purged.runs < batch:
-            break
-        await anyio.sleep((time.monotonic() - began) * pause_ratio)
-    return Purged(runs, other)
-
-
-async def purge_round(pool: asyncpg.Pool, age: timedelta) -> Purged | None:
-    """A worker's round: up to ``PURGE_BATCHES_PER_ROUND`` batches older than ``age`` by the
-    database clock, each in a transaction holding the schema's retention lock; ``None``:
-    another worker holds it (it is purging)."""
-    runs = other = 0
-    for _ in range(PURGE_BATCHES_PER_ROUND):
-        began = time.monotonic()
-        async with pool.acquire() as connection, connection.transaction():
-            purges = PurgeStore(connection)
-            if not await purges.try_retention_lock():
-                return None if runs == 0 else Purged(runs, other)
-            purged = await purges.delete_batch(await purges.clock() - age, PURGE_BATCH)
-        runs, other = runs + purged.runs, other + purged.other_rows
-        if purged.runs < PURGE_BATCH:
-            break
-        await anyio.sleep((time.monotonic() - began) * PURGE_PAUSE_RATIO)
-    return Purged(runs, other)

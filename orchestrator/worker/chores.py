@@ -14,7 +14,8 @@ from structlog.typing import FilteringBoundLogger
 
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.outages import DatabaseOutage
-from orchestrator.db.retention import PURGE_INTERVAL_SECONDS, purge_round
+from orchestrator.db.purges import purge_round
+from orchestrator.db.retention import PURGE_INTERVAL_SECONDS
 from orchestrator.db.store import WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.telemetry import RUN_FENCE, RUN_ID
