@@ -41,8 +41,8 @@ from orchestrator.testing.loopback import (
     ScriptedTurn,
     turns,
 )
+from support.tool_agents_for_tests import lookup_order, refund
 from test_waits import FAST
-from tool_agents_for_tests import lookup_order, refund
 
 
 def test_a_budget_names_its_limits_clearly() -> None:

@@ -11,10 +11,10 @@ from typing import Any
 import anyio
 import pytest
 
-from chaos_mutants import BOUNDARY_WITHOUT_FENCE_CHECK
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.faults import FAULT_KINDS
 from support import cli
+from support.chaos_mutants import BOUNDARY_WITHOUT_FENCE_CHECK
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # whole campaigns, minutes each
 
@@ -77,7 +77,11 @@ def test_the_checker_catches_a_dispatcher_that_resends_without_reconciling(
     report = campaign(
         tmp_path,
         kinds=("vendor_accept_timeout", "kill_on_accept"),
-        command=(sys.executable, str(TESTS_DIR / "chaos_mutants.py"), "resend-uncertain"),
+        command=(
+            sys.executable,
+            str(TESTS_DIR / "support" / "chaos_mutants.py"),
+            "resend-uncertain",
+        ),
     )
     rules = {violation.rule for violation in report.findings.violations}
     assert "sent twice" in rules, report.findings.violations

@@ -11,9 +11,9 @@ from typing import Any
 import anyio
 import pytest
 
-from chaos_mutants import FENCES_WITHOUT_EPOCH
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.grants import duplicate_grants, read_grants
+from support.chaos_mutants import FENCES_WITHOUT_EPOCH
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # a campaign of about 50 s each
 

@@ -7,7 +7,6 @@ import importlib
 import json
 import subprocess
 import sys
-from typing import cast
 
 import click
 import pytest
@@ -71,7 +70,7 @@ def lazy_groups() -> list[LazyCommands]:
     from orchestrator.cli.runs import runs
 
     assert isinstance(runs, LazyCommands)
-    return [cast(LazyCommands, main), runs]
+    return [main, runs]
 
 
 @pytest.mark.parametrize("width", [60, 80, 120, 200])

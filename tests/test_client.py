@@ -37,8 +37,8 @@ from orchestrator.models import Run, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
 from orchestrator.testing.loopback import LocalVendor, ScriptedModelServer
+from support.tool_agents_for_tests import REFUND_TURNS, refunds
 from test_waits import FAST, replies
-from tool_agents_for_tests import REFUND_TURNS, refunds
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "refund_desk.py"
 

@@ -1,11 +1,11 @@
 """Lease expiry is judged by the database clock: a worker whose clock is hours off behaves the same.
 
-Each worker runs in its own process (``tests/claimer_process.py serve``); the skewed ones shift
-``time.time``, ``time.time_ns`` and ``datetime.now``/``utcnow``/``today`` by hours before
+Each worker runs in its own process (``tests/support/claimer_process.py serve``); the skewed ones
+shift ``time.time``, ``time.time_ns`` and ``datetime.now``/``utcnow``/``today`` by hours before
 orchestrator is imported. Every answer carries the database clock read just before and just after
-the command, so the assertions are about the database clock only and hold however slow the
-machine is: a lease of L seconds granted by a command that ran in [before, after] must end in
-[before + L, after + L]; a refused claim must have started while the lease was still valid.
+the command, so the assertions are about the database clock only and hold however slow the machine
+is: a lease of L seconds granted by a command that ran in [before, after] must end in [before + L,
+after + L]; a refused claim must have started while the lease was still valid.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from orchestrator.db.store import RunStore
 
 pytestmark = pytest.mark.slow
 
-CLAIMER = Path(__file__).with_name("claimer_process.py")
+CLAIMER = Path(__file__).parent / "support" / "claimer_process.py"
 AGENT = "skew-test"
 HOURS = 3 * 3600.0
 LONG = 30.0

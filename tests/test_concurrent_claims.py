@@ -1,8 +1,8 @@
 """Many claimers in several OS processes over ~1000 runs: one owner at a time, fences grow by one.
 
-The claimer processes (``tests/claimer_process.py loop``) write one JSON line per action with the
-database-clock times of what they were granted. From those records alone the test rebuilds, for
-every (run, fence), the interval during which that lease could have been valid:
+The claimer processes (``tests/support/claimer_process.py loop``) write one JSON line per action
+with the database-clock times of what they were granted. From those records alone the test rebuilds,
+for every (run, fence), the interval during which that lease could have been valid:
 
 - start: the instant the claim's UPDATE computed ``lease_until`` (``lease_until - lease``; the
   lease lengths are exact in microseconds), a lower bound of when ownership began;
@@ -37,7 +37,7 @@ import pytest
 
 from orchestrator.db.store import RunStore
 
-CLAIMER = Path(__file__).with_name("claimer_process.py")
+CLAIMER = Path(__file__).parent / "support" / "claimer_process.py"
 AGENT = "lease-test"
 RUNS = 1000
 PROCESSES = 4

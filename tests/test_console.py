@@ -33,11 +33,11 @@ from orchestrator.settings import Settings
 from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.testing.loopback import LocalVendor, ScriptedModelServer, SmtpSink
 from support import ServeProcess, cli
+from support.tool_agents_for_tests import REFUND_TURNS, refunds
 from test_effects_processes import AGENT, events_of, vendors_config
 from test_effects_proxy import free_port
 from test_privacy import CANARY, run_with_canaries
 from test_runtime import FAST
-from tool_agents_for_tests import REFUND_TURNS, refunds
 
 pytestmark = pytest.mark.slow
 TOKEN = "console-token-7d1f3a9b2c"

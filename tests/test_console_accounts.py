@@ -13,7 +13,6 @@ import httpx
 import pytest
 from playwright.async_api import BrowserContext, expect
 
-from oidc_provider import OidcProvider
 from orchestrator.access import PrincipalKind, Role
 from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
@@ -21,6 +20,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.effect_model import EffectStatus
 from orchestrator.effects.store import EffectStore
 from support import cli
+from support.oidc_provider import OidcProvider
 from test_console import awaiting_approval, browser, console  # noqa: F401
 from test_effects_proxy import free_port
 

@@ -46,7 +46,7 @@ from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, runn
 from orchestrator.testing.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
 from orchestrator.worker.worker import Worker
 from support import crm_kind
-from tool_agents_for_tests import orders
+from support.tool_agents_for_tests import orders
 
 pytestmark = pytest.mark.slow
 

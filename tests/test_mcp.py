@@ -11,7 +11,13 @@ import anyio
 import asyncpg
 import pytest
 
-from mcp_servers_for_tests import (
+from orchestrator.agent.mcp.client import McpConnection, McpServerSpec
+from orchestrator.db.store import RunStore
+from orchestrator.effect_model import Effect, EffectStatus, idempotency_key
+from orchestrator.effects.dispatcher import Dispatcher
+from orchestrator.effects.store import EffectStore
+from orchestrator.effects.vendors import adapter_from_config
+from support.mcp_servers_for_tests import (
     calls_per_key,
     http_server,
     ledger,
@@ -19,12 +25,6 @@ from mcp_servers_for_tests import (
     tickets_kind,
     tickets_server,
 )
-from orchestrator.agent.mcp.client import McpConnection, McpServerSpec
-from orchestrator.db.store import RunStore
-from orchestrator.effect_model import Effect, EffectStatus, idempotency_key
-from orchestrator.effects.dispatcher import Dispatcher
-from orchestrator.effects.store import EffectStore
-from orchestrator.effects.vendors import adapter_from_config
 from test_effects_dispatch import dispatch_until, requested
 
 pytest.importorskip("mcp")

@@ -15,13 +15,6 @@ import anyio
 import asyncpg
 import pytest
 
-from mcp_servers_for_tests import (
-    TICKET_TURNS,
-    calls_per_key,
-    classification,
-    tickets_kind,
-    tickets_server,
-)
 from orchestrator.agent.tool_loop import effect_keys
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import Effect, EffectStatus, idempotency_key
@@ -30,6 +23,13 @@ from orchestrator.models import RunState
 from orchestrator.testing import wait_for_run
 from orchestrator.testing.loopback import ScriptedModelServer
 from support import ServeProcess, fenced_claims, serve_args, serving, write_vendors_config
+from support.mcp_servers_for_tests import (
+    TICKET_TURNS,
+    calls_per_key,
+    classification,
+    tickets_kind,
+    tickets_server,
+)
 from test_effects_processes import start_dispatcher, until_confirmed
 from test_runtime import eventually
 
@@ -101,7 +101,10 @@ async def test_a_paused_owner_whose_call_hangs_is_replaced_and_resumed_without_a
         config = write_vendors_config(tmp_path, {"tickets": tickets_kind(server)})
         args = [
             *serve_args(
-                serving("mcp_agents_for_tests"), config, lease_seconds="2", heartbeat_seconds="0.5"
+                serving("support.mcp_agents_for_tests"),
+                config,
+                lease_seconds="2",
+                heartbeat_seconds="0.5",
             ),
             "--dispatch-lease-seconds",
             "2",

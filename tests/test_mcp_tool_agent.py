@@ -14,16 +14,6 @@ from typing import Any
 import anyio
 import pytest
 
-from mcp_servers_for_tests import (
-    TICKET_TURNS,
-    calls_per_key,
-    classification,
-    http_server,
-    ledger,
-    stdio_server,
-    tickets_kind,
-    tickets_server,
-)
 from orchestrator.agent.mcp.tools import McpEffectTool, McpToolSource, load_classification
 from orchestrator.agent.tool_loop import ToolAgent, effect_keys
 from orchestrator.client import Client
@@ -37,6 +27,16 @@ from orchestrator.settings import Settings
 from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.testing.loopback import ScriptedCall, ScriptedModelServer, ScriptedTurn, turns
 from support import cli
+from support.mcp_servers_for_tests import (
+    TICKET_TURNS,
+    calls_per_key,
+    classification,
+    http_server,
+    ledger,
+    stdio_server,
+    tickets_kind,
+    tickets_server,
+)
 from test_runtime import FAST
 
 pytest.importorskip("mcp")

@@ -19,8 +19,8 @@ from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker, wait_for_run
 from orchestrator.testing.loopback import ScriptedModelServer, ScriptedTurn, ServerError, turns
-from pydantic_ai_agents_for_tests import pai_orders
 from support import failed_attempts
+from support.pydantic_ai_agents_for_tests import pai_orders
 from test_runtime import FAST
 from test_tool_agent import serve_one
 

@@ -1,5 +1,5 @@
-"""The loopback OpenID Connect provider (tests/oidc_provider.py), driven by authlib's own client
-as the console will drive it: discovery, an authorization URL with PKCE S256 and a nonce, the
+"""The loopback OpenID Connect provider (tests/support/oidc_provider.py), driven by authlib's own
+client as the console will drive it: discovery, an authorization URL with PKCE S256 and a nonce, the
 login form posted as a user would, the code exchanged, the ID token checked against the JWKS."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from authlib.oidc.core import CodeIDToken
 from joserfc import jwt
 from joserfc.jwk import KeySet, KeySetSerialization
 
-from oidc_provider import OidcClient, OidcProvider
+from support.oidc_provider import OidcClient, OidcProvider
 
 REDIRECT_URI = "http://127.0.0.1:9/auth/callback"
 CLIENT_ID = "console"

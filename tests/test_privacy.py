@@ -25,8 +25,8 @@ from orchestrator.testing.loopback import (
     ScriptedTurn,
     turns,
 )
+from support.tool_agents_for_tests import lookup_order, notify
 from test_runtime import FAST
-from tool_agents_for_tests import lookup_order, notify
 
 CANARY = "canary-5f0c2e91"
 

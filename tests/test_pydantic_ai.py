@@ -39,7 +39,8 @@ from orchestrator.testing.loopback import (
     Slow,
     turns,
 )
-from pydantic_ai_agents_for_tests import (
+from support import ServeProcess, crm_kind, fenced_claims, serve_args, serving, write_vendors_config
+from support.pydantic_ai_agents_for_tests import (
     ORDERS_TURNS,
     REFUND_TURNS,
     SLOW_TURN_1,
@@ -54,10 +55,9 @@ from pydantic_ai_agents_for_tests import (
     pai_refunds,
     pai_structured,
 )
-from support import ServeProcess, crm_kind, fenced_claims, serve_args, serving, write_vendors_config
 from test_runtime import FAST, eventually
 
-AGENTS = serving("pydantic_ai_agents_for_tests")
+AGENTS = serving("support.pydantic_ai_agents_for_tests")
 
 
 def crm(vendor: LocalVendor) -> dict[str, HttpAdapter]:

@@ -47,7 +47,7 @@ from test_effects_proxy import free_port
 pytestmark = pytest.mark.slow
 
 T = TypeVar("T")
-FAST = serving("agents_for_tests")
+FAST = serving("support.agents_for_tests")
 
 
 async def wait_for(

@@ -36,6 +36,7 @@ from orchestrator.settings import (
 from orchestrator.testing import LocalVendor, ReplicatedPostgres, SmtpSink, running_worker
 from orchestrator.testing.loopback import ScriptedModelServer
 from support import cli
+from support.tool_agents_for_tests import ORDERS_TURNS, orders
 from test_failover import (
     GRANTS,
     WORKER,
@@ -47,7 +48,6 @@ from test_failover import (
     replicated,
     submit_notices,
 )
-from tool_agents_for_tests import ORDERS_TURNS, orders
 
 pytestmark = pytest.mark.slow
 

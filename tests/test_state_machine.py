@@ -38,11 +38,11 @@ from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunStore
 from orchestrator.settings import Settings
 from orchestrator.testing import DatabaseFactory
-from state_machine_invariants import ModelInvariants
-from state_machine_model import Environment, LoopThread
-from state_machine_rules_claims import ClaimRules, LeaseRules, SubmitRules
-from state_machine_rules_operators import OperatorRules, TimeRules
-from state_machine_rules_progress import ProgressRules
+from state_machine.invariants import ModelInvariants
+from state_machine.model import Environment, LoopThread
+from state_machine.rules_claims import ClaimRules, LeaseRules, SubmitRules
+from state_machine.rules_operators import OperatorRules, TimeRules
+from state_machine.rules_progress import ProgressRules
 
 pytestmark = pytest.mark.slow
 

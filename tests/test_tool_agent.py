@@ -31,8 +31,8 @@ from orchestrator.testing.loopback import (
     Slow,
     turns,
 )
+from support.tool_agents_for_tests import ORDERS_TURNS, lookup_order, notify, orders
 from test_runtime import FAST
-from tool_agents_for_tests import ORDERS_TURNS, lookup_order, notify, orders
 
 
 async def serve_one(

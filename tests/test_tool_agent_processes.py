@@ -31,11 +31,11 @@ from support import (
     serving,
     write_vendors_config,
 )
+from support.tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
 from test_runtime import FAST, eventually
-from tool_agents_for_tests import ORDERS_TURNS, SLOW_TURN_1, orders
 
 pytestmark = pytest.mark.slow
-AGENTS = serving("tool_agents_for_tests")
+AGENTS = serving("support.tool_agents_for_tests")
 
 
 def vendor_config(tmp_path: Path, vendor: LocalVendor) -> str:

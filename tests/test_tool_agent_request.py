@@ -28,8 +28,8 @@ from orchestrator.testing.loopback import (
     ScriptRequest,
     turns,
 )
+from support.tool_agents_for_tests import lookup_order, refunds
 from test_runtime import FAST
-from tool_agents_for_tests import lookup_order, refunds
 
 TURNS = 8
 reader = ToolAgent(

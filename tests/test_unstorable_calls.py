@@ -16,7 +16,7 @@ import pydantic
 import pytest
 from pydantic_ai import Agent as PydanticAgent
 
-import pydantic_ai_agents_for_tests as pai_tools
+import support.pydantic_ai_agents_for_tests as pai_tools
 from orchestrator.agent.llm import ToolCall
 from orchestrator.agent.steps import Agent
 from orchestrator.agent.stored_replies import stored_json, stored_reply
@@ -37,8 +37,8 @@ from orchestrator.testing.loopback import (
     turns,
 )
 from support import failed_attempts
+from support.tool_agents_for_tests import lookup_order, notify, orders, refund
 from test_tool_agent import serve_one
-from tool_agents_for_tests import lookup_order, notify, orders, refund
 
 HUGE = "x" * (400 * 1024)
 
@@ -275,7 +275,7 @@ async def test_mcp_a_call_postgresql_cannot_store_is_a_tool_error_and_nothing_is
     problem: str,
 ) -> None:
     pytest.importorskip("mcp")
-    from mcp_servers_for_tests import ledger, stdio_server
+    from support.mcp_servers_for_tests import ledger, stdio_server
     from test_mcp_tool_agent import mcp_agent, serve_one_run
 
     seen: list[ScriptRequest] = []

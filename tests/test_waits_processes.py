@@ -34,12 +34,12 @@ from support import (
     started_and_migrated,
     submit_all,
 )
+from support.tool_agents_for_tests import BUDGET_TURNS, REFUND_TURNS
 from test_serve_faults import wait_all_terminal
 from test_tool_agent_processes import AGENTS, killed_once_answered, model_env, until, vendor_config
-from tool_agents_for_tests import BUDGET_TURNS, REFUND_TURNS
 
 pytestmark = pytest.mark.slow
-INBOX = serving("agents_for_tests")
+INBOX = serving("support.agents_for_tests")
 CONVERSATION = "Refund order o-17, please."
 
 

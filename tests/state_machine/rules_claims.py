@@ -9,8 +9,8 @@ from hypothesis.stateful import precondition, rule
 
 from orchestrator.errors import IdempotencyConflict
 from orchestrator.models import RunState
-from state_machine_base import RunMachineBase
-from state_machine_model import (
+from state_machine.base import RunMachineBase
+from state_machine.model import (
     AGENTS,
     IDEMPOTENCY_KEYS,
     LEASE_SECONDS,

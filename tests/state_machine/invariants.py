@@ -6,8 +6,8 @@ import asyncpg
 from hypothesis.stateful import invariant
 
 from orchestrator.models import Run, RunState
-from state_machine_base import RunMachineBase
-from state_machine_model import ModelRun
+from state_machine.base import RunMachineBase
+from state_machine.model import ModelRun
 
 
 class ModelInvariants(RunMachineBase):

@@ -9,8 +9,8 @@ from hypothesis.stateful import precondition, rule
 
 from orchestrator.db.store import RunFinish, StepCommit, StepEvent
 from orchestrator.models import JSON, CommitResult, RunState
-from state_machine_base import RunMachineBase
-from state_machine_model import (
+from state_machine.base import RunMachineBase
+from state_machine.model import (
     CHECKPOINTS,
     EXTRA_EVENTS,
     FINAL_CHECKPOINTS,

@@ -9,8 +9,8 @@ from hypothesis.stateful import precondition, rule
 
 from orchestrator.errors import InvalidTransition
 from orchestrator.models import RunState
-from state_machine_base import RunMachineBase
-from state_machine_model import ACTIVE_STATES, ExpectedEvent
+from state_machine.base import RunMachineBase
+from state_machine.model import ACTIVE_STATES, ExpectedEvent
 
 
 class OperatorRules(RunMachineBase):

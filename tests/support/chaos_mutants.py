@@ -1,8 +1,8 @@
 """Deliberately broken builds, for ``tests/test_chaos.py``: the chaos checker must catch each.
 
-``python tests/chaos_mutants.py MUTANT ARGS...`` runs ``orchestrator ARGS...`` with the mutant
-applied. The database-side mutants (``BOUNDARY_WITHOUT_FENCE_CHECK``, ``FENCES_WITHOUT_EPOCH``)
-are SQL the campaign runs after migrating.
+``python tests/support/chaos_mutants.py MUTANT ARGS...`` runs ``orchestrator ARGS...`` with the
+mutant applied. The database-side mutants (``BOUNDARY_WITHOUT_FENCE_CHECK``,
+``FENCES_WITHOUT_EPOCH``) are SQL the campaign runs after migrating.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, TypeVar
 from hypothesis import strategies as st
 
 from orchestrator.models import ClaimedRun, Lease, RunState
-from state_machine_model import (
+from state_machine.model import (
     VERSION_OFFSETS,
     WORKERS,
     Environment,

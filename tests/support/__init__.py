@@ -27,7 +27,7 @@ from orchestrator.models import JSON, Run, RunEvent
 from orchestrator.settings import Settings
 from orchestrator.testing import LocalVendor, running_worker, wait_for_run
 
-TESTS_DIR = Path(__file__).parent
+TESTS_DIR = Path(__file__).parent.parent
 
 
 def serving(agents_module: str) -> list[str]:
