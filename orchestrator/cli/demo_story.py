@@ -165,7 +165,7 @@ async def _demo(
                                 "adapter": "smtp",
                                 "host": "127.0.0.1",
                                 "port": sink.port,
-                                "sender": "agents@orchestrator.cli.demo_story",
+                                "sender": "agents@orchestrator.demo",
                             },
                         }
                     }

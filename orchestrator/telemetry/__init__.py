@@ -194,7 +194,7 @@ class Metrics:
             "orchestrator.lease.renewal_failures",
             description="renewal statements that failed or timed out",
         )
-        self.steps = meter.create_counter("orchestrator.agent.steps", description="step executions")
+        self.steps = meter.create_counter("orchestrator.steps", description="step executions")
         self.step_seconds = meter.create_histogram(
             "orchestrator.step.duration", unit="s", description="step run time, commit included"
         )
