@@ -2,6 +2,13 @@
 
 Set ``ORCHESTRATOR_TEST_DATABASE_URL`` to test against an existing server (its user must be
 allowed to create databases); otherwise an embedded server is started for the session.
+
+The suite runs in parallel (pytest-xdist, ``-n auto`` in pyproject.toml): each worker process
+starts its own embedded server on a port the kernel hands out, so no two workers share a server,
+a database or a port. Tests spend most of their time waiting (leases expiring, processes starting,
+servers restarting), so there are twice as many workers as cores.
+``ORCHESTRATOR_TEST_WORKERS=N`` sets the number. Against an existing server the workers would
+share its cluster-wide roles, so ``-n auto`` runs one worker there unless told otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +28,16 @@ from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.store import RunStore
 from orchestrator.settings import Settings
 from orchestrator.testing import TEST_SERVER_SETTINGS, DatabaseFactory, with_database
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: twice the cores (at least 2, at most 8), or ``ORCHESTRATOR_TEST_WORKERS``."""
+    chosen = os.environ.get("ORCHESTRATOR_TEST_WORKERS")
+    if chosen:
+        return max(1, int(chosen))
+    if os.environ.get("ORCHESTRATOR_TEST_DATABASE_URL"):
+        return 1
+    return min(8, max(2, 2 * (os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
