@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -33,8 +34,9 @@ from rich.table import Table
 from orchestrator.db.bootstrap import open_store
 from orchestrator.db.connections import resolve_dsn
 from orchestrator.db.store import RunStore
+from orchestrator.effect_model import EffectRecord
 from orchestrator.effects.store import EffectStore
-from orchestrator.models import RunEvent
+from orchestrator.models import Run, RunEvent
 from orchestrator.settings import Settings
 from orchestrator.testing.local_scripts import contract_summary_script
 from orchestrator.testing.loopback import LocalVendor, ScriptedModelServer, SmtpSink
@@ -127,9 +129,7 @@ async def _demo(
     console.print(
         "[bold]orchestrator demo[/bold]: stale workers meet leases and the fenced boundary"
     )
-    dsn = resolve_dsn(settings)
     work = Path(tempfile.mkdtemp(prefix="orchestrator-demo-"))
-    configured = os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL")
     async with (
         LocalVendor() as vendor,
         ScriptedModelServer(
@@ -137,42 +137,12 @@ async def _demo(
         ) as local_model,
         open_store(settings, application_name="demo") as store,
     ):
-        if configured:
-            model_env: dict[str, str] = {}
-            where = os.environ.get("OPENAI_BASE_URL") or "OpenAI"
-            console.print(
-                f"model: {os.environ.get('ORCHESTRATOR_MODEL', 'gpt-4o-mini')} at {where}"
-            )
-        else:
-            model_env = {"OPENAI_BASE_URL": local_model.base_url, "OPENAI_API_KEY": ""}
-            console.print(
-                "model: the local scripted model (no OPENAI_API_KEY or OPENAI_BASE_URL set), "
-                f"at {local_model.base_url}"
-            )
+        model_env = _choose_model(console, local_model)
         with SmtpSink() as sink:
-            config = work / "vendors.json"
-            config.write_text(
-                json.dumps(
-                    {
-                        "kinds": {
-                            "crm": {
-                                "adapter": "http",
-                                "url": vendor.send_url,
-                                "reconcile": "lookup",
-                                "lookup_url": vendor.lookup_url,
-                            },
-                            "email": {
-                                "adapter": "smtp",
-                                "host": "127.0.0.1",
-                                "port": sink.port,
-                                "sender": "agents@orchestrator.demo",
-                            },
-                        }
-                    }
-                )
-            )
+            config = _write_vendors(work, vendor, sink)
             console.print(f"vendors: HTTP CRM at {vendor.url}, SMTP at 127.0.0.1:{sink.port}")
             console.print(f"worker logs: {work}")
+            dsn = resolve_dsn(settings)
             workers = {
                 name: _start_worker(
                     name, dsn, config, lease_seconds, work, max(1, runs // 2), model_env
@@ -180,98 +150,191 @@ async def _demo(
                 for name in (WORKER_A, WORKER_B)
             }
             try:
-                run_ids = [
-                    (
-                        await store.submit(
-                            "contract_summary",
-                            {
-                                "contract_id": "c-1001",
-                                "to": f"legal{n}@customer.test",
-                                "account": f"customer-{n}",
-                            },
-                        )
-                    ).run.run_id
-                    for n in range(runs)
-                ]
-                console.print(
-                    f"submitted {runs} contract_summary runs; two workers are claiming, and the "
-                    "model chooses the email and the CRM update as tool calls"
+                run_ids = await _submit(store, runs, console)
+                await _pause_a_past_its_leases(
+                    store, workers[WORKER_A], run_ids, lease_seconds, console
                 )
-                with anyio.fail_after(30):
-                    while True:
-                        owners = {
-                            r.lease_owner
-                            for r in await store.list_runs(limit=runs)
-                            if r.run_id in run_ids
-                        }
-                        if WORKER_A in owners:
-                            break
-                        await anyio.sleep(0.05)
-                workers[WORKER_A].send_signal(signal.SIGSTOP)
-                console.print(
-                    f"worker A paused (SIGSTOP) holding runs; its {lease_seconds:.1f}s leases "
-                    "will expire and worker B will claim them with a higher fence …"
-                )
-                await anyio.sleep(lease_seconds * 2 + 1.5)
-                workers[WORKER_A].send_signal(signal.SIGCONT)
-                console.print("worker A resumed: it wakes up believing it still owns its runs")
-                with anyio.fail_after(60):
-                    while True:
-                        current = [(await store.get(run_id)).state for run_id in run_ids]
-                        done = sum(state.terminal for state in current)
-                        console.print(f"  {done}/{runs} runs finished", end="\r")
-                        if done == runs:
-                            break
-                        await anyio.sleep(0.25)
-                console.print()
-                # Let A notice (and record) every lost lease before judging; bounded.
-                with anyio.move_on_after(10):
-                    while True:
-                        held_by_a = lost_by_a = 0
-                        for run_id in run_ids:
-                            timeline = await store.events(run_id)
-                            held_by_a += _takeover_from_a(timeline) is not None
-                            lost_by_a += any(
-                                e.kind == "lease_lost" and e.worker_id == WORKER_A for e in timeline
-                            )
-                        if lost_by_a >= held_by_a:
-                            break
-                        await anyio.sleep(0.2)
+                await _until_finished(store, run_ids, console)
+                await _until_a_noticed(store, run_ids)
             finally:
                 for process in workers.values():
                     _stop(process)
-            timelines = await _timelines(store, run_ids)
-            final = [await store.get(run_id) for run_id in run_ids]
-            effects = await EffectStore(store.pool).list_effects(limit=10_000)
-            effects = [e for e in effects if e.run_id in run_ids]
-            email_ids = Counter(sink.message_ids())
-    leftover = [p.args for p in workers.values() if p.poll() is None]
+            seen = await _observe(store, run_ids, sink, vendor)
+    seen.leftover = [p.args for p in workers.values() if p.poll() is None]
+    checks = _report(seen, out, started=started)
+    broken = [label for label, ok in checks if not ok]
+    if broken:
+        console.print(f"[red]{len(broken)} invariant(s) broken[/red]; worker logs in {work}")
+    return not broken
 
-    states = Counter(run.state.value for run in final)
-    events = [event for timeline in timelines.values() for event in timeline]
-    lost = [e for e in events if e.kind == "lease_lost"]
-    own_check, fenced = _ways_stopped(events)
-    taken_from_a = {
-        run_id: takeover
-        for run_id, timeline in timelines.items()
-        if (takeover := _takeover_from_a(timeline)) is not None
+
+# -- the phases -----------------------------------------------------------------------------
+def _choose_model(console: Console, local_model: ScriptedModelServer) -> dict[str, str]:
+    """The workers' model: the configured one, else the local scripted model (said either way)."""
+    if os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL"):
+        where = os.environ.get("OPENAI_BASE_URL") or "OpenAI"
+        console.print(f"model: {os.environ.get('ORCHESTRATOR_MODEL', 'gpt-4o-mini')} at {where}")
+        return {}
+    console.print(
+        "model: the local scripted model (no OPENAI_API_KEY or OPENAI_BASE_URL set), "
+        f"at {local_model.base_url}"
+    )
+    return {"OPENAI_BASE_URL": local_model.base_url, "OPENAI_API_KEY": ""}
+
+
+def _write_vendors(work: Path, vendor: LocalVendor, sink: SmtpSink) -> Path:
+    config = work / "vendors.json"
+    crm = {
+        "adapter": "http",
+        "url": vendor.send_url,
+        "reconcile": "lookup",
+        "lookup_url": vendor.lookup_url,
     }
-    recoveries = [
-        (claim.at - _parse(claim.details["previous_lease_until"])).total_seconds()
-        for claim in taken_from_a.values()
-        if claim.details.get("previous_lease_until")
+    email = {
+        "adapter": "smtp",
+        "host": "127.0.0.1",
+        "port": sink.port,
+        "sender": "agents@orchestrator.demo",
+    }
+    config.write_text(json.dumps({"kinds": {"crm": crm, "email": email}}))
+    return config
+
+
+async def _submit(store: RunStore, runs: int, console: Console) -> list[str]:
+    run_ids = []
+    for n in range(runs):
+        document = {
+            "contract_id": "c-1001",
+            "to": f"legal{n}@customer.test",
+            "account": f"customer-{n}",
+        }
+        run_ids.append((await store.submit("contract_summary", document)).run.run_id)
+    console.print(
+        f"submitted {runs} contract_summary runs; two workers are claiming, and the "
+        "model chooses the email and the CRM update as tool calls"
+    )
+    return run_ids
+
+
+async def _pause_a_past_its_leases(
+    store: RunStore,
+    worker_a: subprocess.Popen[bytes],
+    run_ids: list[str],
+    lease_seconds: float,
+    console: Console,
+) -> None:
+    """Once A holds runs, SIGSTOP it past its leases' end (B claims them), then resume it."""
+    with anyio.fail_after(30):
+        while True:
+            listed = await store.list_runs(limit=len(run_ids))
+            if WORKER_A in {run.lease_owner for run in listed if run.run_id in run_ids}:
+                break
+            await anyio.sleep(0.05)
+    worker_a.send_signal(signal.SIGSTOP)
+    console.print(
+        f"worker A paused (SIGSTOP) holding runs; its {lease_seconds:.1f}s leases "
+        "will expire and worker B will claim them with a higher fence …"
+    )
+    await anyio.sleep(lease_seconds * 2 + 1.5)
+    worker_a.send_signal(signal.SIGCONT)
+    console.print("worker A resumed: it wakes up believing it still owns its runs")
+
+
+async def _until_finished(store: RunStore, run_ids: list[str], console: Console) -> None:
+    with anyio.fail_after(60):
+        while True:
+            done = sum([(await store.get(run_id)).state.terminal for run_id in run_ids])
+            console.print(f"  {done}/{len(run_ids)} runs finished", end="\r")
+            if done == len(run_ids):
+                break
+            await anyio.sleep(0.25)
+    console.print()
+
+
+async def _until_a_noticed(store: RunStore, run_ids: list[str]) -> None:
+    """Let A notice (and record) every lost lease before judging; bounded."""
+    with anyio.move_on_after(10):
+        while True:
+            held_by_a = lost_by_a = 0
+            for run_id in run_ids:
+                timeline = await store.events(run_id)
+                held_by_a += _takeover_from_a(timeline) is not None
+                lost_by_a += any(
+                    e.kind == "lease_lost" and e.worker_id == WORKER_A for e in timeline
+                )
+            if lost_by_a >= held_by_a:
+                return
+            await anyio.sleep(0.2)
+
+
+@dataclass
+class Observed:
+    """What the demo saw at the end: the runs, their timelines, the effect records, and what
+    each vendor received."""
+
+    run_ids: list[str]
+    timelines: dict[str, list[RunEvent]]
+    final: list[Run]
+    effects: list[EffectRecord]
+    email_ids: Counter[str]
+    crm_requests: dict[str, int]
+    crm_total: int
+    leftover: list[object] = field(default_factory=list)
+
+
+async def _observe(
+    store: RunStore, run_ids: list[str], sink: SmtpSink, vendor: LocalVendor
+) -> Observed:
+    effects = await EffectStore(store.pool).list_effects(limit=10_000)
+    return Observed(
+        run_ids=run_ids,
+        timelines=await _timelines(store, run_ids),
+        final=[await store.get(run_id) for run_id in run_ids],
+        effects=[e for e in effects if e.run_id in run_ids],
+        email_ids=Counter(sink.message_ids()),
+        crm_requests=dict(vendor.requests_by_key),
+        crm_total=vendor.requests,
+    )
+
+
+# -- the verdict ----------------------------------------------------------------------------
+def _checks(seen: Observed, taken_from_a: dict[str, RunEvent]) -> list[tuple[str, bool]]:
+    runs, effects, run_ids = len(seen.run_ids), seen.effects, seen.run_ids
+    emails = _emails_per_run(seen)
+    crm = [seen.crm_requests.get(e.idempotency_key, 0) for e in effects if e.kind == "crm"]
+    return [
+        ("every run succeeded", Counter(r.state.value for r in seen.final) == {"succeeded": runs}),
+        (
+            "each run's model chose one email and one CRM update",
+            Counter(e.run_id for e in effects if e.kind == "email") == Counter(run_ids)
+            and Counter(e.run_id for e in effects if e.kind == "crm") == Counter(run_ids),
+        ),
+        ("worker A's runs were taken over with a higher fence", bool(taken_from_a)),
+        (
+            "each email reached the SMTP server exactly once",
+            len(emails) == runs and set(emails) == {1} and sum(seen.email_ids.values()) == runs,
+        ),
+        (
+            "each CRM update reached the vendor exactly once",
+            len(crm) == runs and set(crm) == {1} and seen.crm_total == runs,
+        ),
+        ("worker A committed nothing after losing its leases", not _late_commits_of_a(seen)),
+        ("nothing left running", not seen.leftover),
     ]
-    emails_per_run = [
-        email_ids.get(f"<{e.idempotency_key}@orchestrator>", 0)
-        for e in effects
+
+
+def _emails_per_run(seen: Observed) -> list[int]:
+    return [
+        seen.email_ids.get(f"<{e.idempotency_key}@orchestrator>", 0)
+        for e in seen.effects
         if e.kind == "email"
     ]
-    crm_per_run = [
-        vendor.requests_by_key.get(e.idempotency_key, 0) for e in effects if e.kind == "crm"
-    ]
-    a_late_commits = [
+
+
+def _late_commits_of_a(seen: Observed) -> list[RunEvent]:
+    return [
         e
-        for timeline in timelines.values()
+        for timeline in seen.timelines.values()
         for e in timeline
         if e.kind in ("checkpoint", "succeeded", "effect_accepted")
         and e.worker_id == WORKER_A
@@ -283,36 +346,32 @@ async def _demo(
             for x in timeline
         )
     ]
-    checks = [
-        ("every run succeeded", states == Counter({"succeeded": runs})),
-        (
-            "each run's model chose one email and one CRM update",
-            Counter(e.run_id for e in effects if e.kind == "email") == Counter(run_ids)
-            and Counter(e.run_id for e in effects if e.kind == "crm") == Counter(run_ids),
-        ),
-        ("worker A's runs were taken over with a higher fence", bool(taken_from_a)),
-        (
-            "each email reached the SMTP server exactly once",
-            len(emails_per_run) == runs
-            and set(emails_per_run) == {1}
-            and sum(email_ids.values()) == runs,
-        ),
-        (
-            "each CRM update reached the vendor exactly once",
-            len(crm_per_run) == runs and set(crm_per_run) == {1} and vendor.requests == runs,
-        ),
-        ("worker A committed nothing after losing its leases", not a_late_commits),
-        ("nothing left running", not leftover),
-    ]
 
+
+def _report(seen: Observed, out: Console, *, started: float) -> list[tuple[str, bool]]:
+    """Print the measures and the invariants; return the invariants as (label, held)."""
+    events = [event for timeline in seen.timelines.values() for event in timeline]
+    own_check, fenced = _ways_stopped(events)
+    taken_from_a = {
+        run_id: takeover
+        for run_id, timeline in seen.timelines.items()
+        if (takeover := _takeover_from_a(timeline)) is not None
+    }
+    recoveries = [
+        (claim.at - _parse(claim.details["previous_lease_until"])).total_seconds()
+        for claim in taken_from_a.values()
+        if claim.details.get("previous_lease_until")
+    ]
+    states = Counter(run.state.value for run in seen.final)
+    crm = [seen.crm_requests.get(e.idempotency_key, 0) for e in seen.effects if e.kind == "crm"]
     summary = Table(title="summary", show_edge=False, title_justify="left", header_style="bold")
     summary.add_column("measure")
     summary.add_column("value")
     summary.add_row("runs by state", ", ".join(f"{k}: {v}" for k, v in sorted(states.items())))
     summary.add_row("runs taken over from worker A", str(len(taken_from_a)))
-    summary.add_row("emails delivered per run", _spread(emails_per_run))
-    summary.add_row("CRM updates delivered per run", _spread(crm_per_run))
-    summary.add_row("lost leases", str(len(lost)))
+    summary.add_row("emails delivered per run", _spread(_emails_per_run(seen)))
+    summary.add_row("CRM updates delivered per run", _spread(crm))
+    summary.add_row("lost leases", str(sum(e.kind == "lease_lost" for e in events)))
     summary.add_row(f"stale worker stopped by {OWN_LEASE_CHECK}", str(len(own_check)))
     summary.add_row(f"stale worker stopped by {REFUSED_BY_FENCE}", str(len(fenced)))
     if recoveries:
@@ -322,6 +381,7 @@ async def _demo(
         )
     summary.add_row("elapsed", f"{time.monotonic() - started:.1f}s")
     out.print(summary)
+    checks = _checks(seen, taken_from_a)
     result = Table(show_edge=False, header_style="bold")
     result.add_column("invariant")
     result.add_column("result")
@@ -342,10 +402,7 @@ async def _demo(
             markup=False,
         )
         out.print(f"and its effects: orchestrator effects list --run {example}", markup=False)
-    broken = [label for label, ok in checks if not ok]
-    if broken:
-        console.print(f"[red]{len(broken)} invariant(s) broken[/red]; worker logs in {work}")
-    return not broken
+    return checks
 
 
 OWN_LEASE_CHECK = "its own lease check"
