@@ -13,7 +13,7 @@ and report the median ratio history/empty of each (the target: at least 0.9).
 
 Then, on the history database, a worker-like load (claim 50, finish each, ``--tasks`` tasks) runs
 in alternating windows of ``--window`` seconds without and with a concurrent
-``orchestrator.db.retention.purge`` (cutoff 30 days, its default pacing), reporting the purge's
+``orchestrator.db.purges.purge`` (cutoff 30 days, its default pacing), reporting the purge's
 rows/s (runs and what was kept for them) and the median ratio of the load's runs/s with the
 purge to without (the target: at least 0.8).
 
