@@ -1,4 +1,11 @@
-"""The worker runtime: claiming, run executions, heartbeats, group commit (asyncio).
+"""The worker runtime (asyncio), the design card's shape:
+
+- the supervisor task group is ``Worker.run``'s (``worker.py``), hosting every run's task;
+- one scope per run is that run's task, ``RunExecution.execute`` (``execution.py``);
+- its heartbeat is the run's ``LeaseHandle``, renewed in batches and cancelling the scope when
+  the lease is lost (``heartbeat.py``);
+- each step's checkpoint and effect records commit in one transaction (``group_commit.py``);
+- every span, log and metric carries the run, fence and worker ids (``run_telemetry.py``).
 
 Its public face is ``Worker``, ``WorkerConfig`` and ``default_worker_id`` (what ``serve`` and
 ``orchestrator.testing`` run); the modules behind it are internal and may change.
