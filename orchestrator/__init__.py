@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.lazy import lazy_exports
+from orchestrator.lazy import install_moved_modules, lazy_exports
 
 if TYPE_CHECKING:
     from orchestrator.agent.budgets import Budget, BudgetExhausted
@@ -95,6 +95,42 @@ _EXPORTS = {
 }
 """Each public name and the module defining it: imported on first use (``__getattr__``), so that
 ``import orchestrator.errors`` loads neither the worker, the console nor the client."""
+
+
+MOVED = {
+    "orchestrator.attempts": "orchestrator.client.attempts",
+    "orchestrator.budgets": "orchestrator.agent.budgets",
+    "orchestrator.client_features": "orchestrator.client.features",
+    "orchestrator.client_runs": "orchestrator.client.runs",
+    "orchestrator.client_sync": "orchestrator.client.sync",
+    "orchestrator.db.pair_node": "orchestrator.testing.pair_node",
+    "orchestrator.db.replicated": "orchestrator.testing.replicated",
+    "orchestrator.db.stores": "orchestrator.client.stores",
+    "orchestrator.delegation": "orchestrator.client.delegation",
+    "orchestrator.demo": "orchestrator.cli.demo_story",
+    "orchestrator.effects.model": "orchestrator.effect_model",
+    "orchestrator.extras": "orchestrator.lazy",
+    "orchestrator.llm": "orchestrator.agent.llm",
+    "orchestrator.local_scripts": "orchestrator.testing.local_scripts",
+    "orchestrator.loopback": "orchestrator.testing.loopback",
+    "orchestrator.mcp_client": "orchestrator.agent.mcp.client",
+    "orchestrator.mcp_tools": "orchestrator.agent.mcp.tools",
+    "orchestrator.metrics_endpoint": "orchestrator.worker.metrics_endpoint",
+    "orchestrator.presentation": "orchestrator.cli.presentation",
+    "orchestrator.retention": "orchestrator.db.retention",
+    "orchestrator.run_detail": "orchestrator.client.detail",
+    "orchestrator.run_waiter": "orchestrator.client.waiter",
+    "orchestrator.signals": "orchestrator.db.signals",
+    "orchestrator.steps": "orchestrator.agent.steps",
+    "orchestrator.stored_replies": "orchestrator.agent.stored_replies",
+    "orchestrator.tool_agent": "orchestrator.agent.tool_loop",
+    "orchestrator.tools": "orchestrator.agent.tools",
+    "orchestrator.transcript": "orchestrator.agent.transcript",
+}
+"""Modules of release 0.1 that moved into a room of their own, and where they live now: the old
+path still imports, with a DeprecationWarning (``lazy.MovedModules``)."""
+
+install_moved_modules(MOVED)
 
 
 def _version() -> str:

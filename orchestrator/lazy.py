@@ -10,8 +10,13 @@ be published where they look): ``install_hint`` is the one place that says so.""
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 
 
 def lazy_exports(
@@ -31,6 +36,39 @@ def lazy_exports(
         return sorted({*vars(sys.modules[package]), *exports})
 
     return __getattr__, __dir__
+
+
+class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Old module paths that still import, as the module's new home, with a warning naming it:
+    code written against a release before a move keeps running while its imports are updated."""
+
+    def __init__(self, moved: Mapping[str, str]) -> None:
+        self.moved = dict(moved)
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.moved:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = self.moved[spec.name]
+        warnings.warn(
+            f"{spec.name} moved to {new}: import it from there ({spec.name} goes in a later "
+            "release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The new module ran when it was imported; nothing is left to run."""
+
+
+def install_moved_modules(moved: Mapping[str, str]) -> None:
+    if not any(isinstance(finder, MovedModules) for finder in sys.meta_path):
+        sys.meta_path.append(MovedModules(moved))
 
 
 DISTRIBUTION = "fenced-orchestrator"

@@ -133,3 +133,18 @@ def test_one_database_module_loads_neither_the_run_store_nor_the_worker() -> Non
 
 def test_the_action_proxy_does_not_load_the_terminal_renderer() -> None:
     assert "orchestrator.cli.presentation" not in loaded_by("orchestrator.effects.proxy")
+
+
+@pytest.mark.parametrize("old", sorted(orchestrator.MOVED))
+def test_a_moved_module_still_imports_from_its_old_path_with_a_warning(old: str) -> None:
+    """Code written before the move keeps running; the warning names where to import from."""
+    new = orchestrator.MOVED[old]
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+
+
+def test_a_module_that_never_existed_is_still_not_found() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("orchestrator.no_such_module")
