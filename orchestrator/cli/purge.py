@@ -53,7 +53,7 @@ async def runs_purge(
     are kept. Safe while workers run: batches skip rows others hold."""
     age = parse_age(older_than)
     async with open_stores(settings) as stores:
-        cutoff = await stores.runs.database_now() - age
+        cutoff = await stores.purge_cutoff(age)
         if dry_run:
             count = await stores.purges.count(cutoff)
             result: dict[str, object] = {"dry_run": True, "cutoff": cutoff, "runs": count}

@@ -163,8 +163,7 @@ async def runs_events(
     from orchestrator.client.stores import open_stores
 
     async with open_stores(settings) as stores:
-        await stores.runs.get(run_id)  # RunNotFound for an unknown run, not an empty page
-        events = await stores.runs.events(run_id, after=after, limit=limit)
+        events = await stores.events_of(run_id, after=after, limit=limit)
     if as_json:
         click.echo(dump_json(events))  # a page can be megabytes: no highlighting pass
     else:

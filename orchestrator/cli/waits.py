@@ -78,10 +78,8 @@ async def runs_budget(
         for value in (add_usd, add_turns, add_tool_calls, add_input_tokens, add_output_tokens)
     )
     async with open_stores(settings) as stores:
-        budgets = stores.budgets
-        await stores.runs.get(run_id)  # a clear error for an unknown run
         if topping_up:
-            state = await budgets.top_up(
+            state = await stores.top_up(
                 run_id,
                 turns=add_turns,
                 tool_calls=add_tool_calls,
@@ -90,14 +88,14 @@ async def runs_budget(
                 cost_usd=add_usd,
             )
         else:
-            found = await budgets.get(run_id)
+            found = await stores.budget_of(run_id)
             if found is None:
                 raise InvalidTransition(
                     f"run {run_id} has no budget (its agent declares none, or it has not "
                     "made a model call yet)"
                 )
             state = found
-        entries = await budgets.ledger(run_id) if ledger else []
+        entries = await stores.ledger_of(run_id) if ledger else []
     if as_json:
         document = {"run_id": run_id, **state.as_json()}
         if ledger:

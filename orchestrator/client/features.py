@@ -12,7 +12,7 @@ from orchestrator.client.stores import Stores
 from orchestrator.db.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.purges import Purged, purge
-from orchestrator.db.retention import MAX_AGE, PURGE_BATCH
+from orchestrator.db.retention import PURGE_BATCH
 from orchestrator.db.signals import Signal
 from orchestrator.db.standby_wait import acknowledgement_seconds
 from orchestrator.effect_model import EffectRecord, EffectStatus
@@ -160,8 +160,7 @@ class SignalsHandle(StoresHandle):
     ) -> builtins.list[tuple[Signal, datetime | None, int | None]]:
         """The run's signals (or its ``newest``), oldest first, each with when and by which
         fence it was consumed (``None`` while it waits)."""
-        await self._stores.runs.get(run_id)  # RunNotFound rather than an empty list
-        return await self._stores.signals.history(run_id, newest=newest)
+        return await self._stores.signals_of(run_id, newest=newest)
 
 
 class BudgetsHandle(StoresHandle):
@@ -170,23 +169,17 @@ class BudgetsHandle(StoresHandle):
     @project_errors
     async def get(self, run_id: str) -> BudgetState | None:
         """The run's budget; ``None`` if its agent declares none or it made no model call."""
-        budget = await self._stores.budgets.get(run_id)
-        if budget is None:
-            await self._stores.runs.get(run_id)  # RunNotFound rather than "no budget"
-        return budget
+        return await self._stores.budget_of(run_id)
 
     @project_errors
     async def ledger(self, run_id: str) -> builtins.list[LedgerEntry]:
         """Every reservation and settlement of the run's budget, oldest first."""
-        ledger = await self._stores.budgets.ledger(run_id)
-        if not ledger:
-            await self._stores.runs.get(run_id)  # RunNotFound rather than an empty ledger
-        return ledger
+        return await self._stores.ledger_of(run_id)
 
     @project_errors
     async def top_up(self, run_id: str, **amounts: Unpack[TopUp]) -> BudgetState:
         """Raise a run's budget (``cost_usd=``, ``turns=``, ...) and wake it if it waits."""
-        return await self._stores.budgets.top_up(run_id, **amounts)
+        return await self._stores.top_up(run_id, **amounts)
 
 
 class OpsHandle(StoresHandle):
@@ -205,7 +198,7 @@ class OpsHandle(StoresHandle):
     @project_errors
     async def purgeable(self, older_than: timedelta) -> int:
         """How many finished runs a purge of those ``older_than`` would delete now."""
-        return await self._stores.purges.count(await self._cutoff(older_than))
+        return await self._stores.purges.count(await self._stores.purge_cutoff(older_than))
 
     @project_errors
     async def purge(self, older_than: timedelta, *, batch: int = PURGE_BATCH) -> Purged:
@@ -213,12 +206,6 @@ class OpsHandle(StoresHandle):
         their rows, ``batch`` runs per short transaction."""
         if not 1 <= batch <= 10_000:
             raise InvalidInput(f"a purge batch is 1 to 10000 runs, not {batch!r}")
-        return await purge(self._stores.pool, await self._cutoff(older_than), batch=batch)
-
-    async def _cutoff(self, older_than: timedelta) -> datetime:
-        if not timedelta(0) < older_than <= MAX_AGE:
-            raise InvalidInput(
-                f"a purge's age must be above 0 and at most 100 years (36500 days), "
-                f"not {older_than}"
-            )
-        return await self._stores.runs.database_now() - older_than
+        return await purge(
+            self._stores.pool, await self._stores.purge_cutoff(older_than), batch=batch
+        )

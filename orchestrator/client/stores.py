@@ -5,22 +5,27 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
 from typing import Unpack
 
 import asyncpg
 
+from orchestrator.access import Actor
 from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.bootstrap import PoolOptions, open_pool
-from orchestrator.db.budgets import BudgetStore
+from orchestrator.db.budgets import BudgetState, BudgetStore, LedgerEntry, TopUp
 from orchestrator.db.purges import PurgeStore
-from orchestrator.db.signals import SignalStore
+from orchestrator.db.retention import MAX_AGE
+from orchestrator.db.signals import Signal, SignalStore
 from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS
 from orchestrator.db.standby_wait import wait_for_standby as wait_for_standby_at
 from orchestrator.db.store import RunStore
 from orchestrator.db.workers import WorkerRegistry
 from orchestrator.effects.approvals import ApprovalStore
 from orchestrator.effects.store import EffectStore
+from orchestrator.errors import InvalidInput, InvalidTransition
+from orchestrator.models import RunEvent
 from orchestrator.settings import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SCHEMA, Settings, StandbyPolicy
 
 
@@ -57,6 +62,54 @@ class Stores:
             schema=settings.schema,
             standby=settings.standby,
         )
+
+    # -- the answers the client, the command line and the console must give alike ----------------
+    async def purge_cutoff(self, older_than: timedelta) -> datetime:
+        """Finished runs that ended before this are purged: ``older_than`` back from the
+        database's clock (a caller's clock may be off), above 0 and at most ``MAX_AGE``."""
+        if not timedelta(0) < older_than <= MAX_AGE:
+            raise InvalidInput(
+                f"a purge's age must be above 0 and at most 100 years (36500 days), "
+                f"not {older_than}"
+            )
+        return await self.runs.database_now() - older_than
+
+    async def events_of(self, run_id: str, *, after: int, limit: int) -> list[RunEvent]:
+        """A page of the run's timeline; ``RunNotFound`` for an unknown run, not an empty page."""
+        await self.runs.get(run_id)
+        return await self.runs.events(run_id, after=after, limit=limit)
+
+    async def signals_of(
+        self, run_id: str, *, newest: int | None = None
+    ) -> list[tuple[Signal, datetime | None, int | None]]:
+        """The run's signals; ``RunNotFound`` for an unknown run, not an empty list."""
+        await self.runs.get(run_id)
+        return await self.signals.history(run_id, newest=newest)
+
+    async def budget_of(self, run_id: str) -> BudgetState | None:
+        """The run's budget (``None``: its agent declares none, or it made no model call yet);
+        ``RunNotFound`` for an unknown run, not "no budget"."""
+        budget = await self.budgets.get(run_id)
+        if budget is None:
+            await self.runs.get(run_id)
+        return budget
+
+    async def ledger_of(self, run_id: str) -> list[LedgerEntry]:
+        """The run's budget ledger; ``RunNotFound`` for an unknown run, not an empty ledger."""
+        ledger = await self.budgets.ledger(run_id)
+        if not ledger:
+            await self.runs.get(run_id)
+        return ledger
+
+    async def top_up(
+        self, run_id: str, *, actor: Actor | None = None, **amounts: Unpack[TopUp]
+    ) -> BudgetState:
+        """Raise the run's budget; ``RunNotFound`` for an unknown run, not "no budget"."""
+        try:
+            return await self.budgets.top_up(run_id, actor=actor, **amounts)
+        except InvalidTransition:
+            await self.runs.get(run_id)
+            raise
 
     async def held_by_standby(self, within: float | None = STANDBY_ACK_SECONDS) -> None:
         """Return once a standby holds every commit this client made so far (a submission, a

@@ -279,7 +279,7 @@ async def _top_up(stores: Stores, run_id: str, form: FormData, by: Actor) -> str
     usd = field(form, "add_usd")
     if usd is not None:
         amounts["cost_usd"] = usd
-    await stores.budgets.top_up(run_id, actor=by, **amounts)
+    await stores.top_up(run_id, actor=by, **amounts)
     return f"topped up the budget of {run_id}"
 
 
