@@ -15,24 +15,27 @@ from typing import TYPE_CHECKING
 from orchestrator.lazy import install_moved_modules, lazy_exports
 
 if TYPE_CHECKING:
-    from orchestrator.agent.budgets import Budget, BudgetExhausted
-    from orchestrator.agent.llm import ModelNotConfigured, chat
-    from orchestrator.agent.steps import (
+    from orchestrator.agent import (
         Agent,
+        Budget,
+        BudgetExhausted,
         Fail,
         Finish,
+        ModelNotConfigured,
         Next,
         Outcome,
         Step,
         StepContext,
+        ToolAgent,
+        ToolContext,
         UnknownAgent,
         UnknownStep,
         Wait,
         WaitState,
+        chat,
+        tool,
     )
-    from orchestrator.agent.tool_loop import ToolAgent
-    from orchestrator.agent.tools import ToolContext, tool
-    from orchestrator.client.clients import Client, SyncClient
+    from orchestrator.client import Client, SyncClient
     from orchestrator.db.signals import Signal
     from orchestrator.db.standby_wait import StandbyNotReached
     from orchestrator.effect_model import Effect, EffectPolicy
@@ -53,45 +56,27 @@ if TYPE_CHECKING:
     from orchestrator.models import Message
     from orchestrator.settings import Settings
 
+_AUTHOR_API = (
+    *("Agent", "Step", "StepContext", "Next", "Finish", "Fail", "Wait", "Outcome", "WaitState"),
+    *("ToolAgent", "ToolContext", "tool", "Budget", "BudgetExhausted", "chat"),
+    *("ModelNotConfigured", "UnknownAgent", "UnknownStep"),
+)
+_ERRORS = (
+    *("OrchestratorError", "DatabaseError", "DatabaseUnavailable", "IdempotencyConflict"),
+    *("InvalidInput", "InvalidTransition", "PermanentFailure", "PermissionDenied"),
+    *("RunAlreadyExists", "RunNotFound", "SchemaTooNew"),
+)
 _EXPORTS = {
-    "Agent": "orchestrator.agent.steps",
-    "Budget": "orchestrator.agent.budgets",
-    "BudgetExhausted": "orchestrator.agent.budgets",
-    "Client": "orchestrator.client.clients",
-    "DatabaseError": "orchestrator.errors",
-    "DatabaseUnavailable": "orchestrator.errors",
+    **dict.fromkeys(_AUTHOR_API, "orchestrator.agent"),
+    **dict.fromkeys(("Client", "SyncClient"), "orchestrator.client"),
+    **dict.fromkeys(_ERRORS, "orchestrator.errors"),
     "DecisionRefused": "orchestrator.effects.approvals",
     "Effect": "orchestrator.effect_model",
     "EffectPolicy": "orchestrator.effect_model",
-    "Fail": "orchestrator.agent.steps",
-    "Finish": "orchestrator.agent.steps",
-    "IdempotencyConflict": "orchestrator.errors",
-    "InvalidInput": "orchestrator.errors",
-    "InvalidTransition": "orchestrator.errors",
     "Message": "orchestrator.models",
-    "ModelNotConfigured": "orchestrator.agent.llm",
-    "Next": "orchestrator.agent.steps",
-    "OrchestratorError": "orchestrator.errors",
-    "Outcome": "orchestrator.agent.steps",
-    "PermanentFailure": "orchestrator.errors",
-    "PermissionDenied": "orchestrator.errors",
-    "RunAlreadyExists": "orchestrator.errors",
-    "RunNotFound": "orchestrator.errors",
-    "SchemaTooNew": "orchestrator.errors",
     "Settings": "orchestrator.settings",
     "Signal": "orchestrator.db.signals",
     "StandbyNotReached": "orchestrator.db.standby_wait",
-    "Step": "orchestrator.agent.steps",
-    "StepContext": "orchestrator.agent.steps",
-    "SyncClient": "orchestrator.client.clients",
-    "ToolAgent": "orchestrator.agent.tool_loop",
-    "ToolContext": "orchestrator.agent.tools",
-    "UnknownAgent": "orchestrator.agent.steps",
-    "UnknownStep": "orchestrator.agent.steps",
-    "Wait": "orchestrator.agent.steps",
-    "WaitState": "orchestrator.agent.steps",
-    "chat": "orchestrator.agent.llm",
-    "tool": "orchestrator.agent.tools",
 }
 """Each public name and the module defining it: imported on first use (``__getattr__``), so that
 ``import orchestrator.errors`` loads neither the worker, the console nor the client."""
