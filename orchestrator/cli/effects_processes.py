@@ -13,6 +13,7 @@ import structlog
 
 from orchestrator.cli.consoles import stderr
 from orchestrator.cli.process_options import (
+    StandbyChoice,
     defaulted_option,
     log_format_option,
     process_options,
@@ -204,9 +205,7 @@ def effects_dispatch(
     metrics_listen: str | None,
     start_retry_seconds: float,
     require_sync_standby: bool | None,
-    standby_wait: str | None,
-    standby_position: str | None,
-    without_standby: str | None,
+    standby: StandbyChoice,
     log_json: bool | None,
 ) -> None:
     """Run only the effect dispatcher (outbox relay) until SIGTERM/SIGINT."""
@@ -216,7 +215,7 @@ def effects_dispatch(
 
     settings = settings_of(ctx).with_overrides(require_sync_standby=require_sync_standby)
     requirement = SyncStandbyRequirement(settings.require_sync_standby)
-    standby = StandbyGate(standby_policy(settings, standby_wait, standby_position, without_standby))
+    gate = StandbyGate(standby_policy(settings, standby))
     configure_logging(json_logs=log_json)
 
     async def body() -> None:
@@ -245,11 +244,11 @@ def effects_dispatch(
                 concurrency=concurrency,
                 batch=batch,
                 sync_standby=requirement,
-                standby=standby,
+                standby=gate,
             )
             with (
                 serving_metrics(
-                    metrics_listen, store.pool, sync_standby=requirement, standby=standby
+                    metrics_listen, store.pool, sync_standby=requirement, standby=gate
                 ) as gauges,
                 anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             ):

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 from click.decorators import FC
@@ -65,22 +66,41 @@ STANDBY_OPTIONS = (
 )
 
 
-def standby_options(command: FC) -> FC:
+class StandbyChoice(NamedTuple):
+    """What the command line said of the standby wait (``None``: the settings decide)."""
+
+    wait: str | None
+    position: str | None
+    without: str | None
+
+
+def standby_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--standby-wait``, ``--standby-position`` and ``--without-standby``: the dispatcher's
-    wait for a standby (``serve`` and ``effects dispatch``)."""
+    wait for a standby (``serve`` and ``effects dispatch``), which the command receives as one
+    ``standby: StandbyChoice``."""
+
+    @functools.wraps(command)
+    def choosing(
+        *args: Any,
+        standby_wait: str | None,
+        standby_position: str | None,
+        without_standby: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        choice = StandbyChoice(standby_wait, standby_position, without_standby)
+        return command(*args, standby=choice, **kwargs)
+
     for name, choices, text in reversed(STANDBY_OPTIONS):  # decorators apply bottom-up
         option = click.option(name, type=click.Choice([c.value for c in choices]), help=text)
-        command = option(command)
-    return command
+        choosing = option(choosing)
+    return choosing
 
 
-def standby_policy(
-    settings: Settings, wait: str | None, position: str | None, without: str | None
-) -> StandbyPolicy:
+def standby_policy(settings: Settings, choice: StandbyChoice) -> StandbyPolicy:
     """The settings' policy with the options given on the command line."""
     base = settings.standby
     return StandbyPolicy.parse(
-        wait or base.wait, position or base.position, without or base.without
+        choice.wait or base.wait, choice.position or base.position, choice.without or base.without
     )
 
 

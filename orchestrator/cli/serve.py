@@ -13,6 +13,7 @@ import click
 
 from orchestrator.cli.consoles import stderr
 from orchestrator.cli.process_options import (
+    StandbyChoice,
     defaulted_option,
     log_format_option,
     process_options,
@@ -110,9 +111,7 @@ def serve(
     metrics_listen: str | None,
     start_retry_seconds: float,
     require_sync_standby: bool | None,
-    standby_wait: str | None,
-    standby_position: str | None,
-    without_standby: str | None,
+    standby: StandbyChoice,
     retention: str,
     log_json: bool | None,
 ) -> None:
@@ -131,7 +130,7 @@ def serve(
     settings = settings_of(ctx)
     settings = settings.with_overrides(
         require_sync_standby=require_sync_standby,
-        standby=standby_policy(settings, standby_wait, standby_position, without_standby),
+        standby=standby_policy(settings, standby),
     )
     configure_logging(json_logs=log_json)
     modules = _split_modules(agent_modules)
