@@ -128,8 +128,12 @@ async def open_pool(dsn: str, name: str, size: int, *, dispatcher: bool = False)
 
 async def setup(dsn: str, prefix: str, agent: str, count: int) -> None:
     from orchestrator.db.store import RunStore
-    from orchestrator.effect_model import Effect
     from orchestrator.effects.store import EffectStore
+
+    try:
+        from orchestrator.effect_model import Effect
+    except ModuleNotFoundError:  # releases before the effect values moved to the ground floor
+        from orchestrator.effects.model import Effect  # type: ignore[import-not-found,no-redef,unused-ignore]
 
     try:
         from orchestrator.db.migrations import migrate
@@ -176,7 +180,11 @@ async def dispatch(
     dsn: str, url: str, concurrency: int, batch: int, poll: float, name: str
 ) -> None:
     from orchestrator.effects.dispatcher import Dispatcher
-    from orchestrator.effects.vendors import adapter_from_config
+
+    try:
+        from orchestrator.effects.vendors import adapter_from_config
+    except ModuleNotFoundError:  # releases before effects/vendors.py
+        from orchestrator.effects.adapters import adapter_from_config  # type: ignore[attr-defined,no-redef,unused-ignore]
 
     quiet_logs()
     adapter = adapter_from_config(
