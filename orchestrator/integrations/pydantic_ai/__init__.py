@@ -116,14 +116,12 @@ from orchestrator.agent.stored_replies import (
     stored_reply,
     unstorable_json,
 )
-from orchestrator.agent.tool_loop import (
+from orchestrator.agent.tool_loop import effect_keys
+from orchestrator.agent.tools import DEFAULT_TOOL_TIMEOUT_SECONDS
+from orchestrator.agent.turns import (
     DEFAULT_MAX_TOOL_CALLS_PER_TURN,
     DEFAULT_SETTLE_GRACE_SECONDS,
     default_prompt,
-    effect_keys,
-)
-from orchestrator.agent.tools import (
-    DEFAULT_TOOL_TIMEOUT_SECONDS,
     default_result,
     settled_records,
     turn_committed,
