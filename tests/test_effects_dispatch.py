@@ -9,7 +9,7 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.agent.tools import default_result
+from orchestrator.agent.turns import default_result
 from orchestrator.backoff import Backoff
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import Effect, EffectRecord, EffectStatus

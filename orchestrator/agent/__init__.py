@@ -6,9 +6,10 @@ What an agent author imports (also from ``orchestrator`` itself)::
     from orchestrator.agent import ToolAgent, ToolContext, tool, Budget, chat
 
 Behind the face: ``steps`` (agents as step classes), ``tools`` (tool definitions and the
-``ToolSource`` protocol), ``tool_loop`` (the ToolAgent loop), ``transcript``, ``llm`` (the
-model call), ``stored_replies`` (a reply made storable), ``budgets`` and ``mcp/`` (an MCP
-server's tools as a ``ToolSource``). Names are imported on first use.
+``ToolSource`` protocol), ``turns`` (what every fenced turn loop shares: effect keys and specs,
+settling, the commit, the turn state and its spending), ``tool_loop`` (the ToolAgent loop),
+``transcript``, ``llm`` (the model call), ``stored_replies`` (a reply made storable), ``budgets``
+and ``mcp/`` (an MCP server's tools as a ``ToolSource``). Names are imported on first use.
 """
 
 from __future__ import annotations

@@ -30,14 +30,9 @@ when the loop is one stage of a larger step graph, see ``stage``). ``max_turns``
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import json
-import re
 import weakref
 from collections.abc import Callable, Container, Mapping, Sequence
-from datetime import datetime, timedelta
-from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -61,55 +56,37 @@ from orchestrator.agent.tools import (
     ToolArgumentsInvalid,
     ToolContext,
     ToolSource,
-    settled_records,
-    turn_committed,
+)
+from orchestrator.agent.turns import (
+    DEFAULT_MAX_TOOL_CALLS_PER_TURN,
+    DEFAULT_SETTLE_GRACE_SECONDS,
+    TOOL_BUDGET_EXHAUSTED,
+    Spending,
+    TurnState,
+    call_effect_keys,
+    default_prompt,
+    legacy_call_key,
+    tool_span,
+    turn_attributes,
+    turn_step,
 )
 from orchestrator.effect_model import Effect
 from orchestrator.errors import InvalidInput
 from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES, JSON, Message
-from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORKER_ID, start_span
 
-DEFAULT_SETTLE_GRACE_SECONDS = 2.0
-"""How long a turn waits, holding its lease, for the previous turn's effects to settle before
-it parks the run (``Wait``) until they do."""
-DEFAULT_MAX_TOOL_CALLS_PER_TURN = 64
-"""Calls of one model reply that are run; the rest are refused (each an invalid call)."""
 LOOP_KEY = "tool_loop"
 """The checkpoint key holding the loop's own state (other keys belong to the step graph)."""
-_CALL_ID = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 def effect_keys(turn: int, tool_calls: Sequence[Any]) -> list[str]:
-    """The effect key of each call of one assistant message: ``call:TURN:TOOL:DIGEST`` (``:N`` on
-    the N-th identical call), the digest of the arguments as canonical JSON. Not the model's call
-    id: a turn replayed after a failover took its commit back gets new call ids, and the same
-    action must meet the record (and the vendor's lookup) of the send it may already have had."""
-    keys = []
-    seen: collections.Counter[str] = collections.Counter()
-    for call in tool_calls:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
-        name = _CALL_ID.sub("_", str(function.get("name", "")))[:64] or "_"
-        canonical = _canonical_arguments(function.get("arguments"))
-        # surrogatepass: a lone surrogate the model sent must not stop its turn from being keyed
-        # (that call is refused); every other text encodes as UTF-8 does.
-        digest = hashlib.sha256(
-            f"{name}\0{canonical}".encode("utf-8", "surrogatepass")
-        ).hexdigest()[:20]
-        key = f"call:{turn}:{name}:{digest}"
-        seen[key] += 1
-        keys.append(key if seen[key] == 1 else f"{key}:{seen[key]}")
-    return keys
+    """The effect key of each call of one assistant message, as the transcript holds its calls
+    (chat-API dicts): see ``turns.call_effect_keys``."""
+    return call_effect_keys(turn, [_name_and_arguments(call) for call in tool_calls])
 
 
-def _canonical_arguments(arguments: object) -> str:
-    """Arguments as the model sent them (a JSON text), in one spelling: keys sorted, no spaces."""
-    if isinstance(arguments, str):
-        text = arguments
-        try:
-            arguments = json.loads(text)
-        except ValueError:
-            return text  # never an effect call's (they must parse), but keyed all the same
-    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def _name_and_arguments(call: Any) -> tuple[str, object]:
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    return str(function.get("name", "")), function.get("arguments")
 
 
 def recorded_effect_keys(
@@ -121,18 +98,9 @@ def recorded_effect_keys(
     found: list[str | None] = []
     for call, key in zip(tool_calls, effect_keys(turn, tool_calls), strict=True):
         call_id = str(call.get("id", "")) if isinstance(call, dict) else ""
-        legacy = f"call:{turn}:{_CALL_ID.sub('_', call_id)[:150]}"
+        legacy = legacy_call_key(turn, call_id)
         found.append(key if key in recorded else legacy if legacy in recorded else None)
     return found
-
-
-def default_prompt(run_input: JSON) -> str:
-    """The first user message: the input's ``prompt`` or ``message``, else the input as JSON."""
-    if isinstance(run_input, dict):
-        for key in ("prompt", "message"):
-            if isinstance(run_input.get(key), str):
-                return str(run_input[key])
-    return json.dumps(run_input, ensure_ascii=False)
 
 
 class ToolAgent(Agent):
@@ -265,26 +233,10 @@ class ToolLoop:
         then: type[Step] | None = None,
         lease_seconds: float | None = None,
     ) -> type[Step]:
-        loop = self
+        async def run(ctx: StepContext, self_step: type[Step]) -> Outcome:
+            return await self.turn(ctx, self_step=self_step, then=then)
 
-        class Turn(Step):
-            """One model turn of the tool loop, traced as the GenAI ``invoke_agent`` span."""
-
-            @classmethod
-            def span(cls, agent: str) -> str:
-                return f"invoke_agent {loop.agent}"
-
-            @classmethod
-            def span_attributes(cls, agent: str) -> dict[str, Any]:
-                return {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": loop.agent}
-
-            async def run(self, ctx: StepContext) -> Outcome:
-                return await loop.turn(ctx, self_step=type(self), then=then)
-
-        Turn.name = name
-        Turn.lease_seconds = lease_seconds
-        Turn.__qualname__ = f"{self.agent}.{name}"
-        return Turn
+        return turn_step(self.agent, name, lease_seconds, run)
 
     async def load_sources(self) -> None:
         """Add the tools of the tool sources (MCP servers), once per process."""
@@ -310,26 +262,24 @@ class ToolLoop:
     ) -> Outcome:
         if not self._sources_loaded:
             await self.load_sources()
-        rest = dict(ctx.checkpoint) if isinstance(ctx.checkpoint, dict) else {}
-        state = _LoopState.load(rest.pop(LOOP_KEY, None), self, ctx)
+        state = _LoopState.load(ctx, LOOP_KEY, self.deadline_seconds)
         new: list[Message] = []
-        if state.turn == 0 and not state.started:
-            state.started = True
+        if not state.resumed:
             if self.instructions:
                 new.append(Message(0, "system", {"role": "system", "content": self.instructions}))
             new.append(Message(0, "user", {"role": "user", "content": self.prompt(ctx.input)}))
-        if state.deadline is not None and ctx.database_now() >= state.deadline:
-            return Fail("the agent's deadline passed", details=state.summary())
+        past = state.past_deadline(ctx)
+        if past is not None:
+            return past
         results = await self._settled_effect_results(ctx, state)
         if isinstance(results, Wait):
             return results
         new += results
-        if state.turn >= self.max_turns:
-            return Fail(f"the turn limit of {self.max_turns} was reached", details=state.summary())
+        past = state.past_turn_limit(self.max_turns)
+        if past is not None:
+            return past
         request = await _request(ctx, new)
-        span = trace.get_current_span()  # the turn's own span (see step_class)
-        span.set_attribute("gen_ai.conversation.id", ctx.run_id)
-        span.set_attribute("orchestrator.turn", state.turn)
+        span = state.traced(ctx)
         spending = _Spending(ctx, self, request)
         try:
             reply = await complete(
@@ -339,26 +289,16 @@ class ToolLoop:
                 stream=self.stream,
                 budget_seconds=self._budget(ctx, state),
                 response_format=self._response_format(),
-                span_attributes=_our_attributes(ctx, state.turn),
+                span_attributes=turn_attributes(ctx, state.turn),
                 # With a budget, the output reserved is the output allowed.
                 max_tokens=spending.worst_output
                 if ctx.budget is not None
                 else self.max_output_tokens,
-                before_attempt=spending.reserve if ctx.budget is not None else None,
+                before_attempt=spending.before_attempt if ctx.budget is not None else None,
             )
         except BudgetExhausted as exhausted:
             spending.spent(spending.attempts, calls=0)
-            span.set_attribute("orchestrator.budget.exhausted", exhausted.dimension)
-            checkpoint = {**rest, LOOP_KEY: state.dump()}
-            if ctx.budget is not None and ctx.budget.limits.on_exhausted == "fail":
-                return Fail(str(exhausted), details=state.summary())
-            return Wait(
-                self_step,
-                reason="budget",
-                until=state.deadline,
-                checkpoint=checkpoint,
-                messages=new,
-            )
+            return state.out_of_budget(ctx, span, exhausted, self_step, new)
         state.add_usage(reply)
         # What the transcript can hold of the reply: the calls it could not hold are refused.
         stored = stored_reply(
@@ -386,26 +326,15 @@ class ToolLoop:
             spending.spent(reply.attempts, calls=made)
             if state.invalid_calls > self.max_invalid_calls:
                 return _too_many_calls(self, span, state, calls, stored.fits)
-            state.turn += 1
-            checkpoint = {**rest, LOOP_KEY: state.dump()}
-            return turn_committed(
-                self_step,
-                checkpoint=checkpoint,
-                effects=effects,
-                messages=new,
-                deadline=state.deadline,
-            )
+            return state.committed(self_step, new, effects)
         spending.spent(reply.attempts, calls=0)
-        return self._answer(
-            state, reply.content, stored.content_problem, rest, new, self_step, then
-        )
+        return self._answer(state, reply.content, stored.content_problem, new, self_step, then)
 
     def _answer(
         self,
         state: _LoopState,
         content: str | None,
         content_problem: str | None,
-        rest: dict[str, Any],
         new: list[Message],
         self_step: type[Step],
         then: type[Step] | None,
@@ -435,18 +364,16 @@ class ToolLoop:
         if wrong is not None:
             (present, past), problem, ask = wrong
             if state.output_retries >= self.output_retries:
-                return Fail(
-                    f"the model's answer {past} after {state.output_retries + 1} tries: {problem}",
-                    details=state.summary(),
+                return state.failed(
+                    f"the model's answer {past} after {state.output_retries + 1} tries: {problem}"
                 )
             state.output_retries += 1
             asked = f"Your answer {present} ({problem}). {ask}"
             new.append(Message(state.turn, "user", {"role": "user", "content": asked}))
-            state.turn += 1
-            return Next(self_step, checkpoint={**rest, LOOP_KEY: state.dump()}, messages=new)
-        result = {"output": output, **state.summary(), "turns": state.turn + 1}
+            return state.committed(self_step, new)
+        result = state.result(output)
         if then is not None:
-            return Next(then, checkpoint={**rest, "output": output}, messages=new)
+            return Next(then, checkpoint={**state.rest, "output": output}, messages=new)
         return Finish(result=result, messages=new)
 
     async def _tool_calls(
@@ -467,27 +394,13 @@ class ToolLoop:
         for index, call in enumerate(calls):
             if allowed is not None and index >= allowed:
                 state.tool_errors += 1
-                new.append(
-                    _tool_error(
-                        state.turn, call["id"], "not run: the run's tool-call budget is exhausted"
-                    )
-                )
+                new.append(_tool_error(state.turn, call["id"], TOOL_BUDGET_EXHAUSTED))
                 continue
             call_id, name, arguments = call["id"], call["function"]["name"], call["function"]
             arguments = arguments["arguments"]
             found = self.tools.get(name)
-            with start_span(
-                f"execute_tool {name}",
-                attributes={
-                    "gen_ai.operation.name": "execute_tool",
-                    "gen_ai.tool.name": name,
-                    "gen_ai.tool.call.id": call_id,
-                    "gen_ai.tool.type": "function"
-                    if isinstance(found, ReadOnlyTool)
-                    else "extension",
-                    **_our_attributes(ctx, state.turn),
-                },
-            ) as span:
+            effectful = not isinstance(found, ReadOnlyTool)
+            with tool_span(ctx, state.turn, name, call_id, effect=effectful) as span:
                 if index in refused:
                     state.invalid_calls += 1
                     span.set_status(Status(StatusCode.ERROR, "refused"))
@@ -576,20 +489,14 @@ class ToolLoop:
         """The previous turn's effect calls, as tool messages, once each record has settled; or,
         while some have not, a ``Wait`` for them (after a short grace holding the lease: a fast
         vendor answers in milliseconds, a person or a parked effect takes longer)."""
-        if not state.pending:
-            return []
-        keys = [pending["effect_key"] for pending in state.pending]
-        grace = self.settle_grace_seconds
-        if state.deadline is not None:
-            grace = min(grace, (state.deadline - ctx.database_now()).total_seconds())
-        records, unsettled = await settled_records(ctx.effects, keys, grace)
-        if unsettled:
-            return Wait(ctx.step, effects=unsettled, until=state.deadline, reason="effects")
+        records = await state.settle(ctx, self.settle_grace_seconds)
+        if isinstance(records, Wait):
+            return records
         results: list[Message] = []
         for pending in state.pending:
-            found = self.tools[pending["tool"]]
+            found = self.tools[str(pending["tool"])]
             assert isinstance(found, EffectTool)
-            record = records[pending["effect_key"]]
+            record = records[str(pending["effect_key"])]
             results.append(
                 Message(
                     state.turn,
@@ -608,9 +515,8 @@ class ToolLoop:
         """How long the model call may take, its retries included: until the loop's deadline,
         if it has one. Not the lease: the heartbeat renews it while the call is in flight, and
         losing it cancels the call; each request is also bounded by the model timeout."""
-        if state.deadline is None:
-            return None
-        return max(0.0, (state.deadline - ctx.database_now()).total_seconds())
+        left = state.seconds_left(ctx)
+        return None if left is None else max(0.0, left)
 
     def _response_format(self) -> dict[str, Any] | None:
         if self.output is None:
@@ -621,68 +527,26 @@ class ToolLoop:
         }
 
 
-class _LoopState:
-    """The loop's checkpoint: small and bounded, whatever the conversation's length."""
+class _LoopState(TurnState):
+    """The loop's checkpoint: the turn state with the loop's own counters."""
 
-    def __init__(self) -> None:
-        self.turn = 0
-        self.started = False
-        self.deadline: datetime | None = None
-        self.pending: list[dict[str, str]] = []
+    KEPT = ("output_retries",)
+    SUMMARY = ("input_tokens", "output_tokens", "model_attempts", "invalid_calls", "tool_errors")
+
+    def __init__(self, key: str, rest: dict[str, JSON]) -> None:
+        super().__init__(key, rest)
         self.output_retries = 0
         self.invalid_calls = 0
         self.tool_errors = 0
-        self.input_tokens = 0
-        self.output_tokens = 0
         self.model_attempts = 0
-
-    @classmethod
-    def load(cls, stored: Any, loop: ToolLoop, ctx: StepContext) -> _LoopState:
-        state = cls()
-        if isinstance(stored, dict):
-            for key in (
-                "turn",
-                "output_retries",
-                "invalid_calls",
-                "tool_errors",
-                "input_tokens",
-                "output_tokens",
-                "model_attempts",
-            ):
-                setattr(state, key, int(stored.get(key, 0)))
-            state.started = True
-            state.pending = list(stored.get("pending", []))
-            deadline = stored.get("deadline")
-            state.deadline = datetime.fromisoformat(deadline) if deadline else None
-        elif loop.deadline_seconds is not None:
-            state.deadline = ctx.database_now() + timedelta(seconds=loop.deadline_seconds)
-        return state
 
     def add_usage(self, reply: ModelReply) -> None:
         self.input_tokens += reply.input_tokens
         self.output_tokens += reply.output_tokens
         self.model_attempts += len(reply.attempts)
 
-    def summary(self) -> dict[str, JSON]:
-        return {
-            "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-            "model_attempts": self.model_attempts,
-            "invalid_calls": self.invalid_calls,
-            "tool_errors": self.tool_errors,
-        }
 
-    def dump(self) -> dict[str, JSON]:
-        return {
-            "turn": self.turn,
-            "pending": list(self.pending),
-            "deadline": None if self.deadline is None else self.deadline.isoformat(),
-            "output_retries": self.output_retries,
-            **self.summary(),
-        }
-
-
-class _Spending:
+class _Spending(Spending):
     """A turn's model call against the run's budget: the worst case reserved before each
     attempt, what was spent recorded after (an attempt that may have been billed without
     saying what it cost counts its worst case)."""
@@ -690,8 +554,7 @@ class _Spending:
     UNBILLED = frozenset(("rate_limited", "server_error", "refused"))
 
     def __init__(self, ctx: StepContext, loop: ToolLoop, request: EncodedMessages) -> None:
-        self.budget = ctx.budget
-        self.loop = loop
+        super().__init__(ctx.budget, loop.max_output_tokens)
         # Every token is at least one byte of the request: its size bounds the input tokens.
         # The messages' size is known without encoding them again; the tools' is small.
         self.worst_input = (
@@ -699,25 +562,11 @@ class _Spending:
             if self.budget is not None
             else 0
         )
-        self.worst_output = loop.max_output_tokens or DEFAULT_WORST_OUTPUT_TOKENS
-        self.model = ""
         self.attempts: tuple[ModelAttempt, ...] = ()
 
-    def _cost(self, input_tokens: int, output_tokens: int) -> Decimal:
-        assert self.budget is not None
-        if self.budget.limits.cost_usd is None and self.model not in self.budget.prices.models:
-            return Decimal(0)  # no cost limit and no price: nothing to count it against
-        return self.budget.prices.cost(self.model, input_tokens, output_tokens)
-
-    async def reserve(self, model: str, attempts: Sequence[ModelAttempt]) -> None:
-        assert self.budget is not None
-        self.model, self.attempts = model, tuple(attempts)
-        await self.budget.reserve(
-            turns=0 if attempts else 1,
-            input_tokens=self.worst_input,
-            output_tokens=self.worst_output,
-            cost_usd=self._cost(self.worst_input, self.worst_output),
-        )
+    async def before_attempt(self, model: str, attempts: Sequence[ModelAttempt]) -> None:
+        self.attempts = tuple(attempts)
+        await self.reserve(model, turns=0 if attempts else 1)
 
     def spent(self, attempts: Sequence[ModelAttempt], *, calls: int) -> None:
         if self.budget is None:
@@ -732,12 +581,11 @@ class _Spending:
             else:
                 input_tokens += attempt.input_tokens or 0
                 output_tokens += attempt.output_tokens or 0
-        self.budget.spend(
+        self.spend(
             turns=1 if any(a.outcome == "ok" for a in attempts) else 0,
             tool_calls=calls,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
-            cost_usd=self._cost(input_tokens, output_tokens) if self.model else Decimal(0),
         )
 
 
@@ -790,21 +638,6 @@ async def _request(ctx: StepContext, new: Sequence[Message]) -> EncodedMessages:
     return committed + request
 
 
-DEFAULT_WORST_OUTPUT_TOKENS = 4096
-"""The output reserved per model call when the agent sets no ``max_output_tokens``."""
-
-
-def _our_attributes(ctx: StepContext, turn: int) -> dict[str, str | int]:
-    return {
-        RUN_ID: ctx.run_id,
-        RUN_FENCE: ctx.fence,
-        WORKER_ID: ctx.worker_id,
-        ATTEMPT: ctx.attempt,
-        LEASE_UNTIL: ctx.lease_until.isoformat(),
-        "orchestrator.turn": turn,
-    }
-
-
 def _too_many_calls(
     loop: ToolLoop, span: trace.Span, state: _LoopState, calls: int, fits: bool
 ) -> Fail:
@@ -819,7 +652,7 @@ def _too_many_calls(
             f"{loop.max_invalid_calls} allowed"
             + (f" ({calls} calls in one reply, at most {cap} run per turn)" if calls > cap else "")
         )
-    return Fail(message, details=state.summary())
+    return state.failed(message)
 
 
 def _tool_error(turn: int, call_id: str, text: str) -> Message:

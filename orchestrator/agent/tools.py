@@ -30,25 +30,20 @@ import re
 import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Protocol, overload, runtime_checkable
 
 import anyio
 import pydantic
 from pydantic_core import to_jsonable_python
 
-from orchestrator.agent.steps import EffectView, Next, Step, Wait
+from orchestrator.agent.turns import EffectSpec, check_effect_spec, default_result
 from orchestrator.effect_model import (
     DEFAULT_APPROVAL_SECONDS,
-    MAX_APPROVAL_SECONDS,
-    Effect,
     EffectPolicy,
     EffectRecord,
-    EffectStatus,
-    validate_effect_key,
 )
 from orchestrator.errors import InvalidInput
-from orchestrator.models import JSON, Message
+from orchestrator.models import JSON
 from orchestrator.telemetry import RunLogger
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -70,20 +65,6 @@ class ToolContext:
 
 class ToolArgumentsInvalid(Exception):
     """The model's arguments do not fit the tool's schema (told back to the model)."""
-
-
-def default_result(record: EffectRecord) -> JSON:
-    """What the model is told of a settled effect: its status, the vendor's id and answer; for
-    one a person (or expiry) denied, "denied by reviewer: NOTE"."""
-    if record.status is EffectStatus.REJECTED and record.decided_by is not None:
-        message = record.error.get("message") if isinstance(record.error, dict) else None
-        return {"status": "denied", "error": message or "denied by reviewer"}
-    return {
-        "status": record.status.value,
-        "external_id": record.external_id,
-        "result": record.result,
-        "error": record.error,
-    }
 
 
 def _description_and_args(function: Callable[..., Any]) -> tuple[str, dict[str, str]]:
@@ -219,7 +200,7 @@ class ReadOnlyTool(Tool):
         return to_jsonable_python(result)
 
 
-class EffectTool(Tool):
+class EffectTool(Tool, EffectSpec):
     """Builds an effect's payload; the dispatcher sends it, once, after the turn commits."""
 
     kind_label = "effect"
@@ -237,79 +218,18 @@ class EffectTool(Tool):
         approval_seconds: float = DEFAULT_APPROVAL_SECONDS,
     ) -> None:
         super().__init__(function, name=name, description=description, takes_context=False)
-        validate_effect_key(kind)  # kinds follow the effect key rule
-        if not (isinstance(approve, bool) or callable(approve)):
-            raise InvalidInput(
-                f"tool {self.name}: approve= takes True, or a predicate on the call's arguments"
-            )
-        if not 0 < approval_seconds <= MAX_APPROVAL_SECONDS:
-            raise InvalidInput(
-                f"tool {self.name}: approval_seconds must be above 0, at most a year"
-            )
+        check_effect_spec(f"tool {self.name}:", kind, approve, approval_seconds)
         self.kind = kind
         self.policy = policy
         self.result = result or default_result
         self.approve = approve
         self.approval_seconds = approval_seconds
 
-    def needs_approval(self, arguments: dict[str, Any]) -> bool:
-        """Whether this call must wait for a person (the ``approve`` predicate on its arguments;
-        a predicate that raises asks for approval: when unsure, a person decides)."""
-        if isinstance(self.approve, bool):
-            return self.approve
-        try:
-            return bool(self.approve(**arguments))
-        except Exception:
-            return True
-
-    def effect(self, key: str, payload: JSON, arguments: dict[str, Any]) -> Effect:
-        return Effect(
-            key,
-            self.kind,
-            payload,
-            self.policy,
-            requires_approval=self.needs_approval(arguments),
-            approval_seconds=self.approval_seconds,
-        )
-
     async def payload(self, arguments: dict[str, Any]) -> JSON:
         value = self.function(**arguments)
         if inspect.isawaitable(value):
             value = await value
         return to_jsonable_python(value)
-
-    def told(self, record: EffectRecord) -> JSON:
-        """What the model is told once the effect has settled."""
-        return to_jsonable_python(self.result(record))
-
-
-SETTLED_FOR_THE_MODEL = frozenset(
-    (EffectStatus.CONFIRMED, EffectStatus.FAILED, EffectStatus.REJECTED)
-)
-"""Outcomes the model may be told; uncertain and parked ones are waited out, never reported."""
-
-
-PERSON_DECIDES = frozenset((EffectStatus.AWAITING_APPROVAL, EffectStatus.PARKED))
-"""Outcomes a person settles: never waited for while holding a lease."""
-
-
-async def settled_records(
-    effects: EffectView, keys: Sequence[str], grace: float
-) -> tuple[dict[str, EffectRecord], list[str]]:
-    """The records of a turn's effectful calls and the keys still unsettled for the model,
-    after waiting up to ``grace`` seconds (holding the lease) for calls on their way to a
-    vendor; none is waited for while one of them waits for a person."""
-    records = {key: await effects.get(key) for key in keys}
-    unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
-    if unsettled and grace > 0 and not any(records[k].status in PERSON_DECIDES for k in unsettled):
-        with anyio.move_on_after(grace):
-            for key in unsettled:
-                records[key] = await effects.wait(key, within=grace)
-        for key in unsettled:
-            if records[key].status not in SETTLED_FOR_THE_MODEL:
-                records[key] = await effects.get(key)
-        unsettled = [k for k in keys if records[k].status not in SETTLED_FOR_THE_MODEL]
-    return records, unsettled
 
 
 @runtime_checkable
@@ -394,25 +314,3 @@ class _ToolDecorators:
 
 
 tool = _ToolDecorators()
-
-
-def turn_committed(
-    step: type[Step] | str,
-    *,
-    checkpoint: JSON,
-    effects: Sequence[Effect],
-    messages: Sequence[Message],
-    deadline: datetime | None,
-) -> Next | Wait:
-    """A turn that made effectful calls: committed with them, and waiting without the lease
-    when one needs a person's approval (in the same commit)."""
-    if any(effect.requires_approval for effect in effects):
-        return Wait(
-            step,
-            effects=effects,
-            until=deadline,
-            checkpoint=checkpoint,
-            messages=messages,
-            reason="approval",
-        )
-    return Next(step, checkpoint=checkpoint, effects=effects, messages=messages)

@@ -45,8 +45,8 @@ from orchestrator.agent.tools import (
     Tool,
     ToolArgumentsInvalid,
     ToolContext,
-    default_result,
 )
+from orchestrator.agent.turns import default_result
 from orchestrator.effect_model import (
     DEFAULT_APPROVAL_SECONDS,
     MAX_APPROVAL_SECONDS,
