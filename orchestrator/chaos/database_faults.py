@@ -88,8 +88,13 @@ class DatabaseFaults(FaultGroup):
                 await self._held_by_all()
                 if cut:
                     await anyio.to_thread.run_sync(pair.stop_standby)
+                    cut_began = time.time()
                     killed_worker = await self._kill_one_worker(fault)
                     await anyio.sleep(cut)
+                    # A busy machine may take longer than the cut to take the killed worker's
+                    # runs over: the primary alone must have granted a claim (bounded) for the
+                    # promoted server to be tested on never granting its fence again.
+                    await self._first_claim_after(cut_began, within=30)
                 killed = time.time()
                 done = await anyio.to_thread.run_sync(pair.failover)
             except ReplicationError as error:  # not fired: the campaign fails, naming it

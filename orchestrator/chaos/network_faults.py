@@ -7,6 +7,9 @@ import anyio
 
 from orchestrator.chaos.context import FaultGroup, FaultRecord, ScheduledFault, until
 
+SILENT_MEMBER_SECONDS = 30.0
+"""How long a network fault waits for a silent member to speak before it gives up unfired."""
+
 
 class NetworkFaults(FaultGroup):
     async def partition(self, fault: ScheduledFault, record: FaultRecord) -> None:
@@ -35,8 +38,12 @@ class NetworkFaults(FaultGroup):
             proxy.mode = mode
             try:
                 await anyio.sleep(seconds)
-                # An idle process may not have spoken yet: hold the fault until it does.
-                await until(lambda: proxy.held + proxy.dropped + proxy.delayed > before, seconds)
+                # An idle process, or one just revived and still starting, may not have spoken
+                # yet: hold the fault until it does (bounded).
+                await until(
+                    lambda: proxy.held + proxy.dropped + proxy.delayed > before,
+                    max(seconds, SILENT_MEMBER_SECONDS),
+                )
             finally:
                 proxy.mode = "forward"
             touched = proxy.held + proxy.dropped + proxy.delayed - before
