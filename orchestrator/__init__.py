@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.lazy import install_moved_modules, lazy_exports
+from orchestrator.lazy import DISTRIBUTION, install_moved_modules, lazy_exports
 
 if TYPE_CHECKING:
     from orchestrator.agent import (
@@ -123,7 +123,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("fenced-orchestrator")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "0+unknown"
 
