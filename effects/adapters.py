@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import smtplib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from email.message import EmailMessage
 from typing import Any, Protocol
@@ -71,7 +72,8 @@ ReconcileOutcome = Confirmed | Failed | NotSent | Uncertain | Retry | Park
 class Adapter(Protocol):
     """A vendor. One may also set ``answers_within`` (seconds): the bound it puts on each of its
     own calls, timeouts answered as ``Uncertain``; a dispatcher whose lease leaves that much
-    time then sends without a timer of its own (see ``answers_within``)."""
+    time then sends without a timer of its own (see ``answers_within``). One that keeps a
+    connection may also have ``async def connect(self) -> None`` (see ``connector``)."""
 
     kind: str
 
@@ -90,6 +92,14 @@ def answers_within(adapter: Adapter) -> float:
     if isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 0:
         return float(bound)
     return float("inf")
+
+
+def connector(adapter: Adapter) -> Callable[[], Awaitable[None]] | None:
+    """``adapter``'s ``connect``, if it has one: the dispatcher opens the connection before it
+    re-checks and sends, so a slow start (a stdio server) is "not sent yet", never a send that
+    timed out and may have landed. It raises when no connection can be opened."""
+    connect = getattr(adapter, "connect", None)
+    return connect if callable(connect) else None
 
 
 def _secret(value: str | None, env: str | None) -> str | None:

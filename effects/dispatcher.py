@@ -15,7 +15,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -43,6 +44,7 @@ from orchestrator.effects.adapters import (
     SendOutcome,
     Uncertain,
     answers_within,
+    connector,
 )
 from orchestrator.effects.settling import GroupSettler
 from orchestrator.effects.store import ClaimedEffect, EffectStore, SettleRequest
@@ -216,7 +218,8 @@ class Dispatcher:
         single one by itself), right before their sends start. Nothing is sent before a standby
         holds the claim (where one is waited for); if none does in time, they are handed back."""
         held = await self._held_by_standby(deadline, len(claimed))
-        fresh = [c for c in claimed if not c.must_reconcile]
+        unready = await self._connect(claimed, deadline) if held else {}
+        fresh = [c for c in claimed if not c.must_reconcile and c.record.kind not in unready]
         checks: dict[tuple[str, str], tuple[bool, bool]] | None = None
         if len(fresh) > 1 and held:  # one effect alone is re-checked by _dispatch, as it always was
             try:
@@ -231,13 +234,45 @@ class Dispatcher:
                 checks = {}
         # asyncio's own task group: a task per effect costs a fraction of anyio's, and a
         # cancelled batch still cancels (and waits for) every send in it.
+        unheld = None
+        if not held:
+            problem = self.standby.problem or "no standby flushed its claim in time"
+            reason = f"not sent: {problem} (docs/high-availability.md)"
+            unheld = Unsent(reason, retry_after=self.poll_seconds)  # due again once one is back
         async with asyncio.TaskGroup() as group:
             for effect in claimed:
+                record = effect.record
                 check = None
                 if checks is not None and not effect.must_reconcile:
-                    record = effect.record
                     check = checks.get((record.run_id, record.effect_key), (False, True))
-                group.create_task(self._handle(effect, deadline, check, standby_held=held))
+                unsent = unheld or unready.get(record.kind)
+                group.create_task(self._handle(effect, deadline, check, unsent=unsent))
+
+    async def _connect(self, claimed: list[ClaimedEffect], deadline: float) -> dict[str, Unsent]:
+        """Open the connections of the batch's adapters that keep one, within half the lease
+        left, before the re-check: the kinds whose connection is not open, each with why."""
+        openers = {
+            kind: connect
+            for kind in {c.record.kind for c in claimed}
+            if (connect := connector(self.adapters[kind])) is not None
+        }
+        unready: dict[str, Unsent] = {}
+        within = max(0.0, (deadline - time.monotonic()) / 2)
+
+        async def open_one(kind: str, connect: Callable[[], Awaitable[None]]) -> None:
+            try:
+                with anyio.fail_after(within):
+                    await connect()
+            except TimeoutError:
+                unready[kind] = Unsent(f"not sent: no connection to {kind} within {within:.1f}s")
+            except Exception as error:
+                unready[kind] = Unsent(f"not sent: {error}")
+
+        if openers:
+            async with anyio.create_task_group() as group:
+                for kind, connect in openers.items():
+                    group.start_soon(open_one, kind, connect)
+        return unready
 
     async def _held_by_standby(self, deadline: float, claimed: int) -> bool:
         """Whether a standby holds this dispatcher's last claim (and so the steps that asked
@@ -267,7 +302,7 @@ class Dispatcher:
         deadline: float,
         checked: tuple[bool, bool] | None = None,
         *,
-        standby_held: bool = True,
+        unsent: Unsent | None = None,
     ) -> None:
         effect = claimed.record
         adapter = self.adapters[effect.kind]
@@ -296,12 +331,12 @@ class Dispatcher:
             ) as span:
                 began = time.monotonic()
                 try:
-                    if standby_held:
+                    if unsent is None:
                         status = await self._dispatch(
                             claimed, adapter, deadline, checked, vendor_done
                         )
                     else:
-                        status = await self._hand_back(claimed, vendor_done)
+                        status = await self._hand_back(claimed, unsent, vendor_done)
                 except DATABASE_ERRORS as error:
                     # The record stays 'dispatching' until its lease runs out; whoever claims
                     # it next reconciles before sending. Nothing is sent blind.
@@ -321,15 +356,14 @@ class Dispatcher:
         self.metrics.send_seconds.record(time.monotonic() - began, kind)
 
     async def _hand_back(
-        self, claimed: ClaimedEffect, vendor_done: Callable[[], None] | None = None
+        self, claimed: ClaimedEffect, unsent: Unsent, vendor_done: Callable[[], None] | None = None
     ) -> str:
-        """Give back an effect no standby held in time, unsent: due again after a poll, and
-        reconciled first if it had to be (an uncertain one stays uncertain)."""
-        problem = self.standby.problem or "no standby flushed its claim in time"
-        reason = f"not sent: {problem} (docs/high-availability.md)"
+        """Give back an effect that cannot be sent now, unsent: due again later, and reconciled
+        first if it had to be (an uncertain one stays uncertain)."""
+        reason = unsent.reason
         outcome: Retry | Uncertain = Uncertain(reason) if claimed.must_reconcile else Retry(reason)
         return await self._record(
-            claimed.record, outcome, vendor_done=vendor_done, retry_after=self.poll_seconds
+            claimed.record, outcome, vendor_done=vendor_done, retry_after=unsent.retry_after
         )
 
     async def _requesting_attempt(self, effect: EffectRecord) -> Context | None:
@@ -447,10 +481,24 @@ class Dispatcher:
                 outcome=status.value,
             )
             return "lost_claim"
+        why = {"reason": options["error"]["message"]} if "error" in options else {}
         self.log.info(
-            "effect " + status.value, **ids, effect_key=effect.effect_key, attempt=effect.attempts
+            "effect " + status.value,
+            **ids,
+            effect_key=effect.effect_key,
+            attempt=effect.attempts,
+            **why,
         )
         return status.value
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """Why an effect of a claimed batch is given back unsent, and when it is due again
+    (``None``: the dispatcher's backoff)."""
+
+    reason: str
+    retry_after: float | None = None
 
 
 def _check_settings(

@@ -80,6 +80,10 @@ class McpAdapter:
             raise ValueError(str(error)) from None
         self.connection = McpConnection(spec)
 
+    async def connect(self) -> None:
+        """Open the server's connection (``McpUnreachable`` if it cannot be): nothing is sent."""
+        await self.connection.client()
+
     async def send(self, effect: EffectRecord) -> SendOutcome:
         payload = effect.payload if isinstance(effect.payload, dict) else {}
         tool, arguments = payload.get("tool"), payload.get("arguments", {})

@@ -45,9 +45,14 @@ async def dispatch_until(
     statuses: set[EffectStatus],
     *,
     within: float = 20,
+    lease_seconds: float = 5,
 ) -> EffectRecord:
     dispatcher = Dispatcher(
-        pool, adapters, lease_seconds=5, poll_seconds=0.05, backoff=Backoff(base_seconds=0.2)
+        pool,
+        adapters,
+        lease_seconds=lease_seconds,
+        poll_seconds=0.05,
+        backoff=Backoff(base_seconds=0.2),
     )
     effects = EffectStore(pool)
     async with anyio.create_task_group() as group:

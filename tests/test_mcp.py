@@ -72,6 +72,48 @@ async def test_a_tool_error_fails_the_effect_and_an_unlisted_tool_is_never_calle
     assert [entry["tool"] for entry in ledger(tmp_path / "ledger.jsonl")] == ["reject_order"]
 
 
+async def test_a_server_slow_to_start_is_not_sent_yet_never_an_uncertain_send(
+    tmp_path: Path, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # The stdio server takes longer to start than a send may take: opening its connection is
+    # not sending, so the effect waits (not sent, retried) and goes out once, never uncertain
+    # (with no lookup tool an uncertain send would be parked for a person).
+    server = stdio_server(tmp_path / "ledger.jsonl")
+    server["env"]["MCP_TEST_START_SECONDS"] = "3"
+    kind = {key: value for key, value in tickets_kind(server).items() if key != "lookup_tool"}
+    adapter = adapter_from_config("tickets", kind)
+    effect = ticket()
+    run_id = await requested(store, pool, effect)
+    try:
+        record = await dispatch_until(
+            pool, {"tickets": adapter}, run_id, effect.key, SETTLED, lease_seconds=2, within=60
+        )
+    finally:
+        await adapter.aclose()
+    assert record.status is EffectStatus.CONFIRMED, record.error
+    key = idempotency_key(run_id, effect.key)
+    assert calls_per_key(tmp_path / "ledger.jsonl", "open_ticket") == {key: 1}
+
+
+async def test_a_call_cancelled_while_connecting_leaves_the_connection_usable(
+    tmp_path: Path,
+) -> None:
+    server = stdio_server(tmp_path / "ledger.jsonl")
+    server["env"]["MCP_TEST_START_SECONDS"] = "2"
+    connection = McpConnection(McpServerSpec.from_config("tickets", server))
+    try:
+        with anyio.move_on_after(0.3):
+            await connection.call_tool(
+                "find_ticket", {"idempotency_key": "k"}, meta=None, seconds=30
+            )
+        result = await connection.call_tool(
+            "find_ticket", {"idempotency_key": "k"}, meta=None, seconds=30
+        )
+    finally:
+        await connection.aclose()
+    assert not result.is_error
+
+
 @pytest.mark.parametrize("transport", ["http", "stdio"])
 async def test_an_unanswered_call_is_reconciled_through_the_lookup_tool_never_resent(
     transport: str, tmp_path: Path, store: RunStore, pool: asyncpg.Pool

@@ -4,7 +4,8 @@ calls of its effectful tools per idempotency key (read from the request's ``_met
 It runs over stdio (``python mcp_servers_for_tests.py stdio``) or streamable HTTP
 (``... http PORT``). Every call is appended to a ledger file (``MCP_TEST_LEDGER``), one JSON line
 written before the tool answers, so the test process counts calls made by servers living in
-other processes (a dispatcher's stdio child) and across restarts. While ``MCP_TEST_HANG``
+other processes (a dispatcher's stdio child) and across restarts. ``MCP_TEST_START_SECONDS``
+delays its start (a slow interpreter or a busy machine). While ``MCP_TEST_HANG``
 names a file that exists, ``open_ticket`` hangs after it has acted: a dispatcher can be killed
 mid-call, after the server acted and before it answered.
 """
@@ -130,6 +131,7 @@ def build_server() -> MCPServer:
 
 
 def main(argv: list[str]) -> None:
+    time.sleep(float(os.environ.get("MCP_TEST_START_SECONDS", "0")))  # a server slow to start
     server = build_server()
     if argv[:1] == ["http"]:
         port = int(argv[1])

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -139,7 +140,8 @@ def _errlog() -> TextIO:
 class _Live:
     """One open ``Client`` and the task that owns it."""
 
-    def __init__(self) -> None:
+    def __init__(self, connect_by: float) -> None:
+        self.connect_by = connect_by  # on time.monotonic(): not open by then is unreachable
         self.client: Any = None
         self.ready = anyio.Event()
         self.closed = anyio.Event()
@@ -206,11 +208,12 @@ class McpConnection:
     async def _connected(self) -> _Live:
         async with self._opening:
             live = self._live
-            if live is not None and not live.closed.is_set():
-                return live
-            live = self._live = _Live()
-            live.task = asyncio.get_running_loop().create_task(self._own(live))
-            with anyio.move_on_after(self.spec.connect_seconds):
+            if live is None or live.closed.is_set():
+                live = self._live = _Live(time.monotonic() + self.spec.connect_seconds)
+                live.task = asyncio.get_running_loop().create_task(self._own(live))
+            # A caller cancelled while the connection was opening leaves it opening: the next
+            # one waits for the same connection, within what is left of its connect time.
+            with anyio.move_on_after(max(0.0, live.connect_by - time.monotonic())):
                 await live.ready.wait()
             if live.client is None or live.closed.is_set():
                 await self._end(live)
