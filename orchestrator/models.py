@@ -3,18 +3,43 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 JSON = Any
 """A JSON value as the json module reads it."""
+
+D = TypeVar("D", bound="DataclassInstance")
 
 
 class Row(Protocol):
     """A database row addressable by column name (an asyncpg Record, or a dict in tests)."""
 
     def __getitem__(self, key: str, /) -> Any: ...
+
+
+def from_row(cls: type[D], row: Row, **given: Any) -> D:
+    """A dataclass whose fields are ``row``'s columns of the same names (``given`` wins)."""
+    return cls(**{f.name: given[f.name] if f.name in given else row[f.name] for f in fields(cls)})
+
+
+def json_fields(value: DataclassInstance, **given: JSON) -> dict[str, JSON]:
+    """A dataclass's fields as JSON, in their order: times in ISO 8601, enums as their values
+    (``given`` wins, for a field that is not plain)."""
+    return {
+        f.name: given[f.name] if f.name in given else _plain(getattr(value, f.name))
+        for f in fields(value)
+    }
+
+
+def _plain(value: Any) -> JSON:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 class RunState(enum.StrEnum):

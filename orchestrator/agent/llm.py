@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, overload
 import anyio
 
 from orchestrator.errors import InvalidInput, OrchestratorError, PermanentFailure
-from orchestrator.models import JSON
+from orchestrator.models import JSON, json_fields
 from orchestrator.storable import storable_text
 from orchestrator.telemetry import model_metrics, start_span
 
@@ -169,13 +169,7 @@ class ModelAttempt:
     seconds: float
 
     def as_json(self) -> dict[str, JSON]:
-        return {
-            "outcome": self.outcome,
-            "status": self.status,
-            "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-            "seconds": round(self.seconds, 3),
-        }
+        return json_fields(self, seconds=round(self.seconds, 3))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ from orchestrator.cli.support import (
     decided_as,
     effect_arguments,
     json_option,
+    limit_option,
     print_found,
+    run_option,
     wait_for_standby_option,
 )
 from orchestrator.client.stores import open_stores
@@ -26,8 +28,8 @@ def approvals() -> None:
 
 
 @approvals.command("list")
-@click.option("--run", "run_id", help="Only this run's approvals.")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@run_option("approvals")
+@limit_option()
 @json_option("Print them as a JSON array.")
 @async_command
 async def approvals_list(settings: Settings, run_id: str | None, limit: int, as_json: bool) -> None:

@@ -9,10 +9,16 @@ import click
 from rich.table import Table
 
 from orchestrator.cli.consoles import stderr, stdout
-from orchestrator.cli.presentation import dump_json
-from orchestrator.cli.support import async_command, json_option, print_found
+from orchestrator.cli.presentation import dump_json, grid
+from orchestrator.cli.support import (
+    async_command,
+    json_option,
+    limit_option,
+    print_found,
+    run_option,
+)
 from orchestrator.client.stores import open_stores
-from orchestrator.db.audit import MAX_LIST, AuditEntry
+from orchestrator.db.audit import AuditEntry
 from orchestrator.jsontext import compact
 from orchestrator.settings import Settings
 
@@ -24,8 +30,8 @@ def audit() -> None:
 
 @audit.command("list")
 @click.option("--after", type=click.IntRange(0), default=0, help="Only rows after this seq.")
-@click.option("--limit", type=click.IntRange(1, MAX_LIST), default=100, show_default=True)
-@click.option("--run", "run_id", help="Only this run's rows.")
+@limit_option()
+@run_option("rows")
 @click.option("--principal", help="Only what this principal did.")
 @click.option("--action", help="Only this action (approve, cancel, token_created, ...).")
 @json_option("Print the rows as a JSON array, with their hashes.")
@@ -89,19 +95,20 @@ async def audit_verify(settings: Settings, expect_head: str | None, as_json: boo
 
 
 def audit_table(entries: Sequence[AuditEntry]) -> Table:
-    table = Table(show_edge=False, header_style="bold")
-    for column in ("seq", "at", "principal", "via", "db role", "action", "run", "effect", "detail"):
-        table.add_column(column)
-    for entry in entries:
-        table.add_row(
-            str(entry.seq),
-            entry.at.isoformat(timespec="seconds"),
-            entry.principal,
-            entry.via,
-            entry.db_user,
-            entry.action,
-            entry.run_id or "",
-            entry.effect_key or "",
-            compact(entry.detail) if entry.detail else "",
-        )
-    return table
+    return grid(
+        ("seq", "at", "principal", "via", "db role", "action", "run", "effect", "detail"),
+        (
+            (
+                str(entry.seq),
+                entry.at.isoformat(timespec="seconds"),
+                entry.principal,
+                entry.via,
+                entry.db_user,
+                entry.action,
+                entry.run_id or "",
+                entry.effect_key or "",
+                compact(entry.detail) if entry.detail else "",
+            )
+            for entry in entries
+        ),
+    )

@@ -14,7 +14,9 @@ from orchestrator.cli.support import (
     decided_as,
     effect_arguments,
     json_option,
+    limit_option,
     print_found,
+    run_option,
 )
 from orchestrator.client.stores import open_stores
 from orchestrator.effect_model import EffectStatus
@@ -27,9 +29,9 @@ def effects() -> None:
 
 
 @effects.command("list")
-@click.option("--run", "run_id", help="Only this run's effects.")
+@run_option("effects")
 @click.option("--status", type=click.Choice([status.value for status in EffectStatus]))
-@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@limit_option()
 @json_option("Print effects as a JSON array.")
 @async_command
 async def effects_list(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -52,24 +52,41 @@ def _details(details: Any) -> str:
     )
 
 
-def runs_table(runs: Sequence[Run], now: datetime) -> Table:
-    table = Table(show_edge=False, header_style="bold")
-    for column in ("run id", "agent", "state", "fence", "attempt", "step", "owner", "created"):
+def grid(columns: Iterable[str], rows: Iterable[Iterable[str]], **options: Any) -> Table:
+    """A table the CLI prints: a bold header per column, then ``rows`` (``options``: rich's,
+    such as a title)."""
+    table = Table(show_edge=False, header_style="bold", **options)
+    for column in columns:
         table.add_column(column)
-    table.add_column("due")
-    for run in runs:
-        table.add_row(
-            run.run_id,
-            run.agent,
-            run.state.value,
-            str(run.fence),
-            f"{run.attempt}/{run.max_attempts}",
-            run.step or "",
-            run.lease_owner or "",
-            time_text(run.created_at),
-            due_text(run, now),
-        )
+    for row in rows:
+        table.add_row(*row)
     return table
+
+
+def section(title: str, columns: Iterable[str], rows: Iterable[Iterable[str]]) -> Table:
+    """A table of ``run show``'s and ``runs budget``'s: titled, the title on the left."""
+    return grid(columns, rows, title=title, title_justify="left")
+
+
+def runs_table(runs: Sequence[Run], now: datetime) -> Table:
+    columns = ("run id", "agent", "state", "fence", "attempt", "step", "owner", "created", "due")
+    return grid(
+        columns,
+        (
+            (
+                run.run_id,
+                run.agent,
+                run.state.value,
+                str(run.fence),
+                f"{run.attempt}/{run.max_attempts}",
+                run.step or "",
+                run.lease_owner or "",
+                time_text(run.created_at),
+                due_text(run, now),
+            )
+            for run in runs
+        ),
+    )
 
 
 def event_line(event: RunEvent) -> str:
@@ -123,63 +140,56 @@ def print_run(console: Console, detail: RunDetail) -> None:
     title = "timeline"
     if detail.events_total > len(detail.events):
         title += f" (the newest {len(detail.events):,} of {detail.events_total:,} events)"
-    timeline = Table(title=title, show_edge=False, header_style="bold", title_justify="left")
-    for column in ("at", "event", "fence", "worker", "details"):
-        timeline.add_column(column)
-    for event in detail.events:
-        timeline.add_row(
+    events = (
+        (
             time_text(event.at),
             event.kind,
             "" if event.fence is None else str(event.fence),
             event.worker_id or "",
             _details(event.details),
         )
-    console.print(timeline)
+        for event in detail.events
+    )
+    console.print(section(title, ("at", "event", "fence", "worker", "details"), events))
 
 
 def attempts_table(attempts: Sequence[Attempt], now: datetime) -> Table:
     """Each attempt: fence, worker, when it was claimed, how long it held the run, how it ended."""
-    table = Table(title="attempts", show_edge=False, header_style="bold", title_justify="left")
-    for column in ATTEMPT_COLUMNS:
-        table.add_column(column)
-    for attempt in attempts:
-        table.add_row(*attempt_cells(attempt, now))
-    return table
+    rows = (attempt_cells(attempt, now) for attempt in attempts)
+    return section("attempts", ATTEMPT_COLUMNS, rows)
 
 
 def workers_table(workers: Sequence[Any], now: datetime) -> Table:
-    table = Table(show_edge=False, header_style="bold")
-    for column in ("worker", "alive", "host", "pid", "agents", "runs held", "last renewal"):
-        table.add_column(column)
-    for worker in workers:
-        renewal = worker.last_renewal
-        table.add_row(
-            worker.worker_id,
-            "alive" if worker.alive else "dead",
-            worker.host,
-            str(worker.pid),
-            ", ".join(worker.agents),
-            str(worker.runs_held),
-            "" if renewal is None else relative_text(renewal, now),
-        )
-    return table
+    return grid(
+        ("worker", "alive", "host", "pid", "agents", "runs held", "last renewal"),
+        (
+            (
+                worker.worker_id,
+                "alive" if worker.alive else "dead",
+                worker.host,
+                str(worker.pid),
+                ", ".join(worker.agents),
+                str(worker.runs_held),
+                "" if worker.last_renewal is None else relative_text(worker.last_renewal, now),
+            )
+            for worker in workers
+        ),
+    )
 
 
 def queue_table(rows: Sequence[dict[str, Any]]) -> Table:
-    table = Table(show_edge=False, header_style="bold")
-    for column in ("agent", "queued", "due", "running", "waiting", "oldest due"):
-        table.add_column(column)
-    for row in rows:
-        oldest = row["oldest_due_seconds"]
-        table.add_row(
-            row["agent"],
-            str(row["queued"]),
-            str(row["due"]),
-            str(row["running"]),
-            str(row["waiting"]),
-            "" if oldest is None else f"{oldest:.1f}s",
-        )
-    return table
+    counts = ("queued", "due", "running", "waiting")
+    return grid(
+        ("agent", *counts, "oldest due"),
+        (
+            (
+                row["agent"],
+                *(str(row[count]) for count in counts),
+                "" if row["oldest_due_seconds"] is None else f"{row['oldest_due_seconds']:.1f}s",
+            )
+            for row in rows
+        ),
+    )
 
 
 def _waiting_for(run: Run, now: datetime) -> str:
@@ -204,28 +214,23 @@ def _waiting_for(run: Run, now: datetime) -> str:
 
 def budget_table(state: BudgetState) -> Table:
     """A run's budget, per dimension: spent, reserved by the attempt in flight, and the limit."""
-    table = Table(title="budget", show_edge=False, header_style="bold", title_justify="left")
-    for column in ("", "spent", "reserved", "limit"):
-        table.add_column(column)
-    for name, limit in state.limit.items():
-        reserved = state.reserved.get(name)
-        table.add_row(
+    rows = (
+        (
             name,
             str(state.spent.get(name, "")),
-            "" if reserved in (None, 0, "0") else str(reserved),
+            "" if state.reserved.get(name) in (None, 0, "0") else str(state.reserved[name]),
             "unlimited" if limit is None else str(limit),
         )
-    return table
+        for name, limit in state.limit.items()
+    )
+    return section("budget", ("", "spent", "reserved", "limit"), rows)
 
 
 def ledger_table(entries: Sequence[LedgerEntry]) -> Table:
     """A budget's ledger: every reservation, settlement, forfeit, refusal and top-up."""
-    table = Table(title="ledger", show_edge=False, header_style="bold", title_justify="left")
     names = ("turns", "tool_calls", "input_tokens", "output_tokens", "cost_usd")
-    for column in ("#", "at", "kind", "fence", *names, "details"):
-        table.add_column(column)
-    for entry in entries:
-        table.add_row(
+    rows = (
+        (
             str(entry.entry),
             time_text(entry.at),
             entry.kind,
@@ -233,43 +238,45 @@ def ledger_table(entries: Sequence[LedgerEntry]) -> Table:
             *(str(entry.amounts.get(name, "")) for name in names),
             _compact(entry.details) if entry.details else "",
         )
-    return table
+        for entry in entries
+    )
+    return section("ledger", ("#", "at", "kind", "fence", *names, "details"), rows)
 
 
 def signals_table(signals: Sequence[tuple[Signal, datetime | None, int | None]]) -> Table:
-    table = Table(title="signals", show_edge=False, header_style="bold", title_justify="left")
-    for column in ("seq", "name", "sent", "consumed by fence", "data"):
-        table.add_column(column)
-    for signal, _, fence in signals:
-        table.add_row(
+    rows = (
+        (
             str(signal.seq),
             signal.name,
             time_text(signal.sent_at),
             "pending" if fence is None else str(fence),
             _compact(signal.data),
         )
-    return table
+        for signal, _, fence in signals
+    )
+    columns = ("seq", "name", "sent", "consumed by fence", "data")
+    return section("signals", columns, rows)
 
 
 def approvals_table(effects: Sequence[EffectRecord]) -> Table:
-    table = Table(show_edge=False, header_style="bold")
-    for column in ("run id", "effect key", "kind", "fence", "expires", "payload sha256", "payload"):
-        table.add_column(column)
-    for effect in effects:
-        table.add_row(
-            effect.run_id,
-            effect.effect_key,
-            effect.kind,
-            str(effect.fence),
-            time_text(effect.approval_expires_at),
-            (effect.payload_sha256 or "")[:16] + "…",
-            _compact(effect.payload, limit=80),
-        )
-    return table
+    return grid(
+        ("run id", "effect key", "kind", "fence", "expires", "payload sha256", "payload"),
+        (
+            (
+                effect.run_id,
+                effect.effect_key,
+                effect.kind,
+                str(effect.fence),
+                time_text(effect.approval_expires_at),
+                (effect.payload_sha256 or "")[:16] + "…",
+                _compact(effect.payload, limit=80),
+            )
+            for effect in effects
+        ),
+    )
 
 
 def effects_table(effects: Sequence[EffectRecord], *, wide: bool = False) -> Table:
-    table = Table(show_edge=False, header_style="bold")
     columns = [
         "run id",
         "effect key",
@@ -282,10 +289,9 @@ def effects_table(effects: Sequence[EffectRecord], *, wide: bool = False) -> Tab
     ]
     if wide:
         columns += ["idempotency key", "payload", "error"]
-    for column in columns:
-        table.add_column(column)
-    for effect in effects:
-        row = [
+
+    def row(effect: EffectRecord) -> list[str]:
+        cells = [
             effect.run_id,
             effect.effect_key,
             effect.kind,
@@ -296,9 +302,10 @@ def effects_table(effects: Sequence[EffectRecord], *, wide: bool = False) -> Tab
             effect.external_id or "",
         ]
         if wide:
-            row += [effect.idempotency_key, _compact(effect.payload), _compact(effect.error)]
-        table.add_row(*row)
-    return table
+            cells += [effect.idempotency_key, _compact(effect.payload), _compact(effect.error)]
+        return cells
+
+    return grid(columns, map(row, effects))
 
 
 def _excerpt(text: Any, limit: int = 90) -> str:

@@ -10,7 +10,7 @@ import click
 from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.group import LazyCommands
 from orchestrator.cli.run_filters import check_target, filter_options
-from orchestrator.cli.support import async_command, json_option, print_found
+from orchestrator.cli.support import async_command, json_option, limit_option, print_found
 from orchestrator.client.detail import DEFAULT_EVENTS, MAX_EVENTS
 from orchestrator.client.selection import RunSelection
 from orchestrator.errors import InvalidInput
@@ -51,7 +51,7 @@ def runs() -> None:
 @click.option("--agent", help="Only runs of this agent.")
 @click.option("--since", help="Submitted at or after: an ISO 8601 time, or an age (2h, 7d).")
 @click.option("--until", help="Submitted before: an ISO 8601 time, or an age (2h, 7d).")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@limit_option()
 @json_option("Print runs as a JSON array.")
 @async_command
 async def runs_list(

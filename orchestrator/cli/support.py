@@ -30,6 +30,22 @@ def json_option(help: str | None = None) -> Callable[[F], F]:
     return click.option("--json", "as_json", is_flag=True, help=help)
 
 
+def limit_option(default: int = 100) -> Callable[[F], F]:
+    """``--limit N``, the same bound (1 to 10,000 rows) on every list command."""
+    return click.option(
+        "--limit",
+        type=click.IntRange(1, 10_000),
+        default=default,
+        show_default=True,
+        help="The most rows to print.",
+    )
+
+
+def run_option(rows: str) -> Callable[[F], F]:
+    """``--run RUN_ID``: only that run's ``rows``."""
+    return click.option("--run", "run_id", help=f"Only this run's {rows}.")
+
+
 def wait_for_standby_option(what: str) -> Callable[[F], F]:
     """``--wait-for-standby`` on the commands whose answer a failover could take back."""
     return click.option(

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from orchestrator.access import PrincipalKind, Role, TokenScope
 from orchestrator.cli.consoles import stderr, stdout
-from orchestrator.cli.presentation import dump_json
+from orchestrator.cli.presentation import dump_json, grid
 from orchestrator.cli.support import async_command, json_option, print_done, print_found
 from orchestrator.client.stores import open_stores
 from orchestrator.db.access import PrincipalEntry, TokenEntry
@@ -190,37 +190,41 @@ def _lifetime(text: str) -> float | None:
 
 
 def principals_table(entries: Sequence[PrincipalEntry]) -> Table:
-    table = Table(show_edge=False, header_style="bold")
-    for column in ("name", "kind", "role", "tokens", "created", "by", "disabled"):
-        table.add_column(column)
-    for entry in entries:
-        table.add_row(
-            entry.principal.name,
-            entry.principal.kind.value,
-            entry.principal.role.value,
-            "" if entry.live_tokens is None else str(entry.live_tokens),
-            _when(entry.created_at),
-            entry.created_by,
-            "" if entry.disabled_at is None else _when(entry.disabled_at),
-        )
-    return table
+    return grid(
+        ("name", "kind", "role", "tokens", "created", "by", "disabled"),
+        (
+            (
+                entry.principal.name,
+                entry.principal.kind.value,
+                entry.principal.role.value,
+                "" if entry.live_tokens is None else str(entry.live_tokens),
+                _when(entry.created_at),
+                entry.created_by,
+                "" if entry.disabled_at is None else _when(entry.disabled_at),
+            )
+            for entry in entries
+        ),
+    )
 
 
 def tokens_table(entries: Sequence[TokenEntry]) -> Table:
-    table = Table(show_edge=False, header_style="bold")
-    for column in ("id", "principal", "scope", "expires", "revoked", "last used", "description"):
-        table.add_column(column)
-    for entry in entries:
-        table.add_row(
-            entry.token_id,
-            entry.principal,
-            _scope_text(entry.scope.as_json()),
-            "never" if entry.expires_at is None else _when(entry.expires_at),
-            "" if entry.revoked_at is None else f"{_when(entry.revoked_at)} by {entry.revoked_by}",
-            "" if entry.last_used_at is None else _when(entry.last_used_at),
-            entry.description or "",
-        )
-    return table
+    return grid(
+        ("id", "principal", "scope", "expires", "revoked", "last used", "description"),
+        (
+            (
+                entry.token_id,
+                entry.principal,
+                _scope_text(entry.scope.as_json()),
+                "never" if entry.expires_at is None else _when(entry.expires_at),
+                ""
+                if entry.revoked_at is None
+                else f"{_when(entry.revoked_at)} by {entry.revoked_by}",
+                "" if entry.last_used_at is None else _when(entry.last_used_at),
+                entry.description or "",
+            )
+            for entry in entries
+        ),
+    )
 
 
 def _when(moment: datetime) -> str:

@@ -97,17 +97,10 @@ class ApprovalsHandle(StoresHandle):
     ) -> EffectRecord:
         """Approve the payload the person saw (its ``payload_sha256``); refused if it changed.
         ``wait_for_standby``: return once a standby holds the decision (see ``runs.submit``)."""
-        within = acknowledgement_seconds(wait_for_standby)
-        decided = await self._stores.approvals.decide(
-            run_id,
-            effect_key,
-            Decision.APPROVED,
-            by=by,
-            note=note,
-            payload_sha256=payload_sha256,
-            run_fence=run_fence,
+        options = {"by": by, "note": note, "run_fence": run_fence}
+        return await self._decide(
+            run_id, effect_key, Decision.APPROVED, payload_sha256, wait_for_standby, **options
         )
-        return await self._held(decided, within)
 
     @project_errors
     async def deny(
@@ -122,15 +115,23 @@ class ApprovalsHandle(StoresHandle):
         wait_for_standby: bool | float | None = False,
     ) -> EffectRecord:
         """Deny it; the model is told "denied by reviewer: NOTE"."""
+        options = {"by": by, "note": note, "run_fence": run_fence}
+        return await self._decide(
+            run_id, effect_key, Decision.DENIED, payload_sha256, wait_for_standby, **options
+        )
+
+    async def _decide(
+        self,
+        run_id: str,
+        effect_key: str,
+        decision: Decision,
+        payload_sha256: str | None,
+        wait_for_standby: bool | float | None,
+        **options: Any,
+    ) -> EffectRecord:
         within = acknowledgement_seconds(wait_for_standby)
         decided = await self._stores.approvals.decide(
-            run_id,
-            effect_key,
-            Decision.DENIED,
-            by=by,
-            note=note,
-            payload_sha256=payload_sha256,
-            run_fence=run_fence,
+            run_id, effect_key, decision, payload_sha256=payload_sha256, **options
         )
         return await self._held(decided, within)
 

@@ -25,7 +25,7 @@ from orchestrator.db.audit import AuditStore, decision_span
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, OrchestratorError
-from orchestrator.models import Row
+from orchestrator.models import Row, from_row, json_fields
 from orchestrator.storable import check_text
 
 TOKEN_PREFIX = "orc_"
@@ -98,21 +98,7 @@ class TokenEntry:
     last_used_at: datetime | None
 
     def as_json(self) -> dict[str, Any]:
-        def iso(value: datetime | None) -> str | None:
-            return None if value is None else value.isoformat()
-
-        return {
-            "token_id": self.token_id,
-            "principal": self.principal,
-            "description": self.description,
-            "scope": self.scope.as_json(),
-            "created_at": iso(self.created_at),
-            "created_by": self.created_by,
-            "expires_at": iso(self.expires_at),
-            "revoked_at": iso(self.revoked_at),
-            "revoked_by": self.revoked_by,
-            "last_used_at": iso(self.last_used_at),
-        }
+        return json_fields(self, scope=self.scope.as_json())
 
 
 @dataclass(frozen=True)
@@ -349,15 +335,4 @@ def _principal_entry(row: Row, live_tokens: int | None = None) -> PrincipalEntry
 
 
 def _token_entry(row: Row) -> TokenEntry:
-    return TokenEntry(
-        token_id=row["token_id"],
-        principal=row["principal"],
-        description=row["description"],
-        scope=_scope(row["scope"]),
-        created_at=row["created_at"],
-        created_by=row["created_by"],
-        expires_at=row["expires_at"],
-        revoked_at=row["revoked_at"],
-        revoked_by=row["revoked_by"],
-        last_used_at=row["last_used_at"],
-    )
+    return from_row(TokenEntry, row, scope=_scope(row["scope"]))

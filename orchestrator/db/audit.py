@@ -15,7 +15,7 @@ from orchestrator.access import Actor, Via
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput
-from orchestrator.models import Row
+from orchestrator.models import Row, from_row, json_fields
 from orchestrator.telemetry import (
     AUDIT_SEQ,
     DECISION,
@@ -48,19 +48,7 @@ class AuditEntry:
     sha256: str
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "seq": self.seq,
-            "at": self.at.isoformat(),
-            "db_user": self.db_user,
-            "principal": self.principal,
-            "via": self.via,
-            "action": self.action,
-            "run_id": self.run_id,
-            "effect_key": self.effect_key,
-            "detail": self.detail,
-            "prev_sha256": self.prev_sha256,
-            "sha256": self.sha256,
-        }
+        return json_fields(self)
 
 
 @dataclass(frozen=True)
@@ -240,16 +228,4 @@ async def decide(
 
 
 def _entry(row: Row) -> AuditEntry:
-    return AuditEntry(
-        seq=int(row["seq"]),
-        at=row["at"],
-        db_user=row["db_user"],
-        principal=row["principal"],
-        via=row["via"],
-        action=row["action"],
-        run_id=row["run_id"],
-        effect_key=row["effect_key"],
-        detail=row["detail"],
-        prev_sha256=row["prev_sha256"],
-        sha256=row["sha256"],
-    )
+    return from_row(AuditEntry, row)

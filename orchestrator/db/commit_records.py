@@ -129,5 +129,18 @@ def same_worker(worker_id: str, leases: Sequence[Lease]) -> None:
         raise ValueError("a batched statement acts for one worker at a time")
 
 
+def fenced_columns(
+    worker_id: str, batch: Sequence[StepCommit] | Sequence[RunFinish]
+) -> tuple[list[str], list[int], list[int]]:
+    """A batch's run ids, fences and expected checkpoint versions (the columns every fenced
+    batch statement checks), once it is known to act for ``worker_id`` alone."""
+    same_worker(worker_id, [item.lease for item in batch])
+    return (
+        [item.lease.run_id for item in batch],
+        [item.lease.fence for item in batch],
+        [item.expected_version for item in batch],
+    )
+
+
 def events_json(events: Sequence[StepEvent]) -> list[dict[str, JSON]]:
     return [{"kind": event.kind, "details": dict(event.details)} for event in events]

@@ -18,6 +18,7 @@ from orchestrator.db.commit_records import (
     StepCommit,
     StepEvent,
     checkpoint_events,
+    fenced_columns,
     final_states,
     json_text,
     same_worker,
@@ -172,13 +173,10 @@ class Commits(PoolStore):
         Each run's conditions are those of ``commit_step``: a refused run changes nothing and
         does not affect the others.
         """
-        same_worker(worker_id, [commit.lease for commit in commits])
         records = await (db or self.pool).fetch(
             query("commit_steps"),
             worker_id,
-            [c.lease.run_id for c in commits],
-            [c.lease.fence for c in commits],
-            [c.expected_version for c in commits],
+            *fenced_columns(worker_id, commits),
             [c.next_step for c in commits],
             [json_text(c.checkpoint, c.checkpoint_text) for c in commits],
             [json_text(checkpoint_events(c)) for c in commits],
@@ -194,14 +192,12 @@ class Commits(PoolStore):
         self, worker_id: str, finishes: Sequence[RunFinish], *, db: Executor | None = None
     ) -> set[str]:
         """Many runs' final commits in one statement; returns the runs that were finished."""
-        same_worker(worker_id, [finish.lease for finish in finishes])
+        columns = fenced_columns(worker_id, finishes)
         states = final_states(finishes)  # sent as they are: a StrEnum member is its text
         records = await (db or self.pool).fetch(
             query("finish_runs"),
             worker_id,
-            [f.lease.run_id for f in finishes],
-            [f.lease.fence for f in finishes],
-            [f.expected_version for f in finishes],
+            *columns,
             states,
             unless_all_null([json_text(f.result, f.result_text) for f in finishes]),
             unless_all_null([json_text(f.error) for f in finishes]),

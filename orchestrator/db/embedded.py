@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import EmbeddedPostgresError
 
@@ -185,8 +186,8 @@ class EmbeddedPostgres:
 
     def _run(self, argv: list[str], *, timeout: float = 120) -> str:
         command = [str(self._bin / argv[0]), *argv[1:]]
-        entry = self._server_user() if self._as_root else None
-        if entry is not None:
+        as_server_user = self._as_server_user()
+        if as_server_user:
             self._traversable()
         try:
             # Output goes to files, not pipes: pg_ctl's forked server inherits the descriptors,
@@ -199,9 +200,7 @@ class EmbeddedPostgres:
                     stderr=subprocess.STDOUT,
                     check=True,
                     timeout=timeout,
-                    user=entry.pw_uid if entry else None,
-                    group=entry.pw_gid if entry else None,
-                    extra_groups=[] if entry else None,
+                    **as_server_user,
                 )
                 out.seek(0)
                 return out.read().decode(errors="replace")
@@ -219,6 +218,14 @@ class EmbeddedPostgres:
                 f"embedded PostgreSQL: `{argv[0]}` did not finish in {timeout}s; "
                 f"see {self.log_file}"
             ) from None
+
+    def _as_server_user(self) -> dict[str, Any]:
+        """``subprocess.run``'s options that run a binary as the server user (under root:
+        PostgreSQL refuses to run as root), or as this process otherwise."""
+        if not self._as_root:
+            return {}
+        entry = self._server_user()
+        return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
 
     def _server_user(self) -> pwd.struct_passwd:
         try:

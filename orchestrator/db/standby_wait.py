@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
+from orchestrator.db.rechecks import Rechecked
 from orchestrator.errors import InvalidInput, OrchestratorError
 from orchestrator.settings import StandbyPolicy, StandbyPosition, StandbyWait, WithoutStandby
 
@@ -167,7 +168,7 @@ async def wait_for_standby(db: Executor, policy: StandbyPolicy, *, within: float
     )
 
 
-class StandbyGate:
+class StandbyGate(Rechecked):
     """A dispatcher's view of its standbys: whether it may claim now (``may_claim``), whether
     a claim must wait for them (``waits``), and the wait itself (``held``).
 
@@ -252,10 +253,8 @@ class StandbyGate:
         """Whether to claim now, looking again when the last look is stale."""
         if not self.active:
             return True
-        checked = self._checked_at
-        if checked is None or time.monotonic() - checked >= self.recheck_seconds:
-            await self.check(db)
-        return self.problem is None or self.policy.without is WithoutStandby.SEND
+        problem = await self.current_problem(db)
+        return problem is None or self.policy.without is WithoutStandby.SEND
 
     def sends_unwaited(self) -> bool:
         """Whether a claim may be sent without waiting (``waits`` is false): no wait is asked

@@ -165,11 +165,10 @@ class RunStore(RunReads, Leases, Commits):
             check_text(reason, "the cancel reason")
             if len(reason) > 2000:
                 raise InvalidInput("the cancel reason must be at most 2000 characters")
-        acting = Actor.acting(actor, None)
         return await self._transition(
             run_id,
             "cancel",
-            acting,
+            actor,
             query("cancel_run"),
             (run_id, reason),
             lambda run: (
@@ -180,12 +179,10 @@ class RunStore(RunReads, Leases, Commits):
 
     async def retry(self, run_id: str, *, actor: Actor | None = None) -> Run:
         """Requeue a dead-lettered run with a fresh set of attempts (audited like a cancel)."""
-        validate_run_id(run_id)
-        acting = Actor.acting(actor, None)
         return await self._transition(
             run_id,
             "retry",
-            acting,
+            actor,
             query("requeue_dead"),
             (run_id,),
             lambda run: (
@@ -198,16 +195,18 @@ class RunStore(RunReads, Leases, Commits):
         self,
         run_id: str,
         action: str,
-        actor: Actor,
+        actor: Actor | None,
         statement: str,
         arguments: tuple[object, ...],
         refusal: Refusal,
     ) -> Run:
-        """An operator's transition by ``actor``, which its database function audits in the
-        same transaction: no row back means the run was in a state it does not apply to, and
-        ``refusal`` says which (``RunNotFound`` if there is no such run). Who decides is passed
-        after ``arguments``."""
-        done = await decide(self.pool, action, actor, statement, *arguments, run_id=run_id)
+        """An operator's transition by ``actor`` (None: the database role that connected),
+        which its database function audits in the same transaction: no row back means the run
+        was in a state it does not apply to, and ``refusal`` says which (``RunNotFound`` if
+        there is no such run). Who decides is passed after ``arguments``."""
+        validate_run_id(run_id)
+        acting = Actor.acting(actor, None)
+        done = await decide(self.pool, action, acting, statement, *arguments, run_id=run_id)
         if done is None:
             raise InvalidTransition(refusal(await self.get(run_id)))
         return await self.get(run_id)

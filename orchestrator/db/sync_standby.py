@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from orchestrator.db.rechecks import Rechecked
 from orchestrator.errors import OrchestratorError
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ async def sync_standby_problem(db: Executor) -> str | None:
     return None
 
 
-class SyncStandbyRequirement:
+class SyncStandbyRequirement(Rechecked):
     """The requirement as one process holds it: checked at start, then re-checked when stale."""
 
     def __init__(self, required: bool, *, recheck_seconds: float = RECHECK_SECONDS) -> None:
@@ -97,7 +98,4 @@ class SyncStandbyRequirement:
         """Whether it holds, asking the server only when the last answer is stale."""
         if not self.required:
             return True
-        checked = self._checked_at
-        if checked is None or time.monotonic() - checked >= self.recheck_seconds:
-            await self.check(db)
-        return self.problem is None
+        return await self.current_problem(db) is None

@@ -159,16 +159,13 @@ class PairNode(EmbeddedPostgres):
     def run(self, argv: list[str], *, timeout: float = 120) -> str:
         """A client binary as the server user; its output. Never for ``pg_ctl start``: the
         server it forks would hold the pipes (``EmbeddedPostgres._start`` uses files)."""
-        entry = self._server_user() if self._as_root else None
         try:
-            done = subprocess.run(
+            done: subprocess.CompletedProcess[bytes] = subprocess.run(
                 [str(self._bin / argv[0]), *argv[1:]],
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 timeout=timeout,
-                user=entry.pw_uid if entry else None,
-                group=entry.pw_gid if entry else None,
-                extra_groups=[] if entry else None,
+                **self._as_server_user(),
             )
         except subprocess.TimeoutExpired:
             raise ReplicationError(

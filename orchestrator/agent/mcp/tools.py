@@ -250,7 +250,12 @@ class _ListedTool(Tool):
     model's arguments checked against that schema (there is no local function)."""
 
     def __init__(
-        self, source: McpToolSource, name: str, description: str, schema: dict[str, Any]
+        self,
+        source: McpToolSource,
+        name: str,
+        description: str,
+        schema: dict[str, Any],
+        rule: ToolRule,
     ) -> None:
         # Not Tool.__init__: it builds the schema from a Python function's signature.
         self.function = _no_function
@@ -260,6 +265,10 @@ class _ListedTool(Tool):
         self.takes_context = False
         self.source = source
         self.validator = _validator(schema, f"MCP tool {name}")
+        self.classified(rule)
+
+    def classified(self, rule: ToolRule) -> None:
+        """Take what the operator's classification says of this tool."""
 
     def parse(self, arguments: str) -> dict[str, Any]:
         try:
@@ -284,15 +293,7 @@ def _no_function(**arguments: Any) -> JSON:
 class McpReadOnlyTool(_ListedTool, ReadOnlyTool):
     """A classified read-only MCP tool: the worker calls it during the turn."""
 
-    def __init__(
-        self,
-        source: McpToolSource,
-        name: str,
-        description: str,
-        schema: dict[str, Any],
-        rule: ToolRule,
-    ) -> None:
-        _ListedTool.__init__(self, source, name, description, schema)
+    def classified(self, rule: ToolRule) -> None:
         self.timeout = rule.timeout_seconds
 
     async def call(self, ctx: ToolContext, arguments: dict[str, Any]) -> JSON:
@@ -307,16 +308,8 @@ class McpReadOnlyTool(_ListedTool, ReadOnlyTool):
 class McpEffectTool(_ListedTool, EffectTool):
     """A classified effectful MCP tool: the call becomes a fenced effect the dispatcher sends."""
 
-    def __init__(
-        self,
-        source: McpToolSource,
-        name: str,
-        description: str,
-        schema: dict[str, Any],
-        rule: ToolRule,
-    ) -> None:
-        _ListedTool.__init__(self, source, name, description, schema)
-        self.kind = source.effect_kind
+    def classified(self, rule: ToolRule) -> None:
+        self.kind = self.source.effect_kind
         self.policy = rule.policy
         self.result = default_result
         self.approve = rule.approval()
