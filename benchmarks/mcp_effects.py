@@ -41,7 +41,8 @@ from orchestrator import Agent, Effect, Finish, Next, Outcome, Step, StepContext
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import Adapter, HttpAdapter
+from orchestrator.effects.adapters import Adapter
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.vendors import adapter_from_config
 from orchestrator.settings import Settings

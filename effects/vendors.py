@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from orchestrator.effects.adapters import Adapter, HttpAdapter, SmtpAdapter
+from orchestrator.effects.adapters import Adapter
 from orchestrator.errors import InvalidInput
 
 
@@ -43,14 +43,17 @@ def adapter_from_config(kind: str, config: dict[str, Any]) -> Adapter:
     """Build an adapter from one entry of the dispatcher's vendor configuration."""
     options = dict(config)
     adapter = options.pop("adapter", None)
+    # Each vendor's module is imported only when a kind uses it (the mcp one needs its extra).
     if adapter == "http":
+        from orchestrator.effects.http import HttpAdapter
+
         return HttpAdapter(kind, **options)
     if adapter == "smtp":
+        from orchestrator.effects.smtp import SmtpAdapter
+
         return SmtpAdapter(kind, **options)
     if adapter == "mcp":
-        from orchestrator.effects.mcp import (
-            McpAdapter,  # the mcp extra: imported only when configured
-        )
+        from orchestrator.effects.mcp import McpAdapter
 
         return McpAdapter(kind, **options)
     raise ValueError(

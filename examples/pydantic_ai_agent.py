@@ -24,7 +24,7 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 from orchestrator import Settings
-from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
 from orchestrator.testing import (
     LocalVendor,

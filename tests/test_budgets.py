@@ -29,8 +29,8 @@ from orchestrator.agent.budgets import Prices
 from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.db.budgets import BudgetStore
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import run_agent, running_worker, wait_for_run

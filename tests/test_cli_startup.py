@@ -99,3 +99,29 @@ def test_every_command_is_where_the_map_says() -> None:
             module, _, attribute = path.partition(":")
             command = getattr(importlib.import_module(module), attribute)
             assert isinstance(command, click.Command) and command.name == name
+
+
+def test_a_worker_with_no_vendor_configured_imports_no_vendor_client() -> None:
+    # `serve` without --effects-config sends nothing: aiohttp, smtplib and the mcp SDK are
+    # imported by the vendors that use them, when a kind is configured.
+    script = (
+        "import json, sys\n"
+        "import orchestrator.cli.serve, orchestrator.worker.worker\n"
+        "import orchestrator.effects.dispatcher\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    modules = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert loaded(modules, ("aiohttp", "smtplib", "mcp")) == []
+
+
+def test_the_vendors_still_import_by_their_earlier_path() -> None:
+    from orchestrator.effects import adapters
+    from orchestrator.effects.http import HttpAdapter
+    from orchestrator.effects.smtp import SmtpAdapter
+
+    assert (adapters.HttpAdapter, adapters.SmtpAdapter) == (HttpAdapter, SmtpAdapter)
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        adapters.Nothing  # noqa: B018

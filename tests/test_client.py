@@ -31,7 +31,7 @@ from orchestrator import (
     SyncClient,
 )
 from orchestrator.agents.noop import noop
-from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectNotFound
 from orchestrator.models import Run, RunState
 from orchestrator.settings import Settings

@@ -25,8 +25,8 @@ from orchestrator.client import Client
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import Effect, EffectPolicy, EffectStatus
-from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings

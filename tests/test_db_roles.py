@@ -32,9 +32,9 @@ from orchestrator.db.purges import PurgeStore
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import AcceptOutcome, Effect, EffectStatus
-from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.dispatcher import Dispatcher
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import OrchestratorError
 from orchestrator.models import RunState

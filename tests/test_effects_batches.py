@@ -329,7 +329,7 @@ async def test_dispatchers_racing_over_several_kinds_send_each_effect_once(
 ) -> None:
     """Two dispatchers serving the same two kinds claim past each other (each kind probed apart,
     rows of a kind a claim leaves out released at once); a third kind nobody serves waits."""
-    from orchestrator.effects.adapters import HttpAdapter
+    from orchestrator.effects.http import HttpAdapter
 
     kinds = ("crm", "tickets")
     runs = [

@@ -13,8 +13,10 @@ from orchestrator.agent.turns import default_result
 from orchestrator.backoff import Backoff
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import Effect, EffectRecord, EffectStatus
-from orchestrator.effects.adapters import Adapter, HttpAdapter, SmtpAdapter, answers_within
+from orchestrator.effects.adapters import Adapter, answers_within
 from orchestrator.effects.dispatcher import Dispatcher
+from orchestrator.effects.http import HttpAdapter
+from orchestrator.effects.smtp import SmtpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.testing import LocalVendor, SmtpSink
 

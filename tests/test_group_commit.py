@@ -15,7 +15,7 @@ import asyncpg
 from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext
 from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.effect_model import Effect, EffectPolicy, EffectStatus
-from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings

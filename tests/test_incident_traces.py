@@ -27,7 +27,8 @@ from orchestrator.agent.steps import Agent, Next, Outcome, Step, StepContext
 from orchestrator.agents.contract_notice import Confirm
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import Effect, EffectPolicy
-from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
+from orchestrator.effects.http import HttpAdapter
+from orchestrator.effects.smtp import SmtpAdapter
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run

@@ -14,7 +14,7 @@ from orchestrator.access import PrincipalKind, Role
 from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.db.access import AccessStore, token_sha256
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.models import Run, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_metrics, capture_spans, running_worker, wait_for_run

@@ -21,8 +21,8 @@ from orchestrator.console.views import message_views
 from orchestrator.db.budgets import BudgetStore
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import EffectStatus
-from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect

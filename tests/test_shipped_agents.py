@@ -12,7 +12,8 @@ from orchestrator.agents.contract_summary import contract_summary
 from orchestrator.agents.support import support
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import EffectStatus
-from orchestrator.effects.adapters import HttpAdapter, SmtpAdapter
+from orchestrator.effects.http import HttpAdapter
+from orchestrator.effects.smtp import SmtpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import JSON, Run, RunState
 from orchestrator.settings import Settings

@@ -16,7 +16,7 @@ from orchestrator.agent.transcript import Transcript
 from orchestrator.console.views import message_views
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import EffectStatus, validate_effect_key
-from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import Message, RunState
 from orchestrator.settings import Settings

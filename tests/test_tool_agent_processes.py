@@ -16,7 +16,7 @@ import pytest
 from orchestrator.agent.tool_loop import effect_keys
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import Effect, EffectStatus
-from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.models import RunState
 from orchestrator.settings import Settings

@@ -16,7 +16,7 @@ from orchestrator.agent import llm
 from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.client import Client
 from orchestrator.db.store import RunStore
-from orchestrator.effects.adapters import HttpAdapter
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker, wait_for_run

@@ -18,8 +18,8 @@ from orchestrator.db.audit import AuditStore
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import EffectStatus
-from orchestrator.effects.adapters import HttpAdapter
 from orchestrator.effects.approvals import ApprovalStore, Decision, DecisionRefused
+from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
 from orchestrator.models import RunState, StoredWait
