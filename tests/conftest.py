@@ -40,6 +40,35 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min(8, max(2, 2 * (os.cpu_count() or 1)))
 
 
+LONG_RUNNING = ("test_chaos", "failover", "_processes", "serve_faults", "state_machine")
+"""Modules whose tests run for tens of seconds (campaigns, failovers, real processes): they
+are handed out first, so that none starts last and runs on alone while the other workers
+idle."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # once, in the process that starts the workers
+        compile_the_package()
+
+
+def compile_the_package() -> None:
+    """Write the package's bytecode once. Where Python writes none itself
+    (``PYTHONDONTWRITEBYTECODE``, as on CI machines), every process the suite starts (a few
+    hundred workers, dispatchers and commands) would otherwise compile it again."""
+    import compileall
+
+    import orchestrator.agents
+    import orchestrator.effects
+
+    packages = (orchestrator, orchestrator.effects, orchestrator.agents)
+    for folder in {path for package in packages for path in package.__path__}:
+        compileall.compile_dir(folder, quiet=2, workers=0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not any(part in item.nodeid for part in LONG_RUNNING))
+
+
 @pytest.fixture(scope="session")
 def database_factory() -> Iterator[DatabaseFactory]:
     factory = DatabaseFactory(os.environ.get("ORCHESTRATOR_TEST_DATABASE_URL") or None)
