@@ -40,12 +40,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min(8, max(2, 2 * (os.cpu_count() or 1)))
 
 
-LONG_RUNNING = ("test_chaos", "failover", "_processes", "serve_faults", "state_machine")
-"""Modules whose tests run for tens of seconds (campaigns, failovers, real processes): they
-are handed out first, so that none starts last and runs on alone while the other workers
-idle."""
-
-
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # once, in the process that starts the workers
         compile_the_package()
@@ -63,10 +57,6 @@ def compile_the_package() -> None:
     packages = (orchestrator, orchestrator.effects, orchestrator.agents)
     for folder in {path for package in packages for path in package.__path__}:
         compileall.compile_dir(folder, quiet=2, workers=0)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not any(part in item.nodeid for part in LONG_RUNNING))
 
 
 @pytest.fixture(scope="session")
