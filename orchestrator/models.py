@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar
 
@@ -88,6 +88,10 @@ class Run:
     """While waiting for something (signals, effects, a time, budget): what, as committed."""
     signals_pending: int = 0
     """Signals sent to the run and not yet consumed by a committed step."""
+    concurrency_key: str | None = None
+    """What its limits count it under (a tenant, a customer): docs/flow-control.md."""
+    priority: int = 0
+    """Among due runs of its key, higher first."""
 
     @classmethod
     def from_record(cls, record: Row) -> Run:
@@ -191,6 +195,17 @@ class ClaimBatch:
     claimed: list[ClaimedRun]
     dead_lettered: list[str]
     """Runs whose lease expired on their last allowed attempt: dead-lettered, not claimed."""
+    keys: list[str] = field(default_factory=list)
+    """The concurrency keys of the runs claimed (the claimer's next claim goes on after them:
+    ``next_key``)."""
+
+    def next_key(self, after: str | None) -> str | None:
+        """The key a claimer's next claim starts after: the last of this batch's keys in the
+        order the claim went round them (the keys after ``after``, then from the first)."""
+        if not self.keys:
+            return after
+        wrapped = [key for key in self.keys if after is not None and key <= after]
+        return max(wrapped or self.keys)
 
 
 @dataclass(frozen=True)
