@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar
 
@@ -195,17 +195,15 @@ class ClaimBatch:
     claimed: list[ClaimedRun]
     dead_lettered: list[str]
     """Runs whose lease expired on their last allowed attempt: dead-lettered, not claimed."""
-    keys: list[str] = field(default_factory=list)
-    """The concurrency keys of the runs claimed (the claimer's next claim goes on after them:
-    ``next_key``)."""
+    planned: bool = False
+    """The claim went through flow control (limits or keys): ``cursor`` says where it ended."""
+    cursor: str | None = None
+    """The last concurrency key the claim looked at."""
 
     def next_key(self, after: str | None) -> str | None:
-        """The key a claimer's next claim starts after: the last of this batch's keys in the
-        order the claim went round them (the keys after ``after``, then from the first)."""
-        if not self.keys:
-            return after
-        wrapped = [key for key in self.keys if after is not None and key <= after]
-        return max(wrapped or self.keys)
+        """The key a claimer's next claim starts after: where this one's turn over the keys
+        ended, or ``after`` again if it had no turn (no key, no limit)."""
+        return self.cursor if self.planned else after
 
 
 @dataclass(frozen=True)

@@ -118,18 +118,17 @@ WITH flow AS MATERIALIZED (
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
     FOR UPDATE SKIP LOCKED
+), plan AS MATERIALIZED (
+    SELECT p.run_id, p.next_key
+    FROM orchestrator_plan_claim($2::text[], $3::integer, $5::boolean, $6::text, $7::text) AS p
+    WHERE (SELECT planned FROM flow)
 ), planned AS (
     SELECT run_id,
            CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
            CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
            state = 'running' AND attempt >= max_attempts AS exhausted, wait
     FROM runs
-    WHERE run_id IN (
-              SELECT p.run_id
-              FROM orchestrator_plan_claim($2::text[], $3::integer, $5::boolean, $6::text,
-                                           $7::text) AS p(run_id)
-              WHERE (SELECT planned FROM flow)
-          )
+    WHERE run_id IN (SELECT plan.run_id FROM plan WHERE plan.run_id IS NOT NULL)
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
     FOR UPDATE SKIP LOCKED
@@ -149,7 +148,7 @@ WITH flow AS MATERIALIZED (
     FROM picked AS p
     WHERE r.run_id = p.run_id AND NOT p.exhausted
     RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
-              r.step, r.checkpoint, r.checkpoint_version, r.concurrency_key, p.previous_owner,
+              r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
               p.previous_lease_until, clock_timestamp() AS claimed_at, p.wait,
               -- The run's unconsumed signals for its first step (only runs that have some; at
               -- most 100, the rest go to the steps after it): the signals a waiting run waits
@@ -203,13 +202,19 @@ WITH flow AS MATERIALIZED (
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
        checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
-       signals, signals_pending, concurrency_key
+       signals, signals_pending, NULL AS next_key
 FROM claimed
 UNION ALL
 SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
        previous_owner, previous_lease_until, NULL, NULL, NULL, NULL, NULL
 FROM dead
 WHERE (SELECT count(*) FROM finished_told) >= 0
+UNION ALL
+-- Where the plan's turn over the keys ended: the claimer's next claim goes on from there.
+SELECT 'next_key', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL, NULL, plan.next_key
+FROM plan
+WHERE plan.run_id IS NULL
 
 -- renew_lease --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 lease_seconds float8

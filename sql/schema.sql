@@ -504,19 +504,24 @@ $$;
 CREATE FUNCTION orchestrator.orchestrator_may_vouch() RETURNS boolean
     LANGUAGE sql IMMUTABLE
     AS $$SELECT true$$;
-CREATE FUNCTION orchestrator.orchestrator_plan_claim(p_agents text[], p_max integer, p_include_expired boolean, p_run_id text, p_after text) RETURNS SETOF text
+CREATE FUNCTION orchestrator.orchestrator_plan_claim(p_agents text[], p_max integer, p_include_expired boolean, p_run_id text, p_after text) RETURNS TABLE(run_id text, next_key text)
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator'
     AS $$
+#variable_conflict use_column
 DECLARE
     candidate record;
     lim flow_limits;
-    agent_name text;
+    limits flow_limits[];
+    under text[];
+    agent_index integer := 1;
     key_found text;
-    wrapped boolean;
-    position_of integer := 0;
-    turn_agents text[] := '{}';
-    turn_keys text[] := '{}';
+    last_key text := p_after;
+    wrapped boolean := p_after IS NULL;
+    keys_done boolean := p_run_id IS NOT NULL;
+    window_number integer := 0;
+    turn_agents text[];
+    turn_keys text[];
     per_key integer;
     left_of jsonb := '{}'::jsonb;
     refused jsonb := '{}'::jsonb;
@@ -524,132 +529,142 @@ DECLARE
     free integer;
     ok boolean;
     taken integer := 0;
-    limits flow_limits[];
-    under text[];
 BEGIN
     -- The limits of these agents, read once (most claims find none and check nothing per run).
     SELECT coalesce(array_agg(l), '{}') INTO limits
     FROM flow_limits AS l
-    WHERE l.agent = ANY(p_agents) OR l.agent = (SELECT agent FROM runs WHERE run_id = p_run_id);
-    IF p_run_id IS NULL THEN
-        <<agents>>
-        FOREACH agent_name IN ARRAY p_agents LOOP
-            key_found := p_after;
-            wrapped := p_after IS NULL;
-            LOOP
-                EXIT agents WHEN position_of >= p_max;
-                -- One index probe: the next key with a due run ('' sorts before every key).
-                SELECT r.concurrency_key INTO key_found
-                FROM runs AS r
-                WHERE r.agent = agent_name AND r.state IN ('queued', 'waiting')
-                  AND r.concurrency_key IS NOT NULL
-                  AND r.concurrency_key COLLATE "C" > coalesce(key_found, '')
-                  AND r.concurrency_key COLLATE "C"
-                      <= CASE WHEN wrapped THEN coalesce(p_after, chr(1114111)) ELSE chr(1114111)
-                         END
-                  AND r.available_at <= clock_timestamp()
-                ORDER BY r.concurrency_key COLLATE "C"
-                LIMIT 1;
-                IF NOT FOUND THEN
-                    EXIT WHEN wrapped;
-                    wrapped := true;  -- round again from the first key, up to p_after
-                    key_found := NULL;
-                    CONTINUE;
-                END IF;
-                position_of := position_of + 1;
-                turn_agents := turn_agents || agent_name;
-                turn_keys := turn_keys || key_found;
-            END LOOP;
-        END LOOP;
-    END IF;
-    -- Enough runs of each key for its turns: one key alone may fill the claim.
-    per_key := CASE WHEN position_of <= 1 THEN p_max ELSE p_max / position_of + 1 END;
-    FOR candidate IN
-        WITH keyed AS (
-            SELECT k.agent, k.key AS concurrency_key, d.run_id, d.priority, k.ord,
-                   row_number() OVER (PARTITION BY k.ord ORDER BY d.priority DESC,
-                                      d.available_at) AS turn, d.available_at
-            FROM unnest(turn_agents, turn_keys) WITH ORDINALITY AS k(agent, key, ord)
-            CROSS JOIN LATERAL (
-                SELECT r.run_id, r.priority, r.available_at
-                FROM runs AS r
-                WHERE r.agent = k.agent AND r.concurrency_key COLLATE "C" = k.key
-                  AND r.state IN ('queued', 'waiting') AND r.concurrency_key IS NOT NULL
-                  AND r.available_at <= clock_timestamp()
-                ORDER BY r.concurrency_key COLLATE "C", r.priority DESC, r.available_at
-                LIMIT per_key
-            ) AS d
-        ), plain AS (
-            SELECT r.agent, NULL::text AS concurrency_key, r.run_id, r.priority, 0::bigint AS ord,
-                   row_number() OVER (PARTITION BY r.agent ORDER BY r.available_at) AS turn,
-                   r.available_at
-            FROM unnest(p_agents) AS a(agent)
-            CROSS JOIN LATERAL (
-                SELECT r.run_id, r.agent, r.priority, r.available_at
-                FROM runs AS r
-                WHERE p_run_id IS NULL AND r.agent = a.agent
-                  AND r.state IN ('queued', 'waiting') AND r.concurrency_key IS NULL
-                  AND r.available_at <= (SELECT clock_timestamp())
-                ORDER BY r.available_at
-                LIMIT per_key
-            ) AS r
-        ), expired AS (
-            SELECT r.agent, r.concurrency_key, r.run_id, r.priority, 0::bigint AS ord,
-                   0::bigint AS turn, r.available_at
-            FROM runs AS r
-            WHERE p_run_id IS NULL AND p_include_expired AND r.agent = ANY(p_agents)
-              AND r.state = 'running' AND r.lease_until < clock_timestamp()
-            LIMIT p_max
-        ), named AS (
-            SELECT r.agent, r.concurrency_key, r.run_id, r.priority, 0::bigint AS ord,
-                   0::bigint AS turn, r.available_at
-            FROM runs AS r
-            WHERE p_run_id IS NOT NULL AND r.run_id = p_run_id
-        )
-        SELECT * FROM expired UNION ALL SELECT * FROM named
-        UNION ALL SELECT * FROM keyed UNION ALL SELECT * FROM plain
-        ORDER BY turn, ord, priority DESC, available_at
+    WHERE l.agent = ANY(p_agents)
+       OR l.agent = (SELECT r.agent FROM runs AS r WHERE r.run_id = p_run_id);
     LOOP
-        EXIT WHEN taken >= p_max;
-        ok := true;
-        under := '{}';
-        FOREACH lim IN ARRAY limits LOOP
-            CONTINUE WHEN lim.agent <> candidate.agent
-                OR NOT orchestrator_key_matches(candidate.concurrency_key, lim.key_pattern,
-                                                lim.per);
-            slot := lim.per || chr(31) || candidate.agent || chr(31) || lim.key_pattern
-                    || CASE WHEN lim.per = 'key' THEN chr(31) || candidate.concurrency_key
-                            ELSE '' END;
-            IF refused ? slot THEN
-                ok := false;
-                EXIT;
+        window_number := window_number + 1;
+        turn_agents := '{}';
+        turn_keys := '{}';
+        -- The next window: keys with due runs, one index probe each ('' sorts before any key).
+        WHILE NOT keys_done AND cardinality(turn_keys) < p_max - taken LOOP
+            SELECT r.concurrency_key INTO key_found
+            FROM runs AS r
+            WHERE r.agent = p_agents[agent_index] AND r.state IN ('queued', 'waiting')
+              AND r.concurrency_key IS NOT NULL
+              AND r.concurrency_key COLLATE "C" > coalesce(last_key, '')
+              AND r.concurrency_key COLLATE "C"
+                  <= CASE WHEN wrapped THEN coalesce(p_after, chr(1114111)) ELSE chr(1114111) END
+              AND r.available_at <= clock_timestamp()
+            ORDER BY r.concurrency_key COLLATE "C"
+            LIMIT 1;
+            IF FOUND THEN
+                turn_agents := turn_agents || p_agents[agent_index];
+                turn_keys := turn_keys || key_found;
+                last_key := key_found;
+            ELSIF NOT wrapped THEN
+                wrapped := true;  -- round again from the first key, up to p_after
+                last_key := NULL;
+            ELSIF agent_index < cardinality(p_agents) THEN
+                agent_index := agent_index + 1;
+                last_key := p_after;
+                wrapped := p_after IS NULL;
+            ELSE
+                keys_done := true;
             END IF;
-            IF NOT left_of ? slot THEN
-                IF NOT pg_try_advisory_xact_lock(hashtextextended(slot, 0)) THEN
-                    refused := refused || jsonb_build_object(slot, true);
+        END LOOP;
+        -- Enough runs of each key for its turns: one key alone may fill the claim.
+        per_key := CASE WHEN cardinality(turn_keys) <= 1 THEN p_max
+                        ELSE p_max / cardinality(turn_keys) + 1 END;
+        FOR candidate IN
+            WITH keyed AS (
+                SELECT k.agent, k.key AS concurrency_key, d.run_id, d.priority, k.ord,
+                       row_number() OVER (PARTITION BY k.ord ORDER BY d.priority DESC,
+                                          d.available_at) AS turn, d.available_at
+                FROM unnest(turn_agents, turn_keys) WITH ORDINALITY AS k(agent, key, ord)
+                CROSS JOIN LATERAL (
+                    SELECT r.run_id, r.priority, r.available_at
+                    FROM runs AS r
+                    WHERE r.agent = k.agent AND r.concurrency_key COLLATE "C" = k.key
+                      AND r.state IN ('queued', 'waiting') AND r.concurrency_key IS NOT NULL
+                      AND r.available_at <= clock_timestamp()
+                    ORDER BY r.concurrency_key COLLATE "C", r.priority DESC, r.available_at
+                    LIMIT per_key
+                ) AS d
+            ), plain AS (
+                SELECT r.agent, NULL::text AS concurrency_key, r.run_id, r.priority,
+                       0::bigint AS ord,
+                       row_number() OVER (PARTITION BY r.agent ORDER BY r.available_at) AS turn,
+                       r.available_at
+                FROM unnest(p_agents) AS a(agent)
+                CROSS JOIN LATERAL (
+                    SELECT r.run_id, r.agent, r.priority, r.available_at
+                    FROM runs AS r
+                    WHERE window_number = 1 AND p_run_id IS NULL AND r.agent = a.agent
+                      AND r.state IN ('queued', 'waiting') AND r.concurrency_key IS NULL
+                      AND r.available_at <= (SELECT clock_timestamp())
+                    ORDER BY r.available_at
+                    LIMIT per_key
+                ) AS r
+            ), expired AS (
+                SELECT r.agent, r.concurrency_key, r.run_id, r.priority, 0::bigint AS ord,
+                       0::bigint AS turn, r.available_at
+                FROM runs AS r
+                WHERE window_number = 1 AND p_run_id IS NULL AND p_include_expired
+                  AND r.agent = ANY(p_agents) AND r.state = 'running'
+                  AND r.lease_until < clock_timestamp()
+                LIMIT p_max
+            ), named AS (
+                SELECT r.agent, r.concurrency_key, r.run_id, r.priority, 0::bigint AS ord,
+                       0::bigint AS turn, r.available_at
+                FROM runs AS r
+                WHERE p_run_id IS NOT NULL AND r.run_id = p_run_id
+            )
+            SELECT * FROM expired UNION ALL SELECT * FROM named
+            UNION ALL SELECT * FROM keyed UNION ALL SELECT * FROM plain
+            ORDER BY turn, ord, priority DESC, available_at
+        LOOP
+            EXIT WHEN taken >= p_max;
+            ok := true;
+            under := '{}';
+            FOREACH lim IN ARRAY limits LOOP
+                CONTINUE WHEN lim.agent <> candidate.agent
+                    OR NOT orchestrator_key_matches(candidate.concurrency_key, lim.key_pattern,
+                                                    lim.per);
+                slot := lim.per || chr(31) || candidate.agent || chr(31) || lim.key_pattern
+                        || CASE WHEN lim.per = 'key' THEN chr(31) || candidate.concurrency_key
+                                ELSE '' END;
+                IF refused ? slot THEN
                     ok := false;
                     EXIT;
                 END IF;
-                -- A statement of its own: its snapshot starts after the lock was taken.
-                free := lim.max_running
-                        - orchestrator_running(candidate.agent, lim.key_pattern, lim.per,
-                                               candidate.concurrency_key);
-                left_of := left_of || jsonb_build_object(slot, free);
-            END IF;
-            IF (left_of ->> slot)::integer <= 0 THEN
-                ok := false;
-                EXIT;
-            END IF;
-            under := under || slot;
+                IF NOT left_of ? slot THEN
+                    IF NOT pg_try_advisory_xact_lock(hashtextextended(slot, 0)) THEN
+                        refused := refused || jsonb_build_object(slot, true);
+                        ok := false;
+                        EXIT;
+                    END IF;
+                    -- A statement of its own: its snapshot starts after the lock was taken.
+                    free := lim.max_running
+                            - orchestrator_running(candidate.agent, lim.key_pattern, lim.per,
+                                                   candidate.concurrency_key);
+                    left_of := left_of || jsonb_build_object(slot, free);
+                END IF;
+                IF (left_of ->> slot)::integer <= 0 THEN
+                    ok := false;
+                    EXIT;
+                END IF;
+                under := under || slot;
+            END LOOP;
+            CONTINUE WHEN NOT ok;
+            -- Take one slot of every limit the run is under.
+            FOREACH slot IN ARRAY under LOOP
+                left_of := jsonb_set(left_of, ARRAY[slot],
+                                     to_jsonb((left_of ->> slot)::integer - 1));
+            END LOOP;
+            taken := taken + 1;
+            run_id := candidate.run_id;
+            next_key := NULL;
+            RETURN NEXT;
         END LOOP;
-        CONTINUE WHEN NOT ok;
-        -- Take one slot of every limit the run is under.
-        FOREACH slot IN ARRAY under LOOP
-            left_of := jsonb_set(left_of, ARRAY[slot], to_jsonb((left_of ->> slot)::integer - 1));
-        END LOOP;
-        taken := taken + 1;
-        RETURN NEXT candidate.run_id;
+        EXIT WHEN taken >= p_max OR keys_done OR window_number >= 10;
     END LOOP;
+    run_id := NULL;
+    next_key := last_key;
+    RETURN NEXT;
 END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_purge_finished(p_cutoff timestamp with time zone, p_batch integer) RETURNS TABLE(runs bigint, other_rows bigint, audit_seq bigint, principal text)
@@ -896,14 +911,20 @@ CREATE FUNCTION orchestrator.orchestrator_role_allows(p_role text, p_permission 
     END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_running(p_agent text, p_pattern text, p_per text, p_key text) RETURNS integer
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'orchestrator'
     AS $$
-    SELECT count(*)::integer FROM runs
-    WHERE agent = p_agent AND state = 'running'
-      AND lease_until > clock_timestamp() - interval '1 second'
-      AND CASE WHEN p_per = 'key' THEN concurrency_key = p_key
-               ELSE orchestrator_key_matches(concurrency_key, p_pattern, 'all') END
+BEGIN
+    IF p_per = 'key' THEN
+        RETURN (SELECT count(*) FROM runs
+                WHERE agent = p_agent AND concurrency_key = p_key
+                  AND lease_until > clock_timestamp() - interval '1 second');
+    END IF;
+    RETURN (SELECT count(*) FROM runs
+            WHERE agent = p_agent AND state = 'running'
+              AND lease_until > clock_timestamp() - interval '1 second'
+              AND orchestrator_key_matches(concurrency_key, p_pattern, 'all'));
+END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_send_signal(p_run_id text, p_name text, p_data jsonb, p_idempotency_key text, p_principal text, p_via text, p_typed_by text, OUT state text, OUT seq bigint, OUT sent_at timestamp with time zone, OUT audit_seq bigint, OUT principal text) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
@@ -1619,9 +1640,9 @@ CREATE INDEX runs_due_keyed ON orchestrator.runs USING btree (agent, concurrency
 CREATE INDEX runs_due_plain ON orchestrator.runs USING btree (agent, available_at) WHERE ((state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (concurrency_key IS NULL));
 CREATE INDEX runs_finished ON orchestrator.runs USING btree (finished_at) WHERE (state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]));
 CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);
+CREATE INDEX runs_leased_keyed ON orchestrator.runs USING btree (agent, concurrency_key, lease_until) WHERE ((lease_until IS NOT NULL) AND (concurrency_key IS NOT NULL));
 CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (state = 'running'::text);
 CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state = 'running'::text);
-CREATE INDEX runs_running_keyed ON orchestrator.runs USING btree (agent, concurrency_key) WHERE (state = 'running'::text);
 CREATE TRIGGER audit_log_append_only BEFORE DELETE OR UPDATE ON orchestrator.audit_log FOR EACH ROW EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log FOR EACH STATEMENT EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.budget_ledger FOR EACH ROW WHEN (((new.turns < 0) OR (new.tool_calls < 0) OR (new.input_tokens < 0) OR (new.output_tokens < 0) OR (new.cost < (0)::numeric) OR (new.cost = ANY (ARRAY['NaN'::numeric, 'Infinity'::numeric])))) EXECUTE FUNCTION orchestrator.orchestrator_budget_amounts_are_positive();

@@ -20,6 +20,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput
 from orchestrator.models import ClaimedRun
 from orchestrator.settings import Settings
+from support import ServeProcess, serving
 
 
 async def running_per_key(pool: asyncpg.Pool, agent: str = "a") -> Counter[str | None]:
@@ -237,3 +238,54 @@ async def test_the_cli_sets_lists_and_clears_limits_and_submits_keyed_runs(
     assert done.stderr.strip().count("\n") == 0 and "no limit of a" in done.stderr
     done = await asyncio.to_thread(cli, settings, "limits", "clear", "a", "--per-key")
     assert done.returncode == 0, done.stderr
+
+
+async def test_three_workers_and_a_sigkill_never_run_more_than_the_limit_and_leak_no_slot(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # Three `serve` processes claim one tenant's runs (a per-key limit of 2) and another's
+    # (1); one is SIGKILLed while it holds runs. The running set, sampled all along, never
+    # exceeds a limit; the killed worker's slots come free when its leases run out, and every
+    # run finishes.
+    limits = LimitStore(pool)
+    await limits.set("sleepy", 2, per="key")
+    await limits.set("sleepy", 1, key_pattern="solo", per="key")
+    for key, count in (("acme", 8), ("solo", 3)):
+        for _ in range(count):
+            await store.submit("sleepy", {"steps": 2, "seconds": 0.4}, concurrency_key=key)
+    options = [
+        *serving("orchestrator.agents.sleepy"),
+        "--lease-seconds",
+        "2",
+        "--heartbeat-seconds",
+        "0.5",
+        "--no-takeover",
+    ]
+    url = str(settings.database_url)
+    most: Counter[str | None] = Counter()
+    with (
+        ServeProcess(url, *options, name="w1") as w1,
+        ServeProcess(url, *options, name="w2") as w2,
+        ServeProcess(url, *options, name="w3") as w3,
+    ):
+        workers = {worker.name: worker for worker in (w1, w2, w3)}
+        holder = None
+        with anyio.fail_after(60):
+            while holder is None:
+                running = await running_per_key(pool, "sleepy")
+                assert running["acme"] <= 2 and running["solo"] <= 1, running
+                most = most | running
+                holder = await pool.fetchval(
+                    "SELECT lease_owner FROM runs WHERE state = 'running' LIMIT 1"
+                )
+                await anyio.sleep(0.05)
+        workers[holder].kill()
+        with anyio.fail_after(120):
+            while await pool.fetchval(
+                "SELECT count(*) FROM runs WHERE agent = 'sleepy' AND state <> 'succeeded'"
+            ):
+                running = await running_per_key(pool, "sleepy")
+                assert running["acme"] <= 2 and running["solo"] <= 1, running
+                most = most | running
+                await anyio.sleep(0.05)
+    assert most["acme"] == 2 and most["solo"] == 1, most

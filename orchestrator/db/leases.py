@@ -68,15 +68,16 @@ class Leases(PoolStore):
     def _claim_batch(records: Sequence[Row], worker_id: str) -> ClaimBatch:
         claimed: list[ClaimedRun] = []
         dead: list[str] = []
-        keys: list[str] = []
+        planned, cursor = False, None
         for record in records:
-            if record["outcome"] == "claimed":
+            outcome = record["outcome"]
+            if outcome == "claimed":
                 claimed.append(ClaimedRun.from_record(record, worker_id))
-                if (key := record["concurrency_key"]) is not None:
-                    keys.append(key)
-            else:
+            elif outcome == "dead_lettered":
                 dead.append(record["run_id"])
-        return ClaimBatch(claimed=claimed, dead_lettered=dead, keys=keys)
+            else:  # where flow control's turn over the keys ended
+                planned, cursor = True, record["next_key"]
+        return ClaimBatch(claimed=claimed, dead_lettered=dead, planned=planned, cursor=cursor)
 
     async def renew(
         self, lease: Lease, *, lease_seconds: float = 45.0, db: Executor | None = None
