@@ -917,7 +917,7 @@ CREATE FUNCTION orchestrator.orchestrator_running(p_agent text, p_pattern text, 
 BEGIN
     IF p_per = 'key' THEN
         RETURN (SELECT count(*) FROM runs
-                WHERE agent = p_agent AND concurrency_key = p_key
+                WHERE agent = p_agent AND concurrency_key = p_key AND lease_owner IS NOT NULL
                   AND lease_until > clock_timestamp() - interval '1 second');
     END IF;
     RETURN (SELECT count(*) FROM runs
@@ -1640,7 +1640,7 @@ CREATE INDEX runs_due_keyed ON orchestrator.runs USING btree (agent, concurrency
 CREATE INDEX runs_due_plain ON orchestrator.runs USING btree (agent, available_at) WHERE ((state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (concurrency_key IS NULL));
 CREATE INDEX runs_finished ON orchestrator.runs USING btree (finished_at) WHERE (state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]));
 CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);
-CREATE INDEX runs_leased_keyed ON orchestrator.runs USING btree (agent, concurrency_key, lease_until) WHERE ((lease_until IS NOT NULL) AND (concurrency_key IS NOT NULL));
+CREATE INDEX runs_leased_keyed ON orchestrator.runs USING btree (agent, concurrency_key) WHERE ((lease_owner IS NOT NULL) AND (concurrency_key IS NOT NULL));
 CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (state = 'running'::text);
 CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state = 'running'::text);
 CREATE TRIGGER audit_log_append_only BEFORE DELETE OR UPDATE ON orchestrator.audit_log FOR EACH ROW EXECUTE FUNCTION orchestrator.audit_log_is_append_only();

@@ -23,11 +23,11 @@ CREATE INDEX runs_due_keyed
     ON runs (agent, concurrency_key COLLATE "C", priority DESC, available_at)
     WHERE state IN ('queued', 'waiting') AND concurrency_key IS NOT NULL;
 DROP INDEX runs_due;
--- A key's runs holding a lease, counted from this index alone: only a running run has a lease
--- end (runs_lease_matches_state), so the count names none of the state and runs_running, which
--- holds every running run of the agent, cannot serve it.
-CREATE INDEX runs_leased_keyed ON runs (agent, concurrency_key, lease_until)
-    WHERE lease_until IS NOT NULL AND concurrency_key IS NOT NULL;
+-- A key's runs holding a lease. Only a running run has an owner (runs_lease_matches_state), so
+-- the count names the owner, not the state: runs_running, which holds every running run of the
+-- agent, cannot serve it. No index names lease_until, so that renewals stay HOT updates.
+CREATE INDEX runs_leased_keyed ON runs (agent, concurrency_key)
+    WHERE lease_owner IS NOT NULL AND concurrency_key IS NOT NULL;
 
 -- A limit: at most max_running runs of agent whose key matches key_pattern hold a lease at
 -- once, in all (per 'all') or for each key apart (per 'key'). key_pattern is a glob ('*' any
@@ -59,7 +59,7 @@ RETURNS integer LANGUAGE plpgsql STABLE SET search_path FROM CURRENT AS $$
 BEGIN
     IF p_per = 'key' THEN
         RETURN (SELECT count(*) FROM runs
-                WHERE agent = p_agent AND concurrency_key = p_key
+                WHERE agent = p_agent AND concurrency_key = p_key AND lease_owner IS NOT NULL
                   AND lease_until > clock_timestamp() - interval '1 second');
     END IF;
     RETURN (SELECT count(*) FROM runs
