@@ -88,6 +88,10 @@ class Run:
     """While waiting for something (signals, effects, a time, budget): what, as committed."""
     signals_pending: int = 0
     """Signals sent to the run and not yet consumed by a committed step."""
+    concurrency_key: str | None = None
+    """What its limits count it under (a tenant, a customer): docs/flow-control.md."""
+    priority: int = 0
+    """Among due runs of its key, higher first."""
 
     @classmethod
     def from_record(cls, record: Row) -> Run:
@@ -191,6 +195,15 @@ class ClaimBatch:
     claimed: list[ClaimedRun]
     dead_lettered: list[str]
     """Runs whose lease expired on their last allowed attempt: dead-lettered, not claimed."""
+    planned: bool = False
+    """The claim went through flow control (limits or keys): ``cursor`` says where it ended."""
+    cursor: str | None = None
+    """The last concurrency key the claim looked at."""
+
+    def next_key(self, after: str | None) -> str | None:
+        """The key a claimer's next claim starts after: where this one's turn over the keys
+        ended, or ``after`` again if it had no turn (no key, no limit)."""
+        return self.cursor if self.planned else after
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ GRANT SELECT ON {schema}.orchestrator_schema_migrations
 -- itself) are definer functions too. It appends nothing to the audit trail itself.
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
-    {schema}.workers
+    {schema}.workers, {schema}.flow_limits
     TO {worker};
 GRANT UPDATE (state, lease_owner, lease_until, fence, attempt, available_at, step, checkpoint,
               checkpoint_version, result, error, wait, wake_streak, signals_pending, updated_at,
@@ -88,11 +88,15 @@ GRANT EXECUTE ON FUNCTION
 -- `watched` flag; nothing of people, tokens or the audit trail.
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
-    {schema}.workers
+    {schema}.workers, {schema}.flow_limits
     TO {client}, {console};
 GRANT UPDATE (watched) ON {schema}.runs TO {client}, {console};
 GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_submit_run(text, text, jsonb, integer, text, timestamptz, text),
+    {schema}.orchestrator_submit_run(text, text, jsonb, integer, text, timestamptz, text, text,
+                                     integer),
+    {schema}.orchestrator_set_limit(text, text, text, integer, text, text, text),
+    {schema}.orchestrator_clear_limit(text, text, text, text, text, text),
     {schema}.orchestrator_decide_approval(text, text, text, text, text, bigint, text, text,
                                           text),
     {schema}.orchestrator_resolve_effect(text, text, boolean, text, text, text, text),

@@ -27,13 +27,14 @@
 
 -- submit_run --
 -- params: $1 run_id text, $2 agent text, $3 input jsonb, $4 max_attempts int, $5 idempotency_key text,
---         $6 not_before timestamptz (NULL: now), $7 traceparent text (NULL: not submitted in a trace)
+--         $6 not_before timestamptz (NULL: now), $7 traceparent text (NULL: not submitted in a trace),
+--         $8 concurrency_key text (NULL: none), $9 priority int
 -- Insert a queued run and its "submitted" event, and wake claimers; the run is due at $6 (a
 -- scheduled run) or at once. The submitter's trace context, if any, is kept as the run's fence-0
 -- trace row. Returns no row when the run id or the idempotency key is already taken.
 -- The statement is orchestrator_submit_run (migration 0019): clients submit without any write
 -- privilege on runs, run_events or run_traces.
-SELECT * FROM orchestrator_submit_run($1, $2, $3, $4, $5, $6, $7)
+SELECT * FROM orchestrator_submit_run($1, $2, $3, $4, $5, $6, $7, $8, $9)
 
 -- get_run --
 -- params: $1 run_id text
@@ -47,7 +48,8 @@ SELECT * FROM runs WHERE idempotency_key = $1
 
 -- claim --
 -- params: $1 worker_id text, $2 agents text[], $3 max_runs int, $4 lease_seconds float8,
---         $5 include_expired bool, $6 run_id text (NULL: any due run of $2)
+--         $5 include_expired bool, $6 run_id text (NULL: any due run of $2),
+--         $7 after_key text (the last concurrency key this claimer served; NULL: none)
 -- Claim up to $3 runs for worker $1, each with a lease of $4 seconds: runs of the agents $2 that
 -- are due (queued, or waiting and past available_at) and, if $5, running runs whose lease has
 -- expired by the database clock; or, when $6 names a run, that run alone if it is due or its
@@ -58,15 +60,34 @@ SELECT * FROM runs WHERE idempotency_key = $1
 -- run must not crash workers forever). SKIP LOCKED lets concurrent claimers pass each other;
 -- after taking a row lock PostgreSQL re-checks the WHERE clause on the newest row version, so a
 -- run another worker has just claimed is skipped, never claimed twice. Due runs are found by
--- an index range on runs_due up to the clock read once (`(SELECT clock_timestamp())`: a value
--- the index can use, where a volatile call is only a filter): the runs waiting for later (a
--- timer, a signal: due at 'infinity') lie past that range and are never read.
-WITH expired AS (
+-- an index range on runs_due_plain up to the clock read once (`(SELECT clock_timestamp())`: a
+-- value the index can use, where a volatile call is only a filter): the runs waiting for later
+-- (a timer, a signal: due at 'infinity') lie past that range and are never read.
+-- Flow control (migration 0021, docs/flow-control.md): when one of the agents has a limit, or a
+-- due run with a concurrency key, orchestrator_plan_claim picks the runs (keys in turns, every
+-- limit locked and counted) and this statement claims those; otherwise the plain path below,
+-- which reads no limit and no key, claims as it always did.
+WITH flow AS MATERIALIZED (
+    SELECT EXISTS (
+               SELECT FROM flow_limits
+               WHERE agent = ANY($2::text[])
+                  OR agent = (SELECT agent FROM runs WHERE run_id = $6::text)
+           )
+           OR EXISTS (
+               SELECT FROM unnest($2::text[]) AS a(agent)
+               WHERE EXISTS (
+                   SELECT FROM runs
+                   WHERE agent = a.agent AND state IN ('queued', 'waiting')
+                     AND concurrency_key IS NOT NULL
+                     AND available_at <= (SELECT clock_timestamp())
+               )
+           ) AS planned
+), expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
            attempt >= max_attempts AS exhausted, wait
     FROM runs
     WHERE $6::text IS NULL AND $5::boolean AND state = 'running' AND agent = ANY($2::text[])
-      AND lease_until < clock_timestamp()
+      AND lease_until < clock_timestamp() AND NOT (SELECT planned FROM flow)
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), due AS (
@@ -79,7 +100,8 @@ WITH expired AS (
         SELECT run_id, available_at, wait
         FROM runs
         WHERE $6::text IS NULL AND state IN ('queued', 'waiting') AND agent = a.agent
-          AND available_at <= (SELECT clock_timestamp())
+          AND concurrency_key IS NULL AND available_at <= (SELECT clock_timestamp())
+          AND NOT (SELECT planned FROM flow)
         ORDER BY available_at
         LIMIT $3
         FOR UPDATE SKIP LOCKED
@@ -92,14 +114,28 @@ WITH expired AS (
            CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
            state = 'running' AND attempt >= max_attempts AS exhausted, wait
     FROM runs
-    WHERE run_id = $6::text
+    WHERE run_id = $6::text AND NOT (SELECT planned FROM flow)
+      AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
+           OR (state = 'running' AND lease_until < clock_timestamp()))
+    FOR UPDATE SKIP LOCKED
+), plan AS MATERIALIZED (
+    SELECT p.run_id, p.next_key
+    FROM orchestrator_plan_claim($2::text[], $3::integer, $5::boolean, $6::text, $7::text) AS p
+    WHERE (SELECT planned FROM flow)
+), planned AS (
+    SELECT run_id,
+           CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
+           CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
+           state = 'running' AND attempt >= max_attempts AS exhausted, wait
+    FROM runs
+    WHERE run_id IN (SELECT plan.run_id FROM plan WHERE plan.run_id IS NOT NULL)
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
     FOR UPDATE SKIP LOCKED
 ), picked AS (
     SELECT *
-    FROM (SELECT * FROM expired UNION ALL SELECT * FROM due UNION ALL SELECT * FROM named)
-        AS candidates
+    FROM (SELECT * FROM expired UNION ALL SELECT * FROM due UNION ALL SELECT * FROM named
+          UNION ALL SELECT * FROM planned) AS candidates
     LIMIT $3
 ), claimed AS (
     UPDATE runs AS r
@@ -166,13 +202,19 @@ WITH expired AS (
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
        checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
-       signals, signals_pending
+       signals, signals_pending, NULL AS next_key
 FROM claimed
 UNION ALL
 SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
-       previous_owner, previous_lease_until, NULL, NULL, NULL, NULL
+       previous_owner, previous_lease_until, NULL, NULL, NULL, NULL, NULL
 FROM dead
 WHERE (SELECT count(*) FROM finished_told) >= 0
+UNION ALL
+-- Where the plan's turn over the keys ended: the claimer's next claim goes on from there.
+SELECT 'next_key', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL, NULL, plan.next_key
+FROM plan
+WHERE plan.run_id IS NULL
 
 -- renew_lease --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 lease_seconds float8
@@ -1106,7 +1148,7 @@ ORDER BY w.worker_id
 -- params: (none)
 -- Per agent: runs queued, due now (queued or waiting with available_at passed), running,
 -- waiting, and how long the oldest due run has been due. Reads only the partial indexes of live
--- runs (runs_due, runs_running), never the finished history.
+-- runs (runs_due_plain, runs_due_keyed, runs_running), never the finished history.
 WITH pending AS (
     SELECT agent,
            count(*) FILTER (WHERE state = 'queued') AS queued,
@@ -1114,8 +1156,11 @@ WITH pending AS (
            count(*) FILTER (WHERE state = 'waiting') AS waiting,
            extract(epoch FROM clock_timestamp() - min(available_at) FILTER (
                WHERE available_at <= clock_timestamp()))::float8 AS oldest_due_seconds
-    FROM runs
-    WHERE state IN ('queued', 'waiting')
+    FROM (SELECT agent, state, available_at FROM runs
+          WHERE state IN ('queued', 'waiting') AND concurrency_key IS NULL
+          UNION ALL
+          SELECT agent, state, available_at FROM runs
+          WHERE state IN ('queued', 'waiting') AND concurrency_key IS NOT NULL) AS live
     GROUP BY agent
 ), running AS (
     SELECT agent, count(*) AS running FROM runs WHERE state = 'running' GROUP BY agent
@@ -1281,3 +1326,32 @@ WHERE seq > $1
   AND ($5::text IS NULL OR action = $5)
 ORDER BY seq
 LIMIT $2
+
+-- list_limits --
+-- params: $1 agent text (NULL: every agent)
+-- Every limit (of agent $1), with how many runs it counts now (for a per-key limit: the key
+-- that has the most) and how many due runs it covers.
+SELECT l.agent, l.key_pattern, l.per, l.max_running, l.set_by, l.set_at,
+       coalesce(CASE WHEN l.per = 'all'
+                     THEN orchestrator_running(l.agent, l.key_pattern, 'all', NULL)
+                     ELSE (SELECT max(orchestrator_running(l.agent, l.key_pattern, 'key', k.key))
+                           FROM (SELECT DISTINCT concurrency_key AS key FROM runs
+                                 WHERE agent = l.agent AND state = 'running'
+                                   AND orchestrator_key_matches(concurrency_key, l.key_pattern,
+                                                                'key')) AS k) END, 0) AS running,
+       (SELECT count(*) FROM runs
+        WHERE agent = l.agent AND state IN ('queued', 'waiting')
+          AND available_at <= clock_timestamp()
+          AND orchestrator_key_matches(concurrency_key, l.key_pattern, l.per)) AS backlog
+FROM flow_limits AS l
+WHERE $1::text IS NULL OR l.agent = $1::text
+ORDER BY l.agent, l.per, l.key_pattern
+
+-- set_limit --
+-- params: $1 agent, $2 key_pattern, $3 per ('all' | 'key'), $4 max_running, $5 principal,
+--         $6 via, $7 typed_by
+SELECT * FROM orchestrator_set_limit($1, $2, $3, $4, $5, $6, $7)
+
+-- clear_limit --
+-- params: $1 agent, $2 key_pattern, $3 per, $4 principal, $5 via, $6 typed_by
+SELECT * FROM orchestrator_clear_limit($1, $2, $3, $4, $5, $6)

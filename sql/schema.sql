@@ -293,6 +293,30 @@ BEGIN
     RETURN NEXT;
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_clear_limit(p_agent text, p_key_pattern text, p_per text, p_principal text, p_via text, p_typed_by text, OUT cleared integer, OUT audit_seq bigint, OUT principal text) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    who record;
+BEGIN
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    DELETE FROM flow_limits AS l
+    WHERE l.agent = p_agent AND l.key_pattern = p_key_pattern AND l.per = p_per
+    RETURNING l.max_running INTO cleared;
+    IF NOT FOUND THEN
+        RETURN;  -- no such limit: nothing changed, nothing audited
+    END IF;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'limit_cleared', NULL, NULL,
+        jsonb_build_object('agent', p_agent, 'key_pattern', p_key_pattern, 'per', p_per,
+                           'max_running', cleared),
+        p_typed_by);
+    PERFORM pg_notify('orchestrator_runs', p_agent);
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_decide_approval(p_run_id text, p_effect_key text, p_decision text, p_note text, p_payload_sha256 text, p_run_fence bigint, p_principal text, p_via text, p_typed_by text, OUT run_id text, OUT effect_key text, OUT status text, OUT payload_sha256 text, OUT approval_expires_at timestamp with time zone, OUT decided_by text, OUT decided_at timestamp with time zone, OUT requires_approval boolean, OUT run_state text, OUT run_fence bigint, OUT decided boolean, OUT now timestamp with time zone, OUT audit_seq bigint, OUT principal text) RETURNS SETOF record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -468,9 +492,181 @@ WITH expired AS (
 )
 SELECT run_id, effect_key, (SELECT count(*) FROM told) AS notified FROM expired
 $_$;
+CREATE FUNCTION orchestrator.orchestrator_key_matches(p_key text, p_pattern text, p_per text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE
+    AS $$
+    SELECT CASE
+        WHEN p_key IS NULL THEN p_pattern = '*' AND p_per = 'all'
+        ELSE p_key LIKE replace(replace(replace(replace(p_pattern, '\', '\\'), '%', '\%'),
+                                        '_', '\_'), '*', '%')
+    END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_may_vouch() RETURNS boolean
     LANGUAGE sql IMMUTABLE
     AS $$SELECT true$$;
+CREATE FUNCTION orchestrator.orchestrator_plan_claim(p_agents text[], p_max integer, p_include_expired boolean, p_run_id text, p_after text) RETURNS TABLE(run_id text, next_key text)
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    candidate record;
+    lim flow_limits;
+    limits flow_limits[];
+    under text[];
+    agent_index integer := 1;
+    key_found text;
+    last_key text := p_after;
+    wrapped boolean := p_after IS NULL;
+    keys_done boolean := p_run_id IS NOT NULL;
+    window_number integer := 0;
+    turn_agents text[];
+    turn_keys text[];
+    per_key integer;
+    left_of jsonb := '{}'::jsonb;
+    refused jsonb := '{}'::jsonb;
+    slot text;
+    free integer;
+    ok boolean;
+    taken integer := 0;
+BEGIN
+    -- The limits of these agents, read once (most claims find none and check nothing per run).
+    SELECT coalesce(array_agg(l), '{}') INTO limits
+    FROM flow_limits AS l
+    WHERE l.agent = ANY(p_agents)
+       OR l.agent = (SELECT r.agent FROM runs AS r WHERE r.run_id = p_run_id);
+    LOOP
+        window_number := window_number + 1;
+        turn_agents := '{}';
+        turn_keys := '{}';
+        -- The next window: keys with due runs, one index probe each ('' sorts before any key).
+        WHILE NOT keys_done AND cardinality(turn_keys) < p_max - taken LOOP
+            SELECT r.concurrency_key INTO key_found
+            FROM runs AS r
+            WHERE r.agent = p_agents[agent_index] AND r.state IN ('queued', 'waiting')
+              AND r.concurrency_key IS NOT NULL
+              AND r.concurrency_key COLLATE "C" > coalesce(last_key, '')
+              AND r.concurrency_key COLLATE "C"
+                  <= CASE WHEN wrapped THEN coalesce(p_after, chr(1114111)) ELSE chr(1114111) END
+              AND r.available_at <= clock_timestamp()
+            ORDER BY r.concurrency_key COLLATE "C"
+            LIMIT 1;
+            IF FOUND THEN
+                turn_agents := turn_agents || p_agents[agent_index];
+                turn_keys := turn_keys || key_found;
+                last_key := key_found;
+            ELSIF NOT wrapped THEN
+                wrapped := true;  -- round again from the first key, up to p_after
+                last_key := NULL;
+            ELSIF agent_index < cardinality(p_agents) THEN
+                agent_index := agent_index + 1;
+                last_key := p_after;
+                wrapped := p_after IS NULL;
+            ELSE
+                keys_done := true;
+            END IF;
+        END LOOP;
+        -- Enough runs of each key for its turns: one key alone may fill the claim.
+        per_key := CASE WHEN cardinality(turn_keys) <= 1 THEN p_max
+                        ELSE p_max / cardinality(turn_keys) + 1 END;
+        FOR candidate IN
+            WITH keyed AS (
+                SELECT k.agent, k.key AS concurrency_key, d.run_id, d.priority, k.ord,
+                       row_number() OVER (PARTITION BY k.ord ORDER BY d.priority DESC,
+                                          d.available_at) AS turn, d.available_at
+                FROM unnest(turn_agents, turn_keys) WITH ORDINALITY AS k(agent, key, ord)
+                CROSS JOIN LATERAL (
+                    SELECT r.run_id, r.priority, r.available_at
+                    FROM runs AS r
+                    WHERE r.agent = k.agent AND r.concurrency_key COLLATE "C" = k.key
+                      AND r.state IN ('queued', 'waiting') AND r.concurrency_key IS NOT NULL
+                      AND r.available_at <= clock_timestamp()
+                    ORDER BY r.concurrency_key COLLATE "C", r.priority DESC, r.available_at
+                    LIMIT per_key
+                ) AS d
+            ), plain AS (
+                SELECT r.agent, NULL::text AS concurrency_key, r.run_id, r.priority,
+                       0::bigint AS ord,
+                       row_number() OVER (PARTITION BY r.agent ORDER BY r.available_at) AS turn,
+                       r.available_at
+                FROM unnest(p_agents) AS a(agent)
+                CROSS JOIN LATERAL (
+                    SELECT r.run_id, r.agent, r.priority, r.available_at
+                    FROM runs AS r
+                    WHERE window_number = 1 AND p_run_id IS NULL AND r.agent = a.agent
+                      AND r.state IN ('queued', 'waiting') AND r.concurrency_key IS NULL
+                      AND r.available_at <= (SELECT clock_timestamp())
+                    ORDER BY r.available_at
+                    LIMIT per_key
+                ) AS r
+            ), expired AS (
+                SELECT r.agent, r.concurrency_key, r.run_id, r.priority, 0::bigint AS ord,
+                       0::bigint AS turn, r.available_at
+                FROM runs AS r
+                WHERE window_number = 1 AND p_run_id IS NULL AND p_include_expired
+                  AND r.agent = ANY(p_agents) AND r.state = 'running'
+                  AND r.lease_until < clock_timestamp()
+                LIMIT p_max
+            ), named AS (
+                SELECT r.agent, r.concurrency_key, r.run_id, r.priority, 0::bigint AS ord,
+                       0::bigint AS turn, r.available_at
+                FROM runs AS r
+                WHERE p_run_id IS NOT NULL AND r.run_id = p_run_id
+            )
+            SELECT * FROM expired UNION ALL SELECT * FROM named
+            UNION ALL SELECT * FROM keyed UNION ALL SELECT * FROM plain
+            ORDER BY turn, ord, priority DESC, available_at
+        LOOP
+            EXIT WHEN taken >= p_max;
+            ok := true;
+            under := '{}';
+            FOREACH lim IN ARRAY limits LOOP
+                CONTINUE WHEN lim.agent <> candidate.agent
+                    OR NOT orchestrator_key_matches(candidate.concurrency_key, lim.key_pattern,
+                                                    lim.per);
+                slot := lim.per || chr(31) || candidate.agent || chr(31) || lim.key_pattern
+                        || CASE WHEN lim.per = 'key' THEN chr(31) || candidate.concurrency_key
+                                ELSE '' END;
+                IF refused ? slot THEN
+                    ok := false;
+                    EXIT;
+                END IF;
+                IF NOT left_of ? slot THEN
+                    IF NOT pg_try_advisory_xact_lock(hashtextextended(slot, 0)) THEN
+                        refused := refused || jsonb_build_object(slot, true);
+                        ok := false;
+                        EXIT;
+                    END IF;
+                    -- A statement of its own: its snapshot starts after the lock was taken.
+                    free := lim.max_running
+                            - orchestrator_running(candidate.agent, lim.key_pattern, lim.per,
+                                                   candidate.concurrency_key);
+                    left_of := left_of || jsonb_build_object(slot, free);
+                END IF;
+                IF (left_of ->> slot)::integer <= 0 THEN
+                    ok := false;
+                    EXIT;
+                END IF;
+                under := under || slot;
+            END LOOP;
+            CONTINUE WHEN NOT ok;
+            -- Take one slot of every limit the run is under.
+            FOREACH slot IN ARRAY under LOOP
+                left_of := jsonb_set(left_of, ARRAY[slot],
+                                     to_jsonb((left_of ->> slot)::integer - 1));
+            END LOOP;
+            taken := taken + 1;
+            run_id := candidate.run_id;
+            next_key := NULL;
+            RETURN NEXT;
+        END LOOP;
+        EXIT WHEN taken >= p_max OR keys_done OR window_number >= 10;
+    END LOOP;
+    run_id := NULL;
+    next_key := last_key;
+    RETURN NEXT;
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_purge_finished(p_cutoff timestamp with time zone, p_batch integer) RETURNS TABLE(runs bigint, other_rows bigint, audit_seq bigint, principal text)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -714,6 +910,22 @@ CREATE FUNCTION orchestrator.orchestrator_role_allows(p_role text, p_permission 
         ELSE false
     END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_running(p_agent text, p_pattern text, p_per text, p_key text) RETURNS integer
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'orchestrator'
+    AS $$
+BEGIN
+    IF p_per = 'key' THEN
+        RETURN (SELECT count(*) FROM runs
+                WHERE agent = p_agent AND concurrency_key = p_key AND lease_owner IS NOT NULL
+                  AND lease_until > clock_timestamp() - interval '1 second');
+    END IF;
+    RETURN (SELECT count(*) FROM runs
+            WHERE agent = p_agent AND state = 'running'
+              AND lease_until > clock_timestamp() - interval '1 second'
+              AND orchestrator_key_matches(concurrency_key, p_pattern, 'all'));
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_send_signal(p_run_id text, p_name text, p_data jsonb, p_idempotency_key text, p_principal text, p_via text, p_typed_by text, OUT state text, OUT seq bigint, OUT sent_at timestamp with time zone, OUT audit_seq bigint, OUT principal text) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -773,6 +985,44 @@ BEGIN
         who.principal, who.via, 'signal', p_run_id, NULL,
         jsonb_build_object('name', p_name, 'seq', seq, 'idempotency_key', p_idempotency_key),
         p_typed_by);
+END
+$_$;
+CREATE FUNCTION orchestrator.orchestrator_set_limit(p_agent text, p_key_pattern text, p_per text, p_max_running integer, p_principal text, p_via text, p_typed_by text, OUT agent text, OUT key_pattern text, OUT per text, OUT max_running integer, OUT previous integer, OUT audit_seq bigint, OUT principal text) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $_$
+#variable_conflict use_column
+DECLARE
+    who record;
+BEGIN
+    IF p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'
+       OR p_key_pattern IS NULL OR length(p_key_pattern) NOT BETWEEN 1 AND 200
+       OR p_per IS NULL OR p_per NOT IN ('all', 'key')
+       OR p_max_running IS NULL OR p_max_running NOT BETWEEN 0 AND 1000000 THEN
+        RAISE EXCEPTION 'a limit needs an agent name, a key pattern of 1-200 characters, all '
+                        'or key, and a most-running of 0 to 1000000'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    SELECT l.max_running INTO previous FROM flow_limits AS l
+    WHERE l.agent = p_agent AND l.key_pattern = p_key_pattern AND l.per = p_per FOR UPDATE;
+    INSERT INTO flow_limits (agent, key_pattern, per, max_running, set_by)
+    VALUES (p_agent, p_key_pattern, p_per, p_max_running, who.principal)
+    ON CONFLICT ON CONSTRAINT flow_limits_pkey DO UPDATE
+    SET max_running = excluded.max_running, set_by = excluded.set_by,
+        set_at = clock_timestamp();
+    agent := p_agent;
+    key_pattern := p_key_pattern;
+    per := p_per;
+    max_running := p_max_running;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'limit_set', NULL, NULL,
+        jsonb_build_object('agent', p_agent, 'key_pattern', p_key_pattern, 'per', p_per,
+                           'max_running', p_max_running, 'previous', previous),
+        p_typed_by);
+    -- Raised: runs held back may be claimable now.
+    PERFORM pg_notify('orchestrator_runs', p_agent);
 END
 $_$;
 CREATE FUNCTION orchestrator.orchestrator_settle_budgets(p_run_ids text[], p_fences bigint[], p_turns bigint[], p_tool_calls bigint[], p_input_tokens bigint[], p_output_tokens bigint[], p_costs numeric[]) RETURNS SETOF text
@@ -941,10 +1191,14 @@ CREATE TABLE orchestrator.runs (
     watched boolean DEFAULT false NOT NULL,
     wake_streak integer DEFAULT 0 NOT NULL,
     born_epoch bigint DEFAULT orchestrator.fence_epoch() NOT NULL,
+    concurrency_key text,
+    priority integer DEFAULT 0 NOT NULL,
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
+    CONSTRAINT runs_concurrency_key_check CHECK (((concurrency_key IS NULL) OR ((length(concurrency_key) >= 1) AND (length(concurrency_key) <= 200)))),
     CONSTRAINT runs_fence_check CHECK ((fence >= 0)),
     CONSTRAINT runs_lease_matches_state CHECK (((state = 'running'::text) = ((lease_owner IS NOT NULL) AND (lease_until IS NOT NULL)))),
     CONSTRAINT runs_max_attempts_check CHECK ((max_attempts >= 1)),
+    CONSTRAINT runs_priority_check CHECK (((priority >= '-1000'::integer) AND (priority <= 1000))),
     CONSTRAINT runs_signals_pending_check CHECK ((signals_pending >= 0)),
     CONSTRAINT runs_state_check CHECK ((state = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]))),
     CONSTRAINT runs_wake_streak_check CHECK ((wake_streak >= 0))
@@ -966,6 +1220,35 @@ WITH inserted AS (
     SELECT run_id, 'submitted', fence,
            jsonb_build_object('agent', agent, 'max_attempts', max_attempts,
                               'idempotency_key', idempotency_key, 'not_before', p_not_before)
+    FROM inserted
+), traced AS (
+    INSERT INTO run_traces (run_id, fence, traceparent)
+    SELECT run_id, 0, p_traceparent FROM inserted WHERE p_traceparent IS NOT NULL
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM inserted
+)
+SELECT inserted.* FROM inserted WHERE (SELECT count(*) FROM woken) >= 0
+$$;
+CREATE FUNCTION orchestrator.orchestrator_submit_run(p_run_id text, p_agent text, p_input jsonb, p_max_attempts integer, p_idempotency_key text, p_not_before timestamp with time zone, p_traceparent text, p_concurrency_key text, p_priority integer) RETURNS SETOF orchestrator.runs
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+WITH inserted AS (
+    INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key, available_at,
+                      concurrency_key, priority)
+    SELECT p_run_id, p_agent, p_input, coalesce(p_max_attempts, 5), p_idempotency_key,
+           coalesce(p_not_before, clock_timestamp()), p_concurrency_key, coalesce(p_priority, 0)
+    WHERE orchestrator_submission_is_valid(p_run_id, p_agent, p_input, p_idempotency_key)
+    ON CONFLICT DO NOTHING
+    RETURNING *
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT run_id, 'submitted', fence,
+           jsonb_strip_nulls(jsonb_build_object(
+               'agent', agent, 'max_attempts', max_attempts,
+               'idempotency_key', idempotency_key, 'not_before', p_not_before,
+               'concurrency_key', concurrency_key,
+               'priority', CASE WHEN priority <> 0 THEN priority END))
     FROM inserted
 ), traced AS (
     INSERT INTO run_traces (run_id, fence, traceparent)
@@ -1182,6 +1465,18 @@ CREATE TABLE orchestrator.effects (
     CONSTRAINT effects_policy_check CHECK ((policy = ANY (ARRAY['irreversible'::text, 'replaceable'::text]))),
     CONSTRAINT effects_status_check CHECK ((status = ANY (ARRAY['accepted'::text, 'dispatching'::text, 'uncertain'::text, 'confirmed'::text, 'failed'::text, 'rejected'::text, 'parked'::text, 'awaiting_approval'::text])))
 );
+CREATE TABLE orchestrator.flow_limits (
+    agent text NOT NULL,
+    key_pattern text NOT NULL,
+    per text NOT NULL,
+    max_running integer NOT NULL,
+    set_by text NOT NULL,
+    set_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT flow_limits_agent_check CHECK ((agent ~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'::text)),
+    CONSTRAINT flow_limits_key_pattern_check CHECK (((length(key_pattern) >= 1) AND (length(key_pattern) <= 200))),
+    CONSTRAINT flow_limits_max_running_check CHECK (((max_running >= 0) AND (max_running <= 1000000))),
+    CONSTRAINT flow_limits_per_check CHECK ((per = ANY (ARRAY['all'::text, 'key'::text])))
+);
 CREATE TABLE orchestrator.orchestrator_schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
@@ -1307,6 +1602,8 @@ ALTER TABLE ONLY orchestrator.effects
     ADD CONSTRAINT effects_idempotency_key_key UNIQUE (idempotency_key);
 ALTER TABLE ONLY orchestrator.effects
     ADD CONSTRAINT effects_pkey PRIMARY KEY (run_id, effect_key);
+ALTER TABLE ONLY orchestrator.flow_limits
+    ADD CONSTRAINT flow_limits_pkey PRIMARY KEY (agent, key_pattern, per);
 ALTER TABLE ONLY orchestrator.orchestrator_schema_migrations
     ADD CONSTRAINT orchestrator_schema_migrations_pkey PRIMARY KEY (version);
 ALTER TABLE orchestrator.principals
@@ -1339,9 +1636,11 @@ CREATE INDEX run_events_run ON orchestrator.run_events USING btree (run_id, even
 CREATE INDEX run_events_submitted ON orchestrator.run_events USING btree (event_id) WHERE (kind = 'submitted'::text);
 CREATE UNIQUE INDEX run_signals_key ON orchestrator.run_signals USING btree (run_id, idempotency_key) WHERE (idempotency_key IS NOT NULL);
 CREATE INDEX run_signals_unconsumed ON orchestrator.run_signals USING btree (run_id, name, seq) WHERE (consumed_at IS NULL);
-CREATE INDEX runs_due ON orchestrator.runs USING btree (agent, available_at) WHERE (state = ANY (ARRAY['queued'::text, 'waiting'::text]));
+CREATE INDEX runs_due_keyed ON orchestrator.runs USING btree (agent, concurrency_key COLLATE "C", priority DESC, available_at) WHERE ((state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (concurrency_key IS NOT NULL));
+CREATE INDEX runs_due_plain ON orchestrator.runs USING btree (agent, available_at) WHERE ((state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (concurrency_key IS NULL));
 CREATE INDEX runs_finished ON orchestrator.runs USING btree (finished_at) WHERE (state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]));
 CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idempotency_key) WHERE (idempotency_key IS NOT NULL);
+CREATE INDEX runs_leased_keyed ON orchestrator.runs USING btree (agent, concurrency_key) WHERE ((lease_owner IS NOT NULL) AND (concurrency_key IS NOT NULL));
 CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (state = 'running'::text);
 CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state = 'running'::text);
 CREATE TRIGGER audit_log_append_only BEFORE DELETE OR UPDATE ON orchestrator.audit_log FOR EACH ROW EXECUTE FUNCTION orchestrator.audit_log_is_append_only();

@@ -21,6 +21,7 @@ STORES = {
     "orchestrator/db/purges.py": "every table a finished run has rows in: their deletion",
     "orchestrator/db/signals.py": "run_signals",
     "orchestrator/db/budgets.py": "run_budgets, budget_ledger",
+    "orchestrator/db/limits.py": "flow_limits",
     "effects/store.py": "effects: the boundary's records and their dispatch",
     "effects/approvals.py": "effects: the approval columns and their decisions",
     "orchestrator/db/access.py": "principals, access_tokens",

@@ -645,16 +645,19 @@ async def test_the_claim_statements_generic_plan_reads_runs_only_through_indexes
             for include_expired in ("true", "false"):
                 text = await connection.fetchval(
                     "EXPLAIN (FORMAT JSON) EXECUTE claim('w1', '{noop}', 200, 45.0, "
-                    f"{include_expired}, NULL)"
+                    f"{include_expired}, NULL, NULL)"
                 )
                 plan = json.loads(text) if isinstance(text, str) else text
                 assert _scans_of_runs(plan) == {
                     ("Index Scan", "runs_running"),
-                    ("Index Scan", "runs_due"),
+                    ("Index Scan", "runs_due_plain"),
+                    ("Index Only Scan", "runs_due_keyed"),  # is any keyed run due? (flow)
                     ("Index Scan", "runs_pkey"),
                     ("ModifyTable", None),
                 }, plan
-            claimed = await connection.fetch(query("claim"), "w1", ["noop"], 200, 45.0, True, None)
+            claimed = await connection.fetch(
+                query("claim"), "w1", ["noop"], 200, 45.0, True, None, None
+            )
             assert len(claimed) == 200
     finally:
         await claims.close()

@@ -9,6 +9,7 @@ import time
 import anyio
 
 from orchestrator.chaos.context import FaultContext, FaultGroup, FaultRecord, ScheduledFault
+from orchestrator.chaos.grants import read_grants
 from orchestrator.chaos.statements import CAMPAIGN_APPLICATION, CAMPAIGN_ERRORS, STATEMENT_SECONDS
 from orchestrator.testing.replicated import ReplicatedPostgres, ReplicationError
 
@@ -92,9 +93,10 @@ class DatabaseFaults(FaultGroup):
                     killed_worker = await self._kill_one_worker(fault)
                     await anyio.sleep(cut)
                     # A busy machine may take longer than the cut to take the killed worker's
-                    # runs over: the primary alone must have granted a claim (bounded) for the
-                    # promoted server to be tested on never granting its fence again.
-                    await self._first_claim_after(cut_began, within=30)
+                    # runs over: a worker must have run a step under a claim the primary alone
+                    # granted (bounded) for the promoted server to be tested on never granting
+                    # that fence again.
+                    await self._a_step_under_a_lost_claim(cut_began, within=30)
                 killed = time.time()
                 done = await anyio.to_thread.run_sync(pair.failover)
             except ReplicationError as error:  # not fired: the campaign fails, naming it
@@ -141,6 +143,29 @@ class DatabaseFaults(FaultGroup):
     async def _held_by_all(self) -> None:
         for member in self.context.cluster.of("worker"):
             await self.context.held_runs(member)
+
+    async def _a_step_under_a_lost_claim(self, since: float, *, within: float) -> None:
+        """Wait (bounded) until a worker recorded a step under a claim granted after ``since``:
+        during a cut the promoted server never learns of that claim."""
+        directory = self.context.cluster.grants_dir
+        for _ in range(round(within / 0.2)):
+            try:
+                rows = await self.context.pool.fetch(
+                    "SELECT run_id, fence FROM orchestrator.run_events "
+                    "WHERE kind = 'claimed' AND at > to_timestamp($1)",
+                    since,
+                    timeout=STATEMENT_SECONDS,
+                )
+            except CAMPAIGN_ERRORS:
+                rows = []
+            claims = {(row["run_id"], row["fence"]) for row in rows}
+            if claims and directory is None:
+                return
+            if claims and directory is not None:
+                grants = await anyio.to_thread.run_sync(read_grants, directory)
+                if any((grant.run_id, grant.fence) in claims for grant in grants):
+                    return
+            await anyio.sleep(0.2)
 
     async def _first_claim_after(self, at: float, *, within: float) -> float | None:
         """When the database granted its first claim after ``at`` (its clock is this host's)."""

@@ -25,6 +25,7 @@ COMMANDS = {
     "db": "orchestrator.cli.db:db",
     "demo": "orchestrator.cli.demo:demo",
     "effects": "orchestrator.cli.effects:effects",
+    "limits": "orchestrator.cli.limits:limits",
     "mcp": "orchestrator.cli.mcp_servers:mcp",
     "queue": "orchestrator.cli.queue:queue",
     "runs": "orchestrator.cli.runs:runs",
@@ -52,6 +53,7 @@ SUMMARIES = {
     "effects": (
         "Effect records at the fenced boundary: list, inspect, resolve parked ones, dispatch."
     ),
+    "limits": "How many runs of an agent may hold a lease at once: list, set, clear.",
     "mcp": "MCP servers whose tools a tool agent offers its model.",
     "queue": "Queue depth per agent.",
     "runs": "List, inspect, cancel, retry and signal runs; show and top up their budgets.",

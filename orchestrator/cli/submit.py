@@ -32,6 +32,18 @@ from orchestrator.settings import Settings
     "a past time warns and starts now).",
 )
 @click.option("--delay", type=float, help="Start this many seconds from now (at most ten years).")
+@click.option(
+    "--concurrency-key",
+    help="What the agent's limits count this run under (a tenant, a customer); claims are "
+    "shared fairly across keys (docs/flow-control.md).",
+)
+@click.option(
+    "--priority",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Among due runs of its key, higher first (-1000 to 1000).",
+)
 @wait_for_standby_option("run")
 @json_option("Print the run as JSON.")
 @async_command
@@ -44,6 +56,8 @@ async def submit(
     max_attempts: int,
     at: str | None,
     delay: float | None,
+    concurrency_key: str | None,
+    priority: int,
     wait_for_standby: bool,
     as_json: bool,
 ) -> None:
@@ -71,6 +85,8 @@ async def submit(
             idempotency_key=idempotency_key,
             max_attempts=max_attempts,
             not_before=start,
+            concurrency_key=concurrency_key,
+            priority=priority,
         )
         if wait_for_standby:
             await stores.held_by_standby()

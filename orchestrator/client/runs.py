@@ -57,8 +57,9 @@ class RunsHandle(StoresHandle):
         **options: Unpack[SubmitOptions],
     ) -> Run:
         """Queue a run of ``agent``, due now, ``at`` a time or after ``delay_seconds``
-        (``idempotency_key=``, ``run_id=``, ``max_attempts=`` as ``RunStore.submit`` takes
-        them). The same idempotency key returns the run it first created.
+        (``idempotency_key=``, ``run_id=``, ``max_attempts=``, ``concurrency_key=``,
+        ``priority=`` as ``RunStore.submit`` takes them; the last two: docs/flow-control.md).
+        The same idempotency key returns the run it first created.
 
         ``wait_for_standby``: return only once a streaming standby holds the run, so that a
         failover cannot lose a run its caller was told of (``StandbyNotReached`` if none does

@@ -15,6 +15,7 @@ from orchestrator.db.access import AccessStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.bootstrap import PoolOptions, open_pool
 from orchestrator.db.budgets import BudgetState, BudgetStore, LedgerEntry, TopUp
+from orchestrator.db.limits import LimitStore
 from orchestrator.db.purges import PurgeStore
 from orchestrator.db.retention import MAX_AGE
 from orchestrator.db.signals import Signal, SignalStore
@@ -48,6 +49,7 @@ class Stores:
         self.approvals = ApprovalStore(pool)
         self.signals = SignalStore(pool)
         self.budgets = BudgetStore(pool)
+        self.limits = LimitStore(pool)
         self.workers = WorkerRegistry(schema)
         self.purges = PurgeStore(pool)
         self.access = AccessStore(pool)

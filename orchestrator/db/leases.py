@@ -25,17 +25,26 @@ class Leases(PoolStore):
         limit: int = 1,
         lease_seconds: float = 45.0,
         include_expired: bool = True,
+        after_key: str | None = None,
         db: Executor | None = None,
     ) -> ClaimBatch:
         """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement.
 
         ``include_expired=False`` claims due runs only, without reading the running set to find
-        expired leases (see claim in sql/queries.sql).
+        expired leases (see claim in sql/queries.sql). ``after_key``: where the last claim's
+        turn over the concurrency keys ended (``ClaimBatch.next_key``).
         """
         # Each agent is probed once; a repeated name would fill the limit with duplicates.
         unique_agents = list(dict.fromkeys(agents))
         records = await (db or self.pool).fetch(
-            query("claim"), worker_id, unique_agents, limit, lease_seconds, include_expired, None
+            query("claim"),
+            worker_id,
+            unique_agents,
+            limit,
+            lease_seconds,
+            include_expired,
+            None,
+            after_key,
         )
         return self._claim_batch(records, worker_id)
 
@@ -50,7 +59,7 @@ class Leases(PoolStore):
         """Claim one specific run if it is due or its lease expired; ``None`` otherwise."""
         validate_run_id(run_id)
         records = await (db or self.pool).fetch(
-            query("claim"), worker_id, [], 1, lease_seconds, True, run_id
+            query("claim"), worker_id, [], 1, lease_seconds, True, run_id, None
         )
         batch = self._claim_batch(records, worker_id)
         return batch.claimed[0] if batch.claimed else None
@@ -59,12 +68,16 @@ class Leases(PoolStore):
     def _claim_batch(records: Sequence[Row], worker_id: str) -> ClaimBatch:
         claimed: list[ClaimedRun] = []
         dead: list[str] = []
+        planned, cursor = False, None
         for record in records:
-            if record["outcome"] == "claimed":
+            outcome = record["outcome"]
+            if outcome == "claimed":
                 claimed.append(ClaimedRun.from_record(record, worker_id))
-            else:
+            elif outcome == "dead_lettered":
                 dead.append(record["run_id"])
-        return ClaimBatch(claimed=claimed, dead_lettered=dead)
+            else:  # where flow control's turn over the keys ended
+                planned, cursor = True, record["next_key"]
+        return ClaimBatch(claimed=claimed, dead_lettered=dead, planned=planned, cursor=cursor)
 
     async def renew(
         self, lease: Lease, *, lease_seconds: float = 45.0, db: Executor | None = None

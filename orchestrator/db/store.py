@@ -28,6 +28,7 @@ from orchestrator.db.commit_records import (
 )
 from orchestrator.db.commits import Commits
 from orchestrator.db.leases import Leases
+from orchestrator.db.limits import check_flow
 from orchestrator.db.queries import query
 from orchestrator.db.run_reads import MAX_LIST_LIMIT, RunReads
 from orchestrator.db.workers import (
@@ -82,6 +83,8 @@ class SubmitOptions(TypedDict, total=False):
     run_id: str | None
     idempotency_key: str | None
     max_attempts: int
+    concurrency_key: str | None
+    priority: int
 
 
 class RunStore(RunReads, Leases, Commits):
@@ -106,10 +109,13 @@ class RunStore(RunReads, Leases, Commits):
         idempotency_key: str | None = None,
         max_attempts: int = 5,
         not_before: datetime | None = None,
+        concurrency_key: str | None = None,
+        priority: int = 0,
     ) -> Submission:
         """Queue a run (due at ``not_before``, or now). The same idempotency key returns the run
-        it first created."""
+        it first created. ``concurrency_key`` and ``priority``: docs/flow-control.md."""
         validate_agent_name(agent)
+        check_flow(concurrency_key, priority)
         if not_before is not None and not_before.utcoffset() is None:
             raise InvalidInput("a run's start time must be timezone-aware (e.g. 2026-12-24T09:00Z)")
         encode_input(input, max_bytes=self.max_input_bytes)
@@ -130,6 +136,8 @@ class RunStore(RunReads, Leases, Commits):
             idempotency_key,
             not_before,
             current_traceparent(),
+            concurrency_key,
+            priority,
         )
         if record is not None:
             return Submission(Run.from_record(record), created=True)

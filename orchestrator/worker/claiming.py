@@ -58,6 +58,8 @@ class ClaimLoop:
         """Claims failed in a row (the worker's readiness)."""
         self._wake = anyio.Event()
         self._look_for_expired = True
+        self._after_key: str | None = None
+        """Where the last claim's turn over the concurrency keys ended: the next goes on."""
         self._claiming = anyio.Lock()
         """Held by a claim and by ``expire_unheld``: a run claimed is in ``active`` before
         that looks."""
@@ -156,8 +158,10 @@ class ClaimLoop:
                 limit=limit,
                 lease_seconds=self.config.lease_seconds,
                 include_expired=include_expired,
+                after_key=self._after_key,
                 db=db,
             )
+        self._after_key = batch.next_key(self._after_key)
         for run_id in batch.dead_lettered:
             self.log.warning("dead-lettered: lease expired on the last attempt", **{RUN_ID: run_id})
         executions: list[RunExecution] = []
