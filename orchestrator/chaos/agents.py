@@ -22,23 +22,12 @@ from datetime import timedelta
 
 import anyio
 
-from orchestrator import (
-    Agent,
-    Budget,
-    Effect,
-    EffectPolicy,
-    Finish,
-    Next,
-    Outcome,
-    Step,
-    StepContext,
-    ToolAgent,
-    ToolContext,
-    Wait,
-    tool,
-)
-from orchestrator.agent.tools import ToolSource
+from orchestrator.agent.budgets import Budget
+from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext, Wait
+from orchestrator.agent.tool_loop import ToolAgent
+from orchestrator.agent.tools import ToolContext, ToolSource, tool
 from orchestrator.chaos.grants import record_grant
+from orchestrator.effect_model import Effect, EffectPolicy
 from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
 
 SIGNAL_WAIT_SECONDS = 120.0

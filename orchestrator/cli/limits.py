@@ -14,6 +14,8 @@ from orchestrator.client.stores import open_stores
 from orchestrator.db.limits import MAX_RUNNING, Limit, Per
 from orchestrator.settings import Settings
 
+NO_LIMITS = "no limits: every due run is claimed at once"
+
 
 @click.group()
 def limits() -> None:
@@ -37,14 +39,18 @@ def _scope(function: click.decorators.FC) -> click.decorators.FC:
 
 
 @limits.command("list")
-@click.option("--agent", help="Only this agent's limits.")
+@click.option("--agent", "agents", multiple=True, help="Only this agent's limits (repeatable).")
 @json_option("Print the limits as a JSON array.")
 @async_command
-async def limits_list(settings: Settings, agent: str | None, as_json: bool) -> None:
+async def limits_list(settings: Settings, agents: tuple[str, ...], as_json: bool) -> None:
     """Every limit, with the runs it counts now and the due runs it covers."""
     async with open_stores(settings) as stores:
-        found = await stores.limits.list(agent)
-    print_found(found, as_json, limits_table, "no limits: every due run is claimed at once")
+        found = [
+            limit
+            for agent in dict.fromkeys(agents or (None,))
+            for limit in await stores.limits.list(agent)
+        ]
+    print_found(found, as_json, limits_table, NO_LIMITS)
 
 
 @limits.command("set")

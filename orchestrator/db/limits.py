@@ -118,15 +118,8 @@ class LimitStore:
         """Set a limit (raise or lower it); returns the one it replaced, if any."""
         agent, key_pattern, per = _limit_of(agent, key_pattern, per)
         max_running = check_max_running(max_running)
-        row = await decide(
-            self.db,
-            "limit_set",
-            Actor.acting(actor, None),
-            query("set_limit"),
-            agent,
-            key_pattern,
-            per,
-            max_running,
+        row = await self._decided(
+            "limit_set", "set_limit", actor, agent, key_pattern, per, max_running
         )
         assert row is not None
         return None if row["previous"] is None else int(row["previous"])
@@ -136,21 +129,21 @@ class LimitStore:
     ) -> int:
         """Remove a limit; returns the limit it was. ``InvalidInput`` when there is none."""
         agent, key_pattern, per = _limit_of(agent, key_pattern, per)
-        row = await decide(
-            self.db,
-            "limit_cleared",
-            Actor.acting(actor, None),
-            query("clear_limit"),
-            agent,
-            key_pattern,
-            per,
-        )
+        row = await self._decided("limit_cleared", "clear_limit", actor, agent, key_pattern, per)
         if row is None or row["cleared"] is None:
             raise InvalidInput(
                 f"no limit of {agent} for keys {key_pattern!r} ({per}): "
                 "`orchestrator limits list` shows the limits there are"
             )
         return int(row["cleared"])
+
+    async def _decided(
+        self, action: str, statement: str, actor: Actor | None, *arguments: object
+    ) -> Row | None:
+        """A limit's change by ``actor`` (None: the database role that connected), audited."""
+        return await decide(
+            self.db, action, Actor.acting(actor, None), query(statement), *arguments
+        )
 
 
 def _limit_of(agent: str, key_pattern: str, per: str) -> tuple[str, str, Per]:
