@@ -12,12 +12,15 @@ mid-call, after the server acted and before it answered.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -171,6 +174,17 @@ def stdio_server(ledger: Path, hang: Path | None = None, die: Path | None = None
     }
 
 
+def _answers_http(url: str) -> bool:
+    """Whether the server at ``url`` answers an HTTP request at all (any status will do)."""
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
+    return True
+
+
 @contextmanager
 def http_server(ledger: Path, hang: Path | None = None) -> Iterator[dict[str, Any]]:
     """This server over streamable HTTP on loopback, in its own process; yields the
@@ -182,17 +196,14 @@ def http_server(ledger: Path, hang: Path | None = None) -> Iterator[dict[str, An
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    url = f"http://127.0.0.1:{port}/mcp"
     try:
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the MCP test server did not start") from None
-                time.sleep(0.05)
-        yield {"url": f"http://127.0.0.1:{port}/mcp"}
+        while not _answers_http(url):  # an accepted connection is not yet a serving app
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the MCP test server did not start")
+            time.sleep(0.05)
+        yield {"url": url}
     finally:
         process.kill()
         process.wait(10)
