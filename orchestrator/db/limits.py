@@ -55,9 +55,13 @@ def check_flow(concurrency_key: str | None, priority: int) -> None:
 
 
 def check_max_running(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidInput(f"a limit must be a whole number from 0 to {MAX_RUNNING}, not {value!r}")
-    if value != int(value) or not 0 <= value <= MAX_RUNNING:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value != int(value)
+        or not 0 <= value <= MAX_RUNNING
+    ):
         raise InvalidInput(f"a limit must be a whole number from 0 to {MAX_RUNNING}, not {value!r}")
     return int(value)
 
