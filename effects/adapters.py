@@ -39,6 +39,9 @@ class Retry:
     """The vendor did not accept it (refused connection, 429/503, SMTP 4xx): safe to resend."""
 
     error: str
+    retry_after: float | None = None
+    """When the vendor said to come back (a 429's Retry-After): every dispatcher pauses the
+    kind's rate limit until then, and this effect is due again then."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -30,6 +29,7 @@ from orchestrator.db.bootstrap import PoolOptions
 from orchestrator.db.deadlines import DATABASE_ERRORS, pooled
 from orchestrator.db.notifications import DUE_CHANNEL, Listener
 from orchestrator.db.outages import DatabaseOutage
+from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.sync_standby import SyncStandbyRequirement
 from orchestrator.effect_model import EffectRecord, EffectStatus
@@ -46,6 +46,7 @@ from orchestrator.effects.adapters import (
     answers_within,
     connector,
 )
+from orchestrator.effects.send_rates import SendRates, Unsent
 from orchestrator.effects.settling import GroupSettler
 from orchestrator.effects.store import ClaimedEffect, EffectStore, SettleRequest
 from orchestrator.errors import InvalidInput, error_fields
@@ -119,6 +120,8 @@ class Dispatcher:
         """Kept from the end of each lease: a send starts at least this long before it ends."""
         self.metrics = EffectMetrics()
         self.log = log.bind(dispatcher=self.dispatcher_id)
+        self.rates = SendRates(RateLimitStore(pool), self.dispatcher_id, poll_seconds, self.log)
+        """The shared rate limits its sends are charged against (``effect:KIND``)."""
         self.outage = outage or DatabaseOutage(self.log)
         """Says once that the database is out of reach (a worker shares its own)."""
         self.sync_standby = sync_standby or SyncStandbyRequirement(False)
@@ -220,6 +223,9 @@ class Dispatcher:
         held = await self._held_by_standby(deadline, len(claimed))
         unready = await self._connect(claimed, deadline) if held else {}
         fresh = [c for c in claimed if not c.must_reconcile and c.record.kind not in unready]
+        over_rate = await self.rates.over(fresh) if held else {}
+        if over_rate:
+            fresh = [c for c in fresh if id(c) not in over_rate]
         checks: dict[tuple[str, str], tuple[bool, bool]] | None = None
         if len(fresh) > 1 and held:  # one effect alone is re-checked by _dispatch, as it always was
             try:
@@ -245,7 +251,7 @@ class Dispatcher:
                 check = None
                 if checks is not None and not effect.must_reconcile:
                     check = checks.get((record.run_id, record.effect_key), (False, True))
-                unsent = unheld or unready.get(record.kind)
+                unsent = unheld or unready.get(record.kind) or over_rate.get(id(effect))
                 group.create_task(self._handle(effect, deadline, check, unsent=unsent))
 
     async def _connect(self, claimed: list[ClaimedEffect], deadline: float) -> dict[str, Unsent]:
@@ -432,7 +438,14 @@ class Dispatcher:
                 except TimeoutError:
                     sent = Uncertain(f"no answer from {effect.kind} within {limit:.1f}s")
             span.set_attribute("orchestrator.effect.answer", type(sent).__name__)
-        return await self._record(effect, sent, vendor_done=vendor_done)
+        if isinstance(sent, Retry) and sent.retry_after is not None:
+            await self.rates.pause(effect.kind, sent.retry_after)
+        return await self._record(
+            effect,
+            sent,
+            vendor_done=vendor_done,
+            retry_after=sent.retry_after if isinstance(sent, Retry) else None,
+        )
 
     async def _record(
         self,
@@ -490,15 +503,6 @@ class Dispatcher:
             **why,
         )
         return status.value
-
-
-@dataclass(frozen=True)
-class Unsent:
-    """Why an effect of a claimed batch is given back unsent, and when it is due again
-    (``None``: the dispatcher's backoff)."""
-
-    reason: str
-    retry_after: float | None = None
 
 
 def _check_settings(

@@ -6,6 +6,7 @@ from typing import Any
 
 import aiohttp
 
+from orchestrator.backoff import retry_after_seconds
 from orchestrator.effect_model import EffectRecord
 from orchestrator.effects.adapters import (
     Confirmed,
@@ -84,7 +85,9 @@ class HttpAdapter:
         body = compact(effect.payload).encode()
         try:
             async with self._client().post(self.url, data=body, headers=headers) as response:
-                return _outcome(response.status, await response.read())
+                return _outcome(
+                    response.status, await response.read(), response.headers.get("Retry-After")
+                )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
             return Retry(f"could not connect: {error}")  # nothing reached the vendor
         except (aiohttp.ClientError, TimeoutError) as error:
@@ -108,11 +111,11 @@ class HttpAdapter:
         return Uncertain(f"lookup answered HTTP {status}")
 
 
-def _outcome(status: int, body: bytes) -> SendOutcome:
+def _outcome(status: int, body: bytes, retry_after: str | None = None) -> SendOutcome:
     if 200 <= status < 300:
         return _confirmed(body)
     if status in (429, 503):
-        return Retry(f"HTTP {status}")
+        return Retry(f"HTTP {status}", retry_after_seconds(retry_after))
     if 400 <= status < 500:
         return Failed(f"HTTP {status}: {body[:500].decode(errors='replace')}")
     return Uncertain(f"HTTP {status}")

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
         chat,
         tool,
     )
+    from orchestrator.agent.rates import RateLimitWait, take_rate
     from orchestrator.client import Client, SyncClient
+    from orchestrator.db.limits import RunningLimit
     from orchestrator.db.signals import Signal
     from orchestrator.db.standby_wait import StandbyNotReached
     from orchestrator.effect_model import Effect, EffectPolicy
@@ -77,6 +79,9 @@ _EXPORTS = {
     "Settings": "orchestrator.settings",
     "Signal": "orchestrator.db.signals",
     "StandbyNotReached": "orchestrator.db.standby_wait",
+    "RunningLimit": "orchestrator.db.limits",
+    "take_rate": "orchestrator.agent.rates",
+    "RateLimitWait": "orchestrator.agent.rates",
 }
 """Each public name and the module defining it: imported on first use (``__getattr__``), so that
 ``import orchestrator.errors`` loads neither the worker, the console nor the client."""
@@ -165,8 +170,10 @@ __all__ = [
     "Outcome",
     "PermanentFailure",
     "PermissionDenied",
+    "RateLimitWait",
     "RunAlreadyExists",
     "RunNotFound",
+    "RunningLimit",
     "SchemaTooNew",
     "Settings",
     "Signal",
@@ -182,5 +189,6 @@ __all__ = [
     "WaitState",
     "__version__",
     "chat",
+    "take_rate",
     "tool",
 ]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+from contextlib import suppress
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar, cast
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -34,6 +35,15 @@ def json_fields(value: DataclassInstance, **given: JSON) -> dict[str, JSON]:
         f.name: given[f.name] if f.name in given else _plain(getattr(value, f.name))
         for f in fields(value)
     }
+
+
+class JsonFields:
+    """Gives a dataclass ``as_json``: its fields as JSON (``json_fields``), for ``--json``."""
+
+    __slots__ = ()
+
+    def as_json(self) -> dict[str, Any]:
+        return json_fields(cast("DataclassInstance", self))
 
 
 def _plain(value: Any) -> JSON:
@@ -92,16 +102,24 @@ class Run:
     """What its limits count it under (a tenant, a customer): docs/flow-control.md."""
     priority: int = 0
     """Among due runs of its key, higher first."""
+    held_back: str | None = None
+    """Read by ``runs list`` alone: the limit holding this due run back now, or the rate limit
+    this running run waits for (docs/flow-control.md)."""
 
     @classmethod
     def from_record(cls, record: Row) -> Run:
-        values = {name: record[name] for name in cls.__dataclass_fields__}
+        values = {name: record[name] for name in _STORED_RUN_FIELDS}
+        with suppress(KeyError):  # read only by the listing
+            values["held_back"] = record["held_back"]
         values["state"] = RunState(values["state"])
         if values["available_at"].tzinfo is None:
             # asyncpg reads 'infinity' (a wait with no time limit) as a naive datetime.max; every
             # other time is in UTC, and this one must compare and print like them.
             values["available_at"] = values["available_at"].replace(tzinfo=UTC)
         return cls(**values)
+
+
+_STORED_RUN_FIELDS = tuple(name for name in Run.__dataclass_fields__ if name != "held_back")
 
 
 @dataclass(frozen=True)
@@ -199,6 +217,8 @@ class ClaimBatch:
     """The claim went through flow control (limits or keys): ``cursor`` says where it ended."""
     cursor: str | None = None
     """The last concurrency key the claim looked at."""
+    held_back: int = 0
+    """Runs the claim passed over because a limit they are under was full."""
 
     def next_key(self, after: str | None) -> str | None:
         """The key a claimer's next claim starts after: where this one's turn over the keys

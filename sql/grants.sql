@@ -32,7 +32,7 @@ GRANT SELECT ON {schema}.orchestrator_schema_migrations
 -- itself) are definer functions too. It appends nothing to the audit trail itself.
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
-    {schema}.workers, {schema}.flow_limits
+    {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits
     TO {worker};
 GRANT UPDATE (state, lease_owner, lease_until, fence, attempt, available_at, step, checkpoint,
               checkpoint_version, result, error, wait, wake_streak, signals_pending, updated_at,
@@ -50,8 +50,17 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_settle_budgets(text[], bigint[], bigint[], bigint[], bigint[],
                                          bigint[], numeric[]),
     {schema}.orchestrator_expire_approvals(integer),
-    {schema}.orchestrator_purge_finished(timestamptz, integer)
+    {schema}.orchestrator_purge_finished(timestamptz, integer),
+    {schema}.orchestrator_hold_run(text, text, text, timestamptz),
+    {schema}.orchestrator_declare_limits(text, jsonb, text)
     TO {worker};
+-- Rate limits (migration 0022) are taken, settled and paused only through their definer
+-- functions, by the workers' model calls and the dispatchers' sends.
+GRANT EXECUTE ON FUNCTION
+    {schema}.orchestrator_rate_take(text, integer, bigint, text, bigint),
+    {schema}.orchestrator_rate_settle(text, bigint),
+    {schema}.orchestrator_rate_pause(text, double precision, text)
+    TO {worker}, {dispatcher};
 
 -- DISPATCHER (`orchestrator effects dispatch`): claims due effects under its own lease,
 -- re-checks them, settles them and wakes their runs. Of a run it sees only what waking needs
@@ -65,6 +74,7 @@ GRANT SELECT (run_id, agent, state, wait, available_at) ON {schema}.runs TO {dis
 GRANT UPDATE (available_at) ON {schema}.runs TO {dispatcher};
 GRANT INSERT ON {schema}.run_events TO {dispatcher};
 GRANT SELECT (run_id, fence, traceparent) ON {schema}.run_traces TO {dispatcher};
+GRANT SELECT (name) ON {schema}.rate_limits TO {dispatcher};
 
 -- PROXY (`orchestrator effects serve`): the boundary's rule and the effect records it answers
 -- with; services' tokens (by hash: who, their scope, whether they still work) and a run's agent,
@@ -88,7 +98,7 @@ GRANT EXECUTE ON FUNCTION
 -- `watched` flag; nothing of people, tokens or the audit trail.
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
-    {schema}.workers, {schema}.flow_limits
+    {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits
     TO {client}, {console};
 GRANT UPDATE (watched) ON {schema}.runs TO {client}, {console};
 GRANT EXECUTE ON FUNCTION
@@ -97,6 +107,9 @@ GRANT EXECUTE ON FUNCTION
                                      integer),
     {schema}.orchestrator_set_limit(text, text, text, integer, text, text, text),
     {schema}.orchestrator_clear_limit(text, text, text, text, text, text),
+    {schema}.orchestrator_set_rate_limit(text, integer, bigint, double precision, text, text,
+                                         text),
+    {schema}.orchestrator_clear_rate_limit(text, text, text, text),
     {schema}.orchestrator_decide_approval(text, text, text, text, text, bigint, text, text,
                                           text),
     {schema}.orchestrator_resolve_effect(text, text, boolean, text, text, text, text),

@@ -119,7 +119,7 @@ WITH flow AS MATERIALIZED (
            OR (state = 'running' AND lease_until < clock_timestamp()))
     FOR UPDATE SKIP LOCKED
 ), plan AS MATERIALIZED (
-    SELECT p.run_id, p.next_key
+    SELECT p.run_id, p.next_key, p.held_back
     FROM orchestrator_plan_claim($2::text[], $3::integer, $5::boolean, $6::text, $7::text) AS p
     WHERE (SELECT planned FROM flow)
 ), planned AS (
@@ -202,17 +202,18 @@ WITH flow AS MATERIALIZED (
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
        checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
-       signals, signals_pending, NULL AS next_key
+       signals, signals_pending, NULL AS next_key, NULL::integer AS held_back
 FROM claimed
 UNION ALL
 SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
-       previous_owner, previous_lease_until, NULL, NULL, NULL, NULL, NULL
+       previous_owner, previous_lease_until, NULL, NULL, NULL, NULL, NULL, NULL
 FROM dead
 WHERE (SELECT count(*) FROM finished_told) >= 0
 UNION ALL
--- Where the plan's turn over the keys ended: the claimer's next claim goes on from there.
+-- Where the plan's turn over the keys ended: the claimer's next claim goes on from there; and
+-- how many runs it passed over for a full limit.
 SELECT 'next_key', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL, NULL, plan.next_key
+       NULL, NULL, NULL, plan.next_key, plan.held_back
 FROM plan
 WHERE plan.run_id IS NULL
 
@@ -404,7 +405,16 @@ SELECT traceparent FROM run_traces WHERE run_id = $1 AND fence = $2
 -- Runs, newest first, optionally filtered by state, agent and submission time. "Newest" is
 -- submission order: each run's "submitted" event, written with the run (see migration 0004:
 -- there is no index on runs.created_at, which every claim and finish would have had to write).
-SELECT r.* FROM run_events AS e JOIN runs AS r ON r.run_id = e.run_id
+-- held_back: the limit that holds a due run back now, or the rate limit a running run waits for
+-- (docs/flow-control.md).
+SELECT r.*,
+       CASE WHEN r.state IN ('queued', 'waiting') AND r.available_at <= clock_timestamp()
+            THEN orchestrator_held_by(r.agent, r.concurrency_key)
+            WHEN r.state = 'running'
+            THEN (SELECT h.reason FROM run_holds AS h
+                  WHERE h.run_id = r.run_id AND h.kind = 'rate' AND h.fence = r.fence
+                    AND h.until >= clock_timestamp() - interval '2 seconds') END AS held_back
+FROM run_events AS e JOIN runs AS r ON r.run_id = e.run_id
 WHERE e.kind = 'submitted'
   AND ($1::text[] IS NULL OR r.state = ANY($1::text[])) AND ($2::text IS NULL OR r.agent = $2)
   AND ($4::timestamptz IS NULL OR e.at >= $4) AND ($5::timestamptz IS NULL OR e.at < $5)
@@ -1331,7 +1341,7 @@ LIMIT $2
 -- params: $1 agent text (NULL: every agent)
 -- Every limit (of agent $1), with how many runs it counts now (for a per-key limit: the key
 -- that has the most) and how many due runs it covers.
-SELECT l.agent, l.key_pattern, l.per, l.max_running, l.set_by, l.set_at,
+SELECT l.agent, l.key_pattern, l.per, l.max_running, l.set_by, l.set_at, l.declared,
        coalesce(CASE WHEN l.per = 'all'
                      THEN orchestrator_running(l.agent, l.key_pattern, 'all', NULL)
                      ELSE (SELECT max(orchestrator_running(l.agent, l.key_pattern, 'key', k.key))
@@ -1355,3 +1365,55 @@ SELECT * FROM orchestrator_set_limit($1, $2, $3, $4, $5, $6, $7)
 -- clear_limit --
 -- params: $1 agent, $2 key_pattern, $3 per, $4 principal, $5 via, $6 typed_by
 SELECT * FROM orchestrator_clear_limit($1, $2, $3, $4, $5, $6)
+
+-- declare_limits --
+-- params: $1 agent, $2 limits jsonb ([{key_pattern, per, max_running}]), $3 by (the worker)
+SELECT orchestrator_declare_limits($1, $2::jsonb, $3) AS changed
+
+-- list_rate_limits --
+-- params: $1 name text (NULL: every rate limit)
+-- Each rate limit, with what is left of it now (the bucket refilled to this instant).
+SELECT l.name, l.requests, l.tokens, l.per_seconds, l.set_by, l.set_at,
+       CASE WHEN l.paused_until > clock_timestamp() THEN l.paused_until END AS paused_until,
+       CASE WHEN l.paused_until > clock_timestamp() THEN l.paused_by END AS paused_by,
+       CASE WHEN l.requests IS NOT NULL THEN least(
+           l.requests::double precision,
+           l.requests_left + greatest(0, extract(epoch FROM clock_timestamp() - l.refilled_at))
+                             * l.requests / l.per_seconds) END AS requests_left,
+       CASE WHEN l.tokens IS NOT NULL THEN least(
+           l.tokens::double precision,
+           l.tokens_left + greatest(0, extract(epoch FROM clock_timestamp() - l.refilled_at))
+                           * l.tokens / l.per_seconds) END AS tokens_left,
+       (SELECT count(*) FROM run_holds AS h JOIN runs AS r ON r.run_id = h.run_id
+        WHERE h.kind = 'rate' AND h.reason = 'rate limit ' || l.name AND h.fence = r.fence
+          AND r.state = 'running' AND h.until >= clock_timestamp() - interval '2 seconds')
+           AS waiting
+FROM rate_limits AS l
+WHERE $1::text IS NULL OR l.name = $1::text
+ORDER BY l.name
+
+-- set_rate_limit --
+-- params: $1 name, $2 requests (NULL: not limited), $3 tokens (NULL: not limited),
+--         $4 per_seconds, $5 principal, $6 via, $7 typed_by
+SELECT * FROM orchestrator_set_rate_limit($1, $2, $3, $4, $5, $6, $7)
+
+-- clear_rate_limit --
+-- params: $1 name, $2 principal, $3 via, $4 typed_by
+SELECT * FROM orchestrator_clear_rate_limit($1, $2, $3, $4)
+
+-- rate_limit_names --
+-- The names of the rate limits there are (and of the pauses 429s left), for a process to know
+-- which of its calls and sends to charge.
+SELECT name FROM rate_limits
+
+-- take_rate --
+-- params: $1 name, $2 requests, $3 tokens, $4 run_id (NULL: none), $5 fence
+SELECT granted, wait_seconds FROM orchestrator_rate_take($1, $2, $3, $4, $5)
+
+-- settle_rate --
+-- params: $1 name, $2 tokens beyond those taken (negative: fewer)
+SELECT orchestrator_rate_settle($1, $2)
+
+-- pause_rate --
+-- params: $1 name, $2 seconds, $3 by (who got the 429)
+SELECT paused_until FROM orchestrator_rate_pause($1, $2, $3)

@@ -317,6 +317,25 @@ BEGIN
     PERFORM pg_notify('orchestrator_runs', p_agent);
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_clear_rate_limit(p_name text, p_principal text, p_via text, p_typed_by text, OUT cleared text, OUT audit_seq bigint, OUT principal text) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    who record;
+BEGIN
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    DELETE FROM rate_limits AS l WHERE l.name = p_name RETURNING l.name INTO cleared;
+    IF NOT FOUND THEN
+        RETURN;  -- no such limit: nothing changed, nothing audited
+    END IF;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'rate_limit_cleared', NULL, NULL,
+        jsonb_build_object('name', p_name), p_typed_by);
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_decide_approval(p_run_id text, p_effect_key text, p_decision text, p_note text, p_payload_sha256 text, p_run_fence bigint, p_principal text, p_via text, p_typed_by text, OUT run_id text, OUT effect_key text, OUT status text, OUT payload_sha256 text, OUT approval_expires_at timestamp with time zone, OUT decided_by text, OUT decided_at timestamp with time zone, OUT requires_approval boolean, OUT run_state text, OUT run_fence bigint, OUT decided boolean, OUT now timestamp with time zone, OUT audit_seq bigint, OUT principal text) RETURNS SETOF record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -456,6 +475,40 @@ BEGIN
     via := p_via;
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_declare_limits(p_agent text, p_limits jsonb, p_by text) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $_$
+DECLARE
+    removed integer;
+    written integer;
+BEGIN
+    IF p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'
+       OR p_limits IS NULL OR jsonb_typeof(p_limits) <> 'array'
+       OR p_by IS NULL OR length(p_by) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'declared limits need an agent name, a JSON array of limits and who '
+                        'declares them' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    DELETE FROM flow_limits AS l
+    WHERE l.agent = p_agent AND l.declared
+      AND (l.key_pattern, l.per) NOT IN (
+          SELECT d.key_pattern, d.per
+          FROM jsonb_to_recordset(p_limits) AS d(key_pattern text, per text, max_running integer)
+          WHERE d.key_pattern IS NOT NULL AND d.per IS NOT NULL);
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    INSERT INTO flow_limits AS l (agent, key_pattern, per, max_running, set_by, declared)
+    SELECT p_agent, d.key_pattern, d.per, d.max_running, p_by, true
+    FROM jsonb_to_recordset(p_limits) AS d(key_pattern text, per text, max_running integer)
+    ON CONFLICT ON CONSTRAINT flow_limits_pkey DO UPDATE
+    SET max_running = excluded.max_running, set_by = excluded.set_by, set_at = clock_timestamp()
+    WHERE l.declared AND l.max_running <> excluded.max_running;
+    GET DIAGNOSTICS written = ROW_COUNT;
+    IF removed + written > 0 THEN
+        PERFORM pg_notify('orchestrator_runs', p_agent);
+    END IF;
+    RETURN removed + written;
+END
+$_$;
 CREATE FUNCTION orchestrator.orchestrator_expire_approvals(p_limit integer) RETURNS TABLE(run_id text, effect_key text, notified bigint)
     LANGUAGE sql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -492,6 +545,52 @@ WITH expired AS (
 )
 SELECT run_id, effect_key, (SELECT count(*) FROM told) AS notified FROM expired
 $_$;
+CREATE FUNCTION orchestrator.orchestrator_held_by(p_agent text, p_key text) RETURNS text
+    LANGUAGE sql STABLE
+    SET search_path TO 'orchestrator'
+    AS $$
+    SELECT orchestrator_limit_name(l)
+    FROM flow_limits AS l
+    WHERE l.agent = p_agent AND orchestrator_key_matches(p_key, l.key_pattern, l.per)
+      AND orchestrator_running(l.agent, l.key_pattern, l.per, p_key) >= l.max_running
+    ORDER BY l.max_running, l.per DESC, l.key_pattern
+    LIMIT 1
+$$;
+CREATE FUNCTION orchestrator.orchestrator_hold_run(p_run_id text, p_kind text, p_reason text, p_until timestamp with time zone) RETURNS void
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    run_fence bigint;
+    stamp timestamptz := clock_timestamp();
+BEGIN
+    SELECT r.fence INTO run_fence FROM runs AS r WHERE r.run_id = p_run_id;
+    IF NOT FOUND OR EXISTS (
+        SELECT FROM run_holds AS h
+        WHERE h.run_id = p_run_id AND h.fence = run_fence AND h.kind = p_kind
+          AND h.reason = p_reason
+          AND (p_until IS NULL OR h.until >= p_until - interval '1 second')
+    ) THEN
+        RETURN;
+    END IF;
+    WITH held AS (
+        INSERT INTO run_holds AS h (run_id, fence, kind, reason, since, until)
+        VALUES (p_run_id, run_fence, p_kind, p_reason, stamp, p_until)
+        ON CONFLICT (run_id) DO UPDATE
+        SET fence = excluded.fence, kind = excluded.kind, reason = excluded.reason,
+            until = excluded.until,
+            since = CASE WHEN (h.fence, h.kind, h.reason)
+                              = (excluded.fence, excluded.kind, excluded.reason)
+                         THEN h.since ELSE excluded.since END
+        RETURNING h.since = stamp AS news
+    )
+    INSERT INTO run_events (run_id, kind, fence, details)
+    SELECT p_run_id, 'held_back', run_fence,
+           jsonb_strip_nulls(jsonb_build_object('by', p_kind, 'limit', p_reason,
+                                                'until', p_until))
+    FROM held WHERE held.news;
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_key_matches(p_key text, p_pattern text, p_per text) RETURNS boolean
     LANGUAGE sql IMMUTABLE
     AS $$
@@ -501,10 +600,30 @@ CREATE FUNCTION orchestrator.orchestrator_key_matches(p_key text, p_pattern text
                                         '_', '\_'), '*', '%')
     END
 $$;
+CREATE TABLE orchestrator.flow_limits (
+    agent text NOT NULL,
+    key_pattern text NOT NULL,
+    per text NOT NULL,
+    max_running integer NOT NULL,
+    set_by text NOT NULL,
+    set_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    declared boolean DEFAULT false NOT NULL,
+    CONSTRAINT flow_limits_agent_check CHECK ((agent ~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'::text)),
+    CONSTRAINT flow_limits_key_pattern_check CHECK (((length(key_pattern) >= 1) AND (length(key_pattern) <= 200))),
+    CONSTRAINT flow_limits_max_running_check CHECK (((max_running >= 0) AND (max_running <= 1000000))),
+    CONSTRAINT flow_limits_per_check CHECK ((per = ANY (ARRAY['all'::text, 'key'::text])))
+);
+CREATE FUNCTION orchestrator.orchestrator_limit_name(p_limit orchestrator.flow_limits) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    AS $$
+    SELECT format('%s %s keys %s: at most %s running', p_limit.agent,
+                  CASE WHEN p_limit.per = 'key' THEN 'per key,' ELSE 'in all,' END,
+                  p_limit.key_pattern, p_limit.max_running)
+$$;
 CREATE FUNCTION orchestrator.orchestrator_may_vouch() RETURNS boolean
     LANGUAGE sql IMMUTABLE
     AS $$SELECT true$$;
-CREATE FUNCTION orchestrator.orchestrator_plan_claim(p_agents text[], p_max integer, p_include_expired boolean, p_run_id text, p_after text) RETURNS TABLE(run_id text, next_key text)
+CREATE FUNCTION orchestrator.orchestrator_plan_claim(p_agents text[], p_max integer, p_include_expired boolean, p_run_id text, p_after text) RETURNS TABLE(run_id text, next_key text, held_back integer)
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator'
     AS $$
@@ -529,6 +648,8 @@ DECLARE
     free integer;
     ok boolean;
     taken integer := 0;
+    held integer := 0;
+    marked jsonb := '{}'::jsonb;
 BEGIN
     -- The limits of these agents, read once (most claims find none and check nothing per run).
     SELECT coalesce(array_agg(l), '{}') INTO limits
@@ -645,6 +766,14 @@ BEGIN
                 END IF;
                 IF (left_of ->> slot)::integer <= 0 THEN
                     ok := false;
+                    -- The first run this claim passes over for a full limit: its timeline says
+                    -- so, once per claim of it (orchestrator_hold_run).
+                    IF NOT marked ? slot THEN
+                        marked := marked || jsonb_build_object(slot, true);
+                        held := held + 1;
+                        PERFORM orchestrator_hold_run(
+                            candidate.run_id, 'limit', orchestrator_limit_name(lim), NULL);
+                    END IF;
                     EXIT;
                 END IF;
                 under := under || slot;
@@ -658,12 +787,14 @@ BEGIN
             taken := taken + 1;
             run_id := candidate.run_id;
             next_key := NULL;
+            held_back := NULL;
             RETURN NEXT;
         END LOOP;
         EXIT WHEN taken >= p_max OR keys_done OR window_number >= 10;
     END LOOP;
     run_id := NULL;
     next_key := last_key;
+    held_back := held;
     RETURN NEXT;
 END
 $$;
@@ -742,6 +873,108 @@ BEGIN
                                'other_rows', done.other_rows, 'run_ids', done.run_ids), NULL);
     END IF;
     RETURN NEXT;
+END
+$$;
+CREATE FUNCTION orchestrator.orchestrator_rate_pause(p_name text, p_seconds double precision, p_by text, OUT paused_until timestamp with time zone) RETURNS timestamp with time zone
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $_$
+#variable_conflict use_column
+BEGIN
+    IF p_name IS NULL OR p_name !~ '^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,199}$'
+       OR p_seconds IS NULL OR NOT (p_seconds >= 0 AND p_seconds <= 3600)
+       OR p_by IS NULL OR length(p_by) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'a pause needs a rate limit name, 0 to 3600 seconds and who asks'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO rate_limits AS l (name, per_seconds, paused_until, paused_by, set_by)
+    VALUES (p_name, 60, clock_timestamp() + make_interval(secs => p_seconds), p_by, p_by)
+    ON CONFLICT (name) DO UPDATE
+    SET paused_until = greatest(l.paused_until, excluded.paused_until),
+        paused_by = CASE WHEN l.paused_until >= excluded.paused_until THEN l.paused_by
+                         ELSE excluded.paused_by END
+    RETURNING l.paused_until INTO paused_until;
+END
+$_$;
+CREATE FUNCTION orchestrator.orchestrator_rate_settle(p_name text, p_tokens bigint) RETURNS void
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+    UPDATE rate_limits AS l
+    SET tokens_left = least(l.tokens::double precision,
+                            l.tokens_left + greatest(0, extract(epoch FROM clock_timestamp()
+                                                                 - l.refilled_at))
+                                            * l.tokens / l.per_seconds
+                            - p_tokens),
+        requests_left = CASE WHEN l.requests IS NULL THEN 0 ELSE least(
+            l.requests::double precision,
+            l.requests_left + greatest(0, extract(epoch FROM clock_timestamp() - l.refilled_at))
+                              * l.requests / l.per_seconds) END,
+        refilled_at = clock_timestamp()
+    WHERE l.name = p_name AND l.tokens IS NOT NULL
+      AND p_tokens BETWEEN -1000000000000 AND 1000000000000 AND p_tokens <> 0
+$$;
+CREATE FUNCTION orchestrator.orchestrator_rate_take(p_name text, p_requests integer, p_tokens bigint, p_run_id text, p_fence bigint, OUT granted integer, OUT wait_seconds double precision) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    lim rate_limits;
+    stamp timestamptz := clock_timestamp();
+    elapsed double precision;
+    requests_free double precision;
+    tokens_free double precision;
+    tokens_needed double precision;
+BEGIN
+    IF p_name IS NULL OR p_requests IS NULL OR p_requests NOT BETWEEN 1 AND 1000000
+       OR p_tokens IS NULL OR p_tokens NOT BETWEEN 0 AND 1000000000000 THEN
+        RAISE EXCEPTION 'a rate limit is taken by name, 1 to 1000000 requests and 0 to '
+                        '1000000000000 tokens' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO lim FROM rate_limits AS l WHERE l.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        granted := p_requests;
+        wait_seconds := 0;
+        RETURN;
+    END IF;
+    elapsed := greatest(0, extract(epoch FROM stamp - lim.refilled_at));
+    requests_free := CASE WHEN lim.requests IS NULL THEN 0 ELSE least(
+        lim.requests, lim.requests_left + elapsed * lim.requests / lim.per_seconds) END;
+    tokens_free := CASE WHEN lim.tokens IS NULL THEN 0 ELSE least(
+        lim.tokens, lim.tokens_left + elapsed * lim.tokens / lim.per_seconds) END;
+    tokens_needed := CASE WHEN lim.tokens IS NULL THEN 0 ELSE least(p_tokens, lim.tokens) END;
+    IF lim.paused_until > stamp THEN
+        granted := 0;
+        wait_seconds := extract(epoch FROM lim.paused_until - stamp);
+    ELSE
+        granted := CASE WHEN lim.requests IS NULL THEN p_requests
+                        ELSE least(p_requests, floor(requests_free)::integer) END;
+        IF granted > 0 AND tokens_free < tokens_needed THEN
+            granted := 0;
+        END IF;
+        wait_seconds := 0;
+        IF granted < p_requests THEN
+            wait_seconds := greatest(
+                CASE WHEN lim.requests IS NULL THEN 0
+                     ELSE (1 - (requests_free - granted)) * lim.per_seconds / lim.requests END,
+                CASE WHEN lim.tokens IS NULL OR granted > 0 THEN 0
+                     ELSE (tokens_needed - tokens_free) * lim.per_seconds / lim.tokens END,
+                0.001);
+        END IF;
+    END IF;
+    UPDATE rate_limits AS l
+    SET requests_left = CASE WHEN lim.requests IS NULL THEN 0 ELSE requests_free - granted END,
+        tokens_left = tokens_free - CASE WHEN granted > 0 AND lim.tokens IS NOT NULL
+                                         THEN p_tokens ELSE 0 END,
+        refilled_at = stamp
+    WHERE l.name = p_name;
+    IF p_run_id IS NOT NULL AND granted < p_requests AND EXISTS (
+        SELECT FROM runs AS r
+        WHERE r.run_id = p_run_id AND r.fence = p_fence AND r.state = 'running'
+    ) THEN
+        PERFORM orchestrator_hold_run(p_run_id, 'rate', 'rate limit ' || p_name,
+                                      stamp + make_interval(secs => wait_seconds));
+    END IF;
 END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_reserve_budget(p_run_id text, p_worker_id text, p_fence bigint, p_limits jsonb, p_turns bigint, p_input_tokens bigint, p_output_tokens bigint, p_cost numeric, OUT outcome text, OUT exhausted_by text, OUT tool_calls_left bigint) RETURNS record
@@ -1009,7 +1242,7 @@ BEGIN
     INSERT INTO flow_limits (agent, key_pattern, per, max_running, set_by)
     VALUES (p_agent, p_key_pattern, p_per, p_max_running, who.principal)
     ON CONFLICT ON CONSTRAINT flow_limits_pkey DO UPDATE
-    SET max_running = excluded.max_running, set_by = excluded.set_by,
+    SET max_running = excluded.max_running, set_by = excluded.set_by, declared = false,
         set_at = clock_timestamp();
     agent := p_agent;
     key_pattern := p_key_pattern;
@@ -1023,6 +1256,47 @@ BEGIN
         p_typed_by);
     -- Raised: runs held back may be claimable now.
     PERFORM pg_notify('orchestrator_runs', p_agent);
+END
+$_$;
+CREATE FUNCTION orchestrator.orchestrator_set_rate_limit(p_name text, p_requests integer, p_tokens bigint, p_per_seconds double precision, p_principal text, p_via text, p_typed_by text, OUT name text, OUT requests integer, OUT tokens bigint, OUT per_seconds double precision, OUT audit_seq bigint, OUT principal text) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $_$
+#variable_conflict use_column
+DECLARE
+    who record;
+BEGIN
+    IF p_name IS NULL OR p_name !~ '^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,199}$'
+       OR (p_requests IS NULL AND p_tokens IS NULL)
+       OR p_requests NOT BETWEEN 1 AND 1000000000 OR p_tokens NOT BETWEEN 1 AND 1000000000000
+       OR p_per_seconds IS NULL OR NOT (p_per_seconds >= 0.001 AND p_per_seconds <= 604800) THEN
+        RAISE EXCEPTION 'a rate limit needs a name, requests (1 to 1000000000) or tokens (1 to '
+                        '1000000000000) or both, per 0.001 to 604800 seconds'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    INSERT INTO rate_limits AS l (name, requests, tokens, per_seconds, requests_left,
+                                  tokens_left, set_by)
+    VALUES (p_name, p_requests, p_tokens, p_per_seconds, coalesce(p_requests, 0),
+            coalesce(p_tokens, 0), who.principal)
+    ON CONFLICT (name) DO UPDATE
+    SET requests = excluded.requests, tokens = excluded.tokens,
+        per_seconds = excluded.per_seconds,
+        requests_left = CASE WHEN l.requests IS NULL THEN excluded.requests_left
+                             ELSE least(l.requests_left, excluded.requests_left) END,
+        tokens_left = CASE WHEN l.tokens IS NULL THEN excluded.tokens_left
+                           ELSE least(l.tokens_left, excluded.tokens_left) END,
+        set_by = excluded.set_by, set_at = clock_timestamp();
+    name := p_name;
+    requests := p_requests;
+    tokens := p_tokens;
+    per_seconds := p_per_seconds;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'rate_limit_set', NULL, NULL,
+        jsonb_strip_nulls(jsonb_build_object('name', p_name, 'requests', p_requests,
+                                             'tokens', p_tokens, 'per_seconds', p_per_seconds)),
+        p_typed_by);
 END
 $_$;
 CREATE FUNCTION orchestrator.orchestrator_settle_budgets(p_run_ids text[], p_fences bigint[], p_turns bigint[], p_tool_calls bigint[], p_input_tokens bigint[], p_output_tokens bigint[], p_costs numeric[]) RETURNS SETOF text
@@ -1465,18 +1739,6 @@ CREATE TABLE orchestrator.effects (
     CONSTRAINT effects_policy_check CHECK ((policy = ANY (ARRAY['irreversible'::text, 'replaceable'::text]))),
     CONSTRAINT effects_status_check CHECK ((status = ANY (ARRAY['accepted'::text, 'dispatching'::text, 'uncertain'::text, 'confirmed'::text, 'failed'::text, 'rejected'::text, 'parked'::text, 'awaiting_approval'::text])))
 );
-CREATE TABLE orchestrator.flow_limits (
-    agent text NOT NULL,
-    key_pattern text NOT NULL,
-    per text NOT NULL,
-    max_running integer NOT NULL,
-    set_by text NOT NULL,
-    set_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
-    CONSTRAINT flow_limits_agent_check CHECK ((agent ~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'::text)),
-    CONSTRAINT flow_limits_key_pattern_check CHECK (((length(key_pattern) >= 1) AND (length(key_pattern) <= 200))),
-    CONSTRAINT flow_limits_max_running_check CHECK (((max_running >= 0) AND (max_running <= 1000000))),
-    CONSTRAINT flow_limits_per_check CHECK ((per = ANY (ARRAY['all'::text, 'key'::text])))
-);
 CREATE TABLE orchestrator.orchestrator_schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
@@ -1493,6 +1755,23 @@ CREATE TABLE orchestrator.principals (
     CONSTRAINT principals_kind_check CHECK ((kind = ANY (ARRAY['person'::text, 'service'::text]))),
     CONSTRAINT principals_name_check CHECK ((name ~ '^[A-Za-z0-9][A-Za-z0-9._@+-]{0,199}$'::text)),
     CONSTRAINT principals_role_check CHECK ((role = ANY (ARRAY['viewer'::text, 'approver'::text, 'operator'::text, 'admin'::text])))
+);
+CREATE TABLE orchestrator.rate_limits (
+    name text NOT NULL,
+    requests integer,
+    tokens bigint,
+    per_seconds double precision NOT NULL,
+    requests_left double precision DEFAULT 0 NOT NULL,
+    tokens_left double precision DEFAULT 0 NOT NULL,
+    refilled_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    paused_until timestamp with time zone,
+    paused_by text,
+    set_by text NOT NULL,
+    set_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT rate_limits_name_check CHECK ((name ~ '^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,199}$'::text)),
+    CONSTRAINT rate_limits_per_seconds_check CHECK (((per_seconds >= (0.001)::double precision) AND (per_seconds <= (604800)::double precision))),
+    CONSTRAINT rate_limits_requests_check CHECK (((requests >= 1) AND (requests <= 1000000000))),
+    CONSTRAINT rate_limits_tokens_check CHECK (((tokens >= 1) AND (tokens <= '1000000000000'::bigint)))
 );
 CREATE TABLE orchestrator.run_budgets (
     run_id text NOT NULL,
@@ -1529,6 +1808,16 @@ ALTER TABLE orchestrator.run_events ALTER COLUMN event_id ADD GENERATED ALWAYS A
     NO MINVALUE
     NO MAXVALUE
     CACHE 1
+);
+CREATE TABLE orchestrator.run_holds (
+    run_id text NOT NULL,
+    fence bigint NOT NULL,
+    kind text NOT NULL,
+    reason text NOT NULL,
+    since timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    until timestamp with time zone,
+    CONSTRAINT run_holds_kind_check CHECK ((kind = ANY (ARRAY['limit'::text, 'rate'::text]))),
+    CONSTRAINT run_holds_reason_check CHECK ((length(reason) <= 500))
 );
 CREATE TABLE orchestrator.run_messages (
     run_id text NOT NULL,
@@ -1610,10 +1899,14 @@ ALTER TABLE orchestrator.principals
     ADD CONSTRAINT principals_name_not_reserved CHECK ((name <> 'shared-token'::text)) NOT VALID;
 ALTER TABLE ONLY orchestrator.principals
     ADD CONSTRAINT principals_pkey PRIMARY KEY (name);
+ALTER TABLE ONLY orchestrator.rate_limits
+    ADD CONSTRAINT rate_limits_pkey PRIMARY KEY (name);
 ALTER TABLE ONLY orchestrator.run_budgets
     ADD CONSTRAINT run_budgets_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.run_events
     ADD CONSTRAINT run_events_pkey PRIMARY KEY (event_id);
+ALTER TABLE ONLY orchestrator.run_holds
+    ADD CONSTRAINT run_holds_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.run_messages
     ADD CONSTRAINT run_messages_pkey PRIMARY KEY (run_id, seq);
 ALTER TABLE ONLY orchestrator.run_signals
@@ -1649,3 +1942,5 @@ CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.
 CREATE TRIGGER runs_fence_guard BEFORE UPDATE OF fence ON orchestrator.runs FOR EACH ROW WHEN (((new.fence IS DISTINCT FROM old.fence) AND (NOT ((new.fence = (old.fence + 1)) AND (new.state = 'running'::text) AND (((old.state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (old.available_at <= clock_timestamp())) OR ((old.state = 'running'::text) AND (old.lease_until < clock_timestamp()))))))) EXECUTE FUNCTION orchestrator.runs_fence_moves_only_by_claim();
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;
+ALTER TABLE ONLY orchestrator.run_holds
+    ADD CONSTRAINT run_holds_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;

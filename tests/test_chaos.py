@@ -50,6 +50,7 @@ def test_a_short_campaign_with_every_fault_keeps_every_promise(tmp_path: Path) -
     assert report["deliveries"] > 90  # every run emails; most note the CRM and refund
     assert report["mcp_deliveries"] >= 1  # tool runs open a case through an MCP server
     assert report["stale_requests_refused"] >= 1
+    assert report["runs_keyed"] >= 1 and report["limit_samples"] >= 1  # keyed runs under limits
     assert "quiescent" in done.stderr and "healed" in done.stderr
 
 

@@ -56,6 +56,9 @@ TABLES = (
     "principals",
     "access_tokens",
     "audit_log",
+    "flow_limits",
+    "rate_limits",
+    "run_holds",
 )
 
 
@@ -443,6 +446,49 @@ async def test_hostile_arguments_to_every_function_change_nothing(
             (run,),
         ),
         ("SELECT orchestrator_may_vouch()", ()),
+        # Flow control (migrations 0021, 0022): limits, rate limits, holds, declared limits.
+        ("SELECT * FROM orchestrator_set_limit('roles', '*', 'all', -1, NULL, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_set_limit('roles', $1, 'key', 1, NULL, NULL, NULL)", (huge,)),
+        ("SELECT * FROM orchestrator_set_limit('roles', '*', 'all', 1, 'alice', 'oidc', NULL)", ()),
+        ("SELECT * FROM orchestrator_clear_limit('roles', $1, 'all', NULL, NULL, NULL)", (huge,)),
+        (
+            "SELECT * FROM orchestrator_set_rate_limit('model:m', 5, NULL, 'NaN', NULL, NULL, "
+            "NULL)",
+            (),
+        ),
+        (
+            "SELECT * FROM orchestrator_set_rate_limit($1, 5, NULL, 60, NULL, NULL, NULL)",
+            (huge,),
+        ),
+        (
+            "SELECT * FROM orchestrator_set_rate_limit('model:m', -5, -1, 60, NULL, NULL, NULL)",
+            (),
+        ),
+        (
+            "SELECT * FROM orchestrator_set_rate_limit('model:m', 5, NULL, 60, 'alice', 'oidc', "
+            "NULL)",
+            (),
+        ),
+        ("SELECT * FROM orchestrator_clear_rate_limit($1, NULL, NULL, NULL)", (huge,)),
+        ("SELECT * FROM orchestrator_rate_take(NULL, 1, 0, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_rate_take('model:m', -1, 0, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_rate_take('model:m', 1, -7, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_rate_take($1, 1, 0, $2, -5)", (huge, run)),
+        ("SELECT orchestrator_rate_settle($1, 1000000000000000)", (huge,)),
+        ("SELECT * FROM orchestrator_rate_pause($1, 1, 'w')", (huge,)),
+        ("SELECT * FROM orchestrator_rate_pause('model:m', -1, 'w')", ()),
+        ("SELECT * FROM orchestrator_rate_pause('model:m', 'Infinity', 'w')", ()),
+        ("SELECT * FROM orchestrator_rate_pause('model:m', 1, $1)", (huge,)),
+        ("SELECT orchestrator_hold_run($1, 'limit', $2, NULL)", (run, huge)),
+        ("SELECT orchestrator_hold_run($1, 'anything', 'x', NULL)", (run,)),
+        ("SELECT orchestrator_declare_limits('bad agent!', '[]', 'w')", ()),
+        ("SELECT orchestrator_declare_limits('roles', 'null', 'w')", ()),
+        (
+            "SELECT orchestrator_declare_limits('roles', "
+            '\'[{"key_pattern": "*", "per": "all", "max_running": -1}]\', \'w\')',
+            (),
+        ),
+        ("SELECT orchestrator_declare_limits('roles', '[]', $1)", (huge,)),
     ]
     unchanged = await snapshot(admin)
     refusals: list[tuple[str, str, asyncpg.PostgresError]] = []

@@ -27,8 +27,11 @@ from orchestrator.db.budgets import BudgetStore, Spend
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.executor import Executor
 from orchestrator.db.grants import RoleNames, apply_grants, plan_grants, quote_ident
+from orchestrator.db.limits import LimitStore, RunningLimit
 from orchestrator.db.migrations import _act_as_schema_owner, migrate
 from orchestrator.db.purges import PurgeStore
+from orchestrator.db.rates import RateLimitStore
+from orchestrator.db.run_reads import RunReads
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import AcceptOutcome, Effect, EffectStatus
@@ -185,6 +188,40 @@ async def test_a_worker_claims_commits_and_requests_effects(logins: Logins) -> N
     purges = PurgeStore(worker.pool)
     assert (await purges.delete_batch(await purges.clock() - timedelta(days=1), 10)).runs == 0
     assert (await console.get(lease.run_id)).state is RunState.SUCCEEDED
+
+
+async def test_workers_and_dispatchers_take_rate_limits_that_only_operators_set(
+    logins: Logins,
+) -> None:
+    console = RunStore(await logins.pool("console"))
+    worker_pool = await logins.pool("worker")
+    claimed = await claimed_run(console, RunStore(worker_pool))
+    operator = RateLimitStore(await logins.pool("client"))  # the login decides for itself
+    await operator.set("model:m", requests=1, per_seconds=3600)
+    await operator.set("effect:crm", requests=1, per_seconds=3600)
+    assert [rate.name for rate in await operator.list()] == ["effect:crm", "model:m"]
+    worker = RateLimitStore(worker_pool)
+    assert await worker.limited("model:m")
+    assert (await worker.take("model:m", run_id=claimed.run_id, fence=claimed.fence)).granted == 1
+    waiting = await worker.take("model:m", run_id=claimed.run_id, fence=claimed.fence)
+    assert waiting.granted == 0  # and the run's timeline says why
+    await worker.settle("model:m", -5)
+    await worker.pause("model:m", 1, "w1")
+    await LimitStore(worker_pool).declare("roles", [RunningLimit(3)], "code of w1")
+    dispatcher = RateLimitStore(await logins.pool("dispatcher"))
+    assert await dispatcher.limited("effect:crm")
+    assert (await dispatcher.take("effect:crm", 2)).granted == 1
+    await dispatcher.pause("effect:crm", 1, "d1")
+    [listed] = await RunReads(console.pool).list_runs()
+    assert listed.held_back == "rate limit model:m"
+    for kind in ("worker", "dispatcher", "proxy"):
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await RateLimitStore(await logins.pool(kind)).set("model:m", requests=99)
+    for kind in ("client", "console", "proxy"):
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await RateLimitStore(await logins.pool(kind)).take("model:m")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await LimitStore(await logins.pool(kind)).declare("roles", [], "me")
 
 
 async def test_a_worker_cannot_decide_rewrite_an_effect_or_move_a_fence(logins: Logins) -> None:

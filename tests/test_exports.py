@@ -13,6 +13,8 @@ import orchestrator
 
 AUTHOR_API = {
     "Agent",
+    "RunningLimit",
+    "take_rate",
     "Step",
     "StepContext",
     "Next",
@@ -51,6 +53,7 @@ ERRORS = {
     "DecisionRefused",
     "PermanentFailure",
     "StandbyNotReached",
+    "RateLimitWait",
 }
 
 

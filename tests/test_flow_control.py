@@ -9,18 +9,31 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import asyncpg
+import httpx
 import pytest
 
 from orchestrator.access import Actor
-from orchestrator.db.limits import LimitStore
+from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext
+from orchestrator.db.limits import LimitStore, RunningLimit
+from orchestrator.db.rates import RateLimitStore
+from orchestrator.db.run_reads import RunReads
 from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput
-from orchestrator.models import ClaimedRun
+from orchestrator.models import ClaimedRun, RunState
 from orchestrator.settings import Settings
+from orchestrator.worker.metrics_endpoint import _limit_rows
 from support import ServeProcess, serving
+from test_console import console as running_console
+
+
+class Finishes(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Finish()
 
 
 async def running_per_key(pool: asyncpg.Pool, agent: str = "a") -> Counter[str | None]:
@@ -289,3 +302,125 @@ async def test_three_workers_and_a_sigkill_never_run_more_than_the_limit_and_lea
                 most = most | running
                 await anyio.sleep(0.05)
     assert most["acme"] == 2 and most["solo"] == 1, most
+
+
+async def test_a_run_held_back_by_a_full_limit_is_listed_with_it_and_its_timeline_says_once(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    await LimitStore(pool).set("a", 1, per="key")
+    await submit(store, 3, "acme")
+    (first,) = (await store.claim("w1", ["a"], limit=1, lease_seconds=60)).claimed
+    await store.submit("a", {"free": True})
+    held_back = 0
+    for _ in range(5):  # claim after claim passes the same runs over
+        batch = await store.claim("w2", ["a"], limit=5, lease_seconds=60)
+        held_back += batch.held_back
+        await finish_all(store, batch.claimed)  # the run without a key, the first time
+    assert held_back == 5  # acme's head run, once a claim
+    listed = {run.run_id: run for run in await RunReads(pool).list_runs(agent="a")}
+    queued = [run for run in listed.values() if run.state is RunState.QUEUED]
+    assert len(queued) == 2
+    assert {run.held_back for run in queued} == {"a per key, keys *: at most 1 running"}
+    assert listed[first.run_id].held_back is None  # running, waiting for nothing
+    events = await pool.fetch(
+        "SELECT run_id, details FROM run_events WHERE kind = 'held_back' ORDER BY event_id"
+    )
+    assert len(events) == 1, events  # five claims passed it over: one event
+    assert events[0]["details"] == {
+        "by": "limit",
+        "limit": "a per key, keys *: at most 1 running",
+    }
+    await finish_all(store, [first])  # its slot is free: nothing holds them back now
+    assert {run.held_back for run in await RunReads(pool).list_runs(agent="a")} == {None}
+    assert len((await store.claim("w2", ["a"], limit=5, lease_seconds=60)).claimed) == 1
+
+
+async def test_limits_an_agent_declares_in_code_are_written_and_an_operator_s_win(
+    pool: asyncpg.Pool,
+) -> None:
+    limits = LimitStore(pool)
+    declared = [RunningLimit(20), RunningLimit(2, per="key"), RunningLimit(1, "key", "trial-*")]
+    assert await limits.declare("a", declared, "code of w1") == 3
+    assert await limits.declare("a", declared, "code of w2") == 0  # the same: nothing written
+    found = {(lim.key_pattern, lim.per): lim for lim in await limits.list("a")}
+    assert {k: (v.max_running, v.declared) for k, v in found.items()} == {
+        ("*", "all"): (20, True),
+        ("*", "key"): (2, True),
+        ("trial-*", "key"): (1, True),
+    }
+    await limits.set("a", 5, per="key")  # an operator raises one during an incident
+    assert await limits.declare("a", [RunningLimit(20)], "code of w3") == 1  # trial-* removed
+    found = {(lim.key_pattern, lim.per): lim for lim in await limits.list("a")}
+    assert {k: (v.max_running, v.declared) for k, v in found.items()} == {
+        ("*", "all"): (20, True),
+        ("*", "key"): (5, False),  # the operator's stands
+    }
+
+
+@pytest.mark.parametrize(
+    ("limit", "why"),
+    [
+        (lambda: RunningLimit(-1), "a limit must be"),
+        (lambda: RunningLimit(math.nan), "a limit must be"),  # type: ignore[arg-type]
+        (lambda: RunningLimit(1, per="tenant"), "per"),  # type: ignore[arg-type]
+        (lambda: RunningLimit(1, keys=""), "key pattern"),
+        (lambda: RunningLimit(1, keys="x\x00"), "key pattern"),
+        (lambda: Agent("a", first=Finishes, limits=[RunningLimit(1), RunningLimit(2)]), "same"),
+        (lambda: Agent("a", first=Finishes, limits=[3]), "RunningLimit"),  # type: ignore[list-item]
+    ],
+)
+def test_a_bad_declared_limit_is_one_line(limit: Callable[[], object], why: str) -> None:
+    with pytest.raises(InvalidInput, match=why) as raised:
+        limit()
+    assert "\n" not in str(raised.value)
+
+
+async def test_serve_writes_the_limits_its_agents_declare(
+    settings: Settings, pool: asyncpg.Pool
+) -> None:
+    url = str(settings.database_url)
+    with ServeProcess(url, *serving("support.agents_for_tests"), name="w1"), anyio.fail_after(60):
+        while not (rows := await LimitStore(pool).list("limited")):  # noqa: ASYNC110
+            await anyio.sleep(0.1)
+    assert [(r.key_pattern, r.per, r.max_running, r.declared) for r in rows] == [
+        ("*", "key", 1, True)
+    ]
+    assert rows[0].set_by == "code of w1"
+
+
+async def test_limit_gauges_are_per_agent_and_limit_name_never_per_key(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    await LimitStore(pool).set("a", 2, per="key")
+    await RateLimitStore(pool).set("model:m", requests=5)
+    for key in ("k1", "k2", "k3"):
+        await submit(store, 3, key)
+    await store.claim("w1", ["a"], limit=9, lease_seconds=60)
+    limits, rates = await _limit_rows(pool)
+    assert limits == [
+        {
+            "agent": "a",
+            "limit": "a per key, keys *",
+            "running": 2,
+            "backlog": 3,
+            "max_running": 2,
+        }
+    ]
+    assert rates == [{"limit": "model:m", "paused": 0, "waiting": 0}]
+
+
+async def test_the_console_s_runs_page_names_the_limit_holding_a_run_back(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
+) -> None:
+    await LimitStore(pool).set("a", 0, per="key", key_pattern="trial-*")
+    held = (await store.submit("a", {}, concurrency_key="trial-bob")).run.run_id
+    free = (await store.submit("a", {})).run.run_id
+    async with (
+        running_console(database_url, tmp_path) as running,
+        httpx.AsyncClient(base_url=running.url) as client,
+    ):
+        page = (await client.get("/runs")).text
+    rows = {run_id: page[page.index(run_id) :].split("</tr>")[0] for run_id in (held, free)}
+    assert "held back by" in page
+    assert "a per key, keys trial-*: at most 0 running" in rows[held]
+    assert "at most" not in rows[free] and "trial-bob" in rows[held]

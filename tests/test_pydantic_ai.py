@@ -19,6 +19,7 @@ from orchestrator.agent.steps import Agent
 from orchestrator.agent.tool_loop import effect_keys
 from orchestrator.console.views import message_views
 from orchestrator.db.budgets import BudgetStore
+from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import EffectStatus
 from orchestrator.effects.approvals import ApprovalStore, Decision
@@ -263,6 +264,26 @@ async def test_a_rate_limited_or_failing_model_request_is_retried_by_our_layer_a
         "text",
     ]
     assert sorted(vendor.requests_by_key.values()) == [1]
+
+
+async def test_model_requests_are_charged_to_the_model_s_shared_rate_limit_and_a_429_pauses_it(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rates = RateLimitStore(store.pool)
+    await rates.set("model:gpt-4o-mini", requests=50, per_seconds=3600)
+    async with ScriptedModelServer(ORDERS_TURNS) as model, LocalVendor() as vendor:
+        use_model(monkeypatch, model)
+        model.fail_next(RateLimited(retry_after=0.5), turn=0)
+        run_id = await serve_one(settings, store, pai_orders, vendor, {"prompt": "pace o-17"})
+    run = await store.get(run_id)
+    assert run.state is RunState.SUCCEEDED, run.error
+    [limit] = await rates.list("model:gpt-4o-mini")
+    assert limit.requests_left is not None
+    assert 50 - round(limit.requests_left) == len(model.requests) == 4  # the 429 counted too
+    paused_by = await store.pool.fetchval(
+        "SELECT paused_by FROM rate_limits WHERE name = 'model:gpt-4o-mini'"
+    )
+    assert paused_by is not None  # the 429's Retry-After paused it for every worker
 
 
 async def test_a_structured_output_and_an_unclassified_tool_the_model_was_never_offered(

@@ -22,7 +22,6 @@ client's own POST on every attempt. Each call is a span named
 
 from __future__ import annotations
 
-import email.utils
 import itertools
 import json
 import math
@@ -31,12 +30,13 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from functools import cache
 from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
+from orchestrator.agent.rates import ModelCallRates, RateLimitWait
+from orchestrator.backoff import retry_after_seconds
 from orchestrator.errors import InvalidInput, OrchestratorError, PermanentFailure
 from orchestrator.models import JSON, json_fields
 from orchestrator.storable import storable_text
@@ -108,6 +108,10 @@ async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) 
     import openai
 
     client, model = model_client()
+    rates = ModelCallRates(
+        model, sum(len(str(m.get("content") or "")) for m in messages), max_tokens
+    )
+    await rates.before_attempt()
     with start_span(
         f"chat {model}",
         attributes={
@@ -124,6 +128,8 @@ async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) 
                 max_tokens=max_tokens,
             )
         except openai.APIStatusError as error:
+            if error.status_code == 429:
+                await rates.refused_for_rate(retry_after_of(error))
             if not refused_status(error.status_code):
                 raise  # the step's retry may get past it
             message = refusal_message(error.status_code, model, str(client.base_url), error.body)
@@ -135,6 +141,7 @@ async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) 
             input_tokens=usage.prompt_tokens if usage else None,
             output_tokens=usage.completion_tokens if usage else None,
         )
+        await rates.answered(completion.input_tokens, completion.output_tokens)
         span.set_attribute("gen_ai.response.model", completion.model)
         if completion.input_tokens is not None:
             span.set_attribute("gen_ai.usage.input_tokens", completion.input_tokens)
@@ -256,21 +263,12 @@ def refusal_message(status: int, model: str, base_url: str, body: object) -> str
     )
 
 
-def _retry_after(error: Exception) -> float | None:
+def retry_after_of(error: BaseException) -> float | None:
     """The server's Retry-After, in seconds (a number or an HTTP date), if it gave one."""
     response = getattr(error, "response", None)
-    value = response.headers.get("retry-after") if response is not None else None
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+    return retry_after_seconds(
+        response.headers.get("retry-after") if response is not None else None
+    )
 
 
 async def complete(
@@ -316,12 +314,19 @@ async def complete(
     body: bytes | None = None
     started = time.monotonic()
     attempts: list[ModelAttempt] = []
+    rates = ModelCallRates(
+        model, messages.array_size if isinstance(messages, EncodedMessages) else 0, max_tokens
+    )
     for number in range(1, MODEL_ATTEMPTS + 1):
         remaining = (
             None if budget_seconds is None else budget_seconds - (time.monotonic() - started)
         )
         if remaining is not None and remaining <= 0.05:
             break
+        try:  # the model's shared rate limit first: a budget is not reserved while waiting
+            await rates.before_attempt(remaining)
+        except RateLimitWait as waited_out:
+            raise ModelCallFailed(str(waited_out), attempts) from None
         if before_attempt is not None:
             await before_attempt(model, tuple(attempts))
         attributes = {
@@ -345,7 +350,9 @@ async def complete(
                 reply = await _request(client, body, model, stream, remaining)
             except openai.RateLimitError as error:
                 attempt = ModelAttempt("rate_limited", 429, None, None, time.monotonic() - began)
-                delay = _retry_after(error)
+                delay = retry_after_of(error)
+                if await rates.refused_for_rate(delay):
+                    delay = 0.0  # every process waits for the pause, this one in before_attempt
             except openai.InternalServerError as error:
                 status = error.status_code
                 attempt = ModelAttempt("server_error", status, None, None, time.monotonic() - began)
@@ -368,6 +375,7 @@ async def complete(
                 attempt = ModelAttempt("server_error", status, None, None, time.monotonic() - began)
             else:
                 content, calls, response_model, finish, input_tokens, output_tokens = reply
+                await rates.answered(input_tokens, output_tokens)
                 attempts.append(
                     ModelAttempt("ok", 200, input_tokens, output_tokens, time.monotonic() - began)
                 )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from orchestrator.db.limits import RunningLimit
 from orchestrator.db.signals import validate_signal_name
 from orchestrator.effect_model import Effect, validate_effect_key
 from orchestrator.errors import InvalidInput, OrchestratorError
@@ -284,12 +285,23 @@ class Agent:
         steps: Iterable[type[Step]] = (),
         description: str = "",
         budget: Budget | None = None,
+        limits: Iterable[RunningLimit] = (),
     ) -> None:
         self.name = validate_agent_name(name)
         self.first = first
         self.description = description
         self.budget = budget
         """Each run's limits (see ``orchestrator.agent.budgets``); ``None``: no budget."""
+        self.limits = tuple(limits)
+        """How many of its runs may run at once, in all or per concurrency key
+        (docs/flow-control.md): written to the database by each ``serve`` that runs it."""
+        for limit in self.limits:
+            if not isinstance(limit, RunningLimit):
+                raise InvalidInput(
+                    f"agent {name}: limits are RunningLimit objects, not {type(limit).__name__}"
+                )
+        if len({(limit.keys, limit.per) for limit in self.limits}) < len(self.limits):
+            raise InvalidInput(f"agent {name}: two limits have the same keys and per")
         self.steps: dict[str, type[Step]] = {}
         for step in (first, *steps):
             step_name = step.step_name()

@@ -39,6 +39,14 @@ from orchestrator.chaos.faults import (
     schedule,
 )
 from orchestrator.chaos.grants import read_grants
+from orchestrator.chaos.limits import (
+    CAMPAIGN_LIMITS,
+    KEYED_SHARE,
+    CampaignLimit,
+    LimitSampler,
+    concurrency_key,
+    set_limits,
+)
 from orchestrator.chaos.proxies import MemberProxy
 from orchestrator.chaos.statements import CAMPAIGN_APPLICATION, CAMPAIGN_ERRORS
 from orchestrator.chaos.vendor import ChaosVendor
@@ -96,6 +104,10 @@ class CampaignConfig:
     replicated: bool = False
     """Run on a primary with an asynchronous streaming standby (``ReplicatedPostgres``), the
     members reaching it by a multi-host DSN. Implied by a kind that needs it (``failover``)."""
+    keyed_share: float = KEYED_SHARE
+    """How many of the runs carry a concurrency key (``limits.KEYS``, skewed)."""
+    limits: Sequence[CampaignLimit] = CAMPAIGN_LIMITS
+    """Set on every agent of the workload before the workers start; the checker samples them."""
 
     @property
     def on_pair(self) -> bool:
@@ -119,6 +131,7 @@ class Report:
     replicated: bool = False
     failover_recovery_seconds: list[float] = field(default_factory=list)
     agents: Sequence[str] = AGENTS
+    runs_keyed: int = 0
 
     @property
     def unfired(self) -> list[FaultRecord]:
@@ -147,6 +160,7 @@ class Report:
             "duration_seconds": self.duration,
             "elapsed_seconds": round(self.elapsed, 1),
             "runs_submitted": self.runs_submitted,
+            "runs_keyed": self.runs_keyed,
             **self.findings.as_json(),
             "replicated": self.replicated,
             "faults": {
@@ -188,17 +202,23 @@ class Plan:
     input: dict[str, Any]
     decision: str
     """``approve``, ``deny`` or ``ignore`` (let the approval expire)."""
+    concurrency_key: str | None = None
 
 
-def plans(seed: int, count: int, agents: Sequence[str] = AGENTS) -> list[Plan]:
-    """The workload: runs of ``agents`` in turn."""
+def plans(
+    seed: int, count: int, agents: Sequence[str] = AGENTS, keyed_share: float = KEYED_SHARE
+) -> list[Plan]:
+    """The workload: runs of ``agents`` in turn, ``keyed_share`` of them with a key."""
     unknown = sorted(set(agents) - set(AGENTS))
     if unknown or not agents:
         raise InvalidInput(f"unknown agents {unknown}: choose from {', '.join(AGENTS)}")
     rng = random.Random(seed * 7919 + 1)
+    # A stream of its own, so that keys leave the rest of a seed's workload as it was.
+    keys = random.Random(seed * 7919 + 2)
     made = []
     for n in range(count):
         customer = f"c{n}"
+        key = concurrency_key(keys, keyed_share)
         if agents[n % len(agents)] == "chaos_steps":
             decision = rng.choices(("approve", "deny", "ignore"), (6, 3, 1))[0]
             refund = rng.choice((None, 40, 150, 250))
@@ -213,12 +233,14 @@ def plans(seed: int, count: int, agents: Sequence[str] = AGENTS) -> list[Plan]:
                         "approval_seconds": 3 if decision == "ignore" else 60,
                     },
                     decision,
+                    key,
                 )
             )
         else:
             decision = rng.choices(("approve", "deny"), (3, 1))[0]
             amount = rng.choice((30, 80, 150, 260))
-            made.append(Plan("chaos_tools", {"prompt": tools_prompt(customer, amount)}, decision))
+            prompt = tools_prompt(customer, amount)
+            made.append(Plan("chaos_tools", {"prompt": prompt}, decision, key))
     return made
 
 
@@ -286,18 +308,20 @@ async def _campaign(
     started: float,
 ) -> Report:
     settings = Settings(database_url=dsn)
-    connection = await connect(settings, application_name=CAMPAIGN_APPLICATION, dsn=dsn)
-    try:
-        await migrate(connection)
-        if config.after_migrate:
-            await connection.execute(config.after_migrate)
-    finally:
-        await connection.close()
+    await _migrate(settings, dsn, config.after_migrate)
     async with AsyncExitStack() as stack:
         pool = await create_pool(
             settings, dsn=dsn, application_name=CAMPAIGN_APPLICATION, min_size=0, max_size=8
         )
         stack.push_async_callback(pool.close)
+        await set_limits(pool, config.limits, config.agents)
+        # A connection of its own, so that samples never wait behind the campaign's clients.
+        sampler = LimitSampler(
+            await create_pool(
+                settings, dsn=dsn, application_name=CAMPAIGN_APPLICATION, min_size=0, max_size=1
+            )
+        )
+        stack.push_async_callback(sampler.pool.close)
         vendor = await stack.enter_async_context(ChaosVendor(hang_seconds=20))
         model = await stack.enter_async_context(ScriptedModelServer(CHAOS_SCRIPT, latency=0.02))
         vendors = _vendors(vendor)
@@ -339,7 +363,7 @@ async def _campaign(
         )
         context = FaultContext(cluster, vendor, model, pool, database, time.monotonic())
         faults = Faults(context)
-        workload = plans(config.seed, config.runs, config.agents)
+        workload = plans(config.seed, config.runs, config.agents, config.keyed_share)
         submitted: dict[str, Plan] = {}
         progress(
             f"seed {config.seed}: {len(timetable)} faults over {config.duration:g}s, "
@@ -348,6 +372,7 @@ async def _campaign(
         async with anyio.create_task_group() as people:
             people.start_soon(_person, pool, submitted, context.clients)
             people.start_soon(cluster.supervise)
+            people.start_soon(sampler.run, _sampling_bound(config))
             all_submitted = anyio.Event()
             async with anyio.create_task_group() as window:
                 window.start_soon(
@@ -392,6 +417,7 @@ async def _campaign(
             recovery = await _recovery(checking, context.victims)
         finally:
             await checking.close()
+        sampler.report(findings)
         return Report(
             seed=config.seed,
             duration=config.duration,
@@ -408,7 +434,24 @@ async def _campaign(
             replicated=len(ports) > 1,
             failover_recovery_seconds=faults.failover_recovery,
             agents=config.agents,
+            runs_keyed=sum(1 for plan in submitted.values() if plan.concurrency_key),
         )
+
+
+async def _migrate(settings: Settings, dsn: str, after_migrate: str | None) -> None:
+    connection = await connect(settings, application_name=CAMPAIGN_APPLICATION, dsn=dsn)
+    try:
+        await migrate(connection)
+        if after_migrate:
+            await connection.execute(after_migrate)
+    finally:
+        await connection.close()
+
+
+def _sampling_bound(config: CampaignConfig) -> float:
+    """Longer than the window, its bounded waits, healing and quiescence together: the samples
+    end when the people's task group does."""
+    return 3 * max(60.0, config.duration) + config.settle_seconds
 
 
 async def _stop(cluster: Cluster) -> None:
@@ -456,7 +499,11 @@ async def _submit(
             try:
                 async with gate.open():
                     submission = await store.submit(
-                        plan.agent, plan.input, idempotency_key=f"chaos-{index}", max_attempts=100
+                        plan.agent,
+                        plan.input,
+                        idempotency_key=f"chaos-{index}",
+                        max_attempts=100,
+                        concurrency_key=plan.concurrency_key,
                     )
                 submitted[submission.run.run_id] = plan
                 break

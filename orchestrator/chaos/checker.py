@@ -20,6 +20,10 @@ from orchestrator.chaos.vendor import ChaosVendor
 TERMINAL = ("succeeded", "failed", "cancelled", "dead")
 CLOCK_TOLERANCE_SECONDS = 0.25
 """Transaction timestamps against claim times: a claim's transaction is this short at most."""
+LIMIT_EXCEEDED = "limit exceeded"
+SLOT_WITHOUT_LEASE = "slot without lease"
+"""The flow-control rules: sampled while the campaign runs (``limits.py``), and the second also
+checked here, on the runs left after quiescence."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,12 @@ class Findings:
     """(run, fence) a worker ran under that the database has no claim of: a failover took the
     claim back (on one server: 0)."""
     effects_by_status: dict[str, int] = field(default_factory=dict)
+    limit_samples: int = 0
+    """Samples of the runs holding a lease against the limits (``limits.LimitSampler``)."""
+    limit_samples_skipped: int = 0
+    """Samples a fault on the database made fail."""
+    limit_peaks: dict[str, int] = field(default_factory=dict)
+    """The most runs each limit (per key) was seen to count."""
 
     def add(self, rule: str, subject: str, detail: str) -> None:
         self.violations.append(Violation(rule, subject, detail))
@@ -71,6 +81,9 @@ class Findings:
             "grants_recorded": self.grants_recorded,
             "fences_granted_twice": self.fences_granted_twice,
             "claims_lost_with_a_timeline": self.claims_lost_with_a_timeline,
+            "limit_samples": self.limit_samples,
+            "limit_samples_skipped": self.limit_samples_skipped,
+            "limit_peaks": self.limit_peaks,
         }
 
 
@@ -96,6 +109,7 @@ async def check(
     found.runs_by_state = dict(collections.Counter(row["state"] for row in runs.values()))
     found.effects_by_status = dict(collections.Counter(row["status"] for row in effects))
     _check_runs(found, runs)
+    check_leases_released(found, runs.values())
     _check_timelines(found, events)
     claims = [
         (run_id, event["fence"], event["worker_id"])
@@ -119,6 +133,20 @@ def _check_runs(found: Findings, runs: dict[str, asyncpg.Record]) -> None:
                 run_id,
                 f"{run['state']} (wait {_text(run['wait'])}, available {run['available_at']}, "
                 f"lease {run['lease_owner']} until {run['lease_until']})",
+            )
+
+
+def check_leases_released(found: Findings, runs: Iterable[asyncpg.Record]) -> None:
+    """A run that is not running holds no lease column: the commit that parked or ended it
+    ended its lease, so no counter (the per-key one reads the owner) can hold its slot."""
+    for run in runs:
+        if run["state"] != "running" and (
+            run["lease_owner"] is not None or run["lease_until"] is not None
+        ):
+            found.add(
+                SLOT_WITHOUT_LEASE,
+                run["run_id"],
+                f"{run['state']} with lease owner {run['lease_owner']} until {run['lease_until']}",
             )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -255,7 +256,11 @@ def effects_dispatch(
                 async with anyio.create_task_group() as group:
                     group.start_soon(dispatcher.run)
                     if gauges is not None:
-                        group.start_soon(sample_gauges, store.pool, gauges, dispatcher.outage)
+                        group.start_soon(
+                            partial(
+                                sample_gauges, store.pool, gauges, dispatcher.outage, limits=False
+                            )
+                        )
                     async for _ in signals:
                         group.cancel_scope.cancel()
                         break

@@ -113,7 +113,7 @@ def limits_table(found: Sequence[Limit]) -> Table:
                 str(limit.max_running),
                 str(limit.running),
                 str(limit.backlog),
-                limit.set_by,
+                f"{limit.set_by} (code)" if limit.declared else limit.set_by,
                 limit.set_at.isoformat(timespec="seconds"),
             )
             for limit in found

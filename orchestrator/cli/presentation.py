@@ -69,9 +69,13 @@ def section(title: str, columns: Iterable[str], rows: Iterable[Iterable[str]]) -
 
 
 def runs_table(runs: Sequence[Run], now: datetime) -> Table:
+    """The runs, one a row; a concurrency key and a limit holding a run back are columns only
+    when some run has one (docs/flow-control.md)."""
+    keyed = any(run.concurrency_key is not None for run in runs)
+    held = any(run.held_back is not None for run in runs)
     columns = ("run id", "agent", "state", "fence", "attempt", "step", "owner", "created", "due")
     return grid(
-        columns,
+        (*columns, *(("key",) if keyed else ()), *(("held back by",) if held else ())),
         (
             (
                 run.run_id,
@@ -83,6 +87,8 @@ def runs_table(runs: Sequence[Run], now: datetime) -> Table:
                 run.lease_owner or "",
                 time_text(run.created_at),
                 due_text(run, now),
+                *((run.concurrency_key or "",) if keyed else ()),
+                *((run.held_back or "",) if held else ()),
             )
             for run in runs
         ),

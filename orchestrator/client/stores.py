@@ -17,6 +17,7 @@ from orchestrator.db.bootstrap import PoolOptions, open_pool
 from orchestrator.db.budgets import BudgetState, BudgetStore, LedgerEntry, TopUp
 from orchestrator.db.limits import LimitStore
 from orchestrator.db.purges import PurgeStore
+from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.retention import MAX_AGE
 from orchestrator.db.signals import Signal, SignalStore
 from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS
@@ -50,6 +51,7 @@ class Stores:
         self.signals = SignalStore(pool)
         self.budgets = BudgetStore(pool)
         self.limits = LimitStore(pool)
+        self.rates = RateLimitStore(pool)
         self.workers = WorkerRegistry(schema)
         self.purges = PurgeStore(pool)
         self.access = AccessStore(pool)

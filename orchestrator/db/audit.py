@@ -15,7 +15,7 @@ from orchestrator.access import Actor, Via
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput
-from orchestrator.models import Row, from_row, json_fields
+from orchestrator.models import JsonFields, Row, from_row
 from orchestrator.telemetry import (
     AUDIT_SEQ,
     DECISION,
@@ -34,7 +34,7 @@ VERIFY_PAGE = 5_000
 
 
 @dataclass(frozen=True)
-class AuditEntry:
+class AuditEntry(JsonFields):
     seq: int
     at: datetime
     db_user: str
@@ -46,9 +46,6 @@ class AuditEntry:
     detail: dict[str, Any]
     prev_sha256: str
     sha256: str
-
-    def as_json(self) -> dict[str, Any]:
-        return json_fields(self)
 
 
 @dataclass(frozen=True)
@@ -225,6 +222,21 @@ async def decide(
         if row is not None and row["audit_seq"] is not None:
             recorded(row["principal"], int(row["audit_seq"]))
     return row
+
+
+async def decided(
+    db: Executor,
+    action: str,
+    actor: Actor | None,
+    statement: str,
+    *arguments: object,
+    run_id: str | None = None,
+) -> Row | None:
+    """``decide`` with the named statement ``statement`` (sql/queries.sql), by ``actor`` or, when
+    ``None``, by the database role that connected."""
+    return await decide(
+        db, action, Actor.acting(actor, None), query(statement), *arguments, run_id=run_id
+    )
 
 
 def _entry(row: Row) -> AuditEntry:

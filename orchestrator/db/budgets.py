@@ -17,7 +17,7 @@ from decimal import Decimal
 from typing import NamedTuple, Protocol, TypedDict, Unpack
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import decide
+from orchestrator.db.audit import decided
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput, InvalidTransition
@@ -241,11 +241,11 @@ class BudgetStore:
                 "nothing to add: give --add-usd, --add-turns, --add-tool-calls, "
                 "--add-input-tokens or --add-output-tokens, each above 0"
             )
-        record = await decide(
+        record = await decided(
             self.db,
             "top_up",
-            Actor.acting(actor, None),
-            query("top_up_budget"),
+            actor,
+            "top_up_budget",
             run_id,
             added,
             run_id=run_id,

@@ -68,7 +68,7 @@ class Leases(PoolStore):
     def _claim_batch(records: Sequence[Row], worker_id: str) -> ClaimBatch:
         claimed: list[ClaimedRun] = []
         dead: list[str] = []
-        planned, cursor = False, None
+        planned, cursor, held_back = False, None, 0
         for record in records:
             outcome = record["outcome"]
             if outcome == "claimed":
@@ -77,7 +77,10 @@ class Leases(PoolStore):
                 dead.append(record["run_id"])
             else:  # where flow control's turn over the keys ended
                 planned, cursor = True, record["next_key"]
-        return ClaimBatch(claimed=claimed, dead_lettered=dead, planned=planned, cursor=cursor)
+                held_back = record["held_back"] or 0
+        return ClaimBatch(
+            claimed=claimed, dead_lettered=dead, planned=planned, cursor=cursor, held_back=held_back
+        )
 
     async def renew(
         self, lease: Lease, *, lease_seconds: float = 45.0, db: Executor | None = None

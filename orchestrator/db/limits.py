@@ -9,16 +9,17 @@ that holds it: nothing is counted but the runs table. Operators set limits at ru
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import decide
+from orchestrator.db.audit import decided
 from orchestrator.db.queries import query
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
-from orchestrator.models import Row, json_fields
+from orchestrator.models import JsonFields, Row
 from orchestrator.storable import check_text
 
 if TYPE_CHECKING:
@@ -54,20 +55,26 @@ def check_flow(concurrency_key: str | None, priority: int) -> None:
     check_priority(priority)
 
 
-def check_max_running(value: Any) -> int:
+def whole_number(value: Any, what: str, low: int, high: int) -> int:
+    """``value`` if it is a whole number from ``low`` to ``high`` (a float such as 3.0 too), or
+    one line saying what is wrong."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
         or not math.isfinite(value)
         or value != int(value)
-        or not 0 <= value <= MAX_RUNNING
+        or not low <= value <= high
     ):
-        raise InvalidInput(f"a limit must be a whole number from 0 to {MAX_RUNNING}, not {value!r}")
+        raise InvalidInput(f"{what} must be a whole number from {low:,} to {high:,}, not {value!r}")
     return int(value)
 
 
+def check_max_running(value: Any) -> int:
+    return whole_number(value, "a limit", 0, MAX_RUNNING)
+
+
 @dataclass(frozen=True)
-class Limit:
+class Limit(JsonFields):
     """At most ``max_running`` runs of ``agent`` whose key matches ``key_pattern`` hold a lease
     at once: all together (``per`` "all"), or each key apart (``per`` "key")."""
 
@@ -81,6 +88,8 @@ class Limit:
     """How many it counts now (per key: the key with the most)."""
     backlog: int
     """Due runs it covers, claimable or held back."""
+    declared: bool = False
+    """Declared by the agent's code (``Agent(limits=...)``), not set by an operator."""
 
     @classmethod
     def from_record(cls, record: Row) -> Limit:
@@ -93,10 +102,34 @@ class Limit:
             record["set_at"],
             int(record["running"]),
             int(record["backlog"]),
+            bool(record["declared"]),
         )
 
+    @property
+    def name(self) -> str:
+        """The limit's name in metrics and holds: agent, per and keys, never one key."""
+        return (
+            f"{self.agent} {'per key' if self.per == 'key' else 'in all'}, keys {self.key_pattern}"
+        )
+
+
+@dataclass(frozen=True)
+class RunningLimit:
+    """A limit an agent declares in its code: ``Agent(..., limits=[RunningLimit(20),
+    RunningLimit(3, per="key")])``. Each ``serve`` process that runs the agent writes them at
+    start; an operator's ``limits set`` for the same keys and per replaces one and is kept."""
+
+    max_running: int
+    per: Per = "all"
+    keys: str = "*"
+    """A glob of the concurrency keys the limit counts (``*``: all)."""
+
+    def __post_init__(self) -> None:
+        check_max_running(self.max_running)
+        _limit_of("agent", self.keys, self.per)
+
     def as_json(self) -> dict[str, Any]:
-        return json_fields(self)
+        return {"key_pattern": self.keys, "per": self.per, "max_running": self.max_running}
 
 
 class LimitStore:
@@ -122,8 +155,8 @@ class LimitStore:
         """Set a limit (raise or lower it); returns the one it replaced, if any."""
         agent, key_pattern, per = _limit_of(agent, key_pattern, per)
         max_running = check_max_running(max_running)
-        row = await self._decided(
-            "limit_set", "set_limit", actor, agent, key_pattern, per, max_running
+        row = await decided(
+            self.db, "limit_set", actor, "set_limit", agent, key_pattern, per, max_running
         )
         assert row is not None
         return None if row["previous"] is None else int(row["previous"])
@@ -133,7 +166,7 @@ class LimitStore:
     ) -> int:
         """Remove a limit; returns the limit it was. ``InvalidInput`` when there is none."""
         agent, key_pattern, per = _limit_of(agent, key_pattern, per)
-        row = await self._decided("limit_cleared", "clear_limit", actor, agent, key_pattern, per)
+        row = await decided(self.db, "limit_cleared", actor, "clear_limit", agent, key_pattern, per)
         if row is None or row["cleared"] is None:
             raise InvalidInput(
                 f"no limit of {agent} for keys {key_pattern!r} ({per}): "
@@ -141,13 +174,13 @@ class LimitStore:
             )
         return int(row["cleared"])
 
-    async def _decided(
-        self, action: str, statement: str, actor: Actor | None, *arguments: object
-    ) -> Row | None:
-        """A limit's change by ``actor`` (None: the database role that connected), audited."""
-        return await decide(
-            self.db, action, Actor.acting(actor, None), query(statement), *arguments
-        )
+    async def declare(self, agent: str, limits: Sequence[RunningLimit], by: str) -> int:
+        """Write the limits ``agent``'s code declares (removing those it no longer does);
+        returns how many changed. An operator's limit for the same keys and per is kept."""
+        validate_agent_name(agent)
+        declared = [limit.as_json() for limit in limits]
+        changed = await self.db.fetchval(query("declare_limits"), agent, declared, by)
+        return int(changed or 0)
 
 
 def _limit_of(agent: str, key_pattern: str, per: str) -> tuple[str, str, Per]:

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from orchestrator.access import Actor
-from orchestrator.db.audit import decide
+from orchestrator.db.audit import decided
 from orchestrator.db.notifications import SIGNALS_CHANNEL
 from orchestrator.db.queries import query
 from orchestrator.errors import IdempotencyConflict, InvalidInput, InvalidTransition, RunNotFound
@@ -103,11 +103,11 @@ class SignalStore:
             check_text(idempotency_key, "the idempotency key")
             if not 1 <= len(idempotency_key) <= 200:
                 raise InvalidInput("an idempotency key must be 1-200 characters")
-        record = await decide(
+        record = await decided(
             self.db,
             "signal",
-            Actor.acting(actor, None),
-            query("send_signal"),
+            actor,
+            "send_signal",
             run_id,
             name,
             data,

@@ -321,6 +321,39 @@ def model_metrics() -> ModelMetrics:
     return _MODEL_METRICS[0]
 
 
+class FlowMetrics:
+    """Flow control's counters (docs/flow-control.md): runs a claim passed over for a full
+    limit, and waits for a rate limit's capacity, by limit name (never by key: unbounded)."""
+
+    def __init__(self, meter: metrics.Meter | None = None) -> None:
+        meter = meter or metrics.get_meter(TRACER_NAME)
+        self.held_back = meter.create_counter(
+            "orchestrator.claims.held_back",
+            unit="{run}",
+            description="due runs a claim passed over because a limit they are under was full",
+        )
+        self.rate_waits = meter.create_counter(
+            "orchestrator.rate_limit.waits",
+            unit="{wait}",
+            description="calls and sends that waited for a rate limit's capacity, per limit",
+        )
+        self.rate_wait_seconds = meter.create_histogram(
+            "orchestrator.rate_limit.wait_duration",
+            unit="s",
+            description="how long a call waited for a rate limit's capacity, per limit",
+        )
+
+
+_FLOW_METRICS: list[FlowMetrics] = []
+
+
+def flow_metrics() -> FlowMetrics:
+    """One set per process, as ``model_metrics``."""
+    if not _FLOW_METRICS:
+        _FLOW_METRICS.append(FlowMetrics())
+    return _FLOW_METRICS[0]
+
+
 class QueueGauges:
     """Gauges read from the database by a sampler every ``SAMPLE_SECONDS`` (a scrape cannot wait
     for a query): runs queued, due, running, waiting and the oldest due age per agent; effects
@@ -332,6 +365,10 @@ class QueueGauges:
         meter = meter or metrics.get_meter(TRACER_NAME)
         self.queue: list[dict[str, Any]] = []
         self.effects: dict[str, int] = {}
+        self.limits: list[dict[str, Any]] = []
+        """Each limit's agent, name, running, backlog and max_running (docs/flow-control.md)."""
+        self.rates: list[dict[str, Any]] = []
+        """Each rate limit's name, whether it is paused, and the runs waiting for it."""
         for state in ("queued", "due", "running", "waiting"):
             meter.create_observable_gauge(
                 f"orchestrator.runs.{state}",
@@ -352,6 +389,38 @@ class QueueGauges:
                 unit="{effect}",
                 description=f"effects {status.replace('_', ' ')}: a person must act",
             )
+
+        for column, description in (
+            ("running", "runs a limit counts now (a per-key limit: its fullest key)"),
+            ("backlog", "due runs a limit covers, claimable or held back"),
+            ("max_running", "the most runs a limit allows at once"),
+        ):
+            meter.create_observable_gauge(
+                f"orchestrator.limit.{column}",
+                callbacks=[self._rows("limits", column, ("agent", "limit"))],
+                unit="{run}",
+                description=f"{description}, per agent and limit",
+            )
+        for column, description in (
+            ("paused", "1 while a provider's 429 pauses the rate limit for every process"),
+            ("waiting", "runs waiting for the rate limit's capacity"),
+        ):
+            meter.create_observable_gauge(
+                f"orchestrator.rate_limit.{column}",
+                callbacks=[self._rows("rates", column, ("limit",))],
+                description=f"{description}, per rate limit",
+            )
+
+    def _rows(
+        self, attribute: str, column: str, labels: tuple[str, ...]
+    ) -> Callable[[Any], Iterable[metrics.Observation]]:
+        def observe(options: Any) -> Iterable[metrics.Observation]:
+            return [
+                metrics.Observation(row[column], {label: row[label] for label in labels})
+                for row in getattr(self, attribute)
+            ]
+
+        return observe
 
     def _per_agent(self, column: str) -> Callable[[Any], Iterable[metrics.Observation]]:
         def observe(options: Any) -> Iterable[metrics.Observation]:

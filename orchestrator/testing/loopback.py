@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +146,9 @@ class LoopbackHttpServer(LoopbackService):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    retry_after: float | None = None
+    """Sent as ``Retry-After`` with every 429 this server answers (``None``: no such header)."""
+
     async def respond(
         self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, Any]:
@@ -159,7 +163,10 @@ class LoopbackHttpServer(LoopbackService):
                 while True:
                     method, path, headers, body = await _read_request(buffered)
                     status, payload = await self.respond(method, path, headers, body)
-                    await _send_json(stream, status, payload)
+                    extra = None
+                    if status == 429 and self.retry_after is not None:
+                        extra = {"Retry-After": f"{self.retry_after:g}"}
+                    await _send_json(stream, status, payload, extra)
 
 
 class LoopbackVendorServer(LoopbackHttpServer):
@@ -180,7 +187,9 @@ class LocalModelServer(LoopbackHttpServer):
 
     It answers ``POST .../chat/completions`` with ``reply(messages)`` (by default a summary made
     of the last message's first words), after ``delay`` seconds; ``requests`` records every
-    request body. Point a worker at it with ``ORCHESTRATOR_MODEL_BASE_URL=server.base_url``.
+    request body and ``arrivals`` when each came (``time.monotonic()``). The next
+    ``busy_for`` requests are answered 429 (with ``retry_after``, if set). Point a worker at it
+    with ``ORCHESTRATOR_MODEL_BASE_URL=server.base_url``.
     """
 
     def __init__(self, *, delay: float = 0.0, reply: Any = None) -> None:
@@ -192,6 +201,8 @@ class LocalModelServer(LoopbackHttpServer):
             )
         )
         self.requests: list[dict[str, Any]] = []
+        self.arrivals: list[float] = []
+        self.busy_for = 0
 
     @property
     def base_url(self) -> str:
@@ -204,6 +215,10 @@ class LocalModelServer(LoopbackHttpServer):
             return 404, {"error": {"message": f"no route {method} {path}"}}
         request = json.loads(body or b"{}")
         self.requests.append(request)
+        self.arrivals.append(time.monotonic())
+        if self.busy_for > 0:
+            self.busy_for -= 1
+            return 429, {"error": {"message": "rate limited", "type": "rate_limit_exceeded"}}
         if self.delay:
             await anyio.sleep(self.delay)
         text = self.reply(request.get("messages", []))
@@ -245,6 +260,10 @@ class LocalVendor(LoopbackVendorServer):
         self.requests = 0
         self.requests_by_key: collections.Counter[str] = collections.Counter()
         """Raw ``POST /send`` requests per idempotency key, repeats included."""
+        self.arrivals: list[float] = []
+        """When each ``POST /send`` came (``time.monotonic()``)."""
+        self.busy_for = 0
+        """The next this many sends are answered 429 (with ``retry_after``, if set)."""
 
     async def respond(
         self, method: str, path: str, headers: dict[str, str], body: bytes
@@ -257,12 +276,16 @@ class LocalVendor(LoopbackVendorServer):
         if method != "POST" or path != "/send":
             return 404, {"error": f"no route {method} {path}"}
         self.requests += 1
+        self.arrivals.append(time.monotonic())
         key = headers.get("idempotency-key")
         if not key:
             return 400, {"error": "Idempotency-Key header required"}
         self.requests_by_key[key] += 1
         if key in self.deliveries:
             return 200, self.deliveries[key]
+        if self.busy_for > 0:
+            self.busy_for -= 1
+            return 429, {"error": "slow down"}
         if self.mode == "fail_5xx":
             return 500, {"error": "internal error"}
         if self.mode == "busy":

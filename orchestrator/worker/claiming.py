@@ -14,7 +14,14 @@ from orchestrator.db.outages import UNREACHABLE, DatabaseOutage
 from orchestrator.db.store import WorkerRegistry
 from orchestrator.effects.waiting import EffectWaiters, RunEffects
 from orchestrator.errors import error_fields
-from orchestrator.telemetry import RUN_FENCE, RUN_ID, Metrics, debug_enabled, tracing_enabled
+from orchestrator.telemetry import (
+    RUN_FENCE,
+    RUN_ID,
+    Metrics,
+    debug_enabled,
+    flow_metrics,
+    tracing_enabled,
+)
 from orchestrator.worker.active_runs import ActiveRuns
 from orchestrator.worker.attempt_traces import trace_attempts
 from orchestrator.worker.config import WorkerConfig
@@ -162,6 +169,8 @@ class ClaimLoop:
                 db=db,
             )
         self._after_key = batch.next_key(self._after_key)
+        if batch.held_back:
+            flow_metrics().held_back.add(batch.held_back)
         for run_id in batch.dead_lettered:
             self.log.warning("dead-lettered: lease expired on the last attempt", **{RUN_ID: run_id})
         executions: list[RunExecution] = []

@@ -29,7 +29,9 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from orchestrator.agent import steps
 from orchestrator.agent.budgets import Prices, RunBudget
+from orchestrator.agent.rates import RateScope, rate_scope
 from orchestrator.agent.transcript import Transcript
+from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.signals import Signal
 from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.errors import PermanentFailure
@@ -111,6 +113,8 @@ class RunServices:
     config: RunnerConfig
     metrics: Metrics
     host: RunHost
+    rates: RateLimitStore
+    """The shared rate limits the steps' model calls charge."""
     prices: Prices = field(default_factory=Prices)
 
 
@@ -239,7 +243,10 @@ class RunExecution:
             # Lost already (a cancel that arrived before this task started)? Then the
             # cancellation is delivered at the first await; _steps checks too.
             self.handle.guard(self.cancel)
-            return await self._steps()
+            lease = self.claimed.lease
+            scope = RateScope(self.services.rates, lease.run_id, lease.fence, lease.worker_id)
+            with rate_scope(scope):  # the steps' model calls charge the shared rate limits
+                return await self._steps()
         except asyncio.CancelledError:
             if not self._cancel_requested or self._cancelling() > 1:
                 raise  # not (only) ours: the worker itself is being cancelled

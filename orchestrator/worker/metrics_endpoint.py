@@ -22,7 +22,9 @@ import asyncpg
 from prometheus_client import REGISTRY, make_wsgi_app
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
+from orchestrator.db.limits import LimitStore
 from orchestrator.db.outages import DatabaseOutage
+from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.run_reads import RunReads
 from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.sync_standby import SyncStandbyRequirement
@@ -120,10 +122,12 @@ class MetricsEndpoint:
         return await self._probe()
 
 
-async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, outage: DatabaseOutage) -> None:
-    """Refresh the queue and effect gauges from the database, now and then every
-    ``QueueGauges.SAMPLE_SECONDS`` (two index-only reads of live rows); a failure is the
-    process's ``outage`` to tell."""
+async def sample_gauges(
+    pool: asyncpg.Pool, gauges: QueueGauges, outage: DatabaseOutage, *, limits: bool = True
+) -> None:
+    """Refresh the queue and effect gauges (and with ``limits``, the limit gauges: a worker's
+    role reads limits, a dispatcher's does not) from the database, now and then every
+    ``QueueGauges.SAMPLE_SECONDS``; a failure is the process's ``outage`` to tell."""
     while True:
         try:
             with anyio.fail_after(QueueGauges.SAMPLE_SECONDS):
@@ -131,10 +135,32 @@ async def sample_gauges(pool: asyncpg.Pool, gauges: QueueGauges, outage: Databas
                 counts = await EffectStore(pool).needing_people()
                 if counts:
                     gauges.effects = counts
+                if limits:
+                    gauges.limits, gauges.rates = await _limit_rows(pool)
         except DATABASE_ERRORS as error:
-            gauges.queue, gauges.effects = [], {}  # no series rather than stale ones
+            # No series rather than stale ones.
+            gauges.queue, gauges.effects, gauges.limits, gauges.rates = [], {}, [], []
             outage.failed(error, otherwise="cannot sample the queue gauges")
         await anyio.sleep(QueueGauges.SAMPLE_SECONDS)
+
+
+async def _limit_rows(pool: asyncpg.Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The limit and rate-limit gauges' rows: per agent and limit name, never per key."""
+    limits = [
+        {
+            "agent": limit.agent,
+            "limit": limit.name,
+            "running": limit.running,
+            "backlog": limit.backlog,
+            "max_running": limit.max_running,
+        }
+        for limit in await LimitStore(pool).list()
+    ]
+    rates = [
+        {"limit": rate.name, "paused": int(rate.paused_until is not None), "waiting": rate.waiting}
+        for rate in await RateLimitStore(pool).list()
+    ]
+    return limits, rates
 
 
 def pool_probe(

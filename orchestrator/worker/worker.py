@@ -34,7 +34,9 @@ from orchestrator.agent.budgets import Prices
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import GENERIC_PLANS, create_pool, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection, enter_when_reachable
+from orchestrator.db.limits import LimitStore
 from orchestrator.db.outages import DatabaseOutage
+from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.store import RunStore
 from orchestrator.db.sync_standby import SyncStandbyRequirement
@@ -42,7 +44,7 @@ from orchestrator.effects.dispatcher import Dispatcher
 from orchestrator.effects.store import EffectStore
 from orchestrator.effects.waiting import EffectWaiters
 from orchestrator.settings import Settings
-from orchestrator.telemetry import WORKER_ID, Metrics
+from orchestrator.telemetry import WORKER_ID, Metrics, flow_metrics
 from orchestrator.worker.active_runs import ActiveRuns
 from orchestrator.worker.chores import Chores, summary
 from orchestrator.worker.claiming import ClaimLoop
@@ -157,6 +159,7 @@ class Worker:
             dispositions=[disposition.value for disposition in Disposition],
             step_outcomes=STEP_OUTCOMES,
         )
+        flow_metrics().held_back.add(0)  # a series before the first run is held back
         async with AsyncExitStack() as stack:
             running = await enter_when_reachable(
                 stack, self._started, within=self.config.start_retry_seconds, log=self.log
@@ -223,6 +226,7 @@ class Worker:
                 ),
                 metrics=self.metrics,
                 host=self.runs,
+                rates=RateLimitStore(pool),
                 prices=Prices.from_env(),
             )
             liveness = Liveness(
@@ -235,6 +239,9 @@ class Worker:
             )
             await liveness.register()
             stack.push_async_callback(liveness.close)
+            limits = LimitStore(pool)
+            for name in config.agents.names:  # what the agents' code declares (Agent(limits=))
+                await limits.declare(name, config.agents.get(name).limits, f"code of {worker_id}")
             yield Running(
                 dsn=dsn,
                 store=store,

@@ -21,6 +21,7 @@ import anyio
 
 from orchestrator import Effect, Wait
 from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext
+from orchestrator.db.limits import RunningLimit
 
 
 class MarkedNap(Step):
@@ -93,3 +94,21 @@ class AwaitSignal(Step):
 
 
 inbox = Agent("inbox", first=AwaitSignal)
+
+
+class AskOnce(Step):
+    """One model call (``llm.chat``) with the run's input as the question, then finish: a
+    model rate limit's test counts these calls at the model server."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        from orchestrator.agent.llm import chat
+
+        answer = await chat([{"role": "user", "content": str(ctx.input)}], max_tokens=16)
+        return Finish(result={"text": answer.text})
+
+
+asking = Agent("asking", first=AskOnce)
+
+
+limited = Agent("limited", first=MarkedNap, limits=[RunningLimit(1, per="key")])
+"""Declares a limit in its code: one running run per concurrency key."""

@@ -42,12 +42,15 @@ from pydantic_core import to_jsonable_python
 from orchestrator.agent.llm import (
     BACKOFF_SECONDS,
     MODEL_ATTEMPTS,
+    ModelCallFailed,
     ModelRefused,
     ToolCall,
     refusal_message,
     refused_status,
+    retry_after_of,
     retryable_status,
 )
+from orchestrator.agent.rates import ModelCallRates, RateLimitWait, current_rates
 from orchestrator.agent.steps import StepContext
 from orchestrator.agent.stored_replies import (
     StoredReply,
@@ -101,6 +104,8 @@ class OrchestratorCapability(AbstractCapability[Any]):
         """Tool calls this turn made, against the run's tool-call budget."""
         self.failed_attempts: list[Exception] = []
         """The failed attempts of the model request in flight."""
+        self.rates = ModelCallRates("", 0, None)
+        """The model request in flight's charge to its shared rate limit."""
         self.stored: dict[int, tuple[ModelResponse, StoredReply]] = {}
         """What the transcript can hold of each model response of the turn, by the response's
         id (computed once per response, for all its calls; the response is kept with it, so its
@@ -141,6 +146,14 @@ class OrchestratorCapability(AbstractCapability[Any]):
                 int(settings.get("max_tokens") or worst_output), worst_output
             )
             await spending.reserve(model, turns=1)
+        self.rates = rates = ModelCallRates(
+            model,
+            len(ModelMessagesTypeAdapter.dump_json(request_context.messages))
+            if current_rates() is not None
+            else 0,
+            settings.get("max_tokens"),
+        )
+        await self._rate_capacity()
         attributes = {
             "gen_ai.operation.name": "chat",
             "gen_ai.provider.name": request_context.model.system,
@@ -168,6 +181,7 @@ class OrchestratorCapability(AbstractCapability[Any]):
                     )
                 raise
             usage = response.usage
+            await rates.answered(usage.input_tokens, usage.output_tokens)
             span.set_attribute("gen_ai.response.model", response.model_name or model)
             span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
@@ -245,11 +259,23 @@ class OrchestratorCapability(AbstractCapability[Any]):
         if attempts >= MODEL_ATTEMPTS:
             raise error
         after = error.retry_after if isinstance(error, ModelAPIError) else None
+        if after is None and error.__cause__ is not None:  # the OpenAI SDK's own error has it
+            after = retry_after_of(error.__cause__)
+        if status == 429 and await self.rates.refused_for_rate(after):
+            after = 0.0  # every worker waits for the pause: this one in _rate_capacity
         wait = (
             after if after is not None else BACKOFF_SECONDS[attempts - 1] * random.uniform(0.5, 1)
         )
         await anyio.sleep(min(wait, 30.0))
+        await self._rate_capacity()  # the retry is a request like any other
         raise RetryModelRequest()
+
+    async def _rate_capacity(self) -> None:
+        """Wait for the model's shared rate limit (docs/flow-control.md)."""
+        try:
+            await self.rates.before_attempt()
+        except RateLimitWait as waited_out:
+            raise ModelCallFailed(str(waited_out), ()) from None
 
     async def wrap_tool_execute(
         self,
