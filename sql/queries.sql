@@ -1402,6 +1402,7 @@ SELECT * FROM orchestrator_set_rate_limit($1, $2, $3, $4, $5, $6, $7)
 SELECT * FROM orchestrator_clear_rate_limit($1, $2, $3, $4)
 
 -- rate_limit_names --
+-- params: none
 -- The names of the rate limits there are (and of the pauses 429s left), for a process to know
 -- which of its calls and sends to charge.
 SELECT name FROM rate_limits
