@@ -19,6 +19,7 @@ import pytest
 
 from orchestrator.access import Actor
 from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext
+from orchestrator.client import Client, SyncClient
 from orchestrator.db.limits import LimitStore, RunningLimit
 from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.run_reads import RunReads
@@ -424,3 +425,29 @@ async def test_the_console_s_runs_page_names_the_limit_holding_a_run_back(
     assert "held back by" in page
     assert "a per key, keys trial-*: at most 0 running" in rows[held]
     assert "at most" not in rows[free] and "trial-bob" in rows[held]
+
+
+async def test_the_client_sets_lists_and_clears_limits_and_rate_limits(
+    settings: Settings, store: RunStore
+) -> None:
+    async with await Client.connect(settings) as client:
+        assert await client.limits.set("a", 3, per="key") is None
+        assert await client.limits.set("a", 4, per="key") == 3
+        [limit] = await client.limits.list("a")
+        assert (limit.max_running, limit.per, limit.declared) == (4, "key", False)
+        await client.limits.set_rate("model:m", requests=10, tokens=5000, per_seconds=1)
+        [rate] = await client.limits.rates()
+        assert (rate.requests, rate.tokens, rate.per_seconds) == (10, 5000, 1.0)
+        with pytest.raises(InvalidInput, match="requests must be"):
+            await client.limits.set_rate("model:m", requests=0)
+        await client.limits.clear_rate("model:m")
+        assert await client.limits.clear("a", per="key") == 4
+        assert await client.limits.list() == [] and await client.limits.rates() == []
+
+
+def test_the_sync_client_has_the_same_limits_handle(settings: Settings) -> None:
+    with SyncClient(settings) as client:
+        client.limits.set("a", 2)
+        assert [limit.max_running for limit in client.limits.list()] == [2]
+        client.limits.set_rate("effect:crm", requests=5)
+        assert [rate.name for rate in client.limits.rates()] == ["effect:crm"]

@@ -34,6 +34,7 @@ from orchestrator.client.features import (
     ApprovalsHandle,
     BudgetsHandle,
     EffectsHandle,
+    LimitsHandle,
     OpsHandle,
     SignalsHandle,
 )
@@ -43,6 +44,7 @@ from orchestrator.client.sync import (
     SyncApprovals,
     SyncBudgets,
     SyncEffects,
+    SyncLimits,
     SyncOps,
     SyncRuns,
     SyncSignals,
@@ -60,8 +62,8 @@ CLOSE_AT_EXIT_SECONDS = 5.0
 class Client:
     """An application's handle on orchestrator (async). Create with ``await Client.connect()``.
 
-    ``runs``, ``effects``, ``approvals``, ``signals``, ``budgets`` and ``ops`` are its feature
-    handles, all over one set of stores built once. The flat methods below are kept for code
+    ``runs``, ``effects``, ``approvals``, ``signals``, ``budgets``, ``limits`` and ``ops`` are its
+    feature handles, all over one set of stores built once. The flat methods below are kept for code
     written before the handles; each stands for the handle method it names.
     """
 
@@ -76,6 +78,7 @@ class Client:
         self.approvals = ApprovalsHandle(self.stores)
         self.signals = SignalsHandle(self.stores)
         self.budgets = BudgetsHandle(self.stores)
+        self.limits = LimitsHandle(self.stores)
         self.ops = OpsHandle(self.stores)
 
     @classmethod
@@ -151,6 +154,7 @@ class SyncClient:
         self.approvals = SyncApprovals(client.approvals, portal)
         self.signals = SyncSignals(client.signals, portal)
         self.budgets = SyncBudgets(client.budgets, portal)
+        self.limits = SyncLimits(client.limits, portal)
         self.ops = SyncOps(client.ops, portal)
 
     # -- the flat methods of earlier releases (``client.approvals(...)`` calls its handle) ------

@@ -1,5 +1,6 @@
 """The client's handles on what runs wait for and what operators do: ``client.effects``,
-``client.approvals``, ``client.signals``, ``client.budgets`` and ``client.ops``. Each is a thin
+``client.approvals``, ``client.signals``, ``client.budgets``, ``client.limits`` and
+``client.ops``. Each is a thin
 layer over the stores that projects driver errors onto ``DatabaseError``."""
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Any, TypeVar, Unpack
 from orchestrator.client.stores import Stores
 from orchestrator.db.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.db.error_projection import project_errors
+from orchestrator.db.limits import Limit, Per
 from orchestrator.db.purges import Purged, purge
+from orchestrator.db.rates import RateLimit
 from orchestrator.db.retention import PURGE_BATCH
 from orchestrator.db.signals import Signal
 from orchestrator.db.standby_wait import acknowledgement_seconds
@@ -181,6 +184,52 @@ class BudgetsHandle(StoresHandle):
     async def top_up(self, run_id: str, **amounts: Unpack[TopUp]) -> BudgetState:
         """Raise a run's budget (``cost_usd=``, ``turns=``, ...) and wake it if it waits."""
         return await self._stores.top_up(run_id, **amounts)
+
+
+class LimitsHandle(StoresHandle):
+    """Flow control (docs/flow-control.md): how many runs of an agent run at once, and the rate
+    limits every process shares. Each change is an audited decision of the connected login."""
+
+    @project_errors
+    async def list(self, agent: str | None = None) -> builtins.list[Limit]:
+        """Every limit (of ``agent``), with the runs it counts now and the due runs it covers."""
+        return await self._stores.limits.list(agent)
+
+    @project_errors
+    async def set(
+        self, agent: str, max_running: int, *, keys: str = "*", per: Per = "all"
+    ) -> int | None:
+        """Set a limit (raise or lower it) from the next claim on; returns the one it replaced."""
+        return await self._stores.limits.set(agent, max_running, key_pattern=keys, per=per)
+
+    @project_errors
+    async def clear(self, agent: str, *, keys: str = "*", per: Per = "all") -> int:
+        """Remove a limit; returns what it was (``InvalidInput`` when there is none)."""
+        return await self._stores.limits.clear(agent, key_pattern=keys, per=per)
+
+    @project_errors
+    async def rates(self, name: str | None = None) -> builtins.list[RateLimit]:
+        """Every rate limit (or ``name``): what is left now, a provider's pause, runs waiting."""
+        return await self._stores.rates.list(name)
+
+    @project_errors
+    async def set_rate(
+        self,
+        name: str,
+        *,
+        requests: int | None = None,
+        tokens: int | None = None,
+        per_seconds: float = 60.0,
+    ) -> None:
+        """Set rate limit ``name`` (``model:MODEL``, ``effect:KIND`` or a step's own)."""
+        await self._stores.rates.set(
+            name, requests=requests, tokens=tokens, per_seconds=per_seconds
+        )
+
+    @project_errors
+    async def clear_rate(self, name: str) -> None:
+        """Remove rate limit ``name`` and any pause on it."""
+        await self._stores.rates.clear(name)
 
 
 class OpsHandle(StoresHandle):

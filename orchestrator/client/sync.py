@@ -14,6 +14,7 @@ from orchestrator.client.features import (
     ApprovalsHandle,
     BudgetsHandle,
     EffectsHandle,
+    LimitsHandle,
     OpsHandle,
     SignalsHandle,
 )
@@ -104,6 +105,15 @@ class SyncBudgets(SyncHandle[BudgetsHandle]):
     get = blocking(BudgetsHandle.get)
     ledger = blocking(BudgetsHandle.ledger)
     top_up = blocking(BudgetsHandle.top_up)
+
+
+class SyncLimits(SyncHandle[LimitsHandle]):
+    list = blocking(LimitsHandle.list)
+    set = blocking(LimitsHandle.set)
+    clear = blocking(LimitsHandle.clear)
+    rates = blocking(LimitsHandle.rates)
+    set_rate = blocking(LimitsHandle.set_rate)
+    clear_rate = blocking(LimitsHandle.clear_rate)
 
 
 class SyncOps(SyncHandle[OpsHandle]):
