@@ -402,3 +402,33 @@ async def test_the_cli_sets_lists_and_clears_rate_limits_and_shows_held_back_run
     assert run["held_back"] == "a per key, keys *: at most 0 running"
     done = await asyncio.to_thread(cli, settings, "runs", "list")
     assert "held back by" in done.stdout and "acme" in done.stdout
+
+
+async def test_a_429_pauses_every_worker_even_where_no_operator_set_a_limit(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # Runs keep arriving, one every 0.3 s, for two workers; the model's first answer is a 429
+    # with Retry-After: 3. No model call reaches it while the pause lasts, from either worker.
+    async with LocalModelServer() as server:
+        server.busy_for, server.retry_after = 1, 3.0
+        env = {"OPENAI_BASE_URL": server.base_url, "ORCHESTRATOR_MODEL": "unlimited-model"}
+        options = serving("support.agents_for_tests")
+        url = str(settings.database_url)
+        with (
+            ServeProcess(url, *options, name="w1", env=env),
+            ServeProcess(url, *options, name="w2", env=env),
+        ):
+            for i in range(16):
+                await store.submit("asking", {"question": i})
+                await anyio.sleep(0.3)
+            with anyio.fail_after(120):
+                while await pool.fetchval(  # noqa: ASYNC110 - database state, polled
+                    "SELECT count(*) FROM runs WHERE agent = 'asking' AND state <> 'succeeded'"
+                ):
+                    await anyio.sleep(0.1)
+        arrivals = sorted(server.arrivals)
+    refused_at = arrivals[0]
+    during_pause = [t - refused_at for t in arrivals[1:] if refused_at + 0.5 < t < refused_at + 2.5]
+    assert during_pause == [], during_pause
+    [pause] = await RateLimitStore(pool).list("model:unlimited-model")
+    assert pause.requests is None and pause.tokens is None  # the pause alone, no limit

@@ -6,9 +6,10 @@ named ``model:MODEL`` through it, and a step may take any limit itself::
 
     await take_rate("api:crm", requests=1)
 
-A call waits while its run keeps its lease (the heartbeat renews it), asking the database again
-at least every ``RECHECK_SECONDS`` so that a raised limit or a lifted pause is seen; a lost lease
-cancels the wait with the step. Outside a worker (a script calling ``llm.chat``), nothing is
+A call asks the database every time (a pause another process recorded a moment ago holds), and
+waits while its run keeps its lease (the heartbeat renews it), asking again at least every
+``RECHECK_SECONDS`` so that a raised limit or a lifted pause is seen; a lost lease cancels the
+wait with the step. Outside a worker (a script calling ``llm.chat``), nothing is
 charged.
 """
 
@@ -54,8 +55,8 @@ class RateScope:
         """Wait until ``requests`` requests (and ``tokens`` tokens, with the first) of ``name``
         are granted; returns the seconds waited. ``RateLimitWait`` past ``within`` seconds (by
         default ``ORCHESTRATOR_RATE_WAIT_SECONDS``, 600): the step fails that attempt."""
-        if not await self.store.limited(name):
-            return 0.0
+        # Asked every time (one short statement beside a model call of a second or more): a
+        # pause another process just recorded holds for this call too.
         limit = max_wait_seconds() if within is None else within
         began = time.monotonic()
         left, counted = requests, False
