@@ -14,6 +14,8 @@ import asyncpg
 import pytest
 
 from orchestrator.db.embedded import EmbeddedPostgres
+from orchestrator.db.limits import LimitStore
+from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.store import RunStore
 from orchestrator.effect_model import Effect
 from orchestrator.effects.store import EffectStore
@@ -199,3 +201,41 @@ async def test_the_dispatcher_counts_outcomes_and_people_waiting(
             dispatcher.send_signal(signal.SIGTERM)
             assert dispatcher.wait(60) == 0
     assert len(vendor.deliveries) == 1
+
+
+async def test_limit_gauges_and_held_back_claims_are_scraped_per_agent_and_limit(
+    database_url: str, pool: asyncpg.Pool, store: RunStore
+) -> None:
+    """Flow control's series: per agent and limit name, never per key (unbounded)."""
+    await LimitStore(pool).set("sleepy", 1, per="key")
+    await RateLimitStore(pool).set("model:gpt-4o-mini", requests=100)
+    for key in ("acme", "acme", "globex-1"):
+        await store.submit("sleepy", {"steps": 1, "seconds": 30}, concurrency_key=key)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with ServeProcess(
+        database_url,
+        "--agents",
+        "orchestrator.agents.sleepy",
+        "--metrics-listen",
+        f"127.0.0.1:{port}",
+        "--poll-seconds",
+        "0.2",
+        name="limits-worker",
+    ):
+        await until_status(f"{base}/ready", 200, within=60)
+        for _ in range(200):  # the gauges are sampled every 10 s
+            text = (await anyio.to_thread.run_sync(get, f"{base}/metrics"))[1]
+            running = samples(text, "orchestrator_limit_running")
+            held = sum(samples(text, "orchestrator_claims_held_back_total").values())
+            if list(running.values()) == [1.0] and held >= 1:
+                break
+            await anyio.sleep(0.25)
+    [labels] = running
+    assert 'agent="sleepy"' in labels and 'limit="sleepy per key, keys *"' in labels, text
+    assert list(samples(text, "orchestrator_limit_backlog").values()) == [1.0], text  # acme's 2nd
+    assert list(samples(text, "orchestrator_limit_max_running").values()) == [1.0], text
+    assert held >= 1, text
+    paused = samples(text, "orchestrator_rate_limit_paused")
+    assert list(paused.values()) == [0.0] and 'limit="model:gpt-4o-mini"' in next(iter(paused))
+    assert "acme" not in text and "globex-1" not in text  # no series per key
