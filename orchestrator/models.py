@@ -102,6 +102,10 @@ class Run:
     """What its limits count it under (a tenant, a customer): docs/flow-control.md."""
     priority: int = 0
     """Among due runs of its key, higher first."""
+    started_version: str | None = None
+    """The version of its agent's code that committed its first step (docs/upgrades.md)."""
+    agent_version: str | None = None
+    """The version of its agent's code that wrote its latest checkpoint."""
     held_back: str | None = None
     """Read by ``runs list`` alone: the limit holding this due run back now, or the rate limit
     this running run waits for (docs/flow-control.md)."""
@@ -174,6 +178,9 @@ class ClaimedRun(NamedTuple):
     """The run's first unconsumed signals (a JSON list, oldest first), or ``None``: none."""
     signals_pending: int | None
     """How many signals the run has unconsumed (more than ``signals`` holds: later steps)."""
+    agent_version: str | None = None
+    """The version of the agent's code that wrote ``checkpoint`` (``None``: no step committed
+    yet, or written by a release before versions): docs/upgrades.md."""
 
     @property
     def run_id(self) -> str:
@@ -203,6 +210,7 @@ class ClaimedRun(NamedTuple):
             record["wait"],
             record["signals"],
             record["signals_pending"],
+            record["agent_version"],
         )
 
 

@@ -36,7 +36,7 @@ GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {sche
     TO {worker};
 GRANT UPDATE (state, lease_owner, lease_until, fence, attempt, available_at, step, checkpoint,
               checkpoint_version, result, error, wait, wake_streak, signals_pending, updated_at,
-              finished_at)
+              finished_at, started_version, agent_version)
     ON {schema}.runs TO {worker};
 GRANT INSERT ON {schema}.run_events, {schema}.run_messages, {schema}.run_traces TO {worker};
 GRANT UPDATE (consumed_at, consumed_fence) ON {schema}.run_signals TO {worker};

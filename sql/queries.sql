@@ -49,7 +49,9 @@ SELECT * FROM runs WHERE idempotency_key = $1
 -- claim --
 -- params: $1 worker_id text, $2 agents text[], $3 max_runs int, $4 lease_seconds float8,
 --         $5 include_expired bool, $6 run_id text (NULL: any due run of $2),
---         $7 after_key text (the last concurrency key this claimer served; NULL: none)
+--         $7 after_key text (the last concurrency key this claimer served; NULL: none),
+--         $8 versions jsonb ({agent: [agent versions its checkpoints may be written under]};
+--            NULL: any)
 -- Claim up to $3 runs for worker $1, each with a lease of $4 seconds: runs of the agents $2 that
 -- are due (queued, or waiting and past available_at) and, if $5, running runs whose lease has
 -- expired by the database clock; or, when $6 names a run, that run alone if it is due or its
@@ -63,6 +65,8 @@ SELECT * FROM runs WHERE idempotency_key = $1
 -- an index range on runs_due_plain up to the clock read once (`(SELECT clock_timestamp())`: a
 -- value the index can use, where a volatile call is only a filter): the runs waiting for later
 -- (a timer, a signal: due at 'infinity') lie past that range and are never read.
+-- Versions (migration 0023, docs/upgrades.md): a run whose checkpoint was written under an agent
+-- version not among $8's for its agent is not claimed (a run no step has committed yet is).
 -- Flow control (migration 0021, docs/flow-control.md): when one of the agents has a limit, or a
 -- due run with a concurrency key, orchestrator_plan_claim picks the runs (keys in turns, every
 -- limit locked and counted) and this statement claims those; otherwise the plain path below,
@@ -85,9 +89,10 @@ WITH flow AS MATERIALIZED (
 ), expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,
            attempt >= max_attempts AS exhausted, wait
-    FROM runs
+    FROM runs AS r
     WHERE $6::text IS NULL AND $5::boolean AND state = 'running' AND agent = ANY($2::text[])
       AND lease_until < clock_timestamp() AND NOT (SELECT planned FROM flow)
+      AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), due AS (
@@ -98,10 +103,11 @@ WITH flow AS MATERIALIZED (
     FROM unnest($2::text[]) AS a(agent)
     CROSS JOIN LATERAL (
         SELECT run_id, available_at, wait
-        FROM runs
+        FROM runs AS r
         WHERE $6::text IS NULL AND state IN ('queued', 'waiting') AND agent = a.agent
           AND concurrency_key IS NULL AND available_at <= (SELECT clock_timestamp())
           AND NOT (SELECT planned FROM flow)
+          AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
         ORDER BY available_at
         LIMIT $3
         FOR UPDATE SKIP LOCKED
@@ -113,10 +119,11 @@ WITH flow AS MATERIALIZED (
            CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
            CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
            state = 'running' AND attempt >= max_attempts AS exhausted, wait
-    FROM runs
+    FROM runs AS r
     WHERE run_id = $6::text AND NOT (SELECT planned FROM flow)
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
+      AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
     FOR UPDATE SKIP LOCKED
 ), plan AS MATERIALIZED (
     SELECT p.run_id, p.next_key, p.held_back
@@ -127,10 +134,11 @@ WITH flow AS MATERIALIZED (
            CASE WHEN state = 'running' THEN lease_owner END AS previous_owner,
            CASE WHEN state = 'running' THEN lease_until END AS previous_lease_until,
            state = 'running' AND attempt >= max_attempts AS exhausted, wait
-    FROM runs
+    FROM runs AS r
     WHERE run_id IN (SELECT plan.run_id FROM plan WHERE plan.run_id IS NOT NULL)
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
+      AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
     FOR UPDATE SKIP LOCKED
 ), picked AS (
     SELECT *
@@ -148,7 +156,7 @@ WITH flow AS MATERIALIZED (
     FROM picked AS p
     WHERE r.run_id = p.run_id AND NOT p.exhausted
     RETURNING r.run_id, r.agent, r.input, r.fence, r.lease_until, r.attempt, r.max_attempts,
-              r.step, r.checkpoint, r.checkpoint_version, p.previous_owner,
+              r.step, r.checkpoint, r.checkpoint_version, r.agent_version, p.previous_owner,
               p.previous_lease_until, clock_timestamp() AS claimed_at, p.wait,
               -- The run's unconsumed signals for its first step (only runs that have some; at
               -- most 100, the rest go to the steps after it): the signals a waiting run waits
@@ -202,18 +210,18 @@ WITH flow AS MATERIALIZED (
 )
 SELECT 'claimed' AS outcome, run_id, agent, input, fence, lease_until, attempt, max_attempts, step,
        checkpoint, checkpoint_version, previous_owner, previous_lease_until, claimed_at, wait,
-       signals, signals_pending, NULL AS next_key, NULL::integer AS held_back
+       signals, signals_pending, NULL AS next_key, NULL::integer AS held_back, agent_version
 FROM claimed
 UNION ALL
 SELECT 'dead_lettered', run_id, NULL, NULL, fence, NULL, attempt, NULL, NULL, NULL, NULL,
-       previous_owner, previous_lease_until, NULL, NULL, NULL, NULL, NULL, NULL
+       previous_owner, previous_lease_until, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM dead
 WHERE (SELECT count(*) FROM finished_told) >= 0
 UNION ALL
 -- Where the plan's turn over the keys ended: the claimer's next claim goes on from there; and
 -- how many runs it passed over for a full limit.
 SELECT 'next_key', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL, NULL, plan.next_key, plan.held_back
+       NULL, NULL, NULL, plan.next_key, plan.held_back, NULL
 FROM plan
 WHERE plan.run_id IS NULL
 
@@ -259,7 +267,8 @@ SELECT run_id, lease_until FROM renewed
 
 -- commit_step --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 expected_version bigint,
---         $5 next_step text, $6 checkpoint jsonb, $7 events jsonb
+--         $5 next_step text, $6 checkpoint jsonb, $7 events jsonb,
+--         $8 agent_version text (the version of the agent's code that wrote $6; NULL: unknown)
 -- Commit a step: next step $5, checkpoint $6, checkpoint version + 1, and the events $7 (a JSON
 -- array of {kind, details}), only while worker $2 still owns run $1 with fence $3, the lease is
 -- unexpired and the stored checkpoint version is still $4. No row returned: nothing committed.
@@ -267,7 +276,9 @@ SELECT run_id, lease_until FROM renewed
 WITH committed AS (
     UPDATE runs
     SET step = $5, checkpoint = $6, checkpoint_version = checkpoint_version + 1, attempt = 1,
-        wait = NULL, updated_at = clock_timestamp()
+        wait = NULL, updated_at = clock_timestamp(),
+        agent_version = coalesce($8::text, agent_version),
+        started_version = coalesce(started_version, $8::text)
     WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
       AND lease_until > clock_timestamp() AND checkpoint_version = $4
     RETURNING run_id, fence, checkpoint_version, lease_until
@@ -481,15 +492,18 @@ SELECT nextval('worker_session_keys')::integer
 SELECT pg_try_advisory_lock($1, $2)
 
 -- register_worker --
--- params: $1 worker_id text, $2 session_key int, $3 host text, $4 pid int, $5 agents text[]
--- Record a live worker: id $1, liveness key $2, host $3, pid $4, agents $5, under this server
--- instance (a worker registers again, with a new key, when its liveness session was lost).
-INSERT INTO workers (worker_id, session_key, host, pid, agents, server_started_at)
-VALUES ($1, $2, $3, $4, $5, pg_postmaster_start_time())
+-- params: $1 worker_id text, $2 session_key int, $3 host text, $4 pid int, $5 agents text[],
+--         $6 agent_versions jsonb ({agent: version}; NULL: unknown)
+-- Record a live worker: id $1, liveness key $2, host $3, pid $4, agents $5 and their versions
+-- $6, under this server instance (a worker registers again, with a new key, when its liveness
+-- session was lost).
+INSERT INTO workers (worker_id, session_key, host, pid, agents, server_started_at,
+                     agent_versions)
+VALUES ($1, $2, $3, $4, $5, pg_postmaster_start_time(), $6::jsonb)
 ON CONFLICT (worker_id) DO UPDATE
 SET session_key = EXCLUDED.session_key, host = EXCLUDED.host, pid = EXCLUDED.pid,
     agents = EXCLUDED.agents, started_at = clock_timestamp(),
-    server_started_at = EXCLUDED.server_started_at
+    server_started_at = EXCLUDED.server_started_at, agent_versions = EXCLUDED.agent_versions
 
 -- unregister_worker --
 -- params: $1 worker_id text
@@ -565,7 +579,7 @@ SELECT run_id, fence, (SELECT count(*) FROM woken) AS notified FROM expired
 -- commit_steps --
 -- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[],
 --         $4 expected_versions bigint[], $5 next_steps text[], $6 checkpoints text[] (JSON),
---         $7 events text[] (JSON arrays)
+--         $7 events text[] (JSON arrays), $8 agent_versions text[] (may be empty)
 -- Group commit: commit_step for many runs of owner $1 in one statement. Arrays: $2 run ids,
 -- $3 fences, $4 expected checkpoint versions, $5 next steps, $6 checkpoints, $7 events (each a
 -- JSON array of {kind, details}). JSON arrays travel as text and are cast here: a JSON list
@@ -574,14 +588,18 @@ SELECT run_id, fence, (SELECT count(*) FROM woken) AS notified FROM expired
 -- rows returned are the runs whose commit took effect.
 WITH input AS MATERIALIZED (
     SELECT u.run_id, u.fence, u.expected_version, u.next_step, u.checkpoint::jsonb AS checkpoint,
-           u.events::jsonb AS events, $1::text AS owner, clock_timestamp() AS now
-    FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[])
-        AS u(run_id, fence, expected_version, next_step, checkpoint, events)
+           u.events::jsonb AS events, u.agent_version, $1::text AS owner,
+           clock_timestamp() AS now
+    FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[],
+                $8::text[])
+        AS u(run_id, fence, expected_version, next_step, checkpoint, events, agent_version)
 ), committed AS (
     UPDATE runs AS r
     SET step = u.next_step, checkpoint = u.checkpoint,
         checkpoint_version = r.checkpoint_version + 1, attempt = 1, wait = NULL,
-        updated_at = clock_timestamp()
+        updated_at = clock_timestamp(),
+        agent_version = coalesce(u.agent_version, r.agent_version),
+        started_version = coalesce(r.started_version, u.agent_version)
     FROM input AS u
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
@@ -598,7 +616,7 @@ SELECT run_id, checkpoint_version, lease_until, signals_pending FROM committed
 -- finish_runs --
 -- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[],
 --         $4 expected_versions bigint[], $5 states text[], $6 results text[] (JSON),
---         $7 errors text[] (JSON), $8 checkpoints text[] (JSON)
+--         $7 errors text[] (JSON), $8 checkpoints text[] (JSON), $9 agent_versions text[]
 -- Group commit of final commits: finish each run of owner $1 as $5 ('succeeded' or 'failed')
 -- with result $6, error $7 and final checkpoint $8 (NULL keeps the last one), only while the
 -- worker still owns it with fence $3, the lease is unexpired and the stored checkpoint version is
@@ -610,18 +628,20 @@ SELECT run_id, checkpoint_version, lease_until, signals_pending FROM committed
 -- the other arrays (empty when every entry would be NULL): unnest pads them with NULLs.
 WITH input AS MATERIALIZED (
     SELECT u.run_id, u.fence, u.expected_version, u.state, u.result::jsonb AS result,
-           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, $1::text AS owner,
-           clock_timestamp() AS now
+           u.error::jsonb AS error, u.checkpoint::jsonb AS checkpoint, u.agent_version,
+           $1::text AS owner, clock_timestamp() AS now
     FROM unnest($2::text[], $3::bigint[], $4::bigint[], $5::text[], $6::text[], $7::text[],
-                $8::text[])
-        AS u(run_id, fence, expected_version, state, result, error, checkpoint)
+                $8::text[], $9::text[])
+        AS u(run_id, fence, expected_version, state, result, error, checkpoint, agent_version)
 ), finished AS (
     UPDATE runs AS r
     SET state = CASE WHEN u.state IN ('succeeded', 'failed') THEN u.state END,
         result = u.result, error = u.error,
         checkpoint = coalesce(u.checkpoint, r.checkpoint),
         checkpoint_version = r.checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
-        wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp()
+        wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp(),
+        agent_version = coalesce(u.agent_version, r.agent_version),
+        started_version = coalesce(r.started_version, u.agent_version)
     FROM input AS u
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now

@@ -1499,6 +1499,9 @@ CREATE TABLE orchestrator.runs (
     born_epoch bigint DEFAULT orchestrator.fence_epoch() NOT NULL,
     concurrency_key text,
     priority integer DEFAULT 0 NOT NULL,
+    started_version text,
+    agent_version text,
+    CONSTRAINT runs_agent_version_check CHECK (((agent_version IS NULL) OR ((length(agent_version) >= 1) AND (length(agent_version) <= 64)))),
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT runs_concurrency_key_check CHECK (((concurrency_key IS NULL) OR ((length(concurrency_key) >= 1) AND (length(concurrency_key) <= 200)))),
     CONSTRAINT runs_fence_check CHECK ((fence >= 0)),
@@ -1506,6 +1509,7 @@ CREATE TABLE orchestrator.runs (
     CONSTRAINT runs_max_attempts_check CHECK ((max_attempts >= 1)),
     CONSTRAINT runs_priority_check CHECK (((priority >= '-1000'::integer) AND (priority <= 1000))),
     CONSTRAINT runs_signals_pending_check CHECK ((signals_pending >= 0)),
+    CONSTRAINT runs_started_version_check CHECK (((started_version IS NULL) OR ((length(started_version) >= 1) AND (length(started_version) <= 64)))),
     CONSTRAINT runs_state_check CHECK ((state = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text, 'succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]))),
     CONSTRAINT runs_wake_streak_check CHECK ((wake_streak >= 0))
 )
@@ -1907,7 +1911,8 @@ CREATE TABLE orchestrator.workers (
     agents text[] NOT NULL,
     started_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     server_started_at timestamp with time zone,
-    last_renewal_at timestamp with time zone
+    last_renewal_at timestamp with time zone,
+    agent_versions jsonb
 );
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_pkey PRIMARY KEY (token_id);

@@ -25,7 +25,7 @@ from test_runtime import FAST, eventually
 FINISH_WAITING_FOR_A_LOCK = """
 SELECT pid FROM pg_stat_activity
 WHERE wait_event_type = 'Lock'
-  AND query LIKE '%AS u(run_id, fence, expected_version, state, result, error, checkpoint)%'
+  AND query LIKE '%AS u(run_id, fence, expected_version, state, result, error, checkpoint,%'
 """
 
 

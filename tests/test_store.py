@@ -540,6 +540,7 @@ async def test_batched_writes_reach_each_run_by_its_key_whatever_the_statistics(
                 ["Done"] * count,
                 ["{}"] * count,
                 ['[{"kind": "checkpoint", "details": {}}]'] * count,
+                ["1"] * count,
             ),
         ),
         (
@@ -553,6 +554,7 @@ async def test_batched_writes_reach_each_run_by_its_key_whatever_the_statistics(
                 ['{"ok": true}'] * count,
                 [None] * count,
                 [None] * count,
+                ["1"] * count,
             ),
         ),
     ]
@@ -585,7 +587,7 @@ async def test_single_run_writes_reach_the_run_by_its_key_under_a_generic_plan(
     run = claimed[0]
     statements: list[tuple[str, str]] = [
         ("renew_lease", f"'{run.run_id}', 'w1', {run.fence}, 60.0"),
-        ("commit_step", f"'{run.run_id}', 'w1', {run.fence}, 0, 'Done', '{{}}', '[]'"),
+        ("commit_step", f"'{run.run_id}', 'w1', {run.fence}, 0, 'Done', '{{}}', '[]', '1'"),
         ("fail_attempt", f"'{run.run_id}', 'w1', {run.fence}, '{{}}', 1.0, 60.0"),
         ("release_lease", f"'{run.run_id}', 'w1', {run.fence}, 'test'"),
     ]
@@ -645,7 +647,7 @@ async def test_the_claim_statements_generic_plan_reads_runs_only_through_indexes
             for include_expired in ("true", "false"):
                 text = await connection.fetchval(
                     "EXPLAIN (FORMAT JSON) EXECUTE claim('w1', '{noop}', 200, 45.0, "
-                    f"{include_expired}, NULL, NULL)"
+                    f'{include_expired}, NULL, NULL, \'{{"noop": ["1"]}}\')'
                 )
                 plan = json.loads(text) if isinstance(text, str) else text
                 assert _scans_of_runs(plan) == {
@@ -656,7 +658,7 @@ async def test_the_claim_statements_generic_plan_reads_runs_only_through_indexes
                     ("ModifyTable", None),
                 }, plan
             claimed = await connection.fetch(
-                query("claim"), "w1", ["noop"], 200, 45.0, True, None, None
+                query("claim"), "w1", ["noop"], 200, 45.0, True, None, None, {"noop": ["1"]}
             )
             assert len(claimed) == 200
     finally:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -286,8 +286,27 @@ class Agent:
         description: str = "",
         budget: Budget | None = None,
         limits: Iterable[RunningLimit] = (),
+        version: int | str = 1,
+        upgrades: Mapping[int | str, Callable[[JSON], JSON]] | None = None,
     ) -> None:
         self.name = validate_agent_name(name)
+        self.version = agent_version_text(version, f"agent {name}'s version")
+        """The version of this code (docs/upgrades.md): a run's checkpoint is written under it,
+        and only a worker serving it (or upgrading from it) claims the run."""
+        self.upgrades: dict[str, Callable[[JSON], JSON]] = {}
+        """From each older version, the function that turns a checkpoint written under it into
+        one this code reads; applied once, before the first step of a claim."""
+        for older, upgrade in (upgrades or {}).items():
+            older_text = agent_version_text(older, f"agent {name}: an upgrade's version")
+            if older_text == self.version:
+                raise InvalidInput(
+                    f"agent {name}: an upgrade from version {older_text} is its own version"
+                )
+            if not callable(upgrade):
+                raise InvalidInput(
+                    f"agent {name}: the upgrade from version {older_text} is not a function"
+                )
+            self.upgrades[older_text] = upgrade
         self.first = first
         self.description = description
         self.budget = budget
@@ -329,6 +348,25 @@ class Agent:
         return f"Agent({self.name!r}, steps={list(self.steps)})"
 
 
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+
+
+def agent_version_text(version: object, what: str = "an agent version") -> str:
+    """A version as stored: a whole number from 1, or text of 1-64 letters, digits and ._+-."""
+    if isinstance(version, bool) or not isinstance(version, int | str):
+        raise InvalidInput(f"{what} is a whole number or text, not {version!r}")
+    if isinstance(version, int):
+        if version < 1:
+            raise InvalidInput(f"{what} must be 1 or more, not {version!r}")
+        return str(version)
+    if not _VERSION.fullmatch(version):
+        raise InvalidInput(
+            f"{what} is 1-64 letters, digits and ._+- starting with a letter or digit, "
+            f"not {version!r}"
+        )
+    return version
+
+
 class AgentRegistry:
     """The agents a worker serves, by name."""
 
@@ -354,6 +392,20 @@ class AgentRegistry:
     @property
     def names(self) -> list[str]:
         return sorted(self._agents)
+
+    @property
+    def versions(self) -> dict[str, str]:
+        """Each agent's version: what this worker's commits write under."""
+        return {name: agent.version for name, agent in sorted(self._agents.items())}
+
+    @property
+    def claimable(self) -> dict[str, list[str]]:
+        """Per agent, the versions a run's checkpoint may be written under for this worker to
+        claim it: its own, and those it declares an upgrade from."""
+        return {
+            name: [agent.version, *sorted(agent.upgrades)]
+            for name, agent in sorted(self._agents.items())
+        }
 
     @classmethod
     def from_modules(cls, modules: Sequence[str]) -> AgentRegistry:

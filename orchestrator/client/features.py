@@ -14,7 +14,7 @@ from orchestrator.db.budgets import BudgetState, LedgerEntry, TopUp
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.limits import Limit, Per
 from orchestrator.db.purges import Purged, purge
-from orchestrator.db.rates import RateLimit
+from orchestrator.db.rates import RateLimit, RateNumbers
 from orchestrator.db.retention import PURGE_BATCH
 from orchestrator.db.signals import Signal
 from orchestrator.db.standby_wait import acknowledgement_seconds
@@ -213,18 +213,10 @@ class LimitsHandle(StoresHandle):
         return await self._stores.rates.list(name)
 
     @project_errors
-    async def set_rate(
-        self,
-        name: str,
-        *,
-        requests: int | None = None,
-        tokens: int | None = None,
-        per_seconds: float = 60.0,
-    ) -> None:
-        """Set rate limit ``name`` (``model:MODEL``, ``effect:KIND`` or a step's own)."""
-        await self._stores.rates.set(
-            name, requests=requests, tokens=tokens, per_seconds=per_seconds
-        )
+    async def set_rate(self, name: str, **numbers: Unpack[RateNumbers]) -> None:
+        """Set rate limit ``name`` (``model:MODEL``, ``effect:KIND`` or a step's own):
+        ``requests=``, ``tokens=`` per ``per_seconds=`` (60)."""
+        await self._stores.rates.set(name, **numbers)
 
     @project_errors
     async def clear_rate(self, name: str) -> None:

@@ -52,6 +52,8 @@ class StepCommit(NamedTuple):
     """The seqs of the signals the step was given: the commit consumes them."""
     spend: Spend | None = None
     """What the step spent of the run's budget: settles its reservation."""
+    agent_version: str | None = None
+    """The version of the agent's code that wrote ``checkpoint`` (docs/upgrades.md)."""
 
 
 class Park(NamedTuple):
@@ -80,6 +82,8 @@ class RunFinish(NamedTuple):
     messages: Sequence[Message] = ()
     signal_seqs: Sequence[int] = ()
     spend: Spend | None = None
+    agent_version: str | None = None
+    """The version of the agent's code that finished the run (docs/upgrades.md)."""
 
 
 def checkpoint_events(commit: StepCommit) -> list[dict[str, JSON]]:

@@ -103,6 +103,7 @@ class Commits(PoolStore):
         checkpoint: JSON,
         events: Sequence[StepEvent] = (),
         in_transaction: InTransaction | None = None,
+        agent_version: str | None = None,
         db: Executor | None = None,
     ) -> CommitResult | None:
         """Commit a step's checkpoint and events, fenced; ``None`` means nothing was committed.
@@ -121,6 +122,7 @@ class Commits(PoolStore):
             next_step,
             checkpoint,
             events_json,
+            agent_version,
         )
         if in_transaction is None:
             # One statement is atomic by itself: no BEGIN/COMMIT round trips.
@@ -180,6 +182,7 @@ class Commits(PoolStore):
             [c.next_step for c in commits],
             [json_text(c.checkpoint, c.checkpoint_text) for c in commits],
             [json_text(checkpoint_events(c)) for c in commits],
+            unless_all_null([c.agent_version for c in commits]),
         )
         return {
             r["run_id"]: CommitResult(
@@ -202,6 +205,7 @@ class Commits(PoolStore):
             unless_all_null([json_text(f.result, f.result_text) for f in finishes]),
             unless_all_null([json_text(f.error) for f in finishes]),
             unless_all_null([json_text(f.checkpoint, f.checkpoint_text) for f in finishes]),
+            unless_all_null([f.agent_version for f in finishes]),
         )
         return {record["run_id"] for record in records}
 

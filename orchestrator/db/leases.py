@@ -3,7 +3,7 @@ statement's WHERE clause proves ownership; a refused one changes nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 from orchestrator.db.commit_records import same_worker
@@ -26,13 +26,16 @@ class Leases(PoolStore):
         lease_seconds: float = 45.0,
         include_expired: bool = True,
         after_key: str | None = None,
+        versions: Mapping[str, Sequence[str]] | None = None,
         db: Executor | None = None,
     ) -> ClaimBatch:
         """Claim up to ``limit`` due or lease-expired runs of ``agents`` in one statement.
 
         ``include_expired=False`` claims due runs only, without reading the running set to find
         expired leases (see claim in sql/queries.sql). ``after_key``: where the last claim's
-        turn over the concurrency keys ended (``ClaimBatch.next_key``).
+        turn over the concurrency keys ended (``ClaimBatch.next_key``). ``versions``: per agent,
+        the versions of its code a run's checkpoint may have been written under for this
+        claimer to take it (``None``: any; docs/upgrades.md).
         """
         # Each agent is probed once; a repeated name would fill the limit with duplicates.
         unique_agents = list(dict.fromkeys(agents))
@@ -45,6 +48,7 @@ class Leases(PoolStore):
             include_expired,
             None,
             after_key,
+            None if versions is None else {agent: list(v) for agent, v in versions.items()},
         )
         return self._claim_batch(records, worker_id)
 
@@ -54,12 +58,22 @@ class Leases(PoolStore):
         run_id: str,
         *,
         lease_seconds: float = 45.0,
+        versions: Mapping[str, Sequence[str]] | None = None,
         db: Executor | None = None,
     ) -> ClaimedRun | None:
-        """Claim one specific run if it is due or its lease expired; ``None`` otherwise."""
+        """Claim one specific run if it is due or its lease expired (and, with ``versions``,
+        its checkpoint was written under one of them); ``None`` otherwise."""
         validate_run_id(run_id)
         records = await (db or self.pool).fetch(
-            query("claim"), worker_id, [], 1, lease_seconds, True, run_id, None
+            query("claim"),
+            worker_id,
+            [],
+            1,
+            lease_seconds,
+            True,
+            run_id,
+            None,
+            None if versions is None else {agent: list(v) for agent, v in versions.items()},
         )
         batch = self._claim_batch(records, worker_id)
         return batch.claimed[0] if batch.claimed else None

@@ -15,7 +15,7 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from orchestrator.access import Actor
 from orchestrator.db.audit import decided
@@ -98,11 +98,20 @@ class RateLimit(JsonFields):
     """Runs waiting for it now."""
 
 
-@dataclass(frozen=True)
-class Taken:
+class Taken(NamedTuple):
+    """How many requests a charge was granted, and when not all: how long until the next."""
+
     granted: int
     wait_seconds: float
-    """When not all were granted: how long until the next one may be."""
+
+
+class RateNumbers(TypedDict, total=False):
+    """What a rate limit allows: ``requests`` and ``tokens`` (either may be left out: not
+    limited) per ``per_seconds`` (60 when left out)."""
+
+    requests: int | None
+    tokens: int | None
+    per_seconds: float
 
 
 class RateLimitStore:

@@ -4,7 +4,7 @@ tell a dead worker (lock gone) from a slow one and take its runs over at once.""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -55,6 +55,7 @@ class WorkerRegistry:
         host: str,
         pid: int,
         agents: Sequence[str],
+        versions: Mapping[str, str] | None = None,
     ) -> int:
         """Take a liveness lock on ``connection`` and record the worker; returns its key.
 
@@ -66,7 +67,15 @@ class WorkerRegistry:
         locked = await connection.fetchval(query("hold_session_lock"), self.namespace, key)
         if not locked:
             raise RuntimeError(f"liveness lock {key} is held by another session")
-        await connection.execute(query("register_worker"), worker_id, key, host, pid, list(agents))
+        await connection.execute(
+            query("register_worker"),
+            worker_id,
+            key,
+            host,
+            pid,
+            list(agents),
+            None if versions is None else dict(versions),
+        )
         return key
 
     async def served_agents(self, db: Executor) -> list[str]:

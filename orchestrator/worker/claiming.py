@@ -72,6 +72,8 @@ class ClaimLoop:
         that looks."""
         self._agent_attributes = {name: {"agent": name} for name in config.agents.names}
         """Metric attributes per agent, built once."""
+        self._claimable = config.agents.claimable
+        """Per agent, the versions of its code this worker claims runs of (docs/upgrades.md)."""
 
     def wake(self, *, leases_may_have_ended: bool = False) -> None:
         """Wake the loop; ``leases_may_have_ended``: its next claim looks for expired leases
@@ -166,6 +168,7 @@ class ClaimLoop:
                 lease_seconds=self.config.lease_seconds,
                 include_expired=include_expired,
                 after_key=self._after_key,
+                versions=self._claimable,
                 db=db,
             )
         self._after_key = batch.next_key(self._after_key)

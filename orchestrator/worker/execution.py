@@ -19,6 +19,7 @@ view, decides how the run ended.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -72,6 +73,7 @@ from orchestrator.worker.run_telemetry import (
     step_attributes,
 )
 from orchestrator.worker.runner_config import RunnerConfig
+from orchestrator.worker.upgrades import UpgradeFailed, upgraded_checkpoint
 from orchestrator.worker.wakeups import claimed_signals, park_again, pending_signals, read_wait
 
 __all__ = [
@@ -306,6 +308,11 @@ class RunExecution:
             if still_waiting:  # woken by one of several awaited effects: wait on
                 return await self._wait_again(claimed.wait, woken)
         at: Position = (claimed.step, claimed.checkpoint, claimed.checkpoint_version)
+        if claimed.agent_version not in (None, agent.version):
+            try:  # committed (fenced) with the first step: never upgraded twice
+                at = (claimed.step, upgraded_checkpoint(agent, claimed), at[2])
+            except UpgradeFailed as error:  # the stored checkpoint stays as it was
+                return await self._fail_attempt(error)
         while True:
             step_class = await self._next_step(agent, at)
             if isinstance(step_class, Disposition):
@@ -314,7 +321,7 @@ class RunExecution:
                 signals = await self._signals(woken.signals if woken is not None else ())
             if budget is not None:
                 budget.reset()
-            context = self._context(agent, step_class, at, signals, woken, budget)
+            context = step_context(self, agent, step_class, at, signals, woken, budget)
             woken = None
             advanced = await self._step(agent, step_class, context, at, signals, budget)
             if not isinstance(advanced, tuple):
@@ -341,39 +348,6 @@ class RunExecution:
             self.handle.lose("could not extend the lease for the step's own duration")
             return Disposition.LOST
         return step_class
-
-    def _context(
-        self,
-        agent: steps.Agent,
-        step_class: type[steps.Step],
-        at: Position,
-        signals: tuple[Signal, ...],
-        woken: steps.WaitState | None,
-        budget: RunBudget | None,
-    ) -> steps.StepContext:
-        claimed, lease = self.claimed, self.claimed.lease
-        _, checkpoint, version = at
-        this_step = step_class.step_name()
-        return steps.StepContext(
-            run_id=lease.run_id,
-            agent=agent.name,
-            step=this_step,
-            fence=lease.fence,
-            attempt=claimed.attempt,
-            max_attempts=claimed.max_attempts,
-            worker_id=lease.worker_id,
-            input=claimed.input,
-            checkpoint=checkpoint,
-            checkpoint_version=version,
-            lease_until=self.handle.lease_until,
-            log=self.log.bind(step=this_step),
-            effects=self.effects,
-            transcript=self.transcript,
-            database_now=self.handle.database_now,
-            signals=signals,
-            wait=woken,
-            budget=budget,
-        )
 
     async def _step(
         self,
@@ -413,6 +387,9 @@ class RunExecution:
                     except PermanentFailure as failure:  # as if the step returned Fail
                         span.record_exception(failure)
                         outcome = steps.Fail(str(failure))
+                    if isinstance(outcome, steps.Finish) and outcome.checkpoint is None:
+                        # Keeping the checkpoint keeps the one this version reads (upgraded).
+                        outcome = dataclasses.replace(outcome, checkpoint=checkpoint)
                     encoded = validate(outcome, agent.name, agent.steps, services.config.limits)
                 except Exception as error:
                     span.record_exception(error)
@@ -428,7 +405,9 @@ class RunExecution:
                     messages = await self.transcript.numbered(outcome.messages, lease.fence)
                 extras = step_extras(signals, budget)
                 if isinstance(outcome, (steps.Finish, steps.Fail)):
-                    finish = run_finish(outcome, lease, version, encoded, messages, extras)
+                    finish = run_finish(
+                        outcome, lease, version, encoded, messages, extras, agent.version
+                    )
                     self._finish(finish, started, span)
                     handed_over = True
                     return None
@@ -443,6 +422,7 @@ class RunExecution:
                     extras,
                     current_checkpoint=checkpoint,
                     claimed_version=self.claimed.checkpoint_version,
+                    agent_version=agent.version,
                 )
                 try:
                     committed = await self._commit(commit)
@@ -570,3 +550,38 @@ class RunExecution:
 
     async def _fail_attempt(self, error: BaseException) -> Disposition:
         return await self._writes().fail_attempt(error)
+
+
+def step_context(
+    run: RunExecution,
+    agent: steps.Agent,
+    step_class: type[steps.Step],
+    at: Position,
+    signals: tuple[Signal, ...],
+    woken: steps.WaitState | None,
+    budget: RunBudget | None,
+) -> steps.StepContext:
+    """What the step at ``at`` may read, from what ``run``'s claim and commits hold."""
+    claimed, lease = run.claimed, run.claimed.lease
+    _, checkpoint, version = at
+    this_step = step_class.step_name()
+    return steps.StepContext(
+        run_id=lease.run_id,
+        agent=agent.name,
+        step=this_step,
+        fence=lease.fence,
+        attempt=claimed.attempt,
+        max_attempts=claimed.max_attempts,
+        worker_id=lease.worker_id,
+        input=claimed.input,
+        checkpoint=checkpoint,
+        checkpoint_version=version,
+        lease_until=run.handle.lease_until,
+        log=run.log.bind(step=this_step),
+        effects=run.effects,
+        transcript=run.transcript,
+        database_now=run.handle.database_now,
+        signals=signals,
+        wait=woken,
+        budget=budget,
+    )

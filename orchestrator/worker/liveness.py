@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
 import anyio
@@ -49,6 +49,8 @@ class Liveness:
     worker_id: str
     agents: Sequence[str]
     _: KW_ONLY
+    versions: Mapping[str, str] | None = None
+    """Each agent's version (docs/upgrades.md), recorded with the worker."""
     check_seconds: float
     statement_seconds: float
     session_key: int | None = field(default=None, init=False)
@@ -74,6 +76,7 @@ class Liveness:
                     host=socket.gethostname(),
                     pid=os.getpid(),
                     agents=list(self.agents),
+                    versions=self.versions,
                 )
             except BaseException:
                 connection.terminate()

@@ -91,6 +91,7 @@ def step_commit(
     *,
     current_checkpoint: JSON,
     claimed_version: int,
+    agent_version: str | None = None,
 ) -> StepCommit:
     """The commit of a step that goes on: to its next step, or parked until what ``Wait``
     names happens (a ``Wait`` without a checkpoint keeps ``current_checkpoint``)."""
@@ -105,6 +106,7 @@ def step_commit(
             messages=messages,
             signal_seqs=extras.signal_seqs,
             spend=extras.spend,
+            agent_version=agent_version,
         )
     # Progress since the claim: a step committed before this one, or this one was given
     # signals (a wait found already satisfied is then no spin).
@@ -120,6 +122,7 @@ def step_commit(
         park=Park(outcome.stored().as_json(), outcome.until, progressed=progressed),
         signal_seqs=extras.signal_seqs,
         spend=extras.spend,
+        agent_version=agent_version,
     )
 
 
@@ -130,8 +133,10 @@ def run_finish(
     encoded: Encoded,
     messages: Sequence[Message],
     extras: Extras,
+    agent_version: str | None = None,
 ) -> RunFinish:
-    """The run's final commit: succeeded with ``Finish``'s result, or failed with ``Fail``'s."""
+    """The run's final commit: succeeded with ``Finish``'s result, or failed with ``Fail``'s
+    (which keeps the checkpoint, and so the version it was written under)."""
     if isinstance(outcome, Finish):
         return RunFinish(
             lease,
@@ -146,6 +151,7 @@ def run_finish(
             messages=messages,
             signal_seqs=extras.signal_seqs,
             spend=extras.spend,
+            agent_version=agent_version,
         )
     failure: dict[str, JSON] = {"type": "Fail", "message": outcome.message}
     if outcome.details is not None:

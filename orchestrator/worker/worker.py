@@ -234,6 +234,7 @@ class Worker:
                 dsn,
                 worker_id,
                 config.agents.names,
+                versions=config.agents.versions,
                 check_seconds=min(1.0, config.reap_seconds),
                 statement_seconds=statement_seconds,
             )

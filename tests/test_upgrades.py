@@ -1,0 +1,193 @@
+"""Versioned agents (docs/upgrades.md): a run records the version of the agent's code that
+started it and that wrote its latest checkpoint; a claim hands it only to a worker serving that
+version or upgrading from it; the upgrade runs once per claim, in memory, and is committed fenced
+with the claim's first step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import asyncpg
+import pytest
+
+from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext, Wait
+from orchestrator.db.signals import SignalStore
+from orchestrator.db.store import RunStore
+from orchestrator.errors import InvalidInput
+from orchestrator.models import JSON, RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import running_worker
+from test_runtime import FAST
+
+
+class Start(Step):
+    name = "Start"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Wait(then="End", signals=["go", "again"], checkpoint={"n": 1})
+
+
+class EndV1(Step):
+    name = "End"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Finish(result={"read": ctx.checkpoint})
+
+
+class EndV2(Step):
+    """Version 2 reads ``{"count": ..., "upgrades": ...}``; woken by ``again``, it waits
+    again keeping the checkpoint (which must then be the upgraded one)."""
+
+    name = "End"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        if "again" in [signal.name for signal in ctx.signals]:
+            return Wait(then="End", signals=["go"])
+        assert set(ctx.checkpoint or {}) == {"count", "upgrades"}, ctx.checkpoint
+        return Finish(result={"read": ctx.checkpoint})
+
+
+def to_v2(checkpoint: JSON) -> JSON:
+    assert isinstance(checkpoint, dict)
+    return {"count": checkpoint["n"], "upgrades": checkpoint.get("upgrades", 0) + 1}
+
+
+def broken(checkpoint: JSON) -> JSON:
+    raise ValueError("no field n in this shape")
+
+
+v1 = Agent("shipping", first=Start, steps=[EndV1], version=1)
+v2 = Agent("shipping", first=Start, steps=[EndV2], version=2, upgrades={1: to_v2})
+v2_broken = Agent("shipping", first=Start, steps=[EndV2], version=2, upgrades={1: broken})
+v3_without_path = Agent("shipping", first=Start, steps=[EndV2], version="3.0")
+
+
+async def parked_under_v1(settings: Settings, store: RunStore) -> str:
+    """A run whose first step committed under version 1 and now waits for ``go``."""
+    run_id = (await store.submit("shipping", {})).run.run_id
+    async with running_worker(settings, [v1], **FAST):
+        with anyio.fail_after(30):
+            while (await store.get(run_id)).state is not RunState.WAITING:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+    run = await store.get(run_id)
+    assert (run.started_version, run.agent_version, run.checkpoint) == ("1", "1", {"n": 1})
+    return run_id
+
+
+async def until_state(store: RunStore, run_id: str, *states: RunState) -> Any:
+    with anyio.fail_after(30):
+        while (run := await store.get(run_id)).state not in states:  # noqa: ASYNC110
+            await anyio.sleep(0.05)
+    return run
+
+
+async def test_a_newer_worker_upgrades_the_checkpoint_once_and_commits_it_with_its_step(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await parked_under_v1(settings, store)
+    async with running_worker(settings, [v2], **FAST), running_worker(settings, [v2], **FAST):
+        await SignalStore(pool).send(run_id, "go")
+        run = await until_state(store, run_id, RunState.SUCCEEDED, RunState.DEAD)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert run.result == {"read": {"count": 1, "upgrades": 1}}  # two workers: upgraded once
+    assert (run.started_version, run.agent_version) == ("1", "2")
+    assert run.checkpoint == {"count": 1, "upgrades": 1}  # the finish kept the upgraded one
+
+
+async def test_a_wait_that_keeps_its_checkpoint_keeps_the_upgraded_one(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await parked_under_v1(settings, store)
+    async with running_worker(settings, [v2], **FAST):
+        await SignalStore(pool).send(run_id, "again")
+        with anyio.fail_after(30):
+            while (run := await store.get(run_id)).agent_version != "2":  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        assert run.state is RunState.WAITING
+        assert run.checkpoint == {"count": 1, "upgrades": 1}
+        await SignalStore(pool).send(run_id, "go")
+        run = await until_state(store, run_id, RunState.SUCCEEDED, RunState.DEAD)
+    assert run.result == {"read": {"count": 1, "upgrades": 1}}  # not upgraded a second time
+
+
+async def test_an_upgrade_that_raises_fails_the_attempt_and_keeps_the_checkpoint(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await parked_under_v1(settings, store)
+    async with running_worker(settings, [v2_broken], **FAST):
+        await SignalStore(pool).send(run_id, "go")
+        with anyio.fail_after(30):
+            while not (  # noqa: ASYNC110
+                failed := await pool.fetch(
+                    "SELECT details FROM run_events WHERE run_id = $1"
+                    " AND kind IN ('retry_scheduled', 'dead_lettered')",
+                    run_id,
+                )
+            ):
+                await anyio.sleep(0.05)
+    message = str(failed[0]["details"])
+    assert "from version 1 to version 2 of agent shipping" in message, message
+    assert "no field n in this shape" in message
+    run = await store.get(run_id)
+    assert (run.checkpoint, run.agent_version) == ({"n": 1}, "1")
+
+
+async def test_a_claim_takes_only_runs_whose_checkpoint_its_worker_can_read(
+    store: RunStore,
+) -> None:
+    fresh = (await store.submit("a", {"fresh": True})).run.run_id
+    written = (await store.submit("a", {"fresh": False})).run.run_id
+    for run_id in (fresh, written):
+        claimed = await store.claim_run("w0", run_id, lease_seconds=30)
+        assert claimed is not None and claimed.agent_version is None
+        if run_id == written:
+            assert await store.commit_step(
+                claimed.lease, expected_version=0, next_step="b", checkpoint={}, agent_version="1"
+            )
+        assert await store.release(claimed.lease)
+    batch = await store.claim("w2", ["a"], limit=5, versions={"a": ["2"]})
+    assert [run.run_id for run in batch.claimed] == [fresh]  # never started: anyone's
+    assert await store.claim_run("w2", written, versions={"a": ["2"]}) is None
+    upgrading = await store.claim("w3", ["a"], limit=5, versions={"a": ["2", "1"]})
+    assert [(run.run_id, run.agent_version) for run in upgrading.claimed] == [(written, "1")]
+
+
+async def test_a_worker_without_an_upgrade_path_leaves_the_run_for_one_that_has_it(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = await parked_under_v1(settings, store)
+    async with running_worker(settings, [v3_without_path], **FAST):
+        await SignalStore(pool).send(run_id, "go")
+        await anyio.sleep(1.5)  # several polls: it must not take the run
+        run = await store.get(run_id)
+        assert (run.state, run.fence, run.agent_version) == (RunState.WAITING, 1, "1")
+        async with running_worker(settings, [v2], **FAST):
+            run = await until_state(store, run_id, RunState.SUCCEEDED, RunState.DEAD)
+    assert run.result == {"read": {"count": 1, "upgrades": 1}}
+    versions = await pool.fetch("SELECT agent_versions FROM workers")
+    assert all(
+        row["agent_versions"] in ({"shipping": "3.0"}, {"shipping": "2"}) for row in versions
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        ({"version": 0}, "1 or more"),
+        ({"version": -3}, "1 or more"),
+        ({"version": True}, "whole number or text"),
+        ({"version": 1.5}, "whole number or text"),
+        ({"version": ""}, "1-64 letters"),
+        ({"version": "x" * 65}, "1-64 letters"),
+        ({"version": "v1\x00"}, "1-64 letters"),
+        ({"version": "two words"}, "1-64 letters"),
+        ({"version": 2, "upgrades": {2: to_v2}}, "its own version"),
+        ({"version": 2, "upgrades": {"": to_v2}}, "1-64 letters"),
+        ({"version": 2, "upgrades": {1: "not a function"}}, "not a function"),
+    ],
+)
+def test_a_bad_version_or_upgrade_is_one_line(options: dict[str, Any], why: str) -> None:
+    with pytest.raises(InvalidInput, match=why) as raised:
+        Agent("shipping", first=Start, **options)
+    assert "\n" not in str(raised.value)
