@@ -1174,6 +1174,50 @@ LEFT JOIN runs AS r ON r.lease_owner = w.worker_id AND r.state = 'running'
 GROUP BY w.worker_id
 ORDER BY w.worker_id
 
+-- agent_versions --
+-- params: $1 lock_namespace int, $2 agent text (NULL: every agent)
+-- Each version of each agent that a registered worker serves or that wrote the checkpoint of an
+-- unfinished run: the live workers that run that version, the live workers that may claim its
+-- runs (they serve it or upgrade from it: workers.agent_versions holds, per agent, the version
+-- first, then those it upgrades from), and its unfinished runs. Reads every unfinished run (no
+-- index names the version): an operator's listing, not a hot path.
+WITH live AS (
+    SELECT w.worker_id, w.agent_versions
+    FROM workers AS w
+    WHERE EXISTS (
+        SELECT 1 FROM pg_locks AS l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = $1::bigint
+          AND l.objsubid = 2 AND l.objid::bigint = w.session_key
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    )
+), offered AS (
+    SELECT v.key AS agent, c.value AS version, c.ordinality = 1 AS runs_it, l.worker_id
+    FROM live AS l
+    CROSS JOIN LATERAL jsonb_each(coalesce(l.agent_versions, '{}'::jsonb)) AS v
+    CROSS JOIN LATERAL jsonb_array_elements_text(
+        CASE WHEN jsonb_typeof(v.value) = 'array' THEN v.value ELSE '[]'::jsonb END
+    ) WITH ORDINALITY AS c(value, ordinality)
+    WHERE $2::text IS NULL OR v.key = $2::text
+), served AS (
+    SELECT agent, version,
+           coalesce(array_agg(DISTINCT worker_id) FILTER (WHERE runs_it), '{}') AS workers,
+           array_agg(DISTINCT worker_id) AS claimed_by
+    FROM offered
+    GROUP BY agent, version
+), unfinished AS (
+    SELECT agent, agent_version AS version, count(*) AS runs
+    FROM runs
+    WHERE state IN ('queued', 'running', 'waiting') AND agent_version IS NOT NULL
+      AND ($2::text IS NULL OR agent = $2::text)
+    GROUP BY agent, agent_version
+)
+SELECT coalesce(s.agent, u.agent) AS agent, coalesce(s.version, u.version) AS version,
+       coalesce(s.workers, '{}') AS workers, coalesce(s.claimed_by, '{}') AS claimed_by,
+       coalesce(u.runs, 0) AS unfinished_runs
+FROM served AS s
+FULL JOIN unfinished AS u ON u.agent = s.agent AND u.version = s.version
+ORDER BY 1, 2
+
 -- queue_stats --
 -- params: (none)
 -- Per agent: runs queued, due now (queued or waiting with available_at passed), running,

@@ -5,6 +5,8 @@ with the claim's first step."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import anyio
@@ -14,10 +16,12 @@ import pytest
 from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext, Wait
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
+from orchestrator.db.workers import WorkerRegistry
 from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
+from test_flow_control import cli
 from test_runtime import FAST
 
 
@@ -162,12 +166,24 @@ async def test_a_worker_without_an_upgrade_path_leaves_the_run_for_one_that_has_
         await anyio.sleep(1.5)  # several polls: it must not take the run
         run = await store.get(run_id)
         assert (run.state, run.fence, run.agent_version) == (RunState.WAITING, 1, "1")
-        async with running_worker(settings, [v2], **FAST):
+        shown = await asyncio.to_thread(cli, settings, "agents", "versions", "--json")
+        assert shown.returncode == 0, shown.stderr
+        listed = {row["version"]: row for row in json.loads(shown.stdout)}
+        assert listed["1"]["unfinished_runs"] == 1 and listed["1"]["stranded"] is True
+        assert listed["1"]["claimed_by"] == [] and len(listed["3.0"]["workers"]) == 1
+        async with running_worker(settings, [v2], **FAST) as upgrading:
+            [version_1] = [
+                v
+                for v in await WorkerRegistry(settings.schema).agent_versions(pool)
+                if v.version == "1"
+            ]
+            assert version_1.claimed_by == [upgrading.worker_id] or version_1.unfinished_runs == 0
             run = await until_state(store, run_id, RunState.SUCCEEDED, RunState.DEAD)
     assert run.result == {"read": {"count": 1, "upgrades": 1}}
     versions = await pool.fetch("SELECT agent_versions FROM workers")
     assert all(
-        row["agent_versions"] in ({"shipping": "3.0"}, {"shipping": "2"}) for row in versions
+        row["agent_versions"] in ({"shipping": ["3.0"]}, {"shipping": ["2", "1"]})
+        for row in versions
     )
 
 

@@ -394,11 +394,6 @@ class AgentRegistry:
         return sorted(self._agents)
 
     @property
-    def versions(self) -> dict[str, str]:
-        """Each agent's version: what this worker's commits write under."""
-        return {name: agent.version for name, agent in sorted(self._agents.items())}
-
-    @property
     def claimable(self) -> dict[str, list[str]]:
         """Per agent, the versions a run's checkpoint may be written under for this worker to
         claim it: its own, and those it declares an upgrade from."""

@@ -18,6 +18,7 @@ from orchestrator.lazy import DISTRIBUTION
 from orchestrator.settings import Settings
 
 COMMANDS = {
+    "agents": "orchestrator.cli.agents:agents",
     "approvals": "orchestrator.cli.approvals:approvals",
     "audit": "orchestrator.cli.audit:audit",
     "chaos": "orchestrator.cli.chaos:chaos",
@@ -38,6 +39,7 @@ COMMANDS = {
 """Each command and where it lives: imported only when that command runs."""
 
 SUMMARIES = {
+    "agents": "The versions of each agent's code: who runs them and the runs that wait for them.",
     "approvals": "Effects waiting for a person's decision: list, show, approve, deny.",
     "audit": "The audit trail: list its rows, verify its hash chain.",
     "chaos": (

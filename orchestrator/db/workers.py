@@ -11,13 +11,43 @@ import asyncpg
 
 from orchestrator.db.executor import Executor
 from orchestrator.db.queries import query
-from orchestrator.models import WorkerInfo
+from orchestrator.ids import validate_agent_name
+from orchestrator.models import JsonFields, Row, WorkerInfo
 from orchestrator.settings import DEFAULT_SCHEMA
 
 LIVENESS_LOCK_NAMESPACE = 0x6F72  # "or": the first key of every worker's liveness lock
 REREGISTER_GRACE_SECONDS = 10.0
 """After a PostgreSQL restart, how long workers registered before it have to register again
 before a reaper judges them dead (every worker checks its liveness session each second)."""
+
+
+@dataclass(frozen=True)
+class AgentVersion(JsonFields):
+    """One version of one agent, as ``orchestrator agents versions`` shows it."""
+
+    agent: str
+    version: str
+    workers: list[str]
+    """Live workers that run this version."""
+    claimed_by: list[str]
+    """Live workers that may claim its runs: they run it, or upgrade from it."""
+    unfinished_runs: int
+    """Queued, running and waiting runs whose checkpoint this version wrote."""
+
+    @property
+    def stranded(self) -> bool:
+        """Runs wait for it and no live worker may claim them."""
+        return self.unfinished_runs > 0 and not self.claimed_by
+
+    @classmethod
+    def from_record(cls, record: Row) -> AgentVersion:
+        return cls(
+            record["agent"],
+            record["version"],
+            sorted(record["workers"]),
+            sorted(record["claimed_by"]),
+            int(record["unfinished_runs"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -47,6 +77,14 @@ class WorkerRegistry:
             WorkerInfo.from_record(r) for r in await db.fetch(query("list_workers"), self.namespace)
         ]
 
+    async def agent_versions(self, db: Executor, agent: str | None = None) -> list[AgentVersion]:
+        """Each version of each agent (of ``agent``): its live workers, the live workers that
+        may claim its runs, and its unfinished runs (docs/upgrades.md)."""
+        if agent is not None:
+            validate_agent_name(agent)
+        rows = await db.fetch(query("agent_versions"), self.namespace, agent)
+        return [AgentVersion.from_record(row) for row in rows]
+
     async def register(
         self,
         connection: asyncpg.Connection,
@@ -55,7 +93,7 @@ class WorkerRegistry:
         host: str,
         pid: int,
         agents: Sequence[str],
-        versions: Mapping[str, str] | None = None,
+        versions: Mapping[str, Sequence[str]] | None = None,
     ) -> int:
         """Take a liveness lock on ``connection`` and record the worker; returns its key.
 
@@ -74,7 +112,7 @@ class WorkerRegistry:
             host,
             pid,
             list(agents),
-            None if versions is None else dict(versions),
+            None if versions is None else {agent: list(v) for agent, v in versions.items()},
         )
         return key
 

@@ -49,8 +49,9 @@ class Liveness:
     worker_id: str
     agents: Sequence[str]
     _: KW_ONLY
-    versions: Mapping[str, str] | None = None
-    """Each agent's version (docs/upgrades.md), recorded with the worker."""
+    versions: Mapping[str, Sequence[str]] | None = None
+    """Per agent, its version and those it upgrades from (docs/upgrades.md), recorded with the
+    worker."""
     check_seconds: float
     statement_seconds: float
     session_key: int | None = field(default=None, init=False)

@@ -234,7 +234,7 @@ class Worker:
                 dsn,
                 worker_id,
                 config.agents.names,
-                versions=config.agents.versions,
+                versions=config.agents.claimable,
                 check_seconds=min(1.0, config.reap_seconds),
                 statement_seconds=statement_seconds,
             )

@@ -14,4 +14,5 @@ ALTER TABLE runs
     ADD CONSTRAINT runs_agent_version_check
         CHECK (agent_version IS NULL OR length(agent_version) BETWEEN 1 AND 64);
 
+-- Per agent served: [its version, then the versions it upgrades from].
 ALTER TABLE workers ADD COLUMN agent_versions jsonb;

@@ -1,0 +1,56 @@
+"""``orchestrator agents``: each agent's code versions, who runs them, what waits for them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import click
+from rich.table import Table
+
+from orchestrator.cli.presentation import grid
+from orchestrator.cli.support import async_command, json_option, print_found
+from orchestrator.client.stores import open_stores
+from orchestrator.db.workers import AgentVersion
+from orchestrator.settings import Settings
+
+
+@click.group()
+def agents() -> None:
+    """The versions of each agent's code: who runs them and the runs that wait for them."""
+
+
+@agents.command("versions")
+@click.option("--agent", help="Only this agent's versions.")
+@json_option("Print the versions as a JSON array.")
+@async_command
+async def agents_versions(settings: Settings, agent: str | None, as_json: bool) -> None:
+    """Each version of each agent that a live worker serves or that wrote an unfinished run's
+    checkpoint: the workers that run it, those that may claim its runs (they run it or upgrade
+    from it), and its unfinished runs; "stranded" when runs wait and no live worker may claim
+    them (deploy a worker that serves or upgrades from that version: docs/upgrades.md)."""
+    async with open_stores(settings) as stores:
+        found = await stores.workers.agent_versions(stores.pool, agent)
+    print_found(
+        found,
+        as_json,
+        versions_table,
+        "no versions: no live worker and no unfinished run of a versioned agent",
+        document=lambda version: {**version.as_json(), "stranded": version.stranded},
+    )
+
+
+def versions_table(found: Sequence[AgentVersion]) -> Table:
+    return grid(
+        ("agent", "version", "run by", "may claim", "unfinished runs", ""),
+        (
+            (
+                version.agent,
+                version.version,
+                ", ".join(version.workers) or "-",
+                ", ".join(version.claimed_by) or "-",
+                str(version.unfinished_runs),
+                "stranded" if version.stranded else "",
+            )
+            for version in found
+        ),
+    )
