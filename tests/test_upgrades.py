@@ -97,6 +97,8 @@ async def test_a_newer_worker_upgrades_the_checkpoint_once_and_commits_it_with_i
     assert run.result == {"read": {"count": 1, "upgrades": 1}}  # two workers: upgraded once
     assert (run.started_version, run.agent_version) == ("1", "2")
     assert run.checkpoint == {"count": 1, "upgrades": 1}  # the finish kept the upgraded one
+    shown = await asyncio.to_thread(cli, settings, "runs", "show", run_id)
+    assert "2 (started under 1)" in shown.stdout, shown.stdout
 
 
 async def test_a_wait_that_keeps_its_checkpoint_keeps_the_upgraded_one(

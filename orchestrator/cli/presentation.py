@@ -130,6 +130,8 @@ def print_run(console: Console, detail: RunDetail) -> None:
         ("waiting for", _waiting_for(run, now)),
         ("signals pending", str(run.signals_pending) if run.signals_pending else ""),
         ("checkpoint", f"version {run.checkpoint_version}: {_compact(run.checkpoint)}"),
+        ("agent version", _agent_versions(run)),
+        ("concurrency key", run.concurrency_key or ""),
         ("input", _compact(run.input)),
         ("result", _compact(run.result)),
         ("error", _compact(run.error)),
@@ -196,6 +198,15 @@ def queue_table(rows: Sequence[dict[str, Any]]) -> Table:
             for row in rows
         ),
     )
+
+
+def _agent_versions(run: Run) -> str:
+    """Which versions of the agent's code started the run and wrote its checkpoint."""
+    if run.agent_version is None:
+        return ""
+    if run.started_version in (None, run.agent_version):
+        return run.agent_version
+    return f"{run.agent_version} (started under {run.started_version})"
 
 
 def _waiting_for(run: Run, now: datetime) -> str:
