@@ -48,3 +48,22 @@ def _matching(pattern: re.Pattern[str], value: str, problem: str) -> str:
     if not pattern.fullmatch(value):
         raise InvalidInput(problem)
     return value
+
+
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+
+
+def agent_version_text(version: object, what: str = "an agent version") -> str:
+    """A version as stored: a whole number from 1, or text of 1-64 letters, digits and ._+-."""
+    if isinstance(version, bool) or not isinstance(version, int | str):
+        raise InvalidInput(f"{what} is a whole number or text, not {version!r}")
+    if isinstance(version, int):
+        if version < 1:
+            raise InvalidInput(f"{what} must be 1 or more, not {version!r}")
+        return str(version)
+    if not _VERSION.fullmatch(version):
+        raise InvalidInput(
+            f"{what} is 1-64 letters, digits and ._+- starting with a letter or digit, "
+            f"not {version!r}"
+        )
+    return version

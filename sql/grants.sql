@@ -32,7 +32,8 @@ GRANT SELECT ON {schema}.orchestrator_schema_migrations
 -- itself) are definer functions too. It appends nothing to the audit trail itself.
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
-    {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits
+    {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
+    {schema}.agent_cutovers
     TO {worker};
 GRANT UPDATE (state, lease_owner, lease_until, fence, attempt, available_at, step, checkpoint,
               checkpoint_version, result, error, wait, wake_streak, signals_pending, updated_at,
@@ -98,7 +99,8 @@ GRANT EXECUTE ON FUNCTION
 -- `watched` flag; nothing of people, tokens or the audit trail.
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
-    {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits
+    {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
+    {schema}.agent_cutovers
     TO {client}, {console};
 GRANT UPDATE (watched) ON {schema}.runs TO {client}, {console};
 GRANT EXECUTE ON FUNCTION
@@ -110,6 +112,7 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_set_rate_limit(text, integer, bigint, double precision, text, text,
                                          text),
     {schema}.orchestrator_clear_rate_limit(text, text, text, text),
+    {schema}.orchestrator_cutover(text, text, text, text, text),
     {schema}.orchestrator_decide_approval(text, text, text, text, text, bigint, text, text,
                                           text),
     {schema}.orchestrator_resolve_effect(text, text, boolean, text, text, text, text),

@@ -65,8 +65,10 @@ SELECT * FROM runs WHERE idempotency_key = $1
 -- an index range on runs_due_plain up to the clock read once (`(SELECT clock_timestamp())`: a
 -- value the index can use, where a volatile call is only a filter): the runs waiting for later
 -- (a timer, a signal: due at 'infinity') lie past that range and are never read.
--- Versions (migration 0023, docs/upgrades.md): a run whose checkpoint was written under an agent
--- version not among $8's for its agent is not claimed (a run no step has committed yet is).
+-- Versions (migrations 0023, 0024, docs/upgrades.md): a run whose checkpoint was written under an
+-- agent version not among $8's for its agent is not claimed (a run no step has committed yet
+-- is), nor a run of an agent cut over to a version other than the claimer's own (the first of
+-- $8's).
 -- Flow control (migration 0021, docs/flow-control.md): when one of the agents has a limit, or a
 -- due run with a concurrency key, orchestrator_plan_claim picks the runs (keys in turns, every
 -- limit locked and counted) and this statement claims those; otherwise the plain path below,
@@ -93,6 +95,8 @@ WITH flow AS MATERIALIZED (
     WHERE $6::text IS NULL AND $5::boolean AND state = 'running' AND agent = ANY($2::text[])
       AND lease_until < clock_timestamp() AND NOT (SELECT planned FROM flow)
       AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
+      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c WHERE c.agent = r.agent
+                        AND c.version IS DISTINCT FROM ($8::jsonb -> r.agent ->> 0))
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), due AS (
@@ -108,6 +112,8 @@ WITH flow AS MATERIALIZED (
           AND concurrency_key IS NULL AND available_at <= (SELECT clock_timestamp())
           AND NOT (SELECT planned FROM flow)
           AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
+          AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c WHERE c.agent = a.agent
+                            AND c.version IS DISTINCT FROM ($8::jsonb -> a.agent ->> 0))
         ORDER BY available_at
         LIMIT $3
         FOR UPDATE SKIP LOCKED
@@ -124,6 +130,8 @@ WITH flow AS MATERIALIZED (
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
       AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
+      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c WHERE c.agent = r.agent
+                        AND c.version IS DISTINCT FROM ($8::jsonb -> r.agent ->> 0))
     FOR UPDATE SKIP LOCKED
 ), plan AS MATERIALIZED (
     SELECT p.run_id, p.next_key, p.held_back
@@ -139,6 +147,8 @@ WITH flow AS MATERIALIZED (
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
       AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
+      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c WHERE c.agent = r.agent
+                        AND c.version IS DISTINCT FROM ($8::jsonb -> r.agent ->> 0))
     FOR UPDATE SKIP LOCKED
 ), picked AS (
     SELECT *
@@ -281,6 +291,8 @@ WITH committed AS (
         started_version = coalesce(started_version, $8::text)
     WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
       AND lease_until > clock_timestamp() AND checkpoint_version = $4
+      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
+                      WHERE c.agent = runs.agent AND c.version IS DISTINCT FROM $8::text)
     RETURNING run_id, fence, checkpoint_version, lease_until
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
@@ -604,6 +616,8 @@ WITH input AS MATERIALIZED (
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
       AND r.checkpoint_version = u.expected_version
+      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
+                      WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
     RETURNING r.run_id, r.fence, r.checkpoint_version, r.lease_until, u.events,
               r.signals_pending
 ), logged AS (
@@ -646,6 +660,8 @@ WITH input AS MATERIALIZED (
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
       AND r.checkpoint_version = u.expected_version
+      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
+                      WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
     RETURNING r.run_id, r.fence, r.state, r.checkpoint_version, u.error, r.watched
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
@@ -1482,3 +1498,7 @@ SELECT orchestrator_rate_settle($1, $2)
 -- pause_rate --
 -- params: $1 name, $2 seconds, $3 by (who got the 429)
 SELECT paused_until FROM orchestrator_rate_pause($1, $2, $3)
+
+-- cutover --
+-- params: $1 agent, $2 version, $3 principal, $4 via, $5 typed_by
+SELECT * FROM orchestrator_cutover($1, $2, $3, $4, $5)

@@ -336,6 +336,77 @@ BEGIN
         jsonb_build_object('name', p_name), p_typed_by);
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_cutover(p_agent text, p_version text, p_principal text, p_via text, p_typed_by text, OUT agent text, OUT version text, OUT previous text, OUT runs_cut integer, OUT audit_seq bigint, OUT principal text) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $_$
+#variable_conflict use_column
+DECLARE
+    who record;
+BEGIN
+    IF p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'
+       OR p_version IS NULL OR p_version !~ '^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$' THEN
+        RAISE EXCEPTION 'a cutover needs an agent name and a version (a whole number from 1, or '
+                        '1-64 letters, digits and ._+-)'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    SELECT c.version INTO previous FROM agent_cutovers AS c WHERE c.agent = p_agent FOR UPDATE;
+    IF previous ~ '^[0-9]{1,18}$' AND p_version ~ '^[0-9]{1,18}$'
+       AND p_version::bigint < previous::bigint THEN
+        RAISE EXCEPTION 'agent % is cut over to version % already: a cutover to the older '
+                        'version % is refused', p_agent, previous, p_version
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO agent_cutovers AS c (agent, version, set_by)
+    VALUES (p_agent, p_version, who.principal)
+    ON CONFLICT (agent) DO UPDATE
+    SET version = excluded.version, set_by = excluded.set_by, set_at = clock_timestamp();
+    WITH target AS (
+        SELECT r.run_id, r.lease_owner AS previous_owner
+        FROM runs AS r
+        WHERE r.agent = p_agent AND r.state = 'running'
+          AND NOT EXISTS (
+              SELECT 1 FROM workers AS w
+              WHERE w.worker_id = r.lease_owner
+                AND w.agent_versions -> p_agent ->> 0 = p_version)
+        FOR UPDATE
+    ), cut AS (
+        UPDATE runs AS r
+        SET state = 'queued', fence = greatest(r.fence + 1, (SELECT fence_floor())),
+            lease_owner = NULL, lease_until = NULL, available_at = clock_timestamp(),
+            updated_at = clock_timestamp()
+        FROM target AS t
+        WHERE r.run_id = t.run_id
+        RETURNING r.run_id, r.fence, t.previous_owner
+    ), logged AS (
+        INSERT INTO run_events (run_id, kind, fence, details)
+        SELECT c.run_id, 'cut_over', c.fence,
+               jsonb_build_object('to_version', p_version, 'previous_owner', c.previous_owner,
+                                  'by', who.principal)
+        FROM cut AS c
+    ), fenced AS (
+        -- The effect boundary learns the new fence too: the old owner's requests are stale.
+        INSERT INTO effect_fences (run_id, fence)
+        SELECT c.run_id, c.fence FROM cut AS c
+        ON CONFLICT (run_id) DO UPDATE
+        SET fence = greatest(effect_fences.fence, EXCLUDED.fence), updated_at = clock_timestamp()
+    ), told AS (
+        -- The old owner stops the step at once (it could commit nothing anyway).
+        SELECT pg_notify('orchestrator_cancel', c.run_id) FROM cut AS c
+    )
+    SELECT count(*) INTO runs_cut FROM cut WHERE (SELECT count(*) FROM told) >= 0;
+    agent := p_agent;
+    version := p_version;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'agent_cutover', NULL, NULL,
+        jsonb_build_object('agent', p_agent, 'version', p_version, 'previous', previous,
+                           'runs_cut', runs_cut),
+        p_typed_by);
+    PERFORM pg_notify('orchestrator_runs', p_agent);  -- the new version's workers claim now
+END
+$_$;
 CREATE FUNCTION orchestrator.orchestrator_decide_approval(p_run_id text, p_effect_key text, p_decision text, p_note text, p_payload_sha256 text, p_run_fence bigint, p_principal text, p_via text, p_typed_by text, OUT run_id text, OUT effect_key text, OUT status text, OUT payload_sha256 text, OUT approval_expires_at timestamp with time zone, OUT decided_by text, OUT decided_at timestamp with time zone, OUT requires_approval boolean, OUT run_state text, OUT run_fence bigint, OUT decided boolean, OUT now timestamp with time zone, OUT audit_seq bigint, OUT principal text) RETURNS SETOF record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -1702,6 +1773,14 @@ CREATE TABLE orchestrator.access_tokens (
     CONSTRAINT access_tokens_sha256_check CHECK ((sha256 ~ '^[0-9a-f]{64}$'::text)),
     CONSTRAINT access_tokens_token_id_check CHECK ((token_id ~ '^[a-z0-9]{12}$'::text))
 );
+CREATE TABLE orchestrator.agent_cutovers (
+    agent text NOT NULL,
+    version text NOT NULL,
+    set_by text NOT NULL,
+    set_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT agent_cutovers_agent_check CHECK ((agent ~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'::text)),
+    CONSTRAINT agent_cutovers_version_check CHECK ((version ~ '^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$'::text))
+);
 CREATE TABLE orchestrator.audit_log (
     seq bigint NOT NULL,
     at timestamp with time zone NOT NULL,
@@ -1918,6 +1997,8 @@ ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_pkey PRIMARY KEY (token_id);
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_sha256_key UNIQUE (sha256);
+ALTER TABLE ONLY orchestrator.agent_cutovers
+    ADD CONSTRAINT agent_cutovers_pkey PRIMARY KEY (agent);
 ALTER TABLE ONLY orchestrator.audit_log
     ADD CONSTRAINT audit_log_pkey PRIMARY KEY (seq);
 ALTER TABLE ONLY orchestrator.budget_ledger

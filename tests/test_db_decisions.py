@@ -59,6 +59,7 @@ TABLES = (
     "flow_limits",
     "rate_limits",
     "run_holds",
+    "agent_cutovers",
 )
 
 
@@ -489,6 +490,10 @@ async def test_hostile_arguments_to_every_function_change_nothing(
             (),
         ),
         ("SELECT orchestrator_declare_limits('roles', '[]', $1)", (huge,)),
+        ("SELECT * FROM orchestrator_cutover('bad agent!', '2', NULL, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_cutover('roles', $1, NULL, NULL, NULL)", (huge,)),
+        ("SELECT * FROM orchestrator_cutover('roles', NULL, NULL, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_cutover('roles', '2', 'alice', 'oidc', NULL)", ()),
     ]
     unchanged = await snapshot(admin)
     refusals: list[tuple[str, str, asyncpg.PostgresError]] = []

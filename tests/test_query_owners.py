@@ -23,6 +23,7 @@ STORES = {
     "orchestrator/db/budgets.py": "run_budgets, budget_ledger",
     "orchestrator/db/limits.py": "flow_limits",
     "orchestrator/db/rates.py": "rate_limits, run_holds (a rate wait's)",
+    "orchestrator/db/agents.py": "agent_cutovers",
     "effects/store.py": "effects: the boundary's records and their dispatch",
     "effects/approvals.py": "effects: the approval columns and their decisions",
     "orchestrator/db/access.py": "principals, access_tokens",

@@ -13,7 +13,8 @@ import anyio
 import asyncpg
 import pytest
 
-from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext, Wait
+from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext, Wait
+from orchestrator.db.agents import AgentStore
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.db.workers import WorkerRegistry
@@ -209,3 +210,85 @@ def test_a_bad_version_or_upgrade_is_one_line(options: dict[str, Any], why: str)
     with pytest.raises(InvalidInput, match=why) as raised:
         Agent("shipping", first=Start, **options)
     assert "\n" not in str(raised.value)
+
+
+class Slow(Step):
+    name = "Start"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        await anyio.sleep(float(ctx.input.get("seconds", 0)))
+        return Next("End", checkpoint={"n": 1})
+
+
+slow_v1 = Agent("slow", first=Slow, steps=[EndV1], version=1)
+slow_v2 = Agent("slow", first=Slow, steps=[EndV1], version=2)
+
+
+async def test_a_cutover_takes_the_runs_older_workers_hold_and_they_commit_nothing_after(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    run_id = (await store.submit("slow", {"seconds": 3})).run.run_id
+    async with running_worker(settings, [slow_v1], **FAST):
+        held = await until_state(store, run_id, RunState.RUNNING)
+        done = await AgentStore(pool).cutover("slow", 2)
+        assert (done.version, done.previous, done.runs_cut) == ("2", None, 1)
+        run = await store.get(run_id)
+        assert run.state is RunState.QUEUED and run.fence > held.fence and run.lease_owner is None
+        later = (await store.submit("slow", {"seconds": 0})).run.run_id
+        await anyio.sleep(4)  # the old worker's step ends meanwhile; it may not commit
+        assert (await store.get(later)).state is RunState.QUEUED  # nor claim anew
+    stale = await pool.fetch(
+        "SELECT kind FROM run_events WHERE run_id = $1 AND fence = $2 AND kind <> 'claimed'",
+        run_id,
+        held.fence,
+    )
+    assert [row["kind"] for row in stale] in ([], ["lease_lost"]), stale
+    async with running_worker(settings, [slow_v2], **FAST):
+        for each in (run_id, later):
+            finished = await until_state(store, each, RunState.SUCCEEDED, RunState.DEAD)
+            assert finished.state is RunState.SUCCEEDED, finished.error
+            assert (finished.started_version, finished.agent_version) == ("2", "2")
+    events = [e.kind for e in await store.events(run_id)]
+    assert "cut_over" in events
+    actions = [r["action"] for r in await pool.fetch("SELECT action FROM audit_log")]
+    assert actions == ["agent_cutover"]
+
+
+async def test_a_commit_of_a_version_the_agent_is_not_cut_over_to_is_refused(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # A claim that raced the cutover (it read no cutover yet) still commits nothing.
+    await store.submit("a", {})
+    [claimed] = (await store.claim("w1", ["a"], limit=1, lease_seconds=30)).claimed
+    await pool.execute(
+        "INSERT INTO agent_cutovers (agent, version, set_by) VALUES ('a', '2', 'test')"
+    )
+    common: dict[str, Any] = {"expected_version": 0, "next_step": "b", "checkpoint": {}}
+    assert await store.commit_step(claimed.lease, agent_version="1", **common) is None
+    assert await store.commit_step(claimed.lease, **common) is None  # unversioned: refused too
+    assert await store.commit_step(claimed.lease, agent_version="2", **common) is not None
+
+
+async def test_a_cutover_to_an_older_version_or_of_a_bad_name_is_one_line(
+    settings: Settings, pool: asyncpg.Pool
+) -> None:
+    agents = AgentStore(pool)
+    for agent, version in (("bad name", 1), ("slow", 0), ("slow", "v\x00"), ("slow", "x" * 65)):
+        with pytest.raises(InvalidInput):
+            await agents.cutover(agent, version)
+    await agents.cutover("slow", 3)
+    done = await asyncio.to_thread(cli, settings, "agents", "cutover", "slow", "--to", "2")
+    assert done.returncode == 1, done.stderr
+    assert "older version 2 is refused" in done.stderr
+    assert done.stderr.strip().count("\n") == 0
+    done = await asyncio.to_thread(
+        cli, settings, "agents", "cutover", "slow", "--to", "4", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "agent": "slow",
+        "version": "4",
+        "previous": "3",
+        "runs_cut": 0,
+    }
+    assert await pool.fetchval("SELECT version FROM agent_cutovers WHERE agent = 'slow'") == "4"

@@ -29,7 +29,7 @@ from orchestrator.db.limits import RunningLimit
 from orchestrator.db.signals import validate_signal_name
 from orchestrator.effect_model import Effect, validate_effect_key
 from orchestrator.errors import InvalidInput, OrchestratorError
-from orchestrator.ids import validate_agent_name
+from orchestrator.ids import agent_version_text, validate_agent_name
 from orchestrator.jsontext import compact, utf8_size
 from orchestrator.lazy import install_hint, missing_extra
 from orchestrator.models import JSON, StoredWait
@@ -346,25 +346,6 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"Agent({self.name!r}, steps={list(self.steps)})"
-
-
-_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
-
-
-def agent_version_text(version: object, what: str = "an agent version") -> str:
-    """A version as stored: a whole number from 1, or text of 1-64 letters, digits and ._+-."""
-    if isinstance(version, bool) or not isinstance(version, int | str):
-        raise InvalidInput(f"{what} is a whole number or text, not {version!r}")
-    if isinstance(version, int):
-        if version < 1:
-            raise InvalidInput(f"{what} must be 1 or more, not {version!r}")
-        return str(version)
-    if not _VERSION.fullmatch(version):
-        raise InvalidInput(
-            f"{what} is 1-64 letters, digits and ._+- starting with a letter or digit, "
-            f"not {version!r}"
-        )
-    return version
 
 
 class AgentRegistry:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import click
 from rich.table import Table
 
-from orchestrator.cli.presentation import grid
+from orchestrator.cli.consoles import stdout
+from orchestrator.cli.presentation import dump_json, grid
 from orchestrator.cli.support import async_command, json_option, print_found
 from orchestrator.client.stores import open_stores
 from orchestrator.db.workers import AgentVersion
@@ -36,6 +37,31 @@ async def agents_versions(settings: Settings, agent: str | None, as_json: bool) 
         versions_table,
         "no versions: no live worker and no unfinished run of a versioned agent",
         document=lambda version: {**version.as_json(), "stranded": version.stranded},
+    )
+
+
+@agents.command("cutover")
+@click.argument("agent")
+@click.option(
+    "--to", "version", required=True, help="The version of AGENT's code that runs it now."
+)
+@json_option("Print the cutover as JSON.")
+@async_command
+async def agents_cutover(settings: Settings, agent: str, version: str, as_json: bool) -> None:
+    """From now on only workers running VERSION of AGENT claim or commit its runs: the runs
+    workers of another version hold are taken from them at once (their fence is raised, so
+    what they commit or ask to send next is refused) and are claimed by VERSION's workers
+    (docs/upgrades.md). Audited; needs the operate permission."""
+    async with open_stores(settings) as stores:
+        done = await stores.agents.cutover(agent, version)
+    if as_json:
+        stdout.print_json(dump_json(done))
+        return
+    was = "" if done.previous is None else f" (was {done.previous})"
+    stdout.print(
+        f"{done.agent}: cut over to version {done.version}{was}; {done.runs_cut} run"
+        f"{'' if done.runs_cut == 1 else 's'} taken from workers of another version",
+        markup=False,
     )
 
 

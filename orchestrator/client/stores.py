@@ -12,6 +12,7 @@ import asyncpg
 
 from orchestrator.access import Actor
 from orchestrator.db.access import AccessStore
+from orchestrator.db.agents import AgentStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.bootstrap import PoolOptions, open_pool
 from orchestrator.db.budgets import BudgetState, BudgetStore, LedgerEntry, TopUp
@@ -52,6 +53,7 @@ class Stores:
         self.budgets = BudgetStore(pool)
         self.limits = LimitStore(pool)
         self.rates = RateLimitStore(pool)
+        self.agents = AgentStore(pool)
         self.workers = WorkerRegistry(schema)
         self.purges = PurgeStore(pool)
         self.access = AccessStore(pool)
