@@ -428,10 +428,21 @@ SELECT traceparent FROM run_traces WHERE run_id = $1 AND fence = $2
 -- Runs, newest first, optionally filtered by state, agent and submission time. "Newest" is
 -- submission order: each run's "submitted" event, written with the run (see migration 0004:
 -- there is no index on runs.created_at, which every claim and finish would have had to write).
--- held_back: the limit that holds a due run back now, or the rate limit a running run waits for
--- (docs/flow-control.md).
+-- held_back: why a due run is not claimed (no registered worker may claim the version of the agent
+-- that wrote its checkpoint: docs/upgrades.md; or a full limit), or the rate limit a running run
+-- waits for (docs/flow-control.md).
 SELECT r.*,
        CASE WHEN r.state IN ('queued', 'waiting') AND r.available_at <= clock_timestamp()
+                 AND r.agent_version IS NOT NULL
+                 AND NOT EXISTS (
+                     SELECT 1 FROM workers AS w
+                     WHERE (w.agent_versions -> r.agent) ? r.agent_version
+                       AND NOT EXISTS (
+                           SELECT 1 FROM agent_cutovers AS c
+                           WHERE c.agent = r.agent
+                             AND c.version IS DISTINCT FROM w.agent_versions -> r.agent ->> 0))
+            THEN format('no worker serves version %s of %s', r.agent_version, r.agent)
+            WHEN r.state IN ('queued', 'waiting') AND r.available_at <= clock_timestamp()
             THEN orchestrator_held_by(r.agent, r.concurrency_key)
             WHEN r.state = 'running'
             THEN (SELECT h.reason FROM run_holds AS h

@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.db.agents import AgentStore
+from orchestrator.db.run_reads import RunReads
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
 from orchestrator.db.workers import WorkerRegistry
@@ -22,6 +23,7 @@ from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
+from orchestrator.worker.metrics_endpoint import stranded_runs
 from test_flow_control import cli
 from test_runtime import FAST
 
@@ -169,6 +171,11 @@ async def test_a_worker_without_an_upgrade_path_leaves_the_run_for_one_that_has_
         await anyio.sleep(1.5)  # several polls: it must not take the run
         run = await store.get(run_id)
         assert (run.state, run.fence, run.agent_version) == (RunState.WAITING, 1, "1")
+        [listed_run] = await RunReads(pool).list_runs(agent="shipping")
+        assert listed_run.held_back == "no worker serves version 1 of shipping"
+        registry = WorkerRegistry(settings.schema)
+        stranded = stranded_runs(await registry.agent_versions(pool))
+        assert stranded == [{"agent": "shipping", "runs": 1}]  # orchestrator_runs_stranded
         shown = await asyncio.to_thread(cli, settings, "agents", "versions", "--json")
         assert shown.returncode == 0, shown.stderr
         listed = {row["version"]: row for row in json.loads(shown.stdout)}

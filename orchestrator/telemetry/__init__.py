@@ -369,6 +369,8 @@ class QueueGauges:
         """Each limit's agent, name, running, backlog and max_running (docs/flow-control.md)."""
         self.rates: list[dict[str, Any]] = []
         """Each rate limit's name, whether it is paused, and the runs waiting for it."""
+        self.stranded: list[dict[str, Any]] = []
+        """Per agent, the unfinished runs no live worker may claim (docs/upgrades.md)."""
         for state in ("queued", "due", "running", "waiting"):
             meter.create_observable_gauge(
                 f"orchestrator.runs.{state}",
@@ -401,6 +403,12 @@ class QueueGauges:
                 unit="{run}",
                 description=f"{description}, per agent and limit",
             )
+        meter.create_observable_gauge(
+            "orchestrator.runs.stranded",
+            callbacks=[self._rows("stranded", "runs", ("agent",))],
+            unit="{run}",
+            description="unfinished runs whose agent version no live worker may claim, per agent",
+        )
         for column, description in (
             ("paused", "1 while a provider's 429 pauses the rate limit for every process"),
             ("waiting", "runs waiting for the rate limit's capacity"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import anyio
@@ -60,7 +61,15 @@ class Chores:
         group.start_soon(self.report_status)
         group.start_soon(self.expire_approvals)
         if config.gauges is not None:
-            group.start_soon(sample_gauges, self.running.store.pool, config.gauges, self.outage)
+            group.start_soon(
+                partial(
+                    sample_gauges,
+                    self.running.store.pool,
+                    config.gauges,
+                    self.outage,
+                    versions=WorkerRegistry(self.schema),
+                )
+            )
         if config.retention is not None:
             group.start_soon(self.purge, config.retention)
         if config.dead_session_takeover:

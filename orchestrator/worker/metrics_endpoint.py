@@ -28,6 +28,7 @@ from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.run_reads import RunReads
 from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.sync_standby import SyncStandbyRequirement
+from orchestrator.db.workers import AgentVersion, WorkerRegistry
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
 from orchestrator.telemetry import QueueGauges, install_sdk_from_env, shutdown_sdk
@@ -123,11 +124,17 @@ class MetricsEndpoint:
 
 
 async def sample_gauges(
-    pool: asyncpg.Pool, gauges: QueueGauges, outage: DatabaseOutage, *, limits: bool = True
+    pool: asyncpg.Pool,
+    gauges: QueueGauges,
+    outage: DatabaseOutage,
+    *,
+    limits: bool = True,
+    versions: WorkerRegistry | None = None,
 ) -> None:
     """Refresh the queue and effect gauges (and with ``limits``, the limit gauges: a worker's
-    role reads limits, a dispatcher's does not) from the database, now and then every
-    ``QueueGauges.SAMPLE_SECONDS``; a failure is the process's ``outage`` to tell."""
+    role reads limits, a dispatcher's does not; with ``versions``, the stranded runs per agent)
+    from the database, now and then every ``QueueGauges.SAMPLE_SECONDS``; a failure is the
+    process's ``outage`` to tell."""
     while True:
         try:
             with anyio.fail_after(QueueGauges.SAMPLE_SECONDS):
@@ -137,11 +144,24 @@ async def sample_gauges(
                     gauges.effects = counts
                 if limits:
                     gauges.limits, gauges.rates = await _limit_rows(pool)
+                if versions is not None:
+                    gauges.stranded = stranded_runs(await versions.agent_versions(pool))
         except DATABASE_ERRORS as error:
             # No series rather than stale ones.
             gauges.queue, gauges.effects, gauges.limits, gauges.rates = [], {}, [], []
+            gauges.stranded = []
             outage.failed(error, otherwise="cannot sample the queue gauges")
         await anyio.sleep(QueueGauges.SAMPLE_SECONDS)
+
+
+def stranded_runs(versions: list[AgentVersion]) -> list[dict[str, Any]]:
+    """Per agent, its unfinished runs that no live worker may claim (docs/upgrades.md)."""
+    per_agent: dict[str, int] = {}
+    for version in versions:
+        per_agent.setdefault(version.agent, 0)
+        if version.stranded:
+            per_agent[version.agent] += version.unfinished_runs
+    return [{"agent": agent, "runs": runs} for agent, runs in sorted(per_agent.items())]
 
 
 async def _limit_rows(pool: asyncpg.Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
