@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import anyio
@@ -48,6 +49,34 @@ def most_in_any_window(arrivals: Sequence[float], burst: int, per_second: float)
             if last - first + 1 > allowed:
                 over.append(f"{last - first + 1} requests within {span:.2f}s")
     return over
+
+
+@contextmanager
+def asking_workers(
+    settings: Settings, server: LocalModelServer, model: str, count: int
+) -> Iterator[None]:
+    """``count`` `serve` processes running the ``asking`` agent against ``server``'s ``model``."""
+    env = {"OPENAI_BASE_URL": server.base_url, "ORCHESTRATOR_MODEL": model}
+    options = serving("support.agents_for_tests")
+    with ExitStack() as stack:
+        for number in range(1, count + 1):
+            stack.enter_context(
+                ServeProcess(str(settings.database_url), *options, name=f"w{number}", env=env)
+            )
+        yield
+
+
+async def until_all_answered(
+    pool: asyncpg.Pool, while_waiting: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Until every ``asking`` run has succeeded (bounded), calling ``while_waiting`` each poll."""
+    with anyio.fail_after(120):
+        while await pool.fetchval(
+            "SELECT count(*) FROM runs WHERE agent = 'asking' AND state <> 'succeeded'"
+        ):
+            if while_waiting is not None:
+                await while_waiting()
+            await anyio.sleep(0.1)
 
 
 async def test_a_bucket_grants_one_interval_then_says_how_long_to_wait(pool: asyncpg.Pool) -> None:
@@ -229,30 +258,18 @@ async def test_four_workers_never_exceed_a_shared_model_rate_limit(
     await RateLimitStore(pool).set("model:shared-model", requests=4, per_seconds=2)
     for i in range(24):
         await store.submit("asking", {"question": i})
-    seen_waiting = False
+    seen: set[str | None] = set()
+
+    async def look() -> None:
+        seen.update(run.held_back for run in await RunReads(pool).list_runs(agent="asking"))
+
     async with LocalModelServer() as server:
-        env = {"OPENAI_BASE_URL": server.base_url, "ORCHESTRATOR_MODEL": "shared-model"}
-        options = serving("support.agents_for_tests")
-        url = str(settings.database_url)
-        with (
-            ServeProcess(url, *options, name="w1", env=env),
-            ServeProcess(url, *options, name="w2", env=env),
-            ServeProcess(url, *options, name="w3", env=env),
-            ServeProcess(url, *options, name="w4", env=env),
-        ):
-            with anyio.fail_after(120):
-                while await pool.fetchval(
-                    "SELECT count(*) FROM runs WHERE agent = 'asking' AND state <> 'succeeded'"
-                ):
-                    listed = await RunReads(pool).list_runs(agent="asking")
-                    seen_waiting |= any(
-                        run.held_back == "rate limit model:shared-model" for run in listed
-                    )
-                    await anyio.sleep(0.1)
+        with asking_workers(settings, server, "shared-model", 4):
+            await until_all_answered(pool, look)
         arrivals = list(server.arrivals)
     assert len(arrivals) == 24
     assert most_in_any_window(arrivals, burst=4, per_second=2.0) == []
-    assert seen_waiting
+    assert "rate limit model:shared-model" in seen
     waits = await pool.fetchval(
         "SELECT count(*) FROM run_events WHERE kind = 'held_back' AND details->>'by' = 'rate'"
     )
@@ -270,18 +287,8 @@ async def test_a_model_s_429_with_retry_after_pauses_every_worker(
         await store.submit("asking", {"question": i})
     async with LocalModelServer() as server:
         server.busy_for, server.retry_after = 1, 6.0
-        env = {"OPENAI_BASE_URL": server.base_url, "ORCHESTRATOR_MODEL": "paused-model"}
-        options = serving("support.agents_for_tests")
-        url = str(settings.database_url)
-        with (
-            ServeProcess(url, *options, name="w1", env=env),
-            ServeProcess(url, *options, name="w2", env=env),
-        ):
-            with anyio.fail_after(120):
-                while await pool.fetchval(  # noqa: ASYNC110 - database state, polled
-                    "SELECT count(*) FROM runs WHERE agent = 'asking' AND state <> 'succeeded'"
-                ):
-                    await anyio.sleep(0.1)
+        with asking_workers(settings, server, "paused-model", 2):
+            await until_all_answered(pool)
         arrivals = sorted(server.arrivals)
     refused_at = arrivals[0]
     during_pause = [t - refused_at for t in arrivals[1:] if refused_at + 1.5 < t < refused_at + 5]
@@ -411,21 +418,11 @@ async def test_a_429_pauses_every_worker_even_where_no_operator_set_a_limit(
     # with Retry-After: 5. No model call reaches it while the pause lasts, from either worker.
     async with LocalModelServer() as server:
         server.busy_for, server.retry_after = 1, 5.0
-        env = {"OPENAI_BASE_URL": server.base_url, "ORCHESTRATOR_MODEL": "unlimited-model"}
-        options = serving("support.agents_for_tests")
-        url = str(settings.database_url)
-        with (
-            ServeProcess(url, *options, name="w1", env=env),
-            ServeProcess(url, *options, name="w2", env=env),
-        ):
+        with asking_workers(settings, server, "unlimited-model", 2):
             for i in range(20):
                 await store.submit("asking", {"question": i})
                 await anyio.sleep(0.3)
-            with anyio.fail_after(120):
-                while await pool.fetchval(  # noqa: ASYNC110 - database state, polled
-                    "SELECT count(*) FROM runs WHERE agent = 'asking' AND state <> 'succeeded'"
-                ):
-                    await anyio.sleep(0.1)
+            await until_all_answered(pool)
         arrivals = sorted(server.arrivals)
     refused_at = arrivals[0]
     during_pause = [t - refused_at for t in arrivals[1:] if refused_at + 1.5 < t < refused_at + 4]
