@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +95,47 @@ async def test_failed_connection_names_the_dsn_without_password() -> None:
     message = str(caught.value)
     assert "s3cret" not in message
     assert "postgresql://app:***@127.0.0.1:1/orchestrator" in message
+
+
+EXPAND_ONLY_FROM = 23
+"""Migrations from this number on follow the expand-then-contract rule (CONTRIBUTING.md)."""
+CONTRACTING = re.compile(
+    r"\b(DROP\s+(TABLE|COLUMN|INDEX|VIEW|TYPE|SCHEMA|TRIGGER|CONSTRAINT)|"
+    r"RENAME\s+(TO|COLUMN)|ALTER\s+COLUMN\s+\S+\s+(SET\s+DATA\s+)?TYPE|"
+    r"ALTER\s+COLUMN\s+\S+\s+SET\s+NOT\s+NULL)\b",
+    re.IGNORECASE,
+)
+
+
+def _without_comments(text: str) -> str:
+    return "\n".join(line.split("--", 1)[0] for line in text.splitlines())
+
+
+def test_migrations_expand_and_contract_only_where_they_say_so() -> None:
+    """A rolling upgrade runs the previous release beside this one on the migrated schema: a
+    migration may not remove, rename or retype what it reads unless it declares a contraction."""
+    offenders = []
+    for path in sorted((Path(__file__).parent.parent / "sql" / "migrations").glob("*.sql")):
+        if int(path.name[:4]) < EXPAND_ONLY_FROM:
+            continue
+        text = path.read_text("utf-8")
+        code = _without_comments(text)
+        dropped_functions = re.findall(r"DROP\s+FUNCTION\s+(\w+)", code, re.IGNORECASE)
+        recreated = set(re.findall(r"CREATE\s+FUNCTION\s+(\w+)", code, re.IGNORECASE))
+        found = [m.group(0) for m in CONTRACTING.finditer(code)]
+        found += [f"DROP FUNCTION {name}" for name in dropped_functions if name not in recreated]
+        if found and "-- contracts: " not in text:
+            offenders.append(f"{path.name}: {', '.join(found)}")
+    assert not offenders, (
+        "these migrations contract the schema without a '-- contracts: WHAT, unused since "
+        f"RELEASE' line (CONTRIBUTING.md, expand then contract): {offenders}"
+    )
+
+
+def test_the_expand_rule_sees_a_contraction() -> None:
+    code = _without_comments("ALTER TABLE runs DROP COLUMN priority; -- DROP TABLE x")
+    assert [m.group(0) for m in CONTRACTING.finditer(code)] == ["DROP COLUMN"]
+    renamed = "ALTER TABLE runs RENAME COLUMN step TO next_step"
+    assert CONTRACTING.search(renamed) is not None
+    assert CONTRACTING.search("ALTER TABLE runs ALTER COLUMN fence TYPE numeric") is not None
+    assert CONTRACTING.search("ALTER TABLE runs ADD COLUMN agent_version text") is None
