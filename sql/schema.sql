@@ -1857,7 +1857,8 @@ CREATE TABLE orchestrator.effects (
 CREATE TABLE orchestrator.orchestrator_schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
-    applied_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+    applied_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    contracts boolean DEFAULT false NOT NULL
 );
 CREATE TABLE orchestrator.principals (
     name text NOT NULL,

@@ -59,20 +59,45 @@ async def test_concurrent_migrators_apply_each_migration_once(empty_database: st
             await connection.close()
 
 
-async def test_a_schema_newer_than_the_code_is_refused(database_url: str) -> None:
+async def test_a_newer_schema_is_used_while_it_only_expanded_and_refused_once_it_contracted(
+    database_url: str,
+) -> None:
+    # A rolling upgrade: a newer release migrated the database beside this one's workers.
     settings = Settings(database_url=database_url)
     connection = await connect(settings)
     try:
         await connection.execute(
-            "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, 'future')",
+            "INSERT INTO orchestrator_schema_migrations (version, name) VALUES ($1, 'added')",
             latest_version() + 1,
         )
-        with pytest.raises(SchemaTooNew, match="newer release"):
+        assert await check_schema(connection) == latest_version() + 1
+        assert await migrate(connection) == []  # nothing to apply, nothing refused
+        await connection.execute(
+            "INSERT INTO orchestrator_schema_migrations (version, name, contracts)"
+            " VALUES ($1, 'dropped_a_column', true)",
+            latest_version() + 2,
+        )
+        with pytest.raises(SchemaTooNew, match="dropped_a_column") as raised:
             await check_schema(connection)
+        assert "Upgrade orchestrator" in str(raised.value) and "\n" not in str(raised.value)
         with pytest.raises(SchemaTooNew):
             await migrate(connection)
     finally:
         await connection.close()
+
+
+async def test_a_contracting_migration_is_recorded_as_one(empty_database: str) -> None:
+    connection = await connect(Settings(database_url=empty_database))
+    try:
+        await migrate(connection)
+        rows = await connection.fetch(
+            "SELECT version, contracts FROM orchestrator_schema_migrations ORDER BY version"
+        )
+    finally:
+        await connection.close()
+    assert [row["version"] for row in rows] == list(range(1, latest_version() + 1))
+    assert not any(row["contracts"] for row in rows)  # no released migration contracts yet
+    assert not any(m.contracts for m in available_migrations())
 
 
 async def test_an_external_database_is_not_migrated_implicitly(empty_database: str) -> None:

@@ -43,6 +43,11 @@ class Migration:
     name: str
     sql: str
 
+    @property
+    def contracts(self) -> bool:
+        """It removes, renames or retypes what an earlier release uses (CONTRIBUTING.md)."""
+        return "-- contracts: " in self.sql
+
 
 def available_migrations() -> list[Migration]:
     folder = resources.files("orchestrator.sql.migrations")
@@ -102,19 +107,27 @@ async def current_version(connection: asyncpg.Connection) -> int:
     return version or 0
 
 
-def _too_new(found: int, known: int) -> SchemaTooNew:
+def _too_new(found: int, known: int, contracted_by: str) -> SchemaTooNew:
     return SchemaTooNew(
         f"the database schema is at version {found} but this orchestrator knows only up to "
-        f"{known}: it was migrated by a newer release. Upgrade orchestrator on this machine."
+        f"{known}, and a newer release's migration ({contracted_by}) removed what this one "
+        "uses. Upgrade orchestrator on this machine."
     )
 
 
 async def check_schema(connection: asyncpg.Connection) -> int:
-    """Refuse a schema newer than this code; return the current version."""
+    """Refuse a schema newer than this code unless the newer migrations only expanded it (a
+    rolling upgrade runs this release beside the newer one); return the current version."""
     version = await current_version(connection)
     known = latest_version()
     if version > known:
-        raise _too_new(version, known)
+        contracting = await connection.fetch(
+            f"SELECT version, name FROM {VERSION_TABLE} WHERE version > $1 AND contracts"
+            " ORDER BY version",
+            known,
+        )
+        if contracting:
+            raise _too_new(version, known, contracting[0]["name"])
     return version
 
 
@@ -141,6 +154,11 @@ async def migrate(connection: asyncpg.Connection) -> list[Migration]:
                     migration.version,
                     migration.name,
                 )
+                if migration.contracts:  # said of it from migration 25 on (the column's own)
+                    await connection.execute(
+                        f"UPDATE {VERSION_TABLE} SET contracts = true WHERE version = $1",
+                        migration.version,
+                    )
             applied.append(migration)
         return applied
     finally:
