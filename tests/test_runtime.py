@@ -374,8 +374,9 @@ def test_worker_config_refuses_a_reaper_interval_that_is_not_positive() -> None:
 async def test_serve_refuses_a_schema_newer_than_its_code(
     settings: Settings, store: RunStore
 ) -> None:
-    await store.pool.execute(
-        "INSERT INTO orchestrator_schema_migrations (version, name) VALUES (999, 'future')"
+    await store.pool.execute(  # a newer release's migration that removed what this one uses
+        "INSERT INTO orchestrator_schema_migrations (version, name, contracts)"
+        " VALUES (999, 'future', true)"
     )
     supervisor = Worker(settings, WorkerConfig(agents=AgentRegistry([noop])))
     with pytest.raises(SchemaTooNew):

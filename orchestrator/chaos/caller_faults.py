@@ -67,23 +67,27 @@ class CallerFaults(FaultGroup):
 
     async def duplicate_signal(self, fault: ScheduledFault, record: FaultRecord) -> None:
         """``go`` twice under one key (the second must be the first), then once more without."""
-        row = await self._pick(
-            "SELECT run_id FROM orchestrator.runs WHERE state IN ('queued', 'running', 'waiting') "
-            "AND (input->>'signal')::boolean ORDER BY run_id LIMIT 50",
-            fault,
-        )
-        run_id = row["run_id"]
-        record.target = run_id
         signals = SignalStore(self.context.pool)
-        try:
-            first = await signals.send(run_id, "go", {"by": "chaos"}, idempotency_key="go-twice")
-            again = await signals.send(run_id, "go", {"by": "chaos"}, idempotency_key="go-twice")
-            await signals.send(run_id, "go", {"by": "chaos, unkeyed"})
-        except InvalidTransition as error:
-            record.detail = str(error)
+        # A run picked while live may finish before the signals land; pick again, a few times.
+        for _ in range(CANCEL_ATTEMPTS):
+            row = await self._pick(
+                "SELECT run_id FROM orchestrator.runs "
+                "WHERE state IN ('queued', 'running', 'waiting') "
+                "AND (input->>'signal')::boolean ORDER BY run_id LIMIT 50",
+                fault,
+            )
+            run_id = row["run_id"]
+            record.target = run_id
+            try:
+                first = await signals.send(run_id, "go", {"by": "chaos"}, idempotency_key="twice")
+                again = await signals.send(run_id, "go", {"by": "chaos"}, idempotency_key="twice")
+                await signals.send(run_id, "go", {"by": "chaos, unkeyed"})
+            except InvalidTransition as error:
+                record.detail = str(error)
+                continue
+            record.fired = not again.created and again.signal.seq == first.signal.seq
+            record.detail = f"signal #{first.signal.seq} twice, then an unkeyed one"
             return
-        record.fired = not again.created and again.signal.seq == first.signal.seq
-        record.detail = f"signal #{first.signal.seq} twice, then an unkeyed one"
 
     async def stale_request(self, fault: ScheduledFault, record: FaultRecord) -> None:
         """Present the boundary a fence the run has moved past: it must refuse it."""
