@@ -111,6 +111,9 @@ class Dispatcher:
         self.concurrency = concurrency
         self._in_flight = 0
         self._wake = anyio.Event()
+        self.stopping = False
+        """Asked to stop: it claims nothing more, and returns once its sends in flight end."""
+        self.stopped = anyio.Event()
         self._claim_at = max(1, min(batch, concurrency) // 2)
         """While effects are in flight, claim once this many slots are free (or none are busy):
         one statement per batch, not one per finished send."""
@@ -136,16 +139,36 @@ class Dispatcher:
     def wake(self) -> None:
         self._wake.set()
 
+    def stop(self) -> None:
+        """Claim nothing more; ``run`` returns once the sends in flight have ended (each within
+        its lease). Cancelling them instead would leave an effect claimed and perhaps half
+        sent, which its next dispatcher must reconcile (or a person, for email)."""
+        self.stopping = True
+        self.wake()
+
+    async def finish(self) -> None:
+        """Stop, and wait for the sends in flight to end (at most a lease: each ends within
+        its own)."""
+        self.stop()
+        with anyio.move_on_after(self.lease_seconds):
+            await self.stopped.wait()
+
     async def run(self) -> None:
-        """Dispatch until cancelled."""
-        if not self.adapters:
-            return
+        """Dispatch until cancelled or stopped."""
+        try:
+            if self.adapters:
+                await self._claim_and_send()
+        finally:
+            self.stopped.set()
+
+    async def _claim_and_send(self) -> None:
         self.metrics.start_at_zero(self.adapters)
         self.log.info("dispatching", kinds=sorted(self.adapters))
+        listening = anyio.CancelScope()
         try:
             async with anyio.create_task_group() as group:
-                group.start_soon(self._listen)
-                while True:
+                group.start_soon(self._listen, listening)
+                while not self.stopping:
                     self._wake = anyio.Event()
                     # The lease is judged from before the claim was sent: its answer may arrive
                     # late, and by then part of the lease is gone.
@@ -159,6 +182,7 @@ class Dispatcher:
                         continue  # more may be due
                     with anyio.move_on_after(self.poll_seconds):
                         await self._wake.wait()
+                listening.cancel()  # the batches in flight end by themselves
         finally:
             with anyio.move_on_after(5, shield=True):
                 for adapter in self.adapters.values():
@@ -200,20 +224,22 @@ class Dispatcher:
         await anyio.sleep(self.poll_seconds)
         return []
 
-    async def _listen(self) -> None:
-        """Wake when a step commits an effect (NOTIFY in the same transaction).
+    async def _listen(self, scope: anyio.CancelScope) -> None:
+        """Wake when a step commits an effect (NOTIFY in the same transaction), until
+        ``scope`` is cancelled.
 
         On one of the pool's connections, checked every five polls; the claim loop's own poll
         covers what is notified while it is lost.
         """
-        await Listener(
-            (DUE_CHANNEL,),
-            lambda channel, kind: self.wake(),
-            pool=self.pool,
-            check_seconds=self.poll_seconds * 5,
-            statement_seconds=self.statement_seconds,
-            retry_seconds=self.poll_seconds,
-        ).run()
+        with scope:
+            await Listener(
+                (DUE_CHANNEL,),
+                lambda channel, kind: self.wake(),
+                pool=self.pool,
+                check_seconds=self.poll_seconds * 5,
+                statement_seconds=self.statement_seconds,
+                retry_seconds=self.poll_seconds,
+            ).run()
 
     async def _dispatch_batch(self, claimed: list[ClaimedEffect], deadline: float) -> None:
         """Dispatch a claimed batch: the effects that may already have been sent are reconciled

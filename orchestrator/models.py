@@ -246,6 +246,9 @@ class CommitResult:
     lease_until: datetime
     signals_pending: int = 0
     """Signals stored for the run and not consumed before this commit (its own included)."""
+    drained: bool = False
+    """A drained cutover let this step finish: it was the worker's last of the run, which is
+    given back in the same transaction (docs/upgrades.md)."""
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,10 @@ GRANT SELECT ON {schema}.orchestrator_schema_migrations
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
-    {schema}.agent_cutovers
+    {schema}.agent_cutovers, {schema}.cutover_drains
     TO {worker};
+-- A drained run's last commit gives the run back and drops its drain (release_drained).
+GRANT DELETE ON {schema}.cutover_drains TO {worker};
 GRANT UPDATE (state, lease_owner, lease_until, fence, attempt, available_at, step, checkpoint,
               checkpoint_version, result, error, wait, wake_streak, signals_pending, updated_at,
               finished_at, started_version, agent_version)
@@ -100,7 +102,7 @@ GRANT EXECUTE ON FUNCTION
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
-    {schema}.agent_cutovers
+    {schema}.agent_cutovers, {schema}.cutover_drains
     TO {client}, {console};
 GRANT UPDATE (watched) ON {schema}.runs TO {client}, {console};
 GRANT EXECUTE ON FUNCTION
@@ -113,6 +115,7 @@ GRANT EXECUTE ON FUNCTION
                                          text),
     {schema}.orchestrator_clear_rate_limit(text, text, text, text),
     {schema}.orchestrator_cutover(text, text, text, text, text),
+    {schema}.orchestrator_cutover(text, text, boolean, text, text, text),
     {schema}.orchestrator_decide_approval(text, text, text, text, text, bigint, text, text,
                                           text),
     {schema}.orchestrator_resolve_effect(text, text, boolean, text, text, text, text),

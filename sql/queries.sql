@@ -291,15 +291,19 @@ WITH committed AS (
         started_version = coalesce(started_version, $8::text)
     WHERE run_id = $1 AND lease_owner = $2 AND fence = $3
       AND lease_until > clock_timestamp() AND checkpoint_version = $4
-      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
-                      WHERE c.agent = runs.agent AND c.version IS DISTINCT FROM $8::text)
-    RETURNING run_id, fence, checkpoint_version, lease_until
+      AND (NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
+                       WHERE c.agent = runs.agent AND c.version IS DISTINCT FROM $8::text)
+           OR EXISTS (SELECT 1 FROM cutover_drains AS d
+                      WHERE d.run_id = runs.run_id AND d.fence = runs.fence))
+    RETURNING run_id, fence, checkpoint_version, lease_until,
+              EXISTS (SELECT 1 FROM cutover_drains AS d
+                      WHERE d.run_id = runs.run_id AND d.fence = runs.fence) AS drained
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT c.run_id, e.kind, c.fence, $2, e.details
     FROM committed AS c, jsonb_to_recordset($7::jsonb) AS e(kind text, details jsonb)
 )
-SELECT checkpoint_version, lease_until FROM committed
+SELECT checkpoint_version, lease_until, 0 AS signals_pending, drained FROM committed
 
 -- fail_attempt --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 error jsonb,
@@ -627,16 +631,50 @@ WITH input AS MATERIALIZED (
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
       AND r.checkpoint_version = u.expected_version
-      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
-                      WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
+      AND (NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
+                       WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
+           OR EXISTS (SELECT 1 FROM cutover_drains AS d
+                      WHERE d.run_id = r.run_id AND d.fence = r.fence))
     RETURNING r.run_id, r.fence, r.checkpoint_version, r.lease_until, u.events,
-              r.signals_pending
+              r.signals_pending,
+              EXISTS (SELECT 1 FROM cutover_drains AS d
+                      WHERE d.run_id = r.run_id AND d.fence = r.fence) AS drained
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
     SELECT c.run_id, e.kind, c.fence, $1, e.details
     FROM committed AS c, jsonb_to_recordset(c.events) AS e(kind text, details jsonb)
 )
-SELECT run_id, checkpoint_version, lease_until, signals_pending FROM committed
+SELECT run_id, checkpoint_version, lease_until, signals_pending, drained FROM committed
+
+-- release_drained --
+-- params: $1 worker_id text, $2 run_ids text[]
+-- After a drained cutover (migration 0026), the step worker $1 just committed for each run of
+-- $2 was its last: in the commit's transaction, after its effects and park, give each run that
+-- is still running under the fence the drain let finish back, as a graceful release does
+-- (queued at once, fence unchanged, the attempt not counted), for a worker of the version cut
+-- over to. Returns the runs given back.
+WITH drained AS (
+    DELETE FROM cutover_drains AS d WHERE d.run_id = ANY($2::text[])
+    RETURNING d.run_id, d.fence, d.to_version
+), released AS (
+    UPDATE runs AS r
+    SET state = 'queued', lease_owner = NULL, lease_until = NULL,
+        attempt = greatest(r.attempt - 1, 0), available_at = clock_timestamp(),
+        updated_at = clock_timestamp()
+    FROM drained AS d
+    WHERE r.run_id = d.run_id AND r.fence = d.fence AND r.lease_owner = $1
+      AND r.state = 'running'
+    RETURNING r.run_id, r.fence, r.agent, d.to_version
+), logged AS (
+    INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+    SELECT run_id, 'released', fence, $1,
+           jsonb_build_object('reason', 'drained: the agent is cut over to version '
+                                        || to_version)
+    FROM released
+), woken AS (
+    SELECT pg_notify('orchestrator_runs', agent) FROM released
+)
+SELECT run_id FROM released WHERE (SELECT count(*) FROM woken) >= 0
 
 -- finish_runs --
 -- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[],
@@ -671,8 +709,10 @@ WITH input AS MATERIALIZED (
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
       AND r.checkpoint_version = u.expected_version
-      AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
-                      WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
+      AND (NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
+                       WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
+           OR EXISTS (SELECT 1 FROM cutover_drains AS d
+                      WHERE d.run_id = r.run_id AND d.fence = r.fence))
     RETURNING r.run_id, r.fence, r.state, r.checkpoint_version, u.error, r.watched
 ), logged AS (
     INSERT INTO run_events (run_id, kind, fence, worker_id, details)
@@ -1206,8 +1246,9 @@ ORDER BY w.worker_id
 -- Each version of each agent that a registered worker serves or that wrote the checkpoint of an
 -- unfinished run: the live workers that run that version, the live workers that may claim its
 -- runs (they serve it or upgrade from it: workers.agent_versions holds, per agent, the version
--- first, then those it upgrades from), and its unfinished runs. Reads every unfinished run (no
--- index names the version): an operator's listing, not a hot path.
+-- first, then those it upgrades from; and once the agent is cut over, only workers running the
+-- version cut over to claim), and its unfinished runs. Reads every unfinished run (no index
+-- names the version): an operator's listing, not a hot path.
 WITH live AS (
     SELECT w.worker_id, w.agent_versions
     FROM workers AS w
@@ -1218,7 +1259,10 @@ WITH live AS (
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
     )
 ), offered AS (
-    SELECT v.key AS agent, c.value AS version, c.ordinality = 1 AS runs_it, l.worker_id
+    SELECT v.key AS agent, c.value AS version, c.ordinality = 1 AS runs_it, l.worker_id,
+           NOT EXISTS (SELECT 1 FROM agent_cutovers AS cut
+                       WHERE cut.agent = v.key AND cut.version IS DISTINCT FROM v.value ->> 0)
+               AS may_claim
     FROM live AS l
     CROSS JOIN LATERAL jsonb_each(coalesce(l.agent_versions, '{}'::jsonb)) AS v
     CROSS JOIN LATERAL jsonb_array_elements_text(
@@ -1228,7 +1272,7 @@ WITH live AS (
 ), served AS (
     SELECT agent, version,
            coalesce(array_agg(DISTINCT worker_id) FILTER (WHERE runs_it), '{}') AS workers,
-           array_agg(DISTINCT worker_id) AS claimed_by
+           coalesce(array_agg(DISTINCT worker_id) FILTER (WHERE may_claim), '{}') AS claimed_by
     FROM offered
     GROUP BY agent, version
 ), unfinished AS (
@@ -1511,5 +1555,5 @@ SELECT orchestrator_rate_settle($1, $2)
 SELECT paused_until FROM orchestrator_rate_pause($1, $2, $3)
 
 -- cutover --
--- params: $1 agent, $2 version, $3 principal, $4 via, $5 typed_by
-SELECT * FROM orchestrator_cutover($1, $2, $3, $4, $5)
+-- params: $1 agent, $2 version, $3 drain boolean, $4 principal, $5 via, $6 typed_by
+SELECT * FROM orchestrator_cutover($1, $2, $3::boolean, $4, $5, $6)

@@ -337,12 +337,20 @@ BEGIN
 END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_cutover(p_agent text, p_version text, p_principal text, p_via text, p_typed_by text, OUT agent text, OUT version text, OUT previous text, OUT runs_cut integer, OUT audit_seq bigint, OUT principal text) RETURNS record
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+    SELECT c.agent, c.version, c.previous, c.runs_cut, c.audit_seq, c.principal
+    FROM orchestrator_cutover(p_agent, p_version, false, p_principal, p_via, p_typed_by) AS c
+$$;
+CREATE FUNCTION orchestrator.orchestrator_cutover(p_agent text, p_version text, p_drain boolean, p_principal text, p_via text, p_typed_by text, OUT agent text, OUT version text, OUT previous text, OUT drain boolean, OUT runs_cut integer, OUT runs_draining integer, OUT audit_seq bigint, OUT principal text) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator'
     AS $_$
 #variable_conflict use_column
 DECLARE
     who record;
+    draining_only boolean := coalesce(p_drain, false);
 BEGIN
     IF p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'
        OR p_version IS NULL OR p_version !~ '^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$' THEN
@@ -358,51 +366,91 @@ BEGIN
                         'version % is refused', p_agent, previous, p_version
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    INSERT INTO agent_cutovers AS c (agent, version, set_by)
-    VALUES (p_agent, p_version, who.principal)
+    drain := draining_only;
+    INSERT INTO agent_cutovers AS c (agent, version, set_by, drain)
+    VALUES (p_agent, p_version, who.principal, draining_only)
     ON CONFLICT (agent) DO UPDATE
-    SET version = excluded.version, set_by = excluded.set_by, set_at = clock_timestamp();
-    WITH target AS (
-        SELECT r.run_id, r.lease_owner AS previous_owner
-        FROM runs AS r
-        WHERE r.agent = p_agent AND r.state = 'running'
-          AND NOT EXISTS (
-              SELECT 1 FROM workers AS w
-              WHERE w.worker_id = r.lease_owner
-                AND w.agent_versions -> p_agent ->> 0 = p_version)
-        FOR UPDATE
-    ), cut AS (
-        UPDATE runs AS r
-        SET state = 'queued', fence = greatest(r.fence + 1, (SELECT fence_floor())),
-            lease_owner = NULL, lease_until = NULL, available_at = clock_timestamp(),
-            updated_at = clock_timestamp()
-        FROM target AS t
-        WHERE r.run_id = t.run_id
-        RETURNING r.run_id, r.fence, t.previous_owner
-    ), logged AS (
-        INSERT INTO run_events (run_id, kind, fence, details)
-        SELECT c.run_id, 'cut_over', c.fence,
-               jsonb_build_object('to_version', p_version, 'previous_owner', c.previous_owner,
-                                  'by', who.principal)
-        FROM cut AS c
-    ), fenced AS (
-        -- The effect boundary learns the new fence too: the old owner's requests are stale.
-        INSERT INTO effect_fences (run_id, fence)
-        SELECT c.run_id, c.fence FROM cut AS c
-        ON CONFLICT (run_id) DO UPDATE
-        SET fence = greatest(effect_fences.fence, EXCLUDED.fence), updated_at = clock_timestamp()
-    ), told AS (
-        -- The old owner stops the step at once (it could commit nothing anyway).
-        SELECT pg_notify('orchestrator_cancel', c.run_id) FROM cut AS c
-    )
-    SELECT count(*) INTO runs_cut FROM cut WHERE (SELECT count(*) FROM told) >= 0;
+    SET version = excluded.version, set_by = excluded.set_by, set_at = clock_timestamp(),
+        drain = excluded.drain;
+    -- Rows of runs claimed again since, or ended, allow nothing: drop them.
+    DELETE FROM cutover_drains AS d
+    USING runs AS r
+    WHERE r.run_id = d.run_id AND r.agent = p_agent
+      AND (r.fence <> d.fence OR r.state <> 'running');
+    runs_cut := 0;
+    runs_draining := 0;
+    IF draining_only THEN
+        WITH target AS (
+            SELECT r.run_id, r.fence, r.lease_owner
+            FROM runs AS r
+            WHERE r.agent = p_agent AND r.state = 'running'
+              AND NOT EXISTS (
+                  SELECT 1 FROM workers AS w
+                  WHERE w.worker_id = r.lease_owner
+                    AND w.agent_versions -> p_agent ->> 0 = p_version)
+            FOR UPDATE
+        ), draining AS (
+            INSERT INTO cutover_drains AS d (run_id, fence, to_version)
+            SELECT t.run_id, t.fence, p_version FROM target AS t
+            ON CONFLICT (run_id) DO UPDATE
+            SET fence = excluded.fence, to_version = excluded.to_version,
+                since = clock_timestamp()
+            RETURNING d.run_id, d.fence
+        ), logged AS (
+            INSERT INTO run_events (run_id, kind, fence, details)
+            SELECT d.run_id, 'draining', d.fence,
+                   jsonb_build_object('to_version', p_version, 'owner', t.lease_owner,
+                                      'by', who.principal)
+            FROM draining AS d JOIN target AS t USING (run_id)
+        )
+        SELECT count(*) INTO runs_draining FROM draining;
+    ELSE
+        WITH target AS (
+            SELECT r.run_id, r.lease_owner AS previous_owner
+            FROM runs AS r
+            WHERE r.agent = p_agent AND r.state = 'running'
+              AND NOT EXISTS (
+                  SELECT 1 FROM workers AS w
+                  WHERE w.worker_id = r.lease_owner
+                    AND w.agent_versions -> p_agent ->> 0 = p_version)
+            FOR UPDATE
+        ), cut AS (
+            UPDATE runs AS r
+            SET state = 'queued', fence = greatest(r.fence + 1, (SELECT fence_floor())),
+                lease_owner = NULL, lease_until = NULL, available_at = clock_timestamp(),
+                updated_at = clock_timestamp()
+            FROM target AS t
+            WHERE r.run_id = t.run_id
+            RETURNING r.run_id, r.fence, t.previous_owner
+        ), undrained AS (
+            DELETE FROM cutover_drains AS d USING cut AS c WHERE d.run_id = c.run_id
+        ), logged AS (
+            INSERT INTO run_events (run_id, kind, fence, details)
+            SELECT c.run_id, 'cut_over', c.fence,
+                   jsonb_build_object('to_version', p_version, 'previous_owner',
+                                      c.previous_owner, 'by', who.principal)
+            FROM cut AS c
+        ), fenced AS (
+            -- The effect boundary learns the new fence too: the old owner's requests are stale.
+            INSERT INTO effect_fences (run_id, fence)
+            SELECT c.run_id, c.fence FROM cut AS c
+            ON CONFLICT (run_id) DO UPDATE
+            SET fence = greatest(effect_fences.fence, EXCLUDED.fence),
+                updated_at = clock_timestamp()
+        ), told AS (
+            -- The old owner stops the step at once (it could commit nothing anyway).
+            SELECT pg_notify('orchestrator_cancel', c.run_id) FROM cut AS c
+        )
+        SELECT count(*) INTO runs_cut FROM cut WHERE (SELECT count(*) FROM told) >= 0;
+    END IF;
     agent := p_agent;
     version := p_version;
     principal := who.principal;
     audit_seq := orchestrator_audit_decision(
         who.principal, who.via, 'agent_cutover', NULL, NULL,
         jsonb_build_object('agent', p_agent, 'version', p_version, 'previous', previous,
-                           'runs_cut', runs_cut),
+                           'drain', draining_only, 'runs_cut', runs_cut,
+                           'runs_draining', runs_draining),
         p_typed_by);
     PERFORM pg_notify('orchestrator_runs', p_agent);  -- the new version's workers claim now
 END
@@ -1778,6 +1826,7 @@ CREATE TABLE orchestrator.agent_cutovers (
     version text NOT NULL,
     set_by text NOT NULL,
     set_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    drain boolean DEFAULT false NOT NULL,
     CONSTRAINT agent_cutovers_agent_check CHECK ((agent ~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'::text)),
     CONSTRAINT agent_cutovers_version_check CHECK ((version ~ '^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$'::text))
 );
@@ -1816,6 +1865,12 @@ ALTER TABLE orchestrator.budget_ledger ALTER COLUMN entry ADD GENERATED ALWAYS A
     NO MINVALUE
     NO MAXVALUE
     CACHE 1
+);
+CREATE TABLE orchestrator.cutover_drains (
+    run_id text NOT NULL,
+    fence bigint NOT NULL,
+    to_version text NOT NULL,
+    since timestamp with time zone DEFAULT clock_timestamp() NOT NULL
 );
 CREATE TABLE orchestrator.effect_fences (
     run_id text NOT NULL,
@@ -2004,6 +2059,8 @@ ALTER TABLE ONLY orchestrator.audit_log
     ADD CONSTRAINT audit_log_pkey PRIMARY KEY (seq);
 ALTER TABLE ONLY orchestrator.budget_ledger
     ADD CONSTRAINT budget_ledger_pkey PRIMARY KEY (run_id, entry);
+ALTER TABLE ONLY orchestrator.cutover_drains
+    ADD CONSTRAINT cutover_drains_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.effect_fences
     ADD CONSTRAINT effect_fences_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.effects
@@ -2061,5 +2118,7 @@ CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.
 CREATE TRIGGER runs_fence_guard BEFORE UPDATE OF fence ON orchestrator.runs FOR EACH ROW WHEN (((new.fence IS DISTINCT FROM old.fence) AND (NOT ((new.fence = (old.fence + 1)) AND (new.state = 'running'::text) AND (((old.state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (old.available_at <= clock_timestamp())) OR ((old.state = 'running'::text) AND (old.lease_until < clock_timestamp()))))))) EXECUTE FUNCTION orchestrator.runs_fence_moves_only_by_claim();
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;
+ALTER TABLE ONLY orchestrator.cutover_drains
+    ADD CONSTRAINT cutover_drains_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.run_holds
     ADD CONSTRAINT run_holds_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;

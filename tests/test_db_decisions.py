@@ -58,6 +58,7 @@ TABLES = (
     "audit_log",
     "flow_limits",
     "rate_limits",
+    "cutover_drains",
     "run_holds",
     "agent_cutovers",
 )
@@ -494,6 +495,9 @@ async def test_hostile_arguments_to_every_function_change_nothing(
         ("SELECT * FROM orchestrator_cutover('roles', $1, NULL, NULL, NULL)", (huge,)),
         ("SELECT * FROM orchestrator_cutover('roles', NULL, NULL, NULL, NULL)", ()),
         ("SELECT * FROM orchestrator_cutover('roles', '2', 'alice', 'oidc', NULL)", ()),
+        ("SELECT * FROM orchestrator_cutover('roles', '2', true, 'alice', 'oidc', NULL)", ()),
+        ("SELECT * FROM orchestrator_cutover('roles', $1, true, NULL, NULL, NULL)", (huge,)),
+        ("SELECT * FROM orchestrator_cutover('bad agent!', '2', NULL, NULL, NULL, NULL)", ()),
     ]
     unchanged = await snapshot(admin)
     refusals: list[tuple[str, str, asyncpg.PostgresError]] = []

@@ -274,3 +274,42 @@ async def test_serve_dispatch_lease_setting_bounds_how_long_a_dead_send_waits(
     # starting B, which took up to 30 s on a loaded two-core machine.
     assert settled_after < 45, settled_after
     assert vendor.requests_by_key == {idempotency_key(run.run_id, effect.key): 1}
+
+
+@pytest.mark.parametrize("command", ["serve", "effects dispatch"])
+async def test_a_stopped_process_lets_the_email_in_flight_finish_instead_of_cutting_it_off(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path, command: str
+) -> None:
+    """SIGTERM while the mail server has an email and has not answered yet: the dispatcher
+    claims nothing more but waits for that answer, so the email is confirmed, not left half sent
+    for a person to check (SMTP cannot be looked up)."""
+    with SmtpSink() as sink:
+        sink.mode, sink.hang_seconds = "hang_after_data", 2.0
+        email = {"adapter": "smtp", "host": "127.0.0.1", "port": sink.port, "sender": "a@o.test"}
+        config = write_vendors_config(tmp_path, {"email": email})
+        run_id = (await store.submit("agent", {})).run.run_id
+        [run] = (await store.claim("W", ["agent"], limit=1, lease_seconds=60)).claimed
+        async with pool.acquire() as db, db.transaction():
+            await EffectStore(pool).accept(
+                db,
+                run_id,
+                run.fence,
+                Effect("mail", "email", {"to": "x@o.test", "subject": "Hi", "body": "Hello"}),
+                worker_id="W",
+            )
+        if command == "serve":
+            args = serve_args(AGENT, config, lease_seconds="20", heartbeat_seconds="1")
+            process = ServeProcess(database_url, *args, name="S")
+        else:
+            options = ["--effects-config", config, "--dispatcher-id", "D"]
+            process = ServeProcess(database_url, *options, name="D", command=command.split())
+        with process:
+            with anyio.fail_after(60):
+                while not sink.messages:  # the mail server's state, polled
+                    await anyio.sleep(0.02)
+                    assert process.process.poll() is None, process.tail()
+            process.signal(signal.SIGTERM)  # the server has the email and has not answered
+            assert await anyio.to_thread.run_sync(process.process.wait, 60) == 0, process.tail()
+        record = await EffectStore(pool).get(run_id, "mail")
+        assert record.status is EffectStatus.CONFIRMED, (record.status, process.tail())
+        assert len(sink.messages) == 1

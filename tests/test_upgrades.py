@@ -297,5 +297,7 @@ async def test_a_cutover_to_an_older_version_or_of_a_bad_name_is_one_line(
         "version": "4",
         "previous": "3",
         "runs_cut": 0,
+        "drain": False,
+        "runs_draining": 0,
     }
     assert await pool.fetchval("SELECT version FROM agent_cutovers WHERE agent = 'slow'") == "4"

@@ -45,24 +45,33 @@ async def agents_versions(settings: Settings, agent: str | None, as_json: bool) 
 @click.option(
     "--to", "version", required=True, help="The version of AGENT's code that runs it now."
 )
+@click.option(
+    "--drain",
+    is_flag=True,
+    help="Let workers of another version finish the step they are in, then give the run back.",
+)
 @json_option("Print the cutover as JSON.")
 @async_command
-async def agents_cutover(settings: Settings, agent: str, version: str, as_json: bool) -> None:
+async def agents_cutover(
+    settings: Settings, agent: str, version: str, drain: bool, as_json: bool
+) -> None:
     """From now on only workers running VERSION of AGENT claim or commit its runs: the runs
     workers of another version hold are taken from them at once (their fence is raised, so
     what they commit or ask to send next is refused) and are claimed by VERSION's workers
-    (docs/upgrades.md). Audited; needs the operate permission."""
+    (docs/upgrades.md). With --drain, those workers first finish and commit the step they are
+    in. Audited; needs the operate permission."""
     async with open_stores(settings) as stores:
-        done = await stores.agents.cutover(agent, version)
+        done = await stores.agents.cutover(agent, version, drain=drain)
     if as_json:
         stdout.print_json(dump_json(done))
         return
     was = "" if done.previous is None else f" (was {done.previous})"
-    stdout.print(
-        f"{done.agent}: cut over to version {done.version}{was}; {done.runs_cut} run"
-        f"{'' if done.runs_cut == 1 else 's'} taken from workers of another version",
-        markup=False,
-    )
+    if done.drain:
+        count, what = done.runs_draining, "to finish the step they are in on workers of"
+    else:
+        count, what = done.runs_cut, "taken from workers of"
+    moved = f"{count} run{'' if count == 1 else 's'} {what} another version"
+    stdout.print(f"{done.agent}: cut over to version {done.version}{was}; {moved}", markup=False)
 
 
 def versions_table(found: Sequence[AgentVersion]) -> Table:

@@ -254,6 +254,11 @@ def effects_dispatch(
                 anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             ):
                 async with anyio.create_task_group() as group:
+
+                    async def finish_then_stop() -> None:
+                        await dispatcher.finish()
+                        group.cancel_scope.cancel()
+
                     group.start_soon(dispatcher.run)
                     if gauges is not None:
                         group.start_soon(
@@ -262,8 +267,13 @@ def effects_dispatch(
                             )
                         )
                     async for _ in signals:
-                        group.cancel_scope.cancel()
-                        break
+                        if dispatcher.stopping:
+                            break  # asked again: stop at once
+                        stderr.print(
+                            "stopping: the sends in flight end first (send again to exit at once)"
+                        )
+                        group.start_soon(finish_then_stop)
+                    group.cancel_scope.cancel()
         stderr.print(f"dispatcher stopped: {dispatcher.outcomes}")
 
     run_async(body)

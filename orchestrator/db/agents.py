@@ -23,6 +23,10 @@ class Cutover(JsonFields):
     """The version the agent was cut over to before (``None``: never)."""
     runs_cut: int
     """Runs taken from workers of another version (fence raised, due at once)."""
+    drain: bool = False
+    """Whether the runs workers of another version hold finish the step they are in first."""
+    runs_draining: int = 0
+    """Runs left to finish their step (a drain): each is given back after it."""
 
 
 class AgentStore:
@@ -30,13 +34,21 @@ class AgentStore:
         self.db = db
 
     async def cutover(
-        self, agent: str, version: int | str, *, actor: Actor | None = None
+        self, agent: str, version: int | str, *, drain: bool = False, actor: Actor | None = None
     ) -> Cutover:
         """From now on only workers running ``version`` of ``agent`` claim or commit its runs;
-        the runs other workers hold are taken from them at once (audited, ``operate``)."""
+        the runs other workers hold are taken from them at once or, with ``drain``, after the
+        step they are in (audited, ``operate``)."""
         validate_agent_name(agent)
         text = agent_version_text(version, "the version to cut over to")
         who = Actor.acting(actor, None)
-        row = await decide(self.db, "agent_cutover", who, query("cutover"), agent, text)
+        row = await decide(self.db, "agent_cutover", who, query("cutover"), agent, text, drain)
         assert row is not None
-        return Cutover(row["agent"], row["version"], row["previous"], int(row["runs_cut"]))
+        return Cutover(
+            row["agent"],
+            row["version"],
+            row["previous"],
+            int(row["runs_cut"]),
+            bool(row["drain"]),
+            int(row["runs_draining"]),
+        )

@@ -186,7 +186,7 @@ class Commits(PoolStore):
         )
         return {
             r["run_id"]: CommitResult(
-                r["checkpoint_version"], r["lease_until"], r["signals_pending"]
+                r["checkpoint_version"], r["lease_until"], r["signals_pending"], r["drained"]
             )
             for r in records
         }
@@ -224,6 +224,14 @@ class Commits(PoolStore):
             [park.until for _, park in parks],
             [park.progressed for _, park in parks],
         )
+        return {record["run_id"] for record in records}
+
+    async def release_drained(
+        self, worker_id: str, run_ids: Sequence[str], *, db: Executor
+    ) -> set[str]:
+        """After their step commits, in the same transaction: a drained cutover let these runs
+        finish that step, so give them back (see release_drained). Returns the runs given back."""
+        records = await db.fetch(query("release_drained"), worker_id, list(run_ids))
         return {record["run_id"] for record in records}
 
     async def fail_attempt(

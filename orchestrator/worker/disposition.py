@@ -26,7 +26,8 @@ class Disposition(enum.StrEnum):
     WAITING = "waiting"
     """The step returned ``Wait``: committed, lease and slot given back until woken."""
     RELEASED = "released"
-    """Given back at shutdown, fence unchanged, attempt not counted."""
+    """Given back at shutdown or after a drained cutover's last step, fence unchanged, attempt
+    not counted."""
     LOST = "lost"
     """Ownership was lost or could not be proven: nothing more was committed."""
     CANCELLED = "cancelled"

@@ -438,6 +438,9 @@ class RunExecution:
                 span.set_attribute(CHECKPOINT_VERSION, committed.checkpoint_version)
                 if isinstance(outcome, steps.Wait):
                     return Disposition.WAITING
+                if committed.drained:  # its last step here: a newer version's worker goes on
+                    self.handle.finishing = True
+                    return Disposition.RELEASED
                 if committed.signals_pending > len(signals):
                     self.signalled = True  # some came after the step was given its own
                 return outcome.step_name, outcome.checkpoint, committed.checkpoint_version

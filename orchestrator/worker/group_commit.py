@@ -19,6 +19,7 @@ and return would cost a resumption through its frames per run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -282,6 +283,7 @@ class GroupCommitter:
             if leave_out:
                 raise _LeaveOut(leave_out)
             await self._after_commit(db, members, committed, finished)
+            committed = await self._release_drained(db, committed)
             # A stale owner asked for effects: say so in the timeline, send nothing.
             for pending in batch:
                 request = pending.request
@@ -372,6 +374,22 @@ class GroupCommitter:
                         if lease.run_id not in parked
                     }
                 )
+
+    async def _release_drained(
+        self, db: Any, committed: dict[str, CommitResult]
+    ) -> dict[str, CommitResult]:
+        """A drained cutover let these steps finish: give their runs back (those a park has
+        not already let go); their results say which were given back."""
+        drained = [run_id for run_id, result in committed.items() if result.drained]
+        if not drained:
+            return committed
+        released = await self.store.release_drained(self.worker_id, drained, db=db)
+        return {
+            run_id: dataclasses.replace(result, drained=run_id in released)
+            if result.drained
+            else result
+            for run_id, result in committed.items()
+        }
 
     async def _accept_effects(
         self, db: Any, request: StepCommit | RunFinish

@@ -308,4 +308,5 @@ class Worker:
             self.ready.set()
             await claims.run(running)
             await self.runs.drain(self.config.grace_seconds)
+            await running.dispatcher.finish()  # its sends in flight end: none is cut off
             group.cancel_scope.cancel()

@@ -191,10 +191,14 @@ class ServeProcess:
         name: str = "worker",
         env: dict[str, str] | None = None,
         command: Sequence[str] = ("serve",),
+        python: str = sys.executable,
+        cwd: Path | None = None,
     ) -> None:
         """``database_url`` None: the embedded server of ``env``'s ORCHESTRATOR_HOME.
         ``command``: the command line's words before the options (``serve``, given
-        ``--worker-id name``; or ``effects dispatch``, whose id is one of ``args``)."""
+        ``--worker-id name``; or ``effects dispatch``, whose id is one of ``args``).
+        ``python``: the interpreter, e.g. one of an earlier release's virtualenv, run in
+        ``cwd`` (``-m`` puts the working directory first on the import path)."""
         env = {
             **os.environ,
             **(env or {}),
@@ -209,7 +213,7 @@ class ServeProcess:
         self.raw: list[str] = []
         self.process = subprocess.Popen(
             [
-                sys.executable,
+                python,
                 "-m",
                 "orchestrator.cli",
                 *command,
@@ -222,6 +226,7 @@ class ServeProcess:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            cwd=cwd,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
