@@ -51,7 +51,8 @@ SELECT * FROM runs WHERE idempotency_key = $1
 --         $5 include_expired bool, $6 run_id text (NULL: any due run of $2),
 --         $7 after_key text (the last concurrency key this claimer served; NULL: none),
 --         $8 versions jsonb ({agent: [agent versions its checkpoints may be written under]};
---            NULL: any)
+--            NULL: any; matched by jsonb_exists, not the ? operator, whose estimate of 0.1%
+--            made a claim read and sort every due run instead of walking the index in order)
 -- Claim up to $3 runs for worker $1, each with a lease of $4 seconds: runs of the agents $2 that
 -- are due (queued, or waiting and past available_at) and, if $5, running runs whose lease has
 -- expired by the database clock; or, when $6 names a run, that run alone if it is due or its
@@ -94,7 +95,8 @@ WITH flow AS MATERIALIZED (
     FROM runs AS r
     WHERE $6::text IS NULL AND $5::boolean AND state = 'running' AND agent = ANY($2::text[])
       AND lease_until < clock_timestamp() AND NOT (SELECT planned FROM flow)
-      AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
+      AND (r.agent_version IS NULL OR $8::jsonb IS NULL
+           OR jsonb_exists($8::jsonb -> r.agent, r.agent_version))
       AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c WHERE c.agent = r.agent
                         AND c.version IS DISTINCT FROM ($8::jsonb -> r.agent ->> 0))
     LIMIT $3
@@ -111,7 +113,8 @@ WITH flow AS MATERIALIZED (
         WHERE $6::text IS NULL AND state IN ('queued', 'waiting') AND agent = a.agent
           AND concurrency_key IS NULL AND available_at <= (SELECT clock_timestamp())
           AND NOT (SELECT planned FROM flow)
-          AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
+          AND (r.agent_version IS NULL OR $8::jsonb IS NULL
+               OR jsonb_exists($8::jsonb -> r.agent, r.agent_version))
           AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c WHERE c.agent = a.agent
                             AND c.version IS DISTINCT FROM ($8::jsonb -> a.agent ->> 0))
         ORDER BY available_at
@@ -129,7 +132,8 @@ WITH flow AS MATERIALIZED (
     WHERE run_id = $6::text AND NOT (SELECT planned FROM flow)
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
-      AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
+      AND (r.agent_version IS NULL OR $8::jsonb IS NULL
+           OR jsonb_exists($8::jsonb -> r.agent, r.agent_version))
       AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c WHERE c.agent = r.agent
                         AND c.version IS DISTINCT FROM ($8::jsonb -> r.agent ->> 0))
     FOR UPDATE SKIP LOCKED
@@ -146,7 +150,8 @@ WITH flow AS MATERIALIZED (
     WHERE run_id IN (SELECT plan.run_id FROM plan WHERE plan.run_id IS NOT NULL)
       AND ((state IN ('queued', 'waiting') AND available_at <= clock_timestamp())
            OR (state = 'running' AND lease_until < clock_timestamp()))
-      AND (r.agent_version IS NULL OR $8::jsonb IS NULL OR ($8::jsonb -> r.agent) ? r.agent_version)
+      AND (r.agent_version IS NULL OR $8::jsonb IS NULL
+           OR jsonb_exists($8::jsonb -> r.agent, r.agent_version))
       AND NOT EXISTS (SELECT 1 FROM agent_cutovers AS c WHERE c.agent = r.agent
                         AND c.version IS DISTINCT FROM ($8::jsonb -> r.agent ->> 0))
     FOR UPDATE SKIP LOCKED

@@ -415,10 +415,11 @@ BEGIN
                     AND w.agent_versions -> p_agent ->> 0 = p_version)
             FOR UPDATE
         ), cut AS (
+            -- Not the run's failure: the attempt the old worker made is not counted.
             UPDATE runs AS r
             SET state = 'queued', fence = greatest(r.fence + 1, (SELECT fence_floor())),
                 lease_owner = NULL, lease_until = NULL, available_at = clock_timestamp(),
-                updated_at = clock_timestamp()
+                attempt = greatest(r.attempt - 1, 0), updated_at = clock_timestamp()
             FROM target AS t
             WHERE r.run_id = t.run_id
             RETURNING r.run_id, r.fence, t.previous_owner

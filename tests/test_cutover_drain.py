@@ -154,7 +154,9 @@ async def test_a_plain_cutover_after_a_drain_takes_the_draining_runs_at_once(
     assert (taken.previous, taken.runs_cut, taken.drain) == ("2", 1, False)
     assert await store.commit_step(claimed.lease, agent_version="1", **COMMON) is None
     assert await pool.fetchval("SELECT count(*) FROM cutover_drains") == 0
-    assert (await store.get(claimed.run_id)).fence > claimed.fence
+    cut = await store.get(claimed.run_id)
+    assert cut.fence > claimed.fence
+    assert (claimed.attempt, cut.attempt) == (1, 0)  # a cutover is not the run's failure
 
 
 async def test_a_drain_from_the_command_line_says_how_many_runs_finish_their_step(
