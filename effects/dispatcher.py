@@ -167,7 +167,7 @@ class Dispatcher:
         listening = anyio.CancelScope()
         try:
             async with anyio.create_task_group() as group:
-                group.start_soon(self._listen, listening)
+                group.start_soon(listen_for_due, self, listening)
                 while not self.stopping:
                     self._wake = anyio.Event()
                     # The lease is judged from before the claim was sent: its answer may arrive
@@ -223,23 +223,6 @@ class Dispatcher:
         # Unreachable, or the standby it requires is missing: look again later.
         await anyio.sleep(self.poll_seconds)
         return []
-
-    async def _listen(self, scope: anyio.CancelScope) -> None:
-        """Wake when a step commits an effect (NOTIFY in the same transaction), until
-        ``scope`` is cancelled.
-
-        On one of the pool's connections, checked every five polls; the claim loop's own poll
-        covers what is notified while it is lost.
-        """
-        with scope:
-            await Listener(
-                (DUE_CHANNEL,),
-                lambda channel, kind: self.wake(),
-                pool=self.pool,
-                check_seconds=self.poll_seconds * 5,
-                statement_seconds=self.statement_seconds,
-                retry_seconds=self.poll_seconds,
-            ).run()
 
     async def _dispatch_batch(self, claimed: list[ClaimedEffect], deadline: float) -> None:
         """Dispatch a claimed batch: the effects that may already have been sent are reconciled
@@ -564,3 +547,21 @@ def _effect_ids(effect: EffectRecord) -> dict[str, str | int]:
         EFFECT_KEY: effect.effect_key,
         IDEMPOTENCY_KEY: effect.idempotency_key,
     }
+
+
+async def listen_for_due(dispatcher: Dispatcher, scope: anyio.CancelScope) -> None:
+    """Wake ``dispatcher`` when a step commits an effect (NOTIFY in the same transaction), until
+    ``scope`` is cancelled.
+
+    On one of the pool's connections, checked every five polls; the claim loop's own poll
+    covers what is notified while it is lost.
+    """
+    with scope:
+        await Listener(
+            (DUE_CHANNEL,),
+            lambda channel, kind: dispatcher.wake(),
+            pool=dispatcher.pool,
+            check_seconds=dispatcher.poll_seconds * 5,
+            statement_seconds=dispatcher.statement_seconds,
+            retry_seconds=dispatcher.poll_seconds,
+        ).run()

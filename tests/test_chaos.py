@@ -12,9 +12,10 @@ import anyio
 import pytest
 
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
+from orchestrator.chaos.deploy_checks import OLD_VERSION_COMMITTED
 from orchestrator.chaos.faults import FAULT_KINDS
 from support import cli
-from support.chaos_mutants import BOUNDARY_WITHOUT_FENCE_CHECK
+from support.chaos_mutants import BOUNDARY_WITHOUT_FENCE_CHECK, CUTOVER_NOT_IN_FORCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # whole campaigns, minutes each
 
@@ -51,13 +52,13 @@ def test_a_short_campaign_with_every_fault_keeps_every_promise(tmp_path: Path) -
     assert report["mcp_deliveries"] >= 1  # tool runs open a case through an MCP server
     assert report["stale_requests_refused"] >= 1
     assert report["runs_keyed"] >= 1 and report["limit_samples"] >= 1  # keyed runs under limits
+    assert report["cutovers"] >= 2 * report["faults"]["deploy"]["fired"]  # both agents, each
     assert "quiescent" in done.stderr and "healed" in done.stderr
 
 
 def campaign(tmp_path: Path, **options: Any) -> Report:
-    config = CampaignConfig(
-        seed=3, duration=30, runs=60, fault_rate=1.0, work_dir=tmp_path / "campaign", **options
-    )
+    defaults: dict[str, Any] = {"seed": 3, "duration": 30, "runs": 60, "fault_rate": 1.0}
+    config = CampaignConfig(work_dir=tmp_path / "campaign", **{**defaults, **options})
     return anyio.run(run_campaign, config)
 
 
@@ -69,6 +70,18 @@ def test_the_checker_catches_a_boundary_that_lost_its_fence_check(tmp_path: Path
     )
     rules = {violation.rule for violation in report.findings.violations}
     assert "stale fence dispatched" in rules, report.findings.violations
+    assert not report.passed
+
+
+def test_the_checker_catches_old_workers_committing_after_a_cutover(tmp_path: Path) -> None:
+    """A cutover that takes the runs old workers hold but is not in force for claims and
+    commits: the old workers a deploy leaves running a while go on committing."""
+    report = campaign(
+        tmp_path, kinds=("deploy",), fault_rate=0.08, after_migrate=CUTOVER_NOT_IN_FORCE
+    )
+    rules = {violation.rule for violation in report.findings.violations}
+    assert OLD_VERSION_COMMITTED in rules, report.findings.violations
+    assert report.fired()["deploy"] >= 1 and report.findings.cutovers >= 2
     assert not report.passed
 
 

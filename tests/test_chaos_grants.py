@@ -11,8 +11,9 @@ import anyio
 import pytest
 
 from orchestrator.chaos.campaign import plans
-from orchestrator.chaos.checker import Findings, check_grants
+from orchestrator.chaos.checker import check_grants
 from orchestrator.chaos.context import ClientGate
+from orchestrator.chaos.findings import Findings
 from orchestrator.chaos.grants import (
     GRANTS_DIR_ENV,
     MEMBER_ENV,

@@ -11,12 +11,8 @@ import asyncpg
 import pytest
 
 from orchestrator.chaos import CampaignConfig, run_campaign
-from orchestrator.chaos.checker import (
-    LIMIT_EXCEEDED,
-    SLOT_WITHOUT_LEASE,
-    Findings,
-    check_leases_released,
-)
+from orchestrator.chaos.checker import LIMIT_EXCEEDED, SLOT_WITHOUT_LEASE, check_leases_released
+from orchestrator.chaos.findings import Findings
 from orchestrator.chaos.limits import KEYS, LimitSampler, key_matches
 from orchestrator.chaos.statements import CAMPAIGN_APPLICATION
 from orchestrator.db.connections import create_pool

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import asyncpg
 
-from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext, Wait
+from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.db.agents import AgentStore
 from orchestrator.db.signals import SignalStore
 from orchestrator.db.store import RunStore
@@ -187,3 +187,24 @@ async def test_the_cutover_function_takes_a_null_drain_as_no_drain(pool: asyncpg
         "SELECT * FROM orchestrator_cutover('paced', '2', NULL, NULL, NULL, NULL)"
     )
     assert row is not None and row["drain"] is False
+
+
+class Refuse(Step):
+    name = "Work"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        return Fail("not this one")
+
+
+async def test_a_step_of_the_version_cut_over_to_may_fail_the_run(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """Fail keeps the checkpoint, and its version, but is committed by the version that ran."""
+    await AgentStore(pool).cutover("paced", 2)
+    run_id = (await store.submit("paced", {})).run.run_id
+    refusing = Agent("paced", first=Refuse, steps=[ReadV2], version=2)
+    async with running_worker(settings, [refusing], **FAST):
+        failed = await until_state(store, run_id, RunState.FAILED, RunState.DEAD)
+    assert failed.state is RunState.FAILED and failed.error["message"] == "not this one"
+    claims = [e for e in await store.events(run_id) if e.kind == "claimed"]
+    assert len(claims) == 1  # committed at once, not lost and claimed again

@@ -12,13 +12,21 @@ answers; a replayed turn proposes other arguments, as a real model may.
 
 Every step, and the read-only lookup, first records the (run, fence) it runs under outside the
 database (``orchestrator.chaos.grants``): the checker's evidence that survives a failover.
+
+Both agents are versioned (docs/upgrades.md): a ``serve`` process runs the version
+``ORCHESTRATOR_CHAOS_AGENT_VERSION`` names (1 when unset), and the ``deploy`` fault starts newer
+ones. Each version of ``chaos_steps`` names its checkpoint's keys its own way (``announced_v2``)
+and upgrades every older version's checkpoint by renaming them; a step that meets a checkpoint
+it cannot read raises ``CheckpointMisread``, which the checker reports.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from datetime import timedelta
+from typing import ClassVar, cast
 
 import anyio
 
@@ -28,10 +36,56 @@ from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.agent.tools import ToolContext, ToolSource, tool
 from orchestrator.chaos.grants import record_grant
 from orchestrator.effect_model import Effect, EffectPolicy
+from orchestrator.errors import InvalidInput
+from orchestrator.models import JSON
 from orchestrator.testing.loopback import ScriptedCall, ScriptedTurn, ScriptRequest
 
 SIGNAL_WAIT_SECONDS = 120.0
 """How long a step run waits for ``go`` before going on without it."""
+VERSION_ENV = "ORCHESTRATOR_CHAOS_AGENT_VERSION"
+"""Which version of the chaos agents' code a process runs: a whole number from 1."""
+MISREAD = "checkpoint misread"
+"""How a ``CheckpointMisread`` begins, in the failed attempt the run's timeline keeps."""
+
+
+class CheckpointMisread(LookupError):
+    """A step met a checkpoint not in its own version's shape: an upgrade is missing or wrong."""
+
+
+def served_version() -> int:
+    """The version ``VERSION_ENV`` names, 1 when unset; anything else is one line."""
+    text = os.environ.get(VERSION_ENV, "1")
+    if not re.fullmatch(r"[1-9][0-9]{0,8}", text):
+        raise InvalidInput(f"{VERSION_ENV} is a whole number from 1, not {text!r}")
+    return int(text)
+
+
+def shaped(version: int, facts: dict[str, JSON]) -> dict[str, JSON]:
+    """``facts`` as ``version`` writes a checkpoint: each key renamed for it, as a release that
+    renames a field does, so that no version can take another's checkpoint for its own."""
+    return {f"{fact}_v{version}": value for fact, value in facts.items()}
+
+
+def read_facts(version: int, checkpoint: JSON, *needed: str) -> dict[str, JSON]:
+    """The facts of a checkpoint in ``version``'s shape; ``CheckpointMisread`` when it is in
+    another's, or lacks one of ``needed``."""
+    suffix = f"_v{version}"
+    if not isinstance(checkpoint, dict) or not all(key.endswith(suffix) for key in checkpoint):
+        raise CheckpointMisread(f"{MISREAD}: version {version} cannot read {checkpoint!r}")
+    facts = {key.removesuffix(suffix): value for key, value in checkpoint.items()}
+    missing = [fact for fact in needed if fact not in facts]
+    if missing:
+        raise CheckpointMisread(f"{MISREAD}: version {version} finds no {missing} in {facts!r}")
+    return facts
+
+
+def upgrade(older: int, version: int) -> Callable[[JSON], JSON]:
+    """The upgrade of a checkpoint ``older`` wrote to ``version``'s shape."""
+
+    def renamed(checkpoint: JSON) -> JSON:
+        return shaped(version, read_facts(older, checkpoint))
+
+    return renamed
 
 
 def _field(ctx: StepContext, name: str) -> object:
@@ -42,7 +96,17 @@ def _granted(ctx: StepContext) -> None:
     record_grant(ctx.run_id, ctx.fence, ctx.checkpoint_version, ctx.step)
 
 
-class Announce(Step):
+class ChaosStep(Step):
+    """A step of ``chaos_steps``: it reads and writes checkpoints in its version's shape."""
+
+    version: ClassVar[int] = 1
+    """The version of the agent's code the step belongs to (``steps_agent`` sets it)."""
+
+    def facts(self, ctx: StepContext, *needed: str) -> dict[str, JSON]:
+        return read_facts(self.version, ctx.checkpoint, *needed)
+
+
+class Announce(ChaosStep):
     name = "announce"
 
     async def run(self, ctx: StepContext) -> Outcome:
@@ -50,7 +114,7 @@ class Announce(Step):
         customer = _field(ctx, "customer")
         return Next(
             AwaitGo,
-            checkpoint={"announced": True},
+            checkpoint=shaped(self.version, {"announced": True}),
             effects=[
                 Effect("email", "email", {"run": ctx.run_id, "to": f"{customer}@customer.test"}),
                 Effect(
@@ -63,23 +127,25 @@ class Announce(Step):
         )
 
 
-class AwaitGo(Step):
+class AwaitGo(ChaosStep):
     name = "await_go"
 
     async def run(self, ctx: StepContext) -> Outcome:
         _granted(ctx)
+        facts = self.facts(ctx, "announced")
         woken = ctx.wait is not None
         if _field(ctx, "signal") and not woken and not any(s.name == "go" for s in ctx.signals):
             until = ctx.database_now() + timedelta(seconds=SIGNAL_WAIT_SECONDS)
             return Wait(AwaitGo, signals=["go"], until=until, reason="waiting for go")
-        return Next(AskRefund, checkpoint={"announced": True, "went": True})
+        return Next(AskRefund, checkpoint=shaped(self.version, {**facts, "went": True}))
 
 
-class AskRefund(Step):
+class AskRefund(ChaosStep):
     name = "ask_refund"
 
     async def run(self, ctx: StepContext) -> Outcome:
         _granted(ctx)
+        self.facts(ctx, "announced", "went")
         work = _field(ctx, "work_seconds")
         if isinstance(work, int | float):
             await anyio.sleep(work)
@@ -97,21 +163,31 @@ class AskRefund(Step):
         return Wait(Close, effects=[refund], reason="refund awaits approval")
 
 
-class Close(Step):
+class Close(ChaosStep):
     name = "close"
 
     async def run(self, ctx: StepContext) -> Outcome:
         _granted(ctx)
+        self.facts(ctx, "announced", "went")
         refund = await ctx.effects.get("refund")
         return Finish(result={"refund": refund.status.value})
 
 
-chaos_steps = Agent(
-    "chaos_steps",
-    first=Announce,
-    steps=[AwaitGo, AskRefund, Close],
-    description="Chaos campaign: email, CRM note, optional signal wait and gated refund.",
-)
+def steps_agent(version: int) -> Agent:
+    """``chaos_steps`` at ``version``: its steps read and write that version's checkpoints, and
+    it upgrades those of every older version."""
+    steps = [
+        cast("type[ChaosStep]", type(step.__name__, (step,), {"version": version}))
+        for step in (Announce, AwaitGo, AskRefund, Close)
+    ]
+    return Agent(
+        "chaos_steps",
+        first=steps[0],
+        steps=steps[1:],
+        description="Chaos campaign: email, CRM note, optional signal wait and gated refund.",
+        version=version,
+        upgrades={older: upgrade(older, version) for older in range(1, version)},
+    )
 
 
 @tool.read_only(timeout=10)
@@ -186,14 +262,30 @@ def _mcp_tools() -> list[ToolSource]:
     return list(load_classification(mcp_classification(url)))
 
 
-chaos_tools = ToolAgent(
-    "chaos_tools",
-    instructions="Look the customer up, email them, note the CRM, refund what they ask.",
-    tools=[lookup_customer, send_email, note_crm, refund, *_mcp_tools()],
-    max_turns=8,
-    max_output_tokens=300,
-    budget=Budget(turns=12, tool_calls=16),
-)
+def tools_agent(version: int) -> ToolAgent:
+    """``chaos_tools`` at ``version``. The tool loop's checkpoint is the library's shape, which
+    no version of this code changes, so an older version's is read as it is."""
+    agent = ToolAgent(
+        "chaos_tools",
+        instructions="Look the customer up, email them, note the CRM, refund what they ask.",
+        tools=[lookup_customer, send_email, note_crm, refund, *_mcp_tools()],
+        max_turns=8,
+        max_output_tokens=300,
+        budget=Budget(turns=12, tool_calls=16),
+    )
+    # ToolAgent takes no version of its own: the attributes Agent's version and upgrades set.
+    agent.version = str(version)
+    agent.upgrades = {str(older): _as_it_is for older in range(1, version)}
+    return agent
+
+
+def _as_it_is(checkpoint: JSON) -> JSON:
+    return checkpoint
+
+
+VERSION = served_version()
+chaos_steps = steps_agent(VERSION)
+chaos_tools = tools_agent(VERSION)
 
 _ASK = re.compile(r"customer (\S+) asks for a refund of (\d+)")
 

@@ -28,7 +28,7 @@ import anyio
 import asyncpg
 
 from orchestrator.chaos.agents import CHAOS_SCRIPT, MCP_SERVER, MCP_URL_ENV, tools_prompt
-from orchestrator.chaos.checker import TERMINAL, Findings, check
+from orchestrator.chaos.checker import check
 from orchestrator.chaos.cluster import Cluster, Timing
 from orchestrator.chaos.context import ClientGate, FaultContext, FaultRecord, ScheduledFault
 from orchestrator.chaos.faults import (
@@ -38,6 +38,7 @@ from orchestrator.chaos.faults import (
     Faults,
     schedule,
 )
+from orchestrator.chaos.findings import TERMINAL, Findings
 from orchestrator.chaos.grants import read_grants
 from orchestrator.chaos.limits import (
     CAMPAIGN_LIMITS,
@@ -413,6 +414,7 @@ async def _campaign(
                 dispatch_lease_seconds=config.timing.dispatch_lease_seconds,
                 grants=read_grants(grants_dir),
                 submitted=submitted,
+                served=cluster.served,
             )
             recovery = await _recovery(checking, context.victims)
         finally:

@@ -1,90 +1,35 @@
 """The campaign's checker: after the cluster is stopped it reads the database and the vendor's own
 records, and names every broken promise. It trusts neither the workers' logs nor the boundary's
 bookkeeping: fences come from the timeline, deliveries from the vendor, and the fences a failover
-may have erased from the timeline from the workers' own grant records (``grants.py``)."""
+may have erased from the timeline from the workers' own grant records (``grants.py``). The rules
+for deploys are in ``deploy_checks.py``."""
 
 from __future__ import annotations
 
 import collections
-import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import asyncpg
 
+from orchestrator.chaos.deploy_checks import check_deploys, read_cutovers
+from orchestrator.chaos.findings import (
+    CLOCK_TOLERANCE_SECONDS,
+    COMMITTED,
+    TERMINAL,
+    Findings,
+    Row,
+    as_text,
+    event_details,
+    json_value,
+    seconds_between,
+)
 from orchestrator.chaos.grants import Grant, duplicate_grants
 from orchestrator.chaos.vendor import ChaosVendor
 
-TERMINAL = ("succeeded", "failed", "cancelled", "dead")
-CLOCK_TOLERANCE_SECONDS = 0.25
-"""Transaction timestamps against claim times: a claim's transaction is this short at most."""
 LIMIT_EXCEEDED = "limit exceeded"
 SLOT_WITHOUT_LEASE = "slot without lease"
 """The flow-control rules: sampled while the campaign runs (``limits.py``), and the second also
 checked here, on the runs left after quiescence."""
-
-
-@dataclass(frozen=True)
-class Violation:
-    rule: str
-    subject: str
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.rule}: {self.subject}: {self.detail}"
-
-
-@dataclass
-class Findings:
-    violations: list[Violation] = field(default_factory=list)
-    runs_by_state: dict[str, int] = field(default_factory=dict)
-    deliveries: int = 0
-    mcp_deliveries: int = 0
-    """Deliveries made by an MCP tool call (the dispatcher's ``mcp`` adapter)."""
-    duplicate_posts: int = 0
-    lost_runs: int = 0
-    stale_fence_rejections: int = 0
-    lost_leases: int = 0
-    takeovers: int = 0
-    grants_recorded: int = 0
-    fences_granted_twice: int = 0
-    claims_lost_with_a_timeline: int = 0
-    """(run, fence) a worker ran under that the database has no claim of: a failover took the
-    claim back (on one server: 0)."""
-    effects_by_status: dict[str, int] = field(default_factory=dict)
-    limit_samples: int = 0
-    """Samples of the runs holding a lease against the limits (``limits.LimitSampler``)."""
-    limit_samples_skipped: int = 0
-    """Samples a fault on the database made fail."""
-    limit_peaks: dict[str, int] = field(default_factory=dict)
-    """The most runs each limit (per key) was seen to count."""
-
-    def add(self, rule: str, subject: str, detail: str) -> None:
-        self.violations.append(Violation(rule, subject, detail))
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "violations": [
-                {"rule": v.rule, "subject": v.subject, "detail": v.detail} for v in self.violations
-            ],
-            "runs_by_state": self.runs_by_state,
-            "effects_by_status": self.effects_by_status,
-            "deliveries": self.deliveries,
-            "mcp_deliveries": self.mcp_deliveries,
-            "duplicate_posts": self.duplicate_posts,
-            "lost_runs": self.lost_runs,
-            "stale_fence_rejections": self.stale_fence_rejections,
-            "lost_leases": self.lost_leases,
-            "takeovers": self.takeovers,
-            "grants_recorded": self.grants_recorded,
-            "fences_granted_twice": self.fences_granted_twice,
-            "claims_lost_with_a_timeline": self.claims_lost_with_a_timeline,
-            "limit_samples": self.limit_samples,
-            "limit_samples_skipped": self.limit_samples_skipped,
-            "limit_peaks": self.limit_peaks,
-        }
 
 
 async def check(
@@ -94,9 +39,11 @@ async def check(
     dispatch_lease_seconds: float,
     grants: Sequence[Grant] = (),
     submitted: Iterable[str] = (),
+    served: Mapping[str, str] | None = None,
 ) -> Findings:
     """``grants``: the workers' own records of the (run, fence) they ran under; ``submitted``:
-    the run ids the campaign was told it submitted."""
+    the run ids the campaign was told it submitted; ``served``: the version of the agents' code
+    each worker ran, by worker id."""
     found = Findings()
     runs = {row["run_id"]: row for row in await pool.fetch("SELECT * FROM orchestrator.runs")}
     for run_id in sorted(set(submitted) - runs.keys()):
@@ -110,7 +57,7 @@ async def check(
     found.effects_by_status = dict(collections.Counter(row["status"] for row in effects))
     _check_runs(found, runs)
     check_leases_released(found, runs.values())
-    _check_timelines(found, events)
+    check_timelines(found, events)
     claims = [
         (run_id, event["fence"], event["worker_id"])
         for run_id, timeline in events.items()
@@ -120,6 +67,7 @@ async def check(
     check_grants(found, claims, grants)
     _check_deliveries(found, runs, effects, events, vendor, dispatch_lease_seconds)
     await _check_budgets(found, pool)
+    check_deploys(found, runs, events, await read_cutovers(pool), served or {})
     return found
 
 
@@ -131,7 +79,7 @@ def _check_runs(found: Findings, runs: dict[str, asyncpg.Record]) -> None:
             found.add(
                 "run not finished",
                 run_id,
-                f"{run['state']} (wait {_text(run['wait'])}, available {run['available_at']}, "
+                f"{run['state']} (wait {as_text(run['wait'])}, available {run['available_at']}, "
                 f"lease {run['lease_owner']} until {run['lease_until']})",
             )
 
@@ -150,30 +98,30 @@ def check_leases_released(found: Findings, runs: Iterable[asyncpg.Record]) -> No
             )
 
 
-def _check_timelines(found: Findings, events: dict[str, list[asyncpg.Record]]) -> None:
-    """Claims raise the fence; a checkpoint is committed only by the latest claim's fence, and
-    versions go up by one."""
+def check_timelines(found: Findings, events: Mapping[str, Sequence[Row]]) -> None:
+    """Claims raise the fence (as cancels and cutovers do); a checkpoint or final commit is
+    committed only by the latest claim's fence, and versions go up by one."""
     for run_id, timeline in events.items():
         fence = 0
         version = 0
         for event in timeline:
             kind = event["kind"]
-            details = _details(event)
+            details = event_details(event)
             if kind == "claimed":
                 if event["fence"] <= fence:
                     found.add("fence not raised", run_id, f"claim with {event['fence']}≤{fence}")
                 fence = max(fence, event["fence"])
                 if details.get("previous_owner"):
                     found.takeovers += 1
-            elif kind == "cancelled":
+            elif kind in ("cancelled", "cut_over"):
                 fence = max(fence, event["fence"] or 0)
-            elif kind == "checkpoint":
+            elif kind in COMMITTED:
                 if event["fence"] != fence:
                     found.add(
                         "checkpoint by a stale fence",
                         run_id,
-                        f"version {details.get('version')} by fence {event['fence']}, current "
-                        f"{fence}",
+                        f"{kind} version {details.get('version')} by fence {event['fence']}, "
+                        f"current {fence}",
                     )
                 if details.get("version") != version + 1:
                     found.add(
@@ -230,7 +178,7 @@ def _check_deliveries(
             found.add(
                 "delivery without a record",
                 key,
-                f"the vendor got an effect nobody asked for: {_text(delivery.payload)[:200]}",
+                f"the vendor got an effect nobody asked for: {as_text(delivery.payload)[:200]}",
             )
             continue
         subject = f"{effect['run_id']}/{effect['effect_key']}"
@@ -238,14 +186,16 @@ def _check_deliveries(
             found.add(
                 "record disagrees", subject, f"delivered, but the record is {effect['status']}"
             )
-        if delivery.payload != _json(effect["payload"]):
+        if delivery.payload != json_value(effect["payload"]):
             found.add("payload differs", subject, "the vendor got another payload than recorded")
-        claims = [e for e in events[effect["run_id"]] if e["kind"] in ("claimed", "cancelled")]
+        claims = [
+            e for e in events[effect["run_id"]] if e["kind"] in ("claimed", "cancelled", "cut_over")
+        ]
         newer = [
             e
             for e in claims
             if e["fence"] > effect["fence"]
-            and _seconds(effect["created_at"], e["at"]) > CLOCK_TOLERANCE_SECONDS
+            and seconds_between(effect["created_at"], e["at"]) > CLOCK_TOLERANCE_SECONDS
         ]
         if newer:
             found.add(
@@ -301,20 +251,3 @@ async def _check_budgets(found: Findings, pool: asyncpg.Pool) -> None:
         limit = row["tool_calls_limit"]
         if limit is not None and row["tool_calls_spent"] > limit:
             found.add("over budget", row["run_id"], f"tool calls: {row['tool_calls_spent']}")
-
-
-def _details(event: asyncpg.Record) -> dict[str, Any]:
-    value = _json(event["details"])
-    return value if isinstance(value, dict) else {}
-
-
-def _json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
-
-
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def _seconds(later: datetime, earlier: datetime) -> float:
-    return (later - earlier).total_seconds()

@@ -1,6 +1,6 @@
 """The campaign's processes: ``serve`` workers and ``effects dispatch`` dispatchers, each an OS
 process talking to PostgreSQL through its own ``FaultProxy`` (one per server on a replicated
-pair), restartable after a kill."""
+pair), restartable after a kill, and a worker replaceable by one running newer agent code."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import anyio
 
+from orchestrator.chaos.agents import VERSION_ENV
 from orchestrator.chaos.grants import GRANTS_DIR_ENV, MEMBER_ENV
 from orchestrator.chaos.proxies import MemberProxy
 
@@ -80,6 +81,12 @@ class Cluster:
     restarts: int = field(default=0, init=False)
     exits: list[tuple[str, int | None]] = field(default_factory=list, init=False)
     """Processes that exited on their own (name, status), restarted by ``supervise``."""
+    version: int = field(default=1, init=False)
+    """The version of the chaos agents' code a worker started now runs (``deploy`` raises it)."""
+    served: dict[str, str] = field(default_factory=dict, init=False)
+    """The version each worker process ran, by its worker id: the checker's evidence."""
+    retiring: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
+    """Workers a newer version replaced, running until ``retire`` stops them."""
 
     def add(self, role: str, proxy: MemberProxy) -> Member:
         index = sum(1 for member in self.members if member.role == role) + 1
@@ -136,6 +143,8 @@ class Cluster:
                 str(timing.poll_seconds),
                 "--log-json",
             ]
+        if member.role == "worker":
+            self.served[member.name] = str(self.version)
         log = open(member.log_dir / f"{member.name}.log", "wb")  # noqa: SIM115 - the child's
         try:
             member.process = subprocess.Popen(
@@ -146,6 +155,7 @@ class Cluster:
                     **self.env,
                     "ORCHESTRATOR_DATABASE_URL": member.proxy.dsn_for(self.database_dsn),
                     MEMBER_ENV: member.name,
+                    VERSION_ENV: str(self.version),
                     **({GRANTS_DIR_ENV: str(self.grants_dir)} if self.grants_dir else {}),
                 },
                 stdin=subprocess.DEVNULL,
@@ -189,17 +199,34 @@ class Cluster:
             else:
                 self.restart(member)
 
+    def replace(self, member: Member) -> subprocess.Popen[bytes] | None:
+        """Start a process of the current version in ``member``'s slot, leaving the one it ran
+        running (returned, ``None`` if it had ended) until ``retire`` stops it."""
+        old = member.process if member.alive else None
+        if old is not None:
+            self.retiring.append(old)
+        self.start(member)
+        return old
+
+    def retire(self, processes: Sequence[subprocess.Popen[bytes]], timeout: float = 15) -> None:
+        """Stop processes ``replace`` left running, as a deploy stops old code: SIGTERM."""
+        _terminate(processes, timeout)
+        self.retiring = [process for process in self.retiring if process not in processes]
+
     def stop_all(self, timeout: float = 15) -> None:
-        for member in self.members:
-            if member.alive:
-                assert member.process is not None
-                member.process.send_signal(signal.SIGCONT)
-                member.process.send_signal(signal.SIGTERM)
-        for member in self.members:
-            if member.process is None:
-                continue
-            try:
-                member.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                member.process.kill()
-                member.process.wait(5)
+        running = [member.process for member in self.members if member.process is not None]
+        self.retire([*self.retiring, *running], timeout)
+
+
+def _terminate(processes: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
+    """SIGTERM (after a SIGCONT: a stopped process cannot drain), then SIGKILL what is left."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)

@@ -1,7 +1,8 @@
 """The campaign's faults: a seeded schedule, and one injector per kind that reports whether the
 fault took effect (a stopped process the kernel shows stopped, a proxy that held bytes, a
-vendor or model request that met the fault, a backend that was terminated, ...). The injectors
-live in groups by what they act on; ``Faults`` sends each scheduled fault to its group."""
+vendor or model request that met the fault, a backend that was terminated, agents cut over to
+the version a deploy started, ...). The injectors live in groups by what they act on;
+``Faults`` sends each scheduled fault to its group."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from orchestrator.chaos.caller_faults import CallerFaults
 from orchestrator.chaos.context import FaultContext, FaultRecord, ScheduledFault, until
 from orchestrator.chaos.database_faults import DatabaseFaults
+from orchestrator.chaos.deploy_faults import DeployFaults
 from orchestrator.chaos.network_faults import NetworkFaults
 from orchestrator.chaos.process_faults import ProcessFaults
 from orchestrator.chaos.service_faults import ServiceFaults
@@ -40,6 +42,7 @@ FAULT_KINDS = (
     "late_denial",
     "duplicate_signal",
     "stale_request",
+    "deploy",
 )
 """The kinds a campaign schedules unless told otherwise: each works on one server."""
 REPLICATED_FAULT_KINDS = ("failover",)
@@ -89,6 +92,7 @@ class Faults:
             self._database,
             ServiceFaults(context),
             self._callers,
+            DeployFaults(context),
         )
         self._injectors: dict[str, Injector] = {
             kind: getattr(group, kind)

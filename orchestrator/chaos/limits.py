@@ -22,7 +22,8 @@ from datetime import datetime, timedelta
 import anyio
 import asyncpg
 
-from orchestrator.chaos.checker import LIMIT_EXCEEDED, SLOT_WITHOUT_LEASE, Findings, Violation
+from orchestrator.chaos.checker import LIMIT_EXCEEDED, SLOT_WITHOUT_LEASE
+from orchestrator.chaos.findings import Findings, Violation
 from orchestrator.chaos.statements import CAMPAIGN_ERRORS, STATEMENT_SECONDS
 from orchestrator.db.limits import LimitStore, Per
 

@@ -6,14 +6,16 @@ to commit, this module only what."""
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from orchestrator.agent.budgets import RunBudget
+from orchestrator.agent.children import Child, new_children
 from orchestrator.agent.steps import Fail, Finish, Next, Outcome, Wait, encode_json, validate_json
 from orchestrator.db.budgets import Spend
 from orchestrator.db.signals import Signal
 from orchestrator.db.store import Park, RunFinish, StepCommit
 from orchestrator.effect_model import Effect
+from orchestrator.ids import new_run_id
 from orchestrator.models import JSON, ROLES, Lease, Message, RunState
 
 
@@ -107,6 +109,7 @@ def step_commit(
             signal_seqs=extras.signal_seqs,
             spend=extras.spend,
             agent_version=agent_version,
+            children=spawns(outcome.children),
         )
     # Progress since the claim: a step committed before this one, or this one was given
     # signals (a wait found already satisfied is then no spin).
@@ -123,7 +126,14 @@ def step_commit(
         signal_seqs=extras.signal_seqs,
         spend=extras.spend,
         agent_version=agent_version,
+        children=spawns(new_children(outcome.children)),
     )
+
+
+def spawns(children: Sequence[Child]) -> tuple[dict[str, Any], ...]:
+    """The children a commit starts, each with a new run id (a child whose key its parent
+    spawned before keeps the run it has: the database returns that one)."""
+    return tuple(child.spawn(new_run_id()) for child in children)
 
 
 def run_finish(
@@ -165,6 +175,7 @@ def run_finish(
         None,
         signal_seqs=extras.signal_seqs,
         spend=extras.spend,
+        agent_version=agent_version,  # whose code decided (checked against a cutover)
     )
 
 

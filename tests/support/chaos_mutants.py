@@ -2,7 +2,7 @@
 
 ``python tests/support/chaos_mutants.py MUTANT ARGS...`` runs ``orchestrator ARGS...`` with the
 mutant applied. The database-side mutants (``BOUNDARY_WITHOUT_FENCE_CHECK``,
-``FENCES_WITHOUT_EPOCH``) are SQL the campaign runs after migrating.
+``FENCES_WITHOUT_EPOCH``, ``CUTOVER_NOT_IN_FORCE``) are SQL the campaign runs after migrating.
 """
 
 from __future__ import annotations
@@ -40,6 +40,33 @@ $$;
 """
 """Claims count on from the promoted server's copy (greatest(fence + 1, 0)), as before fences
 carried the WAL timeline's epoch: a fence the lost primary granted is granted again."""
+
+CUTOVER_NOT_IN_FORCE = """
+CREATE TABLE orchestrator.cutovers_nobody_reads (LIKE orchestrator.agent_cutovers INCLUDING ALL);
+DO $$
+DECLARE
+    function_id oid;
+    definition text;
+    changed integer := 0;
+BEGIN
+    FOR function_id IN
+        SELECT oid FROM pg_proc
+        WHERE proname = 'orchestrator_cutover' AND pronamespace = 'orchestrator'::regnamespace
+    LOOP
+        definition := pg_get_functiondef(function_id);
+        IF position('INSERT INTO agent_cutovers AS c' IN definition) > 0 THEN
+            EXECUTE replace(definition, 'INSERT INTO agent_cutovers AS c',
+                            'INSERT INTO cutovers_nobody_reads AS c');
+            changed := changed + 1;
+        END IF;
+    END LOOP;
+    IF changed = 0 THEN
+        RAISE EXCEPTION 'the cutover function changed: update this mutant';
+    END IF;
+END $$;
+"""
+"""A cutover that takes the runs old workers hold but records the version in force where no
+claim or commit reads it: old workers go on claiming and committing the agent's runs."""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,110 @@
+"""What the checker finds (``checker.py``, ``deploy_checks.py``, ``limits.py``): each broken
+promise as a violation, and the counts the report shows beside them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+TERMINAL = ("succeeded", "failed", "cancelled", "dead")
+COMMITTED = ("checkpoint", "succeeded", "failed")
+"""The events a worker's fenced commit writes: a step's checkpoint, or the run's final commit."""
+CLOCK_TOLERANCE_SECONDS = 0.25
+"""Transaction timestamps against claim times: a claim's transaction is this short at most."""
+Row = asyncpg.Record | Mapping[str, Any]
+"""A row of ``runs`` or ``run_events``, or one made up for a test."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    subject: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.subject}: {self.detail}"
+
+
+@dataclass
+class Findings:
+    violations: list[Violation] = field(default_factory=list)
+    runs_by_state: dict[str, int] = field(default_factory=dict)
+    deliveries: int = 0
+    mcp_deliveries: int = 0
+    """Deliveries made by an MCP tool call (the dispatcher's ``mcp`` adapter)."""
+    duplicate_posts: int = 0
+    lost_runs: int = 0
+    stale_fence_rejections: int = 0
+    lost_leases: int = 0
+    takeovers: int = 0
+    grants_recorded: int = 0
+    fences_granted_twice: int = 0
+    claims_lost_with_a_timeline: int = 0
+    """(run, fence) a worker ran under that the database has no claim of: a failover took the
+    claim back (on one server: 0)."""
+    effects_by_status: dict[str, int] = field(default_factory=dict)
+    limit_samples: int = 0
+    """Samples of the runs holding a lease against the limits (``limits.LimitSampler``)."""
+    limit_samples_skipped: int = 0
+    """Samples a fault on the database made fail."""
+    limit_peaks: dict[str, int] = field(default_factory=dict)
+    """The most runs each limit (per key) was seen to count."""
+    cutovers: int = 0
+    """Cutovers of an agent to a new version (the ``deploy`` fault), from the audit log."""
+    runs_cut_over: int = 0
+    """Runs those cutovers took from workers of an older version."""
+    runs_upgraded: int = 0
+    """Runs whose latest checkpoint a newer version wrote than the one that started them."""
+    runs_by_version: dict[str, int] = field(default_factory=dict)
+    """Runs by the version of the agent's code that wrote their latest checkpoint."""
+
+    def add(self, rule: str, subject: str, detail: str) -> None:
+        self.violations.append(Violation(rule, subject, detail))
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "violations": [
+                {"rule": v.rule, "subject": v.subject, "detail": v.detail} for v in self.violations
+            ],
+            "runs_by_state": self.runs_by_state,
+            "effects_by_status": self.effects_by_status,
+            "deliveries": self.deliveries,
+            "mcp_deliveries": self.mcp_deliveries,
+            "duplicate_posts": self.duplicate_posts,
+            "lost_runs": self.lost_runs,
+            "stale_fence_rejections": self.stale_fence_rejections,
+            "lost_leases": self.lost_leases,
+            "takeovers": self.takeovers,
+            "grants_recorded": self.grants_recorded,
+            "fences_granted_twice": self.fences_granted_twice,
+            "claims_lost_with_a_timeline": self.claims_lost_with_a_timeline,
+            "limit_samples": self.limit_samples,
+            "limit_samples_skipped": self.limit_samples_skipped,
+            "limit_peaks": self.limit_peaks,
+            "cutovers": self.cutovers,
+            "runs_cut_over": self.runs_cut_over,
+            "runs_upgraded": self.runs_upgraded,
+            "runs_by_version": self.runs_by_version,
+        }
+
+
+def event_details(event: Row) -> dict[str, Any]:
+    value = json_value(event["details"])
+    return value if isinstance(value, dict) else {}
+
+
+def json_value(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def seconds_between(later: datetime, earlier: datetime) -> float:
+    return (later - earlier).total_seconds()
