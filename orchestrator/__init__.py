@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         chat,
         tool,
     )
+    from orchestrator.agent.children import Child, ChildOutcome
     from orchestrator.agent.rates import RateLimitWait, take_rate
     from orchestrator.client import Client, SyncClient
     from orchestrator.db.limits import RunningLimit
@@ -82,6 +83,8 @@ _EXPORTS = {
     "RunningLimit": "orchestrator.db.limits",
     "take_rate": "orchestrator.agent.rates",
     "RateLimitWait": "orchestrator.agent.rates",
+    "Child": "orchestrator.agent.children",
+    "ChildOutcome": "orchestrator.agent.children",
 }
 """Each public name and the module defining it: imported on first use (``__getattr__``), so that
 ``import orchestrator.errors`` loads neither the worker, the console nor the client."""
@@ -152,6 +155,8 @@ __all__ = [
     "Agent",
     "Budget",
     "BudgetExhausted",
+    "Child",
+    "ChildOutcome",
     "Client",
     "DatabaseError",
     "DatabaseUnavailable",

@@ -106,6 +106,14 @@ class Run:
     """The version of its agent's code that committed its first step (docs/upgrades.md)."""
     agent_version: str | None = None
     """The version of its agent's code that wrote its latest checkpoint."""
+    parent_run_id: str | None = None
+    """The run whose step commit started this one (docs/child-runs.md)."""
+    child_key: str | None = None
+    """Its name among its parent's children."""
+    root_run_id: str | None = None
+    """The run at the top of its tree (``None``: it is a root)."""
+    depth: int = 0
+    """Levels below its root."""
     held_back: str | None = None
     """Read by ``runs list`` alone: the limit holding this due run back now, or the rate limit
     this running run waits for (docs/flow-control.md)."""
@@ -330,15 +338,23 @@ class StoredWait:
     until: datetime | None = None
     reason: str = ""
     """Why, in the timeline; ``budget``: the run waits for a top-up."""
+    children: tuple[str, ...] = ()
+    """Keys of the children it waits for (docs/child-runs.md)."""
+    need: int | None = None
+    """How many of ``children`` must end first (``None``: all)."""
 
     def as_json(self) -> dict[str, JSON]:
-        return {
+        stored: dict[str, JSON] = {
             "step": self.step,
             "signals": list(self.signals),
             "effects": list(self.effects),
             "until": None if self.until is None else self.until.isoformat(),
             "reason": self.reason or None,
         }
+        if self.children:  # the database reads these keys (park_runs, runs_child_ended)
+            stored["children"] = list(self.children)
+            stored["need"] = self.need
+        return stored
 
     @classmethod
     def from_json(cls, stored: JSON) -> StoredWait:
@@ -351,4 +367,6 @@ class StoredWait:
             tuple(str(key) for key in wait.get("effects") or ()),
             datetime.fromisoformat(until) if isinstance(until, str) else None,
             str(wait.get("reason") or ""),
+            tuple(str(key) for key in wait.get("children") or ()),
+            need if isinstance(need := wait.get("need"), int) else None,
         )

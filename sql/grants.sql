@@ -55,7 +55,8 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_expire_approvals(integer),
     {schema}.orchestrator_purge_finished(timestamptz, integer),
     {schema}.orchestrator_hold_run(text, text, text, timestamptz),
-    {schema}.orchestrator_declare_limits(text, jsonb, text)
+    {schema}.orchestrator_declare_limits(text, jsonb, text),
+    {schema}.orchestrator_spawn_children(text, bigint, text, jsonb)
     TO {worker};
 -- Rate limits (migration 0022) are taken, settled and paused only through their definer
 -- functions, by the workers' model calls and the dispatchers' sends.

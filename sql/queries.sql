@@ -433,7 +433,8 @@ SELECT traceparent FROM run_traces WHERE run_id = $1 AND fence = $2
 
 -- list_runs --
 -- params: $1 states text[] (NULL: any), $2 agent text (NULL: any), $3 limit int,
---         $4 submitted_after timestamptz (NULL: any), $5 submitted_before timestamptz (NULL: any)
+--         $4 submitted_after timestamptz (NULL: any), $5 submitted_before timestamptz (NULL: any),
+--         $6 parent_run_id text (NULL: any; a run's children, by the index runs_children)
 -- Runs, newest first, optionally filtered by state, agent and submission time. "Newest" is
 -- submission order: each run's "submitted" event, written with the run (see migration 0004:
 -- there is no index on runs.created_at, which every claim and finish would have had to write).
@@ -461,6 +462,7 @@ FROM run_events AS e JOIN runs AS r ON r.run_id = e.run_id
 WHERE e.kind = 'submitted'
   AND ($1::text[] IS NULL OR r.state = ANY($1::text[])) AND ($2::text IS NULL OR r.agent = $2)
   AND ($4::timestamptz IS NULL OR e.at >= $4) AND ($5::timestamptz IS NULL OR e.at < $5)
+  AND ($6::text IS NULL OR r.parent_run_id = $6)
 ORDER BY e.event_id DESC
 LIMIT $3
 
@@ -681,6 +683,19 @@ WITH drained AS (
 )
 SELECT run_id FROM released WHERE (SELECT count(*) FROM woken) >= 0
 
+-- spawn_children --
+-- params: $1 parent run_id text, $2 fence bigint, $3 worker_id text, $4 children jsonb
+-- The children of a step's commit, in its transaction (orchestrator_spawn_children, migration
+-- 0027): one row per child asked for (its key, its run, whether this spawned it); no row when
+-- the parent is not the worker's under that fence.
+SELECT child_key, run_id, created FROM orchestrator_spawn_children($1, $2, $3, $4)
+
+-- children_of --
+-- params: $1 parent run_id text, $2 child keys text[]
+-- The children of a run with these keys, as a parent woken from waiting for them reads them.
+SELECT child_key, run_id, state, result, error FROM runs
+WHERE parent_run_id = $1 AND child_key = ANY($2::text[])
+
 -- finish_runs --
 -- params: $1 worker_id text, $2 run_ids text[], $3 fences bigint[],
 --         $4 expected_versions bigint[], $5 states text[], $6 results text[] (JSON),
@@ -708,7 +723,9 @@ WITH input AS MATERIALIZED (
         checkpoint = coalesce(u.checkpoint, r.checkpoint),
         checkpoint_version = r.checkpoint_version + 1, lease_owner = NULL, lease_until = NULL,
         wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp(),
-        agent_version = coalesce(u.agent_version, r.agent_version),
+        -- A failure that keeps the checkpoint ($8 NULL) keeps the version that wrote it.
+        agent_version = CASE WHEN u.checkpoint IS NULL THEN r.agent_version
+                             ELSE coalesce(u.agent_version, r.agent_version) END,
         started_version = coalesce(r.started_version, u.agent_version)
     FROM input AS u
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
@@ -1008,6 +1025,11 @@ WITH input AS MATERIALIZED (
                AND NOT EXISTS (SELECT 1 FROM effects AS e
                                WHERE e.run_id = u.run_id AND u.wait -> 'effects' ? e.effect_key
                                  AND e.status NOT IN ('confirmed', 'failed', 'rejected')))
+           -- Enough of the children it waits for have ended already.
+           OR (u.wait ? 'children'
+               AND orchestrator_children_ended(u.run_id, u.wait)
+                   >= coalesce((u.wait ->> 'need')::integer,
+                               jsonb_array_length(u.wait -> 'children')))
            -- Topped up after the reservation that was refused (before this park): try again.
            OR (u.wait ->> 'reason' = 'budget'
                AND coalesce((SELECT max(entry) FILTER (WHERE kind = 'top_up')

@@ -216,23 +216,37 @@ CREATE FUNCTION orchestrator.orchestrator_caller_owns_schema() RETURNS boolean
 $$;
 CREATE FUNCTION orchestrator.orchestrator_cancel_run(p_run_id text, p_reason text, p_principal text, p_via text, p_typed_by text) RETURNS TABLE(run_id text, fence bigint, previous_state text, previous_owner text, notified bigint, audit_seq bigint, principal text)
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'orchestrator', 'pg_temp'
+    SET search_path TO 'orchestrator'
     AS $$
 #variable_conflict use_column
 DECLARE
     who record;
     done record;
+    descendants integer;
 BEGIN
     SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
     IF p_reason IS NOT NULL AND length(p_reason) > 2000 THEN
         RAISE EXCEPTION 'a cancel''s reason must be at most 2000 characters'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    WITH target AS (
-        SELECT r.run_id, r.state AS previous_state, r.lease_owner AS previous_owner
-        FROM runs AS r
-        WHERE r.run_id = p_run_id AND r.state IN ('queued', 'running', 'waiting')
-        FOR UPDATE
+    -- The root first, then its descendants top-down (one lock order for every cancel).
+    PERFORM 1 FROM runs AS r
+    WHERE r.run_id = p_run_id AND r.state IN ('queued', 'running', 'waiting') FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    WITH RECURSIVE tree AS (
+        SELECT p_run_id AS run_id, 0 AS level
+        UNION ALL
+        SELECT c.run_id, t.level + 1 FROM runs AS c JOIN tree AS t ON c.parent_run_id = t.run_id
+        WHERE t.level < 64
+    ), target AS (
+        SELECT r.run_id, r.state AS previous_state, r.lease_owner AS previous_owner,
+               t.level
+        FROM runs AS r JOIN tree AS t ON t.run_id = r.run_id
+        WHERE r.state IN ('queued', 'running', 'waiting')
+        ORDER BY t.level
+        FOR UPDATE OF r
     ), cancelled AS (
         UPDATE runs AS r
         SET state = 'cancelled', fence = greatest(r.fence + 1, (SELECT fence_floor())),
@@ -240,16 +254,18 @@ BEGIN
             wait = NULL, updated_at = clock_timestamp(), finished_at = clock_timestamp()
         FROM target AS t
         WHERE r.run_id = t.run_id
-        RETURNING r.run_id, r.fence, t.previous_state, t.previous_owner, r.watched
+        RETURNING r.run_id, r.fence, t.previous_state, t.previous_owner, r.watched, t.level
     ), logged AS (
         INSERT INTO run_events (run_id, kind, fence, details)
         SELECT c.run_id, 'cancelled', c.fence,
-               jsonb_build_object('previous_state', c.previous_state,
-                                  'previous_owner', c.previous_owner, 'reason', p_reason,
-                                  'by', who.principal, 'via', who.via, 'typed_by', p_typed_by)
+               jsonb_strip_nulls(jsonb_build_object(
+                   'previous_state', c.previous_state, 'previous_owner', c.previous_owner,
+                   'reason', p_reason, 'by', who.principal, 'via', who.via,
+                   'typed_by', p_typed_by,
+                   'with_ancestor', CASE WHEN c.level > 0 THEN p_run_id END))
         FROM cancelled AS c
     ), fenced AS (
-        -- The effect boundary learns the new fence too: the old owner's requests are now stale.
+        -- The effect boundary learns the new fences too: the old owners' requests are stale.
         INSERT INTO effect_fences (run_id, fence)
         SELECT c.run_id, c.fence FROM cancelled AS c
         ON CONFLICT (run_id) DO UPDATE
@@ -276,8 +292,9 @@ BEGIN
         SELECT pg_notify('orchestrator_finished', c.run_id) FROM cancelled AS c WHERE c.watched
     )
     SELECT c.run_id, c.fence, c.previous_state, c.previous_owner,
-           (SELECT count(*) FROM told) AS notified
-    INTO done FROM cancelled AS c;
+           (SELECT count(*) FROM told) AS notified,
+           (SELECT count(*) - 1 FROM cancelled) AS descendants
+    INTO done FROM cancelled AS c WHERE c.level = 0;
     IF done.run_id IS NULL THEN
         RETURN;
     END IF;
@@ -289,9 +306,50 @@ BEGIN
     principal := who.principal;
     audit_seq := orchestrator_audit_decision(
         who.principal, who.via, 'cancel', done.run_id, NULL,
-        jsonb_build_object('reason', p_reason), p_typed_by);
+        jsonb_strip_nulls(jsonb_build_object(
+            'reason', p_reason,
+            'descendants_cancelled', CASE WHEN done.descendants > 0 THEN done.descendants END)),
+        p_typed_by);
     RETURN NEXT;
 END
+$$;
+CREATE FUNCTION orchestrator.orchestrator_child_ended() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    parent record;
+BEGIN
+    SELECT r.run_id, r.agent, r.wait INTO parent FROM runs AS r
+    WHERE r.run_id = NEW.parent_run_id AND r.state = 'waiting' AND r.wait ? 'children'
+    FOR UPDATE;
+    IF parent.run_id IS NULL THEN
+        RETURN NULL;
+    END IF;
+    -- A statement of its own, after the lock: it sees children that ended meanwhile.
+    IF orchestrator_children_ended(parent.run_id, parent.wait)
+       >= coalesce((parent.wait ->> 'need')::integer,
+                   jsonb_array_length(parent.wait -> 'children')) THEN
+        UPDATE runs SET available_at = clock_timestamp(), updated_at = clock_timestamp()
+        WHERE run_id = parent.run_id AND available_at > clock_timestamp();
+        IF FOUND THEN
+            PERFORM pg_notify('orchestrator_runs', parent.agent);
+        END IF;
+    END IF;
+    RETURN NULL;
+END
+$$;
+CREATE FUNCTION orchestrator.orchestrator_child_limits(OUT per_commit integer, OUT per_parent integer, OUT depth integer) RETURNS record
+    LANGUAGE sql IMMUTABLE
+    AS $$ SELECT 1000, 10000, 16 $$;
+CREATE FUNCTION orchestrator.orchestrator_children_ended(p_parent text, p_wait jsonb) RETURNS integer
+    LANGUAGE sql STABLE
+    SET search_path TO 'orchestrator'
+    AS $$
+    SELECT count(*)::integer FROM runs AS c
+    WHERE c.parent_run_id = p_parent
+      AND c.child_key IN (SELECT jsonb_array_elements_text(p_wait -> 'children'))
+      AND c.state IN ('succeeded', 'failed', 'cancelled', 'dead')
 $$;
 CREATE FUNCTION orchestrator.orchestrator_clear_limit(p_agent text, p_key_pattern text, p_per text, p_principal text, p_via text, p_typed_by text, OUT cleared integer, OUT audit_seq bigint, OUT principal text) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
@@ -1546,6 +1604,102 @@ BEGIN
                               jsonb_build_object('role', known.role, 'token_id', p_token_id));
 END
 $_$;
+CREATE FUNCTION orchestrator.orchestrator_spawn_children(p_parent text, p_fence bigint, p_worker text, p_children jsonb) RETURNS TABLE(child_key text, run_id text, created boolean)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $_$
+#variable_conflict use_column
+DECLARE
+    parent runs;
+    limits record;
+    spawned integer;
+BEGIN
+    SELECT * INTO limits FROM orchestrator_child_limits();
+    IF p_children IS NULL OR jsonb_typeof(p_children) <> 'array' THEN
+        RAISE EXCEPTION 'children must be a JSON array' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF jsonb_array_length(p_children) > limits.per_commit THEN
+        RAISE EXCEPTION 'a commit spawns at most % children, not %', limits.per_commit,
+                        jsonb_array_length(p_children)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO parent FROM runs AS r
+    WHERE r.run_id = p_parent AND r.lease_owner = p_worker AND r.fence = p_fence
+      AND r.state = 'running' AND r.lease_until > clock_timestamp()
+    FOR UPDATE;
+    IF parent.run_id IS NULL THEN
+        RETURN;  -- not the owner: the caller's commit is refused
+    END IF;
+    IF parent.depth + 1 > limits.depth THEN
+        RAISE EXCEPTION 'run % is % levels deep: a child may be at most % levels below its root',
+                        p_parent, parent.depth, limits.depth
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF EXISTS (
+        SELECT 1 FROM jsonb_array_elements(p_children) AS c(child)
+        WHERE jsonb_typeof(c.child) <> 'object'
+           OR NOT coalesce(c.child ->> 'key' ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$', false)
+           OR NOT orchestrator_submission_is_valid(c.child ->> 'run_id', c.child ->> 'agent',
+                                                   c.child -> 'input', NULL)
+           OR coalesce((c.child ->> 'max_attempts')::integer, 5) NOT BETWEEN 1 AND 100
+           OR coalesce((c.child ->> 'priority')::integer, 0) NOT BETWEEN -1000 AND 1000
+           OR length(c.child ->> 'concurrency_key') > 200
+    ) THEN
+        RAISE EXCEPTION 'a child needs a run id, an agent name, JSON input, a key of 1-128 '
+                        'letters, digits and ._:-, 1-100 attempts, a priority of -1000 to 1000 '
+                        'and a concurrency key of at most 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF (SELECT count(DISTINCT c.child ->> 'key') FROM jsonb_array_elements(p_children) AS c(child))
+       <> jsonb_array_length(p_children) THEN
+        RAISE EXCEPTION 'two children of one commit have the same key'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF (SELECT count(*) FROM runs AS r WHERE r.parent_run_id = p_parent)
+       + jsonb_array_length(p_children) > limits.per_parent THEN
+        RAISE EXCEPTION 'run % would have more than % children', p_parent, limits.per_parent
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN QUERY
+    WITH wanted AS (
+        SELECT c.child, c.ord FROM jsonb_array_elements(p_children) WITH ORDINALITY AS c(child, ord)
+    ), inserted AS (
+        INSERT INTO runs AS r (run_id, agent, input, max_attempts, available_at, concurrency_key,
+                               priority, parent_run_id, child_key, root_run_id, depth)
+        SELECT w.child ->> 'run_id', w.child ->> 'agent', w.child -> 'input',
+               coalesce((w.child ->> 'max_attempts')::integer, 5), clock_timestamp(),
+               w.child ->> 'concurrency_key', coalesce((w.child ->> 'priority')::integer, 0),
+               p_parent, w.child ->> 'key', coalesce(parent.root_run_id, p_parent),
+               parent.depth + 1
+        FROM wanted AS w ORDER BY w.ord
+        ON CONFLICT DO NOTHING
+        RETURNING r.run_id, r.child_key, r.agent, r.fence
+    ), logged AS (
+        INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+        SELECT i.run_id, 'submitted', i.fence, p_worker,
+               jsonb_build_object('agent', i.agent, 'parent_run_id', p_parent,
+                                  'child_key', i.child_key, 'parent_fence', p_fence)
+        FROM inserted AS i
+    ), told AS (
+        INSERT INTO run_events (run_id, kind, fence, worker_id, details)
+        SELECT p_parent, 'spawned', p_fence, p_worker,
+               jsonb_build_object('children', jsonb_agg(jsonb_build_object(
+                   'key', i.child_key, 'run_id', i.run_id, 'agent', i.agent)))
+        FROM inserted AS i HAVING count(*) > 0
+    ), woken AS (
+        SELECT pg_notify('orchestrator_runs', a.agent)
+        FROM (SELECT DISTINCT i.agent FROM inserted AS i) AS a
+    )
+    SELECT w.child ->> 'key', coalesce(i.run_id, existing.run_id), i.run_id IS NOT NULL
+    FROM wanted AS w
+    LEFT JOIN inserted AS i ON i.child_key = w.child ->> 'key'
+    LEFT JOIN runs AS existing
+        ON i.run_id IS NULL AND existing.parent_run_id = p_parent
+       AND existing.child_key = w.child ->> 'key'
+    WHERE (SELECT count(*) FROM woken) >= 0
+    ORDER BY w.ord;
+END
+$_$;
 CREATE FUNCTION orchestrator.orchestrator_standby_positions(OUT wal_end pg_lsn, OUT wal_flushed pg_lsn, OUT in_recovery boolean, OUT physical_slots integer, OUT idle_slots integer, OUT standbys integer, OUT hidden integer, OUT least_flushed pg_lsn, OUT most_flushed pg_lsn, OUT least_replayed pg_lsn, OUT most_replayed pg_lsn) RETURNS record
     LANGUAGE sql SECURITY DEFINER
     SET search_path TO 'orchestrator'
@@ -1621,8 +1775,14 @@ CREATE TABLE orchestrator.runs (
     priority integer DEFAULT 0 NOT NULL,
     started_version text,
     agent_version text,
+    parent_run_id text,
+    child_key text,
+    root_run_id text,
+    depth integer DEFAULT 0 NOT NULL,
     CONSTRAINT runs_agent_version_check CHECK (((agent_version IS NULL) OR ((length(agent_version) >= 1) AND (length(agent_version) <= 64)))),
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
+    CONSTRAINT runs_child_has_parent_check CHECK (((parent_run_id IS NULL) = (child_key IS NULL))),
+    CONSTRAINT runs_child_key_check CHECK (((child_key IS NULL) OR (child_key ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$'::text))),
     CONSTRAINT runs_concurrency_key_check CHECK (((concurrency_key IS NULL) OR ((length(concurrency_key) >= 1) AND (length(concurrency_key) <= 200)))),
     CONSTRAINT runs_fence_check CHECK ((fence >= 0)),
     CONSTRAINT runs_lease_matches_state CHECK (((state = 'running'::text) = ((lease_owner IS NOT NULL) AND (lease_until IS NOT NULL)))),
@@ -2106,6 +2266,7 @@ CREATE INDEX run_events_run ON orchestrator.run_events USING btree (run_id, even
 CREATE INDEX run_events_submitted ON orchestrator.run_events USING btree (event_id) WHERE (kind = 'submitted'::text);
 CREATE UNIQUE INDEX run_signals_key ON orchestrator.run_signals USING btree (run_id, idempotency_key) WHERE (idempotency_key IS NOT NULL);
 CREATE INDEX run_signals_unconsumed ON orchestrator.run_signals USING btree (run_id, name, seq) WHERE (consumed_at IS NULL);
+CREATE UNIQUE INDEX runs_children ON orchestrator.runs USING btree (parent_run_id, child_key) WHERE (parent_run_id IS NOT NULL);
 CREATE INDEX runs_due_keyed ON orchestrator.runs USING btree (agent, concurrency_key COLLATE "C", priority DESC, available_at) WHERE ((state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (concurrency_key IS NOT NULL));
 CREATE INDEX runs_due_plain ON orchestrator.runs USING btree (agent, available_at) WHERE ((state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (concurrency_key IS NULL));
 CREATE INDEX runs_finished ON orchestrator.runs USING btree (finished_at) WHERE (state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text]));
@@ -2116,6 +2277,7 @@ CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state 
 CREATE TRIGGER audit_log_append_only BEFORE DELETE OR UPDATE ON orchestrator.audit_log FOR EACH ROW EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log FOR EACH STATEMENT EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.budget_ledger FOR EACH ROW WHEN (((new.turns < 0) OR (new.tool_calls < 0) OR (new.input_tokens < 0) OR (new.output_tokens < 0) OR (new.cost < (0)::numeric) OR (new.cost = ANY (ARRAY['NaN'::numeric, 'Infinity'::numeric])))) EXECUTE FUNCTION orchestrator.orchestrator_budget_amounts_are_positive();
+CREATE TRIGGER runs_child_ended AFTER UPDATE OF state ON orchestrator.runs FOR EACH ROW WHEN (((new.parent_run_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION orchestrator.orchestrator_child_ended();
 CREATE TRIGGER runs_fence_guard BEFORE UPDATE OF fence ON orchestrator.runs FOR EACH ROW WHEN (((new.fence IS DISTINCT FROM old.fence) AND (NOT ((new.fence = (old.fence + 1)) AND (new.state = 'running'::text) AND (((old.state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (old.available_at <= clock_timestamp())) OR ((old.state = 'running'::text) AND (old.lease_until < clock_timestamp()))))))) EXECUTE FUNCTION orchestrator.runs_fence_moves_only_by_claim();
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;

@@ -498,6 +498,16 @@ async def test_hostile_arguments_to_every_function_change_nothing(
         ("SELECT * FROM orchestrator_cutover('roles', '2', true, 'alice', 'oidc', NULL)", ()),
         ("SELECT * FROM orchestrator_cutover('roles', $1, true, NULL, NULL, NULL)", (huge,)),
         ("SELECT * FROM orchestrator_cutover('bad agent!', '2', NULL, NULL, NULL, NULL)", ()),
+        # Child runs (migration 0027): only the holder of the parent's lease spawns.
+        ("SELECT * FROM orchestrator_spawn_children(NULL, NULL, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_spawn_children($1, 1, 'w1', '{}')", (run,)),
+        (
+            "SELECT * FROM orchestrator_spawn_children($1, 999, 'w1', jsonb_build_array("
+            "jsonb_build_object('run_id', 'r_01jd3k5q8m2x7c9v4b6n0p1r2s', 'agent', 'roles',"
+            " 'input', '{}'::jsonb, 'key', 'k')))",
+            (run,),
+        ),
+        ("SELECT * FROM orchestrator_spawn_children($1, 1, $2, '[]')", (run, huge)),
     ]
     unchanged = await snapshot(admin)
     refusals: list[tuple[str, str, asyncpg.PostgresError]] = []

@@ -465,6 +465,19 @@ async def test_a_worker_consumes_the_signal_the_console_sent(logins: Logins) -> 
     assert run.result is not None and run.result["replies"] == [{"text": "yes"}]
 
 
+async def test_a_worker_spawns_children_and_a_client_cancels_the_tree(logins: Logins) -> None:
+    from test_child_runs import AGENTS
+
+    client = RunStore(await logins.pool("client"))
+    async with running_worker(logins.settings("worker"), AGENTS, **FAST):
+        run_id = (await client.submit("parent", {"children": 3})).run.run_id
+        run = await wait_for_run(client, run_id, within=60)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert run.result is not None and run.result["sum"] == 6
+    children = await client.list_runs(parent=run_id)
+    assert len(children) == 3 and {c.state for c in children} == {RunState.SUCCEEDED}
+
+
 # -- every role: the audit log; the grants themselves ---------------------------------------
 async def test_no_role_can_change_or_remove_an_audit_row(logins: Logins) -> None:
     console = await logins.pool("console")

@@ -25,6 +25,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from orchestrator.agent.children import (
+    Child,
+    ChildOutcome,
+    check_children,
+    new_children,
+    validate_child_key,
+)
 from orchestrator.db.limits import RunningLimit
 from orchestrator.db.signals import validate_signal_name
 from orchestrator.effect_model import Effect, validate_effect_key
@@ -97,6 +104,9 @@ class WaitState:
     timed_out: bool
     """The time given by ``until`` passed before a listed signal came or the listed effects
     all settled."""
+    children: Mapping[str, ChildOutcome] | None = None
+    """The children the run waited for, by key: each one's state, and its result or error once
+    it ended (``None``: it waited for none)."""
 
 
 class EffectView(Protocol):
@@ -142,6 +152,11 @@ class Next:
     effects: Sequence[Effect] = ()
     messages: Sequence[Message] = ()
     """Appended to the run's transcript in the same commit."""
+    children: Sequence[Child] = ()
+    """Child runs started by the same commit, under this run's fence (docs/child-runs.md)."""
+
+    def __post_init__(self) -> None:
+        check_children(tuple(self.children))
 
     @property
     def step_name(self) -> str:
@@ -189,10 +204,34 @@ class Wait:
     messages: Sequence[Message] = ()
     reason: str = ""
     """Why, in the timeline; ``budget`` (used by the runtime) waits for a top-up instead."""
+    children: Sequence[Child | str] = ()
+    """Child runs to wait for: new ``Child`` objects, started by this commit, and keys of
+    children spawned earlier. The run is woken once ``need`` of them (all, when ``None``) have
+    ended, whichever way; ``ctx.wait.children`` then holds each one's outcome."""
+    need: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.signals, str) or isinstance(self.effects, str):
-            raise InvalidInput("Wait signals and effects are lists (of names and keys)")
+        if (
+            isinstance(self.signals, str)
+            or isinstance(self.effects, str)
+            or isinstance(self.children, str)
+        ):
+            raise InvalidInput("Wait signals, effects and children are lists (of names and keys)")
+        check_children(new_children(self.children))
+        keys = self.child_keys
+        for key in keys:
+            validate_child_key(key)
+        if len(set(keys)) != len(keys):
+            raise InvalidInput("a Wait names a child twice")
+        if self.need is not None and (
+            isinstance(self.need, bool) or not 1 <= self.need <= max(len(keys), 1)
+        ):
+            raise InvalidInput(
+                f"a Wait's need is 1 to the number of children it waits for ({len(keys)}), "
+                f"not {self.need!r}"
+            )
+        if self.need is not None and not keys:
+            raise InvalidInput("a Wait's need counts children: name the children to wait for")
         for name in self.signals:
             validate_signal_name(name)
         for effect in self.effects:
@@ -211,10 +250,13 @@ class Wait:
             )
         if len(self.reason) > 200:
             raise InvalidInput("a Wait reason is at most 200 characters")
-        if not (self.signals or self.effects or self.until) and self.reason != "budget":
+        if (
+            not (self.signals or self.effects or self.until or self.children)
+            and self.reason != "budget"
+        ):
             raise InvalidInput(
-                "a Wait needs something to wake it: signals, effects or until (a run waiting "
-                "for nothing would wait forever)"
+                "a Wait needs something to wake it: signals, effects, children or until (a run "
+                "waiting for nothing would wait forever)"
             )
 
     @property
@@ -229,6 +271,10 @@ class Wait:
     def new_effects(self) -> list[Effect]:
         return [e for e in self.effects if not isinstance(e, str)]
 
+    @property
+    def child_keys(self) -> list[str]:
+        return [c if isinstance(c, str) else c.key for c in self.children]
+
     def stored(self) -> StoredWait:
         """What the run waits for, as ``runs.wait`` (and the timeline) hold it."""
         return StoredWait(
@@ -237,6 +283,8 @@ class Wait:
             tuple(dict.fromkeys(self.effect_keys)),
             self.until,
             self.reason,
+            tuple(self.child_keys),
+            self.need,
         )
 
 

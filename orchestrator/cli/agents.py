@@ -14,6 +14,8 @@ from orchestrator.client.stores import open_stores
 from orchestrator.db.workers import AgentVersion
 from orchestrator.settings import Settings
 
+DRAIN_HELP = "Let workers of another version finish the step they are in, then give it back."
+
 
 @click.group()
 def agents() -> None:
@@ -45,11 +47,7 @@ async def agents_versions(settings: Settings, agent: str | None, as_json: bool) 
 @click.option(
     "--to", "version", required=True, help="The version of AGENT's code that runs it now."
 )
-@click.option(
-    "--drain",
-    is_flag=True,
-    help="Let workers of another version finish the step they are in, then give the run back.",
-)
+@click.option("--drain", is_flag=True, help=DRAIN_HELP)
 @json_option("Print the cutover as JSON.")
 @async_command
 async def agents_cutover(

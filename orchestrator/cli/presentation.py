@@ -131,6 +131,9 @@ def print_run(console: Console, detail: RunDetail) -> None:
         ("signals pending", str(run.signals_pending) if run.signals_pending else ""),
         ("checkpoint", f"version {run.checkpoint_version}: {_compact(run.checkpoint)}"),
         ("agent version", _agent_versions(run)),
+        ("parent", f"{run.parent_run_id} (child {run.child_key})" if run.parent_run_id else ""),
+        ("root", run.root_run_id if run.root_run_id != run.parent_run_id else ""),
+        ("children", _children(detail.children)),
         ("concurrency key", run.concurrency_key or ""),
         ("input", _compact(run.input)),
         ("result", _compact(run.result)),
@@ -198,6 +201,11 @@ def queue_table(rows: Sequence[dict[str, Any]]) -> Table:
             for row in rows
         ),
     )
+
+
+def _children(children: Sequence[Run]) -> str:
+    """Each child shown by key, run and state (``runs list --parent`` lists all of them)."""
+    return "\n".join(f"{c.child_key}: {c.run_id} {c.state.value}" for c in children)
 
 
 def _agent_versions(run: Run) -> str:

@@ -51,6 +51,7 @@ def runs() -> None:
 @click.option("--agent", help="Only runs of this agent.")
 @click.option("--since", help="Submitted at or after: an ISO 8601 time, or an age (2h, 7d).")
 @click.option("--until", help="Submitted before: an ISO 8601 time, or an age (2h, 7d).")
+@click.option("--parent", metavar="RUN_ID", help="Only the child runs of RUN_ID.")
 @limit_option()
 @json_option("Print runs as a JSON array.")
 @async_command
@@ -60,6 +61,7 @@ async def runs_list(
     agent: str | None,
     since: str | None,
     until: str | None,
+    parent: str | None,
     limit: int,
     as_json: bool,
 ) -> None:
@@ -69,7 +71,8 @@ async def runs_list(
     from orchestrator.client.stores import open_stores
 
     async with open_stores(settings) as stores:
-        found = await select_runs(stores.runs, RunSelection(states, agent, since, until), limit)
+        selection = RunSelection(states, agent, since, until, parent)
+        found = await select_runs(stores.runs, selection, limit)
         now = await stores.runs.database_now()
     print_found(found, as_json, lambda rows: runs_table(rows, now), "no runs match")
 

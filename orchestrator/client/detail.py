@@ -6,7 +6,7 @@ many signals. Each part is its newest slice plus a count; ``runs events`` pages 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ SIGNALS_SHOWN = 100
 
 STALE_REFUSALS_SHOWN = 100
 EFFECTS_SHOWN = 10_000
+CHILDREN_SHOWN = 100
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class RunDetail:
     """The newest ``SIGNALS_SHOWN`` signals: (signal, consumed at, consumed by fence)."""
     budget: BudgetState | None
     now: datetime
+    children: list[Run] = field(default_factory=list)
+    """The newest ``CHILDREN_SHOWN`` child runs (``runs list --parent`` lists them all)."""
 
     @property
     def first_event_shown(self) -> int | None:
@@ -81,6 +84,7 @@ async def load_run_detail(
         signals=await stores.signals.history(run_id, newest=SIGNALS_SHOWN),
         budget=await stores.budgets.get(run_id),
         now=await runs.database_now(),
+        children=await runs.list_runs(parent=run_id, limit=CHILDREN_SHOWN),
     )
 
 

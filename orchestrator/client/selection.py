@@ -58,10 +58,12 @@ class RunSelection:
     agent: str | None = None
     since: str | None = None
     until: str | None = None
+    parent: str | None = None
+    """Only the children of this run (docs/child-runs.md)."""
 
     @property
     def active(self) -> bool:
-        return bool(self.states or self.agent or self.since or self.until)
+        return bool(self.states or self.agent or self.since or self.until or self.parent)
 
 
 async def select_runs(runs: RunReads, selection: RunSelection, limit: int) -> list[Run]:
@@ -73,4 +75,5 @@ async def select_runs(runs: RunReads, selection: RunSelection, limit: int) -> li
         limit=limit,
         submitted_after=None if since is None else parse_when(since, "--since", now),
         submitted_before=None if until is None else parse_when(until, "--until", now),
+        parent=selection.parent,
     )

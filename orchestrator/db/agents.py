@@ -9,7 +9,7 @@ from orchestrator.access import Actor
 from orchestrator.db.audit import decide
 from orchestrator.db.queries import query
 from orchestrator.ids import agent_version_text, validate_agent_name
-from orchestrator.models import JsonFields
+from orchestrator.models import JsonFields, from_row
 
 if TYPE_CHECKING:
     from orchestrator.db.executor import Executor
@@ -44,11 +44,4 @@ class AgentStore:
         who = Actor.acting(actor, None)
         row = await decide(self.db, "agent_cutover", who, query("cutover"), agent, text, drain)
         assert row is not None
-        return Cutover(
-            row["agent"],
-            row["version"],
-            row["previous"],
-            int(row["runs_cut"]),
-            bool(row["drain"]),
-            int(row["runs_draining"]),
-        )
+        return from_row(Cutover, row)

@@ -54,6 +54,8 @@ class StepCommit(NamedTuple):
     """What the step spent of the run's budget: settles its reservation."""
     agent_version: str | None = None
     """The version of the agent's code that wrote ``checkpoint`` (docs/upgrades.md)."""
+    children: Sequence[Mapping[str, JSON]] = ()
+    """Child runs spawned in the same transaction (orchestrator_spawn_children's input)."""
 
 
 class Park(NamedTuple):

@@ -226,6 +226,19 @@ class Commits(PoolStore):
         )
         return {record["run_id"] for record in records}
 
+    async def spawn_children(
+        self, lease: Lease, children: Sequence[Mapping[str, JSON]], *, db: Executor
+    ) -> dict[str, str] | None:
+        """After the step commits, in the same transaction: start its children under its
+        fence (see spawn_children). Each child's run by key (an existing one for a key spawned
+        before); ``None`` when the run is not the lease's any more (nothing spawned)."""
+        records = await db.fetch(
+            query("spawn_children"), lease.run_id, lease.fence, lease.worker_id, list(children)
+        )
+        if not records:
+            return None
+        return {record["child_key"]: record["run_id"] for record in records}
+
     async def release_drained(
         self, worker_id: str, run_ids: Sequence[str], *, db: Executor
     ) -> set[str]:

@@ -25,10 +25,18 @@ class RunFilters(TypedDict, total=False):
     limit: int
     submitted_after: datetime | None
     submitted_before: datetime | None
+    parent: str | None
 
 
 class RunReads(PoolStore):
     """Reads of the ``runs``, ``run_events``, ``run_messages`` and ``run_traces`` tables."""
+
+    async def children_of(
+        self, run_id: str, keys: Sequence[str], *, db: Executor | None = None
+    ) -> list[dict[str, Any]]:
+        """The children of ``run_id`` with these keys: key, run id, state, result, error."""
+        records = await (db or self.pool).fetch(query("children_of"), run_id, list(keys))
+        return [dict(record) for record in records]
 
     async def get(self, run_id: str, *, db: Executor | None = None) -> Run:
         validate_run_id(run_id)
@@ -56,8 +64,11 @@ class RunReads(PoolStore):
         limit: int = 100,
         submitted_after: datetime | None = None,
         submitted_before: datetime | None = None,
+        parent: str | None = None,
     ) -> list[Run]:
-        """Runs newest first, filtered by state(s), agent and submission time."""
+        """Runs newest first, filtered by state(s), agent, submission time and parent run."""
+        if parent is not None:
+            validate_run_id(parent)
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise InvalidInput(f"limit must be between 1 and {MAX_LIST_LIMIT}")
         for bound in (submitted_after, submitted_before):
@@ -71,6 +82,7 @@ class RunReads(PoolStore):
             limit,
             submitted_after,
             submitted_before,
+            parent,
         )
         return [Run.from_record(record) for record in records]
 

@@ -73,6 +73,7 @@ from orchestrator.worker.run_telemetry import (
     step_attributes,
 )
 from orchestrator.worker.runner_config import RunnerConfig
+from orchestrator.worker.spawning import check_child_agents
 from orchestrator.worker.upgrades import UpgradeFailed, upgraded_checkpoint
 from orchestrator.worker.wakeups import claimed_signals, park_again, pending_signals, read_wait
 
@@ -304,7 +305,9 @@ class RunExecution:
         signals = claimed_signals(claimed)
         woken: steps.WaitState | None = None
         if claimed.wait is not None:
-            woken, still_waiting = await read_wait(claimed, claimed.wait, signals, self.effects)
+            woken, still_waiting = await read_wait(
+                claimed, claimed.wait, signals, self.effects, self.services.store
+            )
             if still_waiting:  # woken by one of several awaited effects: wait on
                 return await self._wait_again(claimed.wait, woken)
         at: Position = (claimed.step, claimed.checkpoint, claimed.checkpoint_version)
@@ -391,6 +394,10 @@ class RunExecution:
                         # Keeping the checkpoint keeps the one this version reads (upgraded).
                         outcome = dataclasses.replace(outcome, checkpoint=checkpoint)
                     encoded = validate(outcome, agent.name, agent.steps, services.config.limits)
+                    if isinstance(outcome, steps.Next | steps.Wait) and outcome.children:
+                        await check_child_agents(
+                            outcome, services.registry.names, services.store.pool
+                        )
                 except Exception as error:
                     span.record_exception(error)
                     span.set_status(Status(StatusCode.ERROR, type(error).__name__))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import asyncpg
 import structlog
 from opentelemetry import context
 from opentelemetry.context import Context
@@ -267,6 +268,13 @@ class GroupCommitter:
                     refusal = await self._accept_effects(db, commit)
                     if refusal is not None:
                         leave_out[commit.lease.run_id] = refusal
+            # Children start with their parent's step or not at all, under its fence.
+            for commit in commits:
+                run_id = commit.lease.run_id
+                if commit.children and run_id in committed and run_id not in leave_out:
+                    refusal = await self._spawn(db, commit)
+                    if refusal is not None:
+                        leave_out[run_id] = refusal
             transcripts = {
                 r.lease.run_id: r.messages
                 for r in members
@@ -374,6 +382,15 @@ class GroupCommitter:
                         if lease.run_id not in parked
                     }
                 )
+
+    async def _spawn(self, db: Any, commit: StepCommit) -> CommitAnswer | None:
+        """Start ``commit``'s children: ``None``, or the answer its run gets instead."""
+        try:
+            async with db.transaction():  # a savepoint: a refused spawn leaves the batch whole
+                spawned = await self.store.spawn_children(commit.lease, commit.children, db=db)
+        except asyncpg.InvalidParameterValueError as error:
+            return Refused(CommitRefused(f"run {commit.lease.run_id}: {error}"))
+        return NOT_OWNER if spawned is None else None
 
     async def _release_drained(
         self, db: Any, committed: dict[str, CommitResult]
