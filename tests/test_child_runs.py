@@ -20,7 +20,7 @@ from orchestrator.errors import InvalidInput
 from orchestrator.ids import new_run_id
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
-from orchestrator.testing import running_worker
+from orchestrator.testing import capture_spans, running_worker
 from test_flow_control import cli
 from test_runtime import FAST
 from test_upgrades import until_state
@@ -242,3 +242,56 @@ async def test_the_database_refuses_a_spawn_too_deep_or_malformed_and_spawns_not
     with pytest.raises(asyncpg.InvalidParameterValueError, match="levels"):
         await store.spawn_children(claimed.lease, deep, db=pool)
     assert await pool.fetchval("SELECT count(*) FROM runs WHERE parent_run_id IS NOT NULL") == 0
+
+
+async def test_a_cancel_racing_a_child_s_final_commit_neither_deadlocks_nor_loses_the_child(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """The child's commit holds the child and then wants its waiting parent (to wake it); the
+    cancel holds the parent and wants the child. The cancel lets go and tries again."""
+    await store.submit("parent", {})
+    [parent] = (await store.claim("w1", ["parent"], limit=1, lease_seconds=60)).claimed
+    made = await store.spawn_children(
+        parent.lease, [Child("worker", {"n": 1}, key="k").spawn(new_run_id())], db=pool
+    )
+    assert made is not None
+    await pool.execute(
+        "UPDATE runs SET state = 'waiting', lease_owner = NULL, lease_until = NULL,"
+        " available_at = 'infinity', wait = $2 WHERE run_id = $1",
+        parent.run_id,
+        {"step": "FanIn", "children": ["k"], "need": None},
+    )
+    async with pool.acquire() as child_commit:
+        transaction = child_commit.transaction()
+        await transaction.start()
+        await child_commit.execute("SELECT 1 FROM runs WHERE run_id = $1 FOR UPDATE", made["k"])
+        cancelling = asyncio.ensure_future(store.cancel(parent.run_id))
+        await anyio.sleep(0.5)  # the cancel holds the parent (or is trying to)
+        await child_commit.execute(
+            "UPDATE runs SET state = 'succeeded', finished_at = now() WHERE run_id = $1",
+            made["k"],
+        )
+        await transaction.commit()
+    with anyio.fail_after(30):
+        cancelled = await cancelling
+    assert cancelled.state is RunState.CANCELLED
+    assert (await store.get(made["k"])).state is RunState.SUCCEEDED
+
+
+async def test_a_child_s_trace_links_to_the_step_that_spawned_it(
+    settings: Settings, store: RunStore
+) -> None:
+    exporter = capture_spans()
+    assert exporter is not None
+    exporter.clear()
+    run_id = (await store.submit("parent", {"children": 2})).run.run_id
+    async with running_worker(settings, AGENTS, **FAST):
+        done = await until_state(store, run_id, RunState.SUCCEEDED, RunState.DEAD)
+    assert done.state is RunState.SUCCEEDED, done.error
+    spans = exporter.get_finished_spans()
+    [spawning] = [s for s in spans if s.name == "step parent.FanOut"]
+    children = [s for s in spans if s.name == "run worker"]
+    assert len(children) == 2
+    for child in children:  # each attempt is a trace of its own, linked to where it began
+        linked = [(link.context.trace_id, link.context.span_id) for link in child.links]
+        assert (spawning.context.trace_id, spawning.context.span_id) in linked

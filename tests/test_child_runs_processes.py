@@ -118,9 +118,7 @@ async def test_a_fan_out_of_100_survives_a_worker_kill_and_the_parent_holds_no_l
             with ServeProcess(database_url, *args, name="C"):
                 done = await wait_for_run(store, run_id, within=120)
                 # The children's notes were committed with their final steps: sent after.
-                await until(
-                    pool, "SELECT count(*) = 100 FROM effects WHERE status = 'confirmed'"
-                )
+                await until(pool, "SELECT count(*) = 100 FROM effects WHERE status = 'confirmed'")
         assert done.state is RunState.SUCCEEDED, done.error
         assert done.result["succeeded"] == 100
         states = await pool.fetch(

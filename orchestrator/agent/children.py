@@ -53,9 +53,11 @@ class Child:
         if self.concurrency_key is not None and not 1 <= len(self.concurrency_key) <= 200:
             raise InvalidInput(f"child {self.key}: a concurrency key is 1-200 characters")
 
-    def spawn(self, run_id: str) -> dict[str, Any]:
-        """The child as orchestrator_spawn_children reads it."""
+    def spawn(self, run_id: str, traceparent: str | None = None) -> dict[str, Any]:
+        """The child as orchestrator_spawn_children reads it; ``traceparent``, the spawning
+        step's span, is the parent of the child's trace (as a submitter's is)."""
         return {
+            "traceparent": traceparent,
             "run_id": run_id,
             "agent": self.agent,
             "input": self.input,

@@ -43,6 +43,7 @@ from orchestrator.telemetry import (
     Metrics,
     RunLogger,
     as_current,
+    current_traceparent,
     debug_enabled,
     open_span,
 )
@@ -430,6 +431,7 @@ class RunExecution:
                     current_checkpoint=checkpoint,
                     claimed_version=self.claimed.checkpoint_version,
                     agent_version=agent.version,
+                    traceparent=current_traceparent() if outcome.children else None,
                 )
                 try:
                     committed = await self._commit(commit)

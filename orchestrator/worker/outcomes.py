@@ -94,6 +94,7 @@ def step_commit(
     current_checkpoint: JSON,
     claimed_version: int,
     agent_version: str | None = None,
+    traceparent: str | None = None,
 ) -> StepCommit:
     """The commit of a step that goes on: to its next step, or parked until what ``Wait``
     names happens (a ``Wait`` without a checkpoint keeps ``current_checkpoint``)."""
@@ -109,7 +110,7 @@ def step_commit(
             signal_seqs=extras.signal_seqs,
             spend=extras.spend,
             agent_version=agent_version,
-            children=spawns(outcome.children),
+            children=spawns(outcome.children, traceparent),
         )
     # Progress since the claim: a step committed before this one, or this one was given
     # signals (a wait found already satisfied is then no spin).
@@ -126,14 +127,14 @@ def step_commit(
         signal_seqs=extras.signal_seqs,
         spend=extras.spend,
         agent_version=agent_version,
-        children=spawns(new_children(outcome.children)),
+        children=spawns(new_children(outcome.children), traceparent),
     )
 
 
-def spawns(children: Sequence[Child]) -> tuple[dict[str, Any], ...]:
+def spawns(children: Sequence[Child], traceparent: str | None) -> tuple[dict[str, Any], ...]:
     """The children a commit starts, each with a new run id (a child whose key its parent
     spawned before keeps the run it has: the database returns that one)."""
-    return tuple(child.spawn(new_run_id()) for child in children)
+    return tuple(child.spawn(new_run_id(), traceparent) for child in children)
 
 
 def run_finish(

@@ -72,6 +72,7 @@ BEGIN
            OR coalesce((c.child ->> 'max_attempts')::integer, 5) NOT BETWEEN 1 AND 100
            OR coalesce((c.child ->> 'priority')::integer, 0) NOT BETWEEN -1000 AND 1000
            OR length(c.child ->> 'concurrency_key') > 200
+           OR length(c.child ->> 'traceparent') > 200
     ) THEN
         RAISE EXCEPTION 'a child needs a run id, an agent name, JSON input, a key of 1-128 '
                         'letters, digits and ._:-, 1-100 attempts, a priority of -1000 to 1000 '
@@ -108,6 +109,12 @@ BEGIN
                jsonb_build_object('agent', i.agent, 'parent_run_id', p_parent,
                                   'child_key', i.child_key, 'parent_fence', p_fence)
         FROM inserted AS i
+    ), traced AS (
+        -- The spawning step's span is the parent of the child's trace, as a submitter's is.
+        INSERT INTO run_traces (run_id, fence, traceparent)
+        SELECT i.run_id, 0, w.child ->> 'traceparent'
+        FROM inserted AS i JOIN wanted AS w ON w.child ->> 'key' = i.child_key
+        WHERE w.child ->> 'traceparent' IS NOT NULL
     ), told AS (
         INSERT INTO run_events (run_id, kind, fence, worker_id, details)
         SELECT p_parent, 'spawned', p_fence, p_worker,
@@ -194,12 +201,35 @@ BEGIN
         RAISE EXCEPTION 'a cancel''s reason must be at most 2000 characters'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- The root first, then its descendants top-down (one lock order for every cancel).
-    PERFORM 1 FROM runs AS r
-    WHERE r.run_id = p_run_id AND r.state IN ('queued', 'running', 'waiting') FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
+    -- The root, then its unfinished descendants. A child's final commit locks the child, then
+    -- (trigger runs_child_ended) its parent: the opposite order. So the descendants are taken
+    -- without waiting, and when one is busy everything is let go for a moment (its commit can
+    -- then end) and taken again; after many tries the cancel waits like any statement.
+    FOR try_number IN 1..300 LOOP
+        BEGIN
+            PERFORM 1 FROM runs AS r
+            WHERE r.run_id = p_run_id AND r.state IN ('queued', 'running', 'waiting')
+            FOR UPDATE;
+            IF NOT FOUND THEN
+                RETURN;
+            END IF;
+            PERFORM 1 FROM runs AS r
+            WHERE r.run_id IN (
+                WITH RECURSIVE tree AS (
+                    SELECT p_run_id AS run_id, 0 AS level
+                    UNION ALL
+                    SELECT c.run_id, t.level + 1
+                    FROM runs AS c JOIN tree AS t ON c.parent_run_id = t.run_id
+                    WHERE t.level < 64
+                )
+                SELECT tree.run_id FROM tree WHERE tree.level > 0)
+              AND r.state IN ('queued', 'running', 'waiting')
+            FOR UPDATE NOWAIT;
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            PERFORM pg_sleep(0.01);  -- the savepoint's rollback let the root go too
+        END;
+    END LOOP;
     WITH RECURSIVE tree AS (
         SELECT p_run_id AS run_id, 0 AS level
         UNION ALL
