@@ -33,7 +33,7 @@ GRANT SELECT ON {schema}.orchestrator_schema_migrations
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
-    {schema}.agent_cutovers, {schema}.cutover_drains
+    {schema}.agent_cutovers, {schema}.cutover_drains, {schema}.budget_carves
     TO {worker};
 -- A drained run's last commit gives the run back and drops its drain (release_drained).
 GRANT DELETE ON {schema}.cutover_drains TO {worker};
@@ -56,7 +56,8 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_purge_finished(timestamptz, integer),
     {schema}.orchestrator_hold_run(text, text, text, timestamptz),
     {schema}.orchestrator_declare_limits(text, jsonb, text),
-    {schema}.orchestrator_spawn_children(text, bigint, text, jsonb)
+    {schema}.orchestrator_spawn_children(text, bigint, text, jsonb),
+    {schema}.orchestrator_carve_budgets(text, bigint, text, jsonb, jsonb)
     TO {worker};
 -- Rate limits (migration 0022) are taken, settled and paused only through their definer
 -- functions, by the workers' model calls and the dispatchers' sends.
@@ -103,7 +104,7 @@ GRANT EXECUTE ON FUNCTION
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
-    {schema}.agent_cutovers, {schema}.cutover_drains
+    {schema}.agent_cutovers, {schema}.cutover_drains, {schema}.budget_carves
     TO {client}, {console};
 GRANT UPDATE (watched) ON {schema}.runs TO {client}, {console};
 GRANT EXECUTE ON FUNCTION

@@ -690,6 +690,14 @@ SELECT run_id FROM released WHERE (SELECT count(*) FROM woken) >= 0
 -- the parent is not the worker's under that fence.
 SELECT child_key, run_id, created FROM orchestrator_spawn_children($1, $2, $3, $4)
 
+-- carve_budgets --
+-- params: $1 parent run_id text, $2 fence bigint, $3 worker_id text, $4 parent limits jsonb,
+--         $5 children jsonb ([{run_id, budget}])
+-- The budgets of the children a commit created, carved from the parent's, in its transaction
+-- (orchestrator_carve_budgets, migration 0028): how many; NULL when the parent is not the
+-- worker's under that fence.
+SELECT orchestrator_carve_budgets($1, $2, $3, $4, $5)
+
 -- children_of --
 -- params: $1 parent run_id text, $2 child keys text[]
 -- The children of a run with these keys, as a parent woken from waiting for them reads them.

@@ -336,6 +336,114 @@ BEGIN
     RETURN NEXT;
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_carve_budgets(p_parent text, p_fence bigint, p_worker text, p_parent_limits jsonb, p_children jsonb) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    b run_budgets%ROWTYPE;
+    want record;
+    missing text;
+    over text;
+BEGIN
+    IF p_children IS NULL OR jsonb_typeof(p_children) <> 'array'
+       OR jsonb_array_length(p_children) > 1000 THEN
+        RAISE EXCEPTION 'children to carve budgets for must be a JSON array of at most 1000'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM 1 FROM runs AS r
+    WHERE r.run_id = p_parent AND r.lease_owner = p_worker AND r.fence = p_fence
+      AND r.state = 'running' AND r.lease_until > clock_timestamp()
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF p_parent_limits IS NOT NULL AND jsonb_typeof(p_parent_limits) = 'object' THEN
+        INSERT INTO run_budgets (run_id, turns_limit, tool_calls_limit, input_tokens_limit,
+                                 output_tokens_limit, cost_limit)
+        VALUES (p_parent, (p_parent_limits ->> 'turns')::bigint,
+                (p_parent_limits ->> 'tool_calls')::bigint,
+                (p_parent_limits ->> 'input_tokens')::bigint,
+                (p_parent_limits ->> 'output_tokens')::bigint,
+                (p_parent_limits ->> 'cost_usd')::numeric)
+        ON CONFLICT (run_id) DO NOTHING;
+    END IF;
+    SELECT * INTO b FROM run_budgets WHERE run_id = p_parent FOR UPDATE;
+    SELECT coalesce(sum(greatest((c -> 'budget' ->> 'turns')::bigint, 0)), 0) AS turns,
+           coalesce(sum(greatest((c -> 'budget' ->> 'tool_calls')::bigint, 0)), 0) AS tool_calls,
+           coalesce(sum(greatest((c -> 'budget' ->> 'input_tokens')::bigint, 0)), 0)
+               AS input_tokens,
+           coalesce(sum(greatest((c -> 'budget' ->> 'output_tokens')::bigint, 0)), 0)
+               AS output_tokens,
+           coalesce(sum(greatest((c -> 'budget' ->> 'cost_usd')::numeric, 0)), 0) AS cost,
+           count(*) AS children
+    INTO want FROM jsonb_array_elements(p_children) AS c;
+    IF b.run_id IS NOT NULL THEN
+        SELECT string_agg(DISTINCT d.name, ', ') INTO missing
+        FROM jsonb_array_elements(p_children) AS c,
+             (VALUES ('turns', b.turns_limit IS NOT NULL),
+                     ('tool_calls', b.tool_calls_limit IS NOT NULL),
+                     ('input_tokens', b.input_tokens_limit IS NOT NULL),
+                     ('output_tokens', b.output_tokens_limit IS NOT NULL),
+                     ('cost_usd', b.cost_limit IS NOT NULL)) AS d(name, limited)
+        WHERE d.limited AND (c -> 'budget' ->> d.name) IS NULL;
+        IF missing IS NOT NULL THEN
+            RAISE EXCEPTION 'run % has a budget: each child must carve its % from it '
+                            '(Child(budget=Budget(...)))', p_parent, missing
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        over := CASE
+            WHEN b.turns_limit IS NOT NULL AND b.turns_spent + b.turns_reserved
+                 + b.turns_carved + want.turns > b.turns_limit THEN 'turns'
+            WHEN b.tool_calls_limit IS NOT NULL AND b.tool_calls_spent + b.tool_calls_carved
+                 + want.tool_calls > b.tool_calls_limit THEN 'tool_calls'
+            WHEN b.input_tokens_limit IS NOT NULL AND b.input_tokens_spent
+                 + b.input_tokens_reserved + b.input_tokens_carved + want.input_tokens
+                 > b.input_tokens_limit THEN 'input_tokens'
+            WHEN b.output_tokens_limit IS NOT NULL AND b.output_tokens_spent
+                 + b.output_tokens_reserved + b.output_tokens_carved + want.output_tokens
+                 > b.output_tokens_limit THEN 'output_tokens'
+            WHEN b.cost_limit IS NOT NULL AND b.cost_spent + b.cost_reserved + b.cost_carved
+                 + want.cost > b.cost_limit THEN 'cost_usd'
+        END;
+        IF over IS NOT NULL THEN
+            RAISE EXCEPTION 'the children''s budgets would pass run %''s limit on %: %',
+                            p_parent, over, 'carve less, or top the parent up'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        UPDATE run_budgets
+        SET turns_carved = turns_carved + want.turns,
+            tool_calls_carved = tool_calls_carved + want.tool_calls,
+            input_tokens_carved = input_tokens_carved + want.input_tokens,
+            output_tokens_carved = output_tokens_carved + want.output_tokens,
+            cost_carved = cost_carved + want.cost, updated_at = clock_timestamp()
+        WHERE run_id = p_parent;
+    END IF;
+    -- Each child's own budget: the limits carved for it (its agent's Budget does not widen it).
+    INSERT INTO run_budgets (run_id, turns_limit, tool_calls_limit, input_tokens_limit,
+                             output_tokens_limit, cost_limit)
+    SELECT c ->> 'run_id', (c -> 'budget' ->> 'turns')::bigint,
+           (c -> 'budget' ->> 'tool_calls')::bigint, (c -> 'budget' ->> 'input_tokens')::bigint,
+           (c -> 'budget' ->> 'output_tokens')::bigint, (c -> 'budget' ->> 'cost_usd')::numeric
+    FROM jsonb_array_elements(p_children) AS c
+    JOIN runs AS r ON r.run_id = c ->> 'run_id' AND r.parent_run_id = p_parent
+    ON CONFLICT (run_id) DO NOTHING;
+    IF b.run_id IS NOT NULL THEN
+        INSERT INTO budget_carves (child_run_id, parent_run_id, turns, tool_calls, input_tokens,
+                                   output_tokens, cost)
+        SELECT c ->> 'run_id', p_parent,
+               coalesce((c -> 'budget' ->> 'turns')::bigint, 0),
+               coalesce((c -> 'budget' ->> 'tool_calls')::bigint, 0),
+               coalesce((c -> 'budget' ->> 'input_tokens')::bigint, 0),
+               coalesce((c -> 'budget' ->> 'output_tokens')::bigint, 0),
+               coalesce((c -> 'budget' ->> 'cost_usd')::numeric, 0)
+        FROM jsonb_array_elements(p_children) AS c
+        JOIN runs AS r ON r.run_id = c ->> 'run_id' AND r.parent_run_id = p_parent
+        ON CONFLICT (child_run_id) DO NOTHING;
+    END IF;
+    RETURN want.children;
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_child_ended() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator'
@@ -1212,7 +1320,7 @@ END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_reserve_budget(p_run_id text, p_worker_id text, p_fence bigint, p_limits jsonb, p_turns bigint, p_input_tokens bigint, p_output_tokens bigint, p_cost numeric, OUT outcome text, OUT exhausted_by text, OUT tool_calls_left bigint) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path TO 'orchestrator', 'pg_temp'
+    SET search_path TO 'orchestrator'
     AS $$
 DECLARE
     b run_budgets%ROWTYPE;
@@ -1250,17 +1358,20 @@ BEGIN
     END IF;
     exhausted_by := CASE
         WHEN b.turns_limit IS NOT NULL
-             AND b.turns_spent + b.turns_reserved + p_turns > b.turns_limit THEN 'turns'
+             AND b.turns_spent + b.turns_reserved + b.turns_carved + p_turns > b.turns_limit
+            THEN 'turns'
         WHEN b.input_tokens_limit IS NOT NULL
-             AND b.input_tokens_spent + b.input_tokens_reserved + p_input_tokens
-                 > b.input_tokens_limit THEN 'input_tokens'
+             AND b.input_tokens_spent + b.input_tokens_reserved + b.input_tokens_carved
+                 + p_input_tokens > b.input_tokens_limit THEN 'input_tokens'
         WHEN b.output_tokens_limit IS NOT NULL
-             AND b.output_tokens_spent + b.output_tokens_reserved + p_output_tokens
-                 > b.output_tokens_limit THEN 'output_tokens'
+             AND b.output_tokens_spent + b.output_tokens_reserved + b.output_tokens_carved
+                 + p_output_tokens > b.output_tokens_limit THEN 'output_tokens'
         WHEN b.cost_limit IS NOT NULL
-             AND b.cost_spent + b.cost_reserved + p_cost > b.cost_limit THEN 'cost_usd'
+             AND b.cost_spent + b.cost_reserved + b.cost_carved + p_cost > b.cost_limit
+            THEN 'cost_usd'
         WHEN b.tool_calls_limit IS NOT NULL
-             AND b.tool_calls_spent >= b.tool_calls_limit THEN 'tool_calls'
+             AND b.tool_calls_spent + b.tool_calls_carved >= b.tool_calls_limit
+            THEN 'tool_calls'
     END;
     IF exhausted_by IS NOT NULL THEN
         INSERT INTO budget_ledger (run_id, kind, fence, turns, input_tokens, output_tokens, cost,
@@ -1279,7 +1390,7 @@ BEGIN
     WHERE run_id = p_run_id;
     INSERT INTO budget_ledger (run_id, kind, fence, turns, input_tokens, output_tokens, cost)
     VALUES (p_run_id, 'reserve', p_fence, p_turns, p_input_tokens, p_output_tokens, p_cost);
-    tool_calls_left := b.tool_calls_limit - b.tool_calls_spent;
+    tool_calls_left := b.tool_calls_limit - b.tool_calls_spent - b.tool_calls_carved;
     outcome := 'reserved';
 END
 $$;
@@ -1564,6 +1675,39 @@ INSERT INTO budget_ledger (run_id, kind, fence, turns, tool_calls, input_tokens,
 SELECT run_id, 'settle', fence, turns, tool_calls, input_tokens, output_tokens, cost
 FROM settled
 RETURNING run_id
+$$;
+CREATE FUNCTION orchestrator.orchestrator_settle_carve() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    carve budget_carves%ROWTYPE;
+    spent run_budgets%ROWTYPE;
+BEGIN
+    UPDATE budget_carves SET settled_at = clock_timestamp()
+    WHERE child_run_id = NEW.run_id AND settled_at IS NULL
+    RETURNING * INTO carve;
+    IF carve.child_run_id IS NULL THEN
+        RETURN NULL;
+    END IF;
+    SELECT * INTO spent FROM run_budgets WHERE run_id = NEW.run_id;
+    UPDATE run_budgets AS p
+    SET turns_carved = p.turns_carved - carve.turns,
+        tool_calls_carved = p.tool_calls_carved - carve.tool_calls,
+        input_tokens_carved = p.input_tokens_carved - carve.input_tokens,
+        output_tokens_carved = p.output_tokens_carved - carve.output_tokens,
+        cost_carved = p.cost_carved - carve.cost,
+        turns_spent = p.turns_spent + coalesce(spent.turns_spent + spent.turns_reserved, 0),
+        tool_calls_spent = p.tool_calls_spent + coalesce(spent.tool_calls_spent, 0),
+        input_tokens_spent = p.input_tokens_spent
+            + coalesce(spent.input_tokens_spent + spent.input_tokens_reserved, 0),
+        output_tokens_spent = p.output_tokens_spent
+            + coalesce(spent.output_tokens_spent + spent.output_tokens_reserved, 0),
+        cost_spent = p.cost_spent + coalesce(spent.cost_spent + spent.cost_reserved, 0),
+        updated_at = clock_timestamp()
+    WHERE p.run_id = carve.parent_run_id;
+    RETURN NULL;
+END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_sign_in(p_name text, p_via text, p_token_id text, p_role text, OUT name text, OUT kind text, OUT role text, OUT audit_seq bigint) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
@@ -2035,6 +2179,17 @@ CREATE TABLE orchestrator.audit_log (
     sha256 text NOT NULL,
     CONSTRAINT audit_log_seq_check CHECK ((seq > 0))
 );
+CREATE TABLE orchestrator.budget_carves (
+    child_run_id text NOT NULL,
+    parent_run_id text NOT NULL,
+    turns bigint DEFAULT 0 NOT NULL,
+    tool_calls bigint DEFAULT 0 NOT NULL,
+    input_tokens bigint DEFAULT 0 NOT NULL,
+    output_tokens bigint DEFAULT 0 NOT NULL,
+    cost numeric DEFAULT 0 NOT NULL,
+    carved_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    settled_at timestamp with time zone
+);
 CREATE TABLE orchestrator.budget_ledger (
     run_id text NOT NULL,
     entry bigint NOT NULL,
@@ -2152,7 +2307,12 @@ CREATE TABLE orchestrator.run_budgets (
     output_tokens_reserved bigint DEFAULT 0 NOT NULL,
     cost_reserved numeric DEFAULT 0 NOT NULL,
     reserved_fence bigint,
-    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    turns_carved bigint DEFAULT 0 NOT NULL,
+    tool_calls_carved bigint DEFAULT 0 NOT NULL,
+    input_tokens_carved bigint DEFAULT 0 NOT NULL,
+    output_tokens_carved bigint DEFAULT 0 NOT NULL,
+    cost_carved numeric DEFAULT 0 NOT NULL
 );
 CREATE TABLE orchestrator.run_events (
     event_id bigint NOT NULL,
@@ -2248,6 +2408,8 @@ ALTER TABLE ONLY orchestrator.agent_cutovers
     ADD CONSTRAINT agent_cutovers_pkey PRIMARY KEY (agent);
 ALTER TABLE ONLY orchestrator.audit_log
     ADD CONSTRAINT audit_log_pkey PRIMARY KEY (seq);
+ALTER TABLE ONLY orchestrator.budget_carves
+    ADD CONSTRAINT budget_carves_pkey PRIMARY KEY (child_run_id);
 ALTER TABLE ONLY orchestrator.budget_ledger
     ADD CONSTRAINT budget_ledger_pkey PRIMARY KEY (run_id, entry);
 ALTER TABLE ONLY orchestrator.cutover_drains
@@ -2309,8 +2471,11 @@ CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log F
 CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.budget_ledger FOR EACH ROW WHEN (((new.turns < 0) OR (new.tool_calls < 0) OR (new.input_tokens < 0) OR (new.output_tokens < 0) OR (new.cost < (0)::numeric) OR (new.cost = ANY (ARRAY['NaN'::numeric, 'Infinity'::numeric])))) EXECUTE FUNCTION orchestrator.orchestrator_budget_amounts_are_positive();
 CREATE TRIGGER runs_child_ended AFTER UPDATE OF state ON orchestrator.runs FOR EACH ROW WHEN (((new.parent_run_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION orchestrator.orchestrator_child_ended();
 CREATE TRIGGER runs_fence_guard BEFORE UPDATE OF fence ON orchestrator.runs FOR EACH ROW WHEN (((new.fence IS DISTINCT FROM old.fence) AND (NOT ((new.fence = (old.fence + 1)) AND (new.state = 'running'::text) AND (((old.state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (old.available_at <= clock_timestamp())) OR ((old.state = 'running'::text) AND (old.lease_until < clock_timestamp()))))))) EXECUTE FUNCTION orchestrator.runs_fence_moves_only_by_claim();
+CREATE TRIGGER runs_settle_carve AFTER UPDATE OF state ON orchestrator.runs FOR EACH ROW WHEN (((new.parent_run_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION orchestrator.orchestrator_settle_carve();
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;
+ALTER TABLE ONLY orchestrator.budget_carves
+    ADD CONSTRAINT budget_carves_child_run_id_fkey FOREIGN KEY (child_run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.cutover_drains
     ADD CONSTRAINT cutover_drains_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.run_holds

@@ -59,6 +59,7 @@ TABLES = (
     "flow_limits",
     "rate_limits",
     "cutover_drains",
+    "budget_carves",
     "run_holds",
     "agent_cutovers",
 )
@@ -508,6 +509,13 @@ async def test_hostile_arguments_to_every_function_change_nothing(
             (run,),
         ),
         ("SELECT * FROM orchestrator_spawn_children($1, 1, $2, '[]')", (run, huge)),
+        ("SELECT orchestrator_carve_budgets(NULL, NULL, NULL, NULL, NULL)", ()),
+        ("SELECT orchestrator_carve_budgets($1, 999, 'w1', '{\"turns\": 1}', '[]')", (run,)),
+        (
+            "SELECT orchestrator_carve_budgets($1, 1, 'w1', NULL, jsonb_build_array("
+            "jsonb_build_object('run_id', $1::text, 'budget', '{\"turns\": -5}'::jsonb)))",
+            (run,),
+        ),
     ]
     unchanged = await snapshot(admin)
     refusals: list[tuple[str, str, asyncpg.PostgresError]] = []

@@ -478,6 +478,17 @@ async def test_a_worker_spawns_children_and_a_client_cancels_the_tree(logins: Lo
     assert len(children) == 3 and {c.state for c in children} == {RunState.SUCCEEDED}
 
 
+async def test_a_worker_carves_its_children_s_budgets_from_its_own(logins: Logins) -> None:
+    from test_child_budgets import root, spender
+
+    client = RunStore(await logins.pool("client"))
+    async with running_worker(logins.settings("worker"), [root, spender], **FAST):
+        run_id = (await client.submit("root", {"children": 2, "each": 3})).run.run_id
+        run = await wait_for_run(client, run_id, within=60)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert run.result == {"children_spent": 6, "root_could_spend_more": True}
+
+
 # -- every role: the audit log; the grants themselves ---------------------------------------
 async def test_no_role_can_change_or_remove_an_audit_row(logins: Logins) -> None:
     console = await logins.pool("console")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.agent.budgets import Budget
 from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import JSON, RunState
@@ -42,6 +43,9 @@ class Child:
     max_attempts: int = 5
     concurrency_key: str | None = None
     priority: int = 0
+    budget: Budget | None = None
+    """The child's limits, carved from its parent's budget by the spawning commit (a parent
+    with a budget must carve every dimension it limits): docs/child-runs.md."""
 
     def __post_init__(self) -> None:
         validate_agent_name(self.agent)
@@ -52,6 +56,8 @@ class Child:
             raise InvalidInput(f"child {self.key}: priority is -1000 to 1000")
         if self.concurrency_key is not None and not 1 <= len(self.concurrency_key) <= 200:
             raise InvalidInput(f"child {self.key}: a concurrency key is 1-200 characters")
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            raise InvalidInput(f"child {self.key}: a budget is a Budget, not {self.budget!r}")
 
     def spawn(self, run_id: str, traceparent: str | None = None) -> dict[str, Any]:
         """The child as orchestrator_spawn_children reads it; ``traceparent``, the spawning
@@ -65,6 +71,7 @@ class Child:
             "max_attempts": self.max_attempts,
             "concurrency_key": self.concurrency_key,
             "priority": self.priority,
+            "budget": None if self.budget is None else self.budget.limits(),
         }
 
 

@@ -10,27 +10,36 @@ server's effectful tool (``open_case``, sent once by the dispatcher's ``mcp`` ad
 ``CHAOS_SCRIPT`` is what the campaign's scripted model
 answers; a replayed turn proposes other arguments, as a real model may.
 
+``chaos_tree`` starts a tree (docs/child-runs.md): its first step spawns two or three
+``chaos_leaf`` children with its commit and either waits for them in the same commit or goes on
+to a step that names the same children again (a key spawned before names the child it has) and
+waits there, for all of them, any one or two; it finishes with the outcome it read of each. A
+leaf works a while (a window for a cascading cancel to land in), then emails its customer and
+notes the CRM with its commit, and finishes.
+
 Every step, and the read-only lookup, first records the (run, fence) it runs under outside the
 database (``orchestrator.chaos.grants``): the checker's evidence that survives a failover.
 
-Both agents are versioned (docs/upgrades.md): a ``serve`` process runs the version
+Every agent is versioned (docs/upgrades.md): a ``serve`` process runs the version
 ``ORCHESTRATOR_CHAOS_AGENT_VERSION`` names (1 when unset), and the ``deploy`` fault starts newer
-ones. Each version of ``chaos_steps`` names its checkpoint's keys its own way (``announced_v2``)
-and upgrades every older version's checkpoint by renaming them; a step that meets a checkpoint
-it cannot read raises ``CheckpointMisread``, which the checker reports.
+ones. Each version of the step agents (``chaos_steps``, ``chaos_tree``, ``chaos_leaf``) names
+its checkpoint's keys its own way (``announced_v2``) and upgrades every older version's
+checkpoint by renaming them; a step that meets a checkpoint it cannot read raises
+``CheckpointMisread``, which the checker reports.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import ClassVar, cast
 
 import anyio
 
 from orchestrator.agent.budgets import Budget
+from orchestrator.agent.children import Child
 from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.agent.tool_loop import ToolAgent
 from orchestrator.agent.tools import ToolContext, ToolSource, tool
@@ -96,11 +105,32 @@ def _granted(ctx: StepContext) -> None:
     record_grant(ctx.run_id, ctx.fence, ctx.checkpoint_version, ctx.step)
 
 
+async def _work(ctx: StepContext) -> None:
+    """Mid-step for ``input["work_seconds"]``: a window for faults (and cancels) to land in."""
+    work = _field(ctx, "work_seconds")
+    if isinstance(work, int | float):
+        await anyio.sleep(work)
+
+
+def _contact(ctx: StepContext, stage: str) -> list[Effect]:
+    """An irreversible email to the run's customer and a replaceable CRM note."""
+    customer = _field(ctx, "customer")
+    return [
+        Effect("email", "email", {"run": ctx.run_id, "to": f"{customer}@customer.test"}),
+        Effect(
+            "crm",
+            "crm",
+            {"run": ctx.run_id, "account": customer, "stage": stage},
+            EffectPolicy.REPLACEABLE,
+        ),
+    ]
+
+
 class ChaosStep(Step):
-    """A step of ``chaos_steps``: it reads and writes checkpoints in its version's shape."""
+    """A step of a chaos step agent: it reads and writes checkpoints in its version's shape."""
 
     version: ClassVar[int] = 1
-    """The version of the agent's code the step belongs to (``steps_agent`` sets it)."""
+    """The version of the agent's code the step belongs to (``versioned`` sets it)."""
 
     def facts(self, ctx: StepContext, *needed: str) -> dict[str, JSON]:
         return read_facts(self.version, ctx.checkpoint, *needed)
@@ -111,19 +141,10 @@ class Announce(ChaosStep):
 
     async def run(self, ctx: StepContext) -> Outcome:
         _granted(ctx)
-        customer = _field(ctx, "customer")
         return Next(
             AwaitGo,
             checkpoint=shaped(self.version, {"announced": True}),
-            effects=[
-                Effect("email", "email", {"run": ctx.run_id, "to": f"{customer}@customer.test"}),
-                Effect(
-                    "crm",
-                    "crm",
-                    {"run": ctx.run_id, "account": customer, "stage": "announced"},
-                    EffectPolicy.REPLACEABLE,
-                ),
-            ],
+            effects=_contact(ctx, "announced"),
         )
 
 
@@ -146,9 +167,7 @@ class AskRefund(ChaosStep):
     async def run(self, ctx: StepContext) -> Outcome:
         _granted(ctx)
         self.facts(ctx, "announced", "went")
-        work = _field(ctx, "work_seconds")
-        if isinstance(work, int | float):
-            await anyio.sleep(work)
+        await _work(ctx)
         amount = _field(ctx, "refund")
         if not isinstance(amount, int | float):
             return Finish(result={"refund": None})
@@ -173,20 +192,140 @@ class Close(ChaosStep):
         return Finish(result={"refund": refund.status.value})
 
 
-def steps_agent(version: int) -> Agent:
-    """``chaos_steps`` at ``version``: its steps read and write that version's checkpoints, and
+LEAF = "chaos_leaf"
+"""The agent of ``chaos_tree``'s children."""
+
+
+def _leaves(ctx: StepContext) -> list[Child]:
+    """The children ``input["leaves"]`` plans, keyed by their place, under the tree's tenant."""
+    planned = _field(ctx, "leaves")
+    tenant = _field(ctx, "tenant")
+    return [
+        Child(
+            LEAF,
+            leaf,
+            key=f"leaf-{n}",
+            max_attempts=100,
+            concurrency_key=tenant if isinstance(tenant, str) else None,
+        )
+        for n, leaf in enumerate(planned if isinstance(planned, list) else [])
+    ]
+
+
+def _need(ctx: StepContext) -> int | None:
+    need = _field(ctx, "need")
+    return need if isinstance(need, int) else None
+
+
+class FanOut(ChaosStep):
+    name = "fan_out"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
+        leaves = _leaves(ctx)
+        checkpoint = shaped(self.version, {"spawned": [leaf.key for leaf in leaves]})
+        if _field(ctx, "fan") == "wait":
+            return Wait(
+                Merge,
+                children=leaves,
+                need=_need(ctx),
+                checkpoint=checkpoint,
+                reason="waiting for the leaves it started",
+            )
+        return Next(Gather, checkpoint=checkpoint, children=leaves)
+
+
+class Gather(ChaosStep):
+    name = "gather"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
+        facts = self.facts(ctx, "spawned")
+        # The same children again: each key names the child the first step spawned.
+        return Wait(
+            Merge,
+            children=_leaves(ctx),
+            need=_need(ctx),
+            checkpoint=shaped(self.version, facts),
+            reason="waiting for the leaves it started before",
+        )
+
+
+class Merge(ChaosStep):
+    name = "merge"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
+        self.facts(ctx, "spawned")
+        outcomes = ctx.wait.children if ctx.wait is not None and ctx.wait.children else {}
+        read: dict[str, JSON] = {
+            key: {"state": outcome.state.value, "result": outcome.result}
+            for key, outcome in sorted(outcomes.items())
+        }
+        return Finish(result={"read": read})
+
+
+class Reach(ChaosStep):
+    name = "reach"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
+        await _work(ctx)
+        return Next(
+            Reply, checkpoint=shaped(self.version, {"reached": True}), effects=_contact(ctx, "leaf")
+        )
+
+
+class Reply(ChaosStep):
+    name = "reply"
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        _granted(ctx)
+        self.facts(ctx, "reached")
+        return Finish(result={"customer": _field(ctx, "customer")})
+
+
+def versioned(name: str, steps: Sequence[type[ChaosStep]], version: int, description: str) -> Agent:
+    """Agent ``name`` at ``version``: its steps read and write that version's checkpoints, and
     it upgrades those of every older version."""
-    steps = [
+    classes = [
         cast("type[ChaosStep]", type(step.__name__, (step,), {"version": version}))
-        for step in (Announce, AwaitGo, AskRefund, Close)
+        for step in steps
     ]
     return Agent(
-        "chaos_steps",
-        first=steps[0],
-        steps=steps[1:],
-        description="Chaos campaign: email, CRM note, optional signal wait and gated refund.",
+        name,
+        first=classes[0],
+        steps=classes[1:],
+        description=description,
         version=version,
         upgrades={older: upgrade(older, version) for older in range(1, version)},
+    )
+
+
+def steps_agent(version: int) -> Agent:
+    """``chaos_steps`` at ``version``."""
+    return versioned(
+        "chaos_steps",
+        (Announce, AwaitGo, AskRefund, Close),
+        version,
+        "Chaos campaign: email, CRM note, optional signal wait and gated refund.",
+    )
+
+
+def tree_agent(version: int) -> Agent:
+    """``chaos_tree`` at ``version``."""
+    return versioned(
+        "chaos_tree",
+        (FanOut, Gather, Merge),
+        version,
+        "Chaos campaign: fans out to leaves, waits for all, any or some, reads how they ended.",
+    )
+
+
+def leaf_agent(version: int) -> Agent:
+    """``chaos_leaf`` at ``version``."""
+    return versioned(
+        LEAF, (Reach, Reply), version, "Chaos campaign: a tree's leaf, working, then emailing."
     )
 
 
@@ -286,6 +425,8 @@ def _as_it_is(checkpoint: JSON) -> JSON:
 VERSION = served_version()
 chaos_steps = steps_agent(VERSION)
 chaos_tools = tools_agent(VERSION)
+chaos_tree = tree_agent(VERSION)
+chaos_leaf = leaf_agent(VERSION)
 
 _ASK = re.compile(r"customer (\S+) asks for a refund of (\d+)")
 

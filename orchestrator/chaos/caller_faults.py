@@ -1,5 +1,6 @@
-"""Faults a person or an API caller makes: a cancel, a decision that comes too late, a signal
-sent twice, and a request under a fence the run has moved past."""
+"""Faults a person or an API caller makes: a cancel (of a plain run, or of a tree's root while
+its children are mid-step), a decision that comes too late, a signal sent twice, and a request
+under a fence the run has moved past."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidTransition, OrchestratorError
 
 CANCEL_ATTEMPTS = 5
+UNFINISHED = "SELECT run_id FROM orchestrator.runs WHERE state IN ('queued', 'running', 'waiting')"
+TREE_ROOTS = """
+WITH trees AS (
+    SELECT r.run_id, bool_or(c.state = 'running') AS mid_step
+    FROM orchestrator.runs AS r JOIN orchestrator.runs AS c ON c.parent_run_id = r.run_id
+    WHERE r.parent_run_id IS NULL AND r.state IN ('queued', 'running', 'waiting')
+      AND c.state IN ('queued', 'running', 'waiting')
+    GROUP BY r.run_id
+)
+SELECT run_id FROM trees WHERE mid_step OR NOT EXISTS (SELECT 1 FROM trees WHERE mid_step)
+"""
+"""Roots of trees with unfinished children: those with a child mid-step, when there are any."""
 
 
 class NoCandidate(OrchestratorError):
@@ -28,12 +41,12 @@ class CallerFaults(FaultGroup):
         """Requests under a stale fence the boundary refused."""
 
     async def cancel(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        """Cancel an unfinished run; every other one of a workload with trees, a tree's root."""
+        tree = self.context.trees and fault.target % 2 == 0
         # A run picked while live may finish before the cancel lands; pick again, a few times.
         for _ in range(CANCEL_ATTEMPTS):
             row = await self._pick(
-                "SELECT run_id FROM orchestrator.runs "
-                "WHERE state IN ('queued', 'running', 'waiting') ORDER BY run_id LIMIT 50",
-                fault,
+                f"{TREE_ROOTS if tree else UNFINISHED} ORDER BY run_id LIMIT 50", fault
             )
             record.target = row["run_id"]
             try:
@@ -42,7 +55,7 @@ class CallerFaults(FaultGroup):
                 record.detail = str(error)
                 continue
             record.fired = True
-            record.detail = ""
+            record.detail = await self._cascaded(row["run_id"]) if tree else ""
             return
 
     async def late_approval(self, fault: ScheduledFault, record: FaultRecord) -> None:
@@ -116,6 +129,18 @@ class CallerFaults(FaultGroup):
         record.detail = acceptance.outcome.value
         if acceptance.outcome.value == "stale":
             self.stale_refused += 1
+
+    async def _cascaded(self, run_id: str) -> str:
+        try:
+            below = await self.context.pool.fetchval(
+                "SELECT count(*) FROM orchestrator.run_events "
+                "WHERE kind = 'cancelled' AND details ->> 'with_ancestor' = $1",
+                run_id,
+                timeout=STATEMENT_SECONDS,
+            )
+        except CAMPAIGN_ERRORS:
+            return "a tree's root"
+        return f"a tree's root: {below} runs below it cancelled with it"
 
     async def _pick(self, sql: str, fault: ScheduledFault, within: float = 20) -> asyncpg.Record:
         """A row of ``sql``'s candidates (``target`` picks which), waiting for one to exist."""

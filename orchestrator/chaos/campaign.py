@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import asyncpg
 
-from orchestrator.chaos.agents import CHAOS_SCRIPT, MCP_SERVER, MCP_URL_ENV, tools_prompt
+from orchestrator.chaos.agents import CHAOS_SCRIPT, LEAF, MCP_SERVER, MCP_URL_ENV, tools_prompt
 from orchestrator.chaos.checker import check
 from orchestrator.chaos.cluster import Cluster, Timing
 from orchestrator.chaos.context import ClientGate, FaultContext, FaultRecord, ScheduledFault
@@ -73,7 +73,9 @@ PAIR_SETTINGS = {"max_connections": "400"}
 """A replicated pair sets its own durability (``fsync`` off, ``synchronous_commit`` on) and
 keeps full-page writes, which a base backup needs."""
 FAULT_SHARE = 0.85
-AGENTS = ("chaos_steps", "chaos_tools")
+AGENTS = ("chaos_steps", "chaos_tools", "chaos_tree")
+SPAWNED = {"chaos_tree": (LEAF,)}
+"""The agents of the children each agent of the workload starts: limited as the workload's."""
 
 
 @dataclass(frozen=True)
@@ -214,13 +216,16 @@ def plans(
     if unknown or not agents:
         raise InvalidInput(f"unknown agents {unknown}: choose from {', '.join(AGENTS)}")
     rng = random.Random(seed * 7919 + 1)
-    # A stream of its own, so that keys leave the rest of a seed's workload as it was.
+    # Streams of their own, so that keys and trees leave the rest of a seed's workload as it was.
     keys = random.Random(seed * 7919 + 2)
+    trees = random.Random(seed * 7919 + 3)
     made = []
     for n in range(count):
         customer = f"c{n}"
         key = concurrency_key(keys, keyed_share)
-        if agents[n % len(agents)] == "chaos_steps":
+        if agents[n % len(agents)] == "chaos_tree":
+            made.append(Plan("chaos_tree", tree_input(trees, customer, key), "approve", key))
+        elif agents[n % len(agents)] == "chaos_steps":
             decision = rng.choices(("approve", "deny", "ignore"), (6, 3, 1))[0]
             refund = rng.choice((None, 40, 150, 250))
             made.append(
@@ -243,6 +248,27 @@ def plans(
             prompt = tools_prompt(customer, amount)
             made.append(Plan("chaos_tools", {"prompt": prompt}, decision, key))
     return made
+
+
+def tree_input(rng: random.Random, customer: str, key: str | None) -> dict[str, Any]:
+    """A tree of two or three leaves, spawned by the commit that waits for them or by the step
+    before it, waited for all (half the trees), any one or two."""
+    leaves = [
+        {"customer": f"{customer}.{n}", "work_seconds": round(rng.uniform(0.2, 1.5), 2)}
+        for n in range(rng.choice((2, 3)))
+    ]
+    return {
+        "customer": customer,
+        "fan": rng.choice(("wait", "next")),
+        "need": rng.choice((None, None, 1, 2)),
+        "tenant": key,
+        "leaves": leaves,
+    }
+
+
+def limited_agents(agents: Sequence[str]) -> list[str]:
+    """The workload's agents and those of the children they start."""
+    return [*agents, *(child for agent in agents for child in SPAWNED.get(agent, ()))]
 
 
 Progress = Callable[[str], None]
@@ -315,7 +341,7 @@ async def _campaign(
             settings, dsn=dsn, application_name=CAMPAIGN_APPLICATION, min_size=0, max_size=8
         )
         stack.push_async_callback(pool.close)
-        await set_limits(pool, config.limits, config.agents)
+        await set_limits(pool, config.limits, limited_agents(config.agents))
         # A connection of its own, so that samples never wait behind the campaign's clients.
         sampler = LimitSampler(
             await create_pool(
@@ -362,7 +388,15 @@ async def _campaign(
             f"cluster up on {on}: {config.workers} workers, {config.dispatchers} dispatchers, "
             f"each behind its own proxy; logs in {work_dir}"
         )
-        context = FaultContext(cluster, vendor, model, pool, database, time.monotonic())
+        context = FaultContext(
+            cluster,
+            vendor,
+            model,
+            pool,
+            database,
+            time.monotonic(),
+            trees=bool(SPAWNED.keys() & set(config.agents)),
+        )
         faults = Faults(context)
         workload = plans(config.seed, config.runs, config.agents, config.keyed_share)
         submitted: dict[str, Plan] = {}
@@ -577,7 +611,8 @@ async def _report_progress(
         await anyio.sleep(10)
         try:
             finished = await pool.fetchval(
-                "SELECT count(*) FROM orchestrator.runs WHERE state = ANY($1::text[])",
+                "SELECT count(*) FROM orchestrator.runs "
+                "WHERE state = ANY($1::text[]) AND parent_run_id IS NULL",
                 list(TERMINAL),
             )
         except CAMPAIGN_ERRORS:

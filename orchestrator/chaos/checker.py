@@ -2,7 +2,7 @@
 records, and names every broken promise. It trusts neither the workers' logs nor the boundary's
 bookkeeping: fences come from the timeline, deliveries from the vendor, and the fences a failover
 may have erased from the timeline from the workers' own grant records (``grants.py``). The rules
-for deploys are in ``deploy_checks.py``."""
+for deploys are in ``deploy_checks.py``, those for trees of runs in ``tree_checks.py``."""
 
 from __future__ import annotations
 
@@ -24,12 +24,15 @@ from orchestrator.chaos.findings import (
     seconds_between,
 )
 from orchestrator.chaos.grants import Grant, duplicate_grants
+from orchestrator.chaos.tree_checks import check_trees
 from orchestrator.chaos.vendor import ChaosVendor
 
 LIMIT_EXCEEDED = "limit exceeded"
 SLOT_WITHOUT_LEASE = "slot without lease"
 """The flow-control rules: sampled while the campaign runs (``limits.py``), and the second also
 checked here, on the runs left after quiescence."""
+EMAILING = ("chaos_steps", "chaos_leaf")
+"""The agents each of whose succeeded runs emailed its customer."""
 
 
 async def check(
@@ -68,6 +71,7 @@ async def check(
     _check_deliveries(found, runs, effects, events, vendor, dispatch_lease_seconds)
     await _check_budgets(found, pool)
     check_deploys(found, runs, events, await read_cutovers(pool), served or {})
+    check_trees(found, runs, events, effects)
     return found
 
 
@@ -231,7 +235,7 @@ def _check_deliveries(
     for run_id, run in runs.items():
         if run["state"] != "succeeded":
             continue
-        if run["agent"] == "chaos_steps" and not any(
+        if run["agent"] in EMAILING and not any(
             effect["effect_key"] == "email" for effect in irreversible[run_id]
         ):
             found.add("succeeded without its email", run_id, "no email effect was recorded")

@@ -62,6 +62,8 @@ class FaultContext:
     """(run id, fence, when) of runs a faulted worker held: recovery is measured from them."""
     clients: ClientGate = field(default_factory=lambda: ClientGate())
     """The campaign's own clients (submitter, person) pass it; a failover closes it."""
+    trees: bool = False
+    """Whether the workload starts trees of runs (a cancel then sometimes picks a tree's root)."""
 
     def member(self, role: str, fault: ScheduledFault) -> Member:
         members = self.cluster.of(role)

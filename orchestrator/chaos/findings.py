@@ -1,5 +1,6 @@
-"""What the checker finds (``checker.py``, ``deploy_checks.py``, ``limits.py``): each broken
-promise as a violation, and the counts the report shows beside them."""
+"""What the checker finds (``checker.py``, ``deploy_checks.py``, ``tree_checks.py``,
+``limits.py``): each broken promise as a violation, and the counts the report shows beside
+them."""
 
 from __future__ import annotations
 
@@ -62,6 +63,14 @@ class Findings:
     """Runs whose latest checkpoint a newer version wrote than the one that started them."""
     runs_by_version: dict[str, int] = field(default_factory=dict)
     """Runs by the version of the agent's code that wrote their latest checkpoint."""
+    trees: int = 0
+    """Runs that started children and have no parent (``tree_checks.py``)."""
+    children: int = 0
+    """Runs a parent started."""
+    cascading_cancels: int = 0
+    """Cancels that reached runs below the cancelled one."""
+    descendants_cancelled: int = 0
+    """Runs cancelled by an ancestor's cancel."""
 
     def add(self, rule: str, subject: str, detail: str) -> None:
         self.violations.append(Violation(rule, subject, detail))
@@ -90,6 +99,10 @@ class Findings:
             "runs_cut_over": self.runs_cut_over,
             "runs_upgraded": self.runs_upgraded,
             "runs_by_version": self.runs_by_version,
+            "trees": self.trees,
+            "children": self.children,
+            "cascading_cancels": self.cascading_cancels,
+            "descendants_cancelled": self.descendants_cancelled,
         }
 
 

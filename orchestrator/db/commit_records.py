@@ -56,6 +56,9 @@ class StepCommit(NamedTuple):
     """The version of the agent's code that wrote ``checkpoint`` (docs/upgrades.md)."""
     children: Sequence[Mapping[str, JSON]] = ()
     """Child runs spawned in the same transaction (orchestrator_spawn_children's input)."""
+    budget_limits: Mapping[str, JSON] | None = None
+    """The run's own budget limits (its agent's ``Budget``): its children's budgets are carved
+    from them."""
 
 
 class Park(NamedTuple):

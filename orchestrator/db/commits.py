@@ -227,17 +227,35 @@ class Commits(PoolStore):
         return {record["run_id"] for record in records}
 
     async def spawn_children(
-        self, lease: Lease, children: Sequence[Mapping[str, JSON]], *, db: Executor
+        self,
+        lease: Lease,
+        children: Sequence[Mapping[str, JSON]],
+        *,
+        db: Executor,
+        budget_limits: Mapping[str, JSON] | None = None,
     ) -> dict[str, str] | None:
         """After the step commits, in the same transaction: start its children under its
-        fence (see spawn_children). Each child's run by key (an existing one for a key spawned
-        before); ``None`` when the run is not the lease's any more (nothing spawned)."""
+        fence (see spawn_children), carving the budgets of those it creates from the run's
+        (``budget_limits``: its own; see carve_budgets). Each child's run by key (an existing
+        one for a key spawned before); ``None`` when the run is not the lease's any more
+        (nothing spawned)."""
         records = await db.fetch(
             query("spawn_children"), lease.run_id, lease.fence, lease.worker_id, list(children)
         )
         if not records:
             return None
-        return {record["child_key"]: record["run_id"] for record in records}
+        spawned = {record["child_key"]: record["run_id"] for record in records}
+        created = {record["child_key"] for record in records if record["created"]}
+        carves = [
+            {"run_id": spawned[str(child["key"])], "budget": child.get("budget")}
+            for child in children
+            if child["key"] in created
+        ]
+        if carves and (budget_limits is not None or any(c["budget"] for c in carves)):
+            arguments = (lease.run_id, lease.fence, lease.worker_id, budget_limits, carves)
+            if await db.fetchval(query("carve_budgets"), *arguments) is None:
+                return None
+        return spawned
 
     async def release_drained(
         self, worker_id: str, run_ids: Sequence[str], *, db: Executor

@@ -43,7 +43,6 @@ from orchestrator.telemetry import (
     Metrics,
     RunLogger,
     as_current,
-    current_traceparent,
     debug_enabled,
     open_span,
 )
@@ -74,7 +73,7 @@ from orchestrator.worker.run_telemetry import (
     step_attributes,
 )
 from orchestrator.worker.runner_config import RunnerConfig
-from orchestrator.worker.spawning import check_child_agents
+from orchestrator.worker.spawning import check_child_agents, spawn_context
 from orchestrator.worker.upgrades import UpgradeFailed, upgraded_checkpoint
 from orchestrator.worker.wakeups import claimed_signals, park_again, pending_signals, read_wait
 
@@ -431,7 +430,7 @@ class RunExecution:
                     current_checkpoint=checkpoint,
                     claimed_version=self.claimed.checkpoint_version,
                     agent_version=agent.version,
-                    traceparent=current_traceparent() if outcome.children else None,
+                    **spawn_context(agent, outcome),
                 )
                 try:
                     committed = await self._commit(commit)

@@ -387,7 +387,9 @@ class GroupCommitter:
         """Start ``commit``'s children: ``None``, or the answer its run gets instead."""
         try:
             async with db.transaction():  # a savepoint: a refused spawn leaves the batch whole
-                spawned = await self.store.spawn_children(commit.lease, commit.children, db=db)
+                spawned = await self.store.spawn_children(
+                    commit.lease, commit.children, db=db, budget_limits=commit.budget_limits
+                )
         except asyncpg.InvalidParameterValueError as error:
             return Refused(CommitRefused(f"run {commit.lease.run_id}: {error}"))
         return NOT_OWNER if spawned is None else None

@@ -5,7 +5,7 @@ to commit, this module only what."""
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from orchestrator.agent.budgets import RunBudget
@@ -95,6 +95,7 @@ def step_commit(
     claimed_version: int,
     agent_version: str | None = None,
     traceparent: str | None = None,
+    budget_limits: Mapping[str, JSON] | None = None,
 ) -> StepCommit:
     """The commit of a step that goes on: to its next step, or parked until what ``Wait``
     names happens (a ``Wait`` without a checkpoint keeps ``current_checkpoint``)."""
@@ -111,6 +112,7 @@ def step_commit(
             spend=extras.spend,
             agent_version=agent_version,
             children=spawns(outcome.children, traceparent),
+            budget_limits=budget_limits,
         )
     # Progress since the claim: a step committed before this one, or this one was given
     # signals (a wait found already satisfied is then no spin).
@@ -128,6 +130,7 @@ def step_commit(
         spend=extras.spend,
         agent_version=agent_version,
         children=spawns(new_children(outcome.children), traceparent),
+        budget_limits=budget_limits,
     )
 
 

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from orchestrator.agent.children import new_children
-from orchestrator.agent.steps import Next, Outcome, Wait
+from orchestrator.agent.steps import Agent, Next, Outcome, Wait
 from orchestrator.db.executor import Executor
 from orchestrator.db.workers import WorkerRegistry
+from orchestrator.telemetry import current_traceparent
 
 
 async def check_child_agents(outcome: Outcome, served_here: Iterable[str], db: Executor) -> None:
@@ -29,3 +31,15 @@ async def check_child_agents(outcome: Outcome, served_here: Iterable[str], db: E
             f"child {child.key} is a run of agent {child.agent}, which no worker serves: "
             f"deploy a worker that serves it, or fix the name"
         )
+
+
+def spawn_context(agent: Agent, outcome: Next | Wait) -> dict[str, Any]:
+    """What a commit that starts children carries besides them: the spawning step's trace
+    context (the children's traces link to it) and the run's budget limits (their budgets are
+    carved from them); nothing for the usual commit, which starts none."""
+    if not outcome.children:
+        return {}
+    return {
+        "traceparent": current_traceparent(),
+        "budget_limits": None if agent.budget is None else agent.budget.limits(),
+    }
