@@ -1805,7 +1805,7 @@ BEGIN
     IF EXISTS (
         SELECT 1 FROM jsonb_array_elements(p_children) AS c(child)
         WHERE jsonb_typeof(c.child) <> 'object'
-           OR NOT coalesce(c.child ->> 'key' ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$', false)
+           OR NOT coalesce(c.child ->> 'key' ~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$', false)
            OR NOT orchestrator_submission_is_valid(c.child ->> 'run_id', c.child ->> 'agent',
                                                    c.child -> 'input', NULL)
            OR coalesce((c.child ->> 'max_attempts')::integer, 5) NOT BETWEEN 1 AND 100
@@ -1814,7 +1814,7 @@ BEGIN
            OR length(c.child ->> 'traceparent') > 200
     ) THEN
         RAISE EXCEPTION 'a child needs a run id, an agent name, JSON input, a key of 1-128 '
-                        'letters, digits and ._:-, 1-100 attempts, a priority of -1000 to 1000 '
+                        'letters, digits and _.:-, 1-100 attempts, a priority of -1000 to 1000 '
                         'and a concurrency key of at most 200 characters'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -1956,7 +1956,7 @@ CREATE TABLE orchestrator.runs (
     CONSTRAINT runs_agent_version_check CHECK (((agent_version IS NULL) OR ((length(agent_version) >= 1) AND (length(agent_version) <= 64)))),
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT runs_child_has_parent_check CHECK (((parent_run_id IS NULL) = (child_key IS NULL))),
-    CONSTRAINT runs_child_key_check CHECK (((child_key IS NULL) OR (child_key ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$'::text))),
+    CONSTRAINT runs_child_key_check CHECK (((child_key IS NULL) OR (child_key ~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$'::text))),
     CONSTRAINT runs_concurrency_key_check CHECK (((concurrency_key IS NULL) OR ((length(concurrency_key) >= 1) AND (length(concurrency_key) <= 200)))),
     CONSTRAINT runs_fence_check CHECK ((fence >= 0)),
     CONSTRAINT runs_lease_matches_state CHECK (((state = 'running'::text) = ((lease_owner IS NOT NULL) AND (lease_until IS NOT NULL)))),

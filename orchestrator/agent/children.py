@@ -13,7 +13,7 @@ from orchestrator.errors import InvalidInput
 from orchestrator.ids import validate_agent_name
 from orchestrator.models import JSON, RunState
 
-CHILD_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+CHILD_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 MAX_CHILDREN_PER_COMMIT = 1000
 """As the database holds a spawn to (orchestrator_child_limits): also 10,000 children per parent
 and 16 levels below the root."""
@@ -23,7 +23,7 @@ ENDED = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunS
 def validate_child_key(key: object) -> str:
     if not isinstance(key, str) or CHILD_KEY.fullmatch(key) is None:
         raise InvalidInput(
-            f"a child key is 1-128 letters, digits and ._:- starting with a letter or digit, "
+            f"a child key is 1-128 letters, digits and _.:- starting with a letter or digit, "
             f"not {key!r}"
         )
     return key

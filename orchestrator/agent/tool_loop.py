@@ -41,6 +41,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from orchestrator.agent.budgets import Budget, BudgetExhausted
+from orchestrator.agent.children import Child
 from orchestrator.agent.llm import EncodedMessages, ModelAttempt, ModelReply, complete
 from orchestrator.agent.steps import Agent, Fail, Finish, Next, Outcome, Step, StepContext, Wait
 from orchestrator.agent.stored_replies import (
@@ -50,6 +51,7 @@ from orchestrator.agent.stored_replies import (
     unstorable_json,
 )
 from orchestrator.agent.tools import (
+    AgentTool,
     EffectTool,
     ReadOnlyTool,
     Tool,
@@ -203,10 +205,10 @@ class ToolLoop:
             if isinstance(candidate, ToolSource) and not isinstance(candidate, Tool):
                 self.sources.append(candidate)  # its tools are loaded before the first turn
                 continue
-            if not isinstance(candidate, ReadOnlyTool | EffectTool):
+            if not isinstance(candidate, ReadOnlyTool | EffectTool | AgentTool):
                 raise InvalidInput(
                     f"agent {agent}: {candidate!r} is not a tool; label each with "
-                    "@tool.read_only or @tool.effect(kind)"
+                    "@tool.read_only, @tool.effect(kind) or @tool.agent(agent)"
                 )
             if candidate.name in self.tools:
                 raise InvalidInput(f"agent {agent}: two tools are named {candidate.name!r}")
@@ -322,11 +324,14 @@ class ToolLoop:
                 spending.spent(reply.attempts, calls=made)
                 state.invalid_calls += len(stored.refused)
                 return _too_many_calls(self, span, state, calls, stored.fits)
-            effects = await self._tool_calls(ctx, state, assistant, new, allowed, stored.refused)
+            children: list[Child] = []
+            effects = await self._tool_calls(
+                ctx, state, assistant, new, allowed, stored.refused, children
+            )
             spending.spent(reply.attempts, calls=made)
             if state.invalid_calls > self.max_invalid_calls:
                 return _too_many_calls(self, span, state, calls, stored.fits)
-            return state.committed(self_step, new, effects)
+            return state.committed(self_step, new, effects, children)
         spending.spent(reply.attempts, calls=0)
         return self._answer(state, reply.content, stored.content_problem, new, self_step, then)
 
@@ -384,10 +389,12 @@ class ToolLoop:
         new: list[Message],
         allowed: int | None,
         refused: Mapping[int, str],
+        children: list[Child],
     ) -> list[Effect]:
-        """Run the read-only calls, build the effect calls; at most ``allowed`` calls (the
-        run's tool-call budget), the rest told to the model as refused, as are the ``refused``
-        (by their place: calls the transcript could not hold as they came)."""
+        """Run the read-only calls, build the effect calls and (into ``children``) the agent
+        calls' child runs; at most ``allowed`` calls (the run's tool-call budget), the rest told
+        to the model as refused, as are the ``refused`` (by their place: calls the transcript
+        could not hold as they came)."""
         effects: list[Effect] = []
         calls = assistant.body["tool_calls"]
         keys = effect_keys(state.turn, calls)
@@ -437,8 +444,13 @@ class ToolLoop:
                 if isinstance(found, ReadOnlyTool):
                     new.append(await self._read_only(ctx, state, found, call_id, parsed))
                     continue
-                assert isinstance(found, EffectTool)
                 key = keys[index]
+                if isinstance(found, AgentTool):
+                    children.append(await found.child(key, parsed))
+                    span.set_attribute("orchestrator.child.key", key)
+                    state.pending.append({"call_id": call_id, "tool": name, "child_key": key})
+                    continue
+                assert isinstance(found, EffectTool)
                 effect = found.effect(key, await found.payload(parsed), parsed)
                 effects.append(effect)
                 span.set_attribute("orchestrator.effect.key", key)
@@ -492,22 +504,23 @@ class ToolLoop:
         records = await state.settle(ctx, self.settle_grace_seconds)
         if isinstance(records, Wait):
             return records
+        ended = state.children_waited(ctx)
+        if isinstance(ended, Wait):
+            return ended
         results: list[Message] = []
         for pending in state.pending:
             found = self.tools[str(pending["tool"])]
-            assert isinstance(found, EffectTool)
-            record = records[str(pending["effect_key"])]
-            results.append(
-                Message(
-                    state.turn,
-                    "tool",
-                    {
-                        "role": "tool",
-                        "tool_call_id": pending["call_id"],
-                        "content": json.dumps(found.told(record)),
-                    },
-                )
-            )
+            if isinstance(found, AgentTool):
+                told = found.told(ended[str(pending["child_key"])])
+            else:
+                assert isinstance(found, EffectTool)
+                told = found.told(records[str(pending["effect_key"])])
+            content = {
+                "role": "tool",
+                "tool_call_id": pending["call_id"],
+                "content": json.dumps(told),
+            }
+            results.append(Message(state.turn, "tool", content))
         state.pending = []
         return results
 

@@ -3,9 +3,11 @@
 ``@tool.read_only`` runs in the worker while the turn is in progress; it may run again if the
 worker dies before the turn commits, and its result is committed with the turn. ``@tool.effect``
 never acts: its function only builds the payload, which becomes a fenced ``Effect`` recorded in
-the turn's commit and sent once by the dispatcher; the model is told the settled record. There is
-no unlabelled tool. The argument schema comes from the function's type hints and docstring
-(``Args:`` lines describe the parameters) and calls are validated with pydantic::
+the turn's commit and sent once by the dispatcher; the model is told the settled record.
+``@tool.agent`` runs another agent as a child run started by the turn's commit; the model is told
+how it ended. There is no unlabelled tool. The argument schema comes from the function's type
+hints and docstring (``Args:`` lines describe the parameters) and calls are validated with
+pydantic::
 
     @tool.read_only(timeout=10)
     async def find_invoice(ctx: ToolContext, invoice_id: str) -> dict:
@@ -36,6 +38,8 @@ import anyio
 import pydantic
 from pydantic_core import to_jsonable_python
 
+from orchestrator.agent.budgets import Budget
+from orchestrator.agent.children import Child, ChildOutcome
 from orchestrator.agent.turns import EffectSpec, check_effect_spec, default_result
 from orchestrator.effect_model import (
     DEFAULT_APPROVAL_SECONDS,
@@ -43,6 +47,7 @@ from orchestrator.effect_model import (
     EffectRecord,
 )
 from orchestrator.errors import InvalidInput
+from orchestrator.ids import validate_agent_name
 from orchestrator.models import JSON
 from orchestrator.telemetry import RunLogger
 
@@ -232,6 +237,44 @@ class EffectTool(Tool, EffectSpec):
         return to_jsonable_python(value)
 
 
+class AgentTool(Tool):
+    """Runs another agent as a child run (docs/child-runs.md): its function builds the child's
+    input; the turn's commit starts the child under the run's fence; the run waits for it
+    without its lease, and the model is told how it ended (its result, or its error)."""
+
+    kind_label = "agent"
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        *,
+        agent: str,
+        name: str | None = None,
+        description: str | None = None,
+        budget: Budget | None = None,
+    ) -> None:
+        super().__init__(function, name=name, description=description, takes_context=False)
+        self.agent = validate_agent_name(agent)
+        if budget is not None and not isinstance(budget, Budget):
+            raise InvalidInput(f"tool {self.name}: a budget is a Budget, not {budget!r}")
+        self.budget = budget
+
+    async def child(self, key: str, arguments: dict[str, Any]) -> Child:
+        value = self.function(**arguments)
+        if inspect.isawaitable(value):
+            value = await value
+        return Child(self.agent, to_jsonable_python(value), key, budget=self.budget)
+
+    @staticmethod
+    def told(outcome: ChildOutcome | None) -> JSON:
+        """What the model reads of the child: how it ended, and its result or its error."""
+        if outcome is None:  # not found: spawned by a commit a failover took back
+            return {"state": "unknown", "error": "the child run was not found"}
+        if outcome.succeeded:
+            return {"state": outcome.state.value, "result": outcome.result}
+        return {"state": outcome.state.value, "error": outcome.error}
+
+
 @runtime_checkable
 class ToolSource(Protocol):
     """Tools that are known only once a process asks for them (an MCP server's, see
@@ -309,6 +352,23 @@ class _ToolDecorators:
                 approve=approve,
                 approval_seconds=approval_seconds,
             )
+
+        return wrap
+
+    def agent(
+        self,
+        agent: str,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        budget: Budget | None = None,
+    ) -> Callable[[Callable[..., Awaitable[JSON] | JSON]], AgentTool]:
+        """A tool that runs ``agent`` as a child run: its function builds the child's input
+        from the call's arguments; the model is told the child's result once it ended.
+        ``budget`` is carved from the run's own (needed when the run's agent has one)."""
+
+        def wrap(f: Callable[..., Any]) -> AgentTool:
+            return AgentTool(f, agent=agent, name=name, description=description, budget=budget)
 
         return wrap
 

@@ -47,6 +47,7 @@ from orchestrator.telemetry import ATTEMPT, LEASE_UNTIL, RUN_FENCE, RUN_ID, WORK
 
 if TYPE_CHECKING:
     from orchestrator.agent.budgets import BudgetExhausted, RunBudget
+    from orchestrator.agent.children import Child, ChildOutcome
 
 DEFAULT_SETTLE_GRACE_SECONDS = 2.0
 """How long a turn waits, holding its lease, for the previous turn's effects to settle before
@@ -220,9 +221,21 @@ def turn_committed(
     effects: Sequence[Effect],
     messages: Sequence[Message],
     deadline: datetime | None,
+    children: Sequence[Child] = (),
 ) -> Next | Wait:
     """A turn that made effectful calls: committed with them, and waiting without the lease
-    when one needs a person's approval (in the same commit)."""
+    when one needs a person's approval, or for the child runs it started (in the same
+    commit)."""
+    if children:
+        return Wait(
+            step,
+            children=children,
+            effects=effects,
+            until=deadline,
+            checkpoint=checkpoint,
+            messages=messages,
+            reason="children",
+        )
     if any(effect.requires_approval for effect in effects):
         return Wait(
             step,
@@ -323,9 +336,9 @@ class TurnState:
         """The records of the previous turn's effect calls once each has settled; while some
         have not, a ``Wait`` for them (after a short grace holding the lease: a fast vendor
         answers in milliseconds, a person or a parked effect takes longer)."""
-        if not self.pending:
+        keys = [str(pending["effect_key"]) for pending in self.pending if "effect_key" in pending]
+        if not keys:
             return {}
-        keys = [str(pending["effect_key"]) for pending in self.pending]
         left = self.seconds_left(ctx)
         if left is not None:
             grace = min(grace, left)
@@ -335,7 +348,11 @@ class TurnState:
         return records
 
     def committed(
-        self, step: type[Step], messages: Sequence[Message], effects: Sequence[Effect] = ()
+        self,
+        step: type[Step],
+        messages: Sequence[Message],
+        effects: Sequence[Effect] = (),
+        children: Sequence[Child] = (),
     ) -> Next | Wait:
         """The turn done: the next one continues from this commit."""
         self.turn += 1
@@ -345,7 +362,21 @@ class TurnState:
             effects=effects,
             messages=messages,
             deadline=self.deadline,
+            children=children,
         )
+
+    def children_waited(self, ctx: StepContext) -> dict[str, ChildOutcome | None] | Wait:
+        """The previous turn's child runs (agent tool calls) once each has ended; while some
+        have not, a ``Wait`` for them (they run for minutes: no grace holding the lease)."""
+        keys = [str(pending["child_key"]) for pending in self.pending if "child_key" in pending]
+        if not keys:
+            return {}
+        known = ctx.wait.children if ctx.wait is not None and ctx.wait.children else {}
+        if all(key in known and known[key].ended for key in keys):
+            return {key: known[key] for key in keys}
+        if ctx.wait is not None and ctx.wait.timed_out:
+            return {key: known.get(key) for key in keys}  # the model is told how they stand
+        return Wait(ctx.step, children=keys, until=self.deadline, reason="children")
 
     def out_of_budget(
         self,

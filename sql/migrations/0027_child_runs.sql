@@ -13,7 +13,7 @@ ALTER TABLE runs
     ADD COLUMN root_run_id text,
     ADD COLUMN depth integer NOT NULL DEFAULT 0,
     ADD CONSTRAINT runs_child_key_check
-        CHECK (child_key IS NULL OR child_key ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$'),
+        CHECK (child_key IS NULL OR child_key ~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$'),
     ADD CONSTRAINT runs_child_has_parent_check
         CHECK ((parent_run_id IS NULL) = (child_key IS NULL));
 
@@ -66,7 +66,7 @@ BEGIN
     IF EXISTS (
         SELECT 1 FROM jsonb_array_elements(p_children) AS c(child)
         WHERE jsonb_typeof(c.child) <> 'object'
-           OR NOT coalesce(c.child ->> 'key' ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$', false)
+           OR NOT coalesce(c.child ->> 'key' ~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$', false)
            OR NOT orchestrator_submission_is_valid(c.child ->> 'run_id', c.child ->> 'agent',
                                                    c.child -> 'input', NULL)
            OR coalesce((c.child ->> 'max_attempts')::integer, 5) NOT BETWEEN 1 AND 100
@@ -75,7 +75,7 @@ BEGIN
            OR length(c.child ->> 'traceparent') > 200
     ) THEN
         RAISE EXCEPTION 'a child needs a run id, an agent name, JSON input, a key of 1-128 '
-                        'letters, digits and ._:-, 1-100 attempts, a priority of -1000 to 1000 '
+                        'letters, digits and _.:-, 1-100 attempts, a priority of -1000 to 1000 '
                         'and a concurrency key of at most 200 characters'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
