@@ -114,6 +114,10 @@ class Run:
     """The run at the top of its tree (``None``: it is a root)."""
     depth: int = 0
     """Levels below its root."""
+    forked_from: str | None = None
+    """The run it was forked from (docs/child-runs.md)."""
+    forked_at_version: int | None = None
+    """The checkpoint version of ``forked_from`` it started from (0: the start)."""
     held_back: str | None = None
     """Read by ``runs list`` alone: the limit holding this due run back now, or the rate limit
     this running run waits for (docs/flow-control.md)."""

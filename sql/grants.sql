@@ -33,7 +33,8 @@ GRANT SELECT ON {schema}.orchestrator_schema_migrations
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
-    {schema}.agent_cutovers, {schema}.cutover_drains, {schema}.budget_carves
+    {schema}.agent_cutovers, {schema}.cutover_drains, {schema}.budget_carves,
+    {schema}.run_checkpoints
     TO {worker};
 -- A drained run's last commit gives the run back and drops its drain (release_drained).
 GRANT DELETE ON {schema}.cutover_drains TO {worker};
@@ -41,7 +42,8 @@ GRANT UPDATE (state, lease_owner, lease_until, fence, attempt, available_at, ste
               checkpoint_version, result, error, wait, wake_streak, signals_pending, updated_at,
               finished_at, started_version, agent_version)
     ON {schema}.runs TO {worker};
-GRANT INSERT ON {schema}.run_events, {schema}.run_messages, {schema}.run_traces TO {worker};
+GRANT INSERT ON {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
+    {schema}.run_checkpoints TO {worker};
 GRANT UPDATE (consumed_at, consumed_fence) ON {schema}.run_signals TO {worker};
 GRANT INSERT, UPDATE, DELETE ON {schema}.workers TO {worker};
 GRANT USAGE ON SEQUENCE {schema}.worker_session_keys TO {worker};
@@ -104,7 +106,8 @@ GRANT EXECUTE ON FUNCTION
 GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
-    {schema}.agent_cutovers, {schema}.cutover_drains, {schema}.budget_carves
+    {schema}.agent_cutovers, {schema}.cutover_drains, {schema}.budget_carves,
+    {schema}.run_checkpoints
     TO {client}, {console};
 GRANT UPDATE (watched) ON {schema}.runs TO {client}, {console};
 GRANT EXECUTE ON FUNCTION
@@ -118,6 +121,7 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_clear_rate_limit(text, text, text, text),
     {schema}.orchestrator_cutover(text, text, text, text, text),
     {schema}.orchestrator_cutover(text, text, boolean, text, text, text),
+    {schema}.orchestrator_fork_run(text, bigint, text, text, text, text),
     {schema}.orchestrator_decide_approval(text, text, text, text, text, bigint, text, text,
                                           text),
     {schema}.orchestrator_resolve_effect(text, text, boolean, text, text, text, text),

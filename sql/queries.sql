@@ -690,6 +690,28 @@ SELECT run_id FROM released WHERE (SELECT count(*) FROM woken) >= 0
 -- the parent is not the worker's under that fence.
 SELECT child_key, run_id, created FROM orchestrator_spawn_children($1, $2, $3, $4)
 
+-- keep_checkpoints --
+-- params: $1 run_ids text[], $2 versions bigint[], $3 steps text[], $4 checkpoints text[]
+--         (JSON), $5 agent_versions text[], $6 fences bigint[]
+-- The checkpoints of step commits whose agents keep them (migration 0029), written last in the
+-- commits' transaction, after their effects: a fork from one of them carries exactly the
+-- effects requested up to it.
+INSERT INTO run_checkpoints (run_id, version, step, checkpoint, agent_version, fence)
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[]::jsonb[], $5::text[],
+                     $6::bigint[])
+ON CONFLICT DO NOTHING
+
+-- checkpoint_before_step --
+-- params: $1 run_id text, $2 step text
+-- The latest kept checkpoint of run $1 from which step $2 was to run next (a fork's --step).
+SELECT version FROM run_checkpoints WHERE run_id = $1 AND step = $2
+ORDER BY version DESC LIMIT 1
+
+-- fork_run --
+-- params: $1 run_id text, $2 version bigint, $3 new run_id text, $4 principal, $5 via,
+--         $6 typed_by
+SELECT * FROM orchestrator_fork_run($1, $2, $3, $4, $5, $6)
+
 -- carve_budgets --
 -- params: $1 parent run_id text, $2 fence bigint, $3 worker_id text, $4 parent limits jsonb,
 --         $5 children jsonb ([{run_id, budget}])

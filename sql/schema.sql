@@ -854,6 +854,95 @@ WITH expired AS (
 )
 SELECT run_id, effect_key, (SELECT count(*) FROM told) AS notified FROM expired
 $_$;
+CREATE FUNCTION orchestrator.orchestrator_fork_run(p_run_id text, p_version bigint, p_new_run_id text, p_principal text, p_via text, p_typed_by text, OUT run_id text, OUT forked_from text, OUT version bigint, OUT step text, OUT receipts integer, OUT audit_seq bigint, OUT principal text) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    who record;
+    source runs;
+    point run_checkpoints;
+    until_at timestamptz := '-infinity';
+    unsettled text;
+    kept text;
+BEGIN
+    IF p_run_id IS NULL OR p_version IS NULL OR p_version < 0
+       OR NOT orchestrator_submission_is_valid(p_new_run_id, 'fork', '{}'::jsonb, NULL) THEN
+        RAISE EXCEPTION 'a fork needs a run, a checkpoint version of 0 or more (0: the start) '
+                        'and a new run id'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    SELECT * INTO source FROM runs AS r WHERE r.run_id = p_run_id FOR SHARE;
+    IF source.run_id IS NULL THEN
+        RAISE EXCEPTION 'no run %', p_run_id USING ERRCODE = 'no_data_found';
+    END IF;
+    IF p_version > 0 THEN
+        SELECT * INTO point FROM run_checkpoints AS c
+        WHERE c.run_id = p_run_id AND c.version = p_version;
+        IF point.run_id IS NULL THEN
+            SELECT string_agg(c.version::text, ', ' ORDER BY c.version) INTO kept
+            FROM run_checkpoints AS c WHERE c.run_id = p_run_id;
+            RAISE EXCEPTION 'run % kept no checkpoint version % (kept: %; an agent keeps them '
+                            'with Agent(keep_checkpoints=True))', p_run_id, p_version,
+                            coalesce(kept, 'none')
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        until_at := point.at;
+    END IF;
+    SELECT string_agg(e.effect_key || ' (' || e.status || ')', ', ' ORDER BY e.effect_key)
+    INTO unsettled
+    FROM effects AS e
+    WHERE e.run_id = p_run_id AND e.created_at < until_at
+      AND e.status IN ('accepted', 'dispatching', 'uncertain', 'parked', 'awaiting_approval');
+    IF unsettled IS NOT NULL THEN
+        RAISE EXCEPTION 'run % has effects before that point that are not settled: %; settle '
+                        'them first (the fork could send them a second time)',
+                        p_run_id, unsettled
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    INSERT INTO runs (run_id, agent, input, max_attempts, available_at, step, checkpoint,
+                      checkpoint_version, agent_version, started_version, concurrency_key,
+                      priority, forked_from, forked_at_version)
+    VALUES (p_new_run_id, source.agent, source.input, source.max_attempts, clock_timestamp(),
+            point.step, point.checkpoint, p_version, point.agent_version,
+            CASE WHEN p_version > 0 THEN source.started_version END, source.concurrency_key,
+            source.priority, p_run_id, p_version);
+    INSERT INTO effects (run_id, effect_key, kind, policy, fence, status, payload,
+                         idempotency_key, external_id, result, error, attempts, available_at,
+                         ever_dispatched, created_at, updated_at, settled_at, payload_sha256,
+                         requires_approval, approved_sha256, decided_by, decided_at,
+                         decision_note)
+    SELECT p_new_run_id, e.effect_key, e.kind, e.policy, 0, e.status, e.payload,
+           -- Unique per record; a receipt is never sent, so no vendor sees this key.
+           e.idempotency_key || '@' || p_new_run_id, e.external_id, e.result, e.error, e.attempts, e.available_at,
+           e.ever_dispatched, e.created_at, clock_timestamp(), e.settled_at, e.payload_sha256,
+           e.requires_approval, e.approved_sha256, e.decided_by, e.decided_at, e.decision_note
+    FROM effects AS e
+    WHERE e.run_id = p_run_id AND e.created_at < until_at AND e.status = 'confirmed';
+    GET DIAGNOSTICS receipts = ROW_COUNT;
+    INSERT INTO run_events (run_id, kind, fence, details)
+    VALUES (p_new_run_id, 'submitted', 0,
+            jsonb_build_object('agent', source.agent, 'forked_from', p_run_id,
+                               'at_version', p_version, 'receipts', receipts,
+                               'by', who.principal)),
+           (p_run_id, 'forked', source.fence,
+            jsonb_build_object('fork', p_new_run_id, 'at_version', p_version,
+                               'receipts', receipts, 'by', who.principal));
+    run_id := p_new_run_id;
+    forked_from := p_run_id;
+    version := p_version;
+    step := point.step;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'fork', p_run_id, NULL,
+        jsonb_build_object('fork', p_new_run_id, 'at_version', p_version,
+                           'receipts', receipts),
+        p_typed_by);
+    PERFORM pg_notify('orchestrator_runs', source.agent);
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_held_by(p_agent text, p_key text) RETURNS text
     LANGUAGE sql STABLE
     SET search_path TO 'orchestrator'
@@ -1953,6 +2042,8 @@ CREATE TABLE orchestrator.runs (
     child_key text,
     root_run_id text,
     depth integer DEFAULT 0 NOT NULL,
+    forked_from text,
+    forked_at_version bigint,
     CONSTRAINT runs_agent_version_check CHECK (((agent_version IS NULL) OR ((length(agent_version) >= 1) AND (length(agent_version) <= 64)))),
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT runs_child_has_parent_check CHECK (((parent_run_id IS NULL) = (child_key IS NULL))),
@@ -2314,6 +2405,15 @@ CREATE TABLE orchestrator.run_budgets (
     output_tokens_carved bigint DEFAULT 0 NOT NULL,
     cost_carved numeric DEFAULT 0 NOT NULL
 );
+CREATE TABLE orchestrator.run_checkpoints (
+    run_id text NOT NULL,
+    version bigint NOT NULL,
+    step text NOT NULL,
+    checkpoint jsonb,
+    agent_version text,
+    fence bigint NOT NULL,
+    at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+);
 CREATE TABLE orchestrator.run_events (
     event_id bigint NOT NULL,
     run_id text NOT NULL,
@@ -2432,6 +2532,8 @@ ALTER TABLE ONLY orchestrator.rate_limits
     ADD CONSTRAINT rate_limits_pkey PRIMARY KEY (name);
 ALTER TABLE ONLY orchestrator.run_budgets
     ADD CONSTRAINT run_budgets_pkey PRIMARY KEY (run_id);
+ALTER TABLE ONLY orchestrator.run_checkpoints
+    ADD CONSTRAINT run_checkpoints_pkey PRIMARY KEY (run_id, version);
 ALTER TABLE ONLY orchestrator.run_events
     ADD CONSTRAINT run_events_pkey PRIMARY KEY (event_id);
 ALTER TABLE ONLY orchestrator.run_holds
@@ -2478,5 +2580,7 @@ ALTER TABLE ONLY orchestrator.budget_carves
     ADD CONSTRAINT budget_carves_child_run_id_fkey FOREIGN KEY (child_run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.cutover_drains
     ADD CONSTRAINT cutover_drains_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
+ALTER TABLE ONLY orchestrator.run_checkpoints
+    ADD CONSTRAINT run_checkpoints_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.run_holds
     ADD CONSTRAINT run_holds_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;

@@ -60,6 +60,7 @@ TABLES = (
     "rate_limits",
     "cutover_drains",
     "budget_carves",
+    "run_checkpoints",
     "run_holds",
     "agent_cutovers",
 )
@@ -510,6 +511,14 @@ async def test_hostile_arguments_to_every_function_change_nothing(
         ),
         ("SELECT * FROM orchestrator_spawn_children($1, 1, $2, '[]')", (run, huge)),
         ("SELECT orchestrator_carve_budgets(NULL, NULL, NULL, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_fork_run(NULL, NULL, NULL, NULL, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_fork_run($1, -1, 'r_x', NULL, NULL, NULL)", (run,)),
+        ("SELECT * FROM orchestrator_fork_run($1, 0, $2, NULL, NULL, NULL)", (run, huge)),
+        ("SELECT * FROM orchestrator_fork_run($1, 99, 'r_y', NULL, NULL, NULL)", (run,)),
+        (
+            "SELECT * FROM orchestrator_fork_run($1, 0, 'r_z', 'alice', 'oidc', NULL)",
+            (run,),
+        ),
         ("SELECT orchestrator_carve_budgets($1, 999, 'w1', '{\"turns\": 1}', '[]')", (run,)),
         (
             "SELECT orchestrator_carve_budgets($1, 1, 'w1', NULL, jsonb_build_array("

@@ -489,6 +489,17 @@ async def test_a_worker_carves_its_children_s_budgets_from_its_own(logins: Login
     assert run.result == {"children_spent": 6, "root_could_spend_more": True}
 
 
+async def test_a_client_forks_a_run_and_a_worker_may_not(logins: Logins) -> None:
+    from orchestrator.db.forks import ForkStore
+
+    client = RunStore(await logins.pool("client"))
+    run_id = (await client.submit("unserved", {"x": 1})).run.run_id
+    fork = await ForkStore(client.pool).fork(run_id, version=0)
+    assert (await client.get(fork.run_id)).forked_from == run_id
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await ForkStore(await logins.pool("worker")).fork(run_id, version=0)
+
+
 # -- every role: the audit log; the grants themselves ---------------------------------------
 async def test_no_role_can_change_or_remove_an_audit_row(logins: Logins) -> None:
     console = await logins.pool("console")

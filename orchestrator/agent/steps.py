@@ -336,8 +336,12 @@ class Agent:
         limits: Iterable[RunningLimit] = (),
         version: int | str = 1,
         upgrades: Mapping[int | str, Callable[[JSON], JSON]] | None = None,
+        keep_checkpoints: bool = False,
     ) -> None:
         self.name = validate_agent_name(name)
+        self.keep_checkpoints = bool(keep_checkpoints)
+        """Keep each step's checkpoint, so that a run can be forked from any of them
+        (docs/child-runs.md); otherwise a fork starts from the start."""
         self.version = agent_version_text(version, f"agent {name}'s version")
         """The version of this code (docs/upgrades.md): a run's checkpoint is written under it,
         and only a worker serving it (or upgrading from it) claims the run."""

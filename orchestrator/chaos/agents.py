@@ -342,7 +342,8 @@ def lookup_customer(ctx: ToolContext, customer: str) -> dict[str, str]:
 
 @tool.effect("email", policy=EffectPolicy.IRREVERSIBLE)
 def send_email(to: str, body: str) -> dict[str, str]:
-    """Email the customer (sent once, never resent).
+    """Email the customer: the dispatcher sends it once and never again, looking a send of
+    unknown fate up at the vendor instead.
 
     Args:
         to: The recipient's address.

@@ -7,6 +7,7 @@ import signal
 import time
 
 import anyio
+import asyncpg
 
 from orchestrator.chaos.context import FaultContext, FaultGroup, FaultRecord, ScheduledFault
 from orchestrator.chaos.grants import read_grants
@@ -149,16 +150,7 @@ class DatabaseFaults(FaultGroup):
         during a cut the promoted server never learns of that claim."""
         directory = self.context.cluster.grants_dir
         for _ in range(round(within / 0.2)):
-            try:
-                rows = await self.context.pool.fetch(
-                    "SELECT run_id, fence FROM orchestrator.run_events "
-                    "WHERE kind = 'claimed' AND at > to_timestamp($1)",
-                    since,
-                    timeout=STATEMENT_SECONDS,
-                )
-            except CAMPAIGN_ERRORS:
-                rows = []
-            claims = {(row["run_id"], row["fence"]) for row in rows}
+            claims = {(row["run_id"], row["fence"]) for row in await self._claims_after(since)}
             if claims and directory is None:
                 return
             if claims and directory is not None:
@@ -170,16 +162,20 @@ class DatabaseFaults(FaultGroup):
     async def _first_claim_after(self, at: float, *, within: float) -> float | None:
         """When the database granted its first claim after ``at`` (its clock is this host's)."""
         for _ in range(round(within / 0.2)):
-            try:
-                first = await self.context.pool.fetchval(
-                    "SELECT min(at) FROM orchestrator.run_events "
-                    "WHERE kind = 'claimed' AND at > to_timestamp($1)",
-                    at,
-                    timeout=STATEMENT_SECONDS,
-                )
-            except CAMPAIGN_ERRORS:
-                first = None
-            if first is not None:
-                return float(first.timestamp())
+            claims = await self._claims_after(at)
+            if claims:
+                return min(float(row["at"].timestamp()) for row in claims)
             await anyio.sleep(0.2)
         return None
+
+    async def _claims_after(self, at: float) -> list[asyncpg.Record]:
+        """The claims the database granted after ``at`` (none while it cannot answer)."""
+        try:
+            return await self.context.pool.fetch(
+                "SELECT run_id, fence, at FROM orchestrator.run_events "
+                "WHERE kind = 'claimed' AND at > to_timestamp($1)",
+                at,
+                timeout=STATEMENT_SECONDS,
+            )
+        except CAMPAIGN_ERRORS:
+            return []

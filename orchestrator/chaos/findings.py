@@ -35,16 +35,25 @@ class Violation:
 class Findings:
     violations: list[Violation] = field(default_factory=list)
     runs_by_state: dict[str, int] = field(default_factory=dict)
+    """Every run, children too, by its state after quiescence."""
     deliveries: int = 0
+    """Idempotency keys the vendor delivered."""
     mcp_deliveries: int = 0
     """Deliveries made by an MCP tool call (the dispatcher's ``mcp`` adapter)."""
     duplicate_posts: int = 0
+    """Raw POSTs that reached the vendor after the first for their key (must be 0)."""
     lost_runs: int = 0
+    """Runs submitted but missing, or not finished after quiescence (must be 0)."""
     stale_fence_rejections: int = 0
+    """The boundary's ``stale_fence_rejected`` events."""
     lost_leases: int = 0
+    """The timelines' ``lease_lost`` events."""
     takeovers: int = 0
+    """Claims that took a run from another owner (``previous_owner``)."""
     grants_recorded: int = 0
+    """The workers' own records of the (run, fence) they ran under (``grants.py``)."""
     fences_granted_twice: int = 0
+    """(run, fence) two processes ran under, or one ran under twice (must be 0)."""
     claims_lost_with_a_timeline: int = 0
     """(run, fence) a worker ran under that the database has no claim of: a failover took the
     claim back (on one server: 0)."""

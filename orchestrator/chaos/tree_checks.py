@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import NamedTuple
 
 from orchestrator.chaos.findings import (
     CLOCK_TOLERANCE_SECONDS,
@@ -33,6 +34,13 @@ WRITTEN_BY_COMMITS = (*COMMITTED, "spawned", "submitted")
 started, and (a child's first event) its parent's commit that started it."""
 
 
+class Cut(NamedTuple):
+    """The cancel of ``ancestor``, committed at ``at``, as it reaches a run below it."""
+
+    at: datetime
+    ancestor: str
+
+
 def check_trees(
     found: Findings,
     runs: Mapping[str, Row],
@@ -52,7 +60,9 @@ def check_trees(
     found.descendants_cancelled = len(cascaded)
     found.cascading_cancels = len(set(cascaded))
     _check_spawns(found, children, events)
-    _check_after_cancels(found, runs, events, effects)
+    cut_by = _cut_by(runs, events)
+    _check_after_cancels(found, cut_by, events)
+    _check_effects_after_cancels(found, cut_by, effects)
     _check_reads(found, runs, children)
 
 
@@ -105,46 +115,56 @@ def _fence_held(timeline: Sequence[Row], before: int) -> int | None:
     return held
 
 
-def _check_after_cancels(
-    found: Findings,
-    runs: Mapping[str, Row],
-    events: Mapping[str, Sequence[Row]],
-    effects: Sequence[Row],
-) -> None:
-    """A cancel commits for the run's whole subtree: whatever a run below it commits, or the
-    boundary accepts for it, later (beyond the clock tolerance) slipped past the cancel."""
+def _cut_by(runs: Mapping[str, Row], events: Mapping[str, Sequence[Row]]) -> dict[str, Cut]:
+    """For each run below a cancelled one, the earliest cancel above it."""
     cancelled = {
         run_id: next(e["at"] for e in timeline if e["kind"] == "cancelled")
         for run_id, timeline in events.items()
         if any(e["kind"] == "cancelled" for e in timeline)
     }
-    cut_by: dict[str, tuple[str, datetime]] = {}
+    cut_by = {}
     for run_id in runs:
-        cuts = [(cancelled[a], a) for a in _ancestors(runs, run_id) if a in cancelled]
+        cuts = [Cut(cancelled[a], a) for a in _ancestors(runs, run_id) if a in cancelled]
         if cuts:
-            at, ancestor = min(cuts)
-            cut_by[run_id] = (ancestor, at)
-    for effect in effects:
-        ancestor, at = cut_by.get(effect["run_id"], ("", None))
-        late = None if at is None else seconds_between(effect["created_at"], at)
-        if late is not None and late > CLOCK_TOLERANCE_SECONDS:
-            found.add(
-                EFFECT_AFTER_CANCEL,
-                f"{effect['run_id']}/{effect['effect_key']}",
-                f"accepted {late:.2f}s after the cancel of {ancestor} committed",
-            )
-    for run_id, (ancestor, at) in sorted(cut_by.items()):
-        late_commits = [
-            f"{event['kind']} {seconds_between(event['at'], at):.2f}s"
-            for event in events.get(run_id, ())
+            cut_by[run_id] = min(cuts)
+    return cut_by
+
+
+def _check_after_cancels(
+    found: Findings, cut_by: Mapping[str, Cut], timelines: Mapping[str, Sequence[Row]]
+) -> None:
+    """A cancel commits for the run's whole subtree: whatever a run below it commits later
+    (beyond the clock tolerance) slipped past the cancel."""
+    for run_id, cut in sorted(cut_by.items()):
+        late = [
+            f"{event['kind']} {seconds_between(event['at'], cut.at):.2f}s"
+            for event in timelines.get(run_id, ())
             if event["kind"] in WRITTEN_BY_COMMITS
-            and seconds_between(event["at"], at) > CLOCK_TOLERANCE_SECONDS
+            and seconds_between(event["at"], cut.at) > CLOCK_TOLERANCE_SECONDS
         ]
-        if late_commits:
+        if late:
             found.add(
                 COMMITTED_AFTER_CANCEL,
                 run_id,
-                f"{', '.join(late_commits)} after the cancel of {ancestor} committed",
+                f"{', '.join(late)} after the cancel of {cut.ancestor} committed",
+            )
+
+
+def _check_effects_after_cancels(
+    found: Findings, cut_by: Mapping[str, Cut], effects: Sequence[Row]
+) -> None:
+    """Once a cancel commits, the boundary accepts nothing for a run below it: its fence was
+    raised in the same transaction."""
+    for effect in effects:
+        cut = cut_by.get(effect["run_id"])
+        if cut is None:
+            continue
+        late = seconds_between(effect["created_at"], cut.at)
+        if late > CLOCK_TOLERANCE_SECONDS:
+            found.add(
+                EFFECT_AFTER_CANCEL,
+                f"{effect['run_id']}/{effect['effect_key']}",
+                f"accepted {late:.2f}s after the cancel of {cut.ancestor} committed",
             )
 
 

@@ -180,6 +180,33 @@ async def runs_events(
         )
 
 
+@runs.command("fork")
+@click.argument("run_id")
+@click.option("--version", type=click.IntRange(0), help="From this kept checkpoint (0: the start).")
+@click.option("--step", "step_name", help="From the latest checkpoint from which STEP ran next.")
+@json_option("Print the fork as JSON.")
+@async_command
+async def runs_fork(
+    settings: Settings, run_id: str, version: int | None, step_name: str | None, as_json: bool
+) -> None:
+    """Start a new run from a kept checkpoint of RUN_ID (its agent keeps them with
+    Agent(keep_checkpoints=True)); the effects RUN_ID had confirmed before that point are
+    carried into the fork as receipts, never sent again (docs/child-runs.md). Refused while an
+    effect before that point is not settled. Audited; needs the operate permission."""
+    from orchestrator.cli.presentation import dump_json
+    from orchestrator.client.stores import open_stores
+
+    async with open_stores(settings) as stores:
+        done = await stores.forks.fork(run_id, version=version, step=step_name)
+    if as_json:
+        click.echo(dump_json(done))
+        return
+    click.echo(
+        f"forked {done.forked_from} at checkpoint version {done.version} into {done.run_id}; "
+        f"{done.receipts} confirmed effect{'' if done.receipts == 1 else 's'} carried as receipts"
+    )
+
+
 @runs.command("cancel")
 @click.argument("run_id", required=False)
 @filter_options

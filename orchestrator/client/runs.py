@@ -11,6 +11,7 @@ from orchestrator.client.features import StoresHandle
 from orchestrator.client.stores import Stores
 from orchestrator.client.waiter import RunWaiter
 from orchestrator.db.error_projection import project_errors
+from orchestrator.db.forks import Fork
 from orchestrator.db.run_reads import RunFilters
 from orchestrator.db.standby_wait import acknowledgement_seconds
 from orchestrator.db.store import SubmitOptions
@@ -96,6 +97,15 @@ class RunsHandle(StoresHandle):
     async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:
         """Cancel an unfinished run and raise its fence, so its owner can no longer act."""
         return await self._stores.runs.cancel(run_id, reason=reason)
+
+    @project_errors
+    async def fork(
+        self, run_id: str, *, version: int | None = None, step: str | None = None
+    ) -> Fork:
+        """A new run from a kept checkpoint of ``run_id`` (0: the start), or the latest from
+        which ``step`` ran next, carrying the effects it had confirmed before that point as
+        receipts (docs/child-runs.md); audited, ``operate``."""
+        return await self._stores.forks.fork(run_id, version=version, step=step)
 
     @project_errors
     async def detail(self, run_id: str, *, events: int = DEFAULT_EVENTS) -> RunDetail:

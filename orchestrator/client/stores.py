@@ -16,6 +16,7 @@ from orchestrator.db.agents import AgentStore
 from orchestrator.db.audit import AuditStore
 from orchestrator.db.bootstrap import PoolOptions, open_pool
 from orchestrator.db.budgets import BudgetState, BudgetStore, LedgerEntry, TopUp
+from orchestrator.db.forks import ForkStore
 from orchestrator.db.limits import LimitStore
 from orchestrator.db.purges import PurgeStore
 from orchestrator.db.rates import RateLimitStore
@@ -54,6 +55,7 @@ class Stores:
         self.limits = LimitStore(pool)
         self.rates = RateLimitStore(pool)
         self.agents = AgentStore(pool)
+        self.forks = ForkStore(pool)
         self.workers = WorkerRegistry(schema)
         self.purges = PurgeStore(pool)
         self.access = AccessStore(pool)

@@ -59,6 +59,8 @@ class StepCommit(NamedTuple):
     budget_limits: Mapping[str, JSON] | None = None
     """The run's own budget limits (its agent's ``Budget``): its children's budgets are carved
     from them."""
+    keep_checkpoint: bool = False
+    """Keep this checkpoint in the run's history (``Agent(keep_checkpoints=True)``)."""
 
 
 class Park(NamedTuple):

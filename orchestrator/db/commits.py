@@ -257,6 +257,25 @@ class Commits(PoolStore):
                 return None
         return spawned
 
+    async def keep_checkpoints(
+        self,
+        commits: Sequence[StepCommit],
+        committed: Mapping[str, CommitResult],
+        *,
+        db: Executor,
+    ) -> None:
+        """Last in the commits' transaction: keep these step commits' checkpoints, from which a
+        run can be forked (see keep_checkpoints)."""
+        await db.execute(
+            query("keep_checkpoints"),
+            [c.lease.run_id for c in commits],
+            [committed[c.lease.run_id].checkpoint_version for c in commits],
+            [c.next_step for c in commits],
+            [json_text(c.checkpoint, c.checkpoint_text) for c in commits],
+            [c.agent_version for c in commits],
+            [c.lease.fence for c in commits],
+        )
+
     async def release_drained(
         self, worker_id: str, run_ids: Sequence[str], *, db: Executor
     ) -> set[str]:

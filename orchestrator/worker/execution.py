@@ -430,6 +430,7 @@ class RunExecution:
                     current_checkpoint=checkpoint,
                     claimed_version=self.claimed.checkpoint_version,
                     agent_version=agent.version,
+                    keep_checkpoint=agent.keep_checkpoints,
                     **spawn_context(agent, outcome),
                 )
                 try:

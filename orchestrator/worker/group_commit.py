@@ -292,6 +292,9 @@ class GroupCommitter:
                 raise _LeaveOut(leave_out)
             await self._after_commit(db, members, committed, finished)
             committed = await self._release_drained(db, committed)
+            kept = [c for c in commits if c.keep_checkpoint and c.lease.run_id in committed]
+            if kept:  # last: a fork from one of them carries the effects requested up to it
+                await self.store.keep_checkpoints(kept, committed, db=db)
             # A stale owner asked for effects: say so in the timeline, send nothing.
             for pending in batch:
                 request = pending.request

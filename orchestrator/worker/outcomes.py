@@ -96,6 +96,7 @@ def step_commit(
     agent_version: str | None = None,
     traceparent: str | None = None,
     budget_limits: Mapping[str, JSON] | None = None,
+    keep_checkpoint: bool = False,
 ) -> StepCommit:
     """The commit of a step that goes on: to its next step, or parked until what ``Wait``
     names happens (a ``Wait`` without a checkpoint keeps ``current_checkpoint``)."""
@@ -113,6 +114,7 @@ def step_commit(
             agent_version=agent_version,
             children=spawns(outcome.children, traceparent),
             budget_limits=budget_limits,
+            keep_checkpoint=keep_checkpoint,
         )
     # Progress since the claim: a step committed before this one, or this one was given
     # signals (a wait found already satisfied is then no spin).
@@ -131,6 +133,7 @@ def step_commit(
         agent_version=agent_version,
         children=spawns(new_children(outcome.children), traceparent),
         budget_limits=budget_limits,
+        keep_checkpoint=keep_checkpoint,
     )
 
 
