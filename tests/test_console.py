@@ -936,3 +936,30 @@ def test_a_port_in_use_is_a_one_line_error(database_url: str, busy_port: int) ->
     )
     assert done.returncode == 1 and "cannot listen on 127.0.0.1:" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+async def test_a_run_page_shows_its_tree_and_a_fork_s_origin(
+    database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path, browser: BrowserContext
+) -> None:
+    from orchestrator.agent.children import Child
+    from orchestrator.db.forks import ForkStore
+    from orchestrator.ids import new_run_id
+
+    await store.submit("tree", {})
+    [parent] = (await store.claim("w1", ["tree"], limit=1, lease_seconds=60)).claimed
+    spawned = await store.spawn_children(
+        parent.lease,
+        [Child("leaf", {}, key=f"k{n}").spawn(new_run_id()) for n in range(2)],
+        db=pool,
+    )
+    assert spawned is not None
+    fork = await ForkStore(pool).fork(parent.run_id, version=0)
+    async with console(database_url, tmp_path) as running:
+        page = await browser.new_page()
+        await page.goto(f"{running.url}/runs/{parent.run_id}")
+        await expect(page.locator("#children .child")).to_have_count(2)
+        await expect(page.locator("#children")).to_contain_text("k0")
+        await page.locator("#children a").first.click()
+        await expect(page.locator("#run-parent")).to_contain_text(parent.run_id)
+        await page.goto(f"{running.url}/runs/{fork.run_id}")
+        await expect(page.locator("#run-forked-from")).to_contain_text(parent.run_id)

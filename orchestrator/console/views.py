@@ -11,6 +11,7 @@ from typing import Any
 from orchestrator.agent.tool_loop import recorded_effect_keys
 from orchestrator.client.detail import (
     ATTEMPT_COLUMNS,
+    CHILDREN_SHOWN,
     attempt_cells,
     conversation_turns,
     due_text,
@@ -162,6 +163,8 @@ async def run_page(
         "events_total": detail.events_total,
         "events_more": more_events_hint(detail),
         "stale_refusals": detail.stale_refusals,
+        "children": detail.children,
+        "children_shown": CHILDREN_SHOWN,
         "facts": {
             "input": show(run.input, reveal=reveal),
             "checkpoint": show(run.checkpoint, reveal=reveal),
