@@ -33,6 +33,8 @@ AUTHOR_API = {
     "WaitState",
     "Signal",
     "Budget",
+    "Child",
+    "ChildOutcome",
 }
 APPLICATION_API = {"Client", "SyncClient"}
 ERRORS = {
