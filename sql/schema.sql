@@ -1925,7 +1925,8 @@ BEGIN
                                priority, parent_run_id, child_key, root_run_id, depth)
         SELECT w.child ->> 'run_id', w.child ->> 'agent', w.child -> 'input',
                coalesce((w.child ->> 'max_attempts')::integer, 5), clock_timestamp(),
-               w.child ->> 'concurrency_key', coalesce((w.child ->> 'priority')::integer, 0),
+               coalesce(w.child ->> 'concurrency_key', parent.concurrency_key),
+               coalesce((w.child ->> 'priority')::integer, 0),
                p_parent, w.child ->> 'key', coalesce(parent.root_run_id, p_parent),
                parent.depth + 1
         FROM wanted AS w ORDER BY w.ord

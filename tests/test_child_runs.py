@@ -295,3 +295,18 @@ async def test_a_child_s_trace_links_to_the_step_that_spawned_it(
     for child in children:  # each attempt is a trace of its own, linked to where it began
         linked = [(link.context.trace_id, link.context.span_id) for link in child.links]
         assert (spawning.context.trace_id, spawning.context.span_id) in linked
+
+
+async def test_a_child_inherits_its_parent_s_concurrency_key_unless_it_sets_its_own(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    await store.submit("parent", {}, concurrency_key="tenant-a")
+    [claimed] = (await store.claim("w1", ["parent"], limit=1, lease_seconds=30)).claimed
+    children = [
+        Child("worker", {}, key="same").spawn(new_run_id()),
+        Child("worker", {}, key="own", concurrency_key="tenant-b").spawn(new_run_id()),
+    ]
+    spawned = await store.spawn_children(claimed.lease, children, db=pool)
+    assert spawned is not None
+    keys = {key: (await store.get(run_id)).concurrency_key for key, run_id in spawned.items()}
+    assert keys == {"same": "tenant-a", "own": "tenant-b"}

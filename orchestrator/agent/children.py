@@ -42,6 +42,7 @@ class Child:
     key: str
     max_attempts: int = 5
     concurrency_key: str | None = None
+    """What its limits count it under (docs/flow-control.md); ``None``: its parent's."""
     priority: int = 0
     budget: Budget | None = None
     """The child's limits, carved from its parent's budget by the spawning commit (a parent
