@@ -40,7 +40,7 @@ GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {sche
 GRANT DELETE ON {schema}.cutover_drains TO {worker};
 GRANT UPDATE (state, lease_owner, lease_until, fence, attempt, available_at, step, checkpoint,
               checkpoint_version, result, error, wait, wake_streak, signals_pending, updated_at,
-              finished_at, started_version, agent_version)
+              finished_at, started_version, agent_version, children_awaited)
     ON {schema}.runs TO {worker};
 GRANT INSERT ON {schema}.run_events, {schema}.run_messages, {schema}.run_traces,
     {schema}.run_checkpoints TO {worker};

@@ -1047,6 +1047,14 @@ WITH input AS MATERIALIZED (
            $1::text AS owner, clock_timestamp() AS now
     FROM unnest($2::text[], $3::bigint[], $4::text[], $5::timestamptz[], $6::boolean[])
         AS u(run_id, fence, wait, until, progressed)
+), counted AS (
+    -- Of the children it waits for, how many it still needs (counted once, here).
+    SELECT u.*,
+           CASE WHEN u.wait ? 'children'
+                THEN coalesce((u.wait ->> 'need')::integer,
+                              jsonb_array_length(u.wait -> 'children'))
+                     - orchestrator_children_ended(u.run_id, u.wait) END AS children_left
+    FROM input AS u
 ), judged AS (
     SELECT u.*,
            EXISTS (SELECT 1 FROM run_signals AS s
@@ -1056,17 +1064,14 @@ WITH input AS MATERIALIZED (
                                WHERE e.run_id = u.run_id AND u.wait -> 'effects' ? e.effect_key
                                  AND e.status NOT IN ('confirmed', 'failed', 'rejected')))
            -- Enough of the children it waits for have ended already.
-           OR (u.wait ? 'children'
-               AND orchestrator_children_ended(u.run_id, u.wait)
-                   >= coalesce((u.wait ->> 'need')::integer,
-                               jsonb_array_length(u.wait -> 'children')))
+           OR coalesce(u.children_left <= 0, false)
            -- Topped up after the reservation that was refused (before this park): try again.
            OR (u.wait ->> 'reason' = 'budget'
                AND coalesce((SELECT max(entry) FILTER (WHERE kind = 'top_up')
                                     > coalesce(max(entry) FILTER (WHERE kind = 'refused'), 0)
                              FROM budget_ledger AS l WHERE l.run_id = u.run_id), false))
            AS happened
-    FROM input AS u
+    FROM counted AS u
 ), spun AS (
     -- Due at once with no progress since the claim: one more park of a spin.
     SELECT j.*, coalesce(j.happened OR j.until <= j.now, false) AND NOT j.progressed AS spinning
@@ -1074,6 +1079,7 @@ WITH input AS MATERIALIZED (
 ), parked AS (
     UPDATE runs AS r
     SET state = 'waiting', lease_owner = NULL, lease_until = NULL, wait = u.wait, attempt = 0,
+        children_awaited = greatest(u.children_left, 0),
         wake_streak = CASE WHEN u.spinning THEN least(r.wake_streak + 1, 1000) ELSE 0 END,
         available_at = CASE
             WHEN u.spinning AND r.wake_streak >= 3

@@ -451,21 +451,17 @@ CREATE FUNCTION orchestrator.orchestrator_child_ended() RETURNS trigger
 DECLARE
     parent record;
 BEGIN
-    SELECT r.run_id, r.agent, r.wait INTO parent FROM runs AS r
-    WHERE r.run_id = NEW.parent_run_id AND r.state = 'waiting' AND r.wait ? 'children'
-    FOR UPDATE;
-    IF parent.run_id IS NULL THEN
-        RETURN NULL;
-    END IF;
-    -- A statement of its own, after the lock: it sees children that ended meanwhile.
-    IF orchestrator_children_ended(parent.run_id, parent.wait)
-       >= coalesce((parent.wait ->> 'need')::integer,
-                   jsonb_array_length(parent.wait -> 'children')) THEN
-        UPDATE runs SET available_at = clock_timestamp(), updated_at = clock_timestamp()
-        WHERE run_id = parent.run_id AND available_at > clock_timestamp();
-        IF FOUND THEN
-            PERFORM pg_notify('orchestrator_runs', parent.agent);
-        END IF;
+    PERFORM orchestrator_settle_carve(NEW.run_id);
+    UPDATE runs AS p
+    SET children_awaited = p.children_awaited - 1,
+        available_at = CASE WHEN p.children_awaited <= 1 THEN clock_timestamp()
+                            ELSE p.available_at END,
+        updated_at = clock_timestamp()
+    WHERE p.run_id = NEW.parent_run_id AND p.state = 'waiting' AND p.children_awaited > 0
+      AND p.wait -> 'children' ? NEW.child_key
+    RETURNING p.agent, p.children_awaited INTO parent;
+    IF parent.children_awaited = 0 THEN
+        PERFORM pg_notify('orchestrator_runs', parent.agent);
     END IF;
     RETURN NULL;
 END
@@ -1765,8 +1761,8 @@ SELECT run_id, 'settle', fence, turns, tool_calls, input_tokens, output_tokens, 
 FROM settled
 RETURNING run_id
 $$;
-CREATE FUNCTION orchestrator.orchestrator_settle_carve() RETURNS trigger
-    LANGUAGE plpgsql SECURITY DEFINER
+CREATE FUNCTION orchestrator.orchestrator_settle_carve(p_child text) RETURNS void
+    LANGUAGE plpgsql
     SET search_path TO 'orchestrator'
     AS $$
 DECLARE
@@ -1774,12 +1770,12 @@ DECLARE
     spent run_budgets%ROWTYPE;
 BEGIN
     UPDATE budget_carves SET settled_at = clock_timestamp()
-    WHERE child_run_id = NEW.run_id AND settled_at IS NULL
+    WHERE child_run_id = p_child AND settled_at IS NULL
     RETURNING * INTO carve;
     IF carve.child_run_id IS NULL THEN
-        RETURN NULL;
+        RETURN;
     END IF;
-    SELECT * INTO spent FROM run_budgets WHERE run_id = NEW.run_id;
+    SELECT * INTO spent FROM run_budgets WHERE run_id = p_child;
     UPDATE run_budgets AS p
     SET turns_carved = p.turns_carved - carve.turns,
         tool_calls_carved = p.tool_calls_carved - carve.tool_calls,
@@ -1795,7 +1791,6 @@ BEGIN
         cost_spent = p.cost_spent + coalesce(spent.cost_spent + spent.cost_reserved, 0),
         updated_at = clock_timestamp()
     WHERE p.run_id = carve.parent_run_id;
-    RETURN NULL;
 END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_sign_in(p_name text, p_via text, p_token_id text, p_role text, OUT name text, OUT kind text, OUT role text, OUT audit_seq bigint) RETURNS record
@@ -2043,6 +2038,7 @@ CREATE TABLE orchestrator.runs (
     child_key text,
     root_run_id text,
     depth integer DEFAULT 0 NOT NULL,
+    children_awaited integer,
     forked_from text,
     forked_at_version bigint,
     CONSTRAINT runs_agent_version_check CHECK (((agent_version IS NULL) OR ((length(agent_version) >= 1) AND (length(agent_version) <= 64)))),
@@ -2574,7 +2570,6 @@ CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log F
 CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.budget_ledger FOR EACH ROW WHEN (((new.turns < 0) OR (new.tool_calls < 0) OR (new.input_tokens < 0) OR (new.output_tokens < 0) OR (new.cost < (0)::numeric) OR (new.cost = ANY (ARRAY['NaN'::numeric, 'Infinity'::numeric])))) EXECUTE FUNCTION orchestrator.orchestrator_budget_amounts_are_positive();
 CREATE TRIGGER runs_child_ended AFTER UPDATE OF state ON orchestrator.runs FOR EACH ROW WHEN (((new.parent_run_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION orchestrator.orchestrator_child_ended();
 CREATE TRIGGER runs_fence_guard BEFORE UPDATE OF fence ON orchestrator.runs FOR EACH ROW WHEN (((new.fence IS DISTINCT FROM old.fence) AND (NOT ((new.fence = (old.fence + 1)) AND (new.state = 'running'::text) AND (((old.state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (old.available_at <= clock_timestamp())) OR ((old.state = 'running'::text) AND (old.lease_until < clock_timestamp()))))))) EXECUTE FUNCTION orchestrator.runs_fence_moves_only_by_claim();
-CREATE TRIGGER runs_settle_carve AFTER UPDATE OF state ON orchestrator.runs FOR EACH ROW WHEN (((new.parent_run_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION orchestrator.orchestrator_settle_carve();
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.budget_carves

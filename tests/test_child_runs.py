@@ -257,7 +257,7 @@ async def test_a_cancel_racing_a_child_s_final_commit_neither_deadlocks_nor_lose
     assert made is not None
     await pool.execute(
         "UPDATE runs SET state = 'waiting', lease_owner = NULL, lease_until = NULL,"
-        " available_at = 'infinity', wait = $2 WHERE run_id = $1",
+        " available_at = 'infinity', wait = $2, children_awaited = 1 WHERE run_id = $1",
         parent.run_id,
         {"step": "FanIn", "children": ["k"], "need": None},
     )

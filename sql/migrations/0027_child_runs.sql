@@ -12,6 +12,9 @@ ALTER TABLE runs
     ADD COLUMN child_key text,
     ADD COLUMN root_run_id text,
     ADD COLUMN depth integer NOT NULL DEFAULT 0,
+    -- While it waits for children: how many of those it needs have yet to end (park_runs sets
+    -- it, each child's end counts it down), so a fan-in of N costs N steps, not N squared.
+    ADD COLUMN children_awaited integer,
     ADD CONSTRAINT runs_child_key_check
         CHECK (child_key IS NULL OR child_key ~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$'),
     ADD CONSTRAINT runs_child_has_parent_check
@@ -147,29 +150,26 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
       AND c.state IN ('succeeded', 'failed', 'cancelled', 'dead')
 $$;
 
--- A child ended: wake its parent if it waits for its children and enough of them have ended.
--- The parent's row is locked first, so that a child ending while the parent parks is counted by
--- one of the two: the park (park_runs) sees it ended, or this sees the parent waiting.
+-- A child ended: count it down on its parent if the parent waits for it, and wake the parent
+-- once none it needs is left. The parent's row is locked by the UPDATE, so a child ending while
+-- the parent parks is counted by one of the two: the park (park_runs) saw it ended, or this
+-- sees the parent waiting, after the park committed. A child that ended twice (dead, retried)
+-- may wake the parent early: woken, it reads its children and parks again if need be.
 CREATE FUNCTION orchestrator_child_ended() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     parent record;
 BEGIN
-    SELECT r.run_id, r.agent, r.wait INTO parent FROM runs AS r
-    WHERE r.run_id = NEW.parent_run_id AND r.state = 'waiting' AND r.wait ? 'children'
-    FOR UPDATE;
-    IF parent.run_id IS NULL THEN
-        RETURN NULL;
-    END IF;
-    -- A statement of its own, after the lock: it sees children that ended meanwhile.
-    IF orchestrator_children_ended(parent.run_id, parent.wait)
-       >= coalesce((parent.wait ->> 'need')::integer,
-                   jsonb_array_length(parent.wait -> 'children')) THEN
-        UPDATE runs SET available_at = clock_timestamp(), updated_at = clock_timestamp()
-        WHERE run_id = parent.run_id AND available_at > clock_timestamp();
-        IF FOUND THEN
-            PERFORM pg_notify('orchestrator_runs', parent.agent);
-        END IF;
+    UPDATE runs AS p
+    SET children_awaited = p.children_awaited - 1,
+        available_at = CASE WHEN p.children_awaited <= 1 THEN clock_timestamp()
+                            ELSE p.available_at END,
+        updated_at = clock_timestamp()
+    WHERE p.run_id = NEW.parent_run_id AND p.state = 'waiting' AND p.children_awaited > 0
+      AND p.wait -> 'children' ? NEW.child_key
+    RETURNING p.agent, p.children_awaited INTO parent;
+    IF parent.children_awaited = 0 THEN
+        PERFORM pg_notify('orchestrator_runs', parent.agent);
     END IF;
     RETURN NULL;
 END

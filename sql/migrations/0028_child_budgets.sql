@@ -3,8 +3,8 @@
 -- ends; then what the child spent is charged to the parent and the carve given back. A tree
 -- therefore never spends more than its root allows, however its runs interleave.
 --
--- Expand only: new columns (zero for every existing row), a new table, functions and a
--- trigger; orchestrator_reserve_budget keeps its signature.
+-- Expand only: new columns (zero for every existing row), a new table and functions;
+-- orchestrator_reserve_budget keeps its signature.
 
 ALTER TABLE run_budgets
     ADD COLUMN turns_carved bigint NOT NULL DEFAULT 0,
@@ -146,19 +146,19 @@ REVOKE ALL ON FUNCTION orchestrator_carve_budgets(text, bigint, text, jsonb, jso
 
 -- A child ended: charge what it spent (and any reservation it never settled) to the parent
 -- whose budget it was carved from, and give the carve back.
-CREATE FUNCTION orchestrator_settle_carve() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+CREATE FUNCTION orchestrator_settle_carve(p_child text) RETURNS void
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     carve budget_carves%ROWTYPE;
     spent run_budgets%ROWTYPE;
 BEGIN
     UPDATE budget_carves SET settled_at = clock_timestamp()
-    WHERE child_run_id = NEW.run_id AND settled_at IS NULL
+    WHERE child_run_id = p_child AND settled_at IS NULL
     RETURNING * INTO carve;
     IF carve.child_run_id IS NULL THEN
-        RETURN NULL;
+        RETURN;
     END IF;
-    SELECT * INTO spent FROM run_budgets WHERE run_id = NEW.run_id;
+    SELECT * INTO spent FROM run_budgets WHERE run_id = p_child;
     UPDATE run_budgets AS p
     SET turns_carved = p.turns_carved - carve.turns,
         tool_calls_carved = p.tool_calls_carved - carve.tool_calls,
@@ -174,17 +174,31 @@ BEGIN
         cost_spent = p.cost_spent + coalesce(spent.cost_spent + spent.cost_reserved, 0),
         updated_at = clock_timestamp()
     WHERE p.run_id = carve.parent_run_id;
-    RETURN NULL;
 END
 $$;
 
-CREATE TRIGGER runs_settle_carve
-    AFTER UPDATE OF state ON runs
-    FOR EACH ROW
-    WHEN (NEW.parent_run_id IS NOT NULL
-          AND NEW.state IN ('succeeded', 'failed', 'cancelled', 'dead')
-          AND OLD.state IS DISTINCT FROM NEW.state)
-    EXECUTE FUNCTION orchestrator_settle_carve();
+-- Migration 0027's trigger function, which now also settles the child's carve first (one
+-- trigger per child's end, not two).
+CREATE OR REPLACE FUNCTION orchestrator_child_ended() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    parent record;
+BEGIN
+    PERFORM orchestrator_settle_carve(NEW.run_id);
+    UPDATE runs AS p
+    SET children_awaited = p.children_awaited - 1,
+        available_at = CASE WHEN p.children_awaited <= 1 THEN clock_timestamp()
+                            ELSE p.available_at END,
+        updated_at = clock_timestamp()
+    WHERE p.run_id = NEW.parent_run_id AND p.state = 'waiting' AND p.children_awaited > 0
+      AND p.wait -> 'children' ? NEW.child_key
+    RETURNING p.agent, p.children_awaited INTO parent;
+    IF parent.children_awaited = 0 THEN
+        PERFORM pg_notify('orchestrator_runs', parent.agent);
+    END IF;
+    RETURN NULL;
+END
+$$;
 
 -- orchestrator_reserve_budget of migration 0019, which now also counts what the run's children
 -- carved from it.
