@@ -26,7 +26,7 @@ from orchestrator.effects.approvals import ApprovalStore, Decision
 from orchestrator.effects.http import HttpAdapter
 from orchestrator.effects.store import EffectStore
 from orchestrator.errors import InvalidInput
-from orchestrator.integrations.pydantic_ai import PydanticAIAgent, effect
+from orchestrator.integrations.pydantic_ai import PydanticAIAgent, child_agent, effect
 from orchestrator.models import RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import capture_spans, running_worker, wait_for_run
@@ -349,10 +349,21 @@ async def test_the_deadline_ends_a_run_waiting_for_an_approval_that_never_comes(
 def test_bad_configuration_is_refused_with_one_line() -> None:
     with pytest.raises(InvalidInput, match=r"is not a pydantic_ai\.Agent"):
         PydanticAIAgent("x", object())  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match="cannot be read-only and an effect"):
+    with pytest.raises(InvalidInput, match="notify is declared more than once"):
         PydanticAIAgent("x", orders_agent, read_only=["notify"], effects={"notify": effect("crm")})
+    with pytest.raises(InvalidInput, match="notify is declared more than once"):
+        PydanticAIAgent(
+            "x",
+            orders_agent,
+            effects={"notify": effect("crm")},
+            agents={"notify": child_agent("a")},
+        )
     with pytest.raises(InvalidInput, match="must be effect"):
         PydanticAIAgent("x", orders_agent, effects={"notify": "crm"})  # type: ignore[dict-item]
+    with pytest.raises(InvalidInput, match="must be child_agent"):
+        PydanticAIAgent("x", orders_agent, agents={"notify": effect("crm")})  # type: ignore[dict-item]
+    with pytest.raises(InvalidInput, match="agent"):
+        child_agent("bad agent!")
     with pytest.raises(InvalidInput, match="read_only is a list"):
         PydanticAIAgent("x", orders_agent, read_only="lookup_order")
     with pytest.raises(InvalidInput, match="deadline_seconds must be above 0"):

@@ -88,3 +88,50 @@ def test_a_bad_agent_tool_is_one_line() -> None:
     assert "\n" not in str(raised.value)
     carved = AgentTool(research.function, agent="researcher", budget=Budget(turns=3))
     assert carved.budget == Budget(turns=3)
+
+
+async def test_a_pydantic_ai_agent_s_agent_tool_runs_a_child_and_returns_its_result(
+    settings: Settings, store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pydantic_ai import Agent as PydanticAgent
+
+    from orchestrator.integrations.pydantic_ai import PydanticAIAgent, child_agent
+    from support.pydantic_ai_agents_for_tests import local_model
+
+    helper = PydanticAgent(instructions="Answer with the researcher's help.")
+
+    @helper.tool_plain
+    def research_topic(topic: str) -> dict[str, object]:
+        """Have a researcher look a topic up."""
+        raise AssertionError("an agent tool never runs in the worker")
+
+    agent = PydanticAIAgent(
+        "pai_desk",
+        helper,
+        model=local_model,
+        agents={"research_topic": child_agent("researcher")},
+    )
+    script = turns(
+        ScriptedTurn(calls=(ScriptedCall("research_topic", {"topic": "fences"}),)),
+        ScriptedTurn(content="The researcher says: all about fences."),
+    )
+    async with ScriptedModelServer(script) as model:
+        monkeypatch.setenv("OPENAI_BASE_URL", model.base_url)
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        run_id = (await store.submit("pai_desk", {"prompt": "Fences?"})).run.run_id
+        async with running_worker(settings, [agent, researcher], **FAST):
+            done = await until_state(store, run_id, RunState.SUCCEEDED, RunState.DEAD)
+    assert done.state is RunState.SUCCEEDED, done.error
+    [child] = await store.list_runs(parent=run_id)
+    assert (child.agent, child.input, child.state) == (
+        "researcher",
+        {"topic": "fences"},
+        RunState.SUCCEEDED,
+    )
+    # The call's return, as the model's second request carried it: the child's result.
+    transcript = await store.messages(run_id)
+    returned = [m for m in transcript if "all about fences" in json.dumps(m.body)]
+    assert returned and returned[0].role == "tool", [(m.role, m.body) for m in transcript]
+    assert [r["turn"] for r in model.requests] == [0, 1]
+    waits = [e for e in await store.events(run_id) if e.kind == "waiting"]
+    assert [w.details.get("reason") for w in waits] == ["children"]

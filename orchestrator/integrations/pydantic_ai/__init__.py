@@ -13,8 +13,10 @@ model turn of the Pydantic AI run, committed like a ``ToolAgent`` turn:
    on the request's span and reserves and records it against the run's ``Budget``. Tools listed
    in ``read_only`` run inline; tools listed in ``effects`` never run in the worker: their call
    is deferred (``CallDeferred``, or ``ApprovalRequired`` when a person must approve it) and
-   becomes a fenced ``Effect`` keyed like a ``ToolAgent`` call (``turns.call_effect_keys``). Any
-   other tool is hidden from the model and refused if called.
+   becomes a fenced ``Effect`` keyed like a ``ToolAgent`` call (``turns.call_effect_keys``); tools
+   listed in ``agents`` (``child_agent(...)``) are deferred too and start a child run, whose end
+   the next turn hands back as the call's return. Any other tool is hidden from the model and
+   refused if called.
 3. One fenced commit holds the turn: its Pydantic AI messages (appended to the run's transcript,
    each message's JSON under ``body["pydantic_ai"]``), the effect records and a small checkpoint.
    A replaced worker resumes from the transcript and never asks the model again for a committed
@@ -34,7 +36,12 @@ from orchestrator.lazy import extra_for, install_hint
 try:
     from orchestrator.integrations.pydantic_ai._agent import PydanticAIAgent
     from orchestrator.integrations.pydantic_ai._capability import OrchestratorCapability
-    from orchestrator.integrations.pydantic_ai._effects import EffectfulTool, effect
+    from orchestrator.integrations.pydantic_ai._effects import (
+        ChildAgentTool,
+        EffectfulTool,
+        child_agent,
+        effect,
+    )
 except ImportError as error:  # pragma: no cover - the extra is missing
     if extra_for(error.name) != "pydantic-ai":
         raise
@@ -44,4 +51,11 @@ except ImportError as error:  # pragma: no cover - the extra is missing
         name=error.name,
     ) from error
 
-__all__ = ["EffectfulTool", "OrchestratorCapability", "PydanticAIAgent", "effect"]
+__all__ = [
+    "ChildAgentTool",
+    "EffectfulTool",
+    "OrchestratorCapability",
+    "PydanticAIAgent",
+    "child_agent",
+    "effect",
+]

@@ -18,6 +18,7 @@ from pydantic_core import to_jsonable_python
 from pydantic_graph import End
 
 from orchestrator.agent.budgets import BudgetExhausted
+from orchestrator.agent.children import Child
 from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext, Wait
 from orchestrator.agent.stored_replies import unstorable_json
 from orchestrator.agent.tools import DEFAULT_TOOL_TIMEOUT_SECONDS
@@ -32,7 +33,11 @@ from orchestrator.agent.turns import (
 from orchestrator.effect_model import Effect
 from orchestrator.errors import InvalidInput
 from orchestrator.integrations.pydantic_ai._capability import OrchestratorCapability
-from orchestrator.integrations.pydantic_ai._effects import EffectfulTool, deferred_results
+from orchestrator.integrations.pydantic_ai._effects import (
+    ChildAgentTool,
+    EffectfulTool,
+    deferred_results,
+)
 from orchestrator.integrations.pydantic_ai._history import (
     STATE_KEY,
     from_transcript,
@@ -61,6 +66,7 @@ class PydanticAIAgent(Agent):
         *,
         read_only: Collection[str] = (),
         effects: Mapping[str, EffectfulTool] | None = None,
+        agents: Mapping[str, ChildAgentTool] | None = None,
         max_turns: int = 20,
         max_output_tokens: int | None = None,
         prompt: Callable[[JSON], str] = default_prompt,
@@ -78,7 +84,7 @@ class PydanticAIAgent(Agent):
             raise InvalidInput(
                 f"agent {name}: {agent!r} is not a pydantic_ai.Agent; pass the Agent itself"
             )
-        self.read_only, self.effects = _classified(name, read_only, effects)
+        self.read_only, self.effects, self.agents = _classified(name, read_only, effects, agents)
         if max_turns < 1 or max_tool_calls_per_turn < 1:
             raise InvalidInput(
                 f"agent {name}: max_turns and max_tool_calls_per_turn must be at least 1"
@@ -200,7 +206,15 @@ class PydanticAIAgent(Agent):
         """The turn's effect calls: recorded in its commit; the next turn waits for them."""
         pending: list[dict[str, JSON]] = []
         effects: list[Effect] = []
+        children: list[Child] = []
         for call in [*requested.calls, *requested.approvals]:
+            child = capability.children.get(call.tool_call_id)
+            if child is not None:
+                children.append(child)
+                pending.append(
+                    {"call_id": call.tool_call_id, "tool": call.tool_name, "child_key": child.key}
+                )
+                continue
             made = capability.deferred.get(call.tool_call_id)
             if made is None:
                 return state.failed(
@@ -217,7 +231,7 @@ class PydanticAIAgent(Agent):
                 }
             )
         state.pending = pending
-        return state.committed(self_step, new, effects)
+        return state.committed(self_step, new, effects, children)
 
     async def _settled(self, ctx: StepContext, state: _State) -> DeferredToolResults | Wait | None:
         """The previous turn's effect calls as ``DeferredToolResults`` once every record has
@@ -227,27 +241,42 @@ class PydanticAIAgent(Agent):
         records = await state.settle(ctx, self.settle_grace_seconds)
         if isinstance(records, Wait):
             return records
-        return deferred_results(state.pending, records, self.effects)
+        ended = state.children_waited(ctx)
+        if isinstance(ended, Wait):
+            return ended
+        return deferred_results(state.pending, records, self.effects, ended)
 
 
 def _classified(
-    name: str, read_only: Collection[str], effects: Mapping[str, EffectfulTool] | None
-) -> tuple[frozenset[str], dict[str, EffectfulTool]]:
-    """The agent's tools as it declared them: those that run inline, those that are effects
-    (each tool one or the other; any other tool is hidden from the model)."""
+    name: str,
+    read_only: Collection[str],
+    effects: Mapping[str, EffectfulTool] | None,
+    agents: Mapping[str, ChildAgentTool] | None,
+) -> tuple[frozenset[str], dict[str, EffectfulTool], dict[str, ChildAgentTool]]:
+    """The agent's tools as it declared them: those that run inline, those that are effects,
+    those that run another agent (each tool one of them; any other is hidden from the model)."""
     if isinstance(read_only, str):
         raise InvalidInput(f"agent {name}: read_only is a list of tool names, not a string")
     marked = dict(effects or {})
-    for tool_name, spec in marked.items():
-        if not isinstance(spec, EffectfulTool):
-            raise InvalidInput(
-                f"agent {name}: effects[{tool_name!r}] must be effect(kind, ...), "
-                f"not {type(spec).__name__}"
-            )
-    both = sorted(set(read_only) & set(marked))
-    if both:
-        raise InvalidInput(f"agent {name}: {', '.join(both)} cannot be read-only and an effect")
-    return frozenset(read_only), marked
+    runs_agents = dict(agents or {})
+    for field, specs, kind, shape in (
+        ("effects", marked, EffectfulTool, "effect(kind, ...)"),
+        ("agents", runs_agents, ChildAgentTool, "child_agent(agent, ...)"),
+    ):
+        for tool_name, spec in specs.items():
+            if not isinstance(spec, kind):
+                raise InvalidInput(
+                    f"agent {name}: {field}[{tool_name!r}] must be {shape}, "
+                    f"not {type(spec).__name__}"
+                )
+    named = [*read_only, *marked, *runs_agents]
+    twice = sorted({tool for tool in named if named.count(tool) > 1})
+    if twice:
+        raise InvalidInput(
+            f"agent {name}: {', '.join(twice)} is declared more than once (read-only, an effect "
+            "or an agent: one of them)"
+        )
+    return frozenset(read_only), marked, runs_agents
 
 
 class _State(TurnState):

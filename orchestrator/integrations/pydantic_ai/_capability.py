@@ -39,6 +39,7 @@ from pydantic_ai.models import ModelRequestContext
 from pydantic_ai.tools import ToolDefinition
 from pydantic_core import to_jsonable_python
 
+from orchestrator.agent.children import Child
 from orchestrator.agent.llm import (
     BACKOFF_SECONDS,
     MODEL_ATTEMPTS,
@@ -67,7 +68,7 @@ from orchestrator.agent.turns import (
 )
 from orchestrator.effect_model import Effect
 from orchestrator.errors import PermanentFailure
-from orchestrator.integrations.pydantic_ai._effects import SETTLED, EffectfulTool
+from orchestrator.integrations.pydantic_ai._effects import SETTLED, ChildAgentTool, EffectfulTool
 from orchestrator.integrations.pydantic_ai._history import arguments_text, raw_arguments
 from orchestrator.models import DEFAULT_MAX_MESSAGE_BYTES, JSON
 from orchestrator.telemetry import model_metrics, start_span
@@ -83,6 +84,7 @@ class ClassifiedTools(Protocol):
 
     read_only: frozenset[str]
     effects: dict[str, EffectfulTool]
+    agents: dict[str, ChildAgentTool]
     max_output_tokens: int | None
     max_tool_calls_per_turn: int
     tool_timeout_seconds: float
@@ -96,6 +98,8 @@ class OrchestratorCapability(AbstractCapability[Any]):
         self.step = ctx
         self.turn = turn
         self.deferred: dict[str, Effect] = {}
+        self.children: dict[str, Child] = {}
+        """The turn's agent calls: each call's child run, started by the turn's commit."""
         """Effects this turn's calls became, by tool call id."""
         self.input_tokens = 0
         self.output_tokens = 0
@@ -121,7 +125,7 @@ class OrchestratorCapability(AbstractCapability[Any]):
         self, ctx: RunContext[Any], tool_defs: list[ToolDefinition]
     ) -> list[ToolDefinition]:
         """Only classified tools are offered to the model."""
-        known = self.wrapper.read_only | self.wrapper.effects.keys()
+        known = self.wrapper.read_only | self.wrapper.effects.keys() | self.wrapper.agents.keys()
         return [t for t in tool_defs if t.name in known]
 
     async def wrap_model_request(
@@ -288,7 +292,8 @@ class OrchestratorCapability(AbstractCapability[Any]):
     ) -> Any:
         name = call.tool_name
         marked = self.wrapper.effects.get(name)
-        if marked is None and name not in self.wrapper.read_only:
+        runs_agent = self.wrapper.agents.get(name)
+        if marked is None and runs_agent is None and name not in self.wrapper.read_only:
             return {"error": f"tool {name!r} is not allowed in this run"}
         refusal = self.refused.get(call.tool_call_id)
         if refusal is None and not ctx.tool_call_approved:
@@ -304,6 +309,15 @@ class OrchestratorCapability(AbstractCapability[Any]):
                 return {"error": TOOL_BUDGET_EXHAUSTED}
             self.calls += 1
             budget.spend(tool_calls=1)
+        if runs_agent is not None:  # a child run, started by the turn's commit
+            key = self._effect_key(ctx, call)
+            self.children[call.tool_call_id] = runs_agent.child(key, args)
+            marks = {"orchestrator.child.key": key}
+            with tool_span(
+                self.step, self.turn, name, call.tool_call_id, effect=True, attributes=marks
+            ):
+                pass
+            raise CallDeferred({"child_key": key})
         if marked is None:
             with tool_span(self.step, self.turn, name, call.tool_call_id, effect=False):
                 seconds = self.wrapper.tool_timeout_seconds
