@@ -222,17 +222,47 @@ CREATE FUNCTION orchestrator.orchestrator_cancel_run(p_run_id text, p_reason tex
 DECLARE
     who record;
     done record;
-    descendants integer;
 BEGIN
     SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
     IF p_reason IS NOT NULL AND length(p_reason) > 2000 THEN
         RAISE EXCEPTION 'a cancel''s reason must be at most 2000 characters'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    SELECT * INTO done FROM orchestrator_cancel_tree(
+        p_run_id,
+        jsonb_build_object('reason', p_reason, 'by', who.principal, 'via', who.via,
+                           'typed_by', p_typed_by)) AS t;
+    IF done.run_id IS NULL THEN
+        RETURN;
+    END IF;
+    run_id := done.run_id;
+    fence := done.fence;
+    previous_state := done.previous_state;
+    previous_owner := done.previous_owner;
+    notified := done.notified;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'cancel', done.run_id, NULL,
+        jsonb_strip_nulls(jsonb_build_object(
+            'reason', p_reason,
+            'descendants_cancelled', CASE WHEN done.descendants > 0 THEN done.descendants END)),
+        p_typed_by);
+    RETURN NEXT;
+END
+$$;
+CREATE FUNCTION orchestrator.orchestrator_cancel_tree(p_run_id text, p_details jsonb, OUT run_id text, OUT fence bigint, OUT previous_state text, OUT previous_owner text, OUT notified bigint, OUT descendants integer) RETURNS SETOF record
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    done record;
+BEGIN
     -- The root, then its unfinished descendants. A child's final commit locks the child, then
     -- (trigger runs_child_ended) its parent: the opposite order. So the descendants are taken
-    -- without waiting, and when one is busy everything is let go for a moment (its commit can
-    -- then end) and taken again; after many tries the cancel waits like any statement.
+    -- without waiting, and when one is busy everything taken here is let go for a moment (its
+    -- commit can then end) and taken again; after many tries the cancel waits like any
+    -- statement.
     FOR try_number IN 1..300 LOOP
         BEGIN
             PERFORM 1 FROM runs AS r
@@ -281,10 +311,8 @@ BEGIN
     ), logged AS (
         INSERT INTO run_events (run_id, kind, fence, details)
         SELECT c.run_id, 'cancelled', c.fence,
-               jsonb_strip_nulls(jsonb_build_object(
+               jsonb_strip_nulls(coalesce(p_details, '{}'::jsonb) || jsonb_build_object(
                    'previous_state', c.previous_state, 'previous_owner', c.previous_owner,
-                   'reason', p_reason, 'by', who.principal, 'via', who.via,
-                   'typed_by', p_typed_by,
                    'with_ancestor', CASE WHEN c.level > 0 THEN p_run_id END))
         FROM cancelled AS c
     ), fenced AS (
@@ -316,7 +344,7 @@ BEGIN
     )
     SELECT c.run_id, c.fence, c.previous_state, c.previous_owner,
            (SELECT count(*) FROM told) AS notified,
-           (SELECT count(*) - 1 FROM cancelled) AS descendants
+           (SELECT count(*) - 1 FROM cancelled)::integer AS descendants
     INTO done FROM cancelled AS c WHERE c.level = 0;
     IF done.run_id IS NULL THEN
         RETURN;
@@ -326,13 +354,7 @@ BEGIN
     previous_state := done.previous_state;
     previous_owner := done.previous_owner;
     notified := done.notified;
-    principal := who.principal;
-    audit_seq := orchestrator_audit_decision(
-        who.principal, who.via, 'cancel', done.run_id, NULL,
-        jsonb_strip_nulls(jsonb_build_object(
-            'reason', p_reason,
-            'descendants_cancelled', CASE WHEN done.descendants > 0 THEN done.descendants END)),
-        p_typed_by);
+    descendants := done.descendants;
     RETURN NEXT;
 END
 $$;
@@ -1017,6 +1039,27 @@ $$;
 CREATE FUNCTION orchestrator.orchestrator_may_vouch() RETURNS boolean
     LANGUAGE sql IMMUTABLE
     AS $$SELECT true$$;
+CREATE FUNCTION orchestrator.orchestrator_parent_failed() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    child record;
+BEGIN
+    FOR child IN
+        SELECT r.run_id FROM runs AS r
+        WHERE r.parent_run_id = NEW.run_id AND r.cancel_with_parent
+          AND r.state IN ('queued', 'running', 'waiting')
+        ORDER BY r.run_id
+    LOOP
+        PERFORM orchestrator_cancel_tree(
+            child.run_id,
+            jsonb_build_object('reason', format('its parent %s %s', NEW.run_id, NEW.state),
+                               'by', 'orchestrator'));
+    END LOOP;
+    RETURN NULL;
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_plan_claim(p_agents text[], p_max integer, p_include_expired boolean, p_run_id text, p_after text) RETURNS TABLE(run_id text, next_key text, held_back integer)
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator'
@@ -1917,13 +1960,14 @@ BEGIN
         SELECT c.child, c.ord FROM jsonb_array_elements(p_children) WITH ORDINALITY AS c(child, ord)
     ), inserted AS (
         INSERT INTO runs AS r (run_id, agent, input, max_attempts, available_at, concurrency_key,
-                               priority, parent_run_id, child_key, root_run_id, depth)
+                               priority, parent_run_id, child_key, root_run_id, depth,
+                               cancel_with_parent)
         SELECT w.child ->> 'run_id', w.child ->> 'agent', w.child -> 'input',
                coalesce((w.child ->> 'max_attempts')::integer, 5), clock_timestamp(),
                coalesce(w.child ->> 'concurrency_key', parent.concurrency_key),
                coalesce((w.child ->> 'priority')::integer, 0),
                p_parent, w.child ->> 'key', coalesce(parent.root_run_id, p_parent),
-               parent.depth + 1
+               parent.depth + 1, coalesce((w.child ->> 'cancel_with_parent')::boolean, false)
         FROM wanted AS w ORDER BY w.ord
         ON CONFLICT DO NOTHING
         RETURNING r.run_id, r.child_key, r.agent, r.fence
@@ -2039,6 +2083,7 @@ CREATE TABLE orchestrator.runs (
     root_run_id text,
     depth integer DEFAULT 0 NOT NULL,
     children_awaited integer,
+    cancel_with_parent boolean DEFAULT false NOT NULL,
     forked_from text,
     forked_at_version bigint,
     CONSTRAINT runs_agent_version_check CHECK (((agent_version IS NULL) OR ((length(agent_version) >= 1) AND (length(agent_version) <= 64)))),
@@ -2570,6 +2615,7 @@ CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log F
 CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.budget_ledger FOR EACH ROW WHEN (((new.turns < 0) OR (new.tool_calls < 0) OR (new.input_tokens < 0) OR (new.output_tokens < 0) OR (new.cost < (0)::numeric) OR (new.cost = ANY (ARRAY['NaN'::numeric, 'Infinity'::numeric])))) EXECUTE FUNCTION orchestrator.orchestrator_budget_amounts_are_positive();
 CREATE TRIGGER runs_child_ended AFTER UPDATE OF state ON orchestrator.runs FOR EACH ROW WHEN (((new.parent_run_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::text, 'failed'::text, 'cancelled'::text, 'dead'::text])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION orchestrator.orchestrator_child_ended();
 CREATE TRIGGER runs_fence_guard BEFORE UPDATE OF fence ON orchestrator.runs FOR EACH ROW WHEN (((new.fence IS DISTINCT FROM old.fence) AND (NOT ((new.fence = (old.fence + 1)) AND (new.state = 'running'::text) AND (((old.state = ANY (ARRAY['queued'::text, 'waiting'::text])) AND (old.available_at <= clock_timestamp())) OR ((old.state = 'running'::text) AND (old.lease_until < clock_timestamp()))))))) EXECUTE FUNCTION orchestrator.runs_fence_moves_only_by_claim();
+CREATE TRIGGER runs_parent_failed AFTER UPDATE OF state ON orchestrator.runs FOR EACH ROW WHEN (((new.state = ANY (ARRAY['failed'::text, 'dead'::text])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION orchestrator.orchestrator_parent_failed();
 ALTER TABLE ONLY orchestrator.access_tokens
     ADD CONSTRAINT access_tokens_principal_fkey FOREIGN KEY (principal) REFERENCES orchestrator.principals(name) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.budget_carves

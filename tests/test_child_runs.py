@@ -310,3 +310,37 @@ async def test_a_child_inherits_its_parent_s_concurrency_key_unless_it_sets_its_
     assert spawned is not None
     keys = {key: (await store.get(run_id)).concurrency_key for key, run_id in spawned.items()}
     assert keys == {"same": "tenant-a", "own": "tenant-b"}
+
+
+class SpawnThenFail(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        if ctx.checkpoint is None:
+            children = [
+                Child("slow_worker", {}, key="tied", cancel_with_parent=True),
+                Child("slow_worker", {}, key="free"),
+            ]
+            return Next(SpawnThenFail, checkpoint={"spawned": True}, children=children)
+        return Fail("the parent gives up")
+
+
+class SlowWork(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        await anyio.sleep(float(ctx.input.get("seconds", 2)))
+        return Finish(result={"done": True})
+
+
+async def test_a_failed_parent_cancels_the_children_that_asked_to_be_and_no_others(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    failing = Agent("quitter", first=SpawnThenFail)
+    slow = Agent("slow_worker", first=SlowWork)
+    run_id = (await store.submit("quitter", {})).run.run_id
+    async with running_worker(settings, [failing, slow], **FAST):
+        failed = await until_state(store, run_id, RunState.FAILED, RunState.DEAD)
+        children = {c.child_key: c for c in await store.list_runs(parent=run_id)}
+        free = await until_state(store, children["free"].run_id, RunState.SUCCEEDED)
+    assert failed.state is RunState.FAILED
+    tied = await store.get(children["tied"].run_id)
+    assert tied.state is RunState.CANCELLED and free.state is RunState.SUCCEEDED
+    [event] = [e for e in await store.events(tied.run_id) if e.kind == "cancelled"]
+    assert event.details["reason"] == f"its parent {run_id} failed"

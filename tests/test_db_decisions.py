@@ -511,6 +511,7 @@ async def test_hostile_arguments_to_every_function_change_nothing(
         ),
         ("SELECT * FROM orchestrator_spawn_children($1, 1, $2, '[]')", (run, huge)),
         ("SELECT orchestrator_carve_budgets(NULL, NULL, NULL, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_cancel_tree($1, '{}')", (run,)),  # no role may, bare
         ("SELECT * FROM orchestrator_fork_run(NULL, NULL, NULL, NULL, NULL, NULL)", ()),
         ("SELECT * FROM orchestrator_fork_run($1, -1, 'r_x', NULL, NULL, NULL)", (run,)),
         ("SELECT * FROM orchestrator_fork_run($1, 0, $2, NULL, NULL, NULL)", (run, huge)),

@@ -47,6 +47,8 @@ class Child:
     budget: Budget | None = None
     """The child's limits, carved from its parent's budget by the spawning commit (a parent
     with a budget must carve every dimension it limits): docs/child-runs.md."""
+    cancel_with_parent: bool = False
+    """Cancel the child (and its own children) when its parent fails for good."""
 
     def __post_init__(self) -> None:
         validate_agent_name(self.agent)
@@ -73,6 +75,7 @@ class Child:
             "concurrency_key": self.concurrency_key,
             "priority": self.priority,
             "budget": None if self.budget is None else self.budget.limits(),
+            "cancel_with_parent": self.cancel_with_parent,
         }
 
 

@@ -15,6 +15,8 @@ ALTER TABLE runs
     -- While it waits for children: how many of those it needs have yet to end (park_runs sets
     -- it, each child's end counts it down), so a fan-in of N costs N steps, not N squared.
     ADD COLUMN children_awaited integer,
+    -- Cancelled (with its subtree) when its parent fails for good: a per-spawn choice.
+    ADD COLUMN cancel_with_parent boolean NOT NULL DEFAULT false,
     ADD CONSTRAINT runs_child_key_check
         CHECK (child_key IS NULL OR child_key ~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$'),
     ADD CONSTRAINT runs_child_has_parent_check
@@ -97,13 +99,14 @@ BEGIN
         SELECT c.child, c.ord FROM jsonb_array_elements(p_children) WITH ORDINALITY AS c(child, ord)
     ), inserted AS (
         INSERT INTO runs AS r (run_id, agent, input, max_attempts, available_at, concurrency_key,
-                               priority, parent_run_id, child_key, root_run_id, depth)
+                               priority, parent_run_id, child_key, root_run_id, depth,
+                               cancel_with_parent)
         SELECT w.child ->> 'run_id', w.child ->> 'agent', w.child -> 'input',
                coalesce((w.child ->> 'max_attempts')::integer, 5), clock_timestamp(),
                coalesce(w.child ->> 'concurrency_key', parent.concurrency_key),
                coalesce((w.child ->> 'priority')::integer, 0),
                p_parent, w.child ->> 'key', coalesce(parent.root_run_id, p_parent),
-               parent.depth + 1
+               parent.depth + 1, coalesce((w.child ->> 'cancel_with_parent')::boolean, false)
         FROM wanted AS w ORDER BY w.ord
         ON CONFLICT DO NOTHING
         RETURNING r.run_id, r.child_key, r.agent, r.fence
@@ -183,29 +186,24 @@ CREATE TRIGGER runs_child_ended
           AND OLD.state IS DISTINCT FROM NEW.state)
     EXECUTE FUNCTION orchestrator_child_ended();
 
--- Cancel a run and its whole subtree, audited: one transaction raises the fence of the run and
--- of every unfinished descendant, so that once it commits none of them can commit a step or
--- have an effect accepted at the boundary. (Migration 0019's function, for a tree.)
-CREATE OR REPLACE FUNCTION orchestrator_cancel_run(
-    p_run_id text, p_reason text, p_principal text, p_via text, p_typed_by text
-) RETURNS TABLE (run_id text, fence bigint, previous_state text, previous_owner text,
-                 notified bigint, audit_seq bigint, principal text)
-LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+-- Cancel run p_run_id and its whole unfinished subtree in one transaction (callers decide who
+-- may): the fence of each is raised, so that once it commits none of them can commit a step or
+-- have an effect accepted at the boundary; their unsent effects are withdrawn. p_details goes
+-- into each run's `cancelled` event. No row: p_run_id is not unfinished.
+CREATE FUNCTION orchestrator_cancel_tree(
+    p_run_id text, p_details jsonb,
+    OUT run_id text, OUT fence bigint, OUT previous_state text, OUT previous_owner text,
+    OUT notified bigint, OUT descendants integer
+) RETURNS SETOF record LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 #variable_conflict use_column
 DECLARE
-    who record;
     done record;
-    descendants integer;
 BEGIN
-    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
-    IF p_reason IS NOT NULL AND length(p_reason) > 2000 THEN
-        RAISE EXCEPTION 'a cancel''s reason must be at most 2000 characters'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     -- The root, then its unfinished descendants. A child's final commit locks the child, then
     -- (trigger runs_child_ended) its parent: the opposite order. So the descendants are taken
-    -- without waiting, and when one is busy everything is let go for a moment (its commit can
-    -- then end) and taken again; after many tries the cancel waits like any statement.
+    -- without waiting, and when one is busy everything taken here is let go for a moment (its
+    -- commit can then end) and taken again; after many tries the cancel waits like any
+    -- statement.
     FOR try_number IN 1..300 LOOP
         BEGIN
             PERFORM 1 FROM runs AS r
@@ -254,10 +252,8 @@ BEGIN
     ), logged AS (
         INSERT INTO run_events (run_id, kind, fence, details)
         SELECT c.run_id, 'cancelled', c.fence,
-               jsonb_strip_nulls(jsonb_build_object(
+               jsonb_strip_nulls(coalesce(p_details, '{}'::jsonb) || jsonb_build_object(
                    'previous_state', c.previous_state, 'previous_owner', c.previous_owner,
-                   'reason', p_reason, 'by', who.principal, 'via', who.via,
-                   'typed_by', p_typed_by,
                    'with_ancestor', CASE WHEN c.level > 0 THEN p_run_id END))
         FROM cancelled AS c
     ), fenced AS (
@@ -289,8 +285,42 @@ BEGIN
     )
     SELECT c.run_id, c.fence, c.previous_state, c.previous_owner,
            (SELECT count(*) FROM told) AS notified,
-           (SELECT count(*) - 1 FROM cancelled) AS descendants
+           (SELECT count(*) - 1 FROM cancelled)::integer AS descendants
     INTO done FROM cancelled AS c WHERE c.level = 0;
+    IF done.run_id IS NULL THEN
+        RETURN;
+    END IF;
+    run_id := done.run_id;
+    fence := done.fence;
+    previous_state := done.previous_state;
+    previous_owner := done.previous_owner;
+    notified := done.notified;
+    descendants := done.descendants;
+    RETURN NEXT;
+END
+$$;
+REVOKE ALL ON FUNCTION orchestrator_cancel_tree(text, jsonb) FROM PUBLIC;
+
+-- Cancel a run and its whole subtree, audited (migration 0019's function, for a tree).
+CREATE OR REPLACE FUNCTION orchestrator_cancel_run(
+    p_run_id text, p_reason text, p_principal text, p_via text, p_typed_by text
+) RETURNS TABLE (run_id text, fence bigint, previous_state text, previous_owner text,
+                 notified bigint, audit_seq bigint, principal text)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+#variable_conflict use_column
+DECLARE
+    who record;
+    done record;
+BEGIN
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    IF p_reason IS NOT NULL AND length(p_reason) > 2000 THEN
+        RAISE EXCEPTION 'a cancel''s reason must be at most 2000 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO done FROM orchestrator_cancel_tree(
+        p_run_id,
+        jsonb_build_object('reason', p_reason, 'by', who.principal, 'via', who.via,
+                           'typed_by', p_typed_by)) AS t;
     IF done.run_id IS NULL THEN
         RETURN;
     END IF;
@@ -309,3 +339,32 @@ BEGIN
     RETURN NEXT;
 END
 $$;
+
+-- A run failed for good (its step said so, or its last attempt): cancel, with their subtrees,
+-- the children it spawned asking to be (Child(cancel_with_parent=True)). The failed run's
+-- children do not lock it (it is not waiting), so nothing here waits on them in reverse.
+CREATE FUNCTION orchestrator_parent_failed() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    child record;
+BEGIN
+    FOR child IN
+        SELECT r.run_id FROM runs AS r
+        WHERE r.parent_run_id = NEW.run_id AND r.cancel_with_parent
+          AND r.state IN ('queued', 'running', 'waiting')
+        ORDER BY r.run_id
+    LOOP
+        PERFORM orchestrator_cancel_tree(
+            child.run_id,
+            jsonb_build_object('reason', format('its parent %s %s', NEW.run_id, NEW.state),
+                               'by', 'orchestrator'));
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER runs_parent_failed
+    AFTER UPDATE OF state ON runs
+    FOR EACH ROW
+    WHEN (NEW.state IN ('failed', 'dead') AND OLD.state IS DISTINCT FROM NEW.state)
+    EXECUTE FUNCTION orchestrator_parent_failed();
