@@ -501,12 +501,10 @@ class ToolLoop:
         """The previous turn's effect calls, as tool messages, once each record has settled; or,
         while some have not, a ``Wait`` for them (after a short grace holding the lease: a fast
         vendor answers in milliseconds, a person or a parked effect takes longer)."""
-        records = await state.settle(ctx, self.settle_grace_seconds)
-        if isinstance(records, Wait):
-            return records
-        ended = state.children_waited(ctx)
-        if isinstance(ended, Wait):
-            return ended
+        calls = await state.calls_ended(ctx, self.settle_grace_seconds)
+        if isinstance(calls, Wait):
+            return calls
+        records, ended = calls
         results: list[Message] = []
         for pending in state.pending:
             found = self.tools[str(pending["tool"])]

@@ -365,6 +365,19 @@ class TurnState:
             children=children,
         )
 
+    async def calls_ended(
+        self, ctx: StepContext, grace: float
+    ) -> tuple[dict[str, EffectRecord], dict[str, ChildOutcome | None]] | Wait:
+        """The previous turn's calls once each has ended: the effects' settled records and
+        the child runs' outcomes; while some have not, a ``Wait`` for them."""
+        records = await self.settle(ctx, grace)
+        if isinstance(records, Wait):
+            return records
+        ended = self.children_waited(ctx)
+        if isinstance(ended, Wait):
+            return ended
+        return records, ended
+
     def children_waited(self, ctx: StepContext) -> dict[str, ChildOutcome | None] | Wait:
         """The previous turn's child runs (agent tool calls) once each has ended; while some
         have not, a ``Wait`` for them (they run for minutes: no grace holding the lease)."""

@@ -31,9 +31,9 @@ class Fork(JsonFields):
     again)."""
 
 
+@dataclass(frozen=True)
 class ForkStore:
-    def __init__(self, db: Executor) -> None:
-        self.db = db
+    db: Executor
 
     async def fork(
         self,

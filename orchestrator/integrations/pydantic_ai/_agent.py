@@ -238,13 +238,10 @@ class PydanticAIAgent(Agent):
         settled; while some have not, a ``Wait`` for them (after a short grace with the lease)."""
         if not state.pending:
             return None
-        records = await state.settle(ctx, self.settle_grace_seconds)
-        if isinstance(records, Wait):
-            return records
-        ended = state.children_waited(ctx)
-        if isinstance(ended, Wait):
-            return ended
-        return deferred_results(state.pending, records, self.effects, ended)
+        calls = await state.calls_ended(ctx, self.settle_grace_seconds)
+        if isinstance(calls, Wait):
+            return calls
+        return deferred_results(state.pending, *calls, self.effects)
 
 
 def _classified(

@@ -87,8 +87,8 @@ def child_agent(
 def deferred_results(
     pending: Sequence[Mapping[str, JSON]],
     records: Mapping[str, EffectRecord],
+    children: Mapping[str, ChildOutcome | None],
     effects: Mapping[str, EffectfulTool],
-    children: Mapping[str, ChildOutcome | None] | None = None,
 ) -> DeferredToolResults:
     """The settled records of the previous turn's deferred calls, as Pydantic AI resumes them:
     an effect's result as the call's return, a person's denial as ``ToolDenied``, a child
@@ -97,7 +97,7 @@ def deferred_results(
     for call in pending:
         call_id, tool = str(call["call_id"]), str(call["tool"])
         if "child_key" in call:
-            results.calls[call_id] = AgentTool.told((children or {}).get(str(call["child_key"])))
+            results.calls[call_id] = AgentTool.told(children.get(str(call["child_key"])))
             continue
         record = records[str(call["effect_key"])]
         marked = effects.get(tool)
