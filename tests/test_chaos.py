@@ -13,9 +13,15 @@ import pytest
 
 from orchestrator.chaos import CampaignConfig, Report, run_campaign
 from orchestrator.chaos.deploy_checks import OLD_VERSION_COMMITTED
+from orchestrator.chaos.deploy_faults import CUT_OVER
 from orchestrator.chaos.faults import FAULT_KINDS
+from orchestrator.chaos.tree_checks import COMMITTED_AFTER_CANCEL
 from support import cli
-from support.chaos_mutants import BOUNDARY_WITHOUT_FENCE_CHECK, CUTOVER_NOT_IN_FORCE
+from support.chaos_mutants import (
+    BOUNDARY_WITHOUT_FENCE_CHECK,
+    CANCEL_WITHOUT_CASCADE,
+    CUTOVER_NOT_IN_FORCE,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # whole campaigns, minutes each
 
@@ -49,10 +55,13 @@ def test_a_short_campaign_with_every_fault_keeps_every_promise(tmp_path: Path) -
     assert report["runs_submitted"] == 90
     assert report["lost_runs"] == 0 and report["duplicate_posts"] == 0
     assert report["deliveries"] > 90  # every run emails; most note the CRM and refund
+    # A third of the runs are trees of two or three leaves; a cancel took one with its leaves.
+    assert report["trees"] >= 1 and report["children"] >= 2 * report["trees"]
+    assert report["cascading_cancels"] >= 1 and report["descendants_cancelled"] >= 1
     assert report["mcp_deliveries"] >= 1  # tool runs open a case through an MCP server
     assert report["stale_requests_refused"] >= 1
     assert report["runs_keyed"] >= 1 and report["limit_samples"] >= 1  # keyed runs under limits
-    assert report["cutovers"] >= 2 * report["faults"]["deploy"]["fired"]  # both agents, each
+    assert report["cutovers"] >= len(CUT_OVER) * report["faults"]["deploy"]["fired"]  # each
     assert "quiescent" in done.stderr and "healed" in done.stderr
 
 
@@ -82,6 +91,22 @@ def test_the_checker_catches_old_workers_committing_after_a_cutover(tmp_path: Pa
     rules = {violation.rule for violation in report.findings.violations}
     assert OLD_VERSION_COMMITTED in rules, report.findings.violations
     assert report.fired()["deploy"] >= 1 and report.findings.cutovers >= 2
+    assert not report.passed
+
+
+def test_the_checker_catches_a_cancel_that_does_not_cascade(tmp_path: Path) -> None:
+    """A cancel that takes only the root it names: the leaves it picked mid-step go on
+    committing (and having their effects accepted) after it."""
+    report = campaign(
+        tmp_path,
+        kinds=("cancel",),
+        agents=("chaos_tree",),
+        fault_rate=0.2,
+        after_migrate=CANCEL_WITHOUT_CASCADE,
+    )
+    rules = {violation.rule for violation in report.findings.violations}
+    assert COMMITTED_AFTER_CANCEL in rules, [(f.target, f.detail) for f in report.faults]
+    assert report.findings.trees >= 1 and report.findings.cascading_cancels == 0
     assert not report.passed
 
 

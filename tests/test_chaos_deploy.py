@@ -60,12 +60,20 @@ async def parked_under_v1(settings: Settings, store: RunStore) -> str:
     return run_id
 
 
-async def deploy_findings(pool: asyncpg.Pool) -> Findings:
-    """The deploy rules on what the database holds."""
+async def runs_and_timelines(
+    pool: asyncpg.Pool,
+) -> tuple[dict[str, asyncpg.Record], dict[str, list[asyncpg.Record]]]:
+    """Every run by id, and each run's timeline in order, as the checker reads them."""
     runs = {row["run_id"]: row for row in await pool.fetch("SELECT * FROM runs")}
     events: dict[str, list[asyncpg.Record]] = collections.defaultdict(list)
     for event in await pool.fetch("SELECT * FROM run_events ORDER BY event_id"):
         events[event["run_id"]].append(event)
+    return runs, events
+
+
+async def deploy_findings(pool: asyncpg.Pool) -> Findings:
+    """The deploy rules on what the database holds."""
+    runs, events = await runs_and_timelines(pool)
     found = Findings()
     check_deploys(found, runs, events, await read_cutovers(pool), SERVED)
     return found

@@ -32,6 +32,7 @@ def failover_campaign(tmp_path: Path, *, runs: int = 40, **options: Any) -> Repo
         kinds=KINDS,
         settle_seconds=90,
         work_dir=tmp_path / "campaign",
+        agents=("chaos_steps", "chaos_tools"),
         **options,
     )
     return anyio.run(run_campaign, config)

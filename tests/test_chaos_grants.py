@@ -132,7 +132,7 @@ async def test_a_failover_closes_the_client_gate_after_the_clients_inside_leave(
 
 
 def test_the_workload_is_of_the_agents_asked_for() -> None:
-    assert {plan.agent for plan in plans(1, 6)} == {"chaos_steps", "chaos_tools"}
+    assert {plan.agent for plan in plans(1, 6)} == {"chaos_steps", "chaos_tools", "chaos_tree"}
     assert {plan.agent for plan in plans(1, 6, ("chaos_steps",))} == {"chaos_steps"}
     with pytest.raises(InvalidInput, match=r"unknown agents \['nope'\]"):
         plans(1, 6, ("chaos_steps", "nope"))

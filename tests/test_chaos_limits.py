@@ -178,5 +178,5 @@ def test_a_campaign_of_keyed_runs_under_limits_keeps_every_promise(tmp_path: Pat
     assert findings.limit_samples >= 1
     per_key = [subject for subject in findings.limit_peaks if "/" in subject]
     assert per_key and all(subject.split("/")[1].split()[0] in KEYS for subject in per_key)
-    for agent in ("chaos_steps", "chaos_tools"):
+    for agent in ("chaos_steps", "chaos_tools", "chaos_tree", "chaos_leaf"):  # a tree's leaves too
         assert f"{agent} (keys * in all)" in findings.limit_peaks

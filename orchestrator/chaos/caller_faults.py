@@ -131,6 +131,7 @@ class CallerFaults(FaultGroup):
             self.stale_refused += 1
 
     async def _cascaded(self, run_id: str) -> str:
+        """The fault's detail for a tree's root: how many runs below it its cancel took."""
         try:
             below = await self.context.pool.fetchval(
                 "SELECT count(*) FROM orchestrator.run_events "
@@ -140,7 +141,7 @@ class CallerFaults(FaultGroup):
             )
         except CAMPAIGN_ERRORS:
             return "a tree's root"
-        return f"a tree's root: {below} runs below it cancelled with it"
+        return f"a tree's root; runs cancelled below it: {below}"
 
     async def _pick(self, sql: str, fault: ScheduledFault, within: float = 20) -> asyncpg.Record:
         """A row of ``sql``'s candidates (``target`` picks which), waiting for one to exist."""

@@ -2,7 +2,8 @@
 
 ``python tests/support/chaos_mutants.py MUTANT ARGS...`` runs ``orchestrator ARGS...`` with the
 mutant applied. The database-side mutants (``BOUNDARY_WITHOUT_FENCE_CHECK``,
-``FENCES_WITHOUT_EPOCH``, ``CUTOVER_NOT_IN_FORCE``) are SQL the campaign runs after migrating.
+``FENCES_WITHOUT_EPOCH``, ``CUTOVER_NOT_IN_FORCE``, ``CANCEL_WITHOUT_CASCADE``,
+``CHILD_KEYS_NOT_UNIQUE``) are SQL the campaign (or a test) runs after migrating.
 """
 
 from __future__ import annotations
@@ -20,17 +21,41 @@ def resend_uncertain() -> None:
 
 MUTANTS = {"resend-uncertain": resend_uncertain}
 
-BOUNDARY_WITHOUT_FENCE_CHECK = """
+
+def redefined(function: str, old: str, new: str) -> str:
+    """SQL that redefines every ``orchestrator.function`` with ``old`` replaced by ``new``, and
+    fails when none has ``old`` (the function changed: the mutant must be updated)."""
+    return f"""
 DO $$
-DECLARE definition text;
+DECLARE
+    function_id oid;
+    definition text;
+    changed integer := 0;
 BEGIN
-    definition := pg_get_functiondef('orchestrator.orchestrator_accept_effect'::regproc);
-    IF position('IF p_fence < accepted_fence THEN' IN definition) = 0 THEN
-        RAISE EXCEPTION 'the boundary function changed: update this mutant';
+    FOR function_id IN
+        SELECT oid FROM pg_proc
+        WHERE proname = '{function}' AND pronamespace = 'orchestrator'::regnamespace
+    LOOP
+        definition := pg_get_functiondef(function_id);
+        IF position({_literal(old)} IN definition) > 0 THEN
+            EXECUTE replace(definition, {_literal(old)}, {_literal(new)});
+            changed := changed + 1;
+        END IF;
+    END LOOP;
+    IF changed = 0 THEN
+        RAISE EXCEPTION '{function} changed: update this mutant';
     END IF;
-    EXECUTE replace(definition, 'IF p_fence < accepted_fence THEN', 'IF false THEN');
 END $$;
 """
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+BOUNDARY_WITHOUT_FENCE_CHECK = redefined(
+    "orchestrator_accept_effect", "IF p_fence < accepted_fence THEN", "IF false THEN"
+)
 """The effect boundary no longer refuses a fence below its high-water mark."""
 
 FENCES_WITHOUT_EPOCH = """
@@ -41,32 +66,28 @@ $$;
 """Claims count on from the promoted server's copy (greatest(fence + 1, 0)), as before fences
 carried the WAL timeline's epoch: a fence the lost primary granted is granted again."""
 
-CUTOVER_NOT_IN_FORCE = """
-CREATE TABLE orchestrator.cutovers_nobody_reads (LIKE orchestrator.agent_cutovers INCLUDING ALL);
-DO $$
-DECLARE
-    function_id oid;
-    definition text;
-    changed integer := 0;
-BEGIN
-    FOR function_id IN
-        SELECT oid FROM pg_proc
-        WHERE proname = 'orchestrator_cutover' AND pronamespace = 'orchestrator'::regnamespace
-    LOOP
-        definition := pg_get_functiondef(function_id);
-        IF position('INSERT INTO agent_cutovers AS c' IN definition) > 0 THEN
-            EXECUTE replace(definition, 'INSERT INTO agent_cutovers AS c',
-                            'INSERT INTO cutovers_nobody_reads AS c');
-            changed := changed + 1;
-        END IF;
-    END LOOP;
-    IF changed = 0 THEN
-        RAISE EXCEPTION 'the cutover function changed: update this mutant';
-    END IF;
-END $$;
-"""
+CUTOVER_NOT_IN_FORCE = (
+    "CREATE TABLE orchestrator.cutovers_nobody_reads "
+    "(LIKE orchestrator.agent_cutovers INCLUDING ALL);"
+) + redefined(
+    "orchestrator_cutover",
+    "INSERT INTO agent_cutovers AS c",
+    "INSERT INTO cutovers_nobody_reads AS c",
+)
 """A cutover that takes the runs old workers hold but records the version in force where no
 claim or commit reads it: old workers go on claiming and committing the agent's runs."""
+
+CANCEL_WITHOUT_CASCADE = redefined(
+    "orchestrator_cancel_tree", "ON c.parent_run_id = t.run_id", "ON false"
+)
+"""A cancel that takes only the run it names, as before trees: the runs below it go on
+committing steps and having their effects accepted."""
+
+CHILD_KEYS_NOT_UNIQUE = "DROP INDEX orchestrator.runs_children;" + redefined(
+    "orchestrator_spawn_children", "ON CONFLICT DO NOTHING", ""
+)
+"""A spawn that does not find the child a key already names: a step that names its children
+again starts each one a second time."""
 
 
 if __name__ == "__main__":
