@@ -316,8 +316,8 @@ class SpawnThenFail(Step):
     async def run(self, ctx: StepContext) -> Outcome:
         if ctx.checkpoint is None:
             children = [
-                Child("slow_worker", {}, key="tied", cancel_with_parent=True),
-                Child("slow_worker", {}, key="free"),
+                Child("slow_worker", {"seconds": 60}, key="tied", cancel_with_parent=True),
+                Child("slow_worker", {"seconds": 0.2}, key="free"),
             ]
             return Next(SpawnThenFail, checkpoint={"spawned": True}, children=children)
         return Fail("the parent gives up")

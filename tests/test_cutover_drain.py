@@ -68,7 +68,7 @@ COMMON: dict[str, Any] = {"expected_version": 0, "next_step": "Read", "checkpoin
 async def test_a_drained_run_commits_the_step_it_is_in_then_the_new_version_goes_on(
     settings: Settings, store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    run_id = (await store.submit("paced", {"seconds": 2})).run.run_id
+    run_id = (await store.submit("paced", {"seconds": 5})).run.run_id  # mid-step at the cutover
     async with running_worker(settings, [paced_v1], **FAST):
         held = await until_state(store, run_id, RunState.RUNNING)
         done = await AgentStore(pool).cutover("paced", 2, drain=True)
@@ -107,7 +107,7 @@ async def test_a_drained_run_commits_the_step_it_is_in_then_the_new_version_goes
 async def test_a_drained_step_that_waits_parks_and_is_woken_for_the_new_version(
     settings: Settings, store: RunStore, pool: asyncpg.Pool
 ) -> None:
-    run_id = (await store.submit("paced", {"seconds": 1.5, "wait": True})).run.run_id
+    run_id = (await store.submit("paced", {"seconds": 4, "wait": True})).run.run_id
     async with running_worker(settings, [paced_v1], **FAST):
         await until_state(store, run_id, RunState.RUNNING)
         assert (await AgentStore(pool).cutover("paced", 2, drain=True)).runs_draining == 1
