@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import anyio
@@ -19,6 +17,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.models import RunState
 from orchestrator.testing import LocalVendor, wait_for_run
 from support import ServeProcess, cli, crm_kind, serve_args, write_vendors_config
+from test_effects_processes import start_dispatcher
 from test_effects_proxy import auth, request, running_proxy
 
 pytestmark = pytest.mark.slow
@@ -128,24 +127,6 @@ async def test_a_fan_out_of_100_survives_a_worker_kill_and_the_parent_holds_no_l
         assert len(vendor.deliveries) == 100 and set(vendor.requests_by_key.values()) == {1}
 
 
-def start_dispatcher(database_url: str, config: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "effects",
-            "dispatch",
-            "--effects-config",
-            config,
-            "--poll-seconds",
-            "0.1",
-        ],
-        env={"ORCHESTRATOR_DATABASE_URL": database_url, "PATH": ""},
-        stderr=subprocess.DEVNULL,
-    )
-
-
 async def test_cancelling_the_root_cuts_off_a_three_level_tree_mid_step_and_through_the_proxy(
     database_url: str, store: RunStore, pool: asyncpg.Pool, tmp_path: Path
 ) -> None:
@@ -184,7 +165,7 @@ async def test_cancelling_the_root_cuts_off_a_three_level_tree_mid_step_and_thro
             )
             assert late.status_code == 409, late.text
             await anyio.sleep(2)  # the worker is told; its steps stop
-        dispatcher = start_dispatcher(database_url, config)
+        dispatcher = start_dispatcher(database_url, config, "--poll-seconds", "0.1")
         try:
             await anyio.sleep(3)  # several polls: it must find nothing to send
         finally:
