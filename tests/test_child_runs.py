@@ -344,3 +344,26 @@ async def test_a_failed_parent_cancels_the_children_that_asked_to_be_and_no_othe
     assert tied.state is RunState.CANCELLED and free.state is RunState.SUCCEEDED
     [event] = [e for e in await store.events(tied.run_id) if e.kind == "cancelled"]
     assert event.details["reason"] == f"its parent {run_id} failed"
+
+
+class SpawnUnstorable(Step):
+    async def run(self, ctx: StepContext) -> Outcome:
+        bad: Any = {"when": {1, 2}} if ctx.input.get("kind") == "set" else {"x": "y" * 2_000_000}
+        return Next(FanIn, checkpoint={}, children=[Child("worker", bad, "bad")])
+
+
+async def test_a_child_whose_input_cannot_be_stored_fails_the_attempt_and_the_worker_goes_on(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    spawner = Agent("unstorable", first=SpawnUnstorable, steps=[FanIn])
+    runs = [
+        (await store.submit("unstorable", {"kind": kind}, max_attempts=1)).run.run_id
+        for kind in ("set", "huge")
+    ]
+    async with running_worker(settings, [spawner, *AGENTS], **FAST):
+        for run_id in runs:
+            dead = await until_state(store, run_id, RunState.DEAD)
+            assert "child bad's input" in json.dumps(dead.error), dead.error
+        fine = (await store.submit("parent", {"children": 2})).run.run_id
+        assert (await until_state(store, fine, RunState.SUCCEEDED)).result["sum"] == 2
+    assert await pool.fetchval("SELECT count(*) FROM runs WHERE child_key = 'bad'") == 0

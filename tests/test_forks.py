@@ -110,6 +110,6 @@ async def test_a_fork_is_refused_while_an_effect_before_its_point_is_unsettled(
         await forks.fork(claimed.run_id, step="Nowhere")
     with pytest.raises(asyncpg.InvalidParameterValueError, match="kept: 1"):
         await forks.fork(claimed.run_id, version=7)
-    for bad in ({"version": -1}, {}, {"version": 1, "step": "Second"}):
+    for bad in ({"version": -1}, {}, {"version": 1, "step": "Second"}, {"step": "a\x00"}):
         with pytest.raises(InvalidInput):
             await forks.fork(claimed.run_id, **bad)

@@ -3,6 +3,7 @@ another, carrying the effects that run had confirmed before that point."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,9 @@ from orchestrator.models import JsonFields, from_row
 
 if TYPE_CHECKING:
     from orchestrator.db.executor import Executor
+
+STEP_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+"""As agents name their steps (``orchestrator.agent.steps``)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class ForkStore:
         """Start a new run from ``run_id``'s kept checkpoint ``version`` (0: the start), or
         the latest from which ``step`` was to run next (audited, ``operate``)."""
         validate_run_id(run_id)
+        if step is not None and not STEP_NAME.fullmatch(step):
+            raise InvalidInput(f"a step name is 1-64 letters, digits and _.- , not {step!r}")
         if (version is None) == (step is None):
             raise InvalidInput("say where the fork starts: a checkpoint version or a step name")
         if version is None:

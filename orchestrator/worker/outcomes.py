@@ -72,6 +72,11 @@ def validate(outcome: Outcome, agent: str, steps: Container[str], limits: Limits
             limits.checkpoint,
         )
         _check_messages(outcome.messages, limits.message)
+        children = outcome.children if isinstance(outcome, Next) else new_children(outcome.children)
+        for child in children:  # encoded by the commit: refused here, before it
+            validate_json(
+                child.input, what=f"child {child.key}'s input", max_bytes=limits.checkpoint
+            )
         if outcome.step_name not in steps:
             raise LookupError(
                 f"{kind} names step {outcome.step_name!r}, which agent {agent} does not have"
