@@ -396,7 +396,10 @@ class RunExecution:
                     encoded = validate(outcome, agent.name, agent.steps, services.config.limits)
                     if isinstance(outcome, steps.Next | steps.Wait) and outcome.children:
                         await check_child_agents(
-                            outcome, services.registry.names, services.store.pool
+                            outcome,
+                            services.registry.names,
+                            services.store.pool,
+                            within=services.config.statement_seconds,
                         )
                 except Exception as error:
                     span.record_exception(error)

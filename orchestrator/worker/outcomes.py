@@ -72,8 +72,7 @@ def validate(outcome: Outcome, agent: str, steps: Container[str], limits: Limits
             limits.checkpoint,
         )
         _check_messages(outcome.messages, limits.message)
-        children = outcome.children if isinstance(outcome, Next) else new_children(outcome.children)
-        for child in children:  # encoded by the commit: refused here, before it
+        for child in started_children(outcome):  # encoded by the commit: refused here, before it
             validate_json(
                 child.input, what=f"child {child.key}'s input", max_bytes=limits.checkpoint
             )
@@ -105,41 +104,37 @@ def step_commit(
 ) -> StepCommit:
     """The commit of a step that goes on: to its next step, or parked until what ``Wait``
     names happens (a ``Wait`` without a checkpoint keeps ``current_checkpoint``)."""
+    park: Park | None = None
     if isinstance(outcome, Next):
-        return StepCommit(
-            lease,
-            version,
-            outcome.step_name,
-            outcome.checkpoint,
-            effects=tuple(outcome.effects),
-            checkpoint_text=encoded.checkpoint,
-            messages=messages,
-            signal_seqs=extras.signal_seqs,
-            spend=extras.spend,
-            agent_version=agent_version,
-            children=spawns(outcome.children, traceparent),
-            budget_limits=budget_limits,
-            keep_checkpoint=keep_checkpoint,
-        )
-    # Progress since the claim: a step committed before this one, or this one was given
-    # signals (a wait found already satisfied is then no spin).
-    progressed = version != claimed_version or bool(extras.signal_seqs)
+        checkpoint, effects = outcome.checkpoint, tuple(outcome.effects)
+    else:
+        checkpoint = current_checkpoint if encoded.checkpoint is None else outcome.checkpoint
+        effects = tuple(outcome.new_effects)
+        # Progress since the claim: a step committed before this one, or this one was given
+        # signals (a wait found already satisfied is then no spin).
+        progressed = version != claimed_version or bool(extras.signal_seqs)
+        park = Park(outcome.stored().as_json(), outcome.until, progressed=progressed)
     return StepCommit(
         lease,
         version,
         outcome.step_name,
-        current_checkpoint if encoded.checkpoint is None else outcome.checkpoint,
-        effects=tuple(outcome.new_effects),
+        checkpoint,
+        effects=effects,
         checkpoint_text=encoded.checkpoint,
         messages=messages,
-        park=Park(outcome.stored().as_json(), outcome.until, progressed=progressed),
+        park=park,
         signal_seqs=extras.signal_seqs,
         spend=extras.spend,
         agent_version=agent_version,
-        children=spawns(new_children(outcome.children), traceparent),
+        children=spawns(started_children(outcome), traceparent),
         budget_limits=budget_limits,
         keep_checkpoint=keep_checkpoint,
     )
+
+
+def started_children(outcome: Next | Wait) -> Sequence[Child]:
+    """The child runs a step's commit starts (a ``Wait`` may also name earlier ones by key)."""
+    return outcome.children if isinstance(outcome, Next) else new_children(outcome.children)
 
 
 def spawns(children: Sequence[Child], traceparent: str | None) -> tuple[dict[str, Any], ...]:

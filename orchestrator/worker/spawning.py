@@ -6,25 +6,27 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from orchestrator.agent.children import new_children
-from orchestrator.agent.steps import Agent, Next, Outcome, Wait
-from orchestrator.db.executor import Executor
+import asyncpg
+
+from orchestrator.agent.steps import Agent, Next, Wait
+from orchestrator.db.deadlines import pooled
 from orchestrator.db.workers import WorkerRegistry
 from orchestrator.telemetry import current_traceparent
+from orchestrator.worker.outcomes import started_children
 
 
-async def check_child_agents(outcome: Outcome, served_here: Iterable[str], db: Executor) -> None:
-    """Raise ``LookupError`` naming a child whose agent no registered worker serves."""
-    if isinstance(outcome, Next):
-        children = list(outcome.children)
-    elif isinstance(outcome, Wait):
-        children = list(new_children(outcome.children))
-    else:
-        return
+async def check_child_agents(
+    outcome: Next | Wait, served_here: Iterable[str], pool: asyncpg.Pool, *, within: float
+) -> None:
+    """Raise ``LookupError`` naming a child whose agent no registered worker serves (the read
+    bounded by ``within`` seconds, as every read on a step's path is)."""
+    children = started_children(outcome)
     wanted = {child.agent for child in children} - set(served_here)
     if not wanted:
         return
-    missing = wanted - set(await WorkerRegistry().served_agents(db))
+    async with pooled(pool, within=within) as db:
+        served = await WorkerRegistry().served_agents(db)
+    missing = wanted - set(served)
     if missing:
         child = next(child for child in children if child.agent in missing)
         raise LookupError(
