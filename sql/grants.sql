@@ -34,7 +34,7 @@ GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {sche
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
     {schema}.agent_cutovers, {schema}.cutover_drains, {schema}.budget_carves,
-    {schema}.run_checkpoints
+    {schema}.run_checkpoints, {schema}.schedules, {schema}.schedule_slots
     TO {worker};
 -- A drained run's last commit gives the run back and drops its drain (release_drained).
 GRANT DELETE ON {schema}.cutover_drains TO {worker};
@@ -60,6 +60,12 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_declare_limits(text, jsonb, text),
     {schema}.orchestrator_spawn_children(text, bigint, text, jsonb),
     {schema}.orchestrator_carve_budgets(text, bigint, text, jsonb, jsonb)
+    TO {worker};
+-- Schedules (migration 0030) are claimed and fired by any `serve` process, only through these.
+GRANT EXECUTE ON FUNCTION
+    {schema}.orchestrator_claim_schedules(text, double precision, integer),
+    {schema}.orchestrator_fire_schedule(text, text, bigint, timestamptz[], timestamptz[], text[],
+                                        timestamptz, jsonb)
     TO {worker};
 -- Rate limits (migration 0022) are taken, settled and paused only through their definer
 -- functions, by the workers' model calls and the dispatchers' sends.
@@ -107,7 +113,7 @@ GRANT SELECT ON {schema}.runs, {schema}.run_events, {schema}.run_messages, {sche
     {schema}.run_signals, {schema}.effects, {schema}.run_budgets, {schema}.budget_ledger,
     {schema}.workers, {schema}.flow_limits, {schema}.run_holds, {schema}.rate_limits,
     {schema}.agent_cutovers, {schema}.cutover_drains, {schema}.budget_carves,
-    {schema}.run_checkpoints
+    {schema}.run_checkpoints, {schema}.schedules, {schema}.schedule_slots
     TO {client}, {console};
 GRANT UPDATE (watched) ON {schema}.runs TO {client}, {console};
 GRANT EXECUTE ON FUNCTION
@@ -128,7 +134,13 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_send_signal(text, text, jsonb, text, text, text, text),
     {schema}.orchestrator_top_up_budget(text, jsonb, text, text, text),
     {schema}.orchestrator_cancel_run(text, text, text, text, text),
-    {schema}.orchestrator_retry_run(text, text, text, text)
+    {schema}.orchestrator_retry_run(text, text, text, text),
+    {schema}.orchestrator_create_schedule(text, text, text, text, bigint, text, text, text,
+                                          integer, integer, integer, timestamptz, timestamptz,
+                                          jsonb, text, integer, integer, timestamptz, text, text,
+                                          text),
+    {schema}.orchestrator_change_schedule(text, text, timestamptz, text, text, text),
+    {schema}.orchestrator_backfill_schedule(text, timestamptz[], text[], text, text, text)
     TO {client}, {console};
 
 -- CONSOLE (`orchestrator console`): everything the client may, and it vouches for the people it

@@ -1620,3 +1620,59 @@ SELECT paused_until FROM orchestrator_rate_pause($1, $2, $3)
 -- cutover --
 -- params: $1 agent, $2 version, $3 drain boolean, $4 principal, $5 via, $6 typed_by
 SELECT * FROM orchestrator_cutover($1, $2, $3::boolean, $4, $5, $6)
+
+-- create_schedule --
+-- params: $1 schedule_id, $2 name, $3 agent, $4 cron (NULL: an interval), $5 every_seconds,
+--         $6 timezone, $7 overlap, $8 catch_up, $9 catch_up_seconds, $10 catch_up_limit,
+--         $11 jitter_seconds, $12 starts_at, $13 ends_at, $14 input jsonb,
+--         $15 concurrency_key, $16 priority, $17 max_attempts, $18 first slot, $19 principal,
+--         $20 via, $21 typed_by
+SELECT * FROM orchestrator_create_schedule($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+                                           $13, $14::jsonb, $15, $16, $17, $18, $19, $20, $21)
+
+-- change_schedule --
+-- params: $1 name, $2 change ('pause' | 'resume' | 'delete'), $3 next slot (resume), $4 principal,
+--         $5 via, $6 typed_by
+SELECT * FROM orchestrator_change_schedule($1, $2, $3, $4, $5, $6)
+
+-- backfill_schedule --
+-- params: $1 name, $2 slots timestamptz[], $3 run ids text[], $4 principal, $5 via, $6 typed_by
+SELECT * FROM orchestrator_backfill_schedule($1, $2, $3, $4, $5, $6)
+
+-- list_schedules --
+-- params: $1 name text (NULL: every schedule)
+-- Each schedule with its unfinished runs (the partial index runs_schedule_unfinished) and the
+-- last slot it decided.
+SELECT s.*, clock_timestamp() AS now,
+       (SELECT count(*) FROM runs AS r
+        WHERE r.schedule_id = s.schedule_id
+          AND r.state IN ('queued', 'running', 'waiting')) AS unfinished,
+       (SELECT max(x.slot) FROM schedule_slots AS x
+        WHERE x.schedule_id = s.schedule_id AND x.run_id IS NOT NULL) AS last_fired
+FROM schedules AS s
+WHERE $1::text IS NULL OR s.name = $1
+ORDER BY s.name
+
+-- schedule_slots --
+-- params: $1 schedule_id, $2 newest int
+-- The schedule's latest decided slots with their runs' states, newest first.
+SELECT x.slot, x.outcome, x.run_id, x.fence, x.decided_by, x.decided_at, r.state AS run_state
+FROM schedule_slots AS x LEFT JOIN runs AS r ON r.run_id = x.run_id
+WHERE x.schedule_id = $1
+ORDER BY x.slot DESC
+LIMIT $2
+
+-- claim_schedules --
+-- params: $1 worker_id, $2 lease_seconds, $3 limit
+SELECT *, clock_timestamp() AS now FROM orchestrator_claim_schedules($1, $2, $3)
+
+-- fire_schedule --
+-- params: $1 schedule_id, $2 worker_id, $3 fence, $4 slots timestamptz[], $5 available_at
+--         timestamptz[], $6 run ids text[] (one more than slots), $7 next slot, $8 missed jsonb
+SELECT * FROM orchestrator_fire_schedule($1, $2, $3, $4, $5, $6, $7, $8::jsonb)
+
+-- next_schedule_due --
+-- params: none
+-- Seconds until the earliest slot of any schedule that runs (negative: due; NULL: none).
+SELECT extract(epoch FROM min(next_fire_at) - clock_timestamp())::float8 AS seconds
+FROM schedules WHERE NOT paused AND next_fire_at IS NOT NULL

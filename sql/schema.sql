@@ -199,6 +199,66 @@ CREATE FUNCTION orchestrator.orchestrator_audit_decision(p_principal text, p_via
                         || CASE WHEN p_typed_by IS NULL THEN '{}'::jsonb
                                 ELSE jsonb_build_object('note', p_typed_by) END)
 $$;
+CREATE FUNCTION orchestrator.orchestrator_backfill_schedule(p_name text, p_slots timestamp with time zone[], p_run_ids text[], p_principal text, p_via text, p_typed_by text, OUT started_runs text[], OUT audit_seq bigint, OUT principal text) RETURNS SETOF record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    who record;
+    s schedules;
+    i integer;
+    backfilled_slot timestamptz;
+    started_run text;
+BEGIN
+    IF coalesce(cardinality(p_slots), 0) > 10000
+       OR coalesce(cardinality(p_slots), 0) <> coalesce(cardinality(p_run_ids), 0) THEN
+        RAISE EXCEPTION 'a backfill names at most 10000 slots and one run id for each'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    SELECT * INTO s FROM schedules AS x WHERE x.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    FOR i IN 1..coalesce(cardinality(p_slots), 0) LOOP
+        backfilled_slot := p_slots[i];
+        IF backfilled_slot IS NULL OR isfinite(backfilled_slot) IS NOT TRUE
+           OR backfilled_slot > clock_timestamp() THEN
+            RAISE EXCEPTION 'a backfill starts slots of the past, not %', backfilled_slot
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF EXISTS (SELECT 1 FROM schedule_slots AS x WHERE x.schedule_id = s.schedule_id
+                   AND x.slot = backfilled_slot AND x.run_id IS NOT NULL) THEN
+            CONTINUE;
+        END IF;
+        started_run := orchestrator_start_scheduled_run(s, backfilled_slot, p_run_ids[i],
+                                                        clock_timestamp(), 'backfill');
+        IF started_run IS NULL THEN
+            CONTINUE;  -- its run exists though its slot record is gone
+        END IF;
+        INSERT INTO schedule_slots AS x (schedule_id, slot, outcome, run_id, fence, decided_by)
+        VALUES (s.schedule_id, backfilled_slot, 'backfilled', started_run, s.fence,
+                who.principal)
+        ON CONFLICT (schedule_id, slot) DO UPDATE
+        SET outcome = 'backfilled', run_id = EXCLUDED.run_id, decided_by = EXCLUDED.decided_by,
+            decided_at = clock_timestamp();
+        IF s.buffered_slot = backfilled_slot THEN
+            UPDATE schedules AS x SET buffered_slot = NULL WHERE x.schedule_id = s.schedule_id;
+        END IF;
+        started_runs := started_runs || started_run;
+    END LOOP;
+    started_runs := coalesce(started_runs, ARRAY[]::text[]);
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'schedule_backfill', NULL, NULL,
+        jsonb_build_object('schedule', p_name, 'schedule_id', s.schedule_id,
+                           'from', p_slots[1], 'to', p_slots[cardinality(p_slots)],
+                           'slots', coalesce(cardinality(p_slots), 0),
+                           'started', cardinality(started_runs)),
+        p_typed_by);
+    RETURN NEXT;
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_budget_amounts_are_positive() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
@@ -466,6 +526,45 @@ BEGIN
     RETURN want.children;
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_change_schedule(p_name text, p_change text, p_next timestamp with time zone, p_principal text, p_via text, p_typed_by text, OUT schedule_id text, OUT audit_seq bigint, OUT principal text) RETURNS SETOF record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    who record;
+    changed schedules;
+BEGIN
+    IF p_change IS NULL OR p_change NOT IN ('pause', 'resume', 'delete')
+       OR (p_next IS NOT NULL AND isfinite(p_next) IS NOT TRUE) THEN
+        RAISE EXCEPTION 'a schedule change is pause, resume or delete'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    IF p_change = 'delete' THEN
+        DELETE FROM schedules AS s WHERE s.name = p_name RETURNING * INTO changed;
+    ELSE
+        -- A resume hands the schedule to whichever scheduler claims it next: the lease of one
+        -- that claimed it before the pause is ended (a raised fence would only come with it).
+        UPDATE schedules AS s
+        SET paused = (p_change = 'pause'),
+            next_fire_at = CASE WHEN p_change = 'resume' THEN p_next ELSE s.next_fire_at END,
+            lease_owner = NULL, lease_until = NULL, fence = s.fence + 1,
+            updated_at = clock_timestamp()
+        WHERE s.name = p_name AND (p_change = 'pause' OR s.paused)
+        RETURNING * INTO changed;
+    END IF;
+    IF changed.schedule_id IS NULL THEN
+        RETURN;
+    END IF;
+    schedule_id := changed.schedule_id;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'schedule_' || p_change, NULL, NULL,
+        jsonb_build_object('schedule', p_name, 'schedule_id', changed.schedule_id), p_typed_by);
+    PERFORM pg_notify('orchestrator_schedules', changed.schedule_id);
+    RETURN NEXT;
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_child_ended() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator'
@@ -499,6 +598,68 @@ CREATE FUNCTION orchestrator.orchestrator_children_ended(p_parent text, p_wait j
     WHERE c.parent_run_id = p_parent
       AND c.child_key IN (SELECT jsonb_array_elements_text(p_wait -> 'children'))
       AND c.state IN ('succeeded', 'failed', 'cancelled', 'dead')
+$$;
+CREATE TABLE orchestrator.schedules (
+    schedule_id text NOT NULL,
+    name text NOT NULL,
+    agent text NOT NULL,
+    cron text,
+    every_seconds bigint,
+    timezone text DEFAULT 'UTC'::text NOT NULL,
+    overlap text DEFAULT 'skip'::text NOT NULL,
+    catch_up text DEFAULT 'latest'::text NOT NULL,
+    catch_up_seconds integer DEFAULT 60 NOT NULL,
+    catch_up_limit integer DEFAULT 100 NOT NULL,
+    jitter_seconds integer DEFAULT 0 NOT NULL,
+    starts_at timestamp with time zone NOT NULL,
+    ends_at timestamp with time zone,
+    input jsonb DEFAULT '{}'::jsonb NOT NULL,
+    concurrency_key text,
+    priority integer DEFAULT 0 NOT NULL,
+    max_attempts integer DEFAULT 5 NOT NULL,
+    paused boolean DEFAULT false NOT NULL,
+    next_fire_at timestamp with time zone,
+    buffered_slot timestamp with time zone,
+    missed jsonb,
+    fence bigint DEFAULT 0 NOT NULL,
+    lease_owner text,
+    lease_until timestamp with time zone,
+    created_by text NOT NULL,
+    created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT schedules_catch_up CHECK ((catch_up = ANY (ARRAY['none'::text, 'latest'::text, 'all'::text]))),
+    CONSTRAINT schedules_lease CHECK (((lease_owner IS NULL) = (lease_until IS NULL))),
+    CONSTRAINT schedules_numbers CHECK ((((every_seconds IS NULL) OR ((every_seconds >= 1) AND (every_seconds <= 31622400))) AND ((catch_up_seconds >= 0) AND (catch_up_seconds <= 31622400)) AND ((catch_up_limit >= 1) AND (catch_up_limit <= 1000)) AND ((jitter_seconds >= 0) AND (jitter_seconds <= 86400)) AND ((max_attempts >= 1) AND (max_attempts <= 1000)) AND ((priority >= '-1000'::integer) AND (priority <= 1000)))),
+    CONSTRAINT schedules_one_calendar CHECK (((cron IS NULL) <> (every_seconds IS NULL))),
+    CONSTRAINT schedules_overlap CHECK ((overlap = ANY (ARRAY['skip'::text, 'buffer_one'::text, 'allow_all'::text, 'cancel_running'::text]))),
+    CONSTRAINT schedules_window CHECK (((ends_at IS NULL) OR (ends_at > starts_at)))
+);
+CREATE FUNCTION orchestrator.orchestrator_claim_schedules(p_worker text, p_lease_seconds double precision, p_limit integer) RETURNS SETOF orchestrator.schedules
+    LANGUAGE sql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+WITH due AS (
+    SELECT s.schedule_id FROM schedules AS s
+    WHERE s.schedule_id IN (
+        (SELECT d.schedule_id FROM schedules AS d
+         WHERE NOT d.paused AND d.next_fire_at <= clock_timestamp()
+         ORDER BY d.next_fire_at LIMIT greatest(least(p_limit, 1000), 0))
+        UNION ALL
+        (SELECT b.schedule_id FROM schedules AS b
+         WHERE b.buffered_slot IS NOT NULL AND NOT b.paused
+           AND NOT EXISTS (SELECT 1 FROM runs AS r
+                           WHERE r.schedule_id = b.schedule_id
+                             AND r.state IN ('queued', 'running', 'waiting'))
+         LIMIT greatest(least(p_limit, 1000), 0)))
+      AND (s.lease_until IS NULL OR s.lease_until < clock_timestamp())
+    LIMIT greatest(least(p_limit, 1000), 0)
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE schedules AS s
+    lease_until = clock_timestamp() + make_interval(secs => least(greatest(p_lease_seconds, 1), 3600))
+FROM due
+WHERE s.schedule_id = due.schedule_id AND p_worker IS NOT NULL AND length(p_worker) <= 200
+RETURNING s.*
 $$;
 CREATE FUNCTION orchestrator.orchestrator_clear_limit(p_agent text, p_key_pattern text, p_per text, p_principal text, p_via text, p_typed_by text, OUT cleared integer, OUT audit_seq bigint, OUT principal text) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
@@ -543,6 +704,55 @@ BEGIN
         jsonb_build_object('name', p_name), p_typed_by);
 END
 $$;
+CREATE FUNCTION orchestrator.orchestrator_create_schedule(p_schedule_id text, p_name text, p_agent text, p_cron text, p_every_seconds bigint, p_timezone text, p_overlap text, p_catch_up text, p_catch_up_seconds integer, p_catch_up_limit integer, p_jitter_seconds integer, p_starts_at timestamp with time zone, p_ends_at timestamp with time zone, p_input jsonb, p_concurrency_key text, p_priority integer, p_max_attempts integer, p_next timestamp with time zone, p_principal text, p_via text, p_typed_by text, OUT schedule_id text, OUT audit_seq bigint, OUT principal text) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $_$
+DECLARE
+    who record;
+    made schedules;
+BEGIN
+    IF p_schedule_id IS NULL OR p_schedule_id !~ '^sch_[a-z0-9]{1,64}$'
+       OR p_name IS NULL OR p_name !~ '^[A-Za-z][A-Za-z0-9_.-]{0,99}$'
+       OR p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$'
+       OR (p_cron IS NOT NULL AND length(p_cron) NOT BETWEEN 1 AND 200)
+       OR p_timezone IS NULL OR length(p_timezone) NOT BETWEEN 1 AND 64
+       OR p_starts_at IS NULL OR isfinite(p_starts_at) IS NOT TRUE
+       OR (p_ends_at IS NOT NULL AND isfinite(p_ends_at) IS NOT TRUE)
+       OR (p_next IS NOT NULL AND isfinite(p_next) IS NOT TRUE)
+       OR p_input IS NULL
+       OR (p_concurrency_key IS NOT NULL AND length(p_concurrency_key) NOT BETWEEN 1 AND 200)
+    THEN
+        RAISE EXCEPTION 'a schedule needs a well-formed id, name, agent, calendar, time zone, '
+                        'start and input' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
+    IF EXISTS (SELECT 1 FROM schedules AS x WHERE x.name = p_name) THEN
+        RAISE EXCEPTION 'a schedule named % exists: delete it first or pick another name', p_name
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO schedules (schedule_id, name, agent, cron, every_seconds, timezone, overlap,
+                           catch_up, catch_up_seconds, catch_up_limit, jitter_seconds,
+                           starts_at, ends_at, input, concurrency_key, priority, max_attempts,
+                           next_fire_at, created_by)
+    VALUES (p_schedule_id, p_name, p_agent, p_cron, p_every_seconds, p_timezone,
+            coalesce(p_overlap, 'skip'), coalesce(p_catch_up, 'latest'),
+            coalesce(p_catch_up_seconds, 60), coalesce(p_catch_up_limit, 100),
+            coalesce(p_jitter_seconds, 0), p_starts_at, p_ends_at, p_input, p_concurrency_key,
+            coalesce(p_priority, 0), coalesce(p_max_attempts, 5), p_next, who.principal)
+    RETURNING * INTO made;
+    schedule_id := made.schedule_id;
+    principal := who.principal;
+    audit_seq := orchestrator_audit_decision(
+        who.principal, who.via, 'schedule_create', NULL, NULL,
+        jsonb_strip_nulls(jsonb_build_object(
+            'schedule', p_name, 'schedule_id', p_schedule_id, 'agent', p_agent, 'cron', p_cron,
+            'every_seconds', p_every_seconds, 'timezone', p_timezone,
+            'overlap', made.overlap, 'catch_up', made.catch_up)),
+        p_typed_by);
+    PERFORM pg_notify('orchestrator_schedules', p_schedule_id);
+END
+$_$;
 CREATE FUNCTION orchestrator.orchestrator_cutover(p_agent text, p_version text, p_principal text, p_via text, p_typed_by text, OUT agent text, OUT version text, OUT previous text, OUT runs_cut integer, OUT audit_seq bigint, OUT principal text) RETURNS record
     LANGUAGE sql SECURITY DEFINER
     SET search_path TO 'orchestrator'
@@ -872,6 +1082,99 @@ WITH expired AS (
 )
 SELECT run_id, effect_key, (SELECT count(*) FROM told) AS notified FROM expired
 $_$;
+CREATE FUNCTION orchestrator.orchestrator_fire_schedule(p_schedule_id text, p_worker text, p_fence bigint, p_slots timestamp with time zone[], p_available_at timestamp with time zone[], p_run_ids text[], p_next timestamp with time zone, p_missed jsonb, OUT decided_slot timestamp with time zone, OUT decision text, OUT started_run text) RETURNS SETOF record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    s schedules;
+    i integer;
+    busy boolean;
+    unfinished record;
+BEGIN
+    IF coalesce(cardinality(p_slots), 0) > 1000
+       OR coalesce(cardinality(p_slots), 0) <> coalesce(cardinality(p_available_at), 0)
+       OR coalesce(cardinality(p_run_ids), 0) <> coalesce(cardinality(p_slots), 0) + 1
+       OR (p_next IS NOT NULL AND isfinite(p_next) IS NOT TRUE) THEN
+        RAISE EXCEPTION 'a fire names at most 1000 slots, one start and one run id for each, '
+                        'and one run id more' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO s FROM schedules AS x
+    WHERE x.schedule_id = p_schedule_id AND x.lease_owner = p_worker AND x.fence = p_fence
+      AND x.lease_until > clock_timestamp() AND NOT x.paused
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        decision := 'not_held';  -- a newer claim decides; nothing here changed
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    busy := EXISTS (SELECT 1 FROM runs AS r WHERE r.schedule_id = s.schedule_id
+                    AND r.state IN ('queued', 'running', 'waiting'));
+    -- A slot buffered behind a run that has ended starts first.
+    IF s.buffered_slot IS NOT NULL AND NOT busy THEN
+        decided_slot := s.buffered_slot;
+        decision := 'fired';
+        started_run := orchestrator_start_scheduled_run(
+            s, decided_slot, p_run_ids[cardinality(p_run_ids)], decided_slot, 'buffered');
+        UPDATE schedule_slots AS x
+        SET outcome = 'fired', run_id = started_run, fence = p_fence,
+            decided_at = clock_timestamp()
+        WHERE x.schedule_id = s.schedule_id AND x.slot = decided_slot AND x.outcome = 'buffered'
+          AND started_run IS NOT NULL;
+        s.buffered_slot := NULL;
+        busy := true;
+        IF started_run IS NOT NULL THEN
+            RETURN NEXT;
+        END IF;
+    END IF;
+    FOR i IN 1..coalesce(cardinality(p_slots), 0) LOOP
+        decided_slot := p_slots[i];
+        started_run := NULL;
+        IF decided_slot IS NULL OR isfinite(decided_slot) IS NOT TRUE
+           OR EXISTS (SELECT 1 FROM schedule_slots AS x
+                      WHERE x.schedule_id = s.schedule_id AND x.slot = decided_slot) THEN
+            CONTINUE;  -- decided before (a backfill, or a fire this one must not repeat)
+        END IF;
+        IF busy AND s.overlap = 'skip' THEN
+            decision := 'skipped';
+        ELSIF busy AND s.overlap = 'buffer_one' THEN
+            decision := CASE WHEN s.buffered_slot IS NULL THEN 'buffered' ELSE 'skipped' END;
+        ELSE
+            decision := 'fired';
+        END IF;
+        IF decision = 'buffered' THEN
+            s.buffered_slot := decided_slot;
+        ELSIF decision = 'fired' THEN
+            IF busy AND s.overlap = 'cancel_running' THEN
+                FOR unfinished IN
+                    SELECT r.run_id FROM runs AS r
+                    WHERE r.schedule_id = s.schedule_id
+                      AND r.state IN ('queued', 'running', 'waiting')
+                    ORDER BY r.run_id
+                LOOP
+                    PERFORM orchestrator_cancel_tree(unfinished.run_id, jsonb_build_object(
+                        'reason', 'the schedule''s next slot started (overlap: cancel_running)',
+                        'by', 'schedule ' || s.name, 'slot', decided_slot));
+                END LOOP;
+            END IF;
+            started_run := orchestrator_start_scheduled_run(s, decided_slot, p_run_ids[i],
+                                                            p_available_at[i], 'scheduled');
+            IF started_run IS NULL THEN
+                CONTINUE;  -- the slot's run exists though its record is gone
+            END IF;
+            busy := true;
+        END IF;
+        INSERT INTO schedule_slots (schedule_id, slot, outcome, run_id, fence, decided_by)
+        VALUES (s.schedule_id, decided_slot, decision, started_run, p_fence, p_worker);
+        RETURN NEXT;
+    END LOOP;
+    UPDATE schedules AS x
+    SET next_fire_at = p_next, buffered_slot = s.buffered_slot,
+        missed = coalesce(p_missed, x.missed),
+        lease_owner = NULL, lease_until = NULL, updated_at = clock_timestamp()
+    WHERE x.schedule_id = s.schedule_id;
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_fork_run(p_run_id text, p_version bigint, p_new_run_id text, p_principal text, p_via text, p_typed_by text, OUT run_id text, OUT forked_from text, OUT version bigint, OUT step text, OUT receipts integer, OUT audit_seq bigint, OUT principal text) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator'
@@ -2035,6 +2338,36 @@ SELECT CASE WHEN pg_catalog.pg_is_in_recovery() THEN NULL
        min(flush_lsn), max(flush_lsn), min(replay_lsn), max(replay_lsn)
 FROM physical
 $$;
+CREATE FUNCTION orchestrator.orchestrator_start_scheduled_run(s orchestrator.schedules, p_slot timestamp with time zone, p_run_id text, p_available_at timestamp with time zone, p_how text) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    started text;
+BEGIN
+    INSERT INTO runs (run_id, agent, input, max_attempts, idempotency_key, available_at,
+                      concurrency_key, priority, schedule_id, schedule_slot)
+    SELECT p_run_id, s.agent, s.input, s.max_attempts,
+           'schedule:' || s.schedule_id || ':' || extract(epoch FROM p_slot)::numeric::text,
+           greatest(p_available_at, clock_timestamp()), s.concurrency_key, s.priority,
+           s.schedule_id, p_slot
+    WHERE orchestrator_submission_is_valid(p_run_id, s.agent, s.input, NULL)
+    ON CONFLICT DO NOTHING
+    RETURNING run_id INTO started;
+    IF started IS NULL THEN
+        RETURN NULL;  -- the slot's run exists already (its key is taken)
+    END IF;
+    INSERT INTO run_events (run_id, kind, fence, details)
+    VALUES (started, 'submitted', 0, jsonb_strip_nulls(jsonb_build_object(
+        'agent', s.agent, 'max_attempts', s.max_attempts, 'schedule', s.name,
+        'schedule_id', s.schedule_id, 'slot', p_slot, 'how', p_how,
+        'not_before', CASE WHEN p_available_at > p_slot THEN p_available_at END,
+        'concurrency_key', s.concurrency_key,
+        'priority', CASE WHEN s.priority <> 0 THEN s.priority END)));
+    PERFORM pg_notify('orchestrator_runs', s.agent);
+    RETURN started;
+END
+$$;
 CREATE FUNCTION orchestrator.orchestrator_submission_is_valid(p_run_id text, p_agent text, p_input jsonb, p_idempotency_key text) RETURNS boolean
     LANGUAGE plpgsql IMMUTABLE
     AS $_$
@@ -2086,6 +2419,8 @@ CREATE TABLE orchestrator.runs (
     cancel_with_parent boolean DEFAULT false NOT NULL,
     forked_from text,
     forked_at_version bigint,
+    schedule_id text,
+    schedule_slot timestamp with time zone,
     CONSTRAINT runs_agent_version_check CHECK (((agent_version IS NULL) OR ((length(agent_version) >= 1) AND (length(agent_version) <= 64)))),
     CONSTRAINT runs_attempt_check CHECK ((attempt >= 0)),
     CONSTRAINT runs_child_has_parent_check CHECK (((parent_run_id IS NULL) = (child_key IS NULL))),
@@ -2523,6 +2858,17 @@ CREATE TABLE orchestrator.run_traces (
     CONSTRAINT run_traces_fence_check CHECK ((fence >= 0)),
     CONSTRAINT run_traces_traceparent_check CHECK ((length(traceparent) <= 128))
 );
+CREATE TABLE orchestrator.schedule_slots (
+    schedule_id text NOT NULL,
+    slot timestamp with time zone NOT NULL,
+    outcome text NOT NULL,
+    run_id text,
+    fence bigint NOT NULL,
+    decided_by text NOT NULL,
+    decided_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT schedule_slots_outcome CHECK ((outcome = ANY (ARRAY['fired'::text, 'skipped'::text, 'buffered'::text, 'backfilled'::text]))),
+    CONSTRAINT schedule_slots_run CHECK (((run_id IS NOT NULL) = (outcome = ANY (ARRAY['fired'::text, 'backfilled'::text]))))
+);
 CREATE SEQUENCE orchestrator.worker_session_keys
     AS integer
     START WITH 1
@@ -2588,6 +2934,12 @@ ALTER TABLE ONLY orchestrator.run_traces
     ADD CONSTRAINT run_traces_pkey PRIMARY KEY (run_id, fence);
 ALTER TABLE ONLY orchestrator.runs
     ADD CONSTRAINT runs_pkey PRIMARY KEY (run_id);
+ALTER TABLE ONLY orchestrator.schedule_slots
+    ADD CONSTRAINT schedule_slots_pkey PRIMARY KEY (schedule_id, slot);
+ALTER TABLE ONLY orchestrator.schedules
+    ADD CONSTRAINT schedules_name_key UNIQUE (name);
+ALTER TABLE ONLY orchestrator.schedules
+    ADD CONSTRAINT schedules_pkey PRIMARY KEY (schedule_id);
 ALTER TABLE ONLY orchestrator.workers
     ADD CONSTRAINT workers_pkey PRIMARY KEY (worker_id);
 ALTER TABLE ONLY orchestrator.workers
@@ -2610,6 +2962,9 @@ CREATE UNIQUE INDEX runs_idempotency_key ON orchestrator.runs USING btree (idemp
 CREATE INDEX runs_leased_keyed ON orchestrator.runs USING btree (agent, concurrency_key) WHERE ((lease_owner IS NOT NULL) AND (concurrency_key IS NOT NULL));
 CREATE INDEX runs_owner ON orchestrator.runs USING btree (lease_owner) WHERE (state = 'running'::text);
 CREATE INDEX runs_running ON orchestrator.runs USING btree (agent) WHERE (state = 'running'::text);
+CREATE INDEX runs_schedule_unfinished ON orchestrator.runs USING btree (schedule_id) WHERE ((schedule_id IS NOT NULL) AND (state = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text])));
+CREATE INDEX schedules_buffered ON orchestrator.schedules USING btree (schedule_id) WHERE ((buffered_slot IS NOT NULL) AND (NOT paused));
+CREATE INDEX schedules_due ON orchestrator.schedules USING btree (next_fire_at) WHERE ((NOT paused) AND (next_fire_at IS NOT NULL));
 CREATE TRIGGER audit_log_append_only BEFORE DELETE OR UPDATE ON orchestrator.audit_log FOR EACH ROW EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER audit_log_no_truncate BEFORE TRUNCATE ON orchestrator.audit_log FOR EACH STATEMENT EXECUTE FUNCTION orchestrator.audit_log_is_append_only();
 CREATE TRIGGER budget_ledger_amounts_are_positive BEFORE INSERT ON orchestrator.budget_ledger FOR EACH ROW WHEN (((new.turns < 0) OR (new.tool_calls < 0) OR (new.input_tokens < 0) OR (new.output_tokens < 0) OR (new.cost < (0)::numeric) OR (new.cost = ANY (ARRAY['NaN'::numeric, 'Infinity'::numeric])))) EXECUTE FUNCTION orchestrator.orchestrator_budget_amounts_are_positive();
@@ -2626,3 +2981,5 @@ ALTER TABLE ONLY orchestrator.run_checkpoints
     ADD CONSTRAINT run_checkpoints_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.run_holds
     ADD CONSTRAINT run_holds_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
+ALTER TABLE ONLY orchestrator.schedule_slots
+    ADD CONSTRAINT schedule_slots_schedule_id_fkey FOREIGN KEY (schedule_id) REFERENCES orchestrator.schedules(schedule_id) ON DELETE CASCADE;

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -63,6 +63,8 @@ TABLES = (
     "run_checkpoints",
     "run_holds",
     "agent_cutovers",
+    "schedules",
+    "schedule_slots",
 )
 
 
@@ -365,6 +367,80 @@ async def test_a_budget_only_spends_forward(logins: Logins, admin: asyncpg.Pool)
     assert topped.limit["turns"] == 7
 
 
+SCHEDULE_CALLS: list[tuple[str, tuple[object, ...]]] = [
+    (
+        "SELECT * FROM orchestrator_create_schedule($1, 'n', 'roles', NULL, 60, 'UTC', NULL, NULL,"
+        " NULL, NULL, NULL, now(), NULL, '{}', NULL, NULL, NULL, now(), NULL, NULL, NULL)",
+        ("bad id!",),
+    ),
+    (
+        "SELECT * FROM orchestrator_create_schedule('sch_a', $1, 'roles', NULL, 60, 'UTC', NULL,"
+        " NULL, NULL, NULL, NULL, now(), NULL, '{}', NULL, NULL, NULL, now(), NULL, NULL, NULL)",
+        ("x" * 100_000,),
+    ),
+    (
+        "SELECT * FROM orchestrator_create_schedule('sch_b', 'n', 'roles', NULL, -60, 'UTC',"
+        " NULL, NULL, NULL, NULL, NULL, now(), NULL, '{}', NULL, NULL, NULL, now(), NULL, NULL,"
+        " NULL)",
+        (),
+    ),
+    (
+        "SELECT * FROM orchestrator_create_schedule('sch_c', 'n', 'roles', '* * * * *', 60,"
+        " 'UTC', NULL, NULL, NULL, NULL, NULL, now(), NULL, '{}', NULL, NULL, NULL, now(), NULL,"
+        " NULL, NULL)",
+        (),
+    ),
+    (
+        "SELECT * FROM orchestrator_create_schedule('sch_d', 'n', 'roles', NULL, 60, 'UTC',"
+        " 'sometimes', NULL, NULL, 0, -1, now(), now() - interval '1 day', '{}', NULL, NULL,"
+        " NULL, 'infinity', NULL, NULL, NULL)",
+        (),
+    ),
+    (
+        "SELECT * FROM orchestrator_create_schedule('sch_e', 'n', 'roles', NULL, 60, 'UTC', NULL,"
+        " NULL, NULL, NULL, NULL, now(), NULL, '{}', NULL, NULL, NULL, now(), 'alice', 'oidc',"
+        " NULL)",
+        (),
+    ),
+    (
+        "SELECT * FROM orchestrator_create_schedule('sch_f', 'hostile', 'roles', NULL, 60, 'UTC',"
+        " NULL, NULL, NULL, NULL, NULL, now(), NULL, '{}', NULL, NULL, NULL, now(), NULL, NULL,"
+        " NULL)",
+        (),
+    ),
+    (
+        "SELECT * FROM orchestrator_change_schedule('hostile', 'explode', NULL, NULL, NULL, NULL)",
+        (),
+    ),
+    (
+        "SELECT * FROM orchestrator_change_schedule('hostile', 'pause', NULL, 'alice', 'oidc', "
+        "NULL)",
+        (),
+    ),
+    (
+        "SELECT * FROM orchestrator_change_schedule('hostile', 'resume', 'infinity', NULL, NULL, "
+        "NULL)",
+        (),
+    ),
+    ("SELECT * FROM orchestrator_claim_schedules(NULL, 30, 10)", ()),
+    ("SELECT * FROM orchestrator_claim_schedules('w', 30, -1)", ()),
+    (
+        "SELECT * FROM orchestrator_fire_schedule('sch_hostile', 'w', 0, ARRAY[now()], "
+        "ARRAY[now()], ARRAY['r_a', 'r_b'], now() + interval '1 hour', NULL)",
+        (),
+    ),
+    (
+        "SELECT * FROM orchestrator_fire_schedule('sch_hostile', 'w', 0, ARRAY[now()], "
+        "ARRAY[now(), now()], ARRAY['r_a'], 'infinity', NULL)",
+        (),
+    ),
+    (
+        "SELECT orchestrator_start_scheduled_run(s, now(), 'r_x', now(), 'x') FROM schedules s",
+        (),
+    ),
+]
+
+
 async def test_hostile_arguments_to_every_function_change_nothing(
     logins: Logins, admin: asyncpg.Pool
 ) -> None:
@@ -526,7 +602,41 @@ async def test_hostile_arguments_to_every_function_change_nothing(
             "jsonb_build_object('run_id', $1::text, 'budget', '{\"turns\": -5}'::jsonb)))",
             (run,),
         ),
+        # Schedules (migration 0030): a due schedule exists; no hostile call may claim, fire,
+        # change or backfill it.
+        *SCHEDULE_CALLS,
+        (
+            "SELECT * FROM orchestrator_backfill_schedule('hostile', $1, $2, NULL, NULL, NULL)",
+            ([datetime(2026, 1, 1, tzinfo=UTC)], ["r_a", "r_b"]),
+        ),
+        (
+            "SELECT * FROM orchestrator_backfill_schedule('hostile', $1, $2, NULL, NULL, NULL)",
+            ([datetime(9999, 1, 1, tzinfo=UTC)], ["r_a"]),
+        ),
+        (
+            "SELECT * FROM orchestrator_backfill_schedule('hostile', $1, $2, 'alice', 'oidc', "
+            "NULL)",
+            ([datetime(2026, 1, 1, tzinfo=UTC)], ["r_a"]),
+        ),
+        (
+            "SELECT * FROM orchestrator_backfill_schedule('hostile', $1, $2, NULL, NULL, NULL)",
+            ([datetime(2026, 1, 1, tzinfo=UTC)] * 10_001, ["r_a"] * 10_001),
+        ),
+        (
+            "SELECT * FROM orchestrator_backfill_schedule('hostile', $1, $2, NULL, NULL, NULL)",
+            ([datetime(2026, 1, 1, tzinfo=UTC)], ["bad id!"]),
+        ),
+        (
+            "SELECT * FROM orchestrator_change_schedule($1, 'delete', NULL, NULL, NULL, NULL)",
+            (huge,),
+        ),
+        ("SELECT * FROM orchestrator_claim_schedules($1, 30, 10)", (huge,)),
     ]
+    await admin.execute(
+        "INSERT INTO schedules (schedule_id, name, agent, every_seconds, starts_at, next_fire_at,"
+        " created_by) VALUES ('sch_hostile', 'hostile', 'roles', 60, now() - interval '1 day', "
+        "now() - interval '1 minute', 'admin')"
+    )
     unchanged = await snapshot(admin)
     refusals: list[tuple[str, str, asyncpg.PostgresError]] = []
     for kind in ROLES:

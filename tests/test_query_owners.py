@@ -22,6 +22,7 @@ STORES = {
     "orchestrator/db/signals.py": "run_signals",
     "orchestrator/db/budgets.py": "run_budgets, budget_ledger",
     "orchestrator/db/limits.py": "flow_limits",
+    "orchestrator/db/schedules.py": "schedules, schedule_slots",
     "orchestrator/db/rates.py": "rate_limits, run_holds (a rate wait's)",
     "orchestrator/db/agents.py": "agent_cutovers",
     "orchestrator/db/forks.py": "runs, run_checkpoints, effects: a fork and its receipts",

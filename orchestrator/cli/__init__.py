@@ -31,6 +31,7 @@ COMMANDS = {
     "queue": "orchestrator.cli.queue:queue",
     "rates": "orchestrator.cli.rates:rates",
     "runs": "orchestrator.cli.runs:runs",
+    "schedules": "orchestrator.cli.schedules:schedules",
     "serve": "orchestrator.cli.serve:serve",
     "submit": "orchestrator.cli.submit:submit",
     "users": "orchestrator.cli.users:users",
@@ -61,6 +62,9 @@ SUMMARIES = {
     "queue": "Queue depth per agent.",
     "rates": "Requests and tokens per interval, shared by every process: list, set, clear.",
     "runs": "List, inspect, cancel, retry and signal runs; show and top up their budgets.",
+    "schedules": (
+        "Cron and interval schedules: each slot starts one run, whichever serve process fires it."
+    ),
     "serve": "Claim and run agent runs until SIGTERM/SIGINT (a second signal exits at once).",
     "submit": "Queue a run of AGENT (now, --at a time or after --delay) and print its run id.",
     "users": "People and services: add, list, disable, and their tokens.",

@@ -83,6 +83,11 @@ def _split_modules(values: tuple[str, ...]) -> list[str]:
     "flight when its worker dies is reconciled sooner. It must outlast the slowest vendor "
     "call: a call still unanswered at 80% of it is given up as uncertain.",
 )
+@defaulted_option(
+    "--schedules/--no-schedules",
+    default=True,
+    help="Fire the schedules whose slot has come (every serve process shares them).",
+)
 @process_options()
 @standby_options
 @defaulted_option(
@@ -108,6 +113,7 @@ def serve(
     effects_config: str | None,
     dispatch: bool,
     dispatch_lease_seconds: float,
+    schedules: bool,
     metrics_listen: str | None,
     start_retry_seconds: float,
     require_sync_standby: bool | None,
@@ -159,6 +165,7 @@ def serve(
             effect_adapters=adapters,
             dispatch_lease_seconds=dispatch_lease_seconds,
             retention=parse_retention(retention),
+            schedules=schedules,
             start_retry_seconds=start_retry_seconds,
             gauges=QueueGauges() if metrics_listen else None,
         )

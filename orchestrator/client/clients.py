@@ -39,6 +39,7 @@ from orchestrator.client.features import (
     SignalsHandle,
 )
 from orchestrator.client.runs import RunsHandle
+from orchestrator.client.schedules import SchedulesHandle
 from orchestrator.client.stores import Stores
 from orchestrator.client.sync import (
     SyncApprovals,
@@ -47,6 +48,7 @@ from orchestrator.client.sync import (
     SyncLimits,
     SyncOps,
     SyncRuns,
+    SyncSchedules,
     SyncSignals,
 )
 from orchestrator.client.waiter import RunWaiter
@@ -62,9 +64,10 @@ CLOSE_AT_EXIT_SECONDS = 5.0
 class Client:
     """An application's handle on orchestrator (async). Create with ``await Client.connect()``.
 
-    ``runs``, ``effects``, ``approvals``, ``signals``, ``budgets``, ``limits`` and ``ops`` are its
-    feature handles, all over one set of stores built once. The flat methods below are kept for code
-    written before the handles; each stands for the handle method it names.
+    ``runs``, ``effects``, ``approvals``, ``signals``, ``budgets``, ``limits``, ``schedules`` and
+    ``ops`` are its feature handles, all over one set of stores built once. The flat methods
+    below are kept for code written before the handles; each stands for the handle method it
+    names.
     """
 
     def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
@@ -79,6 +82,7 @@ class Client:
         self.signals = SignalsHandle(self.stores)
         self.budgets = BudgetsHandle(self.stores)
         self.limits = LimitsHandle(self.stores)
+        self.schedules = SchedulesHandle(self.stores)
         self.ops = OpsHandle(self.stores)
 
     @classmethod
@@ -155,6 +159,7 @@ class SyncClient:
         self.signals = SyncSignals(client.signals, portal)
         self.budgets = SyncBudgets(client.budgets, portal)
         self.limits = SyncLimits(client.limits, portal)
+        self.schedules = SyncSchedules(client.schedules, portal)
         self.ops = SyncOps(client.ops, portal)
 
     # -- the flat methods of earlier releases (``client.approvals(...)`` calls its handle) ------

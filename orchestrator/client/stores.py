@@ -21,6 +21,7 @@ from orchestrator.db.limits import LimitStore
 from orchestrator.db.purges import PurgeStore
 from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.retention import MAX_AGE
+from orchestrator.db.schedules import ScheduleStore
 from orchestrator.db.signals import Signal, SignalStore
 from orchestrator.db.standby_wait import STANDBY_ACK_SECONDS
 from orchestrator.db.standby_wait import wait_for_standby as wait_for_standby_at
@@ -56,6 +57,7 @@ class Stores:
         self.rates = RateLimitStore(pool)
         self.agents = AgentStore(pool)
         self.forks = ForkStore(pool)
+        self.schedules = ScheduleStore(pool, max_input_bytes=max_input_bytes)
         self.workers = WorkerRegistry(schema)
         self.purges = PurgeStore(pool)
         self.access = AccessStore(pool)

@@ -19,6 +19,7 @@ from orchestrator.client.features import (
     SignalsHandle,
 )
 from orchestrator.client.runs import RunsHandle
+from orchestrator.client.schedules import SchedulesHandle
 from orchestrator.effect_model import EffectRecord
 
 H = TypeVar("H")
@@ -114,6 +115,17 @@ class SyncLimits(SyncHandle[LimitsHandle]):
     rates = blocking(LimitsHandle.rates)
     set_rate = blocking(LimitsHandle.set_rate)
     clear_rate = blocking(LimitsHandle.clear_rate)
+
+
+class SyncSchedules(SyncHandle[SchedulesHandle]):
+    create = blocking(SchedulesHandle.create)
+    list = blocking(SchedulesHandle.list)
+    get = blocking(SchedulesHandle.get)
+    slots = blocking(SchedulesHandle.slots)
+    pause = blocking(SchedulesHandle.pause)
+    resume = blocking(SchedulesHandle.resume)
+    delete = blocking(SchedulesHandle.delete)
+    backfill = blocking(SchedulesHandle.backfill)
 
 
 class SyncOps(SyncHandle[OpsHandle]):

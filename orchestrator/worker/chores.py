@@ -1,5 +1,5 @@
 """A worker's periodic chores besides claiming: dead-session takeover, approval expiry,
-retention, gauges and a status line, each a loop its task group cancels."""
+retention, schedules, gauges and a status line, each a loop its task group cancels."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from orchestrator.worker.active_runs import ActiveRuns
 from orchestrator.worker.config import WorkerConfig
 from orchestrator.worker.metrics_endpoint import sample_gauges
 from orchestrator.worker.running import Running
+from orchestrator.worker.scheduler import Scheduler
 
 APPROVAL_EXPIRY_SECONDS = 1.0
 """How often a worker denies expired approvals (an expiry is late by at most this)."""
@@ -74,6 +75,20 @@ class Chores:
             group.start_soon(self.purge, config.retention)
         if config.dead_session_takeover:
             group.start_soon(self.reap)
+        if config.schedules:
+            group.start_soon(self.scheduler.run)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        running = self.running
+        return Scheduler(
+            running.store.pool,
+            self.config.worker_id,
+            self.config.lease_seconds,
+            running.statement_seconds,
+            self.log,
+            self.outage,
+        )
 
     async def reap(self) -> None:
         """End the leases of owners whose session is gone (see ``liveness``)."""

@@ -42,6 +42,8 @@ class WorkerConfig:
     retention: timedelta | None = None
     """Finished runs older than this are deleted in the background (``orchestrator.db.retention``);
     ``None`` keeps them."""
+    schedules: bool = True
+    """Fire the schedules whose slot has come, sharing them with every other such process."""
 
     def validate(self) -> None:
         if self.concurrency < 1:
