@@ -69,10 +69,15 @@ class Scheduler:
     async def round(self) -> int:
         """Claim the due schedules and fire each; returns how many were claimed."""
         async with pooled(self.pool, within=self.statement_seconds) as db:
-            store = ScheduleStore(db)
-            claimed = await store.claim(self.worker_id, self.lease_seconds, CLAIM_BATCH)
-            for schedule, now in claimed:
-                await self._fire(store, schedule, now)
+            claimed = await ScheduleStore(db).claim(self.worker_id, self.lease_seconds, CLAIM_BATCH)
+        for schedule, now in claimed:
+            # Each fire has its own deadline: a slow one (or a pause of this process) leaves
+            # the others to be fired, or refused if their lease ran out meanwhile.
+            try:
+                async with pooled(self.pool, within=self.statement_seconds) as db:
+                    await self._fire(ScheduleStore(db), schedule, now)
+            except DATABASE_ERRORS as error:
+                self.outage.failed(error, otherwise="cannot fire a schedule")
         return len(claimed)
 
     async def _fire(self, store: ScheduleStore, schedule: Schedule, now: datetime) -> None:
@@ -84,7 +89,7 @@ class Scheduler:
         decided = await store.fire(schedule, self.worker_id, plan)
         if decided is None:
             self.log.info(
-                "schedule's lease lost before its fire; a newer claim decides",
+                "schedule lease lost before its fire",
                 schedule=schedule.name,
                 fence=schedule.fence,
             )
