@@ -118,6 +118,10 @@ class Run:
     """The run it was forked from (docs/child-runs.md)."""
     forked_at_version: int | None = None
     """The checkpoint version of ``forked_from`` it started from (0: the start)."""
+    schedule_id: str | None = None
+    """The schedule that started it (docs/schedules.md)."""
+    schedule_slot: datetime | None = None
+    """The slot it was started for: the instant, before any jitter."""
     held_back: str | None = None
     """Read by ``runs list`` alone: the limit holding this due run back now, or the rate limit
     this running run waits for (docs/flow-control.md)."""

@@ -4,6 +4,7 @@ lease holder changes nothing; overlap and catch-up policies; backfill; DST by th
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -18,6 +19,7 @@ from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput
 from orchestrator.scheduling.calendar import Calendar
 from orchestrator.worker.scheduler import Scheduler, plan_for
+from support import cli
 from test_db_roles import Logins, refused
 from test_db_roles import logins as logins  # the fixture
 
@@ -482,3 +484,69 @@ async def test_each_role_does_what_its_grants_say(logins: Logins) -> None:
     assert creator == logins.logins["client"]
     assert await scheduler(worker_pool, "w1").round() == 1
     assert len(await client.slots("roles")) >= 1
+
+
+# -- the command line -----------------------------------------------------------------------------
+@pytest.mark.slow
+async def test_the_command_line_creates_shows_backfills_and_refuses_in_one_line(
+    database_url: str, pool: asyncpg.Pool
+) -> None:
+    made = await anyio.to_thread.run_sync(
+        lambda: cli(
+            database_url,
+            "schedules",
+            "create",
+            "daily",
+            "--agent",
+            "a",
+            "--cron",
+            "30 2 * * *",
+            "--timezone",
+            "Europe/Berlin",
+            "--overlap",
+            "buffer-one",
+            "--input",
+            '{"to": "ops"}',
+            "--json",
+        )
+    )
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["overlap"] == "buffer_one"
+    for args, says in (
+        (("--cron", "61 * * * *"), "invalid cron expression"),
+        (("--cron", "0 9 * * *", "--timezone", "Mars/Olympus"), "unknown time zone"),
+        (("--every", "-5m"), "--every takes an age"),
+        (
+            ("--every", "1m", "--start", "2027-01-01T00:00Z", "--end", "2026-01-01T00:00Z"),
+            "must come after its start",
+        ),
+        (("--cron", "0 9 * * *", "--every", "1m"), "give --cron or --every"),
+    ):
+        refused = await anyio.to_thread.run_sync(
+            lambda args=args: cli(database_url, "schedules", "create", "x", "--agent", "a", *args)  # type: ignore[misc]
+        )
+        assert refused.returncode in (1, 2), (args, refused.stderr)
+        assert says in refused.stderr, (args, refused.stderr)
+        assert refused.stderr.strip().count("\n") == 0 or refused.returncode == 2, refused.stderr
+    assert [s.name for s in await ScheduleStore(pool).list()] == ["daily"]
+    filled = await anyio.to_thread.run_sync(
+        lambda: cli(
+            database_url,
+            "schedules",
+            "backfill",
+            "daily",
+            "2026-03-28T00:00Z",
+            "2026-03-30T00:00Z",
+            "--json",
+        )
+    )
+    assert filled.returncode == 0, filled.stderr
+    [first, second] = json.loads(filled.stdout)["started"]
+    shown = await anyio.to_thread.run_sync(
+        lambda: cli(database_url, "schedules", "show", "daily", "--json")
+    )
+    document = json.loads(shown.stdout)
+    assert [slot["run_id"] for slot in document["slots"]] == [second, first]
+    assert document["slots"][0]["slot"].startswith("2026-03-29T01:00:00")
+    run = await anyio.to_thread.run_sync(lambda: cli(database_url, "runs", "show", second))
+    assert "slot 2026-03-29" in run.stdout, run.stdout

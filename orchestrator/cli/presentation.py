@@ -134,6 +134,10 @@ def print_run(console: Console, detail: RunDetail) -> None:
         ("parent", f"{run.parent_run_id} (child {run.child_key})" if run.parent_run_id else ""),
         ("root", run.root_run_id if run.root_run_id != run.parent_run_id else ""),
         ("children", _children(detail.children)),
+        (
+            "schedule",
+            f"{run.schedule_id} slot {time_text(run.schedule_slot)}" if run.schedule_id else "",
+        ),
         ("concurrency key", run.concurrency_key or ""),
         ("input", _compact(run.input)),
         ("result", _compact(run.result)),
