@@ -1168,6 +1168,15 @@ BEGIN
         VALUES (s.schedule_id, decided_slot, decision, started_run, p_fence, p_worker);
         RETURN NEXT;
     END LOOP;
+    -- Every thousandth claim trims the schedule's records to its newest 10,000 slots; an older
+    -- slot's run still holds its idempotency key until retention purges it.
+    IF p_fence % 1000 = 0 THEN
+        DELETE FROM schedule_slots AS x
+        WHERE x.schedule_id = s.schedule_id
+          AND x.slot < (SELECT y.slot FROM schedule_slots AS y
+                        WHERE y.schedule_id = s.schedule_id
+                        ORDER BY y.slot DESC OFFSET 10000 LIMIT 1);
+    END IF;
     UPDATE schedules AS x
     SET next_fire_at = p_next, buffered_slot = s.buffered_slot,
         missed = coalesce(p_missed, x.missed),

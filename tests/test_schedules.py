@@ -550,3 +550,26 @@ async def test_the_command_line_creates_shows_backfills_and_refuses_in_one_line(
     assert document["slots"][0]["slot"].startswith("2026-03-29T01:00:00")
     run = await anyio.to_thread.run_sync(lambda: cli(database_url, "runs", "show", second))
     assert "slot 2026-03-29" in run.stdout, run.stdout
+
+
+async def test_a_schedule_keeps_the_records_of_its_newest_slots(pool: asyncpg.Pool) -> None:
+    """Every thousandth claim trims the slot records to the newest 10,000: an every-second
+    schedule would otherwise add 86,400 a day."""
+    store = ScheduleStore(pool)
+    made = await store.create(ScheduleSpec("trim", "a", EVERY_MINUTE, overlap="allow_all"))
+    await pool.execute(
+        "INSERT INTO schedule_slots (schedule_id, slot, outcome, fence, decided_by) "
+        "SELECT $1, timestamptz '2020-01-01' + make_interval(mins => n), 'skipped', 1, 'w' "
+        "FROM generate_series(1, 10500) AS n",
+        made.schedule_id,
+    )
+    await pool.execute("UPDATE schedules SET fence = 998")
+    await make_due(pool, "trim", timedelta(0))
+    await scheduler(pool, "w").round()  # fence 999: nothing trimmed
+    assert await pool.fetchval("SELECT count(*) FROM schedule_slots") == 10_501
+    await make_due(pool, "trim", timedelta(0))
+    await pool.execute("UPDATE schedules SET next_fire_at = next_fire_at - interval '1 minute'")
+    await scheduler(pool, "w").round()  # fence 1000
+    assert await pool.fetchval("SELECT count(*) FROM schedule_slots") == 10_001
+    newest = await pool.fetchval("SELECT max(slot) FROM schedule_slots WHERE run_id IS NOT NULL")
+    assert newest is not None and newest > datetime(2026, 1, 1, tzinfo=UTC)
