@@ -21,9 +21,12 @@ from orchestrator.db.schedules import Schedule, ScheduleStore
 from orchestrator.scheduling.plan import Plan, plan_fires
 
 CLAIM_BATCH = 100
-LONGEST_SLEEP = 1.0
+LONGEST_SLEEP = 0.5
 """A scheduler looks again at least this often (a new schedule, another process's change)."""
 SHORTEST_SLEEP = 0.002
+HELD_ELSEWHERE_SLEEP = 0.1
+"""Sleep when a slot is due but none was claimed: another process holds it (or held it and
+stopped, until its lease runs out), so there is nothing to hurry for."""
 
 
 def plan_for(schedule: Schedule, now: datetime) -> Plan:
@@ -64,7 +67,11 @@ class Scheduler:
             except DATABASE_ERRORS as error:
                 self.outage.failed(error, otherwise="cannot fire schedules")
                 wait = LONGEST_SLEEP
-            await anyio.sleep(min(max(wait or LONGEST_SLEEP, SHORTEST_SLEEP), LONGEST_SLEEP))
+            if wait is None:
+                wait = LONGEST_SLEEP
+            elif wait <= 0:
+                wait = HELD_ELSEWHERE_SLEEP
+            await anyio.sleep(min(max(wait, SHORTEST_SLEEP), LONGEST_SLEEP))
 
     async def round(self) -> int:
         """Claim the due schedules and fire each; returns how many were claimed."""
