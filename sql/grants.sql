@@ -59,7 +59,8 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_hold_run(text, text, text, timestamptz),
     {schema}.orchestrator_declare_limits(text, jsonb, text),
     {schema}.orchestrator_spawn_children(text, bigint, text, jsonb),
-    {schema}.orchestrator_carve_budgets(text, bigint, text, jsonb, jsonb)
+    {schema}.orchestrator_carve_budgets(text, bigint, text, jsonb, jsonb),
+    {schema}.orchestrator_stream_append(text, text, bigint, bigint, jsonb, bigint, bigint)
     TO {worker};
 -- Rate limits (migration 0022) are taken, settled and paused only through their definer
 -- functions, by the workers' model calls and the dispatchers' sends.
@@ -129,6 +130,11 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_top_up_budget(text, jsonb, text, text, text),
     {schema}.orchestrator_cancel_run(text, text, text, text, text),
     {schema}.orchestrator_retry_run(text, text, text, text)
+    TO {client}, {console};
+
+-- Live output (migration 0030) is read through its function alone, which retracts what a
+-- lost attempt left unfinished before it answers; only a worker appends, under its lease.
+GRANT EXECUTE ON FUNCTION {schema}.orchestrator_stream_read(text, bigint, integer)
     TO {client}, {console};
 
 -- CONSOLE (`orchestrator console`): everything the client may, and it vouches for the people it
