@@ -4,15 +4,23 @@ steps' output never is, and the output is bounded per run (real PostgreSQL)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import asyncpg
 import pytest
 
+from orchestrator import Agent, Finish, Step, StepContext
+from orchestrator.agent.output import StepOutput
+from orchestrator.agent.steps import Outcome
 from orchestrator.db.output import OutputEvent, OutputKind, OutputStore
 from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput, RunNotFound
 from orchestrator.models import ClaimedRun
+from orchestrator.settings import Settings
+from orchestrator.testing import running_worker, wait_for_run
+from support import cli
+from test_runtime import FAST
 
 LIMITS = {"max_events": 1000, "max_bytes": 1_000_000}
 
@@ -162,3 +170,66 @@ async def test_huge_or_malformed_events_are_refused_in_one_line_and_change_nothi
         await outputs.read("r_nothing")
     with pytest.raises(InvalidInput):
         await outputs.read(first.run_id, after=-1)
+
+
+# -- the publisher in a worker, and the command line --------------------------------------------
+class Chatty(Step):
+    """Publishes many small pieces and commits at once: the commit waits for them."""
+
+    async def run(self, ctx: StepContext) -> Outcome:
+        for number in range(300):
+            ctx.output.text(f"{number} ")
+        ctx.output.progress("counted", up_to=299)
+        return Finish({"counted": 300})
+
+
+chatty = Agent("chatty", first=Chatty)
+
+
+async def test_a_committed_step_s_output_is_complete_and_written_in_batches(
+    settings: Settings, store: RunStore
+) -> None:
+    run_id = (await store.submit("chatty", {})).run.run_id
+    async with running_worker(settings, [chatty], **FAST):
+        await wait_for_run(store, run_id, within=30)
+    events = await OutputStore(store.pool).read(run_id)
+    assert current_text(events) == "".join(f"{number} " for number in range(300))
+    assert events[-1].data == {"up_to": 299, "message": "counted"}
+    assert len(events) < 20  # batches of tokens, not one row per token
+
+
+def test_a_huge_event_is_refused_in_one_line_before_anything_is_buffered() -> None:
+    output = StepOutput()
+    for publish in (
+        lambda: output.text("x" * 70_000),
+        lambda: output.progress("y", blob="z" * 70_000),
+        lambda: output.text("nul\x00"),
+        lambda: output.progress("bad", value=float("nan")),
+    ):
+        with pytest.raises(InvalidInput) as refused:
+            publish()
+        assert "\n" not in str(refused.value)
+
+
+async def test_runs_watch_output_prints_the_retraction_and_resumes_from_a_position(
+    database_url: str, store: RunStore
+) -> None:
+    outputs = OutputStore(store.pool)
+    first = await claimed(store, "w1")
+    assert await append(outputs, first, "half an ans") == "ok"
+    await expire(store, first.run_id)
+    second = await claimed(store, "w2", first.run_id)
+    assert await append(outputs, second, "the answer") == "ok"
+    assert await store.finish(second.lease, expected_version=0, result={})
+    shown = cli(database_url, "runs", "watch", first.run_id, "--output")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [
+        "half an ans",
+        f"[2] retracted: fence {first.fence}'s output 1-1 (the attempt lost the run to fence "
+        f"{second.fence})",
+        "the answer",
+    ]
+    resumed = cli(database_url, "runs", "watch", first.run_id, "--output", "--json", "--after", "2")
+    assert [json.loads(line)["seq"] for line in resumed.stdout.splitlines()] == [3]
+    refused = cli(database_url, "runs", "watch", first.run_id, "--after", "2")
+    assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1
