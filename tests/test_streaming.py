@@ -5,6 +5,7 @@ steps' output never is, and the output is bounded per run (real PostgreSQL)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -200,12 +201,13 @@ async def test_a_committed_step_s_output_is_complete_and_written_in_batches(
 
 def test_a_huge_event_is_refused_in_one_line_before_anything_is_buffered() -> None:
     output = StepOutput()
-    for publish in (
+    publishes: list[Callable[[], None]] = [
         lambda: output.text("x" * 70_000),
         lambda: output.progress("y", blob="z" * 70_000),
         lambda: output.text("nul\x00"),
         lambda: output.progress("bad", value=float("nan")),
-    ):
+    ]
+    for publish in publishes:
         with pytest.raises(InvalidInput) as refused:
             publish()
         assert "\n" not in str(refused.value)
