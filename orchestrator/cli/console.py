@@ -209,6 +209,8 @@ async def console(
                 group.start_soon(watch, store.pool, structlog.get_logger("orchestrator.console"))
                 await server.serve(sockets=[sock])
                 group.cancel_scope.cancel()
+        # The live output's listener holds a pool connection; the pool waits for it to close.
+        await app.state.console.follower.close()
     stderr.print("console stopped")
 
 
