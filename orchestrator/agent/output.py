@@ -100,10 +100,12 @@ class StepOutput:
         "_buffer",
         "_bytes",
         "_bytes_of_last",
+        "_first_at",
         "_last_text",
         "_target",
         "_task",
         "_timer",
+        "_urgent",
         "stopped",
     )
 
@@ -113,6 +115,10 @@ class StepOutput:
         """Events not yet written: a text event's pieces are joined when it is written."""
         self._bytes = 0
         self._bytes_of_last = 0
+        self._first_at = 0.0
+        """When the oldest unwritten event was published (the event loop's clock)."""
+        self._urgent = False
+        """Write without waiting for the window: the step is about to commit."""
         self._last_text: list[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
@@ -167,11 +173,16 @@ class StepOutput:
 
     # -- batching ---------------------------------------------------------------------------
     def _added(self, size: int) -> None:
+        if not self._bytes:
+            self._first_at = asyncio.get_running_loop().time()
         self._bytes += size
-        if len(self._buffer) >= BATCH_EVENTS or self._bytes >= BATCH_BYTES:
+        if self._full():
             self._start()
         elif self._timer is None and (self._task is None or self._task.done()):
             self._timer = asyncio.get_running_loop().call_later(FLUSH_SECONDS, self._start)
+
+    def _full(self) -> bool:
+        return len(self._buffer) >= BATCH_EVENTS or self._bytes >= BATCH_BYTES
 
     def _start(self) -> None:
         if self._timer is not None:
@@ -181,12 +192,19 @@ class StepOutput:
             self._task = asyncio.get_running_loop().create_task(self._write())
 
     async def _write(self) -> None:
-        """Write batches until the buffer is empty (events added meanwhile go in the next)."""
+        """Write batches until the buffer is empty: events added while one is written go in the
+        next, which waits for the window of its oldest event, so that a run makes at most one
+        append per ``FLUSH_SECONDS`` however fast its tokens come."""
         target = self._target
         assert target is not None
+        loop = asyncio.get_running_loop()
         for _ in range(1_000_000):  # bounded: each round takes what was buffered
             if not self._buffer or self.stopped:
                 return
+            wait = self._first_at + FLUSH_SECONDS - loop.time()
+            if wait > 0 and not self._urgent and not self._full():
+                await asyncio.sleep(wait)
+                continue
             buffered, self._buffer, self._bytes, self._last_text = self._buffer, [], 0, None
             batch: list[dict[str, JSON]] = [
                 {"kind": kind, "data": {"text": "".join(data)} if isinstance(data, list) else data}
@@ -216,6 +234,7 @@ class StepOutput:
         does not wait longer for its output)."""
         if self._target is None or (not self._buffer and self._task is None):
             return
+        self._urgent = True
         with anyio.move_on_after(within):
             for _ in range(3):  # a write in flight, then what it left (bounded)
                 if self._buffer and not self.stopped:

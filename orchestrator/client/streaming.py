@@ -43,6 +43,7 @@ class OutputFollower:
         self.outputs = outputs
         self.settings = settings
         self._waiting: dict[str, set[asyncio.Event]] = {}
+        self._stopping = False
         self._listener = Listener(
             (OUTPUT_CHANNEL,),
             self._on_output,
@@ -71,7 +72,7 @@ class OutputFollower:
         try:
             await self._listen()
             position = after
-            while True:  # ends with the run (until_end) or when the caller stops reading
+            while not self._stopping:  # or with the run (until_end), or when the caller stops
                 woken.clear()
                 # The state first: a run that has ended publishes nothing after it.
                 ended = until_end and (await self._get_run(run_id)).state.terminal
@@ -93,7 +94,13 @@ class OutputFollower:
                 if not waiting:
                     del self._waiting[run_id]
 
+    def stop(self) -> None:
+        """End every stream at its next wake-up (a server shutting down: it waits for them)."""
+        self._stopping = True
+        self._wake_all()
+
     async def close(self) -> None:
+        self.stop()
         await self._listener.close()
 
     async def _read(self, run_id: str, after: int) -> list[OutputEvent]:
