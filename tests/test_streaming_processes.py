@@ -110,5 +110,9 @@ async def test_two_readers_see_a_paused_owner_s_half_answer_retracted_and_the_ne
         of_stale = [e for e in seen if e.fence == stale and e.kind is not OutputKind.RETRACTED]
         assert all(e.seq < retraction.seq for e in of_stale)
         kept = [e for e in of_stale if not retraction.takes_back(e)]
-        assert [e.data.get("message") for e in kept] == ["prepared"]
+        assert all(e.data.get("message") == "prepared" for e in kept)
+        # The committed first step's progress stays (a busy machine may have run it under an
+        # earlier fence, or twice: once it committed, it is not taken back).
+        prepared = [e for e in seen if e.data.get("message") == "prepared"]
+        assert not retraction.takes_back(prepared[-1])
     assert [e.as_json() for e in seen_one] == [e.as_json() for e in seen_two]
