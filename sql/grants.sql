@@ -132,7 +132,7 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_retry_run(text, text, text, text)
     TO {client}, {console};
 
--- Live output (migration 0030) is read through its function alone, which retracts what a
+-- Live output (migration 0031) is read through its function alone, which retracts what a
 -- lost attempt left unfinished before it answers; only a worker appends, under its lease.
 GRANT EXECUTE ON FUNCTION {schema}.orchestrator_stream_read(text, bigint, integer)
     TO {client}, {console};

@@ -1624,14 +1624,14 @@ SELECT * FROM orchestrator_cutover($1, $2, $3::boolean, $4, $5, $6)
 -- append_output --
 -- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 base_version bigint,
 --         $5 events jsonb, $6 max_events bigint, $7 max_bytes bigint
--- A step's live output (orchestrator_stream_append, migration 0030): written only while worker
+-- A step's live output (orchestrator_stream_append, migration 0031): written only while worker
 -- $2 holds run $1's unexpired lease under fence $3 at checkpoint version $4; the status ('ok',
 -- 'stale': nothing written, 'truncated': the run's bound is reached) and the last position.
 SELECT status, last_seq FROM orchestrator_stream_append($1, $2, $3, $4, $5, $6, $7)
 
 -- read_output --
 -- params: $1 run_id text, $2 after bigint (0: from the start), $3 limit int
--- Run $1's live output after position $2, in order (orchestrator_stream_read, migration 0030):
+-- Run $1's live output after position $2, in order (orchestrator_stream_read, migration 0031):
 -- an attempt that has lost the run has its unfinished output retracted first.
 SELECT seq, fence, base_version, kind, data, created_at
 FROM orchestrator_stream_read($1, $2, $3)

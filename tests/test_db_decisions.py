@@ -523,7 +523,7 @@ async def test_hostile_arguments_to_every_function_change_nothing(
             (run,),
         ),
         ("SELECT orchestrator_carve_budgets($1, 999, 'w1', '{\"turns\": 1}', '[]')", (run,)),
-        # Live output (migration 0030): only the lease's holder appends; reads refuse nonsense.
+        # Live output (migration 0031): only the lease's holder appends; reads refuse nonsense.
         ("SELECT * FROM orchestrator_stream_append(NULL, NULL, NULL, NULL, NULL, NULL, NULL)", ()),
         (
             "SELECT * FROM orchestrator_stream_append($1, 'w1', 999, 0, "

@@ -1,6 +1,6 @@
 """Live output (docs/streaming.md): appends under a run's lease, reads from a position.
 
-The rules are in the database (migration 0030): an append is written only while its worker
+The rules are in the database (migration 0031): an append is written only while its worker
 holds the run under its fence; a reader's read first retracts what an attempt that has lost the
 run left unfinished. This module only moves the rows.
 """
