@@ -59,7 +59,8 @@ GRANT EXECUTE ON FUNCTION
     {schema}.orchestrator_hold_run(text, text, text, timestamptz),
     {schema}.orchestrator_declare_limits(text, jsonb, text),
     {schema}.orchestrator_spawn_children(text, bigint, text, jsonb),
-    {schema}.orchestrator_carve_budgets(text, bigint, text, jsonb, jsonb)
+    {schema}.orchestrator_carve_budgets(text, bigint, text, jsonb, jsonb),
+    {schema}.orchestrator_stream_append(text, text, bigint, bigint, jsonb, bigint, bigint)
     TO {worker};
 -- Schedules (migration 0030) are claimed and fired by any `serve` process, only through these.
 GRANT EXECUTE ON FUNCTION
@@ -141,6 +142,11 @@ GRANT EXECUTE ON FUNCTION
                                           text),
     {schema}.orchestrator_change_schedule(text, text, timestamptz, text, text, text),
     {schema}.orchestrator_backfill_schedule(text, timestamptz[], text[], text, text, text)
+    TO {client}, {console};
+
+-- Live output (migration 0031) is read through its function alone, which retracts what a
+-- lost attempt left unfinished before it answers; only a worker appends, under its lease.
+GRANT EXECUTE ON FUNCTION {schema}.orchestrator_stream_read(text, bigint, integer)
     TO {client}, {console};
 
 -- CONSOLE (`orchestrator console`): everything the client may, and it vouches for the people it

@@ -1676,3 +1676,18 @@ SELECT * FROM orchestrator_fire_schedule($1, $2, $3, $4, $5, $6, $7, $8::jsonb)
 -- Seconds until the earliest slot of any schedule that runs (negative: due; NULL: none).
 SELECT extract(epoch FROM min(next_fire_at) - clock_timestamp())::float8 AS seconds
 FROM schedules WHERE NOT paused AND next_fire_at IS NOT NULL
+
+-- append_output --
+-- params: $1 run_id text, $2 worker_id text, $3 fence bigint, $4 base_version bigint,
+--         $5 events jsonb, $6 max_events bigint, $7 max_bytes bigint
+-- A step's live output (orchestrator_stream_append, migration 0031): written only while worker
+-- $2 holds run $1's unexpired lease under fence $3 at checkpoint version $4; the status ('ok',
+-- 'stale': nothing written, 'truncated': the run's bound is reached) and the last position.
+SELECT status, last_seq FROM orchestrator_stream_append($1, $2, $3, $4, $5, $6, $7)
+
+-- read_output --
+-- params: $1 run_id text, $2 after bigint (0: from the start), $3 limit int
+-- Run $1's live output after position $2, in order (orchestrator_stream_read, migration 0031):
+-- an attempt that has lost the run has its unfinished output retracted first.
+SELECT seq, fence, base_version, kind, data, created_at
+FROM orchestrator_stream_read($1, $2, $3)

@@ -1351,6 +1351,9 @@ $$;
 CREATE FUNCTION orchestrator.orchestrator_may_vouch() RETURNS boolean
     LANGUAGE sql IMMUTABLE
     AS $$SELECT true$$;
+CREATE FUNCTION orchestrator.orchestrator_output_limits(OUT event_bytes integer, OUT batch_events integer, OUT run_events bigint, OUT run_bytes bigint) RETURNS record
+    LANGUAGE sql IMMUTABLE
+    AS $$ SELECT 65536, 1000, 100000::bigint, 67108864::bigint $$;
 CREATE FUNCTION orchestrator.orchestrator_parent_failed() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator'
@@ -2377,20 +2380,139 @@ BEGIN
     RETURN started;
 END
 $$;
-CREATE FUNCTION orchestrator.orchestrator_submission_is_valid(p_run_id text, p_agent text, p_input jsonb, p_idempotency_key text) RETURNS boolean
-    LANGUAGE plpgsql IMMUTABLE
-    AS $_$
+CREATE FUNCTION orchestrator.orchestrator_stream_append(p_run_id text, p_worker text, p_fence bigint, p_base_version bigint, p_events jsonb, p_max_events bigint, p_max_bytes bigint, OUT status text, OUT last_seq bigint) RETURNS record
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    caps record;
+    stream run_streams;
+    run runs;
+    item jsonb;
+    size integer;
+    max_events bigint;
+    max_bytes bigint;
 BEGIN
-    IF p_run_id IS NULL OR p_run_id !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$'
-       OR p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$' OR p_input IS NULL
-       OR (p_idempotency_key IS NOT NULL AND length(p_idempotency_key) NOT BETWEEN 1 AND 200)
-    THEN
-        RAISE EXCEPTION 'a run needs a well-formed run id, agent name and input'
+    SELECT * INTO caps FROM orchestrator_output_limits();
+    IF p_run_id IS NULL OR length(p_run_id) > 100 OR p_worker IS NULL OR length(p_worker) > 200
+       OR p_fence IS NULL OR p_base_version IS NULL OR p_base_version < 0
+       OR p_events IS NULL OR jsonb_typeof(p_events) <> 'array'
+       OR jsonb_array_length(p_events) NOT BETWEEN 1 AND caps.batch_events THEN
+        RAISE EXCEPTION 'an append needs a run, a worker, a fence, a checkpoint version of 0 or '
+                        'more and 1-% events', caps.batch_events
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    RETURN true;
+    max_events := least(coalesce(p_max_events, caps.run_events), caps.run_events);
+    max_bytes := least(coalesce(p_max_bytes, caps.run_bytes), caps.run_bytes);
+    IF max_events < 1 OR max_bytes < 1 THEN
+        RAISE EXCEPTION 'a run''s output bound is at least 1 event and 1 byte'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    FOR item IN SELECT value FROM jsonb_array_elements(p_events) LOOP
+        IF jsonb_typeof(item) <> 'object' OR (item ->> 'kind') IS NULL
+           OR (item ->> 'kind') NOT IN ('text', 'progress')
+           OR jsonb_typeof(item -> 'data') IS DISTINCT FROM 'object' THEN
+            RAISE EXCEPTION 'an output event is {"kind": "text" or "progress", "data": {...}}'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF octet_length((item -> 'data')::text) > caps.event_bytes THEN
+            RAISE EXCEPTION 'an output event''s data is at most % bytes, not %',
+                            caps.event_bytes, octet_length((item -> 'data')::text)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+    END LOOP;
+    -- The head row first, then the run (see ORDER and WHEN A READER RETRACTS): a retraction
+    -- that committed before this lock is followed by a read of the run that sees its reason.
+    SELECT * INTO stream FROM run_streams AS s WHERE s.run_id = p_run_id FOR UPDATE;
+    IF stream.run_id IS NULL THEN
+        IF NOT EXISTS (SELECT 1 FROM runs AS r
+                       WHERE r.run_id = p_run_id AND r.lease_owner = p_worker
+                         AND r.fence = p_fence AND r.state = 'running'
+                         AND r.lease_until > clock_timestamp()) THEN
+            status := 'stale';
+            RETURN;
+        END IF;
+        INSERT INTO run_streams (run_id) VALUES (p_run_id) ON CONFLICT DO NOTHING;
+        SELECT * INTO stream FROM run_streams AS s WHERE s.run_id = p_run_id FOR UPDATE;
+    END IF;
+    SELECT * INTO run FROM runs AS r WHERE r.run_id = p_run_id;
+    last_seq := stream.last_seq;
+    IF run.state IS DISTINCT FROM 'running' OR run.lease_owner IS DISTINCT FROM p_worker
+       OR run.fence IS DISTINCT FROM p_fence OR NOT run.lease_until > clock_timestamp()
+       OR run.checkpoint_version IS DISTINCT FROM p_base_version THEN
+        status := 'stale';
+        RETURN;
+    END IF;
+    IF stream.open_fence IS DISTINCT FROM p_fence THEN
+        IF stream.open_fence IS NOT NULL THEN
+            stream := orchestrator_stream_retract(stream, run);
+        END IF;
+        stream.open_fence := p_fence;
+        stream.open_from := stream.last_seq + 1;
+    END IF;
+    status := CASE WHEN stream.truncated THEN 'truncated' ELSE 'ok' END;
+    FOR item IN SELECT value FROM jsonb_array_elements(p_events) LOOP
+        EXIT WHEN stream.truncated;
+        size := octet_length((item -> 'data')::text);
+        stream.last_seq := stream.last_seq + 1;
+        IF stream.events + 1 > max_events OR stream.bytes + size > max_bytes THEN
+            INSERT INTO run_output (run_id, seq, fence, base_version, kind, data)
+            VALUES (p_run_id, stream.last_seq, p_fence, p_base_version, 'truncated',
+                    jsonb_build_object('events', stream.events, 'bytes', stream.bytes,
+                                       'max_events', max_events, 'max_bytes', max_bytes));
+            stream.truncated := true;
+            status := 'truncated';
+        ELSE
+            INSERT INTO run_output (run_id, seq, fence, base_version, kind, data)
+            VALUES (p_run_id, stream.last_seq, p_fence, p_base_version, item ->> 'kind',
+                    item -> 'data');
+            stream.events := stream.events + 1;
+            stream.bytes := stream.bytes + size;
+        END IF;
+    END LOOP;
+    UPDATE run_streams AS s
+    SET last_seq = stream.last_seq, open_fence = stream.open_fence,
+        open_from = stream.open_from, events = stream.events, bytes = stream.bytes,
+        truncated = stream.truncated, updated_at = clock_timestamp()
+    WHERE s.run_id = p_run_id;
+    last_seq := stream.last_seq;
+    PERFORM pg_notify('orchestrator_output', p_run_id);
 END
-$_$;
+$$;
+CREATE FUNCTION orchestrator.orchestrator_stream_read(p_run_id text, p_after bigint, p_limit integer) RETURNS TABLE(seq bigint, fence bigint, base_version bigint, kind text, data jsonb, created_at timestamp with time zone)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'orchestrator'
+    AS $$
+#variable_conflict use_column
+BEGIN
+    IF p_run_id IS NULL OR length(p_run_id) > 100 OR p_after IS NULL OR p_after < 0
+       OR p_limit IS NULL OR p_limit NOT BETWEEN 1 AND 10000 THEN
+        RAISE EXCEPTION 'a read needs a run, a position of 0 or more and a limit of 1-10000'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM runs AS r WHERE r.run_id = p_run_id) THEN
+        RAISE EXCEPTION 'no run %', p_run_id USING ERRCODE = 'no_data_found';
+    END IF;
+    PERFORM orchestrator_stream_seal(p_run_id);
+    RETURN QUERY
+        SELECT o.seq, o.fence, o.base_version, o.kind, o.data, o.created_at
+        FROM run_output AS o
+        WHERE o.run_id = p_run_id AND o.seq > p_after
+        ORDER BY o.seq
+        LIMIT p_limit;
+END
+$$;
+CREATE TABLE orchestrator.run_streams (
+    run_id text NOT NULL,
+    last_seq bigint DEFAULT 0 NOT NULL,
+    open_fence bigint,
+    open_from bigint,
+    events bigint DEFAULT 0 NOT NULL,
+    bytes bigint DEFAULT 0 NOT NULL,
+    truncated boolean DEFAULT false NOT NULL,
+    updated_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+);
 CREATE TABLE orchestrator.runs (
     run_id text NOT NULL,
     agent text NOT NULL,
@@ -2445,6 +2567,84 @@ CREATE TABLE orchestrator.runs (
     CONSTRAINT runs_wake_streak_check CHECK ((wake_streak >= 0))
 )
 WITH (fillfactor='70');
+CREATE FUNCTION orchestrator.orchestrator_stream_retract(p_stream orchestrator.run_streams, p_run orchestrator.runs) RETURNS orchestrator.run_streams
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator'
+    AS $$
+DECLARE
+    first_seq bigint;
+    last_seq bigint;
+    retracted bigint;
+    stream run_streams := p_stream;
+BEGIN
+    SELECT min(o.seq), max(o.seq), count(*) INTO first_seq, last_seq, retracted
+    FROM run_output AS o
+    WHERE o.run_id = stream.run_id AND o.seq >= stream.open_from
+      AND o.fence = stream.open_fence AND o.kind IN ('text', 'progress')
+      AND o.base_version >= p_run.checkpoint_version;
+    IF retracted > 0 THEN
+        stream.last_seq := stream.last_seq + 1;
+        INSERT INTO run_output (run_id, seq, fence, base_version, kind, data)
+        VALUES (stream.run_id, stream.last_seq, stream.open_fence, p_run.checkpoint_version,
+                'retracted',
+                jsonb_build_object(
+                    'fence', stream.open_fence, 'from_seq', first_seq, 'to_seq', last_seq,
+                    'events', retracted,
+                    'reason', CASE WHEN p_run.fence > stream.open_fence
+                                   THEN 'the attempt lost the run to fence ' || p_run.fence
+                                   ELSE 'the attempt ended without committing its step' END));
+        PERFORM pg_notify('orchestrator_output', stream.run_id);
+    END IF;
+    stream.open_fence := NULL;
+    stream.open_from := NULL;
+    RETURN stream;
+END
+$$;
+CREATE FUNCTION orchestrator.orchestrator_stream_seal(p_run_id text) RETURNS boolean
+    LANGUAGE plpgsql
+    SET search_path TO 'orchestrator'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    stream run_streams;
+    run runs;
+    before bigint;
+BEGIN
+    -- Unlocked look first: most reads find nothing to seal and take no lock.
+    IF NOT EXISTS (SELECT 1 FROM run_streams AS s JOIN runs AS r USING (run_id)
+                   WHERE s.run_id = p_run_id AND s.open_fence IS NOT NULL
+                     AND (r.fence <> s.open_fence OR r.state <> 'running')) THEN
+        RETURN false;
+    END IF;
+    SELECT * INTO stream FROM run_streams AS s WHERE s.run_id = p_run_id FOR UPDATE;
+    SELECT * INTO run FROM runs AS r WHERE r.run_id = p_run_id;
+    IF stream.open_fence IS NULL OR run.run_id IS NULL
+       OR (run.fence = stream.open_fence AND run.state = 'running') THEN
+        RETURN false;  -- sealed meanwhile, or the fence still runs the run
+    END IF;
+    before := stream.last_seq;
+    stream := orchestrator_stream_retract(stream, run);
+    UPDATE run_streams AS s
+    SET last_seq = stream.last_seq, open_fence = NULL, open_from = NULL,
+        updated_at = clock_timestamp()
+    WHERE s.run_id = p_run_id;
+    RETURN stream.last_seq > before;
+END
+$$;
+CREATE FUNCTION orchestrator.orchestrator_submission_is_valid(p_run_id text, p_agent text, p_input jsonb, p_idempotency_key text) RETURNS boolean
+    LANGUAGE plpgsql IMMUTABLE
+    AS $_$
+BEGIN
+    IF p_run_id IS NULL OR p_run_id !~ '^[A-Za-z][A-Za-z0-9_.:-]{0,127}$'
+       OR p_agent IS NULL OR p_agent !~ '^[A-Za-z][A-Za-z0-9_.-]{0,63}$' OR p_input IS NULL
+       OR (p_idempotency_key IS NOT NULL AND length(p_idempotency_key) NOT BETWEEN 1 AND 200)
+    THEN
+        RAISE EXCEPTION 'a run needs a well-formed run id, agent name and input'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN true;
+END
+$_$;
 CREATE FUNCTION orchestrator.orchestrator_submit_run(p_run_id text, p_agent text, p_input jsonb, p_max_attempts integer, p_idempotency_key text, p_not_before timestamp with time zone, p_traceparent text) RETURNS SETOF orchestrator.runs
     LANGUAGE sql SECURITY DEFINER
     SET search_path TO 'orchestrator', 'pg_temp'
@@ -2840,6 +3040,16 @@ CREATE TABLE orchestrator.run_messages (
     CONSTRAINT run_messages_seq_check CHECK ((seq >= 0)),
     CONSTRAINT run_messages_turn_check CHECK ((turn >= 0))
 );
+CREATE TABLE orchestrator.run_output (
+    run_id text NOT NULL,
+    seq bigint NOT NULL,
+    fence bigint NOT NULL,
+    base_version bigint NOT NULL,
+    kind text NOT NULL,
+    data jsonb NOT NULL,
+    created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT run_output_kind_check CHECK ((kind = ANY (ARRAY['text'::text, 'progress'::text, 'retracted'::text, 'truncated'::text])))
+);
 CREATE TABLE orchestrator.run_signals (
     run_id text NOT NULL,
     seq bigint NOT NULL,
@@ -2937,8 +3147,12 @@ ALTER TABLE ONLY orchestrator.run_holds
     ADD CONSTRAINT run_holds_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.run_messages
     ADD CONSTRAINT run_messages_pkey PRIMARY KEY (run_id, seq);
+ALTER TABLE ONLY orchestrator.run_output
+    ADD CONSTRAINT run_output_pkey PRIMARY KEY (run_id, seq);
 ALTER TABLE ONLY orchestrator.run_signals
     ADD CONSTRAINT run_signals_pkey PRIMARY KEY (run_id, seq);
+ALTER TABLE ONLY orchestrator.run_streams
+    ADD CONSTRAINT run_streams_pkey PRIMARY KEY (run_id);
 ALTER TABLE ONLY orchestrator.run_traces
     ADD CONSTRAINT run_traces_pkey PRIMARY KEY (run_id, fence);
 ALTER TABLE ONLY orchestrator.runs
@@ -2990,5 +3204,9 @@ ALTER TABLE ONLY orchestrator.run_checkpoints
     ADD CONSTRAINT run_checkpoints_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.run_holds
     ADD CONSTRAINT run_holds_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
+ALTER TABLE ONLY orchestrator.run_output
+    ADD CONSTRAINT run_output_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.run_streams(run_id) ON DELETE CASCADE;
+ALTER TABLE ONLY orchestrator.run_streams
+    ADD CONSTRAINT run_streams_run_id_fkey FOREIGN KEY (run_id) REFERENCES orchestrator.runs(run_id) ON DELETE CASCADE;
 ALTER TABLE ONLY orchestrator.schedule_slots
     ADD CONSTRAINT schedule_slots_schedule_id_fkey FOREIGN KEY (schedule_id) REFERENCES orchestrator.schedules(schedule_id) ON DELETE CASCADE;

@@ -65,6 +65,8 @@ TABLES = (
     "agent_cutovers",
     "schedules",
     "schedule_slots",
+    "run_streams",
+    "run_output",
 )
 
 
@@ -597,6 +599,34 @@ async def test_hostile_arguments_to_every_function_change_nothing(
             (run,),
         ),
         ("SELECT orchestrator_carve_budgets($1, 999, 'w1', '{\"turns\": 1}', '[]')", (run,)),
+        # Live output (migration 0031): only the lease's holder appends; reads refuse nonsense.
+        ("SELECT * FROM orchestrator_stream_append(NULL, NULL, NULL, NULL, NULL, NULL, NULL)", ()),
+        (
+            "SELECT * FROM orchestrator_stream_append($1, 'w1', 999, 0, "
+            '\'[{"kind": "text", "data": {"text": "x"}}]\', 10, 1000)',
+            (run,),
+        ),
+        (
+            "SELECT * FROM orchestrator_stream_append($1, 'w1', 1, 0, "
+            '\'[{"kind": "retracted", "data": {}}]\', 10, 1000)',
+            (run,),
+        ),
+        (
+            "SELECT * FROM orchestrator_stream_append($1, 'w1', 1, 0, "
+            "jsonb_build_array(jsonb_build_object('kind', 'text', 'data', "
+            "jsonb_build_object('text', $2::text))), 10, 1000000)",
+            (run, huge),
+        ),
+        (
+            "SELECT * FROM orchestrator_stream_append($1, $2, 1, 0, "
+            '\'[{"kind": "text", "data": {"text": "x"}}]\', -1, -1)',
+            (run, huge),
+        ),
+        ("SELECT * FROM orchestrator_stream_read(NULL, NULL, NULL)", ()),
+        ("SELECT * FROM orchestrator_stream_read($1, -1, 100000)", (run,)),
+        ("SELECT * FROM orchestrator_stream_read($1, 0, 10)", (huge,)),
+        ("SELECT * FROM orchestrator_stream_read($1, 0, 10)", (run,)),
+        ("SELECT orchestrator_stream_seal($1)", (run,)),
         (
             "SELECT orchestrator_carve_budgets($1, 1, 'w1', NULL, jsonb_build_array("
             "jsonb_build_object('run_id', $1::text, 'budget', '{\"turns\": -5}'::jsonb)))",

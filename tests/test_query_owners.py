@@ -26,6 +26,7 @@ STORES = {
     "orchestrator/db/rates.py": "rate_limits, run_holds (a rate wait's)",
     "orchestrator/db/agents.py": "agent_cutovers",
     "orchestrator/db/forks.py": "runs, run_checkpoints, effects: a fork and its receipts",
+    "orchestrator/db/output.py": "run_output, run_streams: live output, appended and read",
     "effects/store.py": "effects: the boundary's records and their dispatch",
     "effects/approvals.py": "effects: the approval columns and their decisions",
     "orchestrator/db/access.py": "principals, access_tokens",

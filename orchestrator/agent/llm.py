@@ -28,13 +28,22 @@ import math
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
+from orchestrator.agent.output import current_output
 from orchestrator.agent.rates import ModelCallRates, RateLimitWait
 from orchestrator.backoff import retry_after_seconds
 from orchestrator.errors import InvalidInput, OrchestratorError, PermanentFailure
@@ -44,6 +53,8 @@ from orchestrator.telemetry import model_metrics, start_span
 
 if TYPE_CHECKING:
     import openai
+    from openai.types import CompletionUsage
+    from openai.types.chat import ChatCompletionChunk
 
 DEFAULT_MODEL = "gpt-4o-mini"
 DEFAULT_TIMEOUT_SECONDS = 60.0
@@ -102,9 +113,13 @@ def _timeout(env: Mapping[str, str]) -> float:
     return seconds
 
 
-async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) -> Completion:
+async def chat(
+    messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512, stream: bool = False
+) -> Completion:
     """One chat completion. Cancellable: a lost lease cancels the HTTP request in flight. A
-    request the endpoint refuses (``refused_status``) raises ``ModelRefused``."""
+    request the endpoint refuses (``refused_status``) raises ``ModelRefused``. ``stream``: the
+    answer is streamed, and in a worker's step published to the run's live output as it comes
+    (docs/streaming.md)."""
     import openai
 
     client, model = model_client()
@@ -122,11 +137,31 @@ async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) 
         },
     ) as span:
         try:
-            response = await client.chat.completions.create(
-                model=model,
-                messages=[dict(message) for message in messages],  # type: ignore[misc]
-                max_tokens=max_tokens,
-            )
+            if stream:
+                chunks = await client.chat.completions.create(  # type: ignore[call-overload]
+                    model=model,
+                    messages=[dict(message) for message in messages],
+                    max_tokens=max_tokens,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                content, _, answered_by, _, input_tokens, output_tokens = await _streamed(
+                    chunks, model
+                )
+                completion = Completion(content or "", answered_by, input_tokens, output_tokens)
+            else:
+                response = await client.chat.completions.create(
+                    model=model,
+                    messages=[dict(message) for message in messages],  # type: ignore[misc]
+                    max_tokens=max_tokens,
+                )
+                usage = response.usage
+                completion = Completion(
+                    text=response.choices[0].message.content or "",
+                    model=response.model,
+                    input_tokens=usage.prompt_tokens if usage else None,
+                    output_tokens=usage.completion_tokens if usage else None,
+                )
         except openai.APIStatusError as error:
             if error.status_code == 429:
                 await rates.refused_for_rate(retry_after_of(error))
@@ -134,13 +169,6 @@ async def chat(messages: Sequence[Mapping[str, str]], *, max_tokens: int = 512) 
                 raise  # the step's retry may get past it
             message = refusal_message(error.status_code, model, str(client.base_url), error.body)
             raise ModelRefused(message, ()) from None
-        usage = response.usage
-        completion = Completion(
-            text=response.choices[0].message.content or "",
-            model=response.model,
-            input_tokens=usage.prompt_tokens if usage else None,
-            output_tokens=usage.completion_tokens if usage else None,
-        )
         await rates.answered(completion.input_tokens, completion.output_tokens)
         span.set_attribute("gen_ai.response.model", completion.model)
         if completion.input_tokens is not None:
@@ -551,27 +579,47 @@ async def _request(
         stream=True,
         stream_cls=AsyncStream[ChatCompletionChunk],
     )
-    text: list[str] = []
-    parts: dict[int, dict[str, Any]] = {}
-    response_model, finish = model, None
-    input_tokens: int | None = None
-    output_tokens: int | None = None
+    return await _streamed(chunks, model)
+
+
+async def _streamed(
+    chunks: AsyncIterable[ChatCompletionChunk], model: str
+) -> tuple[str | None, tuple[ToolCall, ...], str, str | None, int | None, int | None]:
+    """A streamed answer, put together by the ``openai`` client's own accumulator (its
+    snapshot: nothing parsed, so an answer cut short or with malformed arguments is kept as it
+    came); the text is published as it comes to the step's live output, if any."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state: ChatCompletionStreamState[object] = ChatCompletionStreamState()
+    output = current_output()
+    seen = False
     async for chunk in chunks:
-        response_model = chunk.model or response_model
-        if chunk.usage is not None:
-            input_tokens, output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
-        for choice in chunk.choices:
-            finish = choice.finish_reason or finish
-            if choice.delta.content:
-                text.append(choice.delta.content)
-            for delta in choice.delta.tool_calls or ():
-                part = parts.setdefault(delta.index, {"id": "", "name": "", "arguments": []})
-                part["id"] = delta.id or part["id"]
-                if delta.function is not None:
-                    part["name"] = delta.function.name or part["name"]
-                    part["arguments"].append(delta.function.arguments or "")
+        state.handle_chunk(chunk)
+        seen = True
+        if output is not None:
+            for choice in chunk.choices:
+                if choice.index == 0 and choice.delta.content:
+                    output.text_storable(storable_text(choice.delta.content))
+    if not seen:
+        return None, (), model, None, None, None
+    snapshot = state.current_completion_snapshot
+    usage = snapshot.usage
+    if not snapshot.choices:
+        return None, (), snapshot.model or model, None, *_tokens(usage)
+    answer = snapshot.choices[0]
     calls = tuple(
-        ToolCall(part["id"], part["name"], "".join(part["arguments"]))
-        for _, part in sorted(parts.items())
+        ToolCall(call.id or "", call.function.name or "", call.function.arguments or "")
+        for call in answer.message.tool_calls or ()
+        if call.type == "function"
     )
-    return "".join(text) or None, calls, response_model, finish, input_tokens, output_tokens
+    return (
+        answer.message.content or None,
+        calls,
+        snapshot.model or model,
+        answer.finish_reason,
+        *_tokens(usage),
+    )
+
+
+def _tokens(usage: CompletionUsage | None) -> tuple[int | None, int | None]:
+    return (usage.prompt_tokens, usage.completion_tokens) if usage else (None, None)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -32,6 +32,7 @@ from orchestrator.agent.children import (
     new_children,
     validate_child_key,
 )
+from orchestrator.agent.output import StepOutput
 from orchestrator.db.limits import RunningLimit
 from orchestrator.db.signals import validate_signal_name
 from orchestrator.effect_model import Effect, validate_effect_key
@@ -91,6 +92,9 @@ class StepContext:
     budget: RunBudget | None = None
     """The run's budget (``ctx.budget.reserve`` before spending, ``.spend`` after); ``None``
     when the agent declares no ``Budget``."""
+    output: StepOutput = field(default_factory=StepOutput)
+    """The run's live output: ``ctx.output.text(...)``, ``ctx.output.progress(...)``, read by
+    clients, the console and ``runs watch`` as the step runs (docs/streaming.md)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ import ipaddress
 import os
 import signal
 import socket
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -205,10 +205,12 @@ async def console(
         stderr.print(f"console listening on http://{shown}:{port}/ ({mode})", markup=False)
         with sock:
             async with anyio.create_task_group() as group:
-                group.start_soon(_stop_on_signals, server)
+                group.start_soon(_stop_on_signals, server, app.state.console.follower.stop)
                 group.start_soon(watch, store.pool, structlog.get_logger("orchestrator.console"))
                 await server.serve(sockets=[sock])
                 group.cancel_scope.cancel()
+        # The live output's listener holds a pool connection; the pool waits for it to close.
+        await app.state.console.follower.close()
     stderr.print("console stopped")
 
 
@@ -312,8 +314,9 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _stop_on_signals(server: uvicorn.Server) -> None:
-    """The first SIGTERM/SIGINT finishes the requests in flight and stops; a second stops now."""
+async def _stop_on_signals(server: uvicorn.Server, stopping: Callable[[], None]) -> None:
+    """The first SIGTERM/SIGINT finishes the requests in flight and stops; a second stops now.
+    ``stopping`` ends what would not finish by itself (live output streams)."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for received in signals:
             name = signal.Signals(received).name
@@ -322,4 +325,5 @@ async def _stop_on_signals(server: uvicorn.Server) -> None:
                 stderr.print(f"second {name}: stopping now")
             else:
                 server.should_exit = True
+                stopping()
                 stderr.print(f"{name}: stopping (send again to stop at once)")

@@ -1,16 +1,21 @@
-"""``runs watch``'s loop: a run's timeline as it happens, each event once."""
+"""``runs watch``'s loops: a run's timeline as it happens, each event once, or its live output
+(``--output``, docs/streaming.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import anyio
 import click
 
 from orchestrator.cli.consoles import stdout
 from orchestrator.cli.presentation import event_line, jsonable
+from orchestrator.client.streaming import OutputFollower
+from orchestrator.db.output import OutputEvent, OutputKind
 from orchestrator.db.run_reads import RunReads
 from orchestrator.errors import OrchestratorError
 
@@ -65,3 +70,59 @@ async def watch(
 
 class WatchTimedOut(OrchestratorError):
     """``runs watch --timeout`` passed before the run ended."""
+
+
+async def watch_output(
+    follower: OutputFollower,
+    run_id: str,
+    *,
+    after: int,
+    give_up_after: float | None,
+    as_json: bool,
+) -> None:
+    """Print the run's live output as it is published, from position ``after``, until the run
+    ends: text as it comes, progress on lines of its own, and where an attempt lost the run, a
+    line saying its output was retracted (a terminal cannot take back what it printed)."""
+    try:
+        with anyio.fail_after(give_up_after) if give_up_after is not None else _forever():
+            await _print_output(follower, run_id, after, as_json)
+    except TimeoutError:
+        raise WatchTimedOut(f"run {run_id} has not ended after {give_up_after:g}s") from None
+
+
+async def _print_output(follower: OutputFollower, run_id: str, after: int, as_json: bool) -> None:
+    line_open = False
+    async for event in follower.stream(run_id, after=after):
+        if as_json:
+            click.echo(json.dumps(jsonable(event), separators=(",", ":")))
+            continue
+        if event.kind is OutputKind.TEXT:
+            click.echo(str(event.data.get("text", "")), nl=False)  # as it comes
+            line_open = True
+            continue
+        if line_open:
+            click.echo()
+            line_open = False
+        click.echo(output_line(event))
+    if line_open:
+        click.echo()
+
+
+def output_line(event: OutputEvent) -> str:
+    """A live output event other than text, as ``runs watch --output`` prints it."""
+    data = event.data
+    if event.kind is OutputKind.RETRACTED:
+        return (
+            f"[{event.seq}] retracted: fence {data.get('fence')}'s output "
+            f"{data.get('from_seq')}-{data.get('to_seq')} ({data.get('reason')})"
+        )
+    if event.kind is OutputKind.TRUNCATED:
+        return f"[{event.seq}] truncated: the run's output reached its bound; the rest is dropped"
+    details = {k: v for k, v in data.items() if k != "message"}
+    more = f" {json.dumps(details, separators=(',', ':'))}" if details else ""
+    return f"[{event.seq}] {data.get('message', '')}{more}"
+
+
+@contextlib.contextmanager
+def _forever() -> Iterator[None]:
+    yield

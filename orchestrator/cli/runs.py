@@ -299,18 +299,49 @@ async def runs_retry(
     type=click.FloatRange(0.1),
     help="Give up after this many seconds.",
 )
+@click.option(
+    "--output",
+    "live_output",
+    is_flag=True,
+    help="Follow the run's live output (model tokens, progress, retractions) instead of its "
+    "timeline (docs/streaming.md).",
+)
+@click.option(
+    "--after",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="With --output: start after this position (the last one seen, to resume).",
+)
 @json_option("One JSON object per event (JSON lines).")
 @async_command
 async def runs_watch(
-    settings: Settings, run_id: str, give_up_after: float | None, as_json: bool
+    settings: Settings,
+    run_id: str,
+    give_up_after: float | None,
+    live_output: bool,
+    after: int,
+    as_json: bool,
 ) -> None:
-    """Print a run's timeline as it happens; end when the run ends (exit 0), or at --timeout
-    (exit 1)."""
-    from orchestrator.cli.run_watch import watch
+    """Print a run's timeline (or with --output its live output) as it happens; end when the
+    run ends (exit 0), or at --timeout (exit 1)."""
+    from orchestrator.cli.run_watch import watch, watch_output
     from orchestrator.client.stores import open_stores
+    from orchestrator.client.streaming import OutputFollower
 
+    if after and not live_output:
+        raise InvalidInput("--after is a position in the live output: give --output too")
     async with open_stores(settings) as stores:
-        await watch(stores.runs, run_id, give_up_after=give_up_after, as_json=as_json)
+        if not live_output:
+            await watch(stores.runs, run_id, give_up_after=give_up_after, as_json=as_json)
+            return
+        follower = OutputFollower(stores.runs, stores.outputs)
+        try:
+            await watch_output(
+                follower, run_id, after=after, give_up_after=give_up_after, as_json=as_json
+            )
+        finally:
+            await follower.close()
 
 
 def print_acted_on(run: Run, as_json: bool, done: str) -> None:

@@ -41,6 +41,7 @@ from orchestrator.client.features import (
 from orchestrator.client.runs import RunsHandle
 from orchestrator.client.schedules import SchedulesHandle
 from orchestrator.client.stores import Stores
+from orchestrator.client.streaming import OutputFollower
 from orchestrator.client.sync import (
     SyncApprovals,
     SyncBudgets,
@@ -76,7 +77,8 @@ class Client:
         self.stores = Stores.of(pool, settings)
         self.store = self.stores.runs
         self._waiter = RunWaiter(self.stores.runs, settings)
-        self.runs = RunsHandle(self.stores, self._waiter)
+        self._follower = OutputFollower(self.stores.runs, self.stores.outputs, settings)
+        self.runs = RunsHandle(self.stores, self._waiter, self._follower)
         self.effects = EffectsHandle(self.stores)
         self.approvals = ApprovalsHandle(self.stores)
         self.signals = SignalsHandle(self.stores)
@@ -107,6 +109,7 @@ class Client:
     @project_errors
     async def close(self) -> None:
         await self._waiter.close()
+        await self._follower.close()
         await self.pool.close()
 
     async def __aenter__(self) -> Client:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import builtins
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from typing import Unpack
 
 from orchestrator.client.detail import DEFAULT_EVENTS, RunDetail, load_run_detail
 from orchestrator.client.features import StoresHandle
 from orchestrator.client.stores import Stores
+from orchestrator.client.streaming import OutputFollower
 from orchestrator.client.waiter import RunWaiter
 from orchestrator.db.error_projection import project_errors
 from orchestrator.db.forks import Fork
+from orchestrator.db.output import OutputEvent
 from orchestrator.db.run_reads import RunFilters
 from orchestrator.db.standby_wait import acknowledgement_seconds
 from orchestrator.db.store import SubmitOptions
@@ -42,9 +45,12 @@ def start_time(now: datetime, at: datetime | None, delay: float | None) -> datet
 class RunsHandle(StoresHandle):
     """Runs: submit, get, list, wait, cancel, and the whole of one run (``detail``)."""
 
-    def __init__(self, stores: Stores, waiter: RunWaiter) -> None:
+    def __init__(
+        self, stores: Stores, waiter: RunWaiter, follower: OutputFollower | None = None
+    ) -> None:
         super().__init__(stores)
         self._waiter = waiter
+        self._follower = follower or OutputFollower(stores.runs, stores.outputs)
 
     @project_errors
     async def submit(
@@ -92,6 +98,22 @@ class RunsHandle(StoresHandle):
         """The run once it has ended (succeeded, failed, cancelled or dead); ``TimeoutError``
         if it has not within ``within`` seconds. Woken by the run's final commit."""
         return await self._waiter.wait(run_id, within=within)
+
+    def stream(
+        self, run_id: str, *, after: int = 0, until_end: bool = True
+    ) -> AsyncIterator[OutputEvent]:
+        """The run's live output after position ``after`` (0: from the start), as its steps
+        publish it (docs/streaming.md)::
+
+            async for event in client.runs.stream(run_id, after=last_seen):
+                last_seen = event.seq
+
+        Each event once, in order, with its position (``seq``), fence, ``kind`` (``text``,
+        ``progress``, ``retracted``, ``truncated``) and ``data``. A ``retracted`` event takes
+        back the unfinished output of an attempt that lost the run (``event.takes_back(e)``).
+        With ``until_end`` the iteration ends once the run has ended and all it published has
+        been read; otherwise it goes on until the caller stops."""
+        return self._follower.stream(run_id, after=after, until_end=until_end)
 
     @project_errors
     async def cancel(self, run_id: str, *, reason: str | None = None) -> Run:

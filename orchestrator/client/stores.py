@@ -18,6 +18,7 @@ from orchestrator.db.bootstrap import PoolOptions, open_pool
 from orchestrator.db.budgets import BudgetState, BudgetStore, LedgerEntry, TopUp
 from orchestrator.db.forks import ForkStore
 from orchestrator.db.limits import LimitStore
+from orchestrator.db.output import OutputStore
 from orchestrator.db.purges import PurgeStore
 from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.retention import MAX_AGE
@@ -58,6 +59,7 @@ class Stores:
         self.agents = AgentStore(pool)
         self.forks = ForkStore(pool)
         self.schedules = ScheduleStore(pool, max_input_bytes=max_input_bytes)
+        self.outputs = OutputStore(pool)
         self.workers = WorkerRegistry(schema)
         self.purges = PurgeStore(pool)
         self.access = AccessStore(pool)

@@ -21,6 +21,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from orchestrator.client.stores import Stores
+from orchestrator.client.streaming import OutputFollower
 from orchestrator.console import routes
 from orchestrator.console.auth import Auth
 from orchestrator.console.identity import Accounts
@@ -97,6 +98,7 @@ def create_app(pool: asyncpg.Pool, config: ConsoleConfig) -> Starlette:
         show_payloads=config.show_payloads,
         refresh_seconds=config.refresh_seconds,
         secure_cookies=config.secure_cookies,
+        follower=OutputFollower(stores.runs, stores.outputs),
     )
     return app
 
@@ -106,6 +108,7 @@ def _routes() -> list[BaseRoute]:
         Route("/", routes.runs),
         Route("/runs", routes.runs),
         Route("/runs/{run_id}", routes.run),
+        Route("/runs/{run_id}/output", routes.output, methods=["GET"]),
         Route("/attention", routes.attention),
         Route("/cluster", routes.cluster),
         Route("/signin", routes.signin_form, methods=["GET"]),

@@ -21,6 +21,7 @@ from starlette.templating import Jinja2Templates
 from orchestrator import access
 from orchestrator.access import Actor, Permission
 from orchestrator.client.stores import Stores
+from orchestrator.client.streaming import OutputFollower
 from orchestrator.console.auth import NAME_COOKIE, TOKEN_ENV, Auth, Via, actor, origin_acceptable
 from orchestrator.console.identity import Accounts, NotAllowed, Visitor, visitor_of
 from orchestrator.console.oidc import OidcSignIn
@@ -54,6 +55,8 @@ class ConsoleState:
     show_payloads: bool
     refresh_seconds: float
     secure_cookies: bool
+    follower: OutputFollower
+    """Every page's live output stream, over one listening connection (docs/streaming.md)."""
 
     @property
     def can_sign_in(self) -> bool:

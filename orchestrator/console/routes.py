@@ -3,17 +3,18 @@ request, so the app factory only wires them."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from orchestrator import access
 from orchestrator.access import Actor, Permission
 from orchestrator.client.stores import Stores
+from orchestrator.client.streaming import OutputFollower
 from orchestrator.console import views
 from orchestrator.console.auth import NAME_COOKIE, SESSION_COOKIE, Via, actor, origin_acceptable
 from orchestrator.console.pages import (
@@ -35,6 +36,7 @@ from orchestrator.db.budgets import TopUp
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.effects.approvals import Decision
 from orchestrator.errors import InvalidInput, OrchestratorError
+from orchestrator.jsontext import compact, jsonable
 from orchestrator.storable import parse_document
 
 HEALTH_SECONDS = 2.0
@@ -58,7 +60,47 @@ async def run(request: Request) -> Response:
         reveal=reveal(request, found),
         reveal_awaiting=found.may(Permission.DECIDE),
     )
-    return render(request, "run.html", context)
+    return render(request, "run.html", {**context, "output_shown": reveal(request, found)})
+
+
+@page
+async def output(request: Request) -> Response:
+    """The run's live output as server-sent events, each with its position as its id, so a
+    browser that reconnects (``Last-Event-ID``) goes on where it left off; an ``end`` event once
+    the run has ended and everything it published was sent. Output is contents: it is served
+    to whoever may see them (a role that sees payloads, or a console run with --show-payloads)."""
+    found = await reader(request)
+    if not reveal(request, found):
+        raise Refused(
+            403,
+            "live output is contents: it is shown to roles that see payloads (or with "
+            "--show-payloads)",
+        )
+    run_id = request.path_params["run_id"]
+    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    if not raw.isdigit() or len(raw) > 18:
+        raise Refused(400, f"a stream position is a whole number of 0 or more, not {raw[:40]!r}")
+    console = state(request)
+    await console.stores.runs.get(run_id)  # RunNotFound: a 404 page, not an empty stream
+    return StreamingResponse(
+        server_sent(console.follower, run_id, int(raw)),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
+
+
+async def server_sent(follower: OutputFollower, run_id: str, after: int) -> AsyncIterator[str]:
+    """``text/event-stream`` of the run's output after ``after``; a failure ends the response
+    (the browser reconnects from its last position)."""
+    try:
+        async for event in follower.stream(run_id, after=after):
+            data = compact(jsonable(event))  # one line: JSON escapes every line break
+            yield f"id: {event.seq}\nevent: {event.kind.value}\ndata: {data}\n\n"
+        yield "event: end\ndata: {}\n\n"
+    except DATABASE_ERRORS:
+        return
+    except OrchestratorError:
+        return
 
 
 @page

@@ -35,8 +35,13 @@ SIGNALS_CHANNEL: Final = "orchestrator_signals"
 """Sending a signal sends the run id; the worker that owns the run listens, to give it to the
 run's next step."""
 
+OUTPUT_CHANNEL: Final = "orchestrator_output"
+"""Appending to a run's live output (or retracting a lost attempt's) sends the run id; stream
+readers (``client.runs.stream``, the console, ``runs watch``) listen, to read it at once."""
+
 CHANNELS: Final = frozenset(
     {
+        OUTPUT_CHANNEL,
         RUNS_CHANNEL,
         CANCEL_CHANNEL,
         FINISHED_CHANNEL,
@@ -225,6 +230,7 @@ __all__ = [
     "CHANNELS",
     "DUE_CHANNEL",
     "FINISHED_CHANNEL",
+    "OUTPUT_CHANNEL",
     "RUNS_CHANNEL",
     "SETTLED_CHANNEL",
     "SIGNALS_CHANNEL",

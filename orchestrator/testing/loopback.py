@@ -445,10 +445,24 @@ class ScriptedModelServer(LoopbackService):
     answer; with ``keep_raw``, ``raw`` keeps every request's headers and body bytes as they
     arrived. Point a worker at it with ``OPENAI_BASE_URL=server.base_url``."""
 
-    def __init__(self, script: Script, *, latency: float = 0.0, keep_raw: bool = False) -> None:
+    def __init__(
+        self,
+        script: Script,
+        *,
+        latency: float = 0.0,
+        keep_raw: bool = False,
+        token_seconds: float = 0.0,
+        token_chars: int = 8,
+    ) -> None:
         super().__init__()
         self.script = script
         self.latency = latency
+        self.token_seconds = token_seconds
+        """A streamed answer's pause before each piece of its text (a model writing slowly)."""
+        self.token_chars = token_chars
+        """The characters of text in each streamed piece."""
+        self.streamed: list[tuple[float, str]] = []
+        """Each streamed text piece with the ``time.monotonic()`` it was sent at (benchmarks)."""
         self.requests: list[dict[str, Any]] = []
         self.keep_raw = keep_raw
         self.raw: list[RawRequest] = []
@@ -610,7 +624,7 @@ class ScriptedModelServer(LoopbackService):
                 },
             )
             return True
-        await _send_stream(stream, model, scripted.content, calls, finish, usage, request)
+        await _send_stream(stream, model, scripted.content, calls, finish, usage, request, self)
         return False
 
 
@@ -676,6 +690,7 @@ async def _send_stream(
     finish: str,
     usage: dict[str, int],
     request: dict[str, Any],
+    server: ScriptedModelServer,
 ) -> None:
     """Server-sent events as the chat completions API streams them, then the connection ends."""
     await stream.send(
@@ -696,8 +711,12 @@ async def _send_stream(
 
     await event([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
     text = content or ""
-    for start in range(0, len(text), 8):
-        piece = text[start : start + 8]
+    size = max(1, server.token_chars)
+    for start in range(0, len(text), size):
+        piece = text[start : start + size]
+        if server.token_seconds:
+            await anyio.sleep(server.token_seconds)
+        server.streamed.append((time.monotonic(), piece))
         await event([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
     for index, call in enumerate(calls):
         opening = {

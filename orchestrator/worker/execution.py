@@ -30,8 +30,10 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from orchestrator.agent import steps
 from orchestrator.agent.budgets import Prices, RunBudget
+from orchestrator.agent.output import OutputLimits, OutputTarget, StepOutput, publishing
 from orchestrator.agent.rates import RateScope, rate_scope
 from orchestrator.agent.transcript import Transcript
+from orchestrator.db.output import OutputStore
 from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.signals import Signal
 from orchestrator.db.store import RunFinish, RunStore, StepCommit
@@ -119,6 +121,9 @@ class RunServices:
     rates: RateLimitStore
     """The shared rate limits the steps' model calls charge."""
     prices: Prices = field(default_factory=Prices)
+    outputs: OutputStore | None = None
+    """Where the steps' live output goes (``None``: it is not published)."""
+    output_limits: OutputLimits = field(default_factory=OutputLimits)
 
 
 Position: TypeAlias = tuple[str | None, JSON, int]
@@ -386,7 +391,8 @@ class RunExecution:
             with as_current(span):
                 try:
                     try:
-                        outcome = await step_class().run(context)
+                        with publishing(context.output):
+                            outcome = await step_class().run(context)
                     except PermanentFailure as failure:  # as if the step returned Fail
                         span.record_exception(failure)
                         outcome = steps.Fail(str(failure))
@@ -410,6 +416,8 @@ class RunExecution:
                 if self._ownership_lost():
                     # Lost while the step ran (it ignored the cancellation): commit nothing.
                     return Disposition.LOST
+                # Before the commit, so that a committed step's output is complete.
+                await context.output.flush(services.config.statement_seconds)
                 messages: Sequence[Message] = ()
                 if not isinstance(outcome, steps.Fail) and outcome.messages:
                     messages = await self.transcript.numbered(outcome.messages, lease.fence)
@@ -457,6 +465,7 @@ class RunExecution:
                     self.signalled = True  # some came after the step was given its own
                 return outcome.step_name, outcome.checkpoint, committed.checkpoint_version
         finally:
+            context.output.close()
             if not handed_over:
                 span.set_attribute(COMMITTED, committed_here)
                 span.end()
@@ -580,6 +589,20 @@ def step_context(
     claimed, lease = run.claimed, run.claimed.lease
     _, checkpoint, version = at
     this_step = step_class.step_name()
+    services = run.services
+    output = StepOutput(
+        None
+        if services.outputs is None
+        else OutputTarget(
+            services.outputs,
+            lease.run_id,
+            lease.worker_id,
+            lease.fence,
+            version,
+            services.output_limits,
+            run.log,
+        )
+    )
     return steps.StepContext(
         run_id=lease.run_id,
         agent=agent.name,
@@ -599,4 +622,5 @@ def step_context(
         signals=signals,
         wait=woken,
         budget=budget,
+        output=output,
     )

@@ -31,11 +31,13 @@ import anyio
 import structlog
 
 from orchestrator.agent.budgets import Prices
+from orchestrator.agent.output import OutputLimits
 from orchestrator.db.bootstrap import ensure_schema
 from orchestrator.db.connections import GENERIC_PLANS, create_pool, redact_dsn, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS, DedicatedConnection, enter_when_reachable
 from orchestrator.db.limits import LimitStore
 from orchestrator.db.outages import DatabaseOutage
+from orchestrator.db.output import OutputStore
 from orchestrator.db.rates import RateLimitStore
 from orchestrator.db.standby_wait import StandbyGate
 from orchestrator.db.store import RunStore
@@ -228,6 +230,8 @@ class Worker:
                 host=self.runs,
                 rates=RateLimitStore(pool),
                 prices=Prices.from_env(),
+                outputs=OutputStore(pool),
+                output_limits=OutputLimits.from_env(),
             )
             liveness = Liveness(
                 settings,

@@ -44,3 +44,61 @@ document.addEventListener("submit", function (event) {
   var message = event.target && event.target.dataset ? event.target.dataset.confirm : undefined;
   if (message && !window.confirm(message)) { event.preventDefault(); }
 });
+
+// Live output (docs/streaming.md): the run's output as server-sent events. Text is appended as
+// it comes; a retraction strikes through what an attempt that lost the run had published (its
+// fence, its positions) and says so; the browser resumes from the last position on its own.
+(function () {
+  "use strict";
+  var output = document.getElementById("output");
+  if (!output || !output.dataset.stream || !window.EventSource) { return; }
+  var status = document.getElementById("output-status");
+  var source = new EventSource(output.dataset.stream);
+  var block = null;
+  function piece(kind, event) {
+    var data = JSON.parse(event.data);
+    var element = document.createElement(kind === "text" ? "span" : "div");
+    element.className = "output-" + kind;
+    element.dataset.seq = data.seq;
+    element.dataset.fence = data.fence;
+    return { element: element, data: data };
+  }
+  source.addEventListener("text", function (event) {
+    var made = piece("text", event);
+    made.element.textContent = made.data.data.text;
+    if (!block) { block = document.createElement("p"); block.className = "output-block"; output.appendChild(block); }
+    block.appendChild(made.element);
+  });
+  source.addEventListener("progress", function (event) {
+    var made = piece("progress", event);
+    made.element.textContent = "• " + made.data.data.message;
+    output.appendChild(made.element);
+    block = null;
+  });
+  source.addEventListener("retracted", function (event) {
+    var made = piece("retracted", event);
+    var taken = made.data.data;
+    var shown = output.querySelectorAll("[data-fence='" + taken.fence + "']");
+    for (var i = 0; i < shown.length; i++) {
+      var seq = parseInt(shown[i].dataset.seq, 10);
+      if (seq >= taken.from_seq && seq <= taken.to_seq) { shown[i].classList.add("retracted"); }
+    }
+    made.element.textContent = "fence " + taken.fence + "'s unfinished output was retracted: " + taken.reason;
+    output.appendChild(made.element);
+    block = null;
+  });
+  source.addEventListener("truncated", function (event) {
+    var made = piece("truncated", event);
+    made.element.textContent = "the run's output reached its bound; the rest is not kept";
+    output.appendChild(made.element);
+    block = null;
+  });
+  source.addEventListener("open", function () { status.textContent = "live"; });
+  source.addEventListener("end", function () {
+    source.close();
+    status.textContent = "the run has ended";
+  });
+  source.addEventListener("error", function () {
+    if (source.readyState !== EventSource.CLOSED) { status.textContent = "reconnecting…"; }
+  });
+})();

@@ -1,0 +1,118 @@
+"""Live output under real faults (invariant 17): two clients follow a run while its `serve` is
+SIGSTOPped mid-answer and replaced. The scripted model server streams slowly; PostgreSQL and the
+processes are real, on loopback."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import anyio
+import pytest
+
+from orchestrator import Client
+from orchestrator.db.output import OutputEvent, OutputKind, OutputStore
+from orchestrator.db.store import RunStore
+from orchestrator.models import RunState
+from orchestrator.settings import Settings
+from orchestrator.testing import wait_for_run
+from orchestrator.testing.loopback import ScriptedModelServer, ScriptedTurn, turns
+from support import ServeProcess, serving
+from test_runtime import eventually
+
+pytestmark = pytest.mark.slow
+AGENTS = serving("support.streaming_agents_for_tests")
+ANSWER = "The quick brown fox jumps over the lazy dog, and then it naps in the afternoon sun."
+LEASE = ["--lease-seconds", "2", "--heartbeat-seconds", "0.5"]
+
+
+def shown(events: list[OutputEvent]) -> str:
+    """What a reader shows once every retraction has taken back what it names."""
+    retractions = [e for e in events if e.kind is OutputKind.RETRACTED]
+    return "".join(
+        str(e.data["text"])
+        for e in events
+        if e.kind is OutputKind.TEXT and not any(r.takes_back(e) for r in retractions)
+    )
+
+
+async def until(condition: Callable[[], bool], within: float = 30) -> None:
+    await eventually(condition, within=within)
+
+
+async def test_two_readers_see_a_paused_owner_s_half_answer_retracted_and_the_new_one_once(
+    database_url: str, store: RunStore
+) -> None:
+    script = turns(ScriptedTurn(content=ANSWER))
+    async with (
+        ScriptedModelServer(script, token_seconds=0.1, token_chars=4) as model,
+        await Client.connect(Settings(database_url=database_url)) as one,
+        await Client.connect(Settings(database_url=database_url)) as two,
+    ):
+        env = {"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": ""}
+        run_id = (await store.submit("streamer", {"question": "fox?"})).run.run_id
+        seen_one: list[OutputEvent] = []
+        seen_two: list[OutputEvent] = []
+
+        async def follow(client: Client, seen: list[OutputEvent]) -> None:
+            async for event in client.runs.stream(run_id):
+                seen.append(event)
+
+        async def follow_reconnecting() -> None:
+            """Reader two drops its stream after three events and resumes from its position."""
+            async for event in two.runs.stream(run_id):
+                seen_two.append(event)
+                if len(seen_two) == 3:
+                    break
+            await anyio.sleep(0.5)
+            async for event in two.runs.stream(run_id, after=seen_two[-1].seq):
+                seen_two.append(event)
+
+        with anyio.fail_after(120):  # the readers end with the run
+            async with anyio.create_task_group() as readers:
+                readers.start_soon(follow, one, seen_one)
+                readers.start_soon(follow_reconnecting)
+                with ServeProcess(database_url, *AGENTS, *LEASE, name="A", env=env) as a:
+                    # Mid-answer: some of the model's text has reached both readers.
+                    await until(lambda: sum(e.kind is OutputKind.TEXT for e in seen_one) >= 3)
+                    a.signal(signal.SIGSTOP)
+                    with ServeProcess(database_url, *AGENTS, *LEASE, name="B", env=env):
+                        final = await wait_for_run(store, run_id, within=60)
+                    a.signal(signal.SIGCONT)
+                    await until(lambda: bool(a.events("lease lost")), within=60)
+                    await anyio.sleep(1)  # whatever the zombie still tries to publish, it tries now
+        # A zombie with credentials and a live connection: its publish is refused.
+        stale_fence = next(e.fence for e in seen_one if e.kind is OutputKind.RETRACTED)
+        late = await OutputStore(store.pool).append(
+            run_id,
+            "A",
+            stale_fence,
+            1,
+            [{"kind": "text", "data": {"text": "zombie"}}],
+            max_events=100,
+            max_bytes=10_000,
+        )
+        assert late.status == "stale"
+        reread = [e async for e in one.runs.stream(run_id)]
+    assert final.state is RunState.SUCCEEDED, final.error
+    assert final.result == {"answer": ANSWER}
+    assert reread == seen_one
+    for seen in (seen_one, seen_two):
+        assert [e.seq for e in seen] == list(range(1, len(seen) + 1))  # none missed, none twice
+        assert shown(seen) == ANSWER  # the new owner's answer, once
+        [retraction] = [e for e in seen if e.kind is OutputKind.RETRACTED]
+        stale = retraction.fence
+        assert stale < final.fence
+        taken_back = [e for e in seen if retraction.takes_back(e)]
+        assert any(e.kind is OutputKind.TEXT for e in taken_back)  # a half answer, retracted
+        # Nothing the stale fence published is current: all of it before the retraction,
+        # and all of it taken back but the committed first step's progress.
+        of_stale = [e for e in seen if e.fence == stale and e.kind is not OutputKind.RETRACTED]
+        assert all(e.seq < retraction.seq for e in of_stale)
+        kept = [e for e in of_stale if not retraction.takes_back(e)]
+        assert all(e.data.get("message") == "prepared" for e in kept)
+        # The committed first step's progress stays (a busy machine may have run it under an
+        # earlier fence, or twice: once it committed, it is not taken back).
+        prepared = [e for e in seen if e.data.get("message") == "prepared"]
+        assert not retraction.takes_back(prepared[-1])
+    assert [e.as_json() for e in seen_one] == [e.as_json() for e in seen_two]
