@@ -149,7 +149,7 @@ async def test_slots_missed_during_a_postgres_outage_follow_the_catch_up_policy(
                     "noop",
                     EVERY_SECOND,
                     overlap="allow_all",
-                    catch_up=policy,  # type: ignore[arg-type]
+                    catch_up=policy,
                     catch_up_window=window,
                 )
             )
