@@ -10,7 +10,13 @@ import click
 from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.group import LazyCommands
 from orchestrator.cli.run_filters import check_target, filter_options
-from orchestrator.cli.support import async_command, json_option, limit_option, print_found
+from orchestrator.cli.support import (
+    after_option,
+    async_command,
+    json_option,
+    limit_option,
+    print_found,
+)
 from orchestrator.client.detail import DEFAULT_EVENTS, MAX_EVENTS
 from orchestrator.client.selection import RunSelection
 from orchestrator.errors import InvalidInput
@@ -141,13 +147,7 @@ async def runs_show(settings: Settings, run_id: str, as_json: bool, events_shown
 
 @runs.command("events")
 @click.argument("run_id")
-@click.option(
-    "--after",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="Start after this event id (the last one of the previous page).",
-)
+@after_option("Start after this event id (the last one of the previous page).")
 @click.option(
     "--limit",
     type=click.IntRange(1, MAX_EVENTS),
@@ -306,13 +306,7 @@ async def runs_retry(
     help="Follow the run's live output (model tokens, progress, retractions) instead of its "
     "timeline (docs/streaming.md).",
 )
-@click.option(
-    "--after",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="With --output: start after this position (the last one seen, to resume).",
-)
+@after_option("With --output: start after this position (the last one seen, to resume).")
 @json_option("One JSON object per event (JSON lines).")
 @async_command
 async def runs_watch(

@@ -13,6 +13,7 @@ from orchestrator.cli.consoles import stdout
 from orchestrator.cli.presentation import dump_json, grid, section
 from orchestrator.cli.support import (
     async_command,
+    input_option,
     json_option,
     print_done,
     print_found,
@@ -76,13 +77,7 @@ def schedules() -> None:
 @click.option("--jitter", default="0", show_default=True, help="Start each run up to this late.")
 @click.option("--start", help="No slot before this (ISO 8601 with a zone; default now).")
 @click.option("--end", help="No slot at or after this (ISO 8601 with a zone).")
-@click.option(
-    "--input",
-    "input_",
-    default="{}",
-    show_default=True,
-    help="Each run's input: JSON object, @file.json, or @- for standard input.",
-)
+@input_option("Each run's input: a JSON object, @file.json, or @- for standard input.")
 @click.option("--concurrency-key", help="Each run's concurrency key (docs/flow-control.md).")
 @click.option("--priority", type=int, default=0, show_default=True)
 @click.option("--max-attempts", type=int, default=5, show_default=True)
@@ -137,12 +132,14 @@ async def schedules_create(
 
 
 @schedules.command("list")
+@click.option("--agent", "agents", multiple=True, help="Only this agent's schedules (repeatable).")
 @json_option("Print the schedules as a JSON array.")
 @async_command
-async def schedules_list(settings: Settings, as_json: bool) -> None:
+async def schedules_list(settings: Settings, agents: tuple[str, ...], as_json: bool) -> None:
     """Every schedule: its calendar, next slot, unfinished runs and last fired slot."""
     async with open_stores(settings) as stores:
-        found = await stores.schedules.list()
+        every = await stores.schedules.list()
+    found = [schedule for schedule in every if not agents or schedule.agent in agents]
     print_found(found, as_json, schedules_table, NO_SCHEDULES)
 
 
@@ -178,36 +175,30 @@ async def schedules_show(settings: Settings, name: str, newest: int, as_json: bo
     stdout.print(slots_table(decided))
 
 
-@schedules.command("pause")
-@click.argument("name")
-@json_option("Print the schedule as JSON.")
-@async_command
-async def schedules_pause(settings: Settings, name: str, as_json: bool) -> None:
-    """Stop firing NAME's slots until it is resumed (its unfinished runs go on)."""
-    async with open_stores(settings) as stores:
-        paused = await stores.schedules.pause(name)
-    print_done(paused, as_json, f"{name}: paused")
+CHANGES = {
+    "pause": "Stop firing NAME's slots until it is resumed (its unfinished runs go on).",
+    "resume": "Fire NAME again from its next slot (the paused slots are not fired: backfill them).",
+    "delete": "Delete NAME and its slot records (the runs it started stay).",
+}
 
 
-@schedules.command("resume")
-@click.argument("name")
-@json_option("Print the schedule as JSON.")
-@async_command
-async def schedules_resume(settings: Settings, name: str, as_json: bool) -> None:
-    """Fire NAME again from its next slot (the paused slots are not fired: backfill them)."""
-    async with open_stores(settings) as stores:
-        resumed = await stores.schedules.resume(name)
-    print_done(resumed, as_json, f"{name}: resumed, next slot {_time(resumed.next_fire_at)}")
+def _change_command(change: str) -> None:
+    """``schedules pause|resume|delete NAME``: one decision each, the same shape."""
+
+    @schedules.command(change, help=CHANGES[change])
+    @click.argument("name")
+    @json_option("Print the schedule as JSON (null once deleted).")
+    @async_command
+    async def command(settings: Settings, name: str, as_json: bool) -> None:
+        async with open_stores(settings) as stores:
+            changed = await getattr(stores.schedules, change)(name)
+        upcoming = "" if changed is None else f", next slot {_time(changed.next_fire_at)}"
+        done = {"pause": "paused", "resume": "resumed", "delete": "deleted"}[change]
+        print_done(changed, as_json, f"{name}: {done}{upcoming if change == 'resume' else ''}")
 
 
-@schedules.command("delete")
-@click.argument("name")
-@async_command
-async def schedules_delete(settings: Settings, name: str) -> None:
-    """Delete NAME and its slot records (the runs it started stay)."""
-    async with open_stores(settings) as stores:
-        await stores.schedules.delete(name)
-    stdout.print(f"{name}: deleted", markup=False)
+for _change in CHANGES:
+    _change_command(_change)
 
 
 @schedules.command("backfill")
@@ -236,49 +227,47 @@ def _time(moment: Any) -> str:
     return "-" if moment is None else moment.isoformat(timespec="seconds")
 
 
+def _schedule_row(s: Schedule) -> tuple[str, ...]:
+    state = "paused" if s.paused else ("ended" if s.next_fire_at is None else "active")
+    return (
+        s.name,
+        s.agent,
+        s.when,
+        s.overlap,
+        s.catch_up,
+        _time(s.next_fire_at),
+        str(s.unfinished),
+        _time(s.last_fired),
+        state,
+    )
+
+
 def schedules_table(found: Sequence[Schedule]) -> Table:
-    return grid(
-        (
-            "name",
-            "agent",
-            "when",
-            "overlap",
-            "catch-up",
-            "next slot",
-            "unfinished",
-            "last fired",
-            "state",
-        ),
-        (
-            (
-                s.name,
-                s.agent,
-                s.when,
-                s.overlap,
-                s.catch_up,
-                _time(s.next_fire_at),
-                str(s.unfinished),
-                _time(s.last_fired),
-                "paused" if s.paused else ("ended" if s.next_fire_at is None else "active"),
-            )
-            for s in found
-        ),
+    columns = (
+        "name",
+        "agent",
+        "when",
+        "overlap",
+        "catch-up",
+        "next slot",
+        "unfinished",
+        "last fired",
+        "state",
+    )
+    return grid(columns, map(_schedule_row, found))
+
+
+def _slot_row(s: SlotRecord) -> tuple[str, ...]:
+    return (
+        _time(s.slot),
+        s.outcome,
+        s.run_id or "-",
+        s.run_state or "-",
+        s.decided_by,
+        str(s.fence),
     )
 
 
 def slots_table(found: Sequence[SlotRecord]) -> Table:
-    return section(
-        "slots (newest first)",
-        ("slot", "outcome", "run", "run state", "decided by", "fence"),
-        (
-            (
-                _time(s.slot),
-                s.outcome,
-                s.run_id or "-",
-                s.run_state or "-",
-                s.decided_by,
-                str(s.fence),
-            )
-            for s in found
-        ),
-    )
+    columns = ("slot", "outcome", "run", "run state", "decided by", "fence")
+    return section("slots (newest first)", columns, map(_slot_row, found))

@@ -6,7 +6,13 @@ import click
 
 from orchestrator.cli.consoles import stderr, stdout
 from orchestrator.cli.presentation import dump_json
-from orchestrator.cli.support import async_command, json_option, read_input, wait_for_standby_option
+from orchestrator.cli.support import (
+    async_command,
+    input_option,
+    json_option,
+    read_input,
+    wait_for_standby_option,
+)
 from orchestrator.client.runs import start_time
 from orchestrator.client.selection import parse_time
 from orchestrator.client.stores import open_stores
@@ -15,13 +21,7 @@ from orchestrator.settings import Settings
 
 @click.command()
 @click.argument("agent")
-@click.option(
-    "--input",
-    "input_",
-    default="{}",
-    show_default=True,
-    help="JSON object, @file.json, or @- for standard input.",
-)
+@input_option("JSON object, @file.json, or @- for standard input.")
 @click.option("--run-id", help="Use this run id instead of a generated one.")
 @click.option("--idempotency-key", help="Submitting the same key again returns the same run.")
 @click.option("--max-attempts", type=click.IntRange(1, 1000), default=5, show_default=True)

@@ -30,6 +30,16 @@ def json_option(help: str | None = None) -> Callable[[F], F]:
     return click.option("--json", "as_json", is_flag=True, help=help)
 
 
+def input_option(help: str) -> Callable[[F], F]:
+    """``--input``: a JSON object inline, from a file or from standard input (``read_input``)."""
+    return click.option("--input", "input_", default="{}", show_default=True, help=help)
+
+
+def after_option(help: str) -> Callable[[F], F]:
+    """``--after N``: where a page or a stream starts (0: from the beginning)."""
+    return click.option("--after", type=click.IntRange(0), default=0, show_default=True, help=help)
+
+
 def limit_option(default: int = 100) -> Callable[[F], F]:
     """``--limit N``, the same bound (1 to 10,000 rows) on every list command."""
     return click.option(

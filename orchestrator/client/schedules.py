@@ -4,12 +4,18 @@
 from __future__ import annotations
 
 import builtins
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Unpack
 
 from orchestrator.client.features import StoresHandle
 from orchestrator.db.error_projection import project_errors
-from orchestrator.db.schedules import HISTORY, Schedule, ScheduleOptions, ScheduleSpec, SlotRecord
+from orchestrator.db.schedules import (
+    HISTORY,
+    Schedule,
+    ScheduleArguments,
+    ScheduleSpec,
+    SlotRecord,
+)
 from orchestrator.scheduling.calendar import Calendar
 
 
@@ -17,21 +23,19 @@ class SchedulesHandle(StoresHandle):
     """Create, list, pause, resume, delete and backfill schedules."""
 
     @project_errors
-    async def create(
-        self,
-        name: str,
-        agent: str,
-        *,
-        cron: str | None = None,
-        every: timedelta | None = None,
-        timezone: str = "UTC",
-        **options: Unpack[ScheduleOptions],
-    ) -> Schedule:
-        """Schedule ``agent``: a run at each slot of ``cron`` (read in ``timezone``) or of
-        ``every``; ``options``: ``input``, ``overlap``, ``catch_up``, ``jitter``, ``starts_at``,
+    async def create(self, name: str, agent: str, **given: Unpack[ScheduleArguments]) -> Schedule:
+        """Schedule ``agent``: a run at each slot of ``cron=`` (read in ``timezone=``, UTC by
+        default) or of ``every=`` (a timedelta); the other options are ``input``, ``overlap``,
+        ``catch_up``, ``catch_up_window``, ``catch_up_limit``, ``jitter``, ``starts_at``,
         ``ends_at`` and the runs' ``concurrency_key``, ``priority``, ``max_attempts``."""
-        calendar = Calendar(cron=cron, every=every, timezone=timezone)
-        return await self._stores.schedules.create(ScheduleSpec(name, agent, calendar, **options))
+        options = dict(given)
+        calendar = Calendar(
+            cron=options.pop("cron", None),  # type: ignore[arg-type]
+            every=options.pop("every", None),  # type: ignore[arg-type]
+            timezone=options.pop("timezone", "UTC"),  # type: ignore[arg-type]
+        )
+        spec = ScheduleSpec(name, agent, calendar, **options)  # type: ignore[arg-type]
+        return await self._stores.schedules.create(spec)
 
     @project_errors
     async def list(self) -> builtins.list[Schedule]:

@@ -78,6 +78,14 @@ class ScheduleOptions(TypedDict, total=False):
     max_attempts: int
 
 
+class ScheduleArguments(ScheduleOptions, total=False):
+    """A schedule's calendar (``Calendar``'s fields) and its options, as the client takes them."""
+
+    cron: str | None
+    every: timedelta | None
+    timezone: str
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """What a schedule starts and when: its calendar, its agent and input, and its policies."""

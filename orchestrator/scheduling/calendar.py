@@ -17,7 +17,7 @@ An interval (``every``) is a fixed number of seconds since 1970-01-01 UTC, blind
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -123,18 +123,8 @@ class Calendar:
             while True:
                 yield EPOCH + timedelta(seconds=k * step)
                 k += 1
-        zone = self.zone
-        walk = self._walk(after.astimezone(zone).replace(tzinfo=None))
-        last = after
-        for _ in range(MAX_STEPS):
-            try:
-                naive = walk.get_next(datetime)
-            except CroniterBadDateError:
-                return
-            slot = _instant(naive, zone)
-            if slot > last:
-                last = slot
-                yield slot
+        local = after.astimezone(self.zone).replace(tzinfo=None)
+        yield from self._cron(local, forward=True, keep=lambda slot, last: slot > (last or after))
 
     def backward(self, at_or_before: datetime) -> Iterator[datetime]:
         """The slots at or before ``at_or_before``, newest first, each once."""
@@ -145,25 +135,39 @@ class Calendar:
             while True:
                 yield EPOCH + timedelta(seconds=k * step)
                 k -= 1
-        zone = self.zone
         # Start a day later in local time: inside a repeated hour, local times after this one
         # (its first occurrence) are earlier instants still.
-        walk = self._walk(at_or_before.astimezone(zone).replace(tzinfo=None) + FOLD_MARGIN)
+        local = at_or_before.astimezone(self.zone).replace(tzinfo=None) + FOLD_MARGIN
+        yield from self._cron(
+            local,
+            forward=False,
+            keep=lambda slot, last: slot <= at_or_before and (last is None or slot < last),
+        )
+
+    def _cron(
+        self,
+        local: datetime,
+        *,
+        forward: bool,
+        keep: Callable[[datetime, datetime | None], bool],
+    ) -> Iterator[datetime]:
+        """The instants of the cron's local times from ``local`` on (or back), those ``keep``
+        takes given the last one yielded: each local time's instant is decided by ``_instant``."""
+        if self.cron is None:
+            raise TypeError("an interval has no cron walk")
+        zone = self.zone
+        walk = croniter(self.cron, local)
+        move = walk.get_next if forward else walk.get_prev
         last: datetime | None = None
         for _ in range(MAX_STEPS):
             try:
-                naive = walk.get_prev(datetime)
+                naive = move(datetime)
             except CroniterBadDateError:
                 return
             slot = _instant(naive, zone)
-            if slot <= at_or_before and (last is None or slot < last):
+            if keep(slot, last):
                 last = slot
                 yield slot
-
-    def _walk(self, local: datetime) -> croniter:
-        if self.cron is None:
-            raise TypeError("an interval has no cron walk")
-        return croniter(self.cron, local)
 
     def jitter(self, schedule_id: str, slot: datetime, most: timedelta) -> timedelta:
         """A delay below ``most``, the same every time for this schedule and slot, so that a
