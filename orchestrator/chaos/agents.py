@@ -17,6 +17,9 @@ waits there, for all of them, any one or two; it finishes with the outcome it re
 leaf works a while (a window for a cascading cancel to land in), then emails its customer and
 notes the CRM with its commit, and finishes.
 
+``chaos_tick`` is the agent of the campaign's schedules (``orchestrator.chaos.schedules``): a
+leaf's two steps under a name of its own.
+
 Every step, and the read-only lookup, first records the (run, fence) it runs under outside the
 database (``orchestrator.chaos.grants``): the checker's evidence that survives a failover.
 
@@ -329,6 +332,18 @@ def leaf_agent(version: int) -> Agent:
     )
 
 
+TICK = "chaos_tick"
+"""The agent of the campaign's schedules (``orchestrator.chaos.schedules``)."""
+
+
+def tick_agent(version: int) -> Agent:
+    """``chaos_tick`` at ``version``: a leaf's steps under a name of their own, so that the runs
+    the campaign's schedules start meet neither the workload's limits nor its trees."""
+    return versioned(
+        TICK, (Reach, Reply), version, "Chaos campaign: a scheduled run, working, then emailing."
+    )
+
+
 @tool.read_only(timeout=10)
 def lookup_customer(ctx: ToolContext, customer: str) -> dict[str, str]:
     """Look a customer up.
@@ -428,6 +443,7 @@ chaos_steps = steps_agent(VERSION)
 chaos_tools = tools_agent(VERSION)
 chaos_tree = tree_agent(VERSION)
 chaos_leaf = leaf_agent(VERSION)
+chaos_tick = tick_agent(VERSION)
 
 _ASK = re.compile(r"customer (\S+) asks for a refund of (\d+)")
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import anyio
 
-from orchestrator.chaos.agents import chaos_leaf, chaos_steps, chaos_tools, chaos_tree
+from orchestrator.chaos.agents import chaos_leaf, chaos_steps, chaos_tick, chaos_tools, chaos_tree
 from orchestrator.chaos.context import FaultContext, FaultGroup, FaultRecord, ScheduledFault
 from orchestrator.chaos.statements import CAMPAIGN_ERRORS, STATEMENT_SECONDS
 from orchestrator.db.agents import AgentStore
 
-CUT_OVER = (chaos_steps.name, chaos_tools.name, chaos_tree.name, chaos_leaf.name)
+CUT_OVER = (chaos_steps.name, chaos_tools.name, chaos_tree.name, chaos_leaf.name, chaos_tick.name)
 WITHIN_SECONDS = 60.0
 """How long the new processes may take to register, and the cutover to be taken (a busy machine,
 a database restarting)."""
