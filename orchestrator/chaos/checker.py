@@ -2,7 +2,8 @@
 records, and names every broken promise. It trusts neither the workers' logs nor the boundary's
 bookkeeping: fences come from the timeline, deliveries from the vendor, and the fences a failover
 may have erased from the timeline from the workers' own grant records (``grants.py``). The rules
-for deploys are in ``deploy_checks.py``, those for trees of runs in ``tree_checks.py``."""
+for deploys are in ``deploy_checks.py``, those for trees of runs in ``tree_checks.py``, those for
+schedules in ``schedule_checks.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import asyncpg
 
+from orchestrator.chaos.agents import TICK
 from orchestrator.chaos.deploy_checks import check_deploys, read_cutovers
 from orchestrator.chaos.findings import (
     CLOCK_TOLERANCE_SECONDS,
@@ -24,6 +26,7 @@ from orchestrator.chaos.findings import (
     seconds_between,
 )
 from orchestrator.chaos.grants import Grant, duplicate_grants
+from orchestrator.chaos.schedule_checks import check_schedules, read_schedule_records
 from orchestrator.chaos.tree_checks import check_trees
 from orchestrator.chaos.vendor import ChaosVendor
 
@@ -31,7 +34,7 @@ LIMIT_EXCEEDED = "limit exceeded"
 SLOT_WITHOUT_LEASE = "slot without lease"
 """The flow-control rules: sampled while the campaign runs (``limits.py``), and the second also
 checked here, on the runs left after quiescence."""
-EMAILING = ("chaos_steps", "chaos_leaf")
+EMAILING = ("chaos_steps", "chaos_leaf", TICK)
 """The agents each of whose succeeded runs emailed its customer."""
 
 
@@ -72,6 +75,7 @@ async def check(
     await _check_budgets(found, pool)
     check_deploys(found, runs, events, await read_cutovers(pool), served or {})
     check_trees(found, runs, events, effects)
+    check_schedules(found, runs, events, await read_schedule_records(pool))
     return found
 
 

@@ -1,6 +1,6 @@
 """What the checker finds (``checker.py``, ``deploy_checks.py``, ``tree_checks.py``,
-``limits.py``): each broken promise as a violation, and the counts the report shows beside
-them."""
+``schedule_checks.py``, ``limits.py``): each broken promise as a violation, and the counts the
+report shows beside them."""
 
 from __future__ import annotations
 
@@ -80,6 +80,20 @@ class Findings:
     """Cancels that reached runs below the cancelled one."""
     descendants_cancelled: int = 0
     """Runs cancelled by an ancestor's cancel."""
+    schedules: int = 0
+    """Schedules the campaign created (``schedules.py``, ``schedule_checks.py``)."""
+    scheduled_runs: int = 0
+    """Runs a schedule started."""
+    slots_by_outcome: dict[str, int] = field(default_factory=dict)
+    """The schedules' slot records by outcome: fired, skipped, buffered, backfilled."""
+    slots_missed: int = 0
+    """Slots without a record that a schedule's ``missed`` accounts for (its catch-up policy
+    skipped them)."""
+    schedule_claims: int = 0
+    """Claims of the schedules (their fences, summed: each claim raised one by one)."""
+    schedule_fires_refused: int = 0
+    """Fires the database refused because their scheduler's lease had moved on, as the
+    schedulers logged them (a count, not evidence)."""
 
     def add(self, rule: str, subject: str, detail: str) -> None:
         self.violations.append(Violation(rule, subject, detail))
@@ -112,6 +126,12 @@ class Findings:
             "children": self.children,
             "cascading_cancels": self.cascading_cancels,
             "descendants_cancelled": self.descendants_cancelled,
+            "schedules": self.schedules,
+            "scheduled_runs": self.scheduled_runs,
+            "slots_by_outcome": self.slots_by_outcome,
+            "slots_missed": self.slots_missed,
+            "schedule_claims": self.schedule_claims,
+            "schedule_fires_refused": self.schedule_fires_refused,
         }
 
 

@@ -3,7 +3,9 @@
 ``python tests/support/chaos_mutants.py MUTANT ARGS...`` runs ``orchestrator ARGS...`` with the
 mutant applied. The database-side mutants (``BOUNDARY_WITHOUT_FENCE_CHECK``,
 ``FENCES_WITHOUT_EPOCH``, ``CUTOVER_NOT_IN_FORCE``, ``CANCEL_WITHOUT_CASCADE``,
-``CHILD_KEYS_NOT_UNIQUE``) are SQL the campaign (or a test) runs after migrating.
+``CHILD_KEYS_NOT_UNIQUE``, and the schedules' ``FIRE_WITHOUT_FENCE_CHECK``,
+``SLOTS_NOT_UNIQUE``, ``BUFFERED_START_UNRECORDED``, ``FIRST_SLOT_DROPPED``,
+``MISSED_FORGOTTEN``) are SQL the campaign (or a test) runs after migrating.
 """
 
 from __future__ import annotations
@@ -88,6 +90,54 @@ CHILD_KEYS_NOT_UNIQUE = "DROP INDEX orchestrator.runs_children;" + redefined(
 )
 """A spawn that does not find the child a key already names: a step that names its children
 again starts each one a second time."""
+
+FIRE_WITHOUT_FENCE_CHECK = redefined(
+    "orchestrator_fire_schedule", " AND x.lease_owner = p_worker AND x.fence = p_fence", ""
+) + redefined(
+    "orchestrator_fire_schedule",
+    "AND x.lease_until > clock_timestamp() AND NOT x.paused",
+    "AND NOT x.paused",
+)
+"""A schedule's fire that no longer checks it still holds the lease and fence its claim took: a
+stale lease holder's fire (planned before it stopped) is decided as if it were current."""
+
+SLOTS_NOT_UNIQUE = (
+    FIRE_WITHOUT_FENCE_CHECK
+    + "ALTER TABLE orchestrator.schedule_slots DROP CONSTRAINT schedule_slots_pkey;"
+    + redefined(
+        "orchestrator_start_scheduled_run",
+        "'schedule:' || s.schedule_id",
+        "p_run_id || ':schedule:' || s.schedule_id",
+    )
+    + redefined(
+        "orchestrator_fire_schedule",
+        "WHERE x.schedule_id = s.schedule_id AND x.slot = decided_slot) THEN",
+        "WHERE false) THEN",
+    )
+)
+"""No fence check, and nothing keeps a slot to one run: no key on the slot records, the run's
+idempotency key made unique by its run id, and a fire that does not look for the slot's record:
+a stale lease holder's fire starts each slot the newer claim started again."""
+
+BUFFERED_START_UNRECORDED = redefined(
+    "orchestrator_fire_schedule", "AND x.outcome = 'buffered'", "AND x.outcome = 'none'"
+)
+"""A buffered slot's run starts once the running run ends, but its record is not turned from
+``buffered`` to ``fired`` with the run: the run has no record of its slot."""
+
+FIRST_SLOT_DROPPED = redefined(
+    "orchestrator_fire_schedule",
+    "FOR i IN 1..coalesce(cardinality(p_slots), 0) LOOP",
+    "FOR i IN 2..coalesce(cardinality(p_slots), 0) LOOP",
+)
+"""A fire that skips the first (oldest) slot it is given, records nothing of it and moves the
+cursor past it: after an outage, the oldest slot caught up is lost."""
+
+MISSED_FORGOTTEN = redefined(
+    "orchestrator_fire_schedule", "missed = coalesce(p_missed, x.missed)", "missed = x.missed"
+)
+"""A fire that drops the summary of the slots its catch-up policy skipped: they are gone
+without a word."""
 
 
 if __name__ == "__main__":
