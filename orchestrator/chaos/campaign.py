@@ -1,6 +1,6 @@
 """A chaos campaign: a cluster on its own embedded PostgreSQL (or a primary and a streaming
-standby, for failovers), a steady workload, faults from a seeded schedule, then heal, quiescence
-(bounded) and the checker.
+standby, for failovers), a steady workload and schedules firing, faults from a seeded schedule,
+then heal, quiescence (bounded) and the checker.
 
 The campaign's own connections go straight to PostgreSQL; every worker and dispatcher goes
 through a ``FaultProxy`` of its own (one per server of a pair, behind a multi-host DSN).
@@ -49,6 +49,13 @@ from orchestrator.chaos.limits import (
     set_limits,
 )
 from orchestrator.chaos.proxies import MemberProxy
+from orchestrator.chaos.schedule_checks import refused_fires
+from orchestrator.chaos.schedules import (
+    CAMPAIGN_SCHEDULES,
+    PENDING,
+    CampaignSchedule,
+    create_schedules,
+)
 from orchestrator.chaos.statements import CAMPAIGN_APPLICATION, CAMPAIGN_ERRORS
 from orchestrator.chaos.vendor import ChaosVendor
 from orchestrator.db.connections import connect, create_pool
@@ -111,6 +118,8 @@ class CampaignConfig:
     """How many of the runs carry a concurrency key (``limits.KEYS``, skewed)."""
     limits: Sequence[CampaignLimit] = CAMPAIGN_LIMITS
     """Set on every agent of the workload before the workers start; the checker samples them."""
+    schedules: Sequence[CampaignSchedule] = CAMPAIGN_SCHEDULES
+    """Created once the workers serve, ending with the fault window (``schedules.py``)."""
 
     @property
     def on_pair(self) -> bool:
@@ -359,34 +368,13 @@ async def _campaign(
             url = await stack.enter_async_context(mcp_vendor.serving(vendor))
             vendors["kinds"][MCP_SERVER] = mcp_vendor.dispatcher_kind(url)
             env[MCP_URL_ENV] = url
-        effects_config = work_dir / "vendors.json"
-        effects_config.write_text(json.dumps(vendors))
-        grants_dir = work_dir / "grants"
-        grants_dir.mkdir(exist_ok=True)
-        cluster = Cluster(
-            database_dsn=dsn,
-            effects_config=effects_config,
-            work_dir=work_dir,
-            timing=config.timing,
-            model_env={"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "chaos"},
-            command=config.command,
-            env=env,
-            grants_dir=grants_dir,
-        )
-        for role, count in (("worker", config.workers), ("dispatcher", config.dispatchers)):
-            for _ in range(count):
-                proxies = [
-                    await stack.enter_async_context(FaultProxy("127.0.0.1", port)) for port in ports
-                ]
-                cluster.add(role, MemberProxy(proxies))
-        for member in cluster.members:
-            cluster.start(member)
-        stack.push_async_callback(_stop, cluster)
+        cluster = await _cluster(stack, config, dsn, ports, work_dir, vendors, model, env)
         await _until_registered(pool, config.workers, cluster)
         on = "a primary and a streaming standby" if len(ports) > 1 else "one server"
+        made = await create_schedules(pool, config.schedules, config.duration)
         progress(
             f"cluster up on {on}: {config.workers} workers, {config.dispatchers} dispatchers, "
-            f"each behind its own proxy; logs in {work_dir}"
+            f"each behind its own proxy; {len(made)} schedules; logs in {work_dir}"
         )
         context = FaultContext(
             cluster,
@@ -446,7 +434,7 @@ async def _campaign(
                 checking,
                 vendor,
                 dispatch_lease_seconds=config.timing.dispatch_lease_seconds,
-                grants=read_grants(grants_dir),
+                grants=read_grants(work_dir / "grants"),
                 submitted=submitted,
                 served=cluster.served,
             )
@@ -454,6 +442,7 @@ async def _campaign(
         finally:
             await checking.close()
         sampler.report(findings)
+        findings.schedule_fires_refused = refused_fires(work_dir)
         return Report(
             seed=config.seed,
             duration=config.duration,
@@ -472,6 +461,44 @@ async def _campaign(
             agents=config.agents,
             runs_keyed=sum(1 for plan in submitted.values() if plan.concurrency_key),
         )
+
+
+async def _cluster(
+    stack: AsyncExitStack,
+    config: CampaignConfig,
+    dsn: str,
+    ports: list[int],
+    work_dir: Path,
+    vendors: dict[str, Any],
+    model: ScriptedModelServer,
+    env: dict[str, str],
+) -> Cluster:
+    """The workers and dispatchers, each behind a proxy of its own (one per server), started;
+    stopped when ``stack`` closes."""
+    effects_config = work_dir / "vendors.json"
+    effects_config.write_text(json.dumps(vendors))
+    grants_dir = work_dir / "grants"
+    grants_dir.mkdir(exist_ok=True)
+    cluster = Cluster(
+        database_dsn=dsn,
+        effects_config=effects_config,
+        work_dir=work_dir,
+        timing=config.timing,
+        model_env={"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "chaos"},
+        command=config.command,
+        env=env,
+        grants_dir=grants_dir,
+    )
+    for role, count in (("worker", config.workers), ("dispatcher", config.dispatchers)):
+        for _ in range(count):
+            proxies = [
+                await stack.enter_async_context(FaultProxy("127.0.0.1", port)) for port in ports
+            ]
+            cluster.add(role, MemberProxy(proxies))
+    for member in cluster.members:
+        cluster.start(member)
+    stack.push_async_callback(_stop, cluster)
+    return cluster
 
 
 async def _migrate(settings: Settings, dsn: str, after_migrate: str | None) -> None:
@@ -611,8 +638,8 @@ async def _report_progress(
         await anyio.sleep(10)
         try:
             finished = await pool.fetchval(
-                "SELECT count(*) FROM orchestrator.runs "
-                "WHERE state = ANY($1::text[]) AND parent_run_id IS NULL",
+                "SELECT count(*) FROM orchestrator.runs WHERE state = ANY($1::text[]) "
+                "AND parent_run_id IS NULL AND schedule_id IS NULL",
                 list(TERMINAL),
             )
         except CAMPAIGN_ERRORS:
@@ -638,14 +665,18 @@ async def _quiescence(pool: asyncpg.Pool, progress: Progress, within: float) -> 
                 "SELECT count(*) FROM orchestrator.effects "
                 "WHERE status IN ('accepted', 'dispatching', 'uncertain')"
             )
+            pending = await pool.fetchval(PENDING)
         except CAMPAIGN_ERRORS:
             await anyio.sleep(0.5)
             continue
-        if unfinished == 0 and unsettled == 0:
-            progress("quiescent: every run finished, every effect settled")
+        if unfinished == 0 and unsettled == 0 and pending == 0:
+            progress("quiescent: every run finished, every effect settled, every schedule ended")
             return
         if time.monotonic() - last > 10:
-            progress(f"settling: {unfinished} runs unfinished, {unsettled} effects in flight")
+            progress(
+                f"settling: {unfinished} runs unfinished, {unsettled} effects in flight, "
+                f"{pending} schedules with slots to decide"
+            )
             last = time.monotonic()
         await anyio.sleep(0.5)
     progress(f"not quiescent after {within:g}s: the checker counts what is left as lost")

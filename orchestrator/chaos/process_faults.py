@@ -1,5 +1,6 @@
-"""Faults on the worker and dispatcher processes: SIGSTOP for longer than a lease, SIGKILL and a
-restart, and a dispatcher killed the moment a vendor accepted what it sent."""
+"""Faults on the worker and dispatcher processes: SIGSTOP for longer than a lease (every other
+worker's while it holds a schedule's lease, ``schedule_faults.py``), SIGKILL and a restart, and a
+dispatcher killed the moment a vendor accepted what it sent."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import anyio
 
 from orchestrator.chaos.cluster import Member
 from orchestrator.chaos.context import FaultGroup, FaultRecord, ScheduledFault
+from orchestrator.chaos.schedule_faults import stop_a_schedule_holder
 from orchestrator.chaos.statements import CAMPAIGN_ERRORS, STATEMENT_SECONDS
 
 
 class ProcessFaults(FaultGroup):
     async def sigstop_worker(self, fault: ScheduledFault, record: FaultRecord) -> None:
+        """Every other one stops a worker caught holding a schedule's lease, when one is."""
+        if fault.target % 2 == 1 and await stop_a_schedule_holder(self.context, record):
+            return
         await self._stop("worker", fault, record)
 
     async def sigstop_dispatcher(self, fault: ScheduledFault, record: FaultRecord) -> None:
