@@ -409,7 +409,17 @@ class Garbled:
     with a byte 0xFF in its text."""
 
 
-Fault = RateLimited | ServerError | Slow | Garbled
+@dataclass(frozen=True)
+class CutOff:
+    """Answer 200 and drop the connection midway (a server that died mid-answer): a streamed
+    answer after ``pieces`` pieces of its text (at the end of a shorter text, before its end),
+    an answer that is not streamed after half its body. The client sees a response that ends
+    before its declared length."""
+
+    pieces: int = 2
+
+
+Fault = RateLimited | ServerError | Slow | Garbled | CutOff
 
 
 @dataclass(frozen=True)
@@ -461,6 +471,9 @@ class ScriptedModelServer(LoopbackService):
         """A streamed answer's pause before each piece of its text (a model writing slowly)."""
         self.token_chars = token_chars
         """The characters of text in each streamed piece."""
+        self.hold: anyio.Event | None = None
+        """When set to an event: a streamed answer waits for it before its last piece of text (or
+        before it is cut off), so that a test can see what was streamed so far, then let it end."""
         self.streamed: list[tuple[float, str]] = []
         """Each streamed text piece with the ``time.monotonic()`` it was sent at (benchmarks)."""
         self.requests: list[dict[str, Any]] = []
@@ -607,6 +620,8 @@ class ScriptedModelServer(LoopbackService):
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         model = request.get("model", "scripted")
         finish = "tool_calls" if calls else "stop"
+        if isinstance(fault, CutOff):
+            record["answer"] = "cut off"
         if not request.get("stream"):
             message: dict[str, Any] = {"role": "assistant", "content": scripted.content}
             if calls:
@@ -622,9 +637,13 @@ class ScriptedModelServer(LoopbackService):
                     "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                     "usage": usage,
                 },
+                cut_off=isinstance(fault, CutOff),
             )
-            return True
-        await _send_stream(stream, model, scripted.content, calls, finish, usage, request, self)
+            return not isinstance(fault, CutOff)
+        cut_after = fault.pieces if isinstance(fault, CutOff) else None
+        await _send_stream(
+            stream, model, scripted.content, calls, finish, usage, request, self, cut_after
+        )
         return False
 
 
@@ -672,13 +691,16 @@ async def _send_json(
     status: int,
     payload: Any,
     headers: dict[str, str] | None = None,
+    *,
+    cut_off: bool = False,
 ) -> None:
+    """A JSON response (``cut_off``: half of its body, then the caller drops the connection)."""
     data = json.dumps(payload).encode()
     extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     await stream.send(
         f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n{extra}"
         f"content-length: {len(data)}\r\n\r\n".encode()
-        + data
+        + (data[: len(data) // 2] if cut_off else data)
     )
 
 
@@ -691,11 +713,14 @@ async def _send_stream(
     usage: dict[str, int],
     request: dict[str, Any],
     server: ScriptedModelServer,
+    cut_after: int | None = None,
 ) -> None:
-    """Server-sent events as the chat completions API streams them, then the connection ends."""
+    """Server-sent events as the chat completions API streams them, then the connection ends
+    (``cut_after``: after that many pieces of text, before the length it declared)."""
     await stream.send(
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-        b"connection: close\r\n\r\n"
+        + (b"content-length: 1048576\r\n" if cut_after is not None else b"")
+        + b"connection: close\r\n\r\n"
     )
 
     async def event(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
@@ -712,12 +737,19 @@ async def _send_stream(
     await event([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
     text = content or ""
     size = max(1, server.token_chars)
-    for start in range(0, len(text), size):
+    starts = range(0, len(text), size)
+    for number, start in enumerate(starts):
+        if server.hold is not None and number in (cut_after, len(starts) - 1):
+            await server.hold.wait()
+        if number == cut_after:
+            return  # the caller drops the connection: the response is shorter than declared
         piece = text[start : start + size]
         if server.token_seconds:
             await anyio.sleep(server.token_seconds)
         server.streamed.append((time.monotonic(), piece))
         await event([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
+    if cut_after is not None:
+        return  # a shorter text than that: cut before its end
     for index, call in enumerate(calls):
         opening = {
             "index": index,
