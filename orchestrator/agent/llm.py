@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
-from orchestrator.agent.output import current_output
+from orchestrator.agent.output import OutputPart, current_output
 from orchestrator.agent.rates import ModelCallRates, RateLimitWait
 from orchestrator.backoff import retry_after_seconds
 from orchestrator.errors import InvalidInput, OrchestratorError, PermanentFailure
@@ -145,9 +145,17 @@ async def chat(
                     stream=True,
                     stream_options={"include_usage": True},
                 )
-                content, _, answered_by, _, input_tokens, output_tokens = await _streamed(
-                    chunks, model
-                )
+                output = current_output()
+                part = output.part() if output is not None else None
+                try:
+                    reply = await _streamed(chunks, model, part)
+                except Exception:  # a caller that tries again must not show this text twice
+                    if part is not None:
+                        part.withdraw("the model call failed midway")
+                    raise
+                if part is not None:
+                    part.close()
+                content, _, answered_by, _, input_tokens, output_tokens = reply
                 completion = Completion(content or "", answered_by, input_tokens, output_tokens)
             else:
                 response = await client.chat.completions.create(
@@ -342,6 +350,7 @@ async def complete(
     body: bytes | None = None
     started = time.monotonic()
     attempts: list[ModelAttempt] = []
+    output = current_output() if stream else None
     rates = ModelCallRates(
         model, messages.array_size if isinstance(messages, EncodedMessages) else 0, max_tokens
     )
@@ -366,6 +375,8 @@ async def complete(
         }
         began = time.monotonic()
         delay: float | None = None
+        # What this attempt streams to the step's output: withdrawn if it fails midway.
+        part = output.part() if output is not None else None
         with start_span(f"chat {model}", attributes=attributes) as span:
             try:
                 if body is None:  # encoding the request is part of the first attempt
@@ -375,7 +386,7 @@ async def complete(
                         else EncodedMessages.of(messages)
                     )
                     body = _request_body(options, encoded)
-                reply = await _request(client, body, model, stream, remaining)
+                reply = await _request(client, body, model, stream, remaining, part)
             except openai.RateLimitError as error:
                 attempt = ModelAttempt("rate_limited", 429, None, None, time.monotonic() - began)
                 delay = retry_after_of(error)
@@ -402,6 +413,8 @@ async def complete(
                     raise ModelRefused(message, attempts) from None
                 attempt = ModelAttempt("server_error", status, None, None, time.monotonic() - began)
             else:
+                if part is not None:
+                    part.close()
                 content, calls, response_model, finish, input_tokens, output_tokens = reply
                 await rates.answered(input_tokens, output_tokens)
                 attempts.append(
@@ -424,6 +437,8 @@ async def complete(
                 return ModelReply(content, calls, response_model, finish, tuple(attempts))
             span.set_attribute("error.type", attempt.outcome)
             attempts.append(attempt)
+            if part is not None:  # readers are told its text is not the answer
+                part.withdraw(f"the model call failed midway ({attempt.outcome})")
             model_metrics().record(
                 model, attempt.seconds, error=attempt.outcome, input_tokens=None, output_tokens=None
             )
@@ -537,6 +552,7 @@ async def _request(
     model: str,
     stream: bool,
     request_seconds: float | None,
+    part: OutputPart | None = None,
 ) -> tuple[str | None, tuple[ToolCall, ...], str, str | None, int | None, int | None]:
     # The body is built once per call (``_request_body``) and sent as it is by each attempt,
     # through the client's own POST: its headers, authentication, base URL, timeout and errors,
@@ -579,27 +595,26 @@ async def _request(
         stream=True,
         stream_cls=AsyncStream[ChatCompletionChunk],
     )
-    return await _streamed(chunks, model)
+    return await _streamed(chunks, model, part)
 
 
 async def _streamed(
-    chunks: AsyncIterable[ChatCompletionChunk], model: str
+    chunks: AsyncIterable[ChatCompletionChunk], model: str, part: OutputPart | None = None
 ) -> tuple[str | None, tuple[ToolCall, ...], str, str | None, int | None, int | None]:
     """A streamed answer, put together by the ``openai`` client's own accumulator (its
     snapshot: nothing parsed, so an answer cut short or with malformed arguments is kept as it
-    came); the text is published as it comes to the step's live output, if any."""
+    came); the text is published as it comes to ``part`` of the step's live output, if any."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
     state: ChatCompletionStreamState[object] = ChatCompletionStreamState()
-    output = current_output()
     seen = False
     async for chunk in chunks:
         state.handle_chunk(chunk)
         seen = True
-        if output is not None:
+        if part is not None:
             for choice in chunk.choices:
                 if choice.index == 0 and choice.delta.content:
-                    output.text_storable(storable_text(choice.delta.content))
+                    part.text(storable_text(choice.delta.content))
     if not seen:
         return None, (), model, None, None, None
     snapshot = state.current_completion_snapshot

@@ -12,11 +12,20 @@ nothing more is written, and the publisher stops (``stopped``) without failing t
 the run's bound one ``truncated`` event is written and the rest is dropped, again without
 failing the step. One event's data is at most ``MAX_EVENT_BYTES``: more is refused with
 ``InvalidInput`` at the call, before anything is buffered.
+
+What a model call publishes goes through its own ``OutputPart``: when the call fails midway and
+is tried again within the same attempt, the part is withdrawn. Its unwritten text is dropped and
+what was written is retracted by the publisher itself, under the same fence: a ``progress`` event
+whose data names the positions under ``RETRACTS``, which every reader (``OutputFollower``: the
+client, the console, ``runs watch``) reads back as a ``retracted`` event (``read_back``). The
+database's append takes text and progress only; a retraction of one's own output needs no more
+than that, as it can only take back positions of the publishing fence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -27,6 +36,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
+from orchestrator.db.output import OutputEvent, OutputKind
 from orchestrator.errors import InvalidInput
 from orchestrator.jsontext import compact, utf8_size
 from orchestrator.storable import check_json, check_text
@@ -46,6 +56,9 @@ DEFAULT_MAX_EVENTS = 10_000
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 MAX_EVENTS_VARIABLE = "ORCHESTRATOR_OUTPUT_MAX_EVENTS"
 MAX_BYTES_VARIABLE = "ORCHESTRATOR_OUTPUT_MAX_BYTES"
+RETRACTS = "orchestrator.retracts"
+"""The key of a publisher's own retraction in a ``progress`` event's data (``read_back``): a
+name no ``progress(**details)`` call can give (``progress`` refuses it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +103,80 @@ class OutputTarget:
     log: RunLogger | None = None
 
 
+class OutputPart:
+    """What one model call publishes (``StepOutput.part()``): if the call fails midway and is
+    tried again, ``withdraw`` takes its text back, so that no reader shows it twice."""
+
+    __slots__ = ("_output", "done", "recording", "seqs")
+
+    def __init__(self, output: StepOutput) -> None:
+        self._output = output
+        self.seqs: list[int] = []
+        """The positions its events were written at (while it may still be withdrawn)."""
+        self.done = False
+        """Closed or withdrawn: nothing more goes through it."""
+        self.recording = True
+        """Its positions are kept: until it is closed, or its retraction is made."""
+
+    def text(self, chunk: str) -> None:
+        """``StepOutput.text_storable``, as this call's text."""
+        if not self.done:
+            self._output._text(chunk, self)
+
+    def withdraw(self, reason: str) -> None:
+        """The call failed: drop what it published that is not written yet and retract what
+        is (one ``retracted`` event per unbroken run of its positions, from the same fence)."""
+        if not self.done:
+            self.done = True
+            self._output._withdraw(self, reason)
+
+    def close(self) -> None:
+        """The call answered: what it published stays."""
+        self.done = True
+        self.recording = False
+        self.seqs = []
+
+    def retractions(self, reason: str) -> list[dict[str, JSON]]:
+        """The events that take back what of this part was written (none if nothing was)."""
+        runs: list[list[int]] = []
+        for seq in self.seqs:
+            if runs and seq == runs[-1][1] + 1:
+                runs[-1][1] = seq
+            else:
+                runs.append([seq, seq])
+        self.seqs, self.recording = [], False
+        return [
+            {
+                "kind": "progress",
+                "data": {
+                    "message": f"output {first}-{last} withdrawn: {reason}",
+                    RETRACTS: {"from_seq": first, "to_seq": last, "reason": reason},
+                },
+            }
+            for first, last in runs
+        ]
+
+
+def read_back(event: OutputEvent) -> OutputEvent:
+    """``event`` as readers apply it: a publisher's own retraction (a ``progress`` event
+    carrying ``RETRACTS``, see the module doc) as the ``retracted`` event it stands for, of the
+    fence that published it and only of positions before it; any other event as it is."""
+    taken = event.data.get(RETRACTS) if event.kind is OutputKind.PROGRESS else None
+    if not isinstance(taken, dict):
+        return event
+    first, last = taken.get("from_seq"), taken.get("to_seq")
+    if type(first) is not int or type(last) is not int or not 1 <= first <= last < event.seq:
+        return event
+    data = {
+        "fence": event.fence,
+        "from_seq": first,
+        "to_seq": last,
+        "events": last - first + 1,
+        "reason": str(taken.get("reason", "")),
+    }
+    return dataclasses.replace(event, kind=OutputKind.RETRACTED, data=data)
+
+
 class StepOutput:
     """``ctx.output``: publish text and progress while the step runs (see the module doc).
 
@@ -101,6 +188,7 @@ class StepOutput:
         "_bytes",
         "_bytes_of_last",
         "_first_at",
+        "_last_part",
         "_last_text",
         "_target",
         "_task",
@@ -111,8 +199,9 @@ class StepOutput:
 
     def __init__(self, target: OutputTarget | None = None) -> None:
         self._target = target
-        self._buffer: list[tuple[str, list[str] | dict[str, JSON]]] = []
-        """Events not yet written: a text event's pieces are joined when it is written."""
+        self._buffer: list[tuple[str, list[str] | dict[str, JSON], OutputPart | None]] = []
+        """Events not yet written, each with the part it belongs to: a text event's pieces are
+        joined when it is written; a ``retract`` entry becomes its part's retractions."""
         self._bytes = 0
         self._bytes_of_last = 0
         self._first_at = 0.0
@@ -120,6 +209,8 @@ class StepOutput:
         self._urgent = False
         """Write without waiting for the window: the step is about to commit."""
         self._last_text: list[str] | None = None
+        self._last_part: OutputPart | None = None
+        """The part of ``_last_text``: a part's text never shares an event with other text."""
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self.stopped: str | None = None if target is not None else "not in a worker"
@@ -135,6 +226,13 @@ class StepOutput:
 
     def text_storable(self, chunk: str) -> None:
         """``text`` for a chunk known to be storable (``storable_text``: a model's tokens)."""
+        self._text(chunk, None)
+
+    def part(self) -> OutputPart:
+        """A part for one model call's text, which can be withdrawn (``OutputPart``)."""
+        return OutputPart(self)
+
+    def _text(self, chunk: str, part: OutputPart | None) -> None:
         size = utf8_size(compact(chunk)) + 10
         if size > MAX_EVENT_BYTES:
             raise InvalidInput(
@@ -143,21 +241,37 @@ class StepOutput:
             )
         if not chunk or self.stopped:
             return
-        if self._last_text is not None and self._bytes_of_last + size <= MAX_EVENT_BYTES:
+        if (
+            self._last_text is not None
+            and self._last_part is part
+            and self._bytes_of_last + size <= MAX_EVENT_BYTES
+        ):
             self._last_text.append(chunk)  # one event per batch of tokens, not one per token
             self._bytes_of_last += size
             self._added(size)
             return
         pieces = [chunk]
-        self._buffer.append(("text", pieces))
-        self._last_text = pieces
+        self._buffer.append(("text", pieces, part))
+        self._last_text, self._last_part = pieces, part
         self._bytes_of_last = size
         self._added(size)
+
+    def _withdraw(self, part: OutputPart, reason: str) -> None:
+        if self.stopped:
+            return
+        self._buffer = [entry for entry in self._buffer if entry[2] is not part]
+        if self._last_part is part:
+            self._last_text = self._last_part = None
+        # What of it is written, or in the write in flight, is retracted by the next write.
+        self._buffer.append(("retract", {"reason": check_text(reason, "a reason")}, part))
+        self._added(utf8_size(reason) + 100)
 
     def progress(self, message: str, **details: JSON) -> None:
         """Say how the step is getting on: ``message``, and ``details`` (JSON values)."""
         if not isinstance(message, str):
             raise InvalidInput(f"a progress message is a string, not {type(message).__name__}")
+        if RETRACTS in details:
+            raise InvalidInput(f"{RETRACTS!r} is the publisher's own; name the detail otherwise")
         data: dict[str, JSON] = {**details, "message": check_text(message, "a progress message")}
         check_json(data, "progress details")
         size = utf8_size(compact(data))
@@ -167,8 +281,8 @@ class StepOutput:
             )
         if self.stopped:
             return
-        self._buffer.append(("progress", data))
-        self._last_text = None
+        self._buffer.append(("progress", data, None))
+        self._last_text = self._last_part = None
         self._added(size)
 
     # -- batching ---------------------------------------------------------------------------
@@ -205,11 +319,22 @@ class StepOutput:
             if wait > 0 and not self._urgent and not self._full():
                 await asyncio.sleep(wait)
                 continue
-            buffered, self._buffer, self._bytes, self._last_text = self._buffer, [], 0, None
-            batch: list[dict[str, JSON]] = [
-                {"kind": kind, "data": {"text": "".join(data)} if isinstance(data, list) else data}
-                for kind, data in buffered
-            ]
+            buffered, self._buffer, self._bytes = self._buffer, [], 0
+            self._last_text = self._last_part = None
+            batch: list[dict[str, JSON]] = []
+            parts: list[OutputPart | None] = []
+            for kind, data, part in buffered:
+                if kind == "retract":
+                    assert part is not None and isinstance(data, dict)
+                    taken = part.retractions(str(data["reason"]))
+                    batch += taken
+                    parts += [None] * len(taken)
+                    continue
+                text = {"text": "".join(data)} if isinstance(data, list) else data
+                batch.append({"kind": kind, "data": text})
+                parts.append(part)
+            if not batch:  # a withdrawn part of which nothing was written
+                continue
             try:
                 answer = await target.store.append(
                     target.run_id,
@@ -228,6 +353,13 @@ class StepOutput:
                 return
             if answer.status != "ok":
                 self.stopped = answer.status
+                continue
+            assert answer.last_seq is not None
+            # The batch's events are the last positions: the append locks the run's head row.
+            first = answer.last_seq - len(batch) + 1
+            for offset, part in enumerate(parts):
+                if part is not None and part.recording:
+                    part.seqs.append(first + offset)
 
     async def flush(self, within: float) -> None:
         """Write what is buffered and wait for it (at most ``within`` seconds: the step's commit

@@ -110,7 +110,9 @@ class RunsHandle(StoresHandle):
 
         Each event once, in order, with its position (``seq``), fence, ``kind`` (``text``,
         ``progress``, ``retracted``, ``truncated``) and ``data``. A ``retracted`` event takes
-        back the unfinished output of an attempt that lost the run (``event.takes_back(e)``).
+        back the unfinished output of an attempt that lost the run, or the text of a model call
+        that failed midway and was tried again (``event.takes_back(e)``). ``SyncClient`` has
+        the same as a blocking iterator.
         With ``until_end`` the iteration ends once the run has ended and all it published has
         been read; otherwise it goes on until the caller stops."""
         return self._follower.stream(run_id, after=after, until_end=until_end)

@@ -6,7 +6,8 @@ listening connection per client) and reading again every ``poll_seconds`` in cas
 notification was lost. Positions are gap-free and committed in order, so a reader that resumes
 after the last position it saw misses nothing and sees nothing twice. Each read first retracts
 what an attempt that lost the run left unfinished, so every reader sees that retraction at the
-same position.
+same position. A publisher's own retraction (a model call that failed midway and was tried
+again: ``agent.output.OutputPart``) is read back here as the ``retracted`` event it stands for.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator
 import anyio
 import asyncpg
 
+from orchestrator.agent.output import read_back
 from orchestrator.db.connections import DRIVER_ERRORS, connect, database_failed, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.notifications import OUTPUT_CHANNEL, Listener
@@ -105,9 +107,10 @@ class OutputFollower:
 
     async def _read(self, run_id: str, after: int) -> list[OutputEvent]:
         try:
-            return await self.outputs.read(run_id, after=after, limit=PAGE)
+            events = await self.outputs.read(run_id, after=after, limit=PAGE)
         except DRIVER_ERRORS as error:
             raise database_failed(error) from error
+        return [read_back(event) for event in events]
 
     async def _get_run(self, run_id: str) -> Run:
         try:
