@@ -197,3 +197,22 @@ pai_hurried = PydanticAIAgent(
     effects={"refund": effect("crm", approve=True)},
     deadline_seconds=1.5,
 )
+
+pai_streamer = PydanticAIAgent(
+    "pai_streamer",
+    orders_agent,
+    model=local_model,
+    read_only=["lookup_order"],
+    max_turns=6,
+    stream=True,
+)
+"""The orders agent (its lookup only) whose turns stream their text to the run's live output."""
+
+STREAMED_ANSWER = (
+    "Order o-17 shipped this morning; it should reach the customer within two working days."
+)
+STREAMED_TURNS = turns(
+    ScriptedTurn(calls=(ScriptedCall("lookup_order", {"order_id": "o-17"}),)),
+    ScriptedTurn(content=STREAMED_ANSWER),
+)
+"""A lookup, then an answer long enough to stream in many pieces."""

@@ -22,9 +22,13 @@ model turn of the Pydantic AI run, committed like a ``ToolAgent`` turn:
    A replaced worker resumes from the transcript and never asks the model again for a committed
    turn; a turn replayed before its commit proposes new calls, and nothing was sent for the old.
 
+With ``stream=True`` the turn's model request is streamed and its text published to the run's
+live output as it comes (``ctx.output``, docs/streaming.md), from Pydantic AI's own stream events.
+
 Behind this face: ``_agent`` (the agent and its turn), ``_capability`` (the hooks),
-``_effects`` (``effect(...)`` and the settled records handed back) and ``_history`` (the
-messages in the transcript), all over ``orchestrator.agent.turns``. Only public Pydantic AI
+``_effects`` (``effect(...)`` and the settled records handed back), ``_history`` (the
+messages in the transcript) and ``_streaming`` (the live output), all over
+``orchestrator.agent.turns``. Only public Pydantic AI
 modules are used (``pydantic_ai``, ``pydantic_ai.capabilities``, ``pydantic_ai.messages``,
 ``pydantic_ai.tools``); see docs/pydantic-ai.md for the versions tested.
 """

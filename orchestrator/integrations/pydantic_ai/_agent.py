@@ -43,6 +43,7 @@ from orchestrator.integrations.pydantic_ai._history import (
     from_transcript,
     to_transcript,
 )
+from orchestrator.integrations.pydantic_ai._streaming import LiveOutput
 from orchestrator.models import JSON, Message
 
 
@@ -56,7 +57,9 @@ class PydanticAIAgent(Agent):
     returning one, called on each turn: e.g. to read the worker's environment). A read-only
     tool that does not answer within ``tool_timeout_seconds`` is told to the model as an error.
     ``max_turns`` and ``deadline_seconds`` (from the first turn, on the database clock; waits
-    included) bound the loop: past either, the run fails.
+    included) bound the loop: past either, the run fails. ``stream``: each turn's model request
+    is streamed and its text published to the run's live output as it comes (docs/streaming.md),
+    as ``ToolAgent(stream=True)`` does; the committed turn is the same either way.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class PydanticAIAgent(Agent):
         settle_grace_seconds: float = DEFAULT_SETTLE_GRACE_SECONDS,
         tool_timeout_seconds: float = DEFAULT_TOOL_TIMEOUT_SECONDS,
         max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN,
+        stream: bool = False,
     ) -> None:
         if not isinstance(agent, PydanticAgent):
             raise InvalidInput(
@@ -107,6 +111,7 @@ class PydanticAIAgent(Agent):
         self.tool_timeout_seconds = tool_timeout_seconds
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.deadline_seconds = deadline_seconds
+        self.stream = bool(stream)
         first = turn_step(name, "turn", lease_seconds, self.turn)
         super().__init__(name, first=first, description=description, budget=budget)
 
@@ -181,7 +186,7 @@ class PydanticAIAgent(Agent):
             message_history=history,
             deferred_tool_results=results,
             output_type=[*outputs, DeferredToolRequests],
-            capabilities=[capability],
+            capabilities=[capability, LiveOutput(ctx.output)] if self.stream else [capability],
             deps=self.deps(ctx) if self.deps is not None else None,
             model=self.model() if callable(self.model) else self.model,
         ) as run:
