@@ -4,8 +4,9 @@ event loop of ``SyncClient``'s own thread and blocks until it returns."""
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from anyio.from_thread import BlockingPortal
@@ -20,6 +21,7 @@ from orchestrator.client.features import (
 )
 from orchestrator.client.runs import RunsHandle
 from orchestrator.client.schedules import SchedulesHandle
+from orchestrator.db.output import OutputEvent
 from orchestrator.effect_model import EffectRecord
 
 H = TypeVar("H")
@@ -76,6 +78,33 @@ class SyncRuns(SyncHandle[RunsHandle]):
     wait = blocking(RunsHandle.wait)
     cancel = blocking(RunsHandle.cancel)
     detail = blocking(RunsHandle.detail)
+
+    def stream(
+        self, run_id: str, *, after: int = 0, until_end: bool = True
+    ) -> Generator[OutputEvent, None, None]:
+        """``client.runs.stream`` for synchronous code: the run's live output after position
+        ``after``, each event once, in order, as it is published (docs/streaming.md)::
+
+            for event in client.runs.stream(run_id, after=last_seen):
+                last_seen = event.seq
+
+        Each ``next`` blocks until the next event (with ``until_end``, the iteration ends once
+        the run has ended and all it published has been read). Leaving the loop early, or
+        closing the iterator, ends the stream on the client's loop."""
+        events = self._handle.stream(run_id, after=after, until_end=until_end)
+
+        async def following() -> OutputEvent | None:
+            return await anext(events, None)
+
+        try:
+            event = self._portal.call(following)
+            while event is not None:  # as long as the stream: it ends, or the caller stops
+                yield event
+                event = self._portal.call(following)
+        finally:
+            if isinstance(events, AsyncGenerator):
+                with contextlib.suppress(RuntimeError):  # the client was closed meanwhile
+                    self._portal.call(events.aclose)
 
 
 class SyncEffects(SyncHandle[EffectsHandle]):
