@@ -2383,7 +2383,7 @@ $$;
 CREATE FUNCTION orchestrator.orchestrator_stream_append(p_run_id text, p_worker text, p_fence bigint, p_base_version bigint, p_events jsonb, p_max_events bigint, p_max_bytes bigint, OUT status text, OUT last_seq bigint) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator'
-    AS $$
+    AS $_$
 #variable_conflict use_column
 DECLARE
     caps record;
@@ -2411,9 +2411,21 @@ BEGIN
     END IF;
     FOR item IN SELECT value FROM jsonb_array_elements(p_events) LOOP
         IF jsonb_typeof(item) <> 'object' OR (item ->> 'kind') IS NULL
-           OR (item ->> 'kind') NOT IN ('text', 'progress')
+           OR (item ->> 'kind') NOT IN ('text', 'progress', 'retracted')
            OR jsonb_typeof(item -> 'data') IS DISTINCT FROM 'object' THEN
-            RAISE EXCEPTION 'an output event is {"kind": "text" or "progress", "data": {...}}'
+            RAISE EXCEPTION 'an output event is {"kind": "text", "progress" or "retracted", '
+                            '"data": {...}}'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF item ->> 'kind' = 'retracted'
+           AND (jsonb_typeof(item -> 'data' -> 'from_seq') IS DISTINCT FROM 'number'
+                OR jsonb_typeof(item -> 'data' -> 'to_seq') IS DISTINCT FROM 'number'
+                OR (item -> 'data' ->> 'from_seq') !~ '^[1-9][0-9]{0,17}$'
+                OR (item -> 'data' ->> 'to_seq') !~ '^[1-9][0-9]{0,17}$'
+                OR (item -> 'data' ->> 'from_seq')::bigint > (item -> 'data' ->> 'to_seq')::bigint)
+        THEN
+            RAISE EXCEPTION 'a retraction names the positions it takes back: '
+                            '{"from_seq": N, "to_seq": M, "reason": "..."} with 1 <= N <= M'
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
         IF octet_length((item -> 'data')::text) > caps.event_bytes THEN
@@ -2451,8 +2463,39 @@ BEGIN
         stream.open_fence := p_fence;
         stream.open_from := stream.last_seq + 1;
     END IF;
+    -- A publisher's retraction takes back positions written before it, all its own.
+    FOR item IN SELECT value FROM jsonb_array_elements(p_events)
+                WHERE value ->> 'kind' = 'retracted' LOOP
+        IF (item -> 'data' ->> 'to_seq')::bigint > stream.last_seq
+           OR EXISTS (SELECT 1 FROM run_output AS o
+                      WHERE o.run_id = p_run_id AND o.kind IN ('text', 'progress')
+                        AND o.seq BETWEEN (item -> 'data' ->> 'from_seq')::bigint
+                                      AND (item -> 'data' ->> 'to_seq')::bigint
+                        AND (o.fence <> p_fence OR o.base_version <> p_base_version)) THEN
+            RAISE EXCEPTION 'a publisher retracts only what it wrote in this step, not '
+                            'positions %-%', item -> 'data' ->> 'from_seq',
+                            item -> 'data' ->> 'to_seq'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+    END LOOP;
     status := CASE WHEN stream.truncated THEN 'truncated' ELSE 'ok' END;
     FOR item IN SELECT value FROM jsonb_array_elements(p_events) LOOP
+        IF item ->> 'kind' = 'retracted' THEN
+            -- Written even past the bound: a retraction only ever shrinks what readers show.
+            stream.last_seq := stream.last_seq + 1;
+            INSERT INTO run_output (run_id, seq, fence, base_version, kind, data)
+            VALUES (p_run_id, stream.last_seq, p_fence, p_base_version, 'retracted',
+                    jsonb_build_object(
+                        'fence', p_fence,
+                        'from_seq', (item -> 'data' ->> 'from_seq')::bigint,
+                        'to_seq', (item -> 'data' ->> 'to_seq')::bigint,
+                        'events', (SELECT count(*) FROM run_output AS o
+                                   WHERE o.run_id = p_run_id AND o.kind IN ('text', 'progress')
+                                     AND o.seq BETWEEN (item -> 'data' ->> 'from_seq')::bigint
+                                                   AND (item -> 'data' ->> 'to_seq')::bigint),
+                        'reason', left(coalesce(item -> 'data' ->> 'reason', ''), 500)));
+            CONTINUE;
+        END IF;
         EXIT WHEN stream.truncated;
         size := octet_length((item -> 'data')::text);
         stream.last_seq := stream.last_seq + 1;
@@ -2479,7 +2522,7 @@ BEGIN
     last_seq := stream.last_seq;
     PERFORM pg_notify('orchestrator_output', p_run_id);
 END
-$$;
+$_$;
 CREATE FUNCTION orchestrator.orchestrator_stream_read(p_run_id text, p_after bigint, p_limit integer) RETURNS TABLE(seq bigint, fence bigint, base_version bigint, kind text, data jsonb, created_at timestamp with time zone)
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'orchestrator'

@@ -101,6 +101,41 @@ async def test_a_new_owner_retracts_the_lost_attempt_s_unfinished_output_only(
     assert await outputs.read(first.run_id, after=3) == events[3:]
 
 
+async def test_a_publisher_retracts_only_what_its_fence_wrote_in_this_step(
+    store: RunStore,
+) -> None:
+    """A model call retried midway takes back its own text; nothing else can be taken back."""
+    outputs = OutputStore(store.pool)
+    first = await claimed(store, "w1")
+    assert await append(outputs, first, "Step one.") == "ok"
+    await store.commit_step(first.lease, expected_version=0, next_step="two", checkpoint={})
+    assert await append(outputs, first, "Half", " an answer", version=1) == "ok"
+
+    async def retract(begin: int, end: int, version: int = 1) -> str:
+        retraction = {"from_seq": begin, "to_seq": end, "reason": "the call failed midway"}
+        answer = await outputs.append(
+            first.run_id,
+            "w1",
+            first.fence,
+            version,
+            [{"kind": "retracted", "data": retraction}],
+            **LIMITS,
+        )
+        return answer.status
+
+    before = await outputs.read(first.run_id)
+    for begin, end in ((1, 2), (1, 1), (2, 9), (3, 2), (0, 2)):
+        # A committed step's output (1), positions not written yet (9), a reversed range.
+        with pytest.raises(asyncpg.InvalidParameterValueError):
+            await retract(begin, end)
+    assert await outputs.read(first.run_id) == before
+    assert await retract(2, 3) == "ok"
+    events = await outputs.read(first.run_id)
+    assert events[-1].kind is OutputKind.RETRACTED and list(events[-1].retracts) == [2, 3]
+    assert events[-1].data["events"] == 2 and events[-1].fence == first.fence
+    assert current_text(events) == "Step one."
+
+
 async def test_a_reader_seals_once_the_fence_has_moved_and_every_reader_sees_the_same(
     store: RunStore,
 ) -> None:

@@ -23,7 +23,7 @@ from pydantic_ai.messages import (
 
 from orchestrator import Agent, Client, Finish, Step, StepContext, SyncClient
 from orchestrator.agent import llm
-from orchestrator.agent.output import RETRACTS, OutputLimits, OutputTarget, StepOutput
+from orchestrator.agent.output import OutputLimits, OutputTarget, StepOutput
 from orchestrator.agent.steps import Outcome
 from orchestrator.db.output import Appended, OutputEvent, OutputKind, OutputStore
 from orchestrator.db.store import RunStore
@@ -174,9 +174,8 @@ async def test_a_model_call_cut_off_midway_and_retried_retracts_its_partial_text
     assert not any(retraction.takes_back(e) for e in seen if e.seq > retraction.seq)
     assert retraction.data["reason"] == "the model call failed midway (connection_error)"
     assert shown(seen) == ANSWER
-    # In the database it is the publisher's progress event; readers read it back as retracted.
-    assert stored[retraction.seq - 1].kind is OutputKind.PROGRESS
-    assert stored[retraction.seq - 1].data[RETRACTS]["to_seq"] == retraction.retracts[-1]
+    # Stored as it is read: the publisher's own retraction.
+    assert stored[retraction.seq - 1] == retraction
     # The synchronous client followed the same run live and saw the same events; one that
     # left after the first event and resumed from its position saw them too, once.
     assert read_sync == seen
@@ -220,13 +219,16 @@ class FakeStore:
         return Appended("ok", len(self.rows))
 
     def read_back(self) -> list[OutputEvent]:
-        from orchestrator.agent.output import read_back
-
+        """The rows as the database stores them (a retraction counts what it takes back)."""
         now = datetime.now(UTC)
-        return [
-            read_back(OutputEvent(seq, 7, 0, OutputKind(row["kind"]), row["data"], now))
-            for seq, row in enumerate(self.rows, start=1)
-        ]
+        events = []
+        for seq, row in enumerate(self.rows, start=1):
+            data = dict(row["data"])
+            if row["kind"] == "retracted":
+                taken = range(data["from_seq"], data["to_seq"] + 1)
+                data |= {"fence": 7, "events": len(taken)}
+            events.append(OutputEvent(seq, 7, 0, OutputKind(row["kind"]), data, now))
+        return events
 
 
 def published_to(store: FakeStore) -> StepOutput:
@@ -277,5 +279,3 @@ async def test_a_withdrawn_part_drops_what_is_unwritten_and_retracts_only_what_w
     assert [e.data.get("message") for e in events if e.kind is OutputKind.PROGRESS] == [
         "trying again"
     ]
-    with pytest.raises(InvalidInput):
-        output.progress("forged", **{RETRACTS: {"from_seq": 1, "to_seq": 1}})

@@ -15,17 +15,13 @@ failing the step. One event's data is at most ``MAX_EVENT_BYTES``: more is refus
 
 What a model call publishes goes through its own ``OutputPart``: when the call fails midway and
 is tried again within the same attempt, the part is withdrawn. Its unwritten text is dropped and
-what was written is retracted by the publisher itself, under the same fence: a ``progress`` event
-whose data names the positions under ``RETRACTS``, which every reader (``OutputFollower``: the
-client, the console, ``runs watch``) reads back as a ``retracted`` event (``read_back``). The
-database's append takes text and progress only; a retraction of one's own output needs no more
-than that, as it can only take back positions of the publishing fence.
+what was written is retracted by the publisher itself, under the same fence: a ``retracted``
+event, which the database accepts only for positions its fence wrote in this step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -36,7 +32,6 @@ from typing import TYPE_CHECKING
 import anyio
 
 from orchestrator.db.deadlines import DATABASE_ERRORS
-from orchestrator.db.output import OutputEvent, OutputKind
 from orchestrator.errors import InvalidInput
 from orchestrator.jsontext import compact, utf8_size
 from orchestrator.storable import check_json, check_text
@@ -56,9 +51,6 @@ DEFAULT_MAX_EVENTS = 10_000
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 MAX_EVENTS_VARIABLE = "ORCHESTRATOR_OUTPUT_MAX_EVENTS"
 MAX_BYTES_VARIABLE = "ORCHESTRATOR_OUTPUT_MAX_BYTES"
-RETRACTS = "orchestrator.retracts"
-"""The key of a publisher's own retraction in a ``progress`` event's data (``read_back``): a
-name no ``progress(**details)`` call can give (``progress`` refuses it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,35 +138,9 @@ class OutputPart:
                 runs.append([seq, seq])
         self.seqs, self.recording = [], False
         return [
-            {
-                "kind": "progress",
-                "data": {
-                    "message": f"output {first}-{last} withdrawn: {reason}",
-                    RETRACTS: {"from_seq": first, "to_seq": last, "reason": reason},
-                },
-            }
+            {"kind": "retracted", "data": {"from_seq": first, "to_seq": last, "reason": reason}}
             for first, last in runs
         ]
-
-
-def read_back(event: OutputEvent) -> OutputEvent:
-    """``event`` as readers apply it: a publisher's own retraction (a ``progress`` event
-    carrying ``RETRACTS``, see the module doc) as the ``retracted`` event it stands for, of the
-    fence that published it and only of positions before it; any other event as it is."""
-    taken = event.data.get(RETRACTS) if event.kind is OutputKind.PROGRESS else None
-    if not isinstance(taken, dict):
-        return event
-    first, last = taken.get("from_seq"), taken.get("to_seq")
-    if type(first) is not int or type(last) is not int or not 1 <= first <= last < event.seq:
-        return event
-    data = {
-        "fence": event.fence,
-        "from_seq": first,
-        "to_seq": last,
-        "events": last - first + 1,
-        "reason": str(taken.get("reason", "")),
-    }
-    return dataclasses.replace(event, kind=OutputKind.RETRACTED, data=data)
 
 
 class StepOutput:
@@ -270,8 +236,6 @@ class StepOutput:
         """Say how the step is getting on: ``message``, and ``details`` (JSON values)."""
         if not isinstance(message, str):
             raise InvalidInput(f"a progress message is a string, not {type(message).__name__}")
-        if RETRACTS in details:
-            raise InvalidInput(f"{RETRACTS!r} is the publisher's own; name the detail otherwise")
         data: dict[str, JSON] = {**details, "message": check_text(message, "a progress message")}
         check_json(data, "progress details")
         size = utf8_size(compact(data))

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 import anyio
 import asyncpg
 
-from orchestrator.agent.output import read_back
 from orchestrator.db.connections import DRIVER_ERRORS, connect, database_failed, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.notifications import OUTPUT_CHANNEL, Listener
@@ -110,7 +109,7 @@ class OutputFollower:
             events = await self.outputs.read(run_id, after=after, limit=PAGE)
         except DRIVER_ERRORS as error:
             raise database_failed(error) from error
-        return [read_back(event) for event in events]
+        return events
 
     async def _get_run(self, run_id: str) -> Run:
         try:

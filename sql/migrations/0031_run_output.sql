@@ -96,7 +96,10 @@ REVOKE ALL ON FUNCTION orchestrator_stream_retract(run_streams, runs) FROM PUBLI
 
 -- Append p_events (a JSON array of {kind: 'text' | 'progress', data: {...}}) to run p_run_id's
 -- output, published by worker p_worker under fence p_fence from checkpoint version
--- p_base_version, in order. Written only while p_worker holds the run's unexpired lease under
+-- p_base_version, in order. An event {kind: 'retracted', data: {from_seq, to_seq, reason}} is the
+-- publisher taking back its own output of this step (a model call that failed midway and is
+-- tried again): every text or progress event in the range must be of p_fence and
+-- p_base_version, or the whole append is refused. Written only while p_worker holds the run's unexpired lease under
 -- p_fence and the run is still at p_base_version; otherwise nothing is written and the status
 -- is 'stale' (the publisher stops). A newer fence first retracts the unfinished output of the
 -- older one. Past the run's bound (p_max_events events, p_max_bytes bytes of data, at most
@@ -134,9 +137,21 @@ BEGIN
     END IF;
     FOR item IN SELECT value FROM jsonb_array_elements(p_events) LOOP
         IF jsonb_typeof(item) <> 'object' OR (item ->> 'kind') IS NULL
-           OR (item ->> 'kind') NOT IN ('text', 'progress')
+           OR (item ->> 'kind') NOT IN ('text', 'progress', 'retracted')
            OR jsonb_typeof(item -> 'data') IS DISTINCT FROM 'object' THEN
-            RAISE EXCEPTION 'an output event is {"kind": "text" or "progress", "data": {...}}'
+            RAISE EXCEPTION 'an output event is {"kind": "text", "progress" or "retracted", '
+                            '"data": {...}}'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF item ->> 'kind' = 'retracted'
+           AND (jsonb_typeof(item -> 'data' -> 'from_seq') IS DISTINCT FROM 'number'
+                OR jsonb_typeof(item -> 'data' -> 'to_seq') IS DISTINCT FROM 'number'
+                OR (item -> 'data' ->> 'from_seq') !~ '^[1-9][0-9]{0,17}$'
+                OR (item -> 'data' ->> 'to_seq') !~ '^[1-9][0-9]{0,17}$'
+                OR (item -> 'data' ->> 'from_seq')::bigint > (item -> 'data' ->> 'to_seq')::bigint)
+        THEN
+            RAISE EXCEPTION 'a retraction names the positions it takes back: '
+                            '{"from_seq": N, "to_seq": M, "reason": "..."} with 1 <= N <= M'
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
         IF octet_length((item -> 'data')::text) > caps.event_bytes THEN
@@ -174,8 +189,39 @@ BEGIN
         stream.open_fence := p_fence;
         stream.open_from := stream.last_seq + 1;
     END IF;
+    -- A publisher's retraction takes back positions written before it, all its own.
+    FOR item IN SELECT value FROM jsonb_array_elements(p_events)
+                WHERE value ->> 'kind' = 'retracted' LOOP
+        IF (item -> 'data' ->> 'to_seq')::bigint > stream.last_seq
+           OR EXISTS (SELECT 1 FROM run_output AS o
+                      WHERE o.run_id = p_run_id AND o.kind IN ('text', 'progress')
+                        AND o.seq BETWEEN (item -> 'data' ->> 'from_seq')::bigint
+                                      AND (item -> 'data' ->> 'to_seq')::bigint
+                        AND (o.fence <> p_fence OR o.base_version <> p_base_version)) THEN
+            RAISE EXCEPTION 'a publisher retracts only what it wrote in this step, not '
+                            'positions %-%', item -> 'data' ->> 'from_seq',
+                            item -> 'data' ->> 'to_seq'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+    END LOOP;
     status := CASE WHEN stream.truncated THEN 'truncated' ELSE 'ok' END;
     FOR item IN SELECT value FROM jsonb_array_elements(p_events) LOOP
+        IF item ->> 'kind' = 'retracted' THEN
+            -- Written even past the bound: a retraction only ever shrinks what readers show.
+            stream.last_seq := stream.last_seq + 1;
+            INSERT INTO run_output (run_id, seq, fence, base_version, kind, data)
+            VALUES (p_run_id, stream.last_seq, p_fence, p_base_version, 'retracted',
+                    jsonb_build_object(
+                        'fence', p_fence,
+                        'from_seq', (item -> 'data' ->> 'from_seq')::bigint,
+                        'to_seq', (item -> 'data' ->> 'to_seq')::bigint,
+                        'events', (SELECT count(*) FROM run_output AS o
+                                   WHERE o.run_id = p_run_id AND o.kind IN ('text', 'progress')
+                                     AND o.seq BETWEEN (item -> 'data' ->> 'from_seq')::bigint
+                                                   AND (item -> 'data' ->> 'to_seq')::bigint),
+                        'reason', left(coalesce(item -> 'data' ->> 'reason', ''), 500)));
+            CONTINUE;
+        END IF;
         EXIT WHEN stream.truncated;
         size := octet_length((item -> 'data')::text);
         stream.last_seq := stream.last_seq + 1;
