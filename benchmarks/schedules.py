@@ -42,17 +42,9 @@ from typing import Any
 
 import asyncpg
 
+import bench_report
 from bench_main import benchmark_parser, run_and_report
-from bench_report import (
-    fmt,
-    log,
-    percentile,
-    render_table,
-    report_heading,
-    server_line,
-    verdict,
-    workload,
-)
+from bench_report import fmt, log, percentile, render_table, report_heading, server_line
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.migrations import migrate
 from orchestrator.db.schedules import ScheduleSpec, ScheduleStore
@@ -291,7 +283,7 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
     return {
         **report_heading("schedules"),
         "server": {"embedded": server.embedded, **facts},
-        "config": workload(config),
+        "config": bench_report.workload(config),
         "slot_to_claim": latency,
         "idle": idle,
         "idle_with_schedules_median": statistics.median(processes),
@@ -349,12 +341,13 @@ def format_report(report: dict[str, Any]) -> str:
         for row in report["idle"]
     ]
     out += render_table(header, rows)
+    fast, cheap = (bench_report.verdict(report[key]) for key in ("p99_met", "idle_met"))
     out += [
         "",
-        f"target: slot -> claim p99 < {report['target_p99_seconds']:g}s: "
-        f"{verdict(report['p99_met'])} (p99 {fmt(latency['all_rounds']['p99'], '.3f')}s)",
+        f"target: slot -> claim p99 < {report['target_p99_seconds']:g}s: {fast} "
+        f"(p99 {fmt(latency['all_rounds']['p99'], '.3f')}s)",
         f"target: idle serve with {config['idle_schedules']:,} schedules < "
-        f"{100 * report['target_idle_core_share']:g}% of a core: {verdict(report['idle_met'])} "
+        f"{100 * report['target_idle_core_share']:g}% of a core: {cheap} "
         f"(median {100 * report['idle_with_schedules_median']:.2f}%, "
         f"{fmt(report['idle_ratio_median'], '.2f')}x none)",
     ]
@@ -363,6 +356,12 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _percent(share: float | None) -> float | None:
     return None if share is None else 100 * share
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    run_and_report(config, "schedules", lambda server: benchmark(server, config), format_report)
+    return 0
 
 
 def parse_args(argv: Sequence[str] | None) -> Config:
@@ -378,12 +377,6 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     if config.seconds < 3 or config.idle_seconds < 5:
         parser.error("--seconds must be at least 3 and --idle-seconds at least 5")
     return config
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_args(argv)
-    run_and_report(config, "schedules", lambda server: benchmark(server, config), format_report)
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ report shows beside them."""
 
 from __future__ import annotations
 
+import collections
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -133,6 +134,17 @@ class Findings:
             "schedule_claims": self.schedule_claims,
             "schedule_fires_refused": self.schedule_fires_refused,
         }
+
+
+def repeated(
+    rows: Iterable[Row], key: Callable[[Row], tuple[Any, ...]]
+) -> list[tuple[tuple[Any, ...], list[str]]]:
+    """The keys more than one row has, in order, each with its rows' run ids, sorted: a child
+    spawned twice, a slot started twice."""
+    by_key: dict[tuple[Any, ...], list[str]] = collections.defaultdict(list)
+    for row in rows:
+        by_key[key(row)].append(row["run_id"])
+    return [(k, sorted(ids)) for k, ids in sorted(by_key.items()) if len(ids) > 1]
 
 
 def event_details(event: Row) -> dict[str, Any]:

@@ -32,7 +32,13 @@ from pathlib import Path
 
 import asyncpg
 
-from orchestrator.chaos.findings import CLOCK_TOLERANCE_SECONDS, TERMINAL, Findings, Row
+from orchestrator.chaos.findings import (
+    CLOCK_TOLERANCE_SECONDS,
+    TERMINAL,
+    Findings,
+    Row,
+    repeated,
+)
 from orchestrator.errors import InvalidInput
 from orchestrator.scheduling.calendar import Calendar
 from orchestrator.scheduling.plan import slots_between
@@ -119,16 +125,14 @@ def _subject(schedules: Mapping[str, Row], schedule_id: str, slot: datetime | No
 def _one_run_per_slot(
     found: Findings, scheduled: Sequence[Row], schedules: Mapping[str, Row]
 ) -> None:
-    by_slot: dict[tuple[str, datetime], list[str]] = collections.defaultdict(list)
-    for run in scheduled:
-        by_slot[run["schedule_id"], run["schedule_slot"]].append(run["run_id"])
-    for (schedule_id, slot), started in sorted(by_slot.items()):
-        if len(started) > 1:
-            found.add(
-                SLOT_STARTED_TWICE,
-                _subject(schedules, schedule_id, slot),
-                f"{len(started)} runs: {', '.join(sorted(started))}",
-            )
+    for (schedule_id, slot), started in repeated(
+        scheduled, lambda run: (run["schedule_id"], run["schedule_slot"])
+    ):
+        found.add(
+            SLOT_STARTED_TWICE,
+            _subject(schedules, schedule_id, slot),
+            f"{len(started)} runs: {', '.join(started)}",
+        )
 
 
 def _records_and_runs(

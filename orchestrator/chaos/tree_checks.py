@@ -6,7 +6,6 @@ the order the database wrote them (``event_id``), never from the workers' own wo
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import NamedTuple
@@ -19,6 +18,7 @@ from orchestrator.chaos.findings import (
     Row,
     event_details,
     json_value,
+    repeated,
     seconds_between,
 )
 
@@ -79,12 +79,8 @@ def _ancestors(runs: Mapping[str, Row], run_id: str) -> list[str]:
 def _check_spawns(
     found: Findings, children: Sequence[Row], events: Mapping[str, Sequence[Row]]
 ) -> None:
-    by_key: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
-    for child in children:
-        by_key[child["parent_run_id"], child["child_key"]].append(child["run_id"])
-    for (parent, key), twice in sorted(by_key.items()):
-        if len(twice) > 1:
-            found.add(CHILD_SPAWNED_TWICE, f"{parent}/{key}", f"runs {', '.join(sorted(twice))}")
+    for (parent, key), twice in repeated(children, lambda c: (c["parent_run_id"], c["child_key"])):
+        found.add(CHILD_SPAWNED_TWICE, f"{parent}/{key}", f"runs {', '.join(twice)}")
     for child in children:
         timeline = events.get(child["run_id"], ())
         submitted = next((e for e in timeline if e["kind"] == "submitted"), None)
