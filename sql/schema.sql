@@ -561,7 +561,6 @@ BEGIN
     audit_seq := orchestrator_audit_decision(
         who.principal, who.via, 'schedule_' || p_change, NULL, NULL,
         jsonb_build_object('schedule', p_name, 'schedule_id', changed.schedule_id), p_typed_by);
-    PERFORM pg_notify('orchestrator_schedules', changed.schedule_id);
     RETURN NEXT;
 END
 $$;
@@ -750,7 +749,6 @@ BEGIN
             'every_seconds', p_every_seconds, 'timezone', p_timezone,
             'overlap', made.overlap, 'catch_up', made.catch_up)),
         p_typed_by);
-    PERFORM pg_notify('orchestrator_schedules', p_schedule_id);
 END
 $_$;
 CREATE FUNCTION orchestrator.orchestrator_cutover(p_agent text, p_version text, p_principal text, p_via text, p_typed_by text, OUT agent text, OUT version text, OUT previous text, OUT runs_cut integer, OUT audit_seq bigint, OUT principal text) RETURNS record

@@ -126,7 +126,6 @@ BEGIN
             'every_seconds', p_every_seconds, 'timezone', p_timezone,
             'overlap', made.overlap, 'catch_up', made.catch_up)),
         p_typed_by);
-    PERFORM pg_notify('orchestrator_schedules', p_schedule_id);
 END
 $$;
 REVOKE ALL ON FUNCTION orchestrator_create_schedule(
@@ -171,7 +170,6 @@ BEGIN
     audit_seq := orchestrator_audit_decision(
         who.principal, who.via, 'schedule_' || p_change, NULL, NULL,
         jsonb_build_object('schedule', p_name, 'schedule_id', changed.schedule_id), p_typed_by);
-    PERFORM pg_notify('orchestrator_schedules', changed.schedule_id);
     RETURN NEXT;
 END
 $$;
