@@ -478,7 +478,8 @@ def test_a_campaign_with_schedules_under_faults_keeps_every_promise(tmp_path: Pa
     assert found.schedules == len(CAMPAIGN_SCHEDULES)
     assert found.scheduled_runs >= len(CAMPAIGN_SCHEDULES)
     assert found.slots_by_outcome["fired"] == found.scheduled_runs  # no backfill
-    assert found.lost_runs == 0
+    assert found.lost_runs == 0 and sum(found.runs_by_state.values()) == 20  # the workload's
+    assert sum(found.scheduled_runs_by_state.values()) == found.scheduled_runs
     assert report.as_json()["schedules"] == len(CAMPAIGN_SCHEDULES)
 
 

@@ -59,7 +59,9 @@ async def check(
     events: dict[str, list[asyncpg.Record]] = collections.defaultdict(list)
     for event in await pool.fetch("SELECT * FROM orchestrator.run_events ORDER BY event_id"):
         events[event["run_id"]].append(event)
-    found.runs_by_state = dict(collections.Counter(row["state"] for row in runs.values()))
+    found.runs_by_state = dict(
+        collections.Counter(row["state"] for row in runs.values() if row["schedule_id"] is None)
+    )
     found.effects_by_status = dict(collections.Counter(row["status"] for row in effects))
     _check_runs(found, runs)
     check_leases_released(found, runs.values())

@@ -36,7 +36,8 @@ class Violation:
 class Findings:
     violations: list[Violation] = field(default_factory=list)
     runs_by_state: dict[str, int] = field(default_factory=dict)
-    """Every run, children too, by its state after quiescence."""
+    """Every run of the workload, children too, by its state after quiescence (the runs the
+    schedules started: ``scheduled_runs_by_state``)."""
     deliveries: int = 0
     """Idempotency keys the vendor delivered."""
     mcp_deliveries: int = 0
@@ -85,6 +86,7 @@ class Findings:
     """Schedules the campaign created (``schedules.py``, ``schedule_checks.py``)."""
     scheduled_runs: int = 0
     """Runs a schedule started."""
+    scheduled_runs_by_state: dict[str, int] = field(default_factory=dict)
     slots_by_outcome: dict[str, int] = field(default_factory=dict)
     """The schedules' slot records by outcome: fired, skipped, buffered, backfilled."""
     slots_missed: int = 0
@@ -129,6 +131,7 @@ class Findings:
             "descendants_cancelled": self.descendants_cancelled,
             "schedules": self.schedules,
             "scheduled_runs": self.scheduled_runs,
+            "scheduled_runs_by_state": self.scheduled_runs_by_state,
             "slots_by_outcome": self.slots_by_outcome,
             "slots_missed": self.slots_missed,
             "schedule_claims": self.schedule_claims,

@@ -102,6 +102,7 @@ def check_schedules(
     slots = {(row["schedule_id"], row["slot"]): row for row in records.slots}
     found.schedules = len(schedules)
     found.scheduled_runs = len(scheduled)
+    found.scheduled_runs_by_state = dict(collections.Counter(run["state"] for run in scheduled))
     found.slots_by_outcome = dict(collections.Counter(row["outcome"] for row in records.slots))
     found.schedule_claims = sum(row["fence"] for row in records.schedules)
     _one_run_per_slot(found, scheduled, schedules)
