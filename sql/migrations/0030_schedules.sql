@@ -219,7 +219,9 @@ WITH due AS (
     SELECT s.schedule_id FROM schedules AS s
     WHERE s.schedule_id IN (
         (SELECT d.schedule_id FROM schedules AS d
-         WHERE NOT d.paused AND d.next_fire_at <= clock_timestamp()
+         -- The bound read once, so it is the index condition: a volatile call compared row by
+         -- row would read every schedule while none is due.
+         WHERE NOT d.paused AND d.next_fire_at <= (SELECT clock_timestamp())
          ORDER BY d.next_fire_at LIMIT greatest(least(p_limit, 1000), 0))
         UNION ALL
         (SELECT b.schedule_id FROM schedules AS b
