@@ -18,6 +18,7 @@ from orchestrator.db.schedules import ScheduleSpec, ScheduleStore
 from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput
 from orchestrator.scheduling.calendar import Calendar
+from orchestrator.scheduling.plan import plan_fires
 from orchestrator.worker.scheduler import Scheduler, plan_for
 from support import cli
 from test_db_roles import Logins, refused
@@ -573,3 +574,52 @@ async def test_a_schedule_keeps_the_records_of_its_newest_slots(pool: asyncpg.Po
     assert await pool.fetchval("SELECT count(*) FROM schedule_slots") == 10_001
     newest = await pool.fetchval("SELECT max(slot) FROM schedule_slots WHERE run_id IS NOT NULL")
     assert newest is not None and newest > datetime(2026, 1, 1, tzinfo=UTC)
+
+
+async def test_schedules_a_stopped_process_holds_do_not_stop_others_claiming(
+    pool: asyncpg.Pool,
+) -> None:
+    """A process that claimed the oldest due schedules and stopped leaves the rest to others:
+    its claims are left out before the claim's limit is counted."""
+    store = ScheduleStore(pool)
+    for i in range(150):
+        await store.create(ScheduleSpec(f"s{i}", "a", EVERY_MINUTE))
+    await pool.execute(
+        "UPDATE schedules SET next_fire_at = date_trunc('minute', clock_timestamp())"
+        " - make_interval(secs => substr(name, 2)::int / 100.0)"
+    )
+    assert len(await store.claim("stopped-process", 45, 100)) == 100
+    assert await scheduler(pool, "w").round() == 50
+
+
+async def test_a_buffered_slot_is_recorded_as_decided_by_the_process_that_started_it(
+    pool: asyncpg.Pool,
+) -> None:
+    store = ScheduleStore(pool)
+    await store.create(ScheduleSpec("b", "a", EVERY_MINUTE, overlap="buffer_one", catch_up="all"))
+    await make_due(pool, "b", timedelta(minutes=1))
+    await scheduler(pool, "A").round()
+    [first, *_] = await scheduled_runs(pool, "b")
+    await RunStore(pool).cancel(first["run_id"], reason="done")
+    assert await scheduler(pool, "B").round() == 1
+    rows = await pool.fetch("SELECT outcome, fence, decided_by FROM schedule_slots ORDER BY slot")
+    assert [(r["outcome"], r["decided_by"]) for r in rows] == [("fired", "A"), ("fired", "B")]
+
+
+def test_more_due_slots_than_a_fire_looks_at_are_counted_as_missed_before_the_oldest_fired() -> (
+    None
+):
+    every_second = Calendar(every=timedelta(seconds=1))
+    now = utc(2026, 1, 1, 12)
+    plan = plan_fires(
+        every_second,
+        cursor=now - timedelta(seconds=1500),
+        now=now,
+        policy="all",
+        window=timedelta(hours=1),
+        limit=1000,
+        ends_at=None,
+    )
+    assert len(plan.fire) == 1000 and plan.missed is not None
+    assert plan.missed.last == min(plan.fire) - timedelta(seconds=1)
+    assert plan.missed.first == now - timedelta(seconds=1500) and plan.missed.count is None

@@ -74,12 +74,15 @@ def plan_fires(
         kept = []
     skipped = missed[len(kept) :]
     summary = None
-    if skipped or not seen_all:
+    if skipped:
         summary = Missed(
             first=min(skipped) if seen_all else cursor,
-            last=max(skipped) if skipped else due[-1],
+            last=max(skipped),
             count=len(skipped) if seen_all else None,
         )
+    elif not seen_all:  # every slot looked at fires; those before them were not looked at
+        before = next(calendar.backward(due[-1] - timedelta(microseconds=1)), cursor)
+        summary = Missed(first=cursor, last=before, count=None)
     upcoming = calendar.next_after(now)
     if upcoming is not None and ends_at is not None and upcoming >= ends_at:
         upcoming = None
@@ -87,8 +90,8 @@ def plan_fires(
 
 
 def slots_between(calendar: Calendar, start: datetime, end: datetime, most: int) -> list[datetime]:
-    """The slots from ``start`` (included) to ``end`` (excluded); ``None``-free, at most
-    ``most`` of them, or ``ValueError`` naming how many fit."""
+    """The slots from ``start`` (included) to ``end`` (excluded), or ``ValueError`` when there
+    are more than ``most``."""
     found: list[datetime] = []
     for slot in calendar.forward(start - timedelta(microseconds=1)):
         if slot >= end:

@@ -26,6 +26,9 @@ from orchestrator.worker.metrics_endpoint import sample_gauges
 from orchestrator.worker.running import Running
 from orchestrator.worker.scheduler import Scheduler
 
+SCHEDULE_LEASE_SECONDS = 10.0
+"""A schedule's lease at most: its fire follows its claim at once, and a process that stops in
+between delays the schedule's slots by no more than this."""
 APPROVAL_EXPIRY_SECONDS = 1.0
 """How often a worker denies expired approvals (an expiry is late by at most this)."""
 
@@ -84,7 +87,7 @@ class Chores:
         return Scheduler(
             running.store.pool,
             self.config.worker_id,
-            self.config.lease_seconds,
+            min(self.config.lease_seconds, SCHEDULE_LEASE_SECONDS),
             running.statement_seconds,
             self.log,
             self.outage,

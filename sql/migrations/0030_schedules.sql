@@ -211,21 +211,27 @@ REVOKE ALL ON FUNCTION orchestrator_start_scheduled_run(schedules, timestamptz, 
 
 -- A scheduler claims due schedules: those whose next slot has come, and those holding a
 -- buffered slot whose running run has ended. Each claim raises the fence; the lease is short
--- (the fire follows at once) and a stale holder's fire is refused.
+-- (the fire follows at once: `serve` asks for its run lease, at most 10 s) and a stale holder's
+-- fire is refused.
 CREATE FUNCTION orchestrator_claim_schedules(
     p_worker text, p_lease_seconds double precision, p_limit integer
 ) RETURNS SETOF schedules LANGUAGE sql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 WITH due AS (
+    -- Leased schedules are left out inside each subquery, before its LIMIT: otherwise the
+    -- oldest due schedules, claimed by a process that then stopped, would fill every other
+    -- process's claim until their lease ran out.
     SELECT s.schedule_id FROM schedules AS s
     WHERE s.schedule_id IN (
         (SELECT d.schedule_id FROM schedules AS d
          -- The bound read once, so it is the index condition: a volatile call compared row by
          -- row would read every schedule while none is due.
          WHERE NOT d.paused AND d.next_fire_at <= (SELECT clock_timestamp())
+           AND (d.lease_until IS NULL OR d.lease_until < clock_timestamp())
          ORDER BY d.next_fire_at LIMIT greatest(least(p_limit, 1000), 0))
         UNION ALL
         (SELECT b.schedule_id FROM schedules AS b
          WHERE b.buffered_slot IS NOT NULL AND NOT b.paused
+           AND (b.lease_until IS NULL OR b.lease_until < clock_timestamp())
            AND NOT EXISTS (SELECT 1 FROM runs AS r
                            WHERE r.schedule_id = b.schedule_id
                              AND r.state IN ('queued', 'running', 'waiting'))
@@ -285,7 +291,7 @@ BEGIN
         started_run := orchestrator_start_scheduled_run(
             s, decided_slot, p_run_ids[cardinality(p_run_ids)], decided_slot, 'buffered');
         UPDATE schedule_slots AS x
-        SET outcome = 'fired', run_id = started_run, fence = p_fence,
+        SET outcome = 'fired', run_id = started_run, fence = p_fence, decided_by = p_worker,
             decided_at = clock_timestamp()
         WHERE x.schedule_id = s.schedule_id AND x.slot = decided_slot AND x.outcome = 'buffered'
           AND started_run IS NOT NULL;
