@@ -132,10 +132,10 @@ async def schedules_create(
 
 
 @schedules.command("list")
-@click.option("--agent", "agents", multiple=True, help="Only this agent's schedules (repeatable).")
 @json_option("Print the schedules as a JSON array.")
+@click.option("--agent", "agents", multiple=True, help="Only this agent's schedules (repeatable).")
 @async_command
-async def schedules_list(settings: Settings, agents: tuple[str, ...], as_json: bool) -> None:
+async def schedules_list(settings: Settings, as_json: bool, agents: tuple[str, ...]) -> None:
     """Every schedule: its calendar, next slot, unfinished runs and last fired slot."""
     async with open_stores(settings) as stores:
         every = await stores.schedules.list()

@@ -12,13 +12,13 @@ again: ``agent.output.OutputPart``) is read back here as the ``retracted`` event
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
 import anyio
 import asyncpg
 
+from orchestrator.client.wakeups import RunWakeups
 from orchestrator.db.connections import DRIVER_ERRORS, connect, database_failed, resolve_dsn
 from orchestrator.db.deadlines import DATABASE_ERRORS
 from orchestrator.db.notifications import OUTPUT_CHANNEL, Listener
@@ -43,13 +43,13 @@ class OutputFollower:
         self.runs = runs
         self.outputs = outputs
         self.settings = settings
-        self._waiting: dict[str, set[asyncio.Event]] = {}
+        self._waiting = RunWakeups()
         self._stopping = False
         self._listener = Listener(
             (OUTPUT_CHANNEL,),
-            self._on_output,
+            self._waiting.wake,
             **({"connect": self._connect} if settings is not None else {"pool": runs.pool}),
-            on_listening=self._wake_all,
+            on_listening=self._waiting.wake_all,
         )
 
     async def stream(
@@ -68,9 +68,7 @@ class OutputFollower:
             raise InvalidInput(f"a stream position is 0 or more, not {after!r}")
         if not poll_seconds > 0:
             raise InvalidInput("poll_seconds must be above 0")
-        woken = asyncio.Event()
-        self._waiting.setdefault(run_id, set()).add(woken)
-        try:
+        with self._waiting.waiting(run_id) as woken:
             await self._listen()
             position = after
             while not self._stopping:  # or with the run (until_end), or when the caller stops
@@ -88,17 +86,11 @@ class OutputFollower:
                 with anyio.move_on_after(poll_seconds):
                     await woken.wait()
                 await self._listen()
-        finally:
-            waiting = self._waiting.get(run_id)
-            if waiting is not None:
-                waiting.discard(woken)
-                if not waiting:
-                    del self._waiting[run_id]
 
     def stop(self) -> None:
         """End every stream at its next wake-up (a server shutting down: it waits for them)."""
         self._stopping = True
-        self._wake_all()
+        self._waiting.wake_all()
 
     async def close(self) -> None:
         self.stop()
@@ -106,10 +98,9 @@ class OutputFollower:
 
     async def _read(self, run_id: str, after: int) -> list[OutputEvent]:
         try:
-            events = await self.outputs.read(run_id, after=after, limit=PAGE)
+            return await self.outputs.read(run_id, after=after, limit=PAGE)
         except DRIVER_ERRORS as error:
             raise database_failed(error) from error
-        return events
 
     async def _get_run(self, run_id: str) -> Run:
         try:
@@ -127,12 +118,3 @@ class OutputFollower:
         return await connect(
             self.settings, dsn=resolve_dsn(self.settings), application_name="orchestrator-stream"
         )
-
-    def _wake_all(self) -> None:
-        for events in self._waiting.values():
-            for event in events:
-                event.set()
-
-    def _on_output(self, channel: str, run_id: str) -> None:
-        for event in self._waiting.get(run_id, ()):
-            event.set()

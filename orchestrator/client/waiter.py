@@ -4,11 +4,10 @@ notification."""
 
 from __future__ import annotations
 
-import asyncio
-
 import anyio
 import asyncpg
 
+from orchestrator.client.wakeups import RunWakeups
 from orchestrator.db.connections import connect, resolve_dsn
 from orchestrator.db.notifications import FINISHED_CHANNEL, Listener
 from orchestrator.db.store import RunStore
@@ -28,14 +27,15 @@ class RunWaiter:
     def __init__(self, runs: RunStore, settings: Settings) -> None:
         self.runs = runs
         self.settings = settings
-        self._finished: dict[str, set[asyncio.Event]] = {}
+        self._finished = RunWakeups()
         # Opened by the first wait, and again by a wait that finds it lost (no task of its
-        # own: a client has no task group, and a wait's re-read covers the gap).
+        # own: a client has no task group, and a wait's re-read covers the gap). Listening
+        # anew, every wait reads its run again: whatever ended meanwhile was missed.
         self._listener = Listener(
             (FINISHED_CHANNEL,),
-            self._on_finished,
+            self._finished.wake,
             connect=self._connect_listener,
-            on_listening=self._recheck_all,
+            on_listening=self._finished.wake_all,
         )
 
     async def wait(self, run_id: str, *, within: float) -> Run:
@@ -44,9 +44,7 @@ class RunWaiter:
         if not within > 0:
             raise InvalidInput("wait timeout must be above 0 seconds")
         await self._listener.listen()
-        event = asyncio.Event()
-        self._finished.setdefault(run_id, set()).add(event)
-        try:
+        with self._finished.waiting(run_id) as event:
             # Watched before it is read: a final commit after the read will notify.
             await self.runs.watch(run_id)
             with anyio.fail_after(within):
@@ -58,12 +56,6 @@ class RunWaiter:
                         await event.wait()
                     event.clear()
                     await self._listener.listen()  # at once if it still listens
-        finally:
-            waiting = self._finished.get(run_id)
-            if waiting is not None:
-                waiting.discard(event)
-                if not waiting:
-                    del self._finished[run_id]
 
     async def close(self) -> None:
         await self._listener.close()
@@ -72,14 +64,3 @@ class RunWaiter:
         return await connect(
             self.settings, dsn=resolve_dsn(self.settings), application_name="orchestrator-wait"
         )
-
-    def _recheck_all(self) -> None:
-        """Listening anew: whatever ended while not listening was missed, so every wait reads
-        its run again."""
-        for events in self._finished.values():
-            for event in events:
-                event.set()
-
-    def _on_finished(self, channel: str, run_id: str) -> None:
-        for event in self._finished.get(run_id, ()):
-            event.set()
