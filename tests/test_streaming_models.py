@@ -279,3 +279,34 @@ async def test_a_withdrawn_part_drops_what_is_unwritten_and_retracts_only_what_w
     assert [e.data.get("message") for e in events if e.kind is OutputKind.PROGRESS] == [
         "trying again"
     ]
+
+
+async def test_what_piles_up_behind_a_slow_write_goes_out_in_batches_the_database_takes() -> None:
+    """The database takes at most 1,000 events an append: thousands of progress events
+    published while one write is held go out in several, all of them, in order."""
+    store = FakeStore()
+    batches: list[int] = []
+    in_flight = anyio.Event()
+    release = anyio.Event()
+
+    async def gate() -> None:
+        in_flight.set()
+        await release.wait()
+
+    async def counted(*args: Any, **kwargs: Any) -> Appended:
+        batches.append(len(args[4]))
+        return await FakeStore.append(store, *args, **kwargs)
+
+    store.gate = gate
+    store.append = counted  # type: ignore[method-assign]
+    output = published_to(store)
+    output.progress("first")
+    output._start()
+    await in_flight.wait()
+    for n in range(2500):
+        output.progress("step", n=n)
+    release.set()
+    await output.flush(10)
+    assert output.stopped is None
+    assert max(batches) <= 1000 and sum(batches) == 2501
+    assert [row["data"].get("n") for row in store.rows[1:]] == list(range(2500))

@@ -283,7 +283,11 @@ class StepOutput:
             if wait > 0 and not self._urgent and not self._full():
                 await asyncio.sleep(wait)
                 continue
-            buffered, self._buffer, self._bytes = self._buffer, [], 0
+            # At most a batch's worth: what piled up behind a slow write goes in the next rounds
+            # (the database takes at most 1,000 events an append).
+            buffered, self._buffer = self._buffer[:BATCH_EVENTS], self._buffer[BATCH_EVENTS:]
+            if not self._buffer:
+                self._bytes = 0
             self._last_text = self._last_part = None
             batch: list[dict[str, JSON]] = []
             parts: list[OutputPart | None] = []
