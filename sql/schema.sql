@@ -734,19 +734,25 @@ BEGIN
     END IF;
     SELECT * INTO who FROM orchestrator_decider(p_principal, p_via, p_typed_by, 'operate');
     IF EXISTS (SELECT 1 FROM schedules AS x WHERE x.name = p_name) THEN
-        RAISE EXCEPTION 'a schedule named % exists: delete it first or pick another name', p_name
+        RAISE EXCEPTION 'a schedule named ''%'' exists: delete it first or pick another name', p_name
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    INSERT INTO schedules (schedule_id, name, agent, cron, every_seconds, timezone, overlap,
-                           catch_up, catch_up_seconds, catch_up_limit, jitter_seconds,
-                           starts_at, ends_at, input, concurrency_key, priority, max_attempts,
-                           next_fire_at, created_by)
-    VALUES (p_schedule_id, p_name, p_agent, p_cron, p_every_seconds, p_timezone,
-            coalesce(p_overlap, 'skip'), coalesce(p_catch_up, 'latest'),
-            coalesce(p_catch_up_seconds, 60), coalesce(p_catch_up_limit, 100),
-            coalesce(p_jitter_seconds, 0), p_starts_at, p_ends_at, p_input, p_concurrency_key,
-            coalesce(p_priority, 0), coalesce(p_max_attempts, 5), p_next, who.principal)
-    RETURNING * INTO made;
+    BEGIN
+        INSERT INTO schedules (schedule_id, name, agent, cron, every_seconds, timezone, overlap,
+                               catch_up, catch_up_seconds, catch_up_limit, jitter_seconds,
+                               starts_at, ends_at, input, concurrency_key, priority,
+                               max_attempts, next_fire_at, created_by)
+        VALUES (p_schedule_id, p_name, p_agent, p_cron, p_every_seconds, p_timezone,
+                coalesce(p_overlap, 'skip'), coalesce(p_catch_up, 'latest'),
+                coalesce(p_catch_up_seconds, 60), coalesce(p_catch_up_limit, 100),
+                coalesce(p_jitter_seconds, 0), p_starts_at, p_ends_at, p_input,
+                p_concurrency_key, coalesce(p_priority, 0), coalesce(p_max_attempts, 5), p_next,
+                who.principal)
+        RETURNING * INTO made;
+    EXCEPTION WHEN unique_violation THEN  -- two creates of one name racing
+        RAISE EXCEPTION 'a schedule named ''%'' exists: delete it first or pick another name',
+                        p_name USING ERRCODE = 'invalid_parameter_value';
+    END;
     schedule_id := made.schedule_id;
     principal := who.principal;
     audit_seq := orchestrator_audit_decision(

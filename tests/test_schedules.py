@@ -623,3 +623,24 @@ def test_more_due_slots_than_a_fire_looks_at_are_counted_as_missed_before_the_ol
     assert len(plan.fire) == 1000 and plan.missed is not None
     assert plan.missed.last == min(plan.fire) - timedelta(seconds=1)
     assert plan.missed.first == now - timedelta(seconds=1500) and plan.missed.count is None
+
+
+async def test_two_people_creating_one_name_at_once_get_one_schedule_and_one_clear_refusal(
+    pool: asyncpg.Pool,
+) -> None:
+    store = ScheduleStore(pool)
+    outcomes: list[str] = []
+
+    async def create(agent: str) -> None:
+        try:
+            await store.create(ScheduleSpec("race", agent, EVERY_MINUTE))
+            outcomes.append("created")
+        except InvalidInput as error:
+            outcomes.append(str(error))
+
+    async with anyio.create_task_group() as group:
+        for agent in ("a", "b", "c"):
+            group.start_soon(create, agent)
+    assert outcomes.count("created") == 1
+    assert all("a schedule named 'race' exists" in o for o in outcomes if o != "created")
+    assert len(await store.list()) == 1

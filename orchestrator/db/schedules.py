@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
+import asyncpg
+
 from orchestrator.access import Actor
 from orchestrator.db.audit import decided
 from orchestrator.db.limits import check_concurrency_key, check_priority, whole_number
@@ -245,7 +247,21 @@ class ScheduleStore:
                 f"({spec.ends_at.isoformat()})"
             )
         calendar = spec.calendar
-        row = await decided(
+        try:
+            await self._create(spec, calendar, start, first, actor)
+        except asyncpg.InvalidParameterValueError as error:  # a create of the name won a race
+            raise InvalidInput(str(error)) from None
+        return await self.get(spec.name)
+
+    async def _create(
+        self,
+        spec: ScheduleSpec,
+        calendar: Calendar,
+        start: datetime,
+        first: datetime,
+        actor: Actor | None,
+    ) -> None:
+        await decided(
             self.db,
             "schedule_create",
             actor,
@@ -269,8 +285,6 @@ class ScheduleStore:
             spec.max_attempts,
             first,
         )
-        assert row is not None
-        return await self.get(spec.name)
 
     async def list(self) -> builtins.list[Schedule]:
         return [Schedule.from_record(r) for r in await self.db.fetch(query("list_schedules"), None)]
