@@ -60,6 +60,9 @@ def test_a_short_campaign_with_every_fault_keeps_every_promise(tmp_path: Path) -
     assert report["cascading_cancels"] >= 1 and report["descendants_cancelled"] >= 1
     assert report["mcp_deliveries"] >= 1  # tool runs open a case through an MCP server
     assert report["stale_requests_refused"] >= 1
+    # Every step publishes live output; the checker read it all (its rules: test_chaos_output).
+    assert report["runs_with_output"] >= 1
+    assert report["output_events"] >= report["runs_with_output"]
     assert report["runs_keyed"] >= 1 and report["limit_samples"] >= 1  # keyed runs under limits
     assert report["cutovers"] >= len(CUT_OVER) * report["faults"]["deploy"]["fired"]  # each
     assert "quiescent" in done.stderr and "healed" in done.stderr

@@ -23,6 +23,12 @@ leaf's two steps under a name of its own.
 Every step, and the read-only lookup, first records the (run, fence) it runs under outside the
 database (``orchestrator.chaos.grants``): the checker's evidence that survives a failover.
 
+Every step of the step agents publishes live output (docs/streaming.md) before its effects: a
+progress naming its fence, checkpoint version and step, and a line of text beginning
+``[fence F vV step]`` (``published_by`` reads them back); a working step publishes a draft line
+it withdraws after the first piece of its work (the publisher's own retraction) and a line after
+each later piece. ``chaos_tools`` streams the model's answers (``ToolAgent(stream=True)``).
+
 Every agent is versioned (docs/upgrades.md): a ``serve`` process runs the version
 ``ORCHESTRATOR_CHAOS_AGENT_VERSION`` names (1 when unset), and the ``deploy`` fault starts newer
 ones. Each version of the step agents (``chaos_steps``, ``chaos_tree``, ``chaos_leaf``) names
@@ -105,14 +111,64 @@ def _field(ctx: StepContext, name: str) -> object:
 
 
 def _granted(ctx: StepContext) -> None:
+    """The step's first act: its grant recorded, and its live output begun (its progress, and a
+    line of text) under the attempt it runs as."""
     record_grant(ctx.run_id, ctx.fence, ctx.checkpoint_version, ctx.step)
+    ctx.output.progress(
+        f"{ctx.step} under fence {ctx.fence}",
+        fence=ctx.fence,
+        version=ctx.checkpoint_version,
+        step=ctx.step,
+    )
+    ctx.output.text(f"{_mark(ctx)} started\n")
+
+
+def _mark(ctx: StepContext) -> str:
+    """What begins each line of text a step publishes: the attempt (fence) and the step (the
+    checkpoint version it started from, and its name) that wrote it (``published_by``)."""
+    return f"[fence {ctx.fence} v{ctx.checkpoint_version} {ctx.step}]"
+
+
+DRAFT = "draft"
+"""The line a working step publishes first and withdraws: the publisher's own retraction."""
+_MARK = re.compile(r"\[fence ([0-9]{1,18}) v([0-9]{1,18}) ([a-z_]{1,40})\] ([a-z0-9 ]{1,40})")
+WORK_PIECES = 3
+"""A working step's work, in pieces, with a line of text after each."""
+
+
+def published_by(data: object) -> tuple[int, int, str, str] | None:
+    """The (fence, checkpoint version, step, what) a chaos step's text or progress names, or
+    ``None`` (a tool agent's streamed answer names none)."""
+    if not isinstance(data, dict):
+        return None
+    text = data.get("text")
+    if isinstance(text, str):
+        marked = _MARK.match(text)
+        if marked is None:
+            return None
+        fence, version, step, what = marked.groups()
+        return int(fence), int(version), step, what
+    fence, version, step = data.get("fence"), data.get("version"), data.get("step")
+    if isinstance(fence, int) and isinstance(version, int) and isinstance(step, str):
+        return fence, version, step, "progress"
+    return None
 
 
 async def _work(ctx: StepContext) -> None:
-    """Mid-step for ``input["work_seconds"]``: a window for faults (and cancels) to land in."""
+    """Mid-step for ``input["work_seconds"]``: a window for faults (and cancels) to land in,
+    publishing as it goes. The first piece's line is a draft the step withdraws once it is
+    written (the publisher's own retraction); each later piece ends with a line that stays."""
     work = _field(ctx, "work_seconds")
-    if isinstance(work, int | float):
-        await anyio.sleep(work)
+    if not isinstance(work, int | float):
+        return
+    draft = ctx.output.part()
+    draft.text(f"{_mark(ctx)} {DRAFT}\n")
+    for piece in range(1, WORK_PIECES + 1):
+        await anyio.sleep(work / WORK_PIECES)
+        if piece == 1:
+            draft.withdraw("chaos: the draft is withdrawn")
+        else:
+            ctx.output.text(f"{_mark(ctx)} worked {piece} of {WORK_PIECES}\n")
 
 
 def _contact(ctx: StepContext, stage: str) -> list[Effect]:
@@ -427,6 +483,7 @@ def tools_agent(version: int) -> ToolAgent:
         max_turns=8,
         max_output_tokens=300,
         budget=Budget(turns=12, tool_calls=16),
+        stream=True,
     )
     # ToolAgent takes no version of its own: the attributes Agent's version and upgrades set.
     agent.version = str(version)

@@ -3,7 +3,7 @@ records, and names every broken promise. It trusts neither the workers' logs nor
 bookkeeping: fences come from the timeline, deliveries from the vendor, and the fences a failover
 may have erased from the timeline from the workers' own grant records (``grants.py``). The rules
 for deploys are in ``deploy_checks.py``, those for trees of runs in ``tree_checks.py``, those for
-schedules in ``schedule_checks.py``."""
+schedules in ``schedule_checks.py``, those for live output in ``output_checks.py``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from orchestrator.chaos.findings import (
     seconds_between,
 )
 from orchestrator.chaos.grants import Grant, duplicate_grants
+from orchestrator.chaos.output_checks import check_output, read_outputs
 from orchestrator.chaos.schedule_checks import check_schedules, read_schedule_records
 from orchestrator.chaos.tree_checks import check_trees
 from orchestrator.chaos.vendor import ChaosVendor
@@ -78,6 +79,7 @@ async def check(
     check_deploys(found, runs, events, await read_cutovers(pool), served or {})
     check_trees(found, runs, events, effects)
     check_schedules(found, runs, events, await read_schedule_records(pool))
+    check_output(found, events, await read_outputs(pool))
     return found
 
 

@@ -1,6 +1,6 @@
 """What the checker finds (``checker.py``, ``deploy_checks.py``, ``tree_checks.py``,
-``schedule_checks.py``, ``limits.py``): each broken promise as a violation, and the counts the
-report shows beside them."""
+``schedule_checks.py``, ``output_checks.py``, ``limits.py``): each broken promise as a violation,
+and the counts the report shows beside them."""
 
 from __future__ import annotations
 
@@ -97,6 +97,17 @@ class Findings:
     schedule_fires_refused: int = 0
     """Fires the database refused because their scheduler's lease had moved on, as the
     schedulers logged them (a count, not evidence)."""
+    runs_with_output: int = 0
+    """Runs with live output (``output_checks.py``)."""
+    output_events: int = 0
+    """Text and progress events the runs published (current or retracted)."""
+    output_retractions: int = 0
+    """Retractions: of a lost attempt's unfinished output, or a publisher's own withdrawal."""
+    output_retracted: int = 0
+    """Text and progress events a retraction took back."""
+    output_steps_retracted: int = 0
+    """Steps (run, fence, checkpoint version) whose output was retracted and which their fence
+    never committed: the attempts that lost the run mid-step."""
 
     def add(self, rule: str, subject: str, detail: str) -> None:
         self.violations.append(Violation(rule, subject, detail))
@@ -136,6 +147,11 @@ class Findings:
             "slots_missed": self.slots_missed,
             "schedule_claims": self.schedule_claims,
             "schedule_fires_refused": self.schedule_fires_refused,
+            "runs_with_output": self.runs_with_output,
+            "output_events": self.output_events,
+            "output_retractions": self.output_retractions,
+            "output_retracted": self.output_retracted,
+            "output_steps_retracted": self.output_steps_retracted,
         }
 
 

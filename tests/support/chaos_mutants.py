@@ -5,7 +5,10 @@ mutant applied. The database-side mutants (``BOUNDARY_WITHOUT_FENCE_CHECK``,
 ``FENCES_WITHOUT_EPOCH``, ``CUTOVER_NOT_IN_FORCE``, ``CANCEL_WITHOUT_CASCADE``,
 ``CHILD_KEYS_NOT_UNIQUE``, and the schedules' ``FIRE_WITHOUT_FENCE_CHECK``,
 ``SLOTS_NOT_UNIQUE``, ``BUFFERED_START_UNRECORDED``, ``FIRST_SLOT_DROPPED``,
-``MISSED_FORGOTTEN``) are SQL the campaign (or a test) runs after migrating.
+``MISSED_FORGOTTEN``, and live output's ``APPEND_WITHOUT_LEASE_CHECK``,
+``STALE_APPENDS_RELABELLED``, ``SEAL_WITHOUT_RETRACTION``, ``RETRACTION_OF_COMMITTED_STEPS``,
+``SEAL_ON_EXPIRY``, ``RETRACTION_SKIPS_A_POSITION``, ``PUBLISHER_RETRACTS_ANYTHING``) are SQL the
+campaign (or a test) runs after migrating.
 """
 
 from __future__ import annotations
@@ -138,6 +141,68 @@ MISSED_FORGOTTEN = redefined(
 )
 """A fire that drops the summary of the slots its catch-up policy skipped: they are gone
 without a word."""
+
+APPEND_WITHOUT_LEASE_CHECK = redefined(
+    "orchestrator_stream_append",
+    "IF run.state IS DISTINCT FROM 'running' OR run.lease_owner IS DISTINCT FROM p_worker",
+    "IF false",
+) + redefined(
+    "orchestrator_stream_append",
+    "OR run.fence IS DISTINCT FROM p_fence OR NOT run.lease_until > clock_timestamp()",
+    "OR false",
+)
+"""An append that no longer checks that its worker holds the run's lease under its fence (only
+that the run is at its checkpoint version): an attempt that lost the run goes on adding to its
+output."""
+
+STALE_APPENDS_RELABELLED = APPEND_WITHOUT_LEASE_CHECK + redefined(
+    "orchestrator_stream_append",
+    "VALUES (p_run_id, stream.last_seq, p_fence, p_base_version, item ->> 'kind',",
+    "VALUES (p_run_id, stream.last_seq, run.fence, run.checkpoint_version, item ->> 'kind',",
+)
+"""No fence check, and each event written under the run's fence and version instead of its
+publisher's: a stale attempt's output passes for the current attempt's."""
+
+SEAL_WITHOUT_RETRACTION = redefined(
+    "orchestrator_stream_retract", "IF retracted > 0 THEN", "IF false THEN"
+)
+"""A seal (and a new owner's first append) that closes the lost attempt's fence without
+retracting anything: its unfinished output stays current."""
+
+RETRACTION_OF_COMMITTED_STEPS = redefined(
+    "orchestrator_stream_retract", "AND o.base_version >= p_run.checkpoint_version", ""
+)
+"""A retraction that takes back everything the lost attempt published, its committed steps'
+output too."""
+
+SEAL_ON_EXPIRY = redefined(
+    "orchestrator_stream_seal",
+    "AND (r.fence <> s.open_fence OR r.state <> 'running')) THEN",
+    "AND (r.fence <> s.open_fence OR r.state <> 'running' "
+    "OR r.lease_until <= clock_timestamp())) THEN",
+) + redefined(
+    "orchestrator_stream_seal",
+    "OR (run.fence = stream.open_fence AND run.state = 'running') THEN",
+    "OR (run.fence = stream.open_fence AND run.state = 'running' "
+    "AND run.lease_until > clock_timestamp()) THEN",
+)
+"""A reader that seals on an expired lease alone: a step whose commit judged its lease just
+before the expiry commits after its output was retracted."""
+
+RETRACTION_SKIPS_A_POSITION = redefined(
+    "orchestrator_stream_retract",
+    "stream.last_seq := stream.last_seq + 1;",
+    "stream.last_seq := stream.last_seq + 2;",
+)
+"""A lost attempt's retraction written one position further on than the next: a gap."""
+
+PUBLISHER_RETRACTS_ANYTHING = redefined(
+    "orchestrator_stream_append",
+    "AND (o.fence <> p_fence OR o.base_version <> p_base_version)) THEN",
+    "AND false) THEN",
+)
+"""A publisher's retraction accepted for any positions written before it: another attempt's
+output, or its own committed steps'."""
 
 
 if __name__ == "__main__":
