@@ -61,6 +61,8 @@ def test_a_short_campaign_with_every_fault_keeps_every_promise(tmp_path: Path) -
     assert report["mcp_deliveries"] >= 1  # tool runs open a case through an MCP server
     assert report["stale_requests_refused"] >= 1
     # Every step publishes live output; the checker read it all (its rules: test_chaos_output).
+    assert report["schedules"] >= 1 and report["scheduled_runs"] >= report["schedules"]
+    assert report["slots_by_outcome"].get("fired", 0) == report["scheduled_runs"]
     assert report["runs_with_output"] >= 1
     assert report["output_events"] >= report["runs_with_output"]
     assert report["runs_keyed"] >= 1 and report["limit_samples"] >= 1  # keyed runs under limits

@@ -456,33 +456,7 @@ async def test_the_campaign_s_schedules_fired_by_a_worker_keep_every_rule(
     assert states <= {"succeeded", "cancelled"}
 
 
-# -- a campaign ------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_campaign_with_schedules_under_faults_keeps_every_promise(tmp_path: Path) -> None:
-    """Every process's scheduler fires the campaign's schedules while workers are stopped
-    (every other one caught holding a schedule's lease, when one is) and killed, backends
-    terminated and PostgreSQL restarted: no violation, every schedule decided its slots."""
-    config = CampaignConfig(
-        seed=11,
-        duration=25,
-        runs=20,
-        fault_rate=0.5,
-        kinds=("sigstop_worker", "sigkill_worker", "pg_terminate_backend", "pg_restart", "cancel"),
-        agents=("chaos_steps",),
-        work_dir=tmp_path / "campaign",
-    )
-    report = anyio.run(run_campaign, config)
-    found = report.findings
-    assert report.passed, (found.violations, [r.as_json() for r in report.unfired])
-    assert found.schedules == len(CAMPAIGN_SCHEDULES)
-    assert found.scheduled_runs >= len(CAMPAIGN_SCHEDULES)
-    assert found.slots_by_outcome["fired"] == found.scheduled_runs  # no backfill
-    assert found.lost_runs == 0 and sum(found.runs_by_state.values()) == 20  # the workload's
-    assert sum(found.scheduled_runs_by_state.values()) == found.scheduled_runs
-    assert report.as_json()["schedules"] == len(CAMPAIGN_SCHEDULES)
-
-
+# -- a campaign (every campaign has the schedules; tests/test_chaos.py's keeps every rule) --
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_campaign_catches_a_stale_scheduler_starting_slots_again(tmp_path: Path) -> None:
