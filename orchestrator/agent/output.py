@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import anyio
 
@@ -82,9 +81,11 @@ def _count(env: Mapping[str, str], name: str, default: int) -> int:
     return int(raw)
 
 
-@dataclass(frozen=True, slots=True)
-class OutputTarget:
-    """Where a step's output goes: its run, under its worker's lease, from its checkpoint."""
+class OutputTarget(NamedTuple):
+    """Where a step's output goes: its run, under its worker's lease, from its checkpoint.
+
+    A NamedTuple: every step of every run builds one, and it is the cheapest immutable record.
+    """
 
     store: OutputStore
     run_id: str
@@ -159,6 +160,7 @@ class StepOutput:
         "_target",
         "_task",
         "_timer",
+        "_token",
         "_urgent",
         "stopped",
     )
@@ -329,6 +331,14 @@ class StepOutput:
                 if part is not None and part.recording:
                     part.seqs.append(first + offset)
 
+    def __enter__(self) -> None:
+        """While the step runs: model calls that stream publish their tokens here
+        (``current_output``)."""
+        self._token = _CURRENT.set(self)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _CURRENT.reset(self._token)
+
     async def flush(self, within: float) -> None:
         """Write what is buffered and wait for it (at most ``within`` seconds: the step's commit
         does not wait longer for its output)."""
@@ -364,13 +374,3 @@ def current_output() -> StepOutput | None:
     """The running step's output (``None`` outside a worker's step): model calls that stream
     publish their tokens there."""
     return _CURRENT.get()
-
-
-@contextmanager
-def publishing(output: StepOutput) -> Iterator[None]:
-    """Model calls made inside stream their tokens to ``output``."""
-    token = _CURRENT.set(output)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)

@@ -246,21 +246,16 @@ class ScheduleStore:
                 f"{spec.calendar.describe()} has no slot before the schedule's end "
                 f"({spec.ends_at.isoformat()})"
             )
-        calendar = spec.calendar
         try:
-            await self._create(spec, calendar, start, first, actor)
+            await self._create(spec, start, first, actor)
         except asyncpg.InvalidParameterValueError as error:  # a create of the name won a race
             raise InvalidInput(str(error)) from None
         return await self.get(spec.name)
 
     async def _create(
-        self,
-        spec: ScheduleSpec,
-        calendar: Calendar,
-        start: datetime,
-        first: datetime,
-        actor: Actor | None,
+        self, spec: ScheduleSpec, start: datetime, first: datetime, actor: Actor | None
     ) -> None:
+        calendar = spec.calendar
         await decided(
             self.db,
             "schedule_create",

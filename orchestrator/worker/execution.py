@@ -30,7 +30,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from orchestrator.agent import steps
 from orchestrator.agent.budgets import Prices, RunBudget
-from orchestrator.agent.output import OutputLimits, OutputTarget, StepOutput, publishing
+from orchestrator.agent.output import OutputLimits, OutputTarget, StepOutput
 from orchestrator.agent.rates import RateScope, rate_scope
 from orchestrator.agent.transcript import Transcript
 from orchestrator.db.output import OutputStore
@@ -391,7 +391,7 @@ class RunExecution:
             with as_current(span):
                 try:
                     try:
-                        with publishing(context.output):
+                        with context.output:  # model calls publish their tokens to it
                             outcome = await step_class().run(context)
                     except PermanentFailure as failure:  # as if the step returned Fail
                         span.record_exception(failure)
