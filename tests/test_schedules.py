@@ -13,12 +13,14 @@ import asyncpg
 import pytest
 import structlog
 
+from orchestrator.client import SyncClient
 from orchestrator.db.outages import DatabaseOutage
 from orchestrator.db.schedules import ScheduleSpec, ScheduleStore
 from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput
 from orchestrator.scheduling.calendar import Calendar
 from orchestrator.scheduling.plan import plan_fires
+from orchestrator.settings import Settings
 from orchestrator.worker.scheduler import Scheduler, plan_for
 from support import cli
 from test_db_roles import Logins, refused
@@ -644,3 +646,34 @@ async def test_two_people_creating_one_name_at_once_get_one_schedule_and_one_cle
     assert outcomes.count("created") == 1
     assert all("a schedule named 'race' exists" in o for o in outcomes if o != "created")
     assert len(await store.list()) == 1
+
+
+def test_the_client_creates_and_backfills_with_keywords_and_refuses_in_one_line(
+    settings: Settings,
+) -> None:
+    with SyncClient(settings) as client:
+        made = client.schedules.create(
+            "nightly",
+            "a",
+            cron="30 2 * * *",
+            timezone="Europe/Berlin",
+            overlap="allow_all",
+            input={"to": "ops"},
+        )
+        assert (made.cron, made.timezone, made.overlap, made.input) == (
+            "30 2 * * *",
+            "Europe/Berlin",
+            "allow_all",
+            {"to": "ops"},
+        )
+        every = client.schedules.create("sweep", "a", every=timedelta(minutes=15))
+        assert every.every_seconds == 900 and every.timezone == "UTC"
+        started = client.schedules.backfill("nightly", utc(2026, 3, 28), utc(2026, 3, 30))
+        assert len(started) == 2
+        assert [s.run_id for s in client.schedules.slots("nightly")] == started[::-1]
+        with pytest.raises(InvalidInput) as refused:
+            client.schedules.create("bad", "a", cron="0 9 * * *", timezone="Nowhere/Atlantis")
+        assert "unknown time zone" in str(refused.value) and "\n" not in str(refused.value)
+        client.schedules.pause("sweep")
+        client.schedules.delete("sweep")
+        assert [s.name for s in client.schedules.list()] == ["nightly"]
