@@ -18,7 +18,7 @@ from orchestrator.db.outages import DatabaseOutage
 from orchestrator.db.schedules import ScheduleSpec, ScheduleStore
 from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput
-from orchestrator.scheduling.calendar import Calendar
+from orchestrator.scheduling.calendar import Calendar, jitter
 from orchestrator.scheduling.plan import plan_fires
 from orchestrator.settings import Settings
 from orchestrator.worker.scheduler import Scheduler, plan_for
@@ -445,12 +445,8 @@ async def test_jitter_delays_a_slot_s_run_by_the_same_amount_every_time(pool: as
     await scheduler(pool, "w").round()
     [run] = await scheduled_runs(pool, "j")
     schedule = await store.get("j")
-    delay = schedule.calendar.jitter(
-        schedule.schedule_id, run["schedule_slot"], timedelta(seconds=50)
-    )
-    assert delay == schedule.calendar.jitter(
-        schedule.schedule_id, run["schedule_slot"], timedelta(seconds=50)
-    )
+    delay = jitter(schedule.schedule_id, run["schedule_slot"], timedelta(seconds=50))
+    assert delay == jitter(schedule.schedule_id, run["schedule_slot"], timedelta(seconds=50))
     assert timedelta(0) <= delay < timedelta(seconds=50)
     submitted = await pool.fetchval(
         "SELECT at FROM run_events WHERE run_id = $1 AND kind = 'submitted'", run["run_id"]

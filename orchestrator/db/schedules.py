@@ -26,6 +26,7 @@ from orchestrator.errors import InvalidInput
 from orchestrator.ids import new_run_id, validate_agent_name
 from orchestrator.models import JSON, JsonFields, Row
 from orchestrator.scheduling.calendar import Calendar
+from orchestrator.scheduling.calendar import jitter as slot_jitter
 from orchestrator.scheduling.plan import (
     CATCH_UP_POLICIES,
     DEFAULT_CATCH_UP_WINDOW,
@@ -390,10 +391,7 @@ class ScheduleStore:
         """Decide ``plan``'s slots under the lease ``claim`` took; ``None`` when that lease is
         gone (a newer claim decides, and nothing was changed)."""
         jitter = timedelta(seconds=schedule.jitter_seconds)
-        starts = [
-            slot + schedule.calendar.jitter(schedule.schedule_id, slot, jitter)
-            for slot in plan.fire
-        ]
+        starts = [slot + slot_jitter(schedule.schedule_id, slot, jitter) for slot in plan.fire]
         rows = await self.db.fetch(
             query("fire_schedule"),
             schedule.schedule_id,

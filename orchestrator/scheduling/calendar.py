@@ -169,14 +169,15 @@ class Calendar:
                 last = slot
                 yield slot
 
-    def jitter(self, schedule_id: str, slot: datetime, most: timedelta) -> timedelta:
-        """A delay below ``most``, the same every time for this schedule and slot, so that a
-        retried fire or a backfill starts the run when the first try would have."""
-        if most <= timedelta(0):
-            return timedelta(0)
-        digest = hashlib.sha256(f"{schedule_id}|{slot.isoformat()}".encode()).digest()
-        fraction = int.from_bytes(digest[:8], "big") / 2**64
-        return timedelta(seconds=round(fraction * most.total_seconds(), 3))
+
+def jitter(schedule_id: str, slot: datetime, most: timedelta) -> timedelta:
+    """A delay below ``most``, the same every time for this schedule and slot, so that a retried
+    fire or a backfill starts the run when the first try would have."""
+    if most <= timedelta(0):
+        return timedelta(0)
+    digest = hashlib.sha256(f"{schedule_id}|{slot.isoformat()}".encode()).digest()
+    fraction = int.from_bytes(digest[:8], "big") / 2**64
+    return timedelta(seconds=round(fraction * most.total_seconds(), 3))
 
 
 def _instant(naive: datetime, zone: ZoneInfo) -> datetime:
