@@ -81,13 +81,18 @@ WITH flow AS MATERIALIZED (
                   OR agent = (SELECT agent FROM runs WHERE run_id = $6::text)
            )
            OR EXISTS (
+               -- In runs_due_keyed's order, so that it is read through that index: a bare EXISTS
+               -- was planned as a scan of the table, which read every run of the other agents
+               -- whenever this one had no keyed run.
                SELECT FROM unnest($2::text[]) AS a(agent)
-               WHERE EXISTS (
+               CROSS JOIN LATERAL (
                    SELECT FROM runs
                    WHERE agent = a.agent AND state IN ('queued', 'waiting')
                      AND concurrency_key IS NOT NULL
                      AND available_at <= (SELECT clock_timestamp())
-               )
+                   ORDER BY concurrency_key COLLATE "C"
+                   LIMIT 1
+               ) AS keyed
            ) AS planned
 ), expired AS (
     SELECT run_id, lease_owner AS previous_owner, lease_until AS previous_lease_until,

@@ -56,12 +56,16 @@ async def finish_all(store: RunStore, claimed: list[ClaimedRun]) -> None:
         assert await store.finish(run.lease, expected_version=run.checkpoint_version)
 
 
+@pytest.mark.parametrize("per_key_only", [False, True])
 async def test_racing_claimers_never_run_more_than_a_key_s_limit(
-    store: RunStore, pool: asyncpg.Pool
+    store: RunStore, pool: asyncpg.Pool, per_key_only: bool
 ) -> None:
+    # per_key_only: limits per key alone, and claims of one run per key the way a busy claimer
+    # claims (not looking for expired leases), which the planner judges key by key.
     limits = LimitStore(pool)
     await limits.set("a", 2, per="key")
-    await limits.set("a", 5, key_pattern="*", per="all")
+    if not per_key_only:
+        await limits.set("a", 5, key_pattern="*", per="all")
     for key in ("k1", "k2", "k3"):
         await submit(store, 12, key)
     seen_most: Counter[str | None] = Counter()
@@ -69,7 +73,14 @@ async def test_racing_claimers_never_run_more_than_a_key_s_limit(
         batches: list[list[ClaimedRun]] = []
 
         async def claim(worker: str, into: list[list[ClaimedRun]]) -> None:
-            into.append((await store.claim(worker, ["a"], limit=4, lease_seconds=30)).claimed)
+            batch = await store.claim(
+                worker,
+                ["a"],
+                limit=3 if per_key_only else 4,
+                lease_seconds=30,
+                include_expired=not per_key_only,
+            )
+            into.append(batch.claimed)
 
         async def jump_the_queue(round_: int) -> None:
             # Urgent runs arriving while claims are planned: a claimer that sees them plans
@@ -83,13 +94,105 @@ async def test_racing_claimers_never_run_more_than_a_key_s_limit(
                 group.start_soon(claim, worker, batches)
         running = await running_per_key(pool)
         assert all(count <= 2 for count in running.values()), running
-        assert sum(running.values()) <= 5, running
+        assert per_key_only or sum(running.values()) <= 5, running
         for held, count in running.items():
             seen_most[held] = max(seen_most[held], count)
         for batch in batches:
             await finish_all(store, batch)
     assert set(seen_most) == {"k1", "k2", "k3"}
     assert max(seen_most.values()) == 2  # the limits were reached, not merely respected
+
+
+async def test_a_claim_passes_over_full_keys_to_the_next_ones_and_fills_no_limit_past_its_room(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    limits = LimitStore(pool)
+    await limits.set("a", 1, per="key")
+    for i in range(10):
+        await submit(store, 2, f"a{i:02d}")
+    first = (await store.claim("w1", ["a"], limit=10, lease_seconds=60)).claimed
+    assert Counter(run.input["key"] for run in first) == {f"a{i:02d}": 1 for i in range(10)}
+    for i in range(10):
+        await submit(store, 1, f"b{i:02d}")
+    await limits.set("a", 15, key_pattern="*", per="all")
+    # The first ten keys are full: the claim looks at the next ten, where the agent's limit has
+    # room for five. Each full limit's first run passed over is held back by it.
+    batch = await store.claim("w2", ["a"], limit=10, lease_seconds=60)
+    assert sorted(run.input["key"] for run in batch.claimed) == [f"b{i:02d}" for i in range(5)]
+    assert batch.held_back == 11
+    running = await running_per_key(pool)
+    assert max(running.values()) == 1 and sum(running.values()) == 15, running
+    # Few keys with many runs: a key's runs beyond its room are not taken, in one claim.
+    await limits.set("a", 3, key_pattern="c*", per="key")
+    await limits.set("a", 30, key_pattern="*", per="all")
+    await submit(store, 6, "c1")
+    await submit(store, 6, "c2")
+    batch = await store.claim("w3", ["a"], limit=20, lease_seconds=60)
+    running = await running_per_key(pool)
+    assert running["c1"] == running["c2"] == 1, running  # "a per key" (1) is the tighter
+    await limits.set("a", 5, per="key")
+    await limits.set("a", 34, key_pattern="*", per="all")
+    batch = await store.claim("w3", ["a"], limit=40, lease_seconds=60)
+    running = await running_per_key(pool)
+    assert running["c1"] + running["c2"] <= 6, running  # now "c*" (3) is the tighter
+    assert sum(running.values()) == 34, running  # and the agent's limit is reached, not passed
+
+
+async def test_room_taken_in_a_claim_s_first_keys_is_not_offered_again_to_its_next_ones(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    limits = LimitStore(pool)
+    await limits.set("a", 1, per="key")
+    for i in range(5):
+        await submit(store, 2, f"a{i:02d}")
+    assert len((await store.claim("w1", ["a"], limit=5, lease_seconds=60)).claimed) == 5
+    for i in range(5, 10):
+        await submit(store, 1, f"a{i:02d}")
+    for i in range(10):
+        await submit(store, 1, f"b{i:02d}")
+    await limits.set("a", 12, key_pattern="*", per="all")
+    # Five of the first ten keys are full, so the claim takes five runs there and looks at five
+    # more keys, where the agent's limit has room for two more: not for seven.
+    batch = await store.claim("w2", ["a"], limit=10, lease_seconds=60)
+    assert sorted(run.input["key"] for run in batch.claimed) == [
+        *(f"a{i:02d}" for i in range(5, 10)),
+        "b00",
+        "b01",
+    ]
+    assert sum((await running_per_key(pool)).values()) == 12
+
+
+async def test_many_keys_under_limits_per_key_take_turns_until_each_is_full(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # As many keys as a claim takes, under limits per key only, claimed the way a busy claimer
+    # does (not looking for expired leases): each claim takes one run of each key until the key
+    # is full, racing claimers included.
+    limits = LimitStore(pool)
+    await limits.set("a", 2, per="key")
+    await limits.set("a", 3, key_pattern="t1*", per="key")
+    for i in range(20):
+        await submit(store, 5, f"t{i:02d}")
+    taken: list[int] = []
+    held: list[int] = []
+
+    async def claim(worker: str) -> None:
+        batch = await store.claim(worker, ["a"], limit=20, lease_seconds=60, include_expired=False)
+        taken.append(len(batch.claimed))
+        held.append(batch.held_back)
+
+    for _ in range(4):
+        async with anyio.create_task_group() as group:
+            for worker in ("w1", "w2", "w3"):
+                group.start_soon(claim, worker)
+        running = await running_per_key(pool)
+        assert all(count <= 2 for count in running.values()), running
+    assert running == {f"t{i:02d}": 2 for i in range(20)}, running  # full, not merely below
+    assert sum(taken) == 40
+    # Nothing more: each key's next run is passed over for its key's limit, and said so once.
+    batch = await store.claim("w4", ["a"], limit=20, lease_seconds=60, include_expired=False)
+    assert batch.claimed == [] and batch.held_back == 20
+    assert await pool.fetchval("SELECT count(DISTINCT run_id) FROM run_holds") == 20
 
 
 async def test_a_slot_is_free_when_its_lease_ends_and_a_parked_run_holds_none(
