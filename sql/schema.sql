@@ -1362,7 +1362,8 @@ $$;
 CREATE FUNCTION orchestrator.orchestrator_limit_slot(p_limit orchestrator.flow_limits, p_agent text, p_key text) RETURNS text
     LANGUAGE sql IMMUTABLE
     AS $$
-    SELECT p_limit.per || chr(31) || p_agent || chr(31) || p_limit.key_pattern
+    SELECT p_limit.per || chr(31) || p_agent || chr(31) || length(p_limit.key_pattern)
+           || chr(31) || p_limit.key_pattern
            || CASE WHEN p_limit.per = 'key' THEN chr(31) || p_key ELSE '' END
 $$;
 CREATE FUNCTION orchestrator.orchestrator_may_vouch() RETURNS boolean

@@ -195,6 +195,23 @@ async def test_many_keys_under_limits_per_key_take_turns_until_each_is_full(
     assert await pool.fetchval("SELECT count(DISTINCT run_id) FROM run_holds") == 20
 
 
+async def test_no_pattern_and_key_can_pass_for_another_pair_s_slot(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # Joined with a separator alone, "*" with key "q<US>z<US>q" and "*<US>q" with key "z<US>q"
+    # spell one slot (US: the unit separator, a character keys and patterns may hold), and the
+    # second key was judged by the first's room.
+    us = "\x1f"
+    limits = LimitStore(pool)
+    await limits.set("a", 5, key_pattern="*", per="key")
+    await limits.set("a", 1, key_pattern=f"*{us}q", per="key")
+    await submit(store, 3, f"q{us}z{us}q")
+    await submit(store, 3, f"z{us}q")
+    await store.claim("w1", ["a"], limit=10, lease_seconds=60)
+    running = await running_per_key(pool)
+    assert running[f"z{us}q"] == 1 and running[f"q{us}z{us}q"] == 1, running
+
+
 async def test_a_slot_is_free_when_its_lease_ends_and_a_parked_run_holds_none(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:

@@ -20,10 +20,13 @@
 
 -- A limit's slot for a run of agent with key: what a claim locks before counting the limit's
 -- room (an advisory lock on its hash with the schema's name: advisory locks are per database,
--- and two schemas' claimers must not refuse each other).
+-- and two schemas' claimers must not refuse each other), and what its room is known by. The
+-- pattern's length comes first, so that no pattern and key can spell another pair's slot (both
+-- may hold any character but NUL).
 CREATE FUNCTION orchestrator_limit_slot(p_limit flow_limits, p_agent text, p_key text)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
-    SELECT p_limit.per || chr(31) || p_agent || chr(31) || p_limit.key_pattern
+    SELECT p_limit.per || chr(31) || p_agent || chr(31) || length(p_limit.key_pattern)
+           || chr(31) || p_limit.key_pattern
            || CASE WHEN p_limit.per = 'key' THEN chr(31) || p_key ELSE '' END
 $$;
 
