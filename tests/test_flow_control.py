@@ -212,6 +212,20 @@ async def test_no_pattern_and_key_can_pass_for_another_pair_s_slot(
     assert running[f"z{us}q"] == 1 and running[f"q{us}z{us}q"] == 1, running
 
 
+@pytest.mark.parametrize("include_expired", [True, False])
+async def test_a_claim_with_no_room_takes_nothing_and_fails_nothing(
+    store: RunStore, pool: asyncpg.Pool, include_expired: bool
+) -> None:
+    await LimitStore(pool).set("a", 2, per="key")
+    await submit(store, 3, "k1")
+    await submit(store, 1, None)
+    batch = await store.claim(
+        "w1", ["a"], limit=0, lease_seconds=60, include_expired=include_expired
+    )
+    assert batch.claimed == [] and batch.held_back == 0
+    assert len((await store.claim("w1", ["a"], limit=5, lease_seconds=60)).claimed) == 3
+
+
 async def test_a_slot_is_free_when_its_lease_ends_and_a_parked_run_holds_none(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:

@@ -202,7 +202,7 @@ BEGIN
                           AND r.state IN ('queued', 'waiting') AND r.concurrency_key IS NOT NULL
                           AND r.available_at <= clock_timestamp()
                         ORDER BY r.concurrency_key COLLATE "C", r.priority DESC, r.available_at
-                        OFFSET 1 LIMIT per_key - 1
+                        OFFSET 1 LIMIT greatest(per_key - 1, 0)
                     ) AS d
                     UNION ALL
                     SELECT r.agent, NULL, r.run_id, r.priority, 0,
