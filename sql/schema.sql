@@ -2785,12 +2785,17 @@ DECLARE
     last_seq bigint;
     retracted bigint;
     stream run_streams := p_stream;
+    committed bigint;
 BEGIN
+    SELECT coalesce(max((e.details ->> 'version')::bigint), 0) INTO committed
+    FROM run_events AS e
+    WHERE e.run_id = stream.run_id AND e.fence = stream.open_fence
+      AND e.kind IN ('checkpoint', 'succeeded', 'failed');
     SELECT min(o.seq), max(o.seq), count(*) INTO first_seq, last_seq, retracted
     FROM run_output AS o
     WHERE o.run_id = stream.run_id AND o.seq >= stream.open_from
       AND o.fence = stream.open_fence AND o.kind IN ('text', 'progress')
-      AND o.base_version >= p_run.checkpoint_version;
+      AND o.base_version >= committed;
     IF retracted > 0 THEN
         stream.last_seq := stream.last_seq + 1;
         INSERT INTO run_output (run_id, seq, fence, base_version, kind, data)

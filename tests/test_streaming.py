@@ -152,6 +152,34 @@ async def test_a_reader_seals_once_the_fence_has_moved_and_every_reader_sees_the
     assert current_text(one) == ""
 
 
+@pytest.mark.parametrize("how", ["commits", "finishes"])
+async def test_a_lost_attempt_s_output_is_retracted_after_the_new_owner_committed_past_it(
+    store: RunStore, how: str
+) -> None:
+    # The new owner commits the step the lost attempt was in without publishing anything, so
+    # nothing retracted the lost attempt's output before the run moved past its version: it
+    # was still the lost attempt's, which never committed that step.
+    outputs = OutputStore(store.pool)
+    first = await claimed(store, "w1")
+    assert await append(outputs, first, "Step one.") == "ok"
+    await store.commit_step(first.lease, expected_version=0, next_step="two", checkpoint={})
+    assert await append(outputs, first, "Half", " a step", version=1) == "ok"
+    await expire(store, first.run_id)
+    second = await claimed(store, "w2", first.run_id)
+    if how == "commits":
+        assert await store.commit_step(
+            second.lease, expected_version=1, next_step="three", checkpoint={}
+        )
+    else:
+        assert await store.finish(second.lease, expected_version=1, result={"done": True})
+    events = await outputs.read(first.run_id)
+    assert current_text(events) == "Step one."
+    retraction = events[-1]
+    assert retraction.kind is OutputKind.RETRACTED and list(retraction.retracts) == [2, 3]
+    assert retraction.data["fence"] == first.fence
+    assert await outputs.read(first.run_id) == events  # once, for every reader
+
+
 async def test_a_finished_run_keeps_its_output_and_a_failed_attempt_s_is_retracted(
     store: RunStore,
 ) -> None:

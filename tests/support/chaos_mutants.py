@@ -170,7 +170,7 @@ SEAL_WITHOUT_RETRACTION = redefined(
 retracting anything: its unfinished output stays current."""
 
 RETRACTION_OF_COMMITTED_STEPS = redefined(
-    "orchestrator_stream_retract", "AND o.base_version >= p_run.checkpoint_version", ""
+    "orchestrator_stream_retract", "AND o.base_version >= committed", ""
 )
 """A retraction that takes back everything the lost attempt published, its committed steps'
 output too."""
