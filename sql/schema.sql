@@ -2779,7 +2779,7 @@ WITH (fillfactor='70');
 CREATE FUNCTION orchestrator.orchestrator_stream_retract(p_stream orchestrator.run_streams, p_run orchestrator.runs) RETURNS orchestrator.run_streams
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator'
-    AS $$
+    AS $_$
 DECLARE
     first_seq bigint;
     last_seq bigint;
@@ -2790,7 +2790,9 @@ BEGIN
     SELECT coalesce(max((e.details ->> 'version')::bigint), 0) INTO committed
     FROM run_events AS e
     WHERE e.run_id = stream.run_id AND e.fence = stream.open_fence
-      AND e.kind IN ('checkpoint', 'succeeded', 'failed');
+      AND e.kind IN ('checkpoint', 'succeeded', 'failed')
+      -- A commit's events are the worker's words: one that is not a version is not a commit.
+      AND e.details ->> 'version' ~ '^[0-9]{1,18}$';
     SELECT min(o.seq), max(o.seq), count(*) INTO first_seq, last_seq, retracted
     FROM run_output AS o
     WHERE o.run_id = stream.run_id AND o.seq >= stream.open_from
@@ -2813,7 +2815,7 @@ BEGIN
     stream.open_from := NULL;
     RETURN stream;
 END
-$$;
+$_$;
 CREATE FUNCTION orchestrator.orchestrator_stream_seal(p_run_id text) RETURNS boolean
     LANGUAGE plpgsql
     SET search_path TO 'orchestrator'

@@ -14,6 +14,7 @@ import pytest
 from orchestrator import Agent, Finish, Step, StepContext
 from orchestrator.agent.output import StepOutput
 from orchestrator.agent.steps import Outcome
+from orchestrator.db.commit_records import StepEvent
 from orchestrator.db.output import OutputEvent, OutputKind, OutputStore
 from orchestrator.db.store import RunStore
 from orchestrator.errors import InvalidInput, RunNotFound
@@ -178,6 +179,25 @@ async def test_a_lost_attempt_s_output_is_retracted_after_the_new_owner_committe
     assert retraction.kind is OutputKind.RETRACTED and list(retraction.retracts) == [2, 3]
     assert retraction.data["fence"] == first.fence
     assert await outputs.read(first.run_id) == events  # once, for every reader
+
+
+async def test_a_commit_event_that_names_no_version_does_not_break_reading_the_output(
+    store: RunStore,
+) -> None:
+    # A step commit's events are the worker's words: a "checkpoint" naming no version must not
+    # make every later read of the run's output fail (nor pass for a commit).
+    outputs = OutputStore(store.pool)
+    first = await claimed(store, "w1")
+    assert await append(outputs, first, "Half a step") == "ok"
+    odd = StepEvent("checkpoint", {"version": "most recent"})
+    assert await store.commit_step(
+        first.lease, expected_version=0, next_step="two", checkpoint={}, events=[odd]
+    )
+    assert await append(outputs, first, " and more", version=1) == "ok"
+    await expire(store, first.run_id)
+    await claimed(store, "w2", first.run_id)
+    events = await outputs.read(first.run_id)
+    assert current_text(events) == "Half a step"  # its own commit (version 1) still counts
 
 
 async def test_a_finished_run_keeps_its_output_and_a_failed_attempt_s_is_retracted(

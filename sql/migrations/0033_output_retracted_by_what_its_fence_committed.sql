@@ -19,7 +19,9 @@ BEGIN
     SELECT coalesce(max((e.details ->> 'version')::bigint), 0) INTO committed
     FROM run_events AS e
     WHERE e.run_id = stream.run_id AND e.fence = stream.open_fence
-      AND e.kind IN ('checkpoint', 'succeeded', 'failed');
+      AND e.kind IN ('checkpoint', 'succeeded', 'failed')
+      -- A commit's events are the worker's words: one that is not a version is not a commit.
+      AND e.details ->> 'version' ~ '^[0-9]{1,18}$';
     SELECT min(o.seq), max(o.seq), count(*) INTO first_seq, last_seq, retracted
     FROM run_output AS o
     WHERE o.run_id = stream.run_id AND o.seq >= stream.open_from
