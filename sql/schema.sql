@@ -1362,9 +1362,14 @@ $$;
 CREATE FUNCTION orchestrator.orchestrator_limit_slot(p_limit orchestrator.flow_limits, p_agent text, p_key text) RETURNS text
     LANGUAGE sql IMMUTABLE
     AS $$
-    SELECT p_limit.per || chr(31) || p_agent || chr(31) || length(p_limit.key_pattern)
+    SELECT p_limit.per || chr(31) || p_agent || chr(31) || length(p_limit.key_pattern)::text
            || chr(31) || p_limit.key_pattern
            || CASE WHEN p_limit.per = 'key' THEN chr(31) || p_key ELSE '' END
+$$;
+CREATE FUNCTION orchestrator.orchestrator_lock_slot(p_slot text) RETURNS boolean
+    LANGUAGE sql
+    AS $$
+    SELECT pg_try_advisory_xact_lock(hashtextextended(p_slot || chr(31) || current_schema(), 0))
 $$;
 CREATE FUNCTION orchestrator.orchestrator_may_vouch() RETURNS boolean
     LANGUAGE sql IMMUTABLE
@@ -1489,8 +1494,7 @@ BEGIN
             ), tried AS (
                 -- The slot of every limit these keys' runs are under, locked here: each is
                 -- counted by a later statement, whose snapshot starts after its lock was taken.
-                SELECT s.slot, pg_try_advisory_xact_lock(
-                           hashtextextended(s.slot || chr(31) || current_schema(), 0)) AS got
+                SELECT s.slot, orchestrator_lock_slot(s.slot) AS got
                 FROM (SELECT DISTINCT orchestrator_limit_slot(l, l.agent, w.key) AS slot
                       FROM walk AS w
                       JOIN unnest(limits) AS l
@@ -1602,8 +1606,7 @@ BEGIN
                     JOIN unnest(limits) AS l
                       ON l.agent = c.agent AND orchestrator_key_matches(c.key, l.key_pattern, l.per)
                 ), tried AS (
-                    SELECT w.slot, pg_try_advisory_xact_lock(
-                               hashtextextended(w.slot || chr(31) || current_schema(), 0)) AS got
+                    SELECT w.slot, orchestrator_lock_slot(w.slot) AS got
                     FROM wanted AS w
                     WHERE w.slot <> ALL(locked) AND w.slot <> ALL(refused)
                 )

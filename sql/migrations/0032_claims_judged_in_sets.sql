@@ -19,15 +19,23 @@
 -- never more; the next claim takes them.
 
 -- A limit's slot for a run of agent with key: what a claim locks before counting the limit's
--- room (an advisory lock on its hash with the schema's name: advisory locks are per database,
--- and two schemas' claimers must not refuse each other), and what its room is known by. The
--- pattern's length comes first, so that no pattern and key can spell another pair's slot (both
--- may hold any character but NUL).
+-- room (orchestrator_lock_slot), and what its room is known by. The pattern's length comes
+-- first, so that no pattern and key can spell another pair's slot (both may hold any character
+-- but NUL); cast to text, because text || integer is only stable, and a body less than immutable
+-- keeps the function from being inlined into the planner's statements (a call per slot).
 CREATE FUNCTION orchestrator_limit_slot(p_limit flow_limits, p_agent text, p_key text)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
-    SELECT p_limit.per || chr(31) || p_agent || chr(31) || length(p_limit.key_pattern)
+    SELECT p_limit.per || chr(31) || p_agent || chr(31) || length(p_limit.key_pattern)::text
            || chr(31) || p_limit.key_pattern
            || CASE WHEN p_limit.per = 'key' THEN chr(31) || p_key ELSE '' END
+$$;
+
+-- Try to lock a slot until the transaction ends; every statement that locks one calls this, so
+-- that all claimers lock the same key for it. The schema's name is in the hash: advisory locks
+-- are per database, and two schemas' claimers must not refuse each other.
+CREATE FUNCTION orchestrator_lock_slot(p_slot text) RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    SELECT pg_try_advisory_xact_lock(hashtextextended(p_slot || chr(31) || current_schema(), 0))
 $$;
 
 CREATE OR REPLACE FUNCTION orchestrator_plan_claim(
@@ -128,8 +136,7 @@ BEGIN
             ), tried AS (
                 -- The slot of every limit these keys' runs are under, locked here: each is
                 -- counted by a later statement, whose snapshot starts after its lock was taken.
-                SELECT s.slot, pg_try_advisory_xact_lock(
-                           hashtextextended(s.slot || chr(31) || current_schema(), 0)) AS got
+                SELECT s.slot, orchestrator_lock_slot(s.slot) AS got
                 FROM (SELECT DISTINCT orchestrator_limit_slot(l, l.agent, w.key) AS slot
                       FROM walk AS w
                       JOIN unnest(limits) AS l
@@ -241,8 +248,7 @@ BEGIN
                     JOIN unnest(limits) AS l
                       ON l.agent = c.agent AND orchestrator_key_matches(c.key, l.key_pattern, l.per)
                 ), tried AS (
-                    SELECT w.slot, pg_try_advisory_xact_lock(
-                               hashtextextended(w.slot || chr(31) || current_schema(), 0)) AS got
+                    SELECT w.slot, orchestrator_lock_slot(w.slot) AS got
                     FROM wanted AS w
                     WHERE w.slot <> ALL(locked) AND w.slot <> ALL(refused)
                 )
