@@ -226,6 +226,19 @@ async def test_a_claim_with_no_room_takes_nothing_and_fails_nothing(
     assert len((await store.claim("w1", ["a"], limit=5, lease_seconds=60)).claimed) == 3
 
 
+async def test_a_limit_s_slot_is_computed_inline_not_called_per_slot(pool: asyncpg.Pool) -> None:
+    # The planner computes a slot for each key it looks at: the function must stay an immutable
+    # expression so that PostgreSQL inlines it (a call per slot cost a fifth of a keyed claim).
+    await LimitStore(pool).set("a", 2, per="key")
+    plan = "\n".join(
+        row[0]
+        for row in await pool.fetch(
+            "EXPLAIN (VERBOSE) SELECT orchestrator_limit_slot(l, 'a', 'k') FROM flow_limits AS l"
+        )
+    )
+    assert "orchestrator_limit_slot" not in plan, plan
+
+
 async def test_a_slot_is_free_when_its_lease_ends_and_a_parked_run_holds_none(
     store: RunStore, pool: asyncpg.Pool
 ) -> None:
