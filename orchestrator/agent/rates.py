@@ -18,9 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
 import anyio
@@ -99,14 +97,22 @@ def current_rates() -> RateScope | None:
     return _SCOPE.get()
 
 
-@contextmanager
-def rate_scope(scope: RateScope | None) -> Iterator[None]:
+class rate_scope:  # a class, not @contextmanager: entered once per run, a third of the cost
     """Charge the calls made inside against ``scope``."""
-    token = _SCOPE.set(scope)
-    try:
-        yield
-    finally:
-        _SCOPE.reset(token)
+
+    __slots__ = ("_scope", "_token")
+
+    def __init__(self, scope: RateScope | None) -> None:
+        self._scope = scope
+        self._token: Token[RateScope | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _SCOPE.set(self._scope)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _SCOPE.reset(self._token)
+            self._token = None
 
 
 async def take_rate(

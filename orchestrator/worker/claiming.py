@@ -178,12 +178,12 @@ class ClaimLoop:
             self.log.warning("dead-lettered: lease expired on the last attempt", **{RUN_ID: run_id})
         executions: list[RunExecution] = []
         debug = debug_enabled()
+        claims_per_agent: dict[str, int] = {}
         for run in batch.claimed:
             handle = running.keeper.track(
                 run, sent_at=sent_at, lease_seconds=self.config.lease_seconds
             )
-            self.runs.counters.claimed += 1
-            self.metrics.claims.add(1, self._agent_attributes[run.agent])
+            claims_per_agent[run.agent] = claims_per_agent.get(run.agent, 0) + 1
             if run.previous_lease_until is not None:
                 recovery = (run.claimed_at - run.previous_lease_until).total_seconds()
                 self.metrics.recovery_seconds.record(max(recovery, 0.0))
@@ -204,6 +204,9 @@ class ClaimLoop:
             execution = RunExecution(run, handle, running.services, effects)
             self.runs.add(execution)
             executions.append(execution)
+        self.runs.counters.claimed += len(executions)
+        for agent, claims in claims_per_agent.items():  # counted per batch, not per run
+            self.metrics.claims.add(claims, self._agent_attributes[agent])
         if executions and tracing_enabled():
             try:
                 await trace_attempts(running, self.worker_id, executions, sent_at_ns, self.log)

@@ -47,6 +47,7 @@ from orchestrator.telemetry import (
     as_current,
     debug_enabled,
     open_span,
+    tracing_enabled,
 )
 from orchestrator.worker.attempt_writes import AttemptWrites, describe_error
 from orchestrator.worker.disposition import (
@@ -190,6 +191,8 @@ class RunExecution:
     def open_span(self, start_time: int | None = None) -> Span:
         """The attempt's span, the root of a trace of its own (the claim's worker opens it at the
         claim, to link it; ``execute`` otherwise)."""
+        if not tracing_enabled():  # its name and attributes are not even built then
+            return self.span
         self.span = open_span(
             f"run {self.claimed.agent}",
             attributes=functools.partial(
@@ -290,6 +293,15 @@ class RunExecution:
         # narrow it to False for the rest of the loop).
         return self.handle.lost
 
+    def _upgraded_uncommitted(self, agent: steps.Agent, version: int) -> bool:
+        """Whether the checkpoint in memory is an upgrade of the claimed one that no commit of
+        this attempt has stored yet."""
+        claimed = self.claimed
+        return (
+            claimed.agent_version not in (None, agent.version)
+            and version == claimed.checkpoint_version
+        )
+
     def _cancelling(self) -> int:
         return self.task.cancelling() if self.task is not None else 0
 
@@ -372,20 +384,23 @@ class RunExecution:
         _, checkpoint, version = at
         started = time.monotonic()
         # A span its owner ends: a final commit's span ends with the committer's answer, so
-        # that every step's span says whether the step was committed.
-        span = open_span(
-            step_class.span(agent.name),
-            attributes=functools.partial(
-                step_attributes,
-                self.claimed,
-                services.config.worker_id,
-                self.handle,
-                version,
-                context.step,
-                step_class,
-                agent.name,
-            ),
-        )
+        # that every step's span says whether the step was committed. Its name and attributes
+        # are not even built while nothing records spans.
+        span = INVALID_SPAN
+        if tracing_enabled():
+            span = open_span(
+                step_class.span(agent.name),
+                attributes=functools.partial(
+                    step_attributes,
+                    self.claimed,
+                    services.config.worker_id,
+                    self.handle,
+                    version,
+                    context.step,
+                    step_class,
+                    agent.name,
+                ),
+            )
         handed_over = committed_here = False
         try:
             with as_current(span):
@@ -396,8 +411,13 @@ class RunExecution:
                     except PermanentFailure as failure:  # as if the step returned Fail
                         span.record_exception(failure)
                         outcome = steps.Fail(str(failure))
-                    if isinstance(outcome, steps.Finish) and outcome.checkpoint is None:
-                        # Keeping the checkpoint keeps the one this version reads (upgraded).
+                    if (
+                        isinstance(outcome, steps.Finish)
+                        and outcome.checkpoint is None
+                        and self._upgraded_uncommitted(agent, version)
+                    ):
+                        # Keeping the checkpoint keeps the one this version reads (upgraded);
+                        # otherwise the stored one is it already, and NULL keeps it.
                         outcome = dataclasses.replace(outcome, checkpoint=checkpoint)
                     encoded = validate(outcome, agent.name, agent.steps, services.config.limits)
                     if isinstance(outcome, steps.Next | steps.Wait) and outcome.children:

@@ -31,6 +31,9 @@ STEP_OUTCOMES = (*(attributes["outcome"] for attributes in _OUTCOME_ATTRIBUTES.v
 
 
 def outcome_attributes(outcome: Outcome) -> dict[str, str]:
+    attributes = _OUTCOME_ATTRIBUTES.get(type(outcome))
+    if attributes is not None:
+        return attributes
     for kind, attributes in _OUTCOME_ATTRIBUTES.items():  # a subclass counts as its outcome
         if isinstance(outcome, kind):
             return attributes
