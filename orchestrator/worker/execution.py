@@ -386,7 +386,7 @@ class RunExecution:
         # A span its owner ends: a final commit's span ends with the committer's answer, so
         # that every step's span says whether the step was committed. Its name and attributes
         # are not even built while nothing records spans.
-        span = INVALID_SPAN
+        span: Span = INVALID_SPAN
         if tracing_enabled():
             span = open_span(
                 step_class.span(agent.name),
