@@ -17,6 +17,7 @@ import anyio
 import asyncpg
 import pytest
 
+from orchestrator.agent.output import StepOutput
 from orchestrator.agent.steps import (
     Agent,
     AgentRegistry,
@@ -152,6 +153,11 @@ async def test_a_step_reads_each_field_of_its_context(settings: Settings, store:
     assert seen["lease_until"] == datetime.fromisoformat(claimed.details["lease_until"])
     assert callable(getattr(seen["log"], "info", None))
     assert seen["effects"] is not None and callable(getattr(seen["effects"], "wait", None))
+    assert callable(getattr(seen["transcript"], "messages", None))
+    database_now = seen["database_now"]
+    assert callable(database_now) and isinstance(database_now(), datetime)
+    assert (seen["signals"], seen["wait"], seen["budget"]) == ((), None, None)
+    assert isinstance(seen["output"], StepOutput)
 
 
 async def test_fail_outcome_fails_the_run_for_good(settings: Settings) -> None:

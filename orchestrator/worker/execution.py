@@ -70,14 +70,14 @@ from orchestrator.worker.run_telemetry import (
     COMMITTED,
     STEP_OUTCOMES,
     log_context,
+    open_step_span,
     outcome_attributes,
     run_attributes,
     run_ids,
-    step_attributes,
 )
 from orchestrator.worker.runner_config import RunnerConfig
 from orchestrator.worker.spawning import check_child_agents, spawn_context
-from orchestrator.worker.upgrades import UpgradeFailed, upgraded_checkpoint
+from orchestrator.worker.upgrades import UpgradeFailed, upgraded_checkpoint, upgraded_unstored
 from orchestrator.worker.wakeups import claimed_signals, park_again, pending_signals, read_wait
 
 __all__ = [
@@ -293,15 +293,6 @@ class RunExecution:
         # narrow it to False for the rest of the loop).
         return self.handle.lost
 
-    def _upgraded_uncommitted(self, agent: steps.Agent, version: int) -> bool:
-        """Whether the checkpoint in memory is an upgrade of the claimed one that no commit of
-        this attempt has stored yet."""
-        claimed = self.claimed
-        return (
-            claimed.agent_version not in (None, agent.version)
-            and version == claimed.checkpoint_version
-        )
-
     def _cancelling(self) -> int:
         return self.task.cancelling() if self.task is not None else 0
 
@@ -384,23 +375,16 @@ class RunExecution:
         _, checkpoint, version = at
         started = time.monotonic()
         # A span its owner ends: a final commit's span ends with the committer's answer, so
-        # that every step's span says whether the step was committed. Its name and attributes
-        # are not even built while nothing records spans.
-        span: Span = INVALID_SPAN
-        if tracing_enabled():
-            span = open_span(
-                step_class.span(agent.name),
-                attributes=functools.partial(
-                    step_attributes,
-                    self.claimed,
-                    services.config.worker_id,
-                    self.handle,
-                    version,
-                    context.step,
-                    step_class,
-                    agent.name,
-                ),
-            )
+        # that every step's span says whether the step was committed.
+        span = open_step_span(
+            self.claimed,
+            services.config.worker_id,
+            self.handle,
+            version,
+            context.step,
+            step_class,
+            agent.name,
+        )
         handed_over = committed_here = False
         try:
             with as_current(span):
@@ -414,7 +398,7 @@ class RunExecution:
                     if (
                         isinstance(outcome, steps.Finish)
                         and outcome.checkpoint is None
-                        and self._upgraded_uncommitted(agent, version)
+                        and upgraded_unstored(self.claimed, agent, version)
                     ):
                         # Keeping the checkpoint keeps the one this version reads (upgraded);
                         # otherwise the stored one is it already, and NULL keeps it.

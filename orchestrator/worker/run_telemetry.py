@@ -3,7 +3,10 @@ something reads them (a busy worker starts thousands of runs a second)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from orchestrator.agent.steps import Fail, Finish, Next, Outcome, Step, Wait
 from orchestrator.models import ClaimedRun
@@ -14,6 +17,8 @@ from orchestrator.telemetry import (
     RUN_FENCE,
     RUN_ID,
     WORKER_ID,
+    open_span,
+    tracing_enabled,
 )
 from orchestrator.worker.heartbeat import LeaseHandle
 
@@ -77,3 +82,24 @@ def step_attributes(
         LEASE_UNTIL: handle.lease_until.isoformat(),
         **step_class.span_attributes(agent),
     }
+
+
+def open_step_span(
+    claimed: ClaimedRun,
+    worker_id: str,
+    handle: LeaseHandle,
+    version: int,
+    step: str,
+    step_class: type[Step],
+    agent: str,
+) -> Span:
+    """A step's span, ended by its owner; while nothing records spans not even its name and
+    attributes are built (once per step)."""
+    if not tracing_enabled():
+        return INVALID_SPAN
+    return open_span(
+        step_class.span(agent),
+        attributes=functools.partial(
+            step_attributes, claimed, worker_id, handle, version, step, step_class, agent
+        ),
+    )

@@ -26,3 +26,11 @@ def upgraded_checkpoint(agent: Agent, claimed: ClaimedRun) -> JSON:
             f"upgrading the checkpoint of run {claimed.run_id} from version {older} to version "
             f"{agent.version} of agent {agent.name} failed: {type(error).__name__}: {error}"
         ) from error
+
+
+def upgraded_unstored(claimed: ClaimedRun, agent: Agent, version: int) -> bool:
+    """Whether the checkpoint in memory at ``version`` is an upgrade of ``claimed``'s that no
+    commit of this attempt has stored yet (a final step keeping its checkpoint must send it)."""
+    return (
+        claimed.agent_version not in (None, agent.version) and version == claimed.checkpoint_version
+    )
