@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import json
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from types import FrameType
 from typing import Any, Protocol
 
@@ -83,11 +83,16 @@ def run_and_report(
     name: str,
     body: Callable[[Server], Awaitable[dict[str, Any]]],
     render: Callable[[dict[str, Any]], str],
+    *,
+    server_settings: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A benchmark's main: ``body`` on the server (an embedded one unless ``options.dsn``), its
-    report printed (``print_report``) and returned. SIGTERM and Ctrl-C unwind through every
-    ``finally`` (pools, workers, scratch databases, the server)."""
-    with postgres_server(options.dsn, prefix=f"orchestrator-bench-{name}-") as server:
+    """A benchmark's main: ``body`` on the server (an embedded one, started with
+    ``server_settings``, unless ``options.dsn``), its report printed (``print_report``) and
+    returned. SIGTERM and Ctrl-C unwind through every ``finally`` (pools, workers, scratch
+    databases, the server)."""
+    with postgres_server(
+        options.dsn, prefix=f"orchestrator-bench-{name}-", server_settings=server_settings
+    ) as server:
         report = run_benchmark(lambda: body(server))
     print_report(report, render, as_json=options.json)
     return report

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,13 +60,16 @@ class Server:
 
 
 @contextlib.contextmanager
-def postgres_server(dsn: str | None, *, prefix: str) -> Iterator[Server]:
-    """The server to benchmark on: ``dsn``, or an embedded one that is removed afterwards."""
+def postgres_server(
+    dsn: str | None, *, prefix: str, server_settings: Mapping[str, str] | None = None
+) -> Iterator[Server]:
+    """The server to benchmark on: ``dsn``, or an embedded one (started with
+    ``server_settings`` beside the defaults) that is removed afterwards."""
     if dsn:
         yield Server(dsn=dsn, postmaster_pid=None, embedded=False)
         return
     home = Path(tempfile.mkdtemp(prefix=prefix))
-    embedded = EmbeddedPostgres(home)
+    embedded = EmbeddedPostgres(home, server_settings=server_settings)
     try:
         log(f"starting embedded PostgreSQL in {home} (default settings: durable commits)")
         running = embedded.ensure_running()

@@ -112,6 +112,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
 
+import server_statements
 from bench_main import benchmark_parser, run_and_report
 from bench_report import fmt, log, render_table, report_heading, server_line, verdict, workload
 from orchestrator.db.connections import connect
@@ -137,6 +138,8 @@ if TYPE_CHECKING:
 TARGET_VS_PGQUEUER = 1.5
 START_POLL_SECONDS = 0.005
 DONE_POLL_SECONDS = 0.1
+STATEMENTS_SHOWN = 8
+"""``--statements``: each system's costliest statements in the report."""
 STARTUP_SECONDS = 60.0
 """Longest wait for a consumer to claim its first job."""
 HERE = Path(__file__).resolve()
@@ -179,6 +182,7 @@ class Config:
     profile_rate: int
     profile_jobs: int
     baseline_python: str | None
+    statements: bool = False
 
 
 @dataclass
@@ -201,6 +205,8 @@ class Measurement:
     """WAL the server wrote from the consumer's start to its last completion, per job done."""
     worker_us_per_job: float | None = None
     """The consumer's CPU per job, µs: its cores over the measured interval / the rate."""
+    statements: list[dict[str, Any]] | None = None
+    """``--statements``: the consumer's statements, server time and WAL per job."""
 
 
 # -- the three systems -------------------------------------------------------------------------
@@ -573,6 +579,7 @@ async def measure(
         await connection.execute("ANALYZE")
         await connection.execute("CHECKPOINT")
         profile_to = workdir / "worker.pstats" if workdir and not use_py_spy else None
+        counted = await server_statements.snapshot(connection) if bench.config.statements else None
         wal_start = await connection.fetchval("SELECT pg_current_wal_lsn()")
         child = system.start(dsn, setting, profile_to=profile_to)
         meter = CpuMeter(child.pid, bench.server.postmaster_pid)
@@ -601,6 +608,16 @@ async def measure(
             first_claim = await connection.fetchval(system.first_claim_sql)
             exact = done / (finished_at - first_claim).total_seconds()
         await child.stop()
+        statements = (
+            None
+            if counted is None
+            else server_statements.difference(
+                counted,
+                await server_statements.snapshot(connection),
+                done,
+                leave_out=own_statements(system),
+            )
+        )
         problems = await system.check(connection, jobs, child)
         if timed_out:
             problems.append(f"stopped after {bench.config.max_seconds:.0f}s: {done} of {jobs} done")
@@ -620,6 +637,7 @@ async def measure(
             problems=problems,
             wal_bytes_per_job=float(wal_bytes) / done if done else None,
             worker_us_per_job=cpu_per_job(cpu["process"], rate),
+            statements=statements,
         )
         if workdir is not None:
             result.profile = read_profile(workdir, use_py_spy, bench.config.profile_rate, seconds)
@@ -643,6 +661,19 @@ async def measure(
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def start_poll_sql(system: System) -> str:
+    """The poll that waits for the consumer's first claim."""
+    return f"SELECT ({system.waiting_sql}) AS waiting, clock_timestamp() AS now"
+
+
+def own_statements(system: System) -> list[str]:
+    """The benchmark's own statements in a measurement's database (not the consumer's)."""
+    own = [system.waiting_sql, system.done_sql, system.last_done_sql, start_poll_sql(system)]
+    own += ["SELECT pg_current_wal_lsn()", "SELECT pg_current_wal_lsn() - $1::pg_lsn"]
+    own += [getattr(system, "first_claim_sql", ""), *server_statements.OWN_STATEMENTS]
+    return own
+
+
 def cpu_per_job(cores: float | None, rate: float) -> float | None:
     """µs of CPU per job of a process that used ``cores`` while ``rate`` jobs/s were done."""
     return cores / rate * 1e6 if cores is not None and rate > 0 else None
@@ -659,7 +690,7 @@ async def wait_for_start(
 ) -> datetime:
     """The database time of the first poll that finds a job taken."""
     deadline = time.monotonic() + STARTUP_SECONDS
-    poll = f"SELECT ({system.waiting_sql}) AS waiting, clock_timestamp() AS now"
+    poll = start_poll_sql(system)
     while time.monotonic() < deadline:
         row = await connection.fetchrow(poll)
         assert row is not None
@@ -931,6 +962,13 @@ def build_report(
             ),
         },
         "measurements": [asdict(m) for m in measurements],
+        "statements": {
+            system: server_statements.combine(
+                [m.statements for m in rounds(system) if m.statements is not None]
+            )
+            for system in dict.fromkeys(m.system for m in measurements)
+            if any(m.statements is not None for m in rounds(system))
+        },
         "profile": profiles[0] if profiles else None,
         "problems": [f"{m.system} {m.phase}: {p}" for m in measurements for p in m.problems],
         "versions": peer_versions(),
@@ -1047,6 +1085,8 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if summary["baseline"] is not None:
         out += format_baseline(summary["baseline"], report["config"]["rounds"])
+    if report["statements"]:
+        out += server_statements.format_statements(report["statements"], STATEMENTS_SHOWN)
     if report["problems"]:
         out += ["", "PROBLEMS:", *(f"  {problem}" for problem in report["problems"])]
     profile = report["profile"]
@@ -1150,6 +1190,12 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         "--profile-jobs", type=int, default=30_000, help="runs in the profiled measurement"
     )
     parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="count each statement's server time and WAL per job (pg_stat_statements; an "
+        "embedded server is started with it, a --dsn server must preload it)",
+    )
+    parser.add_argument(
         "--baseline-python",
         metavar="PATH",
         help="the Python of a virtualenv with an older orchestrator release installed: "
@@ -1170,7 +1216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["consume"]:
         return consume(arguments[1:])
     config = parse_args(arguments)
-    run_and_report(config, "throughput", lambda server: benchmark(server, config), format_report)
+    run_and_report(
+        config,
+        "throughput",
+        lambda server: benchmark(server, config),
+        format_report,
+        server_settings=server_statements.SERVER_SETTINGS if config.statements else None,
+    )
     return 0
 
 
