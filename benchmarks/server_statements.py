@@ -24,11 +24,13 @@ SERVER_SETTINGS = {
 
 _SNAPSHOT_SQL = """
 SELECT queryid, query, calls, total_exec_time, wal_bytes
-FROM pg_stat_statements
+FROM public.pg_stat_statements
 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
 """
 
-OWN_STATEMENTS = ("CREATE EXTENSION IF NOT EXISTS pg_stat_statements", _SNAPSHOT_SQL)
+_CREATE_SQL = "CREATE EXTENSION IF NOT EXISTS pg_stat_statements WITH SCHEMA public"
+
+OWN_STATEMENTS = (_CREATE_SQL, _SNAPSHOT_SQL)
 """The snapshot's statements, left out with the benchmark's own."""
 
 _SPACES = re.compile(r"\s+")
@@ -41,7 +43,7 @@ class StatementsUnavailable(RuntimeError):
 async def snapshot(connection: asyncpg.Connection) -> dict[int, dict[str, Any]]:
     """This database's statement counters now, by query id."""
     try:
-        await connection.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        await connection.execute(_CREATE_SQL)
         rows = await connection.fetch(_SNAPSHOT_SQL)
     except asyncpg.PostgresError as error:
         raise StatementsUnavailable(

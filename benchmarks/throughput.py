@@ -850,6 +850,11 @@ async def benchmark(server: Server, config: Config) -> dict[str, Any]:
     admin = await connect(settings_for(server.dsn), application_name="bench-admin")
     try:
         facts = await server_facts(admin)
+        if config.statements:  # refused at once, not after the grid
+            try:
+                await server_statements.snapshot(admin)
+            except server_statements.StatementsUnavailable as error:
+                raise SystemExit(f"throughput.py: {error}") from None
     finally:
         await admin.close()
     log(
