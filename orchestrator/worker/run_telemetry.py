@@ -3,9 +3,6 @@ something reads them (a busy worker starts thousands of runs a second)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from orchestrator.agent.steps import Fail, Finish, Next, Outcome, Step, Wait
@@ -64,26 +61,6 @@ def run_attributes(claimed: ClaimedRun, worker_id: str) -> dict[str, str | int]:
     }
 
 
-def step_attributes(
-    claimed: ClaimedRun,
-    worker_id: str,
-    handle: LeaseHandle,
-    version: int,
-    step: str,
-    step_class: type[Step],
-    agent: str,
-) -> dict[str, Any]:
-    """A step's span attributes (its lease as it stood when the step started)."""
-    return {
-        **run_ids(claimed, worker_id),
-        CHECKPOINT_VERSION: version,
-        "orchestrator.step.name": step,
-        ATTEMPT: claimed.attempt,
-        LEASE_UNTIL: handle.lease_until.isoformat(),
-        **step_class.span_attributes(agent),
-    }
-
-
 def open_step_span(
     claimed: ClaimedRun,
     worker_id: str,
@@ -93,13 +70,16 @@ def open_step_span(
     step_class: type[Step],
     agent: str,
 ) -> Span:
-    """A step's span, ended by its owner; while nothing records spans not even its name and
-    attributes are built (once per step)."""
+    """A step's span, ended by its owner, with its lease as it stood when the step started;
+    while nothing records spans, not even its name and attributes are built (once per step)."""
     if not tracing_enabled():
         return INVALID_SPAN
-    return open_span(
-        step_class.span(agent),
-        attributes=functools.partial(
-            step_attributes, claimed, worker_id, handle, version, step, step_class, agent
-        ),
-    )
+    attributes = {
+        **run_ids(claimed, worker_id),
+        CHECKPOINT_VERSION: version,
+        "orchestrator.step.name": step,
+        ATTEMPT: claimed.attempt,
+        LEASE_UNTIL: handle.lease_until.isoformat(),
+        **step_class.span_attributes(agent),
+    }
+    return open_span(step_class.span(agent), attributes=lambda: attributes)
