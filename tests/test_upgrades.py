@@ -104,6 +104,20 @@ async def test_a_newer_worker_upgrades_the_checkpoint_once_and_commits_it_with_i
     assert "2 (started under 1)" in shown.stdout, shown.stdout
 
 
+async def test_a_finish_that_keeps_a_checkpoint_from_before_versions_records_its_version(
+    settings: Settings, store: RunStore, pool: asyncpg.Pool
+) -> None:
+    """A checkpoint written by a release before versions (no version recorded): the finish that
+    keeps it writes it again, under the version whose code finished the run."""
+    run_id = await parked_under_v1(settings, store)
+    await pool.execute("UPDATE runs SET agent_version = NULL WHERE run_id = $1", run_id)
+    async with running_worker(settings, [v1], **FAST):
+        await SignalStore(pool).send(run_id, "go")
+        run = await until_state(store, run_id, RunState.SUCCEEDED, RunState.DEAD)
+    assert run.state is RunState.SUCCEEDED, run.error
+    assert (run.result, run.checkpoint, run.agent_version) == ({"read": {"n": 1}}, {"n": 1}, "1")
+
+
 async def test_a_wait_that_keeps_its_checkpoint_keeps_the_upgraded_one(
     settings: Settings, store: RunStore, pool: asyncpg.Pool
 ) -> None:

@@ -77,7 +77,11 @@ from orchestrator.worker.run_telemetry import (
 )
 from orchestrator.worker.runner_config import RunnerConfig
 from orchestrator.worker.spawning import check_child_agents, spawn_context
-from orchestrator.worker.upgrades import UpgradeFailed, upgraded_checkpoint, upgraded_unstored
+from orchestrator.worker.upgrades import (
+    UpgradeFailed,
+    checkpoint_needs_storing,
+    upgraded_checkpoint,
+)
 from orchestrator.worker.wakeups import claimed_signals, park_again, pending_signals, read_wait
 
 __all__ = [
@@ -398,10 +402,9 @@ class RunExecution:
                     if (
                         isinstance(outcome, steps.Finish)
                         and outcome.checkpoint is None
-                        and upgraded_unstored(self.claimed, agent, version)
+                        and checkpoint_needs_storing(self.claimed, agent, version, checkpoint)
                     ):
-                        # Keeping the checkpoint keeps the one this version reads (upgraded);
-                        # otherwise the stored one is it already, and NULL keeps it.
+                        # Keeping the checkpoint keeps the one this version reads (upgraded).
                         outcome = dataclasses.replace(outcome, checkpoint=checkpoint)
                     encoded = validate(outcome, agent.name, agent.steps, services.config.limits)
                     if isinstance(outcome, steps.Next | steps.Wait) and outcome.children:

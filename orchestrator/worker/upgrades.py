@@ -28,9 +28,14 @@ def upgraded_checkpoint(agent: Agent, claimed: ClaimedRun) -> JSON:
         ) from error
 
 
-def upgraded_unstored(claimed: ClaimedRun, agent: Agent, version: int) -> bool:
-    """Whether the checkpoint in memory at ``version`` is an upgrade of ``claimed``'s that no
-    commit of this attempt has stored yet (a final step keeping its checkpoint must send it)."""
+def checkpoint_needs_storing(
+    claimed: ClaimedRun, agent: Agent, version: int, checkpoint: JSON
+) -> bool:
+    """Whether a final step that keeps ``checkpoint`` (at ``version``) must send it: the
+    database holds it as another version of ``agent`` wrote it (upgraded since, or from before
+    versions), and no commit of this attempt has stored it yet. Otherwise NULL keeps it."""
     return (
-        claimed.agent_version not in (None, agent.version) and version == claimed.checkpoint_version
+        checkpoint is not None
+        and claimed.agent_version != agent.version
+        and version == claimed.checkpoint_version
     )
