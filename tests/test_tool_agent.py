@@ -189,7 +189,10 @@ async def test_a_read_only_tool_past_its_timeout_is_an_error_the_model_reads(
         run_id, _ = await serve_one(settings, store, agent, model, monkeypatch, {"p": 1})
     run = await store.get(run_id)
     assert run.state is RunState.SUCCEEDED and run.result is not None
-    assert run.result["tool_errors"] == 1 and run.fence == 1
+    assert run.result["tool_errors"] == 1
+    # The timeout is the model's to read, not a failed attempt (a lease lost on a busy machine
+    # may still hand the run to a second claim: not what this asserts).
+    assert "retry_scheduled" not in [event.kind for event in await store.events(run_id)]
     tool_message = next(m for m in await store.messages(run_id) if m.role == "tool")
     assert "did not answer within 0.2s" in tool_message.body["content"]
 
