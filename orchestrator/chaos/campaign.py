@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 import asyncpg
 
+from orchestrator.access import Actor
 from orchestrator.chaos.agents import CHAOS_SCRIPT, LEAF, MCP_SERVER, MCP_URL_ENV, tools_prompt
 from orchestrator.chaos.checker import check
 from orchestrator.chaos.cluster import Cluster, Timing
@@ -58,6 +59,7 @@ from orchestrator.chaos.schedules import (
 )
 from orchestrator.chaos.statements import CAMPAIGN_APPLICATION, CAMPAIGN_ERRORS
 from orchestrator.chaos.vendor import ChaosVendor
+from orchestrator.db.budgets import BudgetStore
 from orchestrator.db.connections import connect, create_pool
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.migrations import migrate
@@ -83,6 +85,10 @@ FAULT_SHARE = 0.85
 AGENTS = ("chaos_steps", "chaos_tools", "chaos_tree")
 SPAWNED = {"chaos_tree": (LEAF,)}
 """The agents of the children each agent of the workload starts: limited as the workload's."""
+
+
+PERSON = Actor.acting(None, "chaos-person")
+"""Who the campaign's decisions are by (the database role, with this note)."""
 
 
 @dataclass(frozen=True)
@@ -582,17 +588,31 @@ async def _inject(faults: Faults, timetable: list[Any], window: anyio.abc.TaskGr
 
 
 async def _person(pool: asyncpg.Pool, submitted: dict[str, Plan], gate: ClientGate) -> None:
-    """Decides approvals as each run's plan says, and sends ``go`` to runs waiting for it."""
+    """Decides approvals as each run's plan says, sends ``go`` to runs waiting for it, and tops
+    up runs waiting for budget."""
     approvals = ApprovalStore(pool)
     signals = SignalStore(pool)
+    budgets = BudgetStore(pool)
     told: set[str] = set()
     while True:
         await anyio.sleep(0.3)
         try:
             async with gate.open():
                 await _decide_and_signal(pool, approvals, signals, submitted, told)
+                await _top_up(pool, budgets)
         except CAMPAIGN_ERRORS:
             continue
+
+
+async def _top_up(pool: asyncpg.Pool, budgets: BudgetStore) -> None:
+    """A run that spent its budget waits for a person (every lost lease replays turns, which
+    are charged again): the campaign's person gives it as much again, so it can finish."""
+    waiting = await pool.fetch(
+        "SELECT run_id FROM orchestrator.runs WHERE state = 'waiting' "
+        "AND wait->>'reason' = 'budget' AND updated_at < clock_timestamp() - interval '1s'"
+    )
+    for row in waiting:
+        await budgets.top_up(row["run_id"], actor=PERSON, turns=12, tool_calls=16)
 
 
 async def _decide_and_signal(
