@@ -645,8 +645,10 @@ WITH input AS MATERIALIZED (
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
       AND r.checkpoint_version = u.expected_version
-      AND (NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
-                       WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
+      -- No cutover at all is asked once per statement, not once per run.
+      AND (NOT EXISTS (SELECT FROM agent_cutovers)
+           OR NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
+                          WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
            OR EXISTS (SELECT 1 FROM cutover_drains AS d
                       WHERE d.run_id = r.run_id AND d.fence = r.fence))
     RETURNING r.run_id, r.fence, r.checkpoint_version, r.lease_until, u.events,
@@ -768,8 +770,10 @@ WITH input AS MATERIALIZED (
     WHERE r.run_id = ANY($2::text[]) AND r.run_id = u.run_id AND r.lease_owner = u.owner
       AND r.fence = u.fence AND r.lease_until > u.now
       AND r.checkpoint_version = u.expected_version
-      AND (NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
-                       WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
+      -- No cutover at all is asked once per statement, not once per run.
+      AND (NOT EXISTS (SELECT FROM agent_cutovers)
+           OR NOT EXISTS (SELECT 1 FROM agent_cutovers AS c
+                          WHERE c.agent = r.agent AND c.version IS DISTINCT FROM u.agent_version)
            OR EXISTS (SELECT 1 FROM cutover_drains AS d
                       WHERE d.run_id = r.run_id AND d.fence = r.fence))
     RETURNING r.run_id, r.fence, r.state, r.checkpoint_version, u.error, r.watched

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
+from functools import partial
 
 import anyio
 import asyncpg
 
 from orchestrator.agent.steps import Agent, Finish, Outcome, Step, StepContext
+from orchestrator.db.connections import create_pool
 from orchestrator.db.store import RunFinish, RunStore
-from orchestrator.models import RunState
+from orchestrator.models import Message, RunState
 from orchestrator.settings import Settings
 from orchestrator.testing import running_worker
 from orchestrator.worker.group_commit import Committed, GroupCommitter
@@ -149,3 +152,58 @@ async def test_a_failing_answer_handler_does_not_keep_other_runs_from_theirs(
     assert answers == {second.run_id: Committed()}
     for claimed in (first, second):
         assert (await store.get(claimed.run_id)).state is RunState.SUCCEEDED
+
+
+
+def ours(text: str) -> bool:
+    """Not asyncpg's introspection of a type the connection meets for the first time."""
+    return "typeinfo_tree" not in text and "'jit'" not in text
+
+
+def first_word(text: str) -> str:
+    return text.split()[0].rstrip(";")
+
+
+async def test_plain_final_commits_are_one_statement_and_others_share_a_transaction(
+    store: RunStore, settings: Settings
+) -> None:
+    # A batch of final commits that write only their runs' rows and events is one statement,
+    # its own transaction: no BEGIN and COMMIT round trips for a busy worker's loop to answer.
+    # A final commit that appends messages shares one transaction with them.
+    for _ in range(2):
+        await store.submit("noop", {})
+    plain, talking = (await store.claim("w-tx", ["noop"], limit=2, lease_seconds=120)).claimed
+    message = Message(turn=0, role="assistant", body={"role": "assistant", "content": "done"})
+    finishes = {
+        plain.run_id: RunFinish(plain.lease, 0, RunState.SUCCEEDED, {"n": 1}),
+        talking.run_id: RunFinish(
+            talking.lease, 0, RunState.SUCCEEDED, {"n": 2}, messages=[replace(message, seq=0)]
+        ),
+    }
+    sent: list[str] = []
+    one_connection = await create_pool(
+        settings, application_name="test-sent", max_size=1, keep_session_state=True
+    )
+    try:
+        async with one_connection.acquire() as connection:
+            connection.add_query_logger(lambda logged: sent.append(logged.query))
+        committer = GroupCommitter(RunStore(one_connection), "w-tx", statement_seconds=60)
+        answers: dict[str, object] = {}
+        statements: dict[str, list[str]] = {}
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as group:
+                group.start_soon(committer.run)
+                for run_id, finish in finishes.items():
+                    sent.clear()
+                    committer.finish(finish, partial(answers.setdefault, run_id))
+                    await eventually(lambda run_id=run_id: run_id in answers, within=60)
+                    statements[run_id] = [first_word(text) for text in sent if ours(text)]
+                group.cancel_scope.cancel()
+    finally:
+        await one_connection.close()
+    assert statements[plain.run_id] == ["WITH"]  # finish_runs alone
+    assert statements[talking.run_id] == ["BEGIN", "WITH", "INSERT", "COMMIT"]
+    assert answers == {plain.run_id: Committed(), talking.run_id: Committed()}
+    for run_id in finishes:
+        assert (await store.get(run_id)).state is RunState.SUCCEEDED
+    assert [m.body["content"] for m in await store.messages(talking.run_id)] == ["done"]

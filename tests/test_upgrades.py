@@ -17,7 +17,7 @@ from orchestrator.agent.steps import Agent, Finish, Next, Outcome, Step, StepCon
 from orchestrator.db.agents import AgentStore
 from orchestrator.db.run_reads import RunReads
 from orchestrator.db.signals import SignalStore
-from orchestrator.db.store import RunStore
+from orchestrator.db.store import RunFinish, RunStore, StepCommit
 from orchestrator.db.workers import WorkerRegistry
 from orchestrator.errors import InvalidInput
 from orchestrator.models import JSON, RunState
@@ -288,6 +288,36 @@ async def test_a_commit_of_a_version_the_agent_is_not_cut_over_to_is_refused(
     assert await store.commit_step(claimed.lease, agent_version="1", **common) is None
     assert await store.commit_step(claimed.lease, **common) is None  # unversioned: refused too
     assert await store.commit_step(claimed.lease, agent_version="2", **common) is not None
+
+
+async def test_batched_commits_of_a_version_the_agent_is_not_cut_over_to_are_refused(
+    store: RunStore, pool: asyncpg.Pool
+) -> None:
+    # The group commit's statements (step commits, final commits) refuse them too, run by run.
+    for _ in range(4):
+        await store.submit("a", {})
+    claimed = (await store.claim("w1", ["a"], limit=4, lease_seconds=30)).claimed
+    await pool.execute(
+        "INSERT INTO agent_cutovers (agent, version, set_by) VALUES ('a', '2', 'test')"
+    )
+    old_step, new_step, old_finish, new_finish = (run.lease for run in claimed)
+    committed = await store.commit_steps(
+        "w1",
+        [
+            StepCommit(old_step, 0, "b", {}, agent_version="1"),
+            StepCommit(new_step, 0, "b", {}, agent_version="2"),
+        ],
+    )
+    assert set(committed) == {new_step.run_id}
+    finished = await store.finish_many(
+        "w1",
+        [
+            RunFinish(old_finish, 0, RunState.SUCCEEDED, agent_version="1"),
+            RunFinish(new_finish, 0, RunState.SUCCEEDED, agent_version="2"),
+        ],
+    )
+    assert finished == {new_finish.run_id}
+    assert (await store.get(old_finish.run_id)).state is RunState.RUNNING
 
 
 async def test_a_cutover_to_an_older_version_or_of_a_bad_name_is_one_line(

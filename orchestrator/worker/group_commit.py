@@ -245,6 +245,11 @@ class GroupCommitter:
         finishes = [r for r in members if isinstance(r, RunFinish)]
         committed: dict[str, CommitResult] = {}
         finished: set[str] = set()
+        if finishes and len(finishes) == len(members) and not any(map(_writes_more, finishes)):
+            # One statement is its own transaction: no BEGIN and COMMIT round trips, each of
+            # which waits for a busy worker's loop to send the next command.
+            async with pooled(self.store.pool, within=self.statement_seconds) as db:
+                return committed, await self.store.finish_many(self.worker_id, finishes, db=db)
         leave_out: dict[str, CommitAnswer] = {}
         async with pooled(self.store.pool, within=self.statement_seconds) as db, db.transaction():
             if commits:
@@ -434,3 +439,9 @@ def _step_context(request: StepCommit | RunFinish) -> Context | None:
     if not request.effects or not tracing_enabled():
         return None
     return context.get_current()
+
+
+def _writes_more(finish: RunFinish) -> bool:
+    """Whether the final commit writes more than its run's row and event (effects, messages,
+    signals consumed, a budget settled), which must share its transaction."""
+    return bool(finish.effects or finish.messages or finish.signal_seqs) or finish.spend is not None
