@@ -154,7 +154,6 @@ async def test_a_failing_answer_handler_does_not_keep_other_runs_from_theirs(
         assert (await store.get(claimed.run_id)).state is RunState.SUCCEEDED
 
 
-
 def ours(text: str) -> bool:
     """Not asyncpg's introspection of a type the connection meets for the first time."""
     return "typeinfo_tree" not in text and "'jit'" not in text
@@ -196,7 +195,7 @@ async def test_plain_final_commits_are_one_statement_and_others_share_a_transact
                 for run_id, finish in finishes.items():
                     sent.clear()
                     committer.finish(finish, partial(answers.setdefault, run_id))
-                    await eventually(lambda run_id=run_id: run_id in answers, within=60)
+                    await eventually(partial(answers.__contains__, run_id), within=60)
                     statements[run_id] = [first_word(text) for text in sent if ours(text)]
                 group.cancel_scope.cancel()
     finally:
