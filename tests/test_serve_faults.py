@@ -328,7 +328,6 @@ async def test_a_database_outage_is_one_line_when_it_starts_and_one_when_it_ends
     traceback (none of asyncpg's "Failed to restore the pool connection floor" retries), and
     once that it is back; nothing else is repeated retry after retry; the runs finish."""
     settings = await started_and_migrated(own_server)
-    run_ids = await submit_sleepy(settings, count=4, seconds=2.0)
     dsn = str(settings.database_url)
     config = write_vendors_config(
         tmp_path, {"crm": {"adapter": "http", "url": "http://127.0.0.1:9/"}}
@@ -364,6 +363,9 @@ async def test_a_database_outage_is_one_line_when_it_starts_and_one_when_it_ends
         await dispatch.wait_for_log("dispatching", within=60)
         for process in (proxy, console):
             await process.wait_for_text("listening on", within=60)
+        # Submitted once every process is up: on a busy machine the others may start after
+        # runs submitted earlier are past their first step, which this outage must interrupt.
+        run_ids = await submit_sleepy(settings, count=4, seconds=2.0)
         await mid_first_step(settings, run_ids)
         await anyio.to_thread.run_sync(lambda: own_server.restart(down_seconds=8))
         for process in processes:
