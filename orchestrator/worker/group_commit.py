@@ -243,13 +243,13 @@ class GroupCommitter:
         members = [r for r in requests if r.lease.run_id not in left_out]
         commits = [r for r in members if isinstance(r, StepCommit)]
         finishes = [r for r in members if isinstance(r, RunFinish)]
-        committed: dict[str, CommitResult] = {}
-        finished: set[str] = set()
-        if finishes and len(finishes) == len(members) and not any(map(_writes_more, finishes)):
+        if finishes and not commits and not any(map(_writes_more, finishes)):
             # One statement is its own transaction: no BEGIN and COMMIT round trips, each of
             # which waits for a busy worker's loop to send the next command.
             async with pooled(self.store.pool, within=self.statement_seconds) as db:
-                return committed, await self.store.finish_many(self.worker_id, finishes, db=db)
+                return {}, await self.store.finish_many(self.worker_id, finishes, db=db)
+        committed: dict[str, CommitResult] = {}
+        finished: set[str] = set()
         leave_out: dict[str, CommitAnswer] = {}
         async with pooled(self.store.pool, within=self.statement_seconds) as db, db.transaction():
             if commits:
